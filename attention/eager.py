@@ -1,0 +1,72 @@
+"""The eager backend: the oracle every other backend is checked against.
+
+For each sequence it gathers K/V through the block table and computes softmax(QKᵀ·scale)V in
+float32 with an explicit causal (and optional sliding-window) mask and logits soft-cap.
+Slow and simple on purpose; runs on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
+                                        AttentionType, LayerSpec)
+from pagedgen.attention.kv_cache import gather_kv, write_kv
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
+    """Boolean [q, k] mask of allowed pairs: causal, then the sliding window if any."""
+    if spec.attn_type == AttentionType.ENCODER:
+        return torch.ones(len(q_pos), len(k_pos), dtype=torch.bool, device=q_pos.device)
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if spec.sliding_window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
+    return allowed
+
+
+def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """Cache entries → float32 (FP8 caches hold value / scale)."""
+    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.float() * scale
+    return x.float()
+
+
+class EagerImpl(AttentionImpl):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        st, spec = self.state, self.spec
+        write_kv(kv_cache, k, v, metadata.slot_mapping, st.k_scale, st.v_scale)
+        out = torch.empty_like(q)
+        group = spec.num_heads // spec.num_kv_heads
+        qsl = metadata.query_start_loc.tolist()
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            q_i = q[qsl[i]:qsl[i + 1]].float()  # [n, Hq, D]
+            n = q_i.shape[0]
+            k_i, v_i = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+            k_i = dequantize(k_i, st.k_scale).repeat_interleave(group, dim=1)
+            v_i = dequantize(v_i, st.v_scale).repeat_interleave(group, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * spec.scale
+            if spec.logits_soft_cap is not None:
+                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            k_pos = torch.arange(seq_len, device=q.device)
+            scores.masked_fill_(~attention_mask(q_pos, k_pos, spec), float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[qsl[i]:qsl[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
+        return out
+
+
+class EagerBackend(AttentionBackend):
+    name = "eager"
+    supports_sliding_window = True
+    supports_soft_cap = True
+    supports_fp8_kv_cache = True
+    supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return EagerImpl
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        return [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]

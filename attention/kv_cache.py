@@ -1,0 +1,61 @@
+"""Paged KV-cache operations in plain torch, for the layout [num_blocks, 2, block_size, H, D].
+
+``write_kv`` is vLLM's reshape_and_cache; ``swap_blocks`` moves blocks between device and host
+caches; ``copy_blocks`` duplicates blocks inside every layer's cache (used to fork a sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store new tokens' k/v [T, H, D] in their slots. FP8 caches store ``x / scale``."""
+    block_size = kv_cache.shape[2]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping % block_size
+    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        k, v = (k.float() / k_scale), (v.float() / v_scale)
+    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached tokens of one sequence: k, v [seq_len, H, D]."""
+    block_size = kv_cache.shape[2]
+    n = -(-seq_len // block_size)
+    blocks = kv_cache[block_table[:n].long()]  # [n, 2, block_size, H, D]
+    k = blocks[:, 0].reshape(n * block_size, *blocks.shape[-2:])[:seq_len]
+    v = blocks[:, 1].reshape(n * block_size, *blocks.shape[-2:])[:seq_len]
+    return k, v
+
+
+def gather_kv_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sequence's blocks, padded: k, v [B, max_blocks * block_size, H, D]."""
+    b, max_blocks = block_tables.shape
+    blocks = kv_cache[block_tables.long()]  # [B, max_blocks, 2, block_size, H, D]
+    k = blocks[:, :, 0].reshape(b, -1, *blocks.shape[-2:])
+    v = blocks[:, :, 1].reshape(b, -1, *blocks.shape[-2:])
+    return k, v
+
+
+def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    """Copy ``src[mapping[i, 0]]`` into ``dst[mapping[i, 1]]``; src and dst may be on any devices."""
+    if mapping.numel() == 0:
+        return
+    mapping = mapping.to("cpu", torch.int64)
+    src_idx, dst_idx = mapping[:, 0], mapping[:, 1]
+    moved = src[src_idx.to(src.device)].to(dst.device, non_blocking=True)
+    dst[dst_idx.to(dst.device)] = moved
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
+    """For every layer cache, copy block ``mapping[i, 0]`` to block ``mapping[i, 1]``."""
+    if mapping.numel() == 0:
+        return
+    for cache in kv_caches:
+        m = mapping.to(cache.device, torch.int64)
+        cache[m[:, 1]] = cache[m[:, 0]]

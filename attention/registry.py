@@ -1,0 +1,74 @@
+"""Backend registry: select a backend by name, or ``auto`` for the best one that runs here."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.attention.backend import AttentionBackend
+from pagedgen.errors import PagedgenError
+
+# name -> "module:Class"; modules are imported lazily so a missing optional package only
+# makes its own backend unavailable.
+_BACKENDS: dict[str, str] = {
+    "flashinfer": "pagedgen.attention.flashinfer:FlashInferBackend",
+    "sdpa": "pagedgen.attention.sdpa:SdpaBackend",
+    "eager": "pagedgen.attention.eager:EagerBackend",
+}
+# `auto` takes the first available backend in this order.
+_AUTO_ORDER = {"cuda": ["flashinfer", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
+
+
+def register_backend(name: str, target: str) -> None:
+    """Add a backend ("module:Class"); used by plugins and tests."""
+    _BACKENDS[name] = target
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def _load(name: str) -> type[AttentionBackend]:
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+@dataclass
+class BackendStatus:
+    name: str
+    available: bool
+    reason: str  # why not, or a short description of what runs
+
+
+def backend_status(device: torch.device) -> list[BackendStatus]:
+    """Every registered backend with whether it runs on ``device`` and why not."""
+    rows = []
+    for name in _BACKENDS:
+        try:
+            why = _load(name).unavailable_reason(device)
+        except Exception as e:  # a broken optional install must not break the listing
+            why = f"failed to load: {type(e).__name__}: {e}"
+        rows.append(BackendStatus(name, why is None, why or "available"))
+    return rows
+
+
+def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+    """The backend called ``name`` (or the best for ``device`` when ``auto``).
+
+    Raises PagedgenError with a one-line reason when it is unknown or cannot run here.
+    """
+    status = {s.name: s for s in backend_status(device)}
+    available = [s.name for s in status.values() if s.available]
+    if name == "auto":
+        for cand in _AUTO_ORDER.get(device.type, ["eager"]):
+            if cand in status and status[cand].available:
+                return _load(cand)
+        raise PagedgenError(f"no attention backend runs on {device}")
+    if name not in status:
+        raise PagedgenError(f"unknown backend '{name}'; available here: {', '.join(available)}")
+    if not status[name].available:
+        raise PagedgenError(f"backend '{name}' is unavailable on {device}: {status[name].reason}; "
+                            f"available here: {', '.join(available)}")
+    return _load(name)

@@ -1,0 +1,73 @@
+"""The sdpa backend: torch.nn.functional.scaled_dot_product_attention over the paged cache.
+
+Prefills run one sequence at a time on its gathered K/V (causal, offset by its cached context);
+decodes run as one batch over K/V gathered through the block tables and padded, with a length mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedgen.attention.eager import attention_mask
+from pagedgen.attention.kv_cache import gather_kv, gather_kv_batch, write_kv
+
+
+class SdpaImpl(AttentionImpl):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        if (pre := metadata.prefill_metadata) is not None:
+            self._prefill(q, kv_cache, pre, out)
+        if (dec := metadata.decode_metadata) is not None:
+            t0 = metadata.num_prefill_tokens
+            out[t0:] = self._decode(q[t0:], kv_cache, dec)
+        return out
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
+        """q [.., Hq, n, D], k/v [.., Hkv, L, D]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=self.spec.scale, enable_gqa=True)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                 out: torch.Tensor) -> None:
+        qsl = md.query_start_loc.tolist()
+        for i, seq_len in enumerate(md.seq_lens_cpu):
+            q_i = q[qsl[i]:qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
+            n = q_i.shape[1]
+            k_i, v_i = gather_kv(kv_cache, md.block_tables[i], seq_len)
+            mask = None
+            simple_causal = n == seq_len and self.spec.sliding_window is None
+            if not simple_causal:
+                mask = attention_mask(torch.arange(seq_len - n, seq_len, device=q.device),
+                                      torch.arange(seq_len, device=q.device), self.spec)
+            o = self._sdpa(q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask, simple_causal)
+            out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
+                ) -> torch.Tensor:
+        k, v = gather_kv_batch(kv_cache, md.block_tables)  # [B, L, Hkv, D]
+        k_pos = torch.arange(k.shape[1], device=q.device)
+        last = (md.seq_lens - 1).long()[:, None]
+        mask = k_pos[None, :] <= last
+        if self.spec.sliding_window is not None:
+            mask &= k_pos[None, :] > last - self.spec.sliding_window
+        o = self._sdpa(q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2),
+                       mask[:, None, None, :], False)  # [B, Hq, 1, D]
+        return o[:, :, 0, :]
+
+
+class SdpaBackend(AttentionBackend):
+    name = "sdpa"
+    supports_sliding_window = True
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return SdpaImpl
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        return [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]

@@ -1,0 +1,1 @@
+"""The `pagedgen` command line (Typer)."""

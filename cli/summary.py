@@ -1,0 +1,72 @@
+"""The end-of-run summary: throughput, latency and memory, as a Rich table or JSON."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from rich.table import Table
+
+from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.sequence import Sequence
+
+
+def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
+              extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    st = engine.stats
+    prompt_tokens = sum(s.num_prompt_tokens for s in seqs)
+    output_tokens = sum(s.num_output_tokens for s in seqs)
+    ttft = [s.first_token_time - start for s in seqs if s.first_token_time]
+    tpot = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
+            for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
+    out = {
+        "model": engine.src.name,
+        "backend": engine.runner.backend.name,
+        "device": str(engine.runner.device),
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "requests": len(seqs),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "wall_time_s": wall,
+        "prefill_tokens_per_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
+        "decode_tokens_per_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
+        "output_tokens_per_s": output_tokens / wall if wall else 0.0,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
+        "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0,
+        "mean_tpot_s": statistics.fmean(tpot) if tpot else 0.0,
+        "steps": st.num_steps,
+        "preemptions": st.num_preemptions,
+        "kv_cache_blocks": engine.runner.num_blocks,
+        "peak_memory_bytes": engine.peak_memory_bytes(),
+    }
+    out.update(extra or {})
+    return out
+
+
+def _fmt(key: str, value: Any) -> str:
+    if key.endswith("_bytes"):
+        return f"{value / 2**30:.2f} GiB"
+    if key.endswith("_per_s"):
+        return f"{value:,.1f}"
+    if key.endswith("_s"):
+        return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+_LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token",
+           "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
+           "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
+           "kv_cache_blocks": "KV-cache blocks", "graph_capture_s": "CUDA-graph capture time",
+           "graph_memory_bytes": "CUDA-graph memory"}
+
+
+def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for key, value in summary.items():
+        label = _LABELS.get(key) or key.replace("_per_s", "/s").replace("_", " ")
+        table.add_row(label, _fmt(key, value))
+    return table

@@ -1,0 +1,160 @@
+"""The engine: requests in, finished sequences out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.block_manager import BlockManager
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.model_runner import ModelRunner
+from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
+from pagedgen.runtime.scheduler import Scheduler
+from pagedgen.runtime.sequence import Sequence
+
+
+@dataclass
+class StepStats:
+    """Aggregated over a run: tokens and wall time per kind of step."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0  # steps with any prefill tokens (mixed steps count here)
+    decode_time: float = 0.0  # decode-only steps
+    num_steps: int = 0
+    num_preemptions: int = 0
+    step_times: list[float] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, src: ModelSource | None = None) -> None:
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
+        if config.block_size < 1 or config.max_num_seqs < 1:
+            raise PagedgenError("--block-size and --max-num-seqs must be positive")
+        self.config = config
+        self.src = src or resolve_model(config.model)
+        self.tokenizer = load_tokenizer(self.src)
+        self.runner = ModelRunner(config, self.src)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.stats = StepStats()
+        self._next_id = 0
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request: Any = None, index: int | None = None) -> Sequence:
+        """Queue a request. Raises ValueError for a prompt the model cannot take.
+
+        Without a seed in ``params`` the request's seed is derived from the run seed and
+        ``index`` (its position in the input; default: arrival order), so reruns repeat it.
+        """
+        self.check_prompt(prompt_token_ids)
+        params.validate()
+        seq_id = self._next_id
+        self._next_id += 1
+        index = seq_id if index is None else index
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
+        seq = Sequence(seq_id, list(prompt_token_ids), params, seed, request,
+                       arrival_time=time.perf_counter())
+        self.scheduler.add(seq)
+        return seq
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError when the prompt is empty, too long or outside the vocabulary."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context"
+                             f" is {self.max_model_len} tokens")
+        vocab = self.src.hf_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            raise RuntimeError("scheduler produced an empty step with requests pending")
+        t0 = time.perf_counter()
+        sampled = self.runner.execute(batch)
+        now = time.perf_counter()
+        st = self.stats
+        st.num_steps += 1
+        st.num_preemptions += len(batch.preempted)
+        st.step_times.append(now - t0)
+        if batch.prefills:
+            st.prefill_tokens += batch.num_prefill_tokens
+            st.prefill_time += now - t0
+        else:
+            st.decode_time += now - t0
+        st.decode_tokens += len(batch.decodes)
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        finished = []
+        for seq, token in sampled:
+            seq.append_token(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if self._check_stop(seq, token):
+                seq.finish_time = now
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and (hit := self._find_stop(seq)) is not None:
+            seq.finish_reason, seq.stop_text_end = "stop", hit
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _find_stop(self, seq: Sequence) -> int | None:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def output_text(self, seq: Sequence) -> str:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+
+    def run(self, on_finish: Callable[[Sequence], None] | None = None,
+            on_step: Callable[[list[Sequence]], None] | None = None) -> None:
+        """Step until every queued request has finished."""
+        while self.has_unfinished():
+            finished = self.step()
+            for seq in finished:
+                if on_finish:
+                    on_finish(seq)
+            if on_step:
+                on_step(finished)
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Convenience: run token-id prompts to completion; returns sequences in input order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        self.run()
+        return seqs
+
+    def peak_memory_bytes(self) -> int:
+        dev = self.runner.device
+        if dev.type == "cuda":
+            return torch.cuda.max_memory_allocated(dev)
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

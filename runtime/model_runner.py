@@ -1,0 +1,166 @@
+"""The model runner: owns the model, the KV cache and the attention backend; runs one step.
+
+Per step it builds input ids, positions and attention metadata (prefill tokens first, then
+decode tokens), lets the backend plan once, runs the model, and samples the sequences whose
+last token was computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pagedgen.attention.backend import (AttentionBackend, AttentionMetadata,
+                                        AttentionMetadataBuilder, ScheduledSeq)
+from pagedgen.attention.registry import get_backend
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig, parse_bytes
+from pagedgen.runtime.models.llama import layer_specs
+from pagedgen.runtime.models.loader import ModelSource, build_model
+from pagedgen.runtime.sampler import SamplingBatch, sample
+from pagedgen.runtime.scheduler import ScheduledBatch
+from pagedgen.runtime.sequence import Sequence
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, src: ModelSource) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.kv_dtype = config.cache_dtype(self.dtype)
+        self.backend: type[AttentionBackend] = get_backend(config.backend, self.device)
+        hf = src.hf_config
+        self.specs = layer_specs(hf)
+        for spec in self.specs:
+            why = self.backend.check_layer(spec, self.dtype)
+            if why:
+                raise PagedgenError(f"backend '{self.backend.name}' cannot run {src.name}: {why}")
+        if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
+            raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
+        self.max_model_len = config.max_model_len or int(
+            getattr(hf, "max_position_embeddings", 4096))
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)
+        self.model.setup_rotary(self.max_model_len, self.device)
+        self.attn_state = self.backend.get_state_cls()(
+            self.backend, self.specs, config.block_size, self.kv_dtype, self.device)
+        impl_cls = self.backend.get_impl_cls()
+        self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
+        self.builder = AttentionMetadataBuilder(config.block_size, self.device)
+        self.num_blocks = self._num_blocks()
+        self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers."""
+        return sum(math.prod(self.backend.get_kv_cache_shape(
+            1, self.config.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
+        ) * self.kv_dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            n = cfg.num_blocks
+        elif cfg.kv_cache_memory is not None:
+            n = parse_bytes(cfg.kv_cache_memory) // self.block_bytes()
+        elif self.device.type == "cuda":
+            n = self._profile_free_memory() // self.block_bytes()
+        else:  # CPU: what the batch could use, at most 1 GiB
+            want = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
+            n = min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes())
+        if n < 1:
+            raise PagedgenError("no memory left for the KV cache (lower --max-num-batched-tokens,"
+                                " or set --num-blocks / --kv-cache-memory)")
+        return int(n)
+
+    def _profile_free_memory(self) -> int:
+        """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
+        cfg = self.config
+        bs = cfg.block_size
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        seq_len = min(self.max_model_len, tokens)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        blocks = sum(math.ceil(n / bs) for n in lens)
+        caches = self._allocate_kv_caches(blocks)
+        table, start, seqs = list(range(blocks)), 0, []
+        for n in lens:
+            nb = math.ceil(n / bs)
+            seqs.append(ScheduledSeq(table[start:start + nb], 0, n))
+            start += nb
+        md = self.builder.build(seqs, [])
+        self.attn_state.begin_forward(md)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        with torch.inference_mode():
+            h = self.model(ids, pos, caches, md)
+            self.model.compute_logits(h[:cfg.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, h
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        used_elsewhere = total - torch.cuda.mem_get_info(self.device)[0] \
+            - torch.cuda.memory_reserved(self.device)
+        return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        return [torch.zeros(self.backend.get_kv_cache_shape(
+            num_blocks, self.config.block_size, s.num_kv_heads, s.head_size),
+            dtype=self.kv_dtype, device=self.device) for s in self.specs]
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata]:
+        """Input ids, positions and attention metadata for a step (prefills first)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        prefills, decodes = [], []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            prefills.append(ScheduledSeq(seq.block_table, start, n))
+        for seq in batch.decodes:
+            ids.append(seq.token_ids[-1])
+            pos.append(seq.num_tokens - 1)
+            decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1))
+        md = self.builder.build(prefills, decodes)
+        pin = self.device.type == "cuda"
+        ids_t = torch.tensor(ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(pos, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
+        return ids_t, pos_t, md
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+        """Run one step; returns (sequence, sampled token) for each sequence that samples."""
+        ids, pos, md = self.prepare(batch)
+        self.attn_state.begin_forward(md)
+        hidden = self.model(ids, pos, self.kv_caches, md)
+        # the last token of every sequence whose uncomputed tokens all ran this step
+        rows, sampling = [], []
+        qsl = 0
+        for seq, n in batch.prefills:
+            qsl += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                rows.append(qsl - 1)
+                sampling.append(seq)
+        rows += range(qsl, qsl + len(batch.decodes))
+        sampling += batch.decodes
+        if not sampling:
+            return []
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        tokens = sample(logits, self.sampling_batch(sampling)).tolist()
+        return list(zip(sampling, tokens))
+
+    def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        p = [s.params for s in seqs]
+        return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
+                                   [x.top_p for x in p], [s.seed for s in seqs],
+                                   [s.num_output_tokens for s in seqs], self.device)

@@ -1,0 +1,1 @@
+"""Decoder models and their weight loading."""

@@ -1,0 +1,145 @@
+"""From a model name to a ready model: resolve the source, build the modules, load weights.
+
+A model is either a local Hugging Face checkpoint directory (config.json + *.safetensors +
+tokenizer files) or a preset: a run profile in profiles/ whose ``model.config`` holds a
+Hugging Face config (real shapes, dummy weights).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import list_profiles, load_profile
+from pagedgen.runtime.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from pagedgen.runtime.tokenizer import ByteTokenizer, HFTokenizer, MissingTokenizer, Tokenizer
+
+
+@dataclass
+class ModelSource:
+    name: str
+    hf_config: object  # a transformers PretrainedConfig
+    checkpoint: Path | None  # None for presets (dummy weights only)
+    tokenizer_kind: str  # "hf" | "byte"
+
+
+def resolve_model(name: str) -> ModelSource:
+    """A checkpoint directory, a preset name, or a profile file with a model config."""
+    from transformers import AutoConfig
+
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise PagedgenError(f"model directory {path} has no config.json")
+        try:
+            cfg = AutoConfig.from_pretrained(str(path))
+        except Exception as e:
+            raise PagedgenError(f"{path / 'config.json'}: cannot read the config: "
+                                f"{str(e).splitlines()[0]}")
+        _check_type(cfg, str(path))
+        return ModelSource(str(path), cfg, path, "hf")
+    if path.suffix not in (".yaml", ".yml") and ("/" in name or name.startswith(".")):
+        raise PagedgenError(f"model directory {path} does not exist")
+    try:
+        profile = load_profile(name)
+    except PagedgenError:
+        raise PagedgenError(f"model '{name}' is neither a checkpoint directory nor a preset "
+                            f"(presets: {', '.join(presets())})") from None
+    model = profile.get("model") or {}
+    if not isinstance(model, dict) or "config" not in model:
+        if isinstance(model, dict) and model.get("name"):
+            return resolve_model(model["name"])
+        raise PagedgenError(f"{profile['_path']}: has no model config to use as a preset")
+    cfg_dict = dict(model["config"])
+    model_type = cfg_dict.pop("model_type", "llama")
+    try:
+        cfg = AutoConfig.for_model(model_type, **cfg_dict)
+    except Exception as e:
+        raise PagedgenError(f"{profile['_path']}: bad model config: {e}")
+    _check_type(cfg, profile["_path"])
+    return ModelSource(model.get("name", Path(profile["_path"]).stem), cfg, None,
+                       model.get("tokenizer", "byte"))
+
+
+def presets() -> list[str]:
+    out = []
+    for p in list_profiles():
+        model = load_profile(p).get("model")
+        if isinstance(model, dict) and "config" in model:
+            out.append(p)
+    return out
+
+
+def _check_type(cfg, where: str) -> None:
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise PagedgenError(f"{where}: model_type '{cfg.model_type}' is not supported "
+                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+
+
+def load_tokenizer(src: ModelSource) -> Tokenizer:
+    if src.tokenizer_kind == "byte":
+        if src.hf_config.vocab_size < ByteTokenizer.vocab_size:
+            raise PagedgenError(f"preset '{src.name}' has vocab_size {src.hf_config.vocab_size} "
+                                f"< {ByteTokenizer.vocab_size} needed by the byte tokenizer")
+        return ByteTokenizer()
+    eos = getattr(src.hf_config, "eos_token_id", None)
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((src.checkpoint / f).is_file() for f in files):
+        return MissingTokenizer(src.checkpoint, eos)
+    return HFTokenizer(src.checkpoint, eos)
+
+
+def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
+                seed: int = 0) -> LlamaForCausalLM:
+    """Build the modules on ``device`` in ``dtype`` and fill them from safetensors or at random."""
+    if load_format == "auto":
+        load_format = "safetensors" if src.checkpoint is not None else "dummy"
+    if load_format not in ("safetensors", "dummy"):
+        raise PagedgenError(f"unknown load format '{load_format}'; use auto, safetensors or dummy")
+    if load_format == "safetensors" and src.checkpoint is None:
+        raise PagedgenError(f"preset '{src.name}' has no weights; use --load-format dummy")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(src.hf_config)
+    model = model.to_empty(device=device).to(dtype)
+    if load_format == "dummy":
+        _init_dummy(model, seed)
+    else:
+        try:
+            model.load_weights(_iter_safetensors(src.checkpoint, device))
+        except ValueError as e:
+            raise PagedgenError(f"{src.checkpoint}: {e}")
+    return model.eval()
+
+
+def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+    """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _iter_safetensors(path: Path, device: torch.device):
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise PagedgenError(f"model directory {path} has no *.safetensors weights")
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                yield name, st.get_tensor(name).to(device)

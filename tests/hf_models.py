@@ -1,0 +1,53 @@
+"""Tiny random Hugging Face checkpoints (written with save_pretrained) for the tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+COMMON = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+              rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False) -> Path:
+    import transformers as tf
+
+    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}[kind])
+    if kind == "llama":
+        cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
+        model = tf.LlamaForCausalLM(cfg)
+    elif kind == "mistral":  # a short sliding window so the tests cross it
+        cfg = tf.MistralConfig(**COMMON, head_dim=32, sliding_window=12)
+        model = tf.MistralForCausalLM(cfg)
+    elif kind == "qwen2":
+        cfg = tf.Qwen2Config(**COMMON, tie_word_embeddings=True)
+        model = tf.Qwen2ForCausalLM(cfg)
+    else:
+        cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
+        model = tf.Qwen3ForCausalLM(cfg)
+    with torch.no_grad():  # make every weight matter (HF zero-inits biases, ones norms)
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    if with_tokenizer:
+        save_tokenizer(path, cfg.vocab_size)
+    return path
+
+
+def save_tokenizer(path: Path, vocab_size: int) -> None:
+    """A word-level tokenizer built in code, with a chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(vocab_size - 4)]
+    words[4:30] = list("abcdefghijklmnopqrstuvwxyz")
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>")
+    fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
+                          "{% endfor %}{% if add_generation_prompt %}a{% endif %}")
+    fast.save_pretrained(path)

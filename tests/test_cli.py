@@ -1,0 +1,157 @@
+"""`pagedgen generate` and `pagedgen backends` end to end, including bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedgen.cli.main import app
+from hf_models import make_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+FAST = ["--device", "cpu", "--max-tokens", "6"]
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(l) for l in path.read_text().splitlines()]
+
+
+def test_generate_writes_every_field_in_input_order(tmp_path):
+    src = write(tmp_path / "p.jsonl", [
+        {"id": "a", "prompt": "hello", "max_tokens": 3},
+        {"prompt_token_ids": [256, 65, 66]},
+        "",
+        {"id": 7, "messages": [{"role": "user", "content": "hi"}], "temperature": 0},
+        {"id": "s", "prompt": "x", "stop": ["\u0000"], "seed": 5, "top_k": 3, "top_p": 0.5},
+    ])
+    res = invoke("generate", src, *FAST, "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["requests"] == 4 and summary["output_tokens"] > 0
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "total_tokens_per_s",
+                "mean_ttft_s", "mean_tpot_s", "peak_memory_bytes", "wall_time_s"):
+        assert key in summary
+    out = read(tmp_path / "p.completions.jsonl")
+    assert [r["id"] for r in out] == ["a", 1, 7, "s"]
+    assert out[0]["num_output_tokens"] == 3 and out[0]["finish_reason"] == "length"
+    assert out[1]["num_prompt_tokens"] == 3
+    for r in out:
+        assert set(r) == {"id", "prompt", "text", "token_ids", "num_prompt_tokens",
+                          "num_output_tokens", "finish_reason"}
+        assert r["finish_reason"] in ("stop", "length")
+        assert len(r["token_ids"]) == r["num_output_tokens"]
+
+
+def test_generate_is_reproducible_and_resume_skips_done_ids(tmp_path):
+    src = write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"p{i}"} for i in range(4)])
+    out = tmp_path / "o.jsonl"
+    assert invoke("generate", src, *FAST, "-o", out).exit_code == 0
+    first = read(out)
+    # simulate a crash after two lines, the second cut short
+    lines = out.read_text().splitlines()
+    out.write_text(lines[0] + "\n" + lines[1][:10])
+    res = invoke("generate", src, *FAST, "-o", out, "--resume", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["skipped_resumed"] == 1
+    assert read(out) == first
+
+
+def test_profile_and_options_apply(tmp_path):
+    prof = tmp_path / "p.yaml"
+    prof.write_text("model: tiny\nengine: {block_size: 8, load_format: dummy}\n"
+                    "sampling: {max_tokens: 2, temperature: 0.0}\n")
+    src = write(tmp_path / "p.jsonl", [{"prompt": "abc"}])
+    res = invoke("generate", src, "--profile", prof, "--device", "cpu", "--json")
+    assert res.exit_code == 0, res.output
+    assert read(tmp_path / "p.completions.jsonl")[0]["num_output_tokens"] == 2
+
+
+@pytest.mark.parametrize("lines,message", [
+    (['{"prompt": "a"}', '{"prompt": '], r"p.jsonl:2: invalid JSON"),
+    ([], r"p.jsonl: no requests"),
+    ([{"prompt": "a", "colour": 1}], r"p.jsonl:1: unknown field 'colour'"),
+    ([{"prompt": 5}], r"p.jsonl:1: 'prompt' must be a non-empty string"),
+    ([{"prompt": "a", "max_tokens": "ten"}], r"p.jsonl:1: 'max_tokens' must be an integer"),
+    ([{"prompt": "a", "top_p": 2}], r"p.jsonl:1: top_p must be in"),
+    ([{"prompt": "a"}, {"prompt": "x" * 5000}], r"p.jsonl:2: the prompt has 5001 tokens"),
+    ([{"prompt": "a", "prompt_token_ids": [1]}], r"p.jsonl:1: need exactly one of"),
+    (["[1, 2]"], r"p.jsonl:1: expected a JSON object"),
+    ([{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}], r"p.jsonl:2: duplicate id 1"),
+])
+def test_bad_input_gives_one_line_error(tmp_path, lines, message):
+    import re
+    src = write(tmp_path / "p.jsonl", lines)
+    res = invoke("generate", src, *FAST)
+    assert res.exit_code == 1
+    assert re.search(message, res.output.replace("\n", "")), res.output
+    assert "Traceback" not in res.output
+    assert not (tmp_path / "p.completions.jsonl").exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "/no/such/dir"], "model directory /no/such/dir does not exist"),
+    (["--model", "nosuchpreset"], "neither a checkpoint directory nor a preset"),
+    (["--backend", "nope"], "unknown backend 'nope'; available here:"),
+    (["--dtype", "float8"], "unknown dtype"),
+    (["--profile", "nope"], "profile 'nope' not found"),
+])
+def test_bad_options_give_one_line_error(tmp_path, args, message):
+    src = write(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    res = invoke("generate", src, *FAST, *args)
+    assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output
+    assert "Traceback" not in res.output
+
+
+def test_finished_output_survives_a_later_bad_run(tmp_path):
+    src = write(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    out = tmp_path / "o.jsonl"
+    assert invoke("generate", src, *FAST, "-o", out).exit_code == 0
+    before = out.read_text()
+    write(src, [{"prompt": "a"}, "{oops"])
+    assert invoke("generate", src, *FAST, "-o", out).exit_code == 1
+    assert out.read_text() == before
+
+
+def test_checkpoint_with_tokenizer_and_chat_template(tmp_path):
+    ckpt = make_checkpoint("qwen3", tmp_path / "ckpt", with_tokenizer=True)
+    src = write(tmp_path / "p.jsonl", [
+        {"id": "chat", "messages": [{"role": "user", "content": "a b c"}]},
+        {"id": "text", "prompt": "d e f", "temperature": 0}])
+    res = invoke("generate", src, "--model", ckpt, *FAST, "--json")
+    assert res.exit_code == 0, res.output
+    out = read(tmp_path / "p.completions.jsonl")
+    assert out[0]["num_prompt_tokens"] == 5  # "user a b c a" under the test template
+    assert out[1]["prompt"] == "d e f"
+    assert isinstance(out[1]["text"], str)
+
+
+def test_backends_lists_every_backend_with_a_reason():
+    res = invoke("backends", "--device", "cpu")
+    assert res.exit_code == 0
+    for name in ("eager", "sdpa", "flashinfer"):
+        assert name in res.output
+    assert "auto → sdpa" in res.output
+
+
+def test_console_script_runs_as_a_subprocess(tmp_path):
+    src = write(tmp_path / "p.jsonl", [{"prompt": "a"}, '{"prompt": 1}'])
+    res = subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", str(src),
+                          "--device", "cpu"], capture_output=True, text=True)
+    assert res.returncode == 1
+    assert res.stderr.strip().startswith("error:") and "p.jsonl:2:" in res.stderr
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,36 @@
+"""The wheel installs `pagedgen` only (no generic top-level names) and its console script runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(ROOT)], check=True)
+    wheel = next((tmp_path / "dist").glob("pagedgen-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"pagedgen"}, tops
+    for must in ("pagedgen/cli/main.py", "pagedgen/attention/backend.py",
+                 "pagedgen/runtime/engine.py", "pagedgen/profiles/tiny.yaml"):
+        assert must in names
+    assert not any("/tests/" in n or n.startswith("tests/") for n in names)
+    # a fresh venv that borrows torch & co. from this interpreter, with pagedgen from the wheel
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False, system_site_packages=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
+                    "--no-deps", str(wheel)], check=True)
+    where = subprocess.run([str(py), "-c", "import pagedgen; print(pagedgen.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert str(env_dir) in where
+    res = subprocess.run([str(env_dir / "bin" / "pagedgen"), "--help"], capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert res.returncode == 0 and "generate" in res.stdout
