@@ -206,18 +206,29 @@ class AttentionState:
     """
 
     def __init__(self, backend: type[AttentionBackend], layer_specs: Sequence[LayerSpec],
-                 block_size: int, kv_cache_dtype: torch.dtype, device: torch.device) -> None:
+                 block_size: int, dtype: torch.dtype, kv_cache_dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.backend = backend
         self.layer_specs = list(layer_specs)
         self.block_size = block_size
+        self.dtype = dtype  # the model's (query) dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
         # FP8 caches store value / scale; readers multiply back.
         self.k_scale = 1.0
         self.v_scale = 1.0
 
-    def begin_forward(self, metadata: AttentionMetadata) -> None:
-        """Plan the step's kernels once (not once per layer); store the plan in metadata.plan."""
+    def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
+                      ) -> None:
+        """Plan the step's kernels once (not once per layer); store the plan in metadata.plan.
+
+        ``graph_batch_size``: plan into the buffers captured for that CUDA-graph batch size.
+        """
+
+    def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
+        """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
+        ``supports_cuda_graphs``)."""
+        raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 
 class AttentionBackend(ABC):

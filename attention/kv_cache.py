@@ -11,14 +11,19 @@ import torch
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Store new tokens' k/v [T, H, D] in their slots. FP8 caches store ``x / scale``."""
-    block_size = kv_cache.shape[2]
-    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
-    offsets = slot_mapping % block_size
-    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        k, v = (k.float() / k_scale), (v.float() / v_scale)
-    kv_cache[blocks, 0, offsets] = k.to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v.to(kv_cache.dtype)
+    """Store new tokens' k/v [T, H, D] in their slots (two index_copy kernels).
+
+    FP8 caches store ``x / scale`` (copied as bytes, since index_copy has no FP8 kernels).
+    """
+    num_blocks, _, block_size, h, d = kv_cache.shape
+    rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
+    flat = kv_cache.view(num_blocks * 2 * block_size, h, d)
+    if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
+        k = (k.float() / k_scale).to(kv_cache.dtype).view(torch.uint8)
+        v = (v.float() / v_scale).to(kv_cache.dtype).view(torch.uint8)
+        flat = flat.view(torch.uint8)
+    flat.index_copy_(0, rows, k.to(flat.dtype))
+    flat.index_copy_(0, rows + block_size, v.to(flat.dtype))
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int

@@ -38,12 +38,22 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
         "preemptions": st.num_preemptions,
         "kv_cache_blocks": engine.runner.num_blocks,
         "peak_memory_bytes": engine.peak_memory_bytes(),
+        "cuda_graphs": engine.runner.graphs is not None,
     }
+    runner = engine.runner
+    if runner.graphs is not None:
+        out["graph_capture_s"] = runner.graphs.capture_time_s
+        out["graph_memory_bytes"] = runner.graphs.memory_bytes
+    if runner.host_steps["decode"]:
+        out["decode_host_ms_per_step"] = \
+            1000 * runner.host_time_s["decode"] / runner.host_steps["decode"]
     out.update(extra or {})
     return out
 
 
 def _fmt(key: str, value: Any) -> str:
+    if key.endswith("_ms_per_step"):
+        return f"{value:.3f} ms"
     if key.endswith("_bytes"):
         return f"{value / 2**30:.2f} GiB"
     if key.endswith("_per_s"):
@@ -59,7 +69,8 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
            "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
            "kv_cache_blocks": "KV-cache blocks", "graph_capture_s": "CUDA-graph capture time",
-           "graph_memory_bytes": "CUDA-graph memory"}
+           "graph_memory_bytes": "CUDA-graph memory",
+           "decode_host_ms_per_step": "host time per decode step"}
 
 
 def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> Table:

@@ -69,6 +69,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -40,7 +40,7 @@ class Engine:
         self.src = src or resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.src)
         self.runner = ModelRunner(config, self.src)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks - 1, config.block_size)  # -1: scratch
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stats = StepStats()

@@ -8,6 +8,7 @@ last token was computed.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -16,6 +17,8 @@ from pagedgen.attention.backend import (AttentionBackend, AttentionMetadata,
 from pagedgen.attention.registry import get_backend
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
+from pagedgen.runtime.cuda_graphs import CudaGraphRunner
+from pagedgen.runtime.decode_advance import DecodeAdvancer
 from pagedgen.runtime.models.llama import layer_specs
 from pagedgen.runtime.models.loader import ModelSource, build_model
 from pagedgen.runtime.sampler import SamplingBatch, sample
@@ -47,13 +50,26 @@ class ModelRunner:
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)
         self.model.setup_rotary(self.max_model_len, self.device)
         self.attn_state = self.backend.get_state_cls()(
-            self.backend, self.specs, config.block_size, self.kv_dtype, self.device)
+            self.backend, self.specs, config.block_size, self.dtype, self.kv_dtype, self.device)
         impl_cls = self.backend.get_impl_cls()
         self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
         self.builder = AttentionMetadataBuilder(config.block_size, self.device)
         self.num_blocks = self._num_blocks()
-        self.max_model_len = min(self.max_model_len, self.num_blocks * config.block_size)
+        if self.num_blocks < 2:
+            raise PagedgenError("the KV cache needs at least 2 blocks")
+        # The last block is never handed out: CUDA-graph padding rows write into it.
+        self.scratch_block = self.num_blocks - 1
+        self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * config.block_size)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
+        self.host_steps = {"decode": 0, "prefill": 0}
+        self.advancer = DecodeAdvancer(config.block_size, self.scratch_block, self.device) \
+            if config.advance_decode_on_device else None
+        self.graphs: CudaGraphRunner | None = None
+        if self.backend.supports_cuda_graphs and self.device.type == "cuda" \
+                and not config.enforce_eager:
+            self.graphs = CudaGraphRunner(self)
+            self.graphs.capture()
 
     # ---- KV cache ---------------------------------------------------------------------------
 
@@ -119,6 +135,21 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:
         """Input ids, positions and attention metadata for a step (prefills first)."""
+        if self.advancer is not None and not batch.prefills:
+            advanced = self.advancer.advance(batch.decodes)
+            if advanced is not None:
+                return advanced
+        ids_t, pos_t, md = self._build(batch)
+        if self.advancer is not None:
+            if batch.prefills:
+                self.advancer.forget()
+            else:
+                self.advancer.remember(batch.decodes, pos_t, md)
+        return ids_t, pos_t, md
+
+    def _build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                     AttentionMetadata]:
+        """Everything from the sequences' CPU state."""
         ids: list[int] = []
         pos: list[int] = []
         prefills, decodes = [], []
@@ -140,9 +171,20 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Run one step; returns (sequence, sampled token) for each sequence that samples."""
+        t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
-        self.attn_state.begin_forward(md)
-        hidden = self.model(ids, pos, self.kv_caches, md)
+        kind = "prefill" if batch.prefills else "decode"
+        graph_bs = None
+        if self.graphs is not None and self.graphs.can_run(md):
+            graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
+        else:
+            self.attn_state.begin_forward(md)
+        self.host_time_s[kind] += time.perf_counter() - t0
+        self.host_steps[kind] += 1
+        if graph_bs is not None:
+            hidden = self.graphs.replay(graph_bs, md.num_decodes)
+        else:
+            hidden = self.model(ids, pos, self.kv_caches, md)
         # the last token of every sequence whose uncomputed tokens all ran this step
         rows, sampling = [], []
         qsl = 0
@@ -156,8 +198,11 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        tokens = sample(logits, self.sampling_batch(sampling)).tolist()
-        return list(zip(sampling, tokens))
+        self.last_logits = logits  # kept for tests and verify (one step's worth)
+        tokens = sample(logits, self.sampling_batch(sampling))
+        if self.advancer is not None and not batch.prefills:
+            self.advancer.sampled(tokens)
+        return list(zip(sampling, tokens.tolist()))
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]

@@ -13,7 +13,7 @@ from conftest import dense_reference, make_paged_batch
 
 
 def run_backend(backend, batch, kv_cache=None):
-    state = backend.get_state_cls()(backend, [batch.spec], batch.block_size,
+    state = backend.get_state_cls()(backend, [batch.spec], batch.block_size, batch.q.dtype,
                                     batch.kv_cache.dtype, batch.q.device)
     impl = backend.get_impl_cls()(batch.spec, state)
     md = batch.metadata()
@@ -109,3 +109,13 @@ def test_check_layer_reports_unsupported_features():
     b = make_paged_batch(0, soft_cap=10.0)
     assert "soft-cap" in SdpaBackend.check_layer(b.spec, torch.float32)
     assert EagerBackend.check_layer(b.spec, torch.float32) is None
+
+
+def test_flashinfer_paged_kv_arrays_from_block_tables():
+    from pagedgen.attention.flashinfer import paged_kv_arrays
+    tables = torch.tensor([[5, 6, 7, 0], [1, 2, 0, 0], [9, 0, 0, 0]], dtype=torch.int32)
+    lens = [33, 16, 1]
+    indptr, indices, last = paged_kv_arrays(lens, torch.tensor(lens), tables, 16)
+    assert indptr.tolist() == [0, 3, 4, 5]
+    assert indices.tolist() == [5, 6, 7, 1, 9]
+    assert last.tolist() == [1, 16, 1]

@@ -48,11 +48,15 @@ class RotaryEmbedding:
         self.sin = emb.sin() * rope.attention_scaling
         assert self.cos.shape[-1] == head_dim, "partial rotary is not supported"
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim] for a step's positions (looked up once, used by every layer)."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    cos, sin = cos_sin
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -96,8 +100,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.impl: AttentionImpl | None = None  # bound by the model runner
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, rotary: RotaryEmbedding) -> torch.Tensor:
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         s = self.spec
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, s.num_heads, s.head_size)
@@ -105,7 +109,7 @@ class Attention(nn.Module):
         v = v.reshape(-1, s.num_kv_heads, s.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = apply_rotary(q, k, cos_sin)
         o = self.impl.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -130,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, metadata, rotary) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, metadata, rotary)
+    def forward(self, cos_sin, x, kv_cache, metadata) -> torch.Tensor:
+        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, metadata)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -174,8 +178,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(positions, x, cache, metadata, self.rotary)
+            x = layer(cos_sin, x, cache, metadata)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -102,9 +102,14 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         raise PagedgenError(f"unknown load format '{load_format}'; use auto, safetensors or dummy")
     if load_format == "safetensors" and src.checkpoint is None:
         raise PagedgenError(f"preset '{src.name}' has no weights; use --load-format dummy")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(src.hf_config)
-    model = model.to_empty(device=device).to(dtype)
+    default_dtype = torch.get_default_dtype()
+    try:  # build on the meta device in the target dtype, then allocate once on the device
+        torch.set_default_dtype(dtype)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(src.hf_config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:

@@ -1,0 +1,74 @@
+"""Decode-step time against the memory roofline (issue 3).
+
+Batch B sequences with a context of C tokens on the Llama-3-8B-shaped dummy model: each decode
+step reads every weight once plus every sequence's K/V, so its lower bound is
+(weight bytes + KV bytes) / measured copy bandwidth. Prints measured step time and the fraction
+of that bound reached.
+
+    python benchmarks/decode_roofline.py --batch 64 --context 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import copy_bandwidth, profile_configs, random_prompts  # noqa: E402
+
+from pagedgen.runtime.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--profile", default="llama-3-8b")
+    ap.add_argument("--backend", default="flashinfer")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    cfg, sampling = profile_configs(args.profile, backend=args.backend, max_num_seqs=args.batch,
+                                    enforce_eager=args.enforce_eager)
+    engine = Engine(cfg)
+    params = replace(sampling, max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
+    for p in random_prompts(args.batch, args.context, args.context, vocab=256):
+        engine.add_request(p, params)
+    times = []
+    while engine.has_unfinished():
+        prefill = bool(engine.scheduler.waiting) or any(
+            s.num_uncomputed > 1 for s in engine.scheduler.running)
+        torch.cuda.synchronize()
+        n_before = len(engine.stats.step_times)
+        engine.step()
+        torch.cuda.synchronize()
+        if not prefill:
+            times.append(engine.stats.step_times[n_before])
+    times = times[3:]  # warm-up
+    step = statistics.median(times)
+    r = engine.runner
+    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    per_token_kv = r.block_bytes() // cfg.block_size
+    kv_bytes = args.batch * (args.context + args.steps // 2) * per_token_kv
+    bound = (weight_bytes + kv_bytes) / bw
+    res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None, "batch": args.batch,
+           "context": args.context, "step_ms": step * 1000, "step_ms_p90": 1000 * sorted(times)[
+               int(0.9 * (len(times) - 1))], "weight_gb": weight_bytes / 1e9,
+           "kv_gb": kv_bytes / 1e9, "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,
+           "roofline_fraction": bound / step,
+           "decode_host_ms": 1000 * r.host_time_s["decode"] / max(1, r.host_steps["decode"])}
+    print(json.dumps(res, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""All CUDA-graph logic: capture one decode graph per batch-size bucket, pad, re-plan, replay.
+
+At start-up, for each bucket (1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, up to
+``max_num_seqs``) the model's decode forward is captured over static buffers (input ids,
+positions, slot mapping, sequence lengths, block tables) and the backend's graph buffers
+(``AttentionState.make_graph_plan``). A decode-only step is padded to the next bucket (padding
+rows write their K/V into a reserved scratch block), the backend re-plans into the captured
+buffers, the inputs are copied in, and the graph is replayed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from pagedgen.attention.backend import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedgen.runtime.model_runner import ModelRunner
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 16, 16))
+    out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+    return out
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.buckets = graph_buckets(runner.config.max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        self.block_size = runner.config.block_size
+        self.max_blocks = -(-runner.max_model_len // self.block_size)
+        self.scratch_block = runner.scratch_block
+        dev, n = runner.device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size,
+                                       dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
+                                       dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_time_s = 0.0
+        self.memory_bytes = 0
+
+    def _metadata(self, bs: int, seq_lens: list[int]) -> AttentionMetadata:
+        """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
+        return AttentionMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=bs,
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
+            block_tables=self.block_tables[:bs], block_size=self.block_size,
+            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.runner
+        torch.cuda.synchronize(r.device)
+        free_before = torch.cuda.mem_get_info(r.device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
+            r.attn_state.make_graph_plan(bs, r.num_blocks)
+            md = self._metadata(bs, [1] * bs)
+            r.attn_state.begin_forward(md, graph_batch_size=bs)
+            args = (self.input_ids[:bs], self.positions[:bs], r.kv_caches, md)
+            r.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
+            torch.cuda.synchronize(r.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = r.model(*args)
+            pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(r.device)
+        self.capture_time_s = time.perf_counter() - t0
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
+
+    def can_run(self, md: AttentionMetadata) -> bool:
+        return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+                ) -> int:
+        """Copy a decode-only step into the static buffers of the next bucket, padded, and plan
+        the backend into that bucket's buffers. Returns the bucket."""
+        n = md.num_decodes
+        bs = self.buckets[bisect.bisect_left(self.buckets, n)]
+        width = md.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        self.seq_lens[:n].copy_(md.seq_lens)
+        self.context_lens[:n].copy_(md.context_lens)
+        self.block_tables[:n, :width].copy_(md.block_tables)
+        pad = bs - n
+        if pad:  # padding rows: one token in the scratch block
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+            self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
+            self.seq_lens[n:bs].fill_(1)
+            self.block_tables[n:bs].fill_(self.scratch_block)
+        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad)
+        self.runner.attn_state.begin_forward(graph_md, graph_batch_size=bs)
+        return bs
+
+    def replay(self, bs: int, n: int) -> torch.Tensor:
+        """Run bucket ``bs``'s graph; hidden states [n, hidden] of the real rows."""
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]
