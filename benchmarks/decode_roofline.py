@@ -43,7 +43,17 @@ def main() -> None:
     for p in random_prompts(args.batch, args.context, args.context, vocab=256):
         engine.add_request(p, params)
     times = []
+    prof = None
     while engine.has_unfinished():
+        if len(times) == 10 and prof is None:  # profile a few decode steps' kernels
+            from torch.profiler import ProfilerActivity, profile
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        if len(times) == 15 and prof is not None and not getattr(prof, "_done", False):
+            prof.__exit__(None, None, None)
+            prof._done = True
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15,
+                                            max_name_column_width=60))
         prefill = bool(engine.scheduler.waiting) or any(
             s.num_uncomputed > 1 for s in engine.scheduler.running)
         torch.cuda.synchronize()

@@ -19,9 +19,9 @@ from common import print_table, profile_configs, random_prompts, run_engine  # n
 
 CONFIGS = {
     "flashinfer+graphs": dict(backend="flashinfer"),
-    "flashinfer+graphs, host-built decode metadata": dict(backend="flashinfer",
-                                                          advance_decode_on_device=False),
-    "flashinfer, no graphs": dict(backend="flashinfer", enforce_eager=True),
+    "flashinfer+graphs/host-built-metadata": dict(backend="flashinfer",
+                                                  advance_decode_on_device=False),
+    "flashinfer/no-graphs": dict(backend="flashinfer", enforce_eager=True),
     "sdpa": dict(backend="sdpa", enforce_eager=True),
 }
 

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
@@ -22,6 +23,12 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console(stderr=True)
 
 
+def out_console() -> Console:
+    """Console for results on stdout; wide when piped so tables stay readable in logs."""
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
 def cli_errors(fn: Callable) -> Callable:
     """Turn PagedgenError into a one-line message and exit code 1 (no traceback)."""
 
@@ -30,7 +37,8 @@ def cli_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except PagedgenError as e:
-            console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
+                          soft_wrap=True)
             raise typer.Exit(1)
 
     return wrapper
@@ -179,7 +187,7 @@ def generate(
     if json_summary:
         print(json.dumps(summary, indent=2))
     else:
-        Console().print(summary_table(summary))
+        out_console().print(summary_table(summary))
 
 
 @app.command()
@@ -194,9 +202,15 @@ def backends(device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or
     for col in ("backend", "available", "notes"):
         table.add_column(col)
     for s in backend_status(dev):
-        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", s.reason)
-    Console().print(table)
-    Console().print(f"auto → {get_backend('auto', dev).name}")
+        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", escape(s.reason))
+    out = out_console()
+    out.print(table)
+    out.print(f"auto → {get_backend('auto', dev).name}")
+
+
+from pagedgen.cli.verify import verify  # noqa: E402
+
+app.command()(verify)
 
 
 def main() -> None:

@@ -198,7 +198,7 @@ class ModelRunner:
         if not sampling:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-        self.last_logits = logits  # kept for tests and verify (one step's worth)
+        self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
         tokens = sample(logits, self.sampling_batch(sampling))
         if self.advancer is not None and not batch.prefills:
             self.advancer.sampled(tokens)

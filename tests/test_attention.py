@@ -9,17 +9,7 @@ from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.attention.sdpa import SdpaBackend
 from pagedgen.errors import PagedgenError
-from conftest import dense_reference, make_paged_batch
-
-
-def run_backend(backend, batch, kv_cache=None):
-    state = backend.get_state_cls()(backend, [batch.spec], batch.block_size, batch.q.dtype,
-                                    batch.kv_cache.dtype, batch.q.device)
-    impl = backend.get_impl_cls()(batch.spec, state)
-    md = batch.metadata()
-    state.begin_forward(md)
-    cache = batch.kv_cache.clone() if kv_cache is None else kv_cache
-    return impl.forward(batch.q, batch.k, batch.v, cache, md), cache
+from conftest import dense_reference, make_paged_batch, run_backend
 
 
 @pytest.mark.parametrize("seed", range(4))

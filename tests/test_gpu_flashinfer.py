@@ -13,8 +13,7 @@ import torch
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import Engine
-from conftest import make_paged_batch
-from test_attention import run_backend
+from conftest import make_paged_batch, run_backend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")]

@@ -1,0 +1,88 @@
+"""Randomized paged attention cases, shared by `pagedgen verify` and the tests.
+
+A case is a batch of sequences with random cached context (block tables scattered over the cache)
+and random new tokens: prefills (some with prior context, some of a single token, some ending
+exactly on a page boundary) followed by decodes.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.attention.backend import (AttentionBackend, AttentionMetadataBuilder, LayerSpec,
+                                        ScheduledSeq)
+
+
+@dataclass
+class PagedBatch:
+    """A random paged batch: cache already holding each sequence's context, plus new q/k/v."""
+
+    spec: LayerSpec
+    kv_cache: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    prefills: list[ScheduledSeq]
+    decodes: list[ScheduledSeq]
+    block_size: int
+
+    def metadata(self, device=None):
+        return AttentionMetadataBuilder(self.block_size, torch.device(device or self.q.device)
+                                        ).build(self.prefills, self.decodes)
+
+
+def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=torch.float32, device="cpu", num_prefills=2, num_decodes=3,
+                     max_context=70, max_new=40, sliding_window=None, soft_cap=None,
+                     cache_dtype=None) -> PagedBatch:
+    """Sequences with random cached context (0 for some) and random new-token counts; blocks are
+    shuffled across the cache so block tables are not contiguous."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(num_prefills + num_decodes):
+        is_prefill = i < num_prefills
+        ctx = rng.choice([0, rng.randint(1, max_context), block_size, 2 * block_size])
+        ctx = 0 if (is_prefill and i == 0) else ctx
+        if not is_prefill:
+            ctx = max(ctx, rng.choice([0, 1, block_size - 1]))
+        new = 1
+        if is_prefill:  # random, single-token, or ending exactly on a page boundary
+            new = rng.choice([rng.randint(1, max_new), 1, block_size - ctx % block_size])
+        seqs.append((ctx, new))
+    nblocks = [-(-(c + n) // block_size) for c, n in seqs]
+    total = sum(nblocks) + 3
+    perm = torch.randperm(total, generator=gen).tolist()
+    tables, start = [], 0
+    for nb in nblocks:
+        tables.append(perm[start:start + nb])
+        start += nb
+    cache_dtype = cache_dtype or dtype
+    kv = torch.randn(total, 2, block_size, num_kv_heads, head_size, generator=gen)
+    kv_cache = kv.to(cache_dtype).to(device)
+    sched = [ScheduledSeq(t, c, n) for t, (c, n) in zip(tables, seqs)]
+    n_tok = sum(n for _, n in seqs)
+    q = torch.randn(n_tok, num_heads, head_size, generator=gen).to(dtype).to(device)
+    k = torch.randn(n_tok, num_kv_heads, head_size, generator=gen).to(dtype).to(device)
+    v = torch.randn(n_tok, num_kv_heads, head_size, generator=gen).to(dtype).to(device)
+    spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
+                     sliding_window=sliding_window, logits_soft_cap=soft_cap)
+    return PagedBatch(spec, kv_cache, q, k, v, sched[:num_prefills], sched[num_prefills:],
+                      block_size)
+
+
+
+
+def run_backend(backend: type[AttentionBackend], batch: PagedBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of ``backend`` over a copy of the batch's cache: (output, cache after writes)."""
+    state = backend.get_state_cls()(backend, [batch.spec], batch.block_size, batch.q.dtype,
+                                    batch.kv_cache.dtype, batch.q.device)
+    impl = backend.get_impl_cls()(batch.spec, state)
+    md = batch.metadata()
+    state.begin_forward(md)
+    cache = batch.kv_cache.clone()
+    return impl.forward(batch.q, batch.k, batch.v, cache, md), cache

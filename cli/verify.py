@@ -1,0 +1,237 @@
+"""`pagedgen verify`: every backend checked against the eager reference, kernel and model level.
+
+Tolerances live in ``KERNEL_TOL`` and ``MODEL_TOL`` below; docs/VERIFY.md explains them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from pagedgen.attention.backend import AttentionBackend
+from pagedgen.attention.cases import make_paged_batch, run_backend
+from pagedgen.attention.eager import EagerBackend
+from pagedgen.attention.registry import backend_names, backend_status, get_backend
+from pagedgen.errors import PagedgenError
+
+# Max absolute error of the attention output against eager (float32 math over the same cache),
+# for q/k/v ~ N(0, 1). See docs/VERIFY.md for the reasoning.
+KERNEL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+FP8_KV_TOL = 4e-2  # bf16 queries over an FP8 cache, compared with eager over the same FP8 cache
+# Max logit difference relative to the largest reference logit, per model-level step.
+MODEL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+
+GQA_RATIOS = (1, 2, 4, 8)
+HEAD_SIZES = (64, 128, 256)
+PAGE_SIZES = (16, 32)
+
+
+@dataclass
+class Row:
+    kind: str  # "kernel" | "model"
+    group: str
+    cases: int
+    worst_abs: float
+    worst_rel: float
+    tol: float
+    passed: bool
+    detail: str = ""
+
+
+@dataclass
+class BackendReport:
+    backend: str
+    status: str  # "checked" | "skipped" | "reference"
+    reason: str = ""
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+
+def kernel_groups(backend: type[AttentionBackend], device: torch.device
+                  ) -> list[tuple[str, torch.dtype, dict]]:
+    """(label, dtype, case options) for each group this backend supports."""
+    groups = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        if dtype not in backend.supported_dtypes:
+            continue
+        name = str(dtype).removeprefix("torch.")
+        groups.append((f"{name}", dtype, {}))
+        if backend.supports_sliding_window:
+            groups.append((f"{name} sliding window", dtype, {"sliding_window": 19}))
+        if backend.supports_soft_cap:
+            groups.append((f"{name} soft-cap", dtype, {"soft_cap": 20.0}))
+    if backend.supports_fp8_kv_cache and torch.bfloat16 in backend.supported_dtypes:
+        groups.append(("bfloat16 fp8 KV cache", torch.bfloat16,
+                       {"cache_dtype": torch.float8_e4m3fn}))
+    return groups
+
+
+def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: int, seed: int
+                  ) -> list[Row]:
+    sizes = [h for h in HEAD_SIZES if h in backend.get_supported_head_sizes()]
+    rows = []
+    for label, dtype, opts in kernel_groups(backend, device):
+        worst_abs = worst_rel = 0.0
+        bad_cache = 0
+        for i in range(cases):
+            gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
+            head = sizes[(i // len(GQA_RATIOS)) % len(sizes)]
+            page = PAGE_SIZES[(i // (len(GQA_RATIOS) * len(sizes))) % len(PAGE_SIZES)]
+            b = make_paged_batch(seed * 100_003 + i, num_heads=2 * gqa, num_kv_heads=2,
+                                 head_size=head, block_size=page, dtype=dtype, device=device,
+                                 num_prefills=1 + i % 3, num_decodes=1 + (i * 7) % 6,
+                                 max_context=3 * page + 5, max_new=2 * page + 3, **opts)
+            ref, ref_cache = run_backend(EagerBackend, b)
+            out, cache = run_backend(backend, b)
+            err = (out.float() - ref.float()).abs().max().item()
+            worst_abs = max(worst_abs, err)
+            worst_rel = max(worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
+            bad_cache += not torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+        tol = FP8_KV_TOL if "cache_dtype" in opts else KERNEL_TOL[dtype]
+        ok = worst_abs <= tol and bad_cache == 0
+        detail = f"{bad_cache} case(s) wrote the KV cache differently" if bad_cache else ""
+        rows.append(Row("kernel", label, cases, worst_abs, worst_rel, tol, ok, detail))
+    return rows
+
+
+def check_model(backend_name: str, model: str, dtype: str, device: torch.device, steps: int,
+                seed: int, graphs: bool) -> Row:
+    """The same prompts through the model with the backend and with eager, stepped together."""
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine import Engine
+
+    base = EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
+                        seed=seed, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=1024,
+                        max_model_len=512)
+    ref = Engine(dataclasses.replace(base, backend="eager", enforce_eager=True))
+    eng = Engine(dataclasses.replace(base, backend=backend_name, enforce_eager=not graphs))
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 15, 16, 17, 40, 100]  # around page boundaries, and a single token
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    ref_seqs = [ref.add_request(p, params) for p in prompts]
+    seqs = [eng.add_request(p, params) for p in prompts]
+    diverged: dict[int, int] = {}  # request index -> first output position that differs
+    worst_abs = worst_rel = 0.0
+    while ref.has_unfinished():
+        ref.step()
+        eng.step()
+        r_rows = {s.seq_id: i for i, s in enumerate(ref.runner.last_sampled)}
+        for i, s in enumerate(eng.runner.last_sampled):
+            if s.seq_id in diverged:
+                continue  # contexts differ from here on: logits are no longer comparable
+            la = eng.runner.last_logits[i].float()
+            lb = ref.runner.last_logits[r_rows[s.seq_id]].float()
+            err = (la - lb).abs().max().item()
+            worst_abs = max(worst_abs, err)
+            worst_rel = max(worst_rel, err / max(lb.abs().max().item(), 1e-6))
+        for s, r in zip(seqs, ref_seqs):
+            n = min(s.num_output_tokens, r.num_output_tokens)
+            if s.seq_id not in diverged and s.output_token_ids[:n] != r.output_token_ids[:n]:
+                diverged[s.seq_id] = next(j for j in range(n)
+                                          if s.output_token_ids[j] != r.output_token_ids[j])
+    total = sum(s.num_output_tokens for s in seqs)
+    same = sum(a == b for s, r in zip(seqs, ref_seqs)
+               for a, b in zip(s.output_token_ids, r.output_token_ids))
+    tol = MODEL_TOL[eng.runner.dtype]
+    first = min(diverged.values()) if diverged else None
+    detail = (f"greedy agreement {same}/{total}; "
+              + (f"first divergence at step {first}" if first is not None else "no divergence"))
+    label = f"model {eng.src.name} {str(eng.runner.dtype).removeprefix('torch.')}, " \
+            f"CUDA graphs {'on' if graphs else 'off'}"
+    return Row("model", label, len(prompts) * steps, worst_abs, worst_rel, tol,
+               worst_rel <= tol, detail)
+
+
+def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
+                   steps: int, seed: int) -> BackendReport:
+    if name == "eager":
+        return BackendReport(name, "reference", "the reference itself (tested against a dense "
+                                                "float64 computation in the test suite)")
+    status = {s.name: s for s in backend_status(device)}[name]
+    if not status.available:
+        return BackendReport(name, "skipped", status.reason)
+    backend = get_backend(name, device)
+    report = BackendReport(name, "checked")
+    report.rows += check_kernels(backend, device, cases, seed)
+    graph_modes = [False] + ([True] if backend.supports_cuda_graphs and device.type == "cuda"
+                             else [])
+    for graphs in graph_modes:
+        report.rows.append(check_model(name, model, dtype, device, steps, seed, graphs))
+    return report
+
+
+def render(reports: list[BackendReport], console: Console) -> None:
+    for rep in reports:
+        if rep.status != "checked":
+            console.print(f"[bold]{rep.backend}[/]: {rep.status} — {escape(rep.reason)}")
+            continue
+        t = Table(title=f"{rep.backend} vs eager", title_justify="left")
+        for col in ("check", "cases", "worst abs err", "worst rel err", "tolerance", "result",
+                    "notes"):
+            t.add_column(col, justify="left" if col in ("check", "notes") else "right")
+        for r in rep.rows:
+            t.add_row(r.group, str(r.cases), f"{r.worst_abs:.2e}", f"{r.worst_rel:.2e}",
+                      f"{r.tol:.0e}{' rel' if r.kind == 'model' else ''}",
+                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]", escape(r.detail))
+        console.print(t)
+
+
+def verify(
+    backend: str = typer.Option("all", help="A backend name, or all."),
+    model: str = typer.Option("tiny", help="Model for the model-level check (dummy weights)."),
+    dtype: str = typer.Option("auto", help="Model dtype for the model-level check."),
+    cases: int = typer.Option(24, min=1, help="Random cases per kernel check group."),
+    steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),
+    seed: int = typer.Option(0),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
+) -> None:
+    """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
+    from pagedgen.cli.main import console, out_console
+    from pagedgen.runtime.config import EngineConfig
+
+    names = backend_names()
+    if backend != "all" and backend not in names:
+        console.print(f"[bold red]error:[/] unknown backend '{backend}'; known: "
+                      f"{', '.join(names)}")
+        raise typer.Exit(2)
+    try:
+        dev = EngineConfig(device=device or "auto").torch_device()
+        t0 = time.perf_counter()
+        reports = [verify_backend(n, dev, model, dtype, cases, steps, seed)
+                   for n in (names if backend == "all" else [backend])]
+    except PagedgenError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    out = out_console()
+    render(reports, out)
+    checked = [r for r in reports if r.status == "checked"]
+    failed = [r.backend for r in checked if not r.passed]
+    n_rows = sum(len(r.rows) for r in checked)
+    n_bad = sum(not row.passed for r in checked for row in r.rows)
+    skipped = [r.backend for r in reports if r.status == "skipped"]
+    out.print(f"{'[bold red]FAIL' if failed else '[bold green]PASS'}[/]: {n_rows - n_bad}/{n_rows}"
+              f" checks passed on {dev} for {', '.join(r.backend for r in checked) or 'nothing'}"
+              + (f"; failing: {', '.join(failed)}" if failed else "")
+              + (f"; skipped: {', '.join(skipped)}" if skipped else "")
+              + f" ({time.perf_counter() - t0:.1f} s)")
+    if json_path:
+        json_path.write_text(json.dumps({"device": str(dev), "passed": not failed,
+                                         "backends": [dataclasses.asdict(r) for r in reports]},
+                                        indent=2))
+    if failed:
+        raise typer.Exit(1)

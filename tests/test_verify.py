@@ -1,0 +1,100 @@
+"""`pagedgen verify` passes correct backends and fails a deliberately broken one."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from typer.testing import CliRunner
+
+from pagedgen.attention.registry import _BACKENDS, register_backend
+from pagedgen.attention.sdpa import SdpaBackend, SdpaImpl
+from pagedgen.cli.main import app
+
+runner = CliRunner()
+FAST = ["--device", "cpu", "--cases", "6", "--steps", "4"]
+
+
+class OffByOneDecodeImpl(SdpaImpl):
+    """Planted bug: decode ignores the sequence's newest cached token (an off-by-one length)."""
+
+    def _decode(self, q, kv_cache, md):
+        md.seq_lens = torch.clamp(md.seq_lens - 1, min=1)
+        return super()._decode(q, kv_cache, md)
+
+
+class OffByOneDecodeBackend(SdpaBackend):
+    name = "broken-decode"
+
+    @staticmethod
+    def get_impl_cls():
+        return OffByOneDecodeImpl
+
+
+class WrongCausalOffsetImpl(SdpaImpl):
+    """Planted bug: prefill masks as if the new tokens started at position 0 (no prior context)."""
+
+    def _prefill(self, q, kv_cache, md, out):
+        qsl = md.query_start_loc.tolist()
+        for i, seq_len in enumerate(md.seq_lens_cpu):
+            n = qsl[i + 1] - qsl[i]
+            from pagedgen.attention.kv_cache import gather_kv
+            k, v = gather_kv(kv_cache, md.block_tables[i], seq_len)
+            o = self._sdpa(q[qsl[i]:qsl[i + 1]].transpose(0, 1), k.transpose(0, 1),
+                           v.transpose(0, 1), None, n > 1)  # top-left causal: wrong with context
+            out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1)
+
+
+class WrongCausalOffsetBackend(SdpaBackend):
+    name = "broken-causal"
+
+    @staticmethod
+    def get_impl_cls():
+        return WrongCausalOffsetImpl
+
+
+def invoke(*args):
+    return runner.invoke(app, ["verify", *map(str, args)])
+
+
+def test_verify_passes_sdpa_and_writes_json(tmp_path):
+    res = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "v.json")
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.output
+    data = json.loads((tmp_path / "v.json").read_text())
+    assert data["passed"] is True
+    (rep,) = data["backends"]
+    kinds = {r["kind"] for r in rep["rows"]}
+    assert kinds == {"kernel", "model"}
+    assert all(r["worst_abs"] <= r["tol"] for r in rep["rows"] if r["kind"] == "kernel")
+
+
+def test_verify_all_lists_gpu_only_backends_as_skipped_on_cpu():
+    res = invoke("--backend", "all", *FAST)
+    assert res.exit_code == 0, res.output
+    assert "flashinfer: skipped" in res.output or "flashinfer vs eager" in res.output
+
+
+def test_verify_fails_an_off_by_one_decode():
+    register_backend("broken-decode", "test_verify:OffByOneDecodeBackend")
+    try:
+        res = invoke("--backend", "broken-decode", *FAST)
+    finally:
+        del _BACKENDS["broken-decode"]
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output
+
+
+def test_verify_fails_a_wrong_causal_offset():
+    register_backend("broken-causal", "test_verify:WrongCausalOffsetBackend")
+    try:
+        res = invoke("--backend", "broken-causal", *FAST)
+    finally:
+        del _BACKENDS["broken-causal"]
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output
+
+
+def test_verify_usage_error_exits_2():
+    assert invoke("--backend", "nope", "--device", "cpu").exit_code == 2
+    assert invoke("--cases", "0").exit_code == 2
