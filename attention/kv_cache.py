@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedgen.runtime.profiling import scope
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
@@ -15,6 +17,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     FP8 caches store ``x / scale`` (copied as bytes, since index_copy has no FP8 kernels).
     """
+    with scope("kv_cache_write"):
+        _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+
+
+def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:
     num_blocks, _, block_size, h, d = kv_cache.shape
     rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
     flat = kv_cache.view(num_blocks * 2 * block_size, h, d)

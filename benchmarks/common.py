@@ -60,22 +60,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingPara
     return res
 
 
-def copy_bandwidth(nbytes: int = 4 << 30, iters: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of runs."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(iters + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    times = sorted(times[2:])
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / times[len(times) // 2]
+from pagedgen.runtime.hardware import copy_bandwidth  # noqa: E402,F401
 
 
 def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:

@@ -208,9 +208,11 @@ def backends(device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or
     out.print(f"auto → {get_backend('auto', dev).name}")
 
 
+from pagedgen.cli.profile import profile  # noqa: E402
 from pagedgen.cli.verify import verify  # noqa: E402
 
 app.command()(verify)
+app.command("profile")(profile)
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ from pagedgen.runtime.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.decode_advance import DecodeAdvancer
 from pagedgen.runtime.models.llama import layer_specs
 from pagedgen.runtime.models.loader import ModelSource, build_model
+from pagedgen.runtime.profiling import scope
 from pagedgen.runtime.sampler import SamplingBatch, sample
 from pagedgen.runtime.scheduler import ScheduledBatch
 from pagedgen.runtime.sequence import Sequence
@@ -181,10 +182,11 @@ class ModelRunner:
             self.attn_state.begin_forward(md)
         self.host_time_s[kind] += time.perf_counter() - t0
         self.host_steps[kind] += 1
-        if graph_bs is not None:
-            hidden = self.graphs.replay(graph_bs, md.num_decodes)
-        else:
-            hidden = self.model(ids, pos, self.kv_caches, md)
+        with scope("forward"):
+            if graph_bs is not None:
+                hidden = self.graphs.replay(graph_bs, md.num_decodes)
+            else:
+                hidden = self.model(ids, pos, self.kv_caches, md)
         # the last token of every sequence whose uncomputed tokens all ran this step
         rows, sampling = [], []
         qsl = 0
@@ -199,7 +201,8 @@ class ModelRunner:
             return []
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
         self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
-        tokens = sample(logits, self.sampling_batch(sampling))
+        with scope("sampling"):
+            tokens = sample(logits, self.sampling_batch(sampling))
         if self.advancer is not None and not batch.prefills:
             self.advancer.sampled(tokens)
         return list(zip(sampling, tokens.tolist()))

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedgen.attention.backend import (AttentionImpl, AttentionMetadata, AttentionType,
                                         LayerSpec)
+from pagedgen.runtime.profiling import scope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -26,10 +27,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        with scope("normalization"):
+            dtype = x.dtype
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x.to(dtype)
 
 
 class RotaryEmbedding:
@@ -109,8 +111,10 @@ class Attention(nn.Module):
         v = v.reshape(-1, s.num_kv_heads, s.head_size)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos_sin)
-        o = self.impl.forward(q, k, v, kv_cache, metadata)
+        with scope("rotary"):
+            q, k = apply_rotary(q, k, cos_sin)
+        with scope("attention"):
+            o = self.impl.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -123,7 +127,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        with scope("activation"):
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -178,7 +184,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions)
+        with scope("rotary"):
+            cos_sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.model.layers, kv_caches):
             x = layer(cos_sin, x, cache, metadata)
         return self.model.norm(x)

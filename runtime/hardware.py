@@ -1,0 +1,39 @@
+"""Measured device limits used as rooflines: copy bandwidth and matmul throughput."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _time_cuda(fn, iters: int) -> float:
+    """Median seconds of ``fn`` over ``iters`` runs after two warm-ups (CUDA events)."""
+    times = []
+    for i in range(iters + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(a.elapsed_time(b) / 1000)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth, bytes/s counting bytes read and written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    t = _time_cuda(lambda: dst.copy_(src), iters)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / t
+
+
+def matmul_flops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, iters: int = 10) -> float:
+    """Dense matmul throughput, FLOP/s, on random data (the practical peak)."""
+    a = torch.randn(n, n, dtype=dtype, device="cuda")
+    b = torch.randn(n, n, dtype=dtype, device="cuda")
+    t = _time_cuda(lambda: a @ b, iters)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / t

@@ -1,0 +1,106 @@
+"""`pagedgen profile`: JSON fields, kernel grouping, graph-kernel attribution, files written."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pagedgen.cli.main import app
+from pagedgen.runtime import kernel_stats as ks
+
+runner = CliRunner()
+
+
+def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path):
+    res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "all",
+                              "--batch-sizes", "1,3", "--prompt-len", "20",
+                              "--measured-steps", "3", "--warmup-steps", "1",
+                              "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "profile.json").read_text())
+    assert data["workload"]["batch_sizes"] == [1, 3]
+    backends = [r["backend"] for r in data["results"]]
+    assert backends == ["sdpa", "eager"]
+    for r in data["results"]:
+        assert [b["batch"] for b in r["batches"]] == [1, 3]
+        for b in r["batches"]:
+            assert b["prefill_tok_s"] > 0 and b["decode_tok_s"] > 0
+            assert b["step_ms_p50"] <= b["step_ms_p90"] <= b["step_ms_p99"]
+        for phase in ("prefill", "decode"):
+            groups = r["phases"][phase]["groups_us"]
+            assert set(groups) == set(ks.GROUPS)
+            assert groups["GEMM"] > 0 and groups["attention"] > 0
+        assert "not_measured" in r
+        assert (tmp_path / f"trace-{r['backend']}.json").stat().st_size > 1000
+    for png in ("kernel_groups.png", "decode_step_vs_batch.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "backends side by side" in res.output
+
+
+def test_known_kernel_names_fall_in_their_groups():
+    cases = {
+        "void flashinfer::BatchPrefillWithPagedKVCacheKernel<...>": "attention",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128>>": "attention",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+        "nvjet_sm90_tst_256x48_64x5_4x1_v_bz_TNT": "GEMM",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "GEMM",
+        "void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm>": "GEMM",
+        "void at::native::vectorized_elementwise_kernel<4, silu_kernel>": "activation",
+        "void at::native::(anonymous namespace)::cunn_SoftMaxForward": "other",
+        "Memcpy HtoD (Pinned -> Device)": "memory copy",
+        "void at::native::reduce_kernel<512, 1, ArgMaxOps<float>>": "sampling",
+        "void vllm::reshape_and_cache_flash_kernel<bf16>": "KV-cache write",
+        "void at::native::index_copy_kernel_impl": "KV-cache write",
+        "rms_norm_kernel": "normalization",
+        "apply_rotary_embedding_kernel": "rotary",
+    }
+    for name, group in cases.items():
+        assert ks.group_from_name(name) == group, name
+
+
+def _ev(cat, name, ts, dur, tid=1, corr=None):
+    e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 1,
+         "args": {}}
+    if corr is not None:
+        e["args"]["correlation"] = corr
+    return e
+
+
+def test_scopes_phases_and_graph_replays_are_attributed():
+    ev = [
+        # eager reference forward: two scoped kernels and a GEMM
+        _ev("user_annotation", "pagedgen.reference", 0, 100),
+        _ev("user_annotation", "pg:forward", 1, 90),
+        _ev("user_annotation", "pg:normalization", 2, 10),
+        _ev("cuda_runtime", "cudaLaunchKernel", 3, 1, corr=1),
+        _ev("user_annotation", "pg:activation", 20, 10),
+        _ev("cuda_runtime", "cudaLaunchKernel", 21, 1, corr=2),
+        _ev("cuda_runtime", "cudaLaunchKernel", 40, 1, corr=3),
+        _ev("kernel", "elementwise_kernel<mul>", 5, 4, tid=7, corr=1),
+        _ev("kernel", "elementwise_kernel<mul>", 25, 6, tid=7, corr=2),
+        _ev("kernel", "nvjet_gemm", 45, 30, tid=7, corr=3),
+        # a decode step replayed from a CUDA graph: same kernels, no scopes
+        _ev("user_annotation", "pagedgen.decode", 200, 100),
+        _ev("cuda_runtime", "cudaGraphLaunch", 201, 2, corr=9),
+        _ev("kernel", "elementwise_kernel<mul>", 210, 4, tid=7, corr=9),
+        _ev("kernel", "elementwise_kernel<mul>", 220, 6, tid=7, corr=9),
+        _ev("kernel", "nvjet_gemm", 230, 30, tid=7, corr=9),
+        _ev("gpu_memcpy", "Memcpy HtoD", 280, 2, tid=7, corr=10),
+        _ev("cuda_runtime", "cudaMemcpyAsync", 270, 1, corr=10),
+    ]
+    kernels = ks.load_kernels({"traceEvents": ev})
+    ref = [k for k in kernels if k.phase == "reference" and k.in_forward]
+    assert [k.group for k in ref] == ["normalization", "activation", "GEMM"]
+    decode = [k for k in kernels if k.phase == "decode"]
+    assert [k.group for k in decode] == ["other", "other", "GEMM", "memory copy"]
+    assert ks.attribute_graph_kernels(kernels, ref) == 1
+    assert [k.group for k in decode] == ["normalization", "activation", "GEMM", "memory copy"]
+    summary = ks.summarize(kernels)
+    assert summary["decode"]["gpu_time_us"] == 42
+    assert summary["decode"]["graph_kernels"] == 3
+    assert summary["decode"]["groups_us"]["activation"] == 6
+
+
+def test_short_names_drop_templates():
+    assert ks.short_name("void a::b<c<d>, e>(int)") == "a::b<…>"
