@@ -14,11 +14,12 @@ from pagedgen.errors import PagedgenError
 # makes its own backend unavailable.
 _BACKENDS: dict[str, str] = {
     "flashinfer": "pagedgen.attention.flashinfer:FlashInferBackend",
+    "triton": "pagedgen.attention.triton_attn:TritonBackend",
     "sdpa": "pagedgen.attention.sdpa:SdpaBackend",
     "eager": "pagedgen.attention.eager:EagerBackend",
 }
 # `auto` takes the first available backend in this order.
-_AUTO_ORDER = {"cuda": ["flashinfer", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
+_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
 
 
 def register_backend(name: str, target: str) -> None:

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # test our Triton kernels on CPU, in Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pagedgen.attention.cases import PagedBatch, make_paged_batch, run_backend  # noqa: F401
 

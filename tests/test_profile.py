@@ -21,7 +21,7 @@ def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path):
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["workload"]["batch_sizes"] == [1, 3]
     backends = [r["backend"] for r in data["results"]]
-    assert backends == ["sdpa", "eager"]
+    assert backends[-2:] == ["sdpa", "eager"]  # (after triton when its interpreter is on)
     for r in data["results"]:
         assert [b["batch"] for b in r["batches"]] == [1, 3]
         for b in r["batches"]:

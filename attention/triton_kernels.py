@@ -1,0 +1,180 @@
+"""pagedgen's own paged-attention kernels, in Triton.
+
+* ``write_kv_kernel``: reshape-and-cache, one program per new token, every KV head at once.
+* ``prefill_kernel``: causal attention of new tokens (with prior cached context) over K/V read
+  through the block table; FlashAttention-style online softmax over BLOCK_N-token tiles. The
+  query heads of one KV head are processed together: a tile's rows are (token, head) pairs.
+* ``decode_kernel``: one query token per sequence; the G query heads of a KV head form the rows
+  of a [G, D] x [D, BLOCK_N] product. Long contexts are split across programs (split-KV /
+  flash-decoding) and ``merge_kernel`` combines the partial results by their log-sum-exp.
+
+All accumulate in float32. Sliding window: keys ``pos - window < j <= pos``. Soft-cap:
+``cap * tanh(s / cap)``. Kernels run compiled on CUDA GPUs and, for tests, under
+``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def write_kv_kernel(K, V, Cache, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_cb, stride_c2, stride_cs, stride_ch,
+                    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(Slots + t)
+    blk = slot // PAGE
+    off = slot % PAGE
+    h = tl.arange(0, HP)[:, None]
+    d = tl.arange(0, D)[None, :]
+    mask = h < H
+    dst = Cache + blk * stride_cb + off * stride_cs + h * stride_ch + d
+    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
+    tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(dst + stride_c2, v.to(Cache.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, TileQStart,
+                   stride_qt, stride_qh, stride_ot, stride_oh,
+                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
+                   scale, soft_cap, window,
+                   G: tl.constexpr, G_TILE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
+                   USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    hp = tl.program_id(1)
+    kvh = hp // (G // G_TILE)
+    g0 = (hp % (G // G_TILE)) * G_TILE
+    seq = tl.load(TileSeq + tile)
+    qs = tl.load(TileQStart + tile)
+    q_off = tl.load(QStartLoc + seq)
+    q_len = tl.load(QStartLoc + seq + 1) - q_off
+    ctx = tl.load(ContextLens + seq)
+    BLOCK_Q: tl.constexpr = BLOCK_M // G_TILE
+    r = tl.arange(0, BLOCK_M)
+    tok = qs + r // G_TILE
+    head = kvh * G + g0 + r % G_TILE
+    row_ok = tok < q_len
+    q_pos = ctx + tok
+    d = tl.arange(0, D)
+    q = tl.load(Q + (q_off + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None], other=0.0)
+    hi = ctx + tl.minimum(qs + BLOCK_Q, q_len)  # keys [lo, hi) can be seen by this tile
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(ctx + qs - window + 1, 0) // BLOCK_N * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n in range(lo, hi, BLOCK_N):
+        offs = n + tl.arange(0, BLOCK_N)
+        kv_ok = offs < hi
+        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok, other=0)
+        kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
+            + kvh * stride_ch + d[None, :]
+        k = tl.load(kp, mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        ok = (offs[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if USE_WINDOW:
+            ok = ok & (offs[None, :] > q_pos[:, None] - window)
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + (q_off + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
+                  stride_qt, stride_qh, stride_ot, stride_oh,
+                  stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
+                  stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
+                  scale, soft_cap, window, num_splits,
+                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(SeqLens + seq)
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    lo = start // BLOCK_N * BLOCK_N
+    n_tiles = tl.cdiv(seq_len - lo, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    t0 = split * per_split
+    t1 = tl.minimum(t0 + per_split, n_tiles)
+    g = tl.arange(0, GP)
+    head = kvh * G + g
+    g_ok = g < G
+    d = tl.arange(0, D)
+    q = tl.load(Q + seq * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None], other=0.0)
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    for t in range(t0, t1):
+        offs = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_ok = (offs < seq_len) & (offs >= start)
+        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok, other=0)
+        kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
+            + kvh * stride_ch + d[None, :]
+        k = tl.load(kp, mask=kv_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if USE_SOFTCAP:
+            s = soft_cap * _tanh(s / soft_cap)
+        s = tl.where(kv_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    if DIRECT:
+        tl.store(Out + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(OutPart + split * stride_ps + seq * stride_pt + head[:, None] * stride_ph
+                 + d[None, :], out, mask=g_ok[:, None])
+        tl.store(LsePart + split * stride_ls + seq * stride_lt + head, lse, mask=g_ok)
+
+
+@triton.jit
+def merge_kernel(Out, OutPart, LsePart, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
+                 stride_ls, stride_lt, num_splits, D: tl.constexpr, SP: tl.constexpr):
+    seq = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SP)
+    s_ok = s < num_splits
+    lse = tl.load(LsePart + s * stride_ls + seq * stride_lt + h, mask=s_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(s_ok & (lse > float("-inf")), tl.exp(lse - m), 0.0)
+    w = w / tl.sum(w, 0)
+    d = tl.arange(0, D)
+    part = tl.load(OutPart + s[:, None] * stride_ps + seq * stride_pt + h * stride_ph + d[None, :],
+                   mask=s_ok[:, None], other=0.0)
+    out = tl.sum(part * w[:, None], 0)
+    tl.store(Out + seq * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))

@@ -1,0 +1,87 @@
+"""Attention kernel throughput per backend on fixed shapes (issues 6 and 7).
+
+32 query / 8 KV heads, head_dim 128, bf16, page size 16 (``--page-size``), NHD cache:
+  decode 64 x 4096 and 1 x 32768 (GB/s of K/V read), prefill 8 x 4096 causal (TFLOP/s).
+Each figure: median of ``--iters`` runs of one layer's AttentionImpl.forward (CUDA events),
+planned once outside the timing; the forward includes writing the new tokens' K/V.
+
+    python benchmarks/attention_kernels.py --backends flashinfer,triton
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from pagedgen.attention.backend import AttentionMetadataBuilder, LayerSpec, ScheduledSeq
+from pagedgen.attention.registry import get_backend
+
+HQ, HKV, D = 32, 8, 128
+
+
+def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: int) -> dict:
+    dev = torch.device("cuda")
+    backend = get_backend(backend_name, dev)
+    spec = LayerSpec(HQ, HKV, D, D ** -0.5)
+    n_new = 1 if kind == "decode" else ctx
+    pages_per_seq = -(-ctx // page)
+    num_blocks = batch * pages_per_seq + 1
+    shape = backend.get_kv_cache_shape(num_blocks, page, HKV, D)
+    cache = torch.randn(shape, dtype=torch.bfloat16, device=dev)
+    perm = torch.randperm(num_blocks - 1).tolist()
+    seqs = [ScheduledSeq(perm[i * pages_per_seq:(i + 1) * pages_per_seq], ctx - n_new, n_new)
+            for i in range(batch)]
+    builder = AttentionMetadataBuilder(page, dev)
+    md = builder.build(seqs, []) if kind == "prefill" else builder.build([], seqs)
+    state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, torch.bfloat16, dev)
+    impl = backend.get_impl_cls()(spec, state)
+    t = batch * n_new
+    q = torch.randn(t, HQ, D, dtype=torch.bfloat16, device=dev)
+    k = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
+    v = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
+    state.begin_forward(md)
+    for _ in range(3):
+        impl.forward(q, k, v, cache, md)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        impl.forward(q, k, v, cache, md)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    s = sorted(times)[len(times) // 2]
+    res = {"backend": backend_name, "kind": kind, "batch": batch, "context": ctx, "page": page,
+           "ms": s * 1000}
+    if kind == "decode":
+        res["GB_s"] = batch * ctx * HKV * D * 2 * 2 / s / 1e9
+    else:
+        res["TFLOP_s"] = batch * 4 * HQ * D * ctx * (ctx + 1) / 2 / s / 1e12
+    del cache
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--backends", default="flashinfer,triton")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    for name in args.backends.split(","):
+        for kind, batch, ctx in (("decode", 64, 4096), ("decode", 1, 32768),
+                                 ("prefill", 8, 4096)):
+            r = bench(name, kind, batch, ctx, args.page_size, args.iters)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
