@@ -22,6 +22,7 @@ CONFIGS = {
     "flashinfer+graphs/host-built-metadata": dict(backend="flashinfer",
                                                   advance_decode_on_device=False),
     "flashinfer/no-graphs": dict(backend="flashinfer", enforce_eager=True),
+    "triton+graphs": dict(backend="triton"),
     "sdpa": dict(backend="sdpa", enforce_eager=True),
 }
 

@@ -364,7 +364,8 @@ def charts(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 def profile(
     profile_name: Optional[str] = typer.Option(None, "--profile",
                                                help="Run profile: name or YAML [default: tiny]."),
-    backend: Optional[str] = typer.Option(None, help="Backend name, auto, or all."),
+    backend: Optional[str] = typer.Option(None, help="Backend name, auto, or all (every "
+                                                     "available backend but eager)."),
     model: Optional[str] = typer.Option(None, help="Checkpoint directory or preset."),
     device: Optional[str] = typer.Option(None),
     dtype: Optional[str] = typer.Option(None),
@@ -394,8 +395,8 @@ def profile(
                                   warmup_steps=warmup_steps, measured_steps=measured_steps,
                                   cuda_graphs=cuda_graphs))
         dev = engine_cfg.torch_device()
-        if backend == "all":
-            names = [s.name for s in backend_status(dev) if s.available]
+        if backend == "all":  # every fast path; eager is the reference, not a contender
+            names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
         else:
             names = [get_backend(backend or engine_cfg.backend, dev).name]
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,7 @@ def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path):
     data = json.loads((tmp_path / "profile.json").read_text())
     assert data["workload"]["batch_sizes"] == [1, 3]
     backends = [r["backend"] for r in data["results"]]
-    assert backends[-2:] == ["sdpa", "eager"]  # (after triton when its interpreter is on)
+    assert backends[-1] == "sdpa" and "eager" not in backends  # triton too, if interpreting
     for r in data["results"]:
         assert [b["batch"] for b in r["batches"]] == [1, 3]
         for b in r["batches"]:
@@ -35,7 +35,8 @@ def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path):
         assert (tmp_path / f"trace-{r['backend']}.json").stat().st_size > 1000
     for png in ("kernel_groups.png", "decode_step_vs_batch.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    assert "backends side by side" in res.output
+    if len(backends) > 1:
+        assert "backends side by side" in res.output
 
 
 def test_known_kernel_names_fall_in_their_groups():
