@@ -101,8 +101,8 @@ class TritonImpl(AttentionImpl):
         with scope("kv_cache_write"):
             tk.write_kv_kernel[(q.shape[0],)](
                 k, v, kv_cache, md.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                v.stride(1), cs[0], cs[1], cs[2], cs[3], H=spec.num_kv_heads,
-                HP=_pow2(spec.num_kv_heads), D=spec.head_size, PAGE=md.block_size)
+                v.stride(1), cs[0], cs[1], cs[2], cs[3], spec.num_kv_heads, md.block_size,
+                HP=_pow2(spec.num_kv_heads), D=spec.head_size)
         window = spec.sliding_window or 0
         cap = spec.logits_soft_cap or 0.0
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -114,8 +114,8 @@ class TritonImpl(AttentionImpl):
                 q, kv_cache, out, md.block_tables, md.query_start_loc, md.context_lens,
                 plan.tile_seq, plan.tile_qstart, q.stride(0), q.stride(1), out.stride(0),
                 out.stride(1), cs[0], cs[1], cs[2], cs[3], md.block_tables.stride(0),
-                spec.scale, cap, window, G=group, G_TILE=st.g_tile, D=spec.head_size,
-                PAGE=md.block_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
+                spec.scale, cap, window, group, st.g_tile, md.block_size, D=spec.head_size,
+                BLOCK_M=st.block_m, BLOCK_N=st.block_n,
                 USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=precision,
                 **({} if _interpreting() else {"num_warps": 8 if st.block_m >= 128 else 4,
                                               "num_stages": 2}))
@@ -135,8 +135,8 @@ class TritonImpl(AttentionImpl):
                 dq.stride(0), dq.stride(1), dout.stride(0), dout.stride(1),
                 cs[0], cs[1], cs[2], cs[3], dec.block_tables.stride(0),
                 part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-                spec.scale, cap, window, splits, G=group, GP=max(16, _pow2(group)),
-                D=spec.head_size, PAGE=md.block_size, BLOCK_N=st.decode_block_n,
+                spec.scale, cap, window, splits, group, md.block_size,
+                GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=st.decode_block_n,
                 USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=splits == 1,
                 PRECISION=precision,
                 **({} if _interpreting() else {"num_warps": 4, "num_stages": 2}))
@@ -153,9 +153,10 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_sliding_window = True
     supports_soft_cap = True
-    # Triton's CPU interpreter computes bf16 dot products wrongly, so no bf16 there.
+    # Triton's CPU interpreter computes bf16 dot products wrongly, so no bf16 there; fp32 is
+    # for the interpreter's tests only (GPU kernels are tuned for 16-bit inputs).
     supported_dtypes = (torch.float16, torch.float32) if _interpreting() else (
-        torch.float16, torch.bfloat16, torch.float32)
+        torch.float16, torch.bfloat16)
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

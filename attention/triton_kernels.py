@@ -26,8 +26,8 @@ def _tanh(x):
 
 @triton.jit
 def write_kv_kernel(K, V, Cache, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cb, stride_c2, stride_cs, stride_ch,
-                    H: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr):
+                    stride_cb, stride_c2, stride_cs, stride_ch, H, PAGE,
+                    HP: tl.constexpr, D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     blk = slot // PAGE
@@ -46,10 +46,9 @@ def write_kv_kernel(K, V, Cache, Slots, stride_kt, stride_kh, stride_vt, stride_
 def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, TileQStart,
                    stride_qt, stride_qh, stride_ot, stride_oh,
                    stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
-                   scale, soft_cap, window,
-                   G: tl.constexpr, G_TILE: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                   USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                   scale, soft_cap, window, G, G_TILE, PAGE,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     hp = tl.program_id(1)
     kvh = hp // (G // G_TILE)
@@ -59,7 +58,7 @@ def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, 
     q_off = tl.load(QStartLoc + seq)
     q_len = tl.load(QStartLoc + seq + 1) - q_off
     ctx = tl.load(ContextLens + seq)
-    BLOCK_Q: tl.constexpr = BLOCK_M // G_TILE
+    block_q = BLOCK_M // G_TILE
     r = tl.arange(0, BLOCK_M)
     tok = qs + r // G_TILE
     head = kvh * G + g0 + r % G_TILE
@@ -68,7 +67,7 @@ def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, 
     d = tl.arange(0, D)
     q = tl.load(Q + (q_off + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    hi = ctx + tl.minimum(qs + BLOCK_Q, q_len)  # keys [lo, hi) can be seen by this tile
+    hi = ctx + tl.minimum(qs + block_q, q_len)  # keys [lo, hi) can be seen by this tile
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx + qs - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -107,9 +106,8 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                  scale, soft_cap, window, num_splits,
-                  G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  scale, soft_cap, window, num_splits, G, PAGE,
+                  GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                   DIRECT: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)

@@ -2,8 +2,10 @@
 
 32 query / 8 KV heads, head_dim 128, bf16, page size 16 (``--page-size``), NHD cache:
   decode 64 x 4096 and 1 x 32768 (GB/s of K/V read), prefill 8 x 4096 causal (TFLOP/s).
-Each figure: median of ``--iters`` runs of one layer's AttentionImpl.forward (CUDA events),
-planned once outside the timing; the forward includes writing the new tokens' K/V.
+Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
+times back to back between two CUDA events (decode: replayed from a CUDA graph when the backend
+supports graphs, so host launch overhead is not counted); the forward includes writing the new
+tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
 
     python benchmarks/attention_kernels.py --backends flashinfer,triton
 """
@@ -42,20 +44,31 @@ def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: 
     q = torch.randn(t, HQ, D, dtype=torch.bfloat16, device=dev)
     k = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
     v = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
-    state.begin_forward(md)
-    for _ in range(3):
-        impl.forward(q, k, v, cache, md)
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        impl.forward(q, k, v, cache, md)
-        b.record()
+    run = lambda: impl.forward(q, k, v, cache, md)  # noqa: E731
+    graphed = kind == "decode" and backend.supports_cuda_graphs
+    if graphed:
+        state.make_graph_plan(batch, num_blocks)
+        state.begin_forward(md, graph_batch_size=batch)
+        run()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
-    s = sorted(times)[len(times) // 2]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay  # noqa: E731
+    else:
+        state.begin_forward(md)
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        run()
+    b.record()
+    torch.cuda.synchronize()
+    s = a.elapsed_time(b) / 1000 / iters
     res = {"backend": backend_name, "kind": kind, "batch": batch, "context": ctx, "page": page,
-           "ms": s * 1000}
+           "cuda_graph": graphed, "ms": s * 1000}
     if kind == "decode":
         res["GB_s"] = batch * ctx * HKV * D * 2 * 2 / s / 1e9
     else:
