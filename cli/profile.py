@@ -78,37 +78,32 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     name = r.backend.name
     kernel_batch = max(wl.batch_sizes)
     decode_steps = max(1, min(wl.measured_steps, wl.output_len - wl.warmup_steps - 2))
-    params = SamplingParams(max_tokens=wl.warmup_steps + decode_steps + 2, temperature=0.0,
-                            ignore_eos=True)
     per_batch = []
     prof = None
     for batch in wl.batch_sizes:
-        seqs = [engine.add_request(p, params) for p in _prompts(engine, wl, batch, seed)]
+        prompts = _prompts(engine, wl, batch, seed)
+        # sequences admitted early also decode during the later prefill chunks: leave room
+        chunks = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens) + 1
+        params = SamplingParams(max_tokens=chunks + wl.warmup_steps + decode_steps + 2,
+                                temperature=0.0, ignore_eos=True)
+        seqs = [engine.add_request(p, params) for p in prompts]
         if batch == kernel_batch:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if r.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             prof = torch.profiler.profile(activities=acts)
             prof.start()
-        with profiling.enabled() if batch == kernel_batch else _null():
-            prefill_s, prefill_tokens = 0.0, 0
-            while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in seqs):
-                before = engine.stats.prefill_tokens
-                prefill_s += _step(engine, "prefill")
-                prefill_tokens += engine.stats.prefill_tokens - before
-            for _ in range(wl.warmup_steps):
-                _step(engine, "warmup")
-            times = [_step(engine, "decode") for _ in range(decode_steps)]
-            if batch == kernel_batch and r.graphs is not None:  # one eager forward as reference
-                graphs, r.graphs = r.graphs, None
-                _step(engine, "reference")
-                r.graphs = graphs
-        if batch == kernel_batch:
-            prof.stop()
+        timings: dict[str, Any] = {}
+        try:
+            _measure(engine, seqs, wl, decode_steps, batch == kernel_batch, timings)
+        finally:
+            if batch == kernel_batch:
+                prof.stop()
+        prefill_s, prefill_tokens, times = (timings["prefill_s"], timings["prefill_tokens"],
+                                            timings["times"])
         while engine.has_unfinished():
             engine.step()
-        ctx = statistics.fmean(s.num_prompt_tokens for s in seqs) + wl.warmup_steps \
-            + decode_steps / 2
+        ctx = timings["mean_context"]
         p50 = _percentile(times, 50)
         row = {"batch": batch, "prefill_tokens": prefill_tokens,
                "prefill_tok_s": prefill_tokens / prefill_s if prefill_s else 0.0,
@@ -145,6 +140,29 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool, out: dict) -> None:
+    """Prefill the batch, warm up, then time ``decode_steps`` decode steps (into ``out``)."""
+    r = engine.runner
+    with profiling.enabled() if profiled else _null():
+        prefill_s, prefill_tokens = 0.0, 0
+        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in seqs):
+            before = engine.stats.prefill_tokens
+            prefill_s += _step(engine, "prefill")
+            prefill_tokens += engine.stats.prefill_tokens - before
+        for _ in range(wl.warmup_steps):
+            _step(engine, "warmup")
+        ctx0 = statistics.fmean(s.num_tokens for s in seqs)
+        times = [_step(engine, "decode") for _ in range(decode_steps)]
+        out["mean_context"] = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
+        if profiled and r.graphs is not None:  # one eager forward as the attribution reference
+            graphs, r.graphs = r.graphs, None
+            try:
+                _step(engine, "reference")
+            finally:
+                r.graphs = graphs
+    out.update(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times)
 
 
 class _null:

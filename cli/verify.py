@@ -212,13 +212,14 @@ def verify(
     try:
         dev = EngineConfig(device=device or "auto").torch_device()
         t0 = time.perf_counter()
-        reports = [verify_backend(n, dev, model, dtype, cases, steps, seed)
-                   for n in (names if backend == "all" else [backend])]
+        out = out_console()
+        reports = []
+        for n in (names if backend == "all" else [backend]):
+            reports.append(verify_backend(n, dev, model, dtype, cases, steps, seed))
+            render(reports[-1:], out)  # as each backend finishes
     except PagedgenError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)
-    out = out_console()
-    render(reports, out)
     checked = [r for r in reports if r.status == "checked"]
     failed = [r.backend for r in checked if not r.passed]
     n_rows = sum(len(r.rows) for r in checked)

@@ -85,6 +85,8 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Schedule and run one step; returns the sequences that finished in it."""
+        if not self.has_unfinished():
+            return []
         batch = self.scheduler.schedule()
         if batch.is_empty:
             raise RuntimeError("scheduler produced an empty step with requests pending")

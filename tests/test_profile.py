@@ -105,3 +105,14 @@ def test_scopes_phases_and_graph_replays_are_attributed():
 
 def test_short_names_drop_templates():
     assert ks.short_name("void a::b<c<d>, e>(int)") == "a::b<…>"
+
+
+def test_profile_survives_chunked_prefill(tmp_path):
+    """8 x 300 prompt tokens exceed the tiny profile's 2048-token step: prefill is chunked, and
+    early sequences decode meanwhile; the measured decode steps must still all run."""
+    res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "sdpa",
+                              "--batch-sizes", "8", "--prompt-len", "300", "--measured-steps",
+                              "3", "--warmup-steps", "1", "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    (r,) = json.loads((tmp_path / "profile.json").read_text())["results"]
+    assert r["batches"][0]["prefill_tokens"] == 8 * 300
