@@ -52,6 +52,8 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
 
 
 def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
     if key.endswith("_ms_per_step"):
         return f"{value:.3f} ms"
     if key.endswith("_bytes"):
