@@ -46,7 +46,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingPara
         "wall_s": wall, "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
         "prefill_tok_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
         "decode_tok_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
-        "decode_host_ms": 1000 * r.host_time_s["decode"] / max(1, r.host_steps["decode"]),
+        "decode_host_ms": r.host_ms_per_step("decode"),
         "steps": st.num_steps, "preemptions": st.num_preemptions,
         "kv_blocks": r.num_blocks, "load_s": load_s,
         "graph_capture_s": r.graphs.capture_time_s if r.graphs else 0.0,
@@ -58,9 +58,6 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingPara
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
-
-
-from pagedgen.runtime.hardware import copy_bandwidth  # noqa: E402,F401
 
 
 def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:

@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, profile_configs, random_prompts  # noqa: E402
+from common import profile_configs, random_prompts  # noqa: E402
 
 from pagedgen.runtime.engine import Engine  # noqa: E402
+from pagedgen.runtime.hardware import copy_bandwidth  # noqa: E402
 
 
 def main() -> None:
@@ -74,7 +75,7 @@ def main() -> None:
                int(0.9 * (len(times) - 1))], "weight_gb": weight_bytes / 1e9,
            "kv_gb": kv_bytes / 1e9, "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,
            "roofline_fraction": bound / step,
-           "decode_host_ms": 1000 * r.host_time_s["decode"] / max(1, r.host_steps["decode"])}
+           "decode_host_ms": r.host_ms_per_step("decode")}
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

@@ -2,68 +2,25 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.table import Table
 
+from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
+from pagedgen.cli.profile import profile
+from pagedgen.cli.verify import verify
 from pagedgen.errors import PagedgenError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Offline batch LLM generation and attention profiling over a paged KV cache.")
-console = Console(stderr=True)
-
-
-def out_console() -> Console:
-    """Console for results on stdout; wide when piped so tables stay readable in logs."""
-    c = Console()
-    return c if c.is_terminal else Console(width=160)
-
-
-def cli_errors(fn: Callable) -> Callable:
-    """Turn PagedgenError into a one-line message and exit code 1 (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except PagedgenError as e:
-            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
-                          soft_wrap=True)
-            raise typer.Exit(1)
-
-    return wrapper
-
-
-def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
-                        sampling_overrides: dict):
-    """Profile (explicit, or implied by a preset --model, or the default) + command-line options."""
-    from pagedgen.runtime.config import DEFAULT_MODEL, apply_fields, configs_from_profile, \
-        list_profiles, load_profile
-
-    name = profile
-    if name is None and (model is None or model in list_profiles()):
-        name = model or DEFAULT_MODEL
-    prof = load_profile(name) if name else None
-    engine, sampling = configs_from_profile(prof)
-    if model is not None:
-        engine.model = model
-    engine = apply_fields(engine, {k: v for k, v in engine_overrides.items() if v is not None},
-                          "options")
-    sampling = apply_fields(sampling, {k: v for k, v in sampling_overrides.items()
-                                       if v is not None}, "options")
-    return engine, sampling, prof
-
-
 @app.command()
 @cli_errors
 def generate(
@@ -207,9 +164,6 @@ def backends(device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or
     out.print(table)
     out.print(f"auto → {get_backend('auto', dev).name}")
 
-
-from pagedgen.cli.profile import profile  # noqa: E402
-from pagedgen.cli.verify import verify  # noqa: E402
 
 app.command()(verify)
 app.command("profile")(profile)

@@ -8,6 +8,7 @@ including kernels replayed from CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -23,6 +24,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pagedgen.attention.registry import backend_status, get_backend
+from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import kernel_stats, profiling
 
@@ -93,9 +96,8 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             prof = torch.profiler.profile(activities=acts)
             prof.start()
-        timings: dict[str, Any] = {}
         try:
-            _measure(engine, seqs, wl, decode_steps, batch == kernel_batch, timings)
+            timings = _measure(engine, seqs, wl, decode_steps, batch == kernel_batch)
         finally:
             if batch == kernel_batch:
                 prof.stop()
@@ -142,10 +144,10 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     return result
 
 
-def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool, out: dict) -> None:
-    """Prefill the batch, warm up, then time ``decode_steps`` decode steps (into ``out``)."""
+def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> dict[str, Any]:
+    """Prefill the batch, warm up, then time ``decode_steps`` decode steps."""
     r = engine.runner
-    with profiling.enabled() if profiled else _null():
+    with profiling.enabled() if profiled else contextlib.nullcontext():
         prefill_s, prefill_tokens = 0.0, 0
         while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in seqs):
             before = engine.stats.prefill_tokens
@@ -155,22 +157,15 @@ def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool, out:
             _step(engine, "warmup")
         ctx0 = statistics.fmean(s.num_tokens for s in seqs)
         times = [_step(engine, "decode") for _ in range(decode_steps)]
-        out["mean_context"] = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
+        mean_context = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
         if profiled and r.graphs is not None:  # one eager forward as the attribution reference
             graphs, r.graphs = r.graphs, None
             try:
                 _step(engine, "reference")
             finally:
                 r.graphs = graphs
-    out.update(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times)
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
+    return dict(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times,
+                mean_context=mean_context)
 
 
 def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict[str, Any]:
@@ -213,11 +208,7 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
 
 def _cpu_summary(prof) -> dict[str, Any]:
     """On CPU: operator self-times by phase and group (the innermost pg: scope, else the name)."""
-    from collections import Counter, defaultdict
-
-    phases: dict[str, Any] = {}
-    groups: dict[str, Counter] = defaultdict(Counter)
-    per_op: dict[str, dict[tuple[str, str], list]] = defaultdict(lambda: defaultdict(list))
+    ops = []
     for evt in prof.events():
         if evt.name.startswith(("pagedgen.", profiling.PREFIX)):
             continue
@@ -229,22 +220,11 @@ def _cpu_summary(prof) -> dict[str, Any]:
                 phase = p.name.split(".", 1)[1]
                 break
             p = p.cpu_parent
-        if phase not in ("prefill", "decode"):
-            continue
         group = group or ("GEMM" if evt.name in ("aten::mm", "aten::addmm", "aten::bmm")
                           else kernel_stats.group_from_name(evt.name))
-        groups[phase][group] += evt.self_cpu_time_total
-        per_op[phase][(evt.name, group)].append(evt.self_cpu_time_total)
-    for phase in ("prefill", "decode"):
-        total = sum(groups[phase].values())
-        top = sorted(per_op[phase].items(), key=lambda kv: -sum(kv[1]))[:15]
-        phases[phase] = {
-            "cpu_time_us": total,
-            "groups_us": {g: groups[phase].get(g, 0.0) for g in kernel_stats.GROUPS},
-            "top_kernels": [{"name": n, "group": g, "calls": len(d), "total_us": sum(d),
-                             "mean_us": sum(d) / len(d),
-                             "share": sum(d) / total if total else 0.0} for (n, g), d in top]}
-    return phases
+        ops.append(kernel_stats.Kernel(evt.name, evt.time_range.start,
+                                       evt.self_cpu_time_total, phase, group, None))
+    return kernel_stats.summarize(ops, time_key="cpu_time_us")
 
 
 # ---- rendering --------------------------------------------------------------------------------
@@ -379,6 +359,7 @@ def charts(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
 
 # ---- the command ------------------------------------------------------------------------------
 
+@cli_errors
 def profile(
     profile_name: Optional[str] = typer.Option(None, "--profile",
                                                help="Run profile: name or YAML [default: tiny]."),
@@ -400,43 +381,36 @@ def profile(
     seed: int = typer.Option(0),
 ) -> None:
     """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
-    from pagedgen.attention.registry import backend_status, get_backend
-    from pagedgen.cli.main import cli_errors, engine_and_sampling, out_console
-
-    @cli_errors
-    def run() -> None:
-        engine_cfg, _, prof = engine_and_sampling(
-            profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                                      block_size=block_size, seed=seed), {})
-        wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
-                                  output_len=output_len, prompts=prompts,
-                                  warmup_steps=warmup_steps, measured_steps=measured_steps,
-                                  cuda_graphs=cuda_graphs))
-        dev = engine_cfg.torch_device()
-        if backend == "all":  # every fast path; eager is the reference, not a contender
-            names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
-        else:
-            names = [get_backend(backend or engine_cfg.backend, dev).name]
-        output_dir.mkdir(parents=True, exist_ok=True)
-        limits: dict[str, float] = {}
-        console = out_console()
-        if dev.type == "cuda":
-            from pagedgen.runtime import hardware
-            limits = {"copy_bw": hardware.copy_bandwidth(), "matmul": hardware.matmul_flops()}
-        results = []
-        for name in names:
-            console.print(f"[bold]profiling {name}[/] ...")
-            results.append(run_backend(dataclasses.replace(engine_cfg, backend=name), wl,
-                                       output_dir, seed, limits))
-        render(results, console)
-        pngs = charts(results, output_dir)
-        summary = output_dir / "profile.json"
-        summary.write_text(json.dumps({"workload": dataclasses.asdict(wl), "limits": limits,
-                                       "results": results}, indent=2))
-        console.print(f"wrote {summary}, {', '.join(str(p) for p in pngs)} and "
-                      f"{', '.join(r['trace'] for r in results)} (open in Perfetto)")
-
-    run()
+    engine_cfg, _, prof = engine_and_sampling(
+        profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                  block_size=block_size, seed=seed), {})
+    wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
+                              output_len=output_len, prompts=prompts,
+                              warmup_steps=warmup_steps, measured_steps=measured_steps,
+                              cuda_graphs=cuda_graphs))
+    dev = engine_cfg.torch_device()
+    if backend == "all":  # every fast path; eager is the reference, not a contender
+        names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
+    else:
+        names = [get_backend(backend or engine_cfg.backend, dev).name]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    limits: dict[str, float] = {}
+    console = out_console()
+    if dev.type == "cuda":
+        from pagedgen.runtime import hardware
+        limits = {"copy_bw": hardware.copy_bandwidth(), "matmul": hardware.matmul_flops()}
+    results = []
+    for name in names:
+        console.print(f"[bold]profiling {name}[/] ...")
+        results.append(run_backend(dataclasses.replace(engine_cfg, backend=name), wl,
+                                   output_dir, seed, limits))
+    render(results, console)
+    pngs = charts(results, output_dir)
+    summary = output_dir / "profile.json"
+    summary.write_text(json.dumps({"workload": dataclasses.asdict(wl), "limits": limits,
+                                   "results": results}, indent=2))
+    console.print(f"wrote {summary}, {', '.join(str(p) for p in pngs)} and "
+                  f"{', '.join(r['trace'] for r in results)} (open in Perfetto)")
 
 
 def _workload(profile: dict | None, overrides: dict[str, Any]) -> Workload:

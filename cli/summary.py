@@ -45,8 +45,7 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
         out["graph_capture_s"] = runner.graphs.capture_time_s
         out["graph_memory_bytes"] = runner.graphs.memory_bytes
     if runner.host_steps["decode"]:
-        out["decode_host_ms_per_step"] = \
-            1000 * runner.host_time_s["decode"] / runner.host_steps["decode"]
+        out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
     return out
 

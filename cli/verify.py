@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import typer
@@ -22,6 +22,7 @@ from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.cases import make_paged_batch, run_backend
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import backend_names, backend_status, get_backend
+from pagedgen.cli.common import console, out_console
 from pagedgen.errors import PagedgenError
 
 # Max absolute error of the attention output against eager (float32 math over the same cache),
@@ -201,7 +202,6 @@ def verify(
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
 ) -> None:
     """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
-    from pagedgen.cli.main import console, out_console
     from pagedgen.runtime.config import EngineConfig
 
     names = backend_names()

@@ -167,8 +167,9 @@ def attribute_graph_kernels(kernels: list[Kernel], reference: list[Kernel]) -> i
 
 
 def summarize(kernels: list[Kernel], phases: tuple[str, ...] = ("prefill", "decode"),
-              top: int = 15) -> dict[str, Any]:
-    """Per phase: total GPU time, time by group, and the top kernels."""
+              top: int = 15, time_key: str = "gpu_time_us") -> dict[str, Any]:
+    """Per phase: total time (under ``time_key``), time by group, and the top kernels (or, for
+    CPU operator records, the top operators)."""
     out: dict[str, Any] = {}
     for phase in phases:
         ks = [k for k in kernels if k.phase == phase]
@@ -180,7 +181,7 @@ def summarize(kernels: list[Kernel], phases: tuple[str, ...] = ("prefill", "deco
             per_kernel[(k.name, k.group)].append(k.dur)
         rows = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:top]
         out[phase] = {
-            "gpu_time_us": total,
+            time_key: total,
             "groups_us": {g: groups.get(g, 0.0) for g in GROUPS},
             "graph_kernels": sum(k.graph_launch is not None for k in ks),
             "top_kernels": [{"name": short_name(n), "group": g, "calls": len(d),

@@ -72,6 +72,10 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
 
+    def host_ms_per_step(self, kind: str = "decode") -> float:
+        """Mean host time (metadata preparation + planning) per step of ``kind``, in ms."""
+        return 1000 * self.host_time_s[kind] / max(1, self.host_steps[kind])
+
     # ---- KV cache ---------------------------------------------------------------------------
 
     def block_bytes(self) -> int:

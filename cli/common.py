@@ -1,0 +1,55 @@
+"""What every `pagedgen` command shares: consoles, one-line errors, run settings from options."""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from pagedgen.errors import PagedgenError
+
+console = Console(stderr=True)
+
+
+def out_console() -> Console:
+    """Console for results on stdout; wide when piped so tables stay readable in logs."""
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Turn PagedgenError into a one-line message and exit code 1 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PagedgenError as e:
+            console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
+                          soft_wrap=True)
+            raise typer.Exit(1)
+
+    return wrapper
+
+
+def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
+                        sampling_overrides: dict):
+    """Profile (explicit, or implied by a preset --model, or the default) + command-line options."""
+    from pagedgen.runtime.config import DEFAULT_MODEL, apply_fields, configs_from_profile, \
+        list_profiles, load_profile
+
+    name = profile
+    if name is None and (model is None or model in list_profiles()):
+        name = model or DEFAULT_MODEL
+    prof = load_profile(name) if name else None
+    engine, sampling = configs_from_profile(prof)
+    if model is not None:
+        engine.model = model
+    engine = apply_fields(engine, {k: v for k, v in engine_overrides.items() if v is not None},
+                          "options")
+    sampling = apply_fields(sampling, {k: v for k, v in sampling_overrides.items()
+                                       if v is not None}, "options")
+    return engine, sampling, prof
