@@ -75,22 +75,23 @@ def test_verify_all_lists_gpu_only_backends_as_skipped_on_cpu():
     assert "flashinfer: skipped" in res.output or "flashinfer vs eager" in res.output
 
 
-def test_verify_fails_an_off_by_one_decode():
-    register_backend("broken-decode", "test_verify:OffByOneDecodeBackend")
+def verify_planted(name: str, target: str):
+    """Run verify on a backend registered only for this test."""
+    register_backend(name, target)
     try:
-        res = invoke("--backend", "broken-decode", *FAST)
+        return invoke("--backend", name, *FAST)
     finally:
-        del _BACKENDS["broken-decode"]
+        del _BACKENDS[name]
+
+
+def test_verify_fails_an_off_by_one_decode():
+    res = verify_planted("broken-decode", "test_verify:OffByOneDecodeBackend")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output
 
 
 def test_verify_fails_a_wrong_causal_offset():
-    register_backend("broken-causal", "test_verify:WrongCausalOffsetBackend")
-    try:
-        res = invoke("--backend", "broken-causal", *FAST)
-    finally:
-        del _BACKENDS["broken-causal"]
+    res = verify_planted("broken-causal", "test_verify:WrongCausalOffsetBackend")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output
 
