@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from pagedgen.attention import kv_cache as kv_ops
+from pagedgen.errors import PagedgenError
 
 
 class AttentionType(str, enum.Enum):
@@ -225,6 +226,15 @@ class AttentionState:
         ``graph_batch_size``: plan into the buffers captured for that CUDA-graph batch size.
         """
 
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+               ) -> None:
+        """Compile (JIT) every kernel variant a run of these limits can launch, so that neither
+        timing nor CUDA-graph capture pays for compiles. Default: nothing to compile."""
+
+    def compile_stats(self) -> dict[str, float | int]:
+        """Warm-up figures for the run summary (e.g. compile seconds, variants compiled)."""
+        return {}
+
     def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
         """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
         ``supports_cuda_graphs``)."""
@@ -242,6 +252,7 @@ class AttentionBackend(ABC):
     supports_fp8_kv_cache: ClassVar[bool] = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16,
                                                            torch.float32)
+    default_block_size: ClassVar[int] = 16
 
     @staticmethod
     @abstractmethod
@@ -255,11 +266,37 @@ class AttentionBackend(ABC):
     def get_supported_head_sizes() -> list[int]:
         return [64, 80, 96, 128, 256]
 
+    @classmethod
+    def get_supported_block_sizes(cls) -> list[int] | None:
+        """Page sizes (tokens per KV block) the kernels accept; None: any."""
+        return None
+
+    @classmethod
+    def resolve_block_size(cls, requested: int | None) -> int:
+        """The page size to run with: ``requested``, or the backend's default when None."""
+        size = cls.default_block_size if requested is None else requested
+        allowed = cls.get_supported_block_sizes()
+        if size < 1 or (allowed is not None and size not in allowed):
+            raise PagedgenError(f"backend '{cls.name}' cannot use block size {size}; "
+                                f"supported: {allowed or 'any >= 1'}")
+        return size
+
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                            head_size: int) -> tuple[int, ...]:
         """One layer's cache: [num_blocks, 2 (K, V), block_size, num_kv_heads, head_size]."""
         return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def blocks_view(kv_cache: torch.Tensor) -> torch.Tensor:
+        """The cache seen as [num_blocks, 2, block_size, num_kv_heads, head_size] (a view), the
+        layout tests and `verify` fill and compare in."""
+        return kv_cache
+
+    @classmethod
+    def describe(cls, device: torch.device) -> str:
+        """What runs when available (flavour, version); shown by `pagedgen backends`."""
+        return "available"
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:
@@ -281,12 +318,12 @@ class AttentionBackend(ABC):
             return "logits soft-cap not supported"
         return None
 
-    @staticmethod
-    def swap_blocks(src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
+    @classmethod
+    def swap_blocks(cls, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:
         """Copy blocks ``src[mapping[:,0]]`` → ``dst[mapping[:,1]]`` (device <-> host)."""
-        kv_ops.swap_blocks(src, dst, mapping)
+        kv_ops.swap_blocks(cls.blocks_view(src), cls.blocks_view(dst), mapping)
 
-    @staticmethod
-    def copy_blocks(kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
+    @classmethod
+    def copy_blocks(cls, kv_caches: list[torch.Tensor], mapping: torch.Tensor) -> None:
         """Within every layer's cache, copy block ``mapping[:,0]`` → ``mapping[:,1]`` (fork)."""
-        kv_ops.copy_blocks(kv_caches, mapping)
+        kv_ops.copy_blocks([cls.blocks_view(c) for c in kv_caches], mapping)

@@ -37,7 +37,7 @@ class PagedBatch:
 def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                      dtype=torch.float32, device="cpu", num_prefills=2, num_decodes=3,
                      max_context=70, max_new=40, sliding_window=None, soft_cap=None,
-                     cache_dtype=None) -> PagedBatch:
+                     cache_dtype=None, min_context=0) -> PagedBatch:
     """Sequences with random cached context (0 for some) and random new-token counts; blocks are
     shuffled across the cache so block tables are not contiguous."""
     rng = random.Random(seed)
@@ -46,7 +46,7 @@ def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, bl
     for i in range(num_prefills + num_decodes):
         is_prefill = i < num_prefills
         ctx = rng.choice([0, rng.randint(1, max_context), block_size, 2 * block_size])
-        ctx = 0 if (is_prefill and i == 0) else ctx
+        ctx = 0 if (is_prefill and i == 0) else max(ctx, min_context)
         if not is_prefill:
             ctx = max(ctx, rng.choice([0, 1, block_size - 1]))
         new = 1
@@ -74,15 +74,24 @@ def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, bl
                       block_size)
 
 
+def backend_cache(backend: type[AttentionBackend], blocks: torch.Tensor) -> torch.Tensor:
+    """A new cache in ``backend``'s layout holding ``blocks`` [num_blocks, 2, page, H, D]."""
+    n, _, page, h, d = blocks.shape
+    cache = torch.empty(backend.get_kv_cache_shape(n, page, h, d), dtype=blocks.dtype,
+                        device=blocks.device)
+    backend.blocks_view(cache).copy_(blocks)
+    return cache
 
 
-def run_backend(backend: type[AttentionBackend], batch: PagedBatch
+def run_backend(backend: type[AttentionBackend], batch: PagedBatch, state=None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One layer of ``backend`` over a copy of the batch's cache: (output, cache after writes)."""
-    state = backend.get_state_cls()(backend, [batch.spec], batch.block_size, batch.q.dtype,
-                                    batch.kv_cache.dtype, batch.q.device)
+    """One layer of ``backend`` over a copy of the batch's cache: (output, cache after writes,
+    as [num_blocks, 2, page, H, D]). ``state``: an already built backend state."""
+    state = state or backend.get_state_cls()(backend, [batch.spec], batch.block_size,
+                                             batch.q.dtype, batch.kv_cache.dtype, batch.q.device)
     impl = backend.get_impl_cls()(batch.spec, state)
     md = batch.metadata()
     state.begin_forward(md)
-    cache = batch.kv_cache.clone()
-    return impl.forward(batch.q, batch.k, batch.v, cache, md), cache
+    cache = backend_cache(backend, batch.kv_cache)
+    out = impl.forward(batch.q, batch.k, batch.v, cache, md)
+    return out, backend.blocks_view(cache).contiguous()

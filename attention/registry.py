@@ -14,12 +14,13 @@ from pagedgen.errors import PagedgenError
 # makes its own backend unavailable.
 _BACKENDS: dict[str, str] = {
     "flashinfer": "pagedgen.attention.flashinfer:FlashInferBackend",
+    "flash-attn": "pagedgen.attention.flash_attn:FlashAttnBackend",
     "triton": "pagedgen.attention.triton_attn:TritonBackend",
     "sdpa": "pagedgen.attention.sdpa:SdpaBackend",
     "eager": "pagedgen.attention.eager:EagerBackend",
 }
 # `auto` takes the first available backend in this order.
-_AUTO_ORDER = {"cuda": ["flashinfer", "triton", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
+_AUTO_ORDER = {"cuda": ["flashinfer", "flash-attn", "triton", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
 
 
 def register_backend(name: str, target: str) -> None:
@@ -48,10 +49,12 @@ def backend_status(device: torch.device) -> list[BackendStatus]:
     rows = []
     for name in _BACKENDS:
         try:
-            why = _load(name).unavailable_reason(device)
+            cls = _load(name)
+            why = cls.unavailable_reason(device)
+            what = cls.describe(device) if why is None else ""
         except Exception as e:  # a broken optional install must not break the listing
             why = f"failed to load: {type(e).__name__}: {e}"
-        rows.append(BackendStatus(name, why is None, why or "available"))
+        rows.append(BackendStatus(name, why is None, why or what))
     return rows
 
 

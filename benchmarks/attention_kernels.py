@@ -1,13 +1,13 @@
 """Attention kernel throughput per backend on fixed shapes (issues 6 and 7).
 
-32 query / 8 KV heads, head_dim 128, bf16, page size 16 (``--page-size``), NHD cache:
+32 query / 8 KV heads, head_dim 128, bf16, page sizes ``--page-sizes`` (default 16), NHD cache:
   decode 64 x 4096 and 1 x 32768 (GB/s of K/V read), prefill 8 x 4096 causal (TFLOP/s).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two CUDA events (decode: replayed from a CUDA graph when the backend
 supports graphs, so host launch overhead is not counted); the forward includes writing the new
 tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
 
-    python benchmarks/attention_kernels.py --backends flashinfer,triton
+    python benchmarks/attention_kernels.py --backends flashinfer,triton,flash-attn --page-sizes 16,128
 """
 
 from __future__ import annotations
@@ -81,17 +81,18 @@ def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backends", default="flashinfer,triton")
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rows = []
     for name in args.backends.split(","):
-        for kind, batch, ctx in (("decode", 64, 4096), ("decode", 1, 32768),
-                                 ("prefill", 8, 4096)):
-            r = bench(name, kind, batch, ctx, args.page_size, args.iters)
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+        for page in map(int, args.page_sizes.split(",")):
+            for kind, batch, ctx in (("decode", 64, 4096), ("decode", 1, 32768),
+                                     ("prefill", 8, 4096)):
+                r = bench(name, kind, batch, ctx, page, args.iters)
+                rows.append(r)
+                print(json.dumps(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

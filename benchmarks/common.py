@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
+from pagedgen.cli.summary import format_value, summarize
 from pagedgen.runtime.config import EngineConfig, SamplingParams, configs_from_profile, load_profile
-from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.engine import Engine, StepStats
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -24,40 +25,45 @@ def profile_configs(profile: str, **engine_overrides) -> tuple[EngineConfig, Sam
     return replace(engine, **engine_overrides), sampling
 
 
-def run_engine(cfg: EngineConfig, prompts: list[list[int]], params: SamplingParams
-               ) -> dict[str, Any]:
-    """Build an engine, generate, and report throughput; frees the GPU afterwards."""
+def run_engine(cfg: EngineConfig, prompts: list[list[int]],
+               params: SamplingParams | list[SamplingParams], copy_bw: float | None = None,
+               repeats: int = 1) -> list[dict[str, Any]]:
+    """Build one engine and generate the workload ``repeats`` times on it; for each run, the
+    summary ``pagedgen generate`` prints, and with ``copy_bw`` (bytes/s) the decode steps'
+    fraction of the memory roofline. Frees the GPU afterwards."""
     t0 = time.perf_counter()
     engine = Engine(cfg)
     load_s = time.perf_counter() - t0
-    seqs = [engine.add_request(p, params) for p in prompts]
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    engine.run()
-    wall = time.perf_counter() - start
-    st, r = engine.stats, engine.runner
-    out_tokens = sum(s.num_output_tokens for s in seqs)
-    in_tokens = sum(s.num_prompt_tokens for s in seqs)
-    res = {
-        "backend": r.backend.name, "cuda_graphs": r.graphs is not None,
-        "advance_on_device": cfg.advance_decode_on_device,
-        "requests": len(seqs), "prompt_tokens": in_tokens, "output_tokens": out_tokens,
-        "wall_s": wall, "output_tok_s": out_tokens / wall, "total_tok_s": (in_tokens + out_tokens) / wall,
-        "prefill_tok_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
-        "decode_tok_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
-        "decode_host_ms": r.host_ms_per_step("decode"),
-        "steps": st.num_steps, "preemptions": st.num_preemptions,
-        "kv_blocks": r.num_blocks, "load_s": load_s,
-        "graph_capture_s": r.graphs.capture_time_s if r.graphs else 0.0,
-        "graph_memory_gib": r.graphs.memory_bytes / 2**30 if r.graphs else 0.0,
-        "peak_memory_gib": engine.peak_memory_bytes() / 2**30,
-    }
+    r = engine.runner
+    per_request = params if isinstance(params, list) else [params] * len(prompts)
+    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    kv_per_token = r.block_bytes() / r.block_size
+    runs = []
+    for _ in range(repeats):
+        engine.stats = StepStats()
+        r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
+        r.host_steps = dict.fromkeys(r.host_steps, 0)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, per_request)]
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        engine.run()
+        wall = time.perf_counter() - start
+        res = summarize(engine, seqs, wall, start, {
+            "load_time_s": load_s, "advance_on_device": cfg.advance_decode_on_device})
+        st = engine.stats
+        res["decode_steps"] = st.decode_steps
+        if copy_bw and st.decode_steps:
+            bound = (st.decode_steps * weight_bytes + st.decode_kv_tokens * kv_per_token) / copy_bw
+            res["decode_step_ms"] = 1000 * st.decode_time / st.decode_steps
+            res["decode_roofline_fraction"] = bound / st.decode_time
+        runs.append(res)
     del engine, seqs, r
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return res
+    return runs
 
 
 def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:
@@ -68,5 +74,5 @@ def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None
     for c in cols:
         t.add_column(c, justify="right")
     for r in rows:
-        t.add_row(*[f"{r[c]:,.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+        t.add_row(*[format_value(c, r[c]) if c in r else "" for c in cols])
     Console(width=200).print(t)

@@ -67,7 +67,7 @@ def main() -> None:
     step = statistics.median(times)
     r = engine.runner
     weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
-    per_token_kv = r.block_bytes() // cfg.block_size
+    per_token_kv = r.block_bytes() // r.block_size
     kv_bytes = args.batch * (args.context + args.steps // 2) * per_token_kv
     bound = (weight_bytes + kv_bytes) / bw
     res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None, "batch": args.batch,

@@ -22,6 +22,7 @@ CONFIGS = {
     "flashinfer+graphs/host-built-metadata": dict(backend="flashinfer",
                                                   advance_decode_on_device=False),
     "flashinfer/no-graphs": dict(backend="flashinfer", enforce_eager=True),
+    "flash-attn+graphs": dict(backend="flash-attn"),
     "triton+graphs": dict(backend="triton"),
     "sdpa": dict(backend="sdpa", enforce_eager=True),
 }
@@ -42,15 +43,15 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts, args.min_len, args.max_len, vocab=256)
     rows = []
     for name in args.configs.split(","):
-        res = run_engine(replace(base, **CONFIGS[name]), prompts, params)
+        res = run_engine(replace(base, **CONFIGS[name]), prompts, params)[0]
         res["config"] = name
         rows.append(res)
         print(json.dumps(res), flush=True)
     print_table(f"{args.profile}: {args.num_prompts} prompts x {args.min_len}-{args.max_len} "
                 f"in, {args.output_len} out", rows,
-                ["config", "output_tok_s", "total_tok_s", "prefill_tok_s", "decode_tok_s",
-                 "decode_host_ms", "wall_s", "graph_capture_s", "graph_memory_gib",
-                 "peak_memory_gib"])
+                ["config", "output_tokens_per_s", "total_tokens_per_s", "prefill_tokens_per_s",
+                 "decode_tokens_per_s", "decode_host_ms_per_step", "wall_time_s",
+                 "graph_capture_s", "graph_memory_bytes", "peak_memory_bytes"])
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
 

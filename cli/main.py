@@ -42,7 +42,8 @@ def generate(
     top_k: Optional[int] = typer.Option(None),
     seed: Optional[int] = typer.Option(None, help="Run seed (per-request seeds derive from it)."),
     ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos/--no-ignore-eos"),
-    block_size: Optional[int] = typer.Option(None),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per KV page (default: the "
+                                             "backend's)."),
     num_blocks: Optional[int] = typer.Option(None),
     kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
     max_num_seqs: Optional[int] = typer.Option(None),

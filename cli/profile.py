@@ -75,7 +75,8 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     from pagedgen.runtime.config import SamplingParams
     from pagedgen.runtime.engine import Engine
 
-    engine = Engine(dataclasses.replace(cfg, max_num_seqs=max(wl.batch_sizes),
+    # synchronous steps: each step's latency and kernels are its own
+    engine = Engine(dataclasses.replace(cfg, max_num_seqs=max(wl.batch_sizes), async_scheduling=False,
                                         enforce_eager=cfg.enforce_eager or not wl.cuda_graphs))
     r = engine.runner
     name = r.backend.name
@@ -114,7 +115,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                "step_ms_p99": 1000 * _percentile(times, 99), "mean_context": ctx}
         if "copy_bw" in limits:
             weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
-            kv = batch * ctx * r.block_bytes() / cfg.block_size
+            kv = batch * ctx * r.block_bytes() / r.block_size
             row["decode_roofline_ms"] = 1000 * (weights + kv) / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
         per_batch.append(row)
@@ -178,7 +179,7 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
                            "matmul_tflop_s": limits["matmul"] / 1e12}
     dec, pre = result["phases"]["decode"], result["phases"]["prefill"]
     steps, batch = result["decode_steps"], row["batch"]
-    kv_bytes = batch * row["mean_context"] * r.block_bytes() / cfg.block_size
+    kv_bytes = batch * row["mean_context"] * r.block_bytes() / r.block_size
     attn_s = dec["groups_us"]["attention"] / 1e6 / steps
     if attn_s:
         out["decode_attention_tb_s"] = kv_bytes / attn_s / 1e12

@@ -35,8 +35,10 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
         "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0,
         "mean_tpot_s": statistics.fmean(tpot) if tpot else 0.0,
         "steps": st.num_steps,
+        "steps_launched_ahead": st.overlapped_steps,
         "preemptions": st.num_preemptions,
         "kv_cache_blocks": engine.runner.num_blocks,
+        "block_size": engine.runner.block_size,
         "peak_memory_bytes": engine.peak_memory_bytes(),
         "cuda_graphs": engine.runner.graphs is not None,
     }
@@ -44,13 +46,15 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
     if runner.graphs is not None:
         out["graph_capture_s"] = runner.graphs.capture_time_s
         out["graph_memory_bytes"] = runner.graphs.memory_bytes
+    out.update(runner.attn_state.compile_stats())
     if runner.host_steps["decode"]:
         out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
     return out
 
 
-def _fmt(key: str, value: Any) -> str:
+def format_value(key: str, value: Any) -> str:
+    """A summary value as tables show it (the unit comes from the key's suffix)."""
     if isinstance(value, bool):
         return "on" if value else "off"
     if key.endswith("_ms_per_step"):
@@ -71,7 +75,12 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
            "kv_cache_blocks": "KV-cache blocks", "graph_capture_s": "CUDA-graph capture time",
            "graph_memory_bytes": "CUDA-graph memory",
-           "decode_host_ms_per_step": "host time per decode step"}
+           "decode_host_ms_per_step": "host time per decode step",
+           "block_size": "KV page size (tokens)",
+           "attention_warmup_s": "attention warm-up (compile) time",
+           "attention_kernels_compiled_at_warmup": "attention kernel variants ready after warm-up",
+           "attention_kernels_compiled_later": "attention kernels compiled after warm-up",
+           "steps_launched_ahead": "steps launched before the last one's tokens were read"}
 
 
 def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> Table:
@@ -80,5 +89,5 @@ def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> 
     table.add_column(justify="right")
     for key, value in summary.items():
         label = _LABELS.get(key) or key.replace("_per_s", "/s").replace("_", " ")
-        table.add_row(label, _fmt(key, value))
+        table.add_row(label, format_value(key, value))
     return table

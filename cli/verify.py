@@ -80,9 +80,17 @@ def kernel_groups(backend: type[AttentionBackend], device: torch.device
     return groups
 
 
+def page_sizes(backend: type[AttentionBackend]) -> list[int]:
+    """The pages to check: 16 and 32 where allowed, and the backend's default."""
+    allowed = backend.get_supported_block_sizes()
+    pages = {p for p in PAGE_SIZES if allowed is None or p in allowed}
+    return sorted(pages | {backend.resolve_block_size(None)})
+
+
 def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: int, seed: int
                   ) -> list[Row]:
     sizes = [h for h in HEAD_SIZES if h in backend.get_supported_head_sizes()]
+    pages = page_sizes(backend)
     rows = []
     for label, dtype, opts in kernel_groups(backend, device):
         worst_abs = worst_rel = 0.0
@@ -90,7 +98,7 @@ def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: 
         for i in range(cases):
             gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
             head = sizes[(i // len(GQA_RATIOS)) % len(sizes)]
-            page = PAGE_SIZES[(i // (len(GQA_RATIOS) * len(sizes))) % len(PAGE_SIZES)]
+            page = pages[(i // (len(GQA_RATIOS) * len(sizes))) % len(pages)]
             b = make_paged_batch(seed * 100_003 + i, num_heads=2 * gqa, num_kv_heads=2,
                                  head_size=head, block_size=page, dtype=dtype, device=device,
                                  num_prefills=1 + i % 3, num_decodes=1 + (i * 7) % 6,
@@ -116,7 +124,7 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
 
     base = EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
                         seed=seed, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=1024,
-                        max_model_len=512)
+                        max_model_len=512, async_scheduling=False)  # stepped in lockstep
     ref = Engine(dataclasses.replace(base, backend="eager", enforce_eager=True))
     eng = Engine(dataclasses.replace(base, backend=backend_name, enforce_eager=not graphs))
     g = torch.Generator().manual_seed(seed)

@@ -60,7 +60,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | float16 | bfloat16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3)
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV page; None: the backend's default
     num_blocks: int | None = None
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
@@ -70,6 +70,7 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
+    async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -33,7 +33,7 @@ class CudaGraphRunner:
         self.runner = runner
         self.buckets = graph_buckets(runner.config.max_num_seqs)
         self.max_bs = self.buckets[-1]
-        self.block_size = runner.config.block_size
+        self.block_size = runner.block_size
         self.max_blocks = -(-runner.max_model_len // self.block_size)
         self.scratch_block = runner.scratch_block
         dev, n = runner.device, self.max_bs

@@ -47,12 +47,17 @@ class DecodeAdvancer:
     def forget(self) -> None:
         self.last = None
 
+    def can_advance(self, seqs: list[Sequence]) -> bool:
+        """Whether ``seqs`` are exactly the last decode step's, in order, with its tokens."""
+        last = self.last
+        return (last is not None and last.next_ids is not None and len(seqs) == len(last.seqs)
+                and all(a is b for a, b in zip(seqs, last.seqs)))
+
     def advance(self, seqs: list[Sequence]
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None:
         """Inputs for a decode step of ``seqs``, or None when they are not the last batch."""
         last = self.last
-        if (last is None or last.next_ids is None or len(seqs) != len(last.seqs)
-                or any(a is not b for a, b in zip(seqs, last.seqs))):
+        if not self.can_advance(seqs):
             return None
         bs, old = self.block_size, last.md
         positions = last.positions + 1
@@ -73,8 +78,9 @@ class DecodeAdvancer:
                     rows.append(r)
                     cols.append(c)
                     vals.append(seqs[r].block_table[c])
-            upload = torch.tensor([rows, cols, vals], dtype=torch.int64).to(self.device,
-                                                                           non_blocking=True)
+            pin = self.device.type == "cuda"  # pinned: the copy need not wait for the GPU
+            upload = torch.tensor([rows, cols, vals], dtype=torch.int64, pin_memory=pin).to(
+                self.device, non_blocking=pin)
             tables[upload[0], upload[1]] = upload[2].to(tables.dtype)
         slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long() * bs + positions % bs
         md = AttentionMetadata(

@@ -16,6 +16,8 @@ from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_
 from pagedgen.runtime.scheduler import Scheduler
 from pagedgen.runtime.sequence import Sequence
 
+PENDING_TOKEN = -1  # an output token whose step is still running on the device
+
 
 @dataclass
 class StepStats:
@@ -25,6 +27,9 @@ class StepStats:
     decode_tokens: int = 0
     prefill_time: float = 0.0  # steps with any prefill tokens (mixed steps count here)
     decode_time: float = 0.0  # decode-only steps
+    decode_steps: int = 0
+    decode_kv_tokens: int = 0  # cached tokens read by decode-only steps (for rooflines)
+    overlapped_steps: int = 0  # launched before the previous step's tokens were read
     num_steps: int = 0
     num_preemptions: int = 0
     step_times: list[float] = field(default_factory=list)
@@ -34,17 +39,18 @@ class Engine:
     def __init__(self, config: EngineConfig, src: ModelSource | None = None) -> None:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
-        if config.block_size < 1 or config.max_num_seqs < 1:
+        if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
             raise PagedgenError("--block-size and --max-num-seqs must be positive")
         self.config = config
         self.src = src or resolve_model(config.model)
         self.tokenizer = load_tokenizer(self.src)
         self.runner = ModelRunner(config, self.src)
-        self.block_manager = BlockManager(self.runner.num_blocks - 1, config.block_size)  # -1: scratch
+        self.block_manager = BlockManager(self.runner.num_blocks - 1, self.runner.block_size)  # -1: scratch
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stats = StepStats()
         self._next_id = 0
+        self._pending = None  # (StepHandle, placeholder indices) of the step in flight
 
     @property
     def max_model_len(self) -> int:
@@ -81,17 +87,67 @@ class Engine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def step(self) -> list[Sequence]:
-        """Schedule and run one step; returns the sequences that finished in it."""
-        if not self.has_unfinished():
+        """Schedule and run one step; returns the sequences that finished in it.
+
+        With async scheduling (the default when decode inputs advance on the device), a decode
+        step that continues the previous one is launched before the previous step's tokens
+        reach the host: the host's bookkeeping for step N overlaps the GPU running step N+1.
+        Sampled tokens enter as placeholders; sequences finish when their tokens are known.
+        """
+        if self.config.async_scheduling and self.runner.advancer is not None:
+            return self._step_async()
+        if not self.scheduler.has_unfinished():
             return []
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        handle = self.runner.launch(batch)
+        self._computed(batch)
+        placed = self._place(handle)
+        finished = self._resolve(handle, placed)
+        self._account(batch, t0)
+        return finished
+
+    def _step_async(self) -> list[Sequence]:
+        pending, self._pending = self._pending, None
+        if not self.scheduler.has_unfinished():  # only the step in flight is left
+            return self._resolve(*pending) if pending else []
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        finished = []
+        if pending and (batch.prefills or not self.runner.can_advance(batch.decodes)):
+            # the next step's inputs are built on the host: they need the real tokens first
+            finished = self._resolve(*pending)
+            pending = None
+            batch.decodes = [s for s in batch.decodes if not s.is_finished]
+            batch.prefills = [(s, n) for s, n in batch.prefills if not s.is_finished]
+            if batch.is_empty:
+                return finished
+        handle = self.runner.launch(batch)
+        self._computed(batch)
+        self._pending = (handle, self._place(handle))
+        if pending:
+            self.stats.overlapped_steps += 1
+            finished += self._resolve(*pending)
+        self._account(batch, t0)
+        return finished
+
+    def _schedule(self):
         batch = self.scheduler.schedule()
         if batch.is_empty:
             raise RuntimeError("scheduler produced an empty step with requests pending")
-        t0 = time.perf_counter()
-        sampled = self.runner.execute(batch)
+        return batch
+
+    @staticmethod
+    def _computed(batch) -> None:
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+
+    def _account(self, batch, t0: float) -> None:
         now = time.perf_counter()
         st = self.stats
         st.num_steps += 1
@@ -102,34 +158,58 @@ class Engine:
             st.prefill_time += now - t0
         else:
             st.decode_time += now - t0
+            st.decode_steps += 1
+            st.decode_kv_tokens += sum(seq.num_tokens for seq in batch.decodes)
         st.decode_tokens += len(batch.decodes)
-        for seq, n in batch.prefills:
-            seq.num_computed_tokens += n
-        for seq in batch.decodes:
-            seq.num_computed_tokens += 1
+
+    def _place(self, handle) -> list[int]:
+        """Append a placeholder token for each sequence the launched step samples; a sequence
+        that reaches its length limit with it leaves the scheduler now (its token is still to
+        come). Returns each placeholder's index in its sequence's output."""
+        placed = []
+        for seq in handle.sampling:
+            seq.append_token(PENDING_TOKEN)
+            placed.append(seq.num_output_tokens - 1)
+            if (seq.num_output_tokens >= seq.params.max_tokens
+                    or seq.num_tokens >= self.max_model_len):
+                self.scheduler.finish(seq)
+        return placed
+
+    def _resolve(self, handle, placed: list[int]) -> list[Sequence]:
+        """Fill a launched step's placeholders with its tokens and apply the stop rules."""
+        now = time.perf_counter()
         finished = []
-        for seq, token in sampled:
-            seq.append_token(token)
+        for (seq, token), i in zip(handle.result(), placed):
+            if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
+                continue  # dropped: the sequence stopped at an earlier token
+            seq.output_token_ids[i] = token
+            seq.token_ids[seq.num_prompt_tokens + i] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if self._check_stop(seq, token):
-                seq.finish_time = now
+            if seq.finish_reason is None and self._check_stop(seq, token, i + 1):
+                extra = seq.num_output_tokens - (i + 1)  # placeholders of later steps
+                if extra:
+                    del seq.output_token_ids[i + 1:], seq.token_ids[-extra:]
                 self.scheduler.finish(seq)
+            if seq.is_finished and i + 1 == seq.num_output_tokens:
+                seq.finish_reason = seq.finish_reason or "length"
+                seq.finish_time = now
                 finished.append(seq)
         return finished
 
-    def _check_stop(self, seq: Sequence, token: int) -> bool:
+    def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:
+        """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``."""
         p = seq.params
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
-        elif p.stop and (hit := self._find_stop(seq)) is not None:
+        elif p.stop and (hit := self._find_stop(seq, n_out)) is not None:
             seq.finish_reason, seq.stop_text_end = "stop", hit
-        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif n_out >= p.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    def _find_stop(self, seq: Sequence) -> int | None:
-        text = self.tokenizer.decode(seq.output_token_ids)
+    def _find_stop(self, seq: Sequence, n_out: int) -> int | None:
+        text = self.tokenizer.decode(seq.output_token_ids[:n_out])
         hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
         return min(hits) if hits else None
 

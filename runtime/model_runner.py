@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,22 @@ from pagedgen.runtime.sequence import Sequence
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
+@dataclass
+class StepHandle:
+    """A launched step: its sampling sequences and their tokens, on the host once ``event``
+    has completed."""
+
+    sampling: list[Sequence]
+    tokens: torch.Tensor | None
+    event: torch.cuda.Event | None
+
+    def result(self) -> list[tuple[Sequence, int]]:
+        """(sequence, sampled token) per sampling sequence; waits for the device."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [] if self.tokens is None else list(zip(self.sampling, self.tokens.tolist()))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, src: ModelSource) -> None:
         self.config = config
@@ -36,6 +53,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype(self.device)
         self.kv_dtype = config.cache_dtype(self.dtype)
         self.backend: type[AttentionBackend] = get_backend(config.backend, self.device)
+        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
         hf = src.hf_config
         self.specs = layer_specs(hf)
         for spec in self.specs:
@@ -51,20 +69,23 @@ class ModelRunner:
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)
         self.model.setup_rotary(self.max_model_len, self.device)
         self.attn_state = self.backend.get_state_cls()(
-            self.backend, self.specs, config.block_size, self.dtype, self.kv_dtype, self.device)
+            self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
         impl_cls = self.backend.get_impl_cls()
         self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
-        self.builder = AttentionMetadataBuilder(config.block_size, self.device)
+        # Kernels that compile at first use compile now, before memory profiling and capture.
+        self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
+                               self.max_model_len)
+        self.builder = AttentionMetadataBuilder(self.block_size, self.device)
         self.num_blocks = self._num_blocks()
         if self.num_blocks < 2:
             raise PagedgenError("the KV cache needs at least 2 blocks")
         # The last block is never handed out: CUDA-graph padding rows write into it.
         self.scratch_block = self.num_blocks - 1
-        self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * config.block_size)
+        self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
-        self.advancer = DecodeAdvancer(config.block_size, self.scratch_block, self.device) \
+        self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
             if config.advance_decode_on_device else None
         self.graphs: CudaGraphRunner | None = None
         if self.backend.supports_cuda_graphs and self.device.type == "cuda" \
@@ -81,7 +102,7 @@ class ModelRunner:
     def block_bytes(self) -> int:
         """Bytes one block takes across all layers."""
         return sum(math.prod(self.backend.get_kv_cache_shape(
-            1, self.config.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
+            1, self.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
         ) * self.kv_dtype.itemsize
 
     def _num_blocks(self) -> int:
@@ -93,7 +114,7 @@ class ModelRunner:
         elif self.device.type == "cuda":
             n = self._profile_free_memory() // self.block_bytes()
         else:  # CPU: what the batch could use, at most 1 GiB
-            want = cfg.max_num_seqs * math.ceil(self.max_model_len / cfg.block_size)
+            want = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
             n = min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes())
         if n < 1:
             raise PagedgenError("no memory left for the KV cache (lower --max-num-batched-tokens,"
@@ -103,7 +124,7 @@ class ModelRunner:
     def _profile_free_memory(self) -> int:
         """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
         cfg = self.config
-        bs = cfg.block_size
+        bs = self.block_size
         tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
         seq_len = min(self.max_model_len, tokens)
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
@@ -132,7 +153,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         return [torch.zeros(self.backend.get_kv_cache_shape(
-            num_blocks, self.config.block_size, s.num_kv_heads, s.head_size),
+            num_blocks, self.block_size, s.num_kv_heads, s.head_size),
             dtype=self.kv_dtype, device=self.device) for s in self.specs]
 
     # ---- one step -----------------------------------------------------------------------------
@@ -173,9 +194,18 @@ class ModelRunner:
         pos_t = torch.tensor(pos, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
         return ids_t, pos_t, md
 
-    @torch.inference_mode()
+    def can_advance(self, decodes: list[Sequence]) -> bool:
+        """Whether a decode step of ``decodes`` can take its inputs from the device (so it may
+        launch before the previous step's tokens reach the host)."""
+        return self.advancer is not None and self.advancer.can_advance(decodes)
+
     def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Run one step; returns (sequence, sampled token) for each sequence that samples."""
+        return self.launch(batch).result()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue one step on the device; the handle's ``result()`` waits for its tokens."""
         t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
@@ -202,14 +232,24 @@ class ModelRunner:
         rows += range(qsl, qsl + len(batch.decodes))
         sampling += batch.decodes
         if not sampling:
-            return []
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            return StepHandle([], None, None)
+        if rows == list(range(rows[0], rows[0] + len(rows))):
+            picked = hidden[rows[0]:rows[0] + len(rows)]
+        else:
+            pin = self.device.type == "cuda"
+            picked = hidden[torch.tensor(rows, pin_memory=pin).to(self.device, non_blocking=pin)]
+        logits = self.model.compute_logits(picked)
         self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
         with scope("sampling"):
             tokens = sample(logits, self.sampling_batch(sampling))
         if self.advancer is not None and not batch.prefills:
             self.advancer.sampled(tokens)
-        return list(zip(sampling, tokens.tolist()))
+        if self.device.type != "cuda":
+            return StepHandle(sampling, tokens, None)
+        event = torch.cuda.Event()
+        host = tokens.to("cpu", non_blocking=True)  # into pinned memory
+        event.record()
+        return StepHandle(sampling, host, event)
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]

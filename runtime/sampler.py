@@ -45,12 +45,14 @@ class SamplingBatch:
     @classmethod
     def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float],
               seeds: list[int], steps: list[int], device: torch.device) -> SamplingBatch:
+        def up(x: list, dtype: torch.dtype) -> torch.Tensor:  # pinned: no wait for the GPU
+            pin = device.type == "cuda"
+            return torch.tensor(x, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
         return cls(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor([s & _M32 for s in seeds], dtype=torch.int64, device=device),
-            steps=torch.tensor(steps, dtype=torch.int64, device=device),
+            temperatures=up(temperatures, torch.float32), top_ks=up(top_ks, torch.int64),
+            top_ps=up(top_ps, torch.float32), seeds=up([s & _M32 for s in seeds], torch.int64),
+            steps=up(steps, torch.int64),
             all_greedy=all(t == 0 for t in temperatures),
             any_top_k_or_p=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps))
 

@@ -115,4 +115,6 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was still on the device
+            self.waiting.remove(seq)
         self.bm.free(seq)

@@ -114,3 +114,32 @@ def test_decode_metadata_advanced_on_device_gives_the_same_tokens():
     advanced = eng.generate(ps, params)
     assert eng.runner.advancer.num_advanced > 20
     assert [s.output_token_ids for s in advanced] == [s.output_token_ids for s in rebuilt]
+
+
+@pytest.mark.parametrize("num_blocks", [None, 24])  # 24: preemptions mid-decode
+def test_async_scheduling_gives_the_same_results_as_sync(num_blocks):
+    """Stops found a step late (EOS, stop strings) and length limits known at launch must give
+    exactly the synchronous engine's outputs, with no placeholder left behind."""
+    ps = prompts(10, 3, 40)
+    params = [SamplingParams(max_tokens=20 + 3 * i, temperature=1.0, seed=i,
+                             stop=["z"] if i % 3 == 0 else []) for i in range(10)]
+
+    def run(**kw):
+        eng = tiny(block_size=4, num_blocks=num_blocks, max_num_seqs=6, **kw)
+        seqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
+        done = []
+        eng.run(on_finish=done.append)
+        return eng, seqs, done
+
+    sync_eng, sync_seqs, _ = run(async_scheduling=False)
+    eng, seqs, done = run()
+    assert eng.stats.overlapped_steps > 10
+    assert sorted(s.seq_id for s in done) == [s.seq_id for s in seqs]
+    reasons = {s.finish_reason for s in seqs}
+    assert "stop" in reasons and "length" in reasons  # both kinds of stop were exercised
+    for a, b in zip(seqs, sync_seqs):
+        assert a.output_token_ids == b.output_token_ids
+        assert (a.finish_reason, a.stop_text_end) == (b.finish_reason, b.stop_text_end)
+        assert a.token_ids == a.prompt_token_ids + a.output_token_ids
+    if num_blocks:
+        assert eng.stats.num_preemptions > 0

@@ -1,0 +1,350 @@
+"""The FlashAttention backend (after vLLM's): paged prefill (with prior cached context) and paged
+decode straight from the block tables, over the flash-attn family's own kernels.
+
+Flavours, detected in this order (``PAGEDGEN_FLASH_ATTN=fa4|fa3|fa2`` picks one):
+
+* ``fa4`` -- FlashAttention-4 (``flash_attn.cute``, CuTe DSL; SM90 and SM100). Kernels compile at
+  first use (a few seconds per variant), so :meth:`FlashAttnState.warmup` launches every variant
+  a run can need before timing or CUDA-graph capture; compiled kernels are also kept on disk
+  (``FLASH_ATTENTION_CUTE_DSL_CACHE_*``) for the next run.
+* ``fa3`` -- FlashAttention-3 (``flash_attn_interface.flash_attn_with_kvcache``; SM90).
+* ``fa2`` -- FlashAttention-2 (``flash_attn``; SM80+); its paged kernels need pages of a
+  multiple of 256 tokens.
+
+The backend owns its cache layout: separate K and V caches ``[num_pages, page_size, kv_heads,
+head_dim]``, stacked as one tensor ``[2, num_pages, ...]`` per layer, and its page size.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
+                                        AttentionState, LayerSpec)
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.profiling import scope
+
+INSTALL_HINT = "pip install 'pagedgen[flash-attn]'"
+ENV_FLAVOUR = "PAGEDGEN_FLASH_ATTN"
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One member of the flash-attn family: how to find it and what it accepts."""
+
+    name: str
+    module: str  # imported by the state; its presence is probed without importing it
+    dists: tuple[str, ...]  # distribution names, for the version
+    cc_majors: tuple[int, ...]  # compute-capability majors it runs on
+    block_sizes: tuple[int, ...] | None  # page sizes its paged kernels accept (None: any)
+    default_block_size: int
+    probe: str | None = None  # a module whose presence proves the flavour (default: module)
+
+
+FLAVOURS = (
+    # Page 128 = FA4's key tile on SM90 (hdim 64/128), so pages load by TMA; see BENCHMARKS.md.
+    Flavour("fa4", "flash_attn.cute", ("flash-attn-4",), (9, 10, 11), None, 128),
+    Flavour("fa3", "flash_attn_interface", ("flash_attn_3", "flash-attn-3"), (9,), None, 16),
+    Flavour("fa2", "flash_attn", ("flash-attn",), (8, 9, 10, 11, 12), (256, 512), 256,
+            probe="flash_attn_2_cuda"),
+)
+_BY_NAME = {f.name: f for f in FLAVOURS}
+
+
+def _installed(f: Flavour) -> bool:
+    try:
+        return importlib.util.find_spec(f.probe or f.module) is not None
+    except (ImportError, ValueError):  # a parent package that is missing or broken
+        return False
+
+
+def _version(f: Flavour) -> str:
+    for dist in f.dists:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "version unknown"
+
+
+def flavour_reason(f: Flavour, device: torch.device) -> str | None:
+    """None when flavour ``f`` can run on ``device``; otherwise why not."""
+    if not _installed(f):
+        return f"{f.module} is not installed"
+    if device.type != "cuda":
+        return f"needs a CUDA GPU, not {device.type}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in f.cc_majors:
+        return f"runs on SM{'/SM'.join(f'{m}x' for m in f.cc_majors)}, not SM{major}{minor}"
+    return None
+
+
+@lru_cache(maxsize=None)
+def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
+    """The flavour to run on ``device`` (``$PAGEDGEN_FLASH_ATTN`` or the first that runs), and a
+    one-line account of every flavour."""
+    reasons = {f.name: flavour_reason(f, device) for f in FLAVOURS}
+    notes = "; ".join(f"{n}: {r or _version(_BY_NAME[n])}" for n, r in reasons.items())
+    want = os.environ.get(ENV_FLAVOUR)
+    if want:
+        if want not in _BY_NAME:
+            return None, f"{ENV_FLAVOUR}={want} is not one of {', '.join(_BY_NAME)}"
+        f = _BY_NAME[want]
+        return (f, notes) if reasons[want] is None else (None, f"{want}: {reasons[want]}")
+    for f in FLAVOURS:
+        if reasons[f.name] is None:
+            return f, notes
+    return None, notes
+
+
+# ---- the kernel calls, one pair per flavour ---------------------------------------------------
+# Each takes q [T, Hq, D] of one kind of sequence, the K and V caches and that part's metadata,
+# and returns [T, Hq, D]. Causal masks are aligned bottom-right (queries are the last tokens).
+
+def _window(spec: LayerSpec) -> tuple[int, int] | None:
+    return (spec.sliding_window - 1, 0) if spec.sliding_window else None
+
+
+def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
+    fn = mod.flash_attn_varlen_func
+    num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
+
+    def common(spec: LayerSpec) -> dict:
+        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (None, None),
+                    softcap=spec.logits_soft_cap or 0.0)
+
+    def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        return fn(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
+                  max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
+                  page_table=md.block_tables, **common(spec))[0]
+
+    def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        # q as [B, 1, H, D] (no cu_seqlens): shapes fixed by the batch, so CUDA graphs can hold
+        # it. With split_kv the KV is split when the batch alone cannot fill the GPU.
+        return fn(q.unsqueeze(1), k_cache, v_cache, seqused_k=md.seq_lens,
+                  page_table=md.block_tables, num_splits=num_splits,
+                  **common(spec))[0].squeeze(1)
+
+    return prefill, decode
+
+
+def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
+    fn = mod.flash_attn_with_kvcache
+
+    def common(spec: LayerSpec) -> dict:
+        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (-1, -1),
+                    softcap=spec.logits_soft_cap or 0.0)
+
+    def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        return fn(q, k_cache, v_cache, cache_seqlens=md.seq_lens, page_table=md.block_tables,
+                  cu_seqlens_q=md.query_start_loc, max_seqlen_q=md.max_query_len, **common(spec))
+
+    def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        return fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
+                  page_table=md.block_tables, num_splits=0, **common(spec)).squeeze(1)
+
+    return prefill, decode
+
+
+def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
+    def common(spec: LayerSpec) -> dict:
+        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (-1, -1),
+                    softcap=spec.logits_soft_cap or 0.0)
+
+    def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return mod.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
+            block_table=md.block_tables, **common(spec))
+
+    def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+        return mod.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
+                                           cache_seqlens=md.seq_lens, block_table=md.block_tables,
+                                           num_splits=0, **common(spec)).squeeze(1)
+
+    return prefill, decode
+
+
+_CALLS = {"fa4": _fa4_calls, "fa3": _fa3_calls, "fa2": _fa2_calls}
+
+
+def _compiled_variants(mod) -> int:
+    """FA4's compiled forward kernels so far (in-memory and on-disk caches both keep ``cache``)."""
+    fwd = getattr(getattr(mod, "interface", None), "_flash_attn_fwd", None)
+    return len(getattr(getattr(fwd, "compile_cache", None), "cache", {}))
+
+
+class FlashAttnState(AttentionState):
+    """Holds the chosen flavour's kernel calls; plans nothing (the kernels read the metadata's
+    device tensors directly), so CUDA graphs need no buffers of their own."""
+
+    def __init__(self, backend, layer_specs, block_size, dtype, kv_cache_dtype, device,
+                 flavour: Flavour | None = None) -> None:
+        super().__init__(backend, layer_specs, block_size, dtype, kv_cache_dtype, device)
+        self.flavour = flavour or FlashAttnBackend.flavour(device)
+        if self.flavour.name == "fa4":  # keep compiled kernels for the next run
+            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+        self.module = importlib.import_module(self.flavour.module)
+        # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
+        split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+        self.prefill, self.decode = _CALLS[self.flavour.name](self.module, split_kv)
+        self.warmup_s = 0.0
+        self.compiled_at_warmup = 0
+        self._compiled_before = _compiled_variants(self.module)
+
+    def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
+        """Nothing to allocate: graphs capture the runner's block tables and lengths."""
+
+    def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+               ) -> None:
+        """Launch each kernel variant a run of these limits can select, on a 1-page cache.
+
+        FA4 specialises on: decode with or without a KV split (the split count follows from
+        batch x KV heads against the SM count, and from the page-table width), prefill whose
+        query rows fit one tile or not, more than 256 prefills at once, and each layer's window
+        and soft-cap.
+        """
+        t0 = time.perf_counter()
+        wide = -(-max_model_len // self.block_size)
+        decodes = [(1, 1, wide), (max_num_seqs, 1, 1)]
+        prefills = []
+        for n in sorted({1, min(max_num_seqs, 257)}):
+            longest = min(max_num_batched_tokens // n, max_model_len, 256)
+            prefills += [(n, q_len, -(-q_len // self.block_size)) for q_len in {1, longest}]
+        for spec in {(s.sliding_window, s.logits_soft_cap): s for s in self.layer_specs}.values():
+            cache = torch.zeros(2, 1, self.block_size, spec.num_kv_heads, spec.head_size,
+                                dtype=self.dtype, device=self.device)
+            for run, shapes in ((self.decode, decodes), (self.prefill, prefills)):
+                for n, q_len, width in shapes:
+                    q = torch.zeros(n * q_len, spec.num_heads, spec.head_size, dtype=self.dtype,
+                                    device=self.device)
+                    run(q, cache[0], cache[1], self._scratch_metadata(n, q_len, width), spec)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t0
+        self.compiled_at_warmup = _compiled_variants(self.module) - self._compiled_before
+
+    def _scratch_metadata(self, n: int, q_len: int, width: int) -> AttentionMetadata:
+        """``n`` sequences of ``q_len`` new tokens (no context) whose ``width``-entry block
+        tables all point at page 0."""
+        dev, i32 = self.device, torch.int32
+        prefill = q_len > 1
+        return AttentionMetadata(
+            num_prefills=n if prefill else 0, num_prefill_tokens=n * q_len if prefill else 0,
+            num_decode_tokens=0 if prefill else n,
+            slot_mapping=torch.zeros(n * q_len, dtype=torch.long, device=dev),
+            query_start_loc=torch.arange(0, n * q_len + 1, q_len, dtype=i32, device=dev),
+            seq_lens=torch.full((n,), q_len, dtype=i32, device=dev),
+            context_lens=torch.zeros(n, dtype=i32, device=dev),
+            block_tables=torch.zeros(n, width, dtype=i32, device=dev),
+            block_size=self.block_size, seq_lens_cpu=[q_len] * n, query_lens_cpu=[q_len] * n)
+
+    def compile_stats(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"attention_warmup_s": self.warmup_s}
+        if self.flavour.name == "fa4":
+            out["attention_kernels_compiled_at_warmup"] = self.compiled_at_warmup
+            out["attention_kernels_compiled_later"] = (
+                _compiled_variants(self.module) - self._compiled_before - self.compiled_at_warmup)
+        return out
+
+
+def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new tokens' k/v [T, H, D] at their slots in separate [pages, page, H, D] caches."""
+    with scope("kv_cache_write"):
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+class FlashAttnImpl(AttentionImpl):
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        st, spec = self.state, self.spec
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        write_kv_split(k_cache, v_cache, k, v, metadata.slot_mapping)
+        outs = []
+        if metadata.num_prefills:
+            outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,
+                                   metadata.prefill_metadata, spec))
+        if metadata.num_decodes:
+            outs.append(st.decode(q[metadata.num_prefill_tokens:], k_cache, v_cache,
+                                  metadata.decode_metadata, spec))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+class FlashAttnBackend(AttentionBackend):
+    name = "flash-attn"
+    devices = ("cuda",)
+    supports_cuda_graphs = True
+    supports_sliding_window = True
+    supports_soft_cap = True
+    supported_dtypes = (torch.float16, torch.bfloat16)
+
+    @staticmethod
+    def get_impl_cls() -> type[AttentionImpl]:
+        return FlashAttnImpl
+
+    @staticmethod
+    def get_state_cls() -> type[AttentionState]:
+        return FlashAttnState
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        return [64, 128, 256]
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """[2 (K, V), num_blocks, block_size, num_kv_heads, head_size]: K and V caches apart."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @staticmethod
+    def blocks_view(kv_cache: torch.Tensor) -> torch.Tensor:
+        return kv_cache.transpose(0, 1)
+
+    @classmethod
+    def flavour(cls, device: torch.device | None = None) -> Flavour:
+        device = device or torch.device("cuda")
+        f, why = select_flavour(device)
+        if f is None:
+            raise PagedgenError(f"backend 'flash-attn' cannot run on {device}: {why}")
+        return f
+
+    @classmethod
+    def get_supported_block_sizes(cls) -> list[int] | None:
+        f, _ = select_flavour(torch.device("cuda"))
+        return list(f.block_sizes) if f is not None and f.block_sizes else None
+
+    @classmethod
+    def resolve_block_size(cls, requested: int | None) -> int:
+        f, _ = select_flavour(torch.device("cuda"))
+        if requested is None and f is not None:
+            return f.default_block_size
+        return super().resolve_block_size(requested)
+
+    @classmethod
+    def unavailable_reason(cls, device: torch.device) -> str | None:
+        f, why = select_flavour(device)
+        if f is not None:
+            return None
+        if not any(_installed(x) for x in FLAVOURS):
+            return f"no flash-attn flavour is installed ({INSTALL_HINT}): {why}"
+        return why
+
+    @classmethod
+    def describe(cls, device: torch.device) -> str:
+        f, notes = select_flavour(device)
+        return f"runs {f.name} {_version(f)}, page size {f.default_block_size} ({notes})"

@@ -1,0 +1,281 @@
+"""pagedgen against what a user would run instead, on the same GPU and model in one run (issue 8).
+
+Systems: pagedgen with each available GPU backend (CUDA graphs on), and Hugging Face
+transformers with the same dummy-weight model: ``model.generate`` over padded static batches,
+and its continuous-batching paged path (``generate_batch``'s manager, ``paged|sdpa``) where the
+installed version has it. Same prompts (token ids), same output lengths (EOS ignored), greedy.
+
+Workloads (``--workloads a,b,c``):
+  a: Llama-3-8B-shaped, bf16, 256 prompts x random 128-1024 input, 256 output tokens
+  b: Llama-3-8B-shaped, bf16, 64 prompts x 2048 input, 128 output tokens
+  c: Qwen3-0.6B-shaped, bf16, 256 prompts x random 100-1024 input and output (nano-vllm's setup)
+
+Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
+are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
+matmul FLOP/s + for each decode step of an ideal schedule (every request decoding at once),
+max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s).
+
+    python benchmarks/peers.py --json benchmarks/results/h100-peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import print_table, profile_configs, run_engine  # noqa: E402
+
+from pagedgen.attention.registry import backend_status  # noqa: E402
+from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops  # noqa: E402
+from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Workload:
+    profile: str
+    num_prompts: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+
+    def requests(self, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+        """Prompt token ids and output lengths, the same for every system."""
+        g = torch.Generator().manual_seed(seed)
+        n = self.num_prompts
+        lens = torch.randint(self.input_len[0], self.input_len[1] + 1, (n,), generator=g)
+        outs = torch.randint(self.output_len[0], self.output_len[1] + 1, (n,), generator=g)
+        prompts = [torch.randint(0, vocab, (int(l),), generator=g).tolist() for l in lens]
+        return prompts, outs.tolist()
+
+
+WORKLOADS = {
+    "a": Workload("llama-3-8b", 256, (128, 1024), (256, 256)),
+    "b": Workload("llama-3-8b", 64, (2048, 2048), (128, 128)),
+    "c": Workload("qwen3-0.6b", 256, (100, 1024), (100, 1024)),
+}
+
+
+# ---- the roofline estimate ----------------------------------------------------------------------
+
+def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: float,
+               bw: float) -> float:
+    """Lower bound on the workload's time on this GPU (see the module docstring)."""
+    c = hf_config
+    layers, hidden = c.num_hidden_layers, c.hidden_size
+    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
+    q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size
+    linear = layers * per_layer  # matmul weights a token passes through (no embedding, no head)
+    head = hidden * c.vocab_size
+    weight_bytes = 2 * (linear + head + (0 if c.tie_word_embeddings else head))
+    kv_per_token = 2 * layers * kv_dim * 2
+    t = 0.0
+    for p in prompts:  # prefill: linear layers + causal attention, logits for the last token
+        n = len(p)
+        t += (2 * linear * n + 2 * head + 2 * layers * q_dim * n * n) / flops
+    for step in range(1, max(outs)):  # decode: token `step` of every request still running
+        active = [(len(p), o) for p, o in zip(prompts, outs) if o > step]
+        kv = sum(n + step for n, _ in active) * kv_per_token
+        compute = 2 * (linear + head) * len(active) / flops
+        t += max((weight_bytes + kv) / bw, compute)
+    return t
+
+
+# ---- Hugging Face transformers ------------------------------------------------------------------
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def hf_model(hf_config, device: str = "cuda"):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,
+                                                 attn_implementation="sdpa")
+    return model.eval()
+
+
+def hf_padded(model, prompts: list[list[int]], outs: list[int], batch_size: int) -> float:
+    """``model.generate`` over static batches in input order, left-padded; each batch runs to
+    its longest requested output. Returns seconds."""
+    from transformers import GenerationConfig
+
+    sync()
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        chunk, n_new = prompts[i:i + batch_size], max(outs[i:i + batch_size])
+        width = max(map(len, chunk))
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, p in enumerate(chunk):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        gen = GenerationConfig(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
+                               pad_token_id=0, eos_token_id=None)
+        with torch.inference_mode():
+            model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                           generation_config=gen)
+    sync()
+    return time.perf_counter() - t0
+
+
+def hf_continuous(model, prompts: list[list[int]], outs: list[int]) -> float:
+    """transformers' continuous batching (paged KV cache), each request with its own output
+    length. Its warm-up (CUDA-graph capture) is excluded, as pagedgen's is. Returns seconds."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1)
+    kw: dict[str, Any] = {}
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+        kw["workload_hints"] = WorkloadHints(max(map(len, prompts)), max(outs), len(prompts))
+    except ImportError:
+        pass
+    with model.continuous_batching_context_manager(generation_config=gen, block=True,
+                                                   timeout=30, **kw) as manager:
+        sync()
+        t0 = time.perf_counter()
+        ids = {manager.add_request(p, max_new_tokens=n): n for p, n in zip(prompts, outs)}
+        done = 0
+        while done < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                assert len(r.generated_tokens) == ids[r.request_id], "output length differs"
+                done += 1
+            elif r is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous-batching loop stopped")
+        wall = time.perf_counter() - t0
+    return wall
+
+
+# ---- one workload -------------------------------------------------------------------------------
+
+def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median output tokens/s, with every run's figure."""
+    key = "output_tokens_per_s"
+    best = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+    return {**best, "runs_output_tokens_per_s": [r[key] for r in runs]}
+
+
+def free() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
+                 peer_repeats: int, hf_batch: int, flops: float, bw: float,
+                 rows: list[dict], save: Callable[[], None]) -> None:
+    """Measure every system on workload ``name``, appending a row (and saving) after each."""
+    src = resolve_model(wl.profile)
+    prompts, outs = wl.requests(src.hf_config.vocab_size)
+    in_tok, out_tok = sum(map(len, prompts)), sum(outs)
+    bound = roofline_s(src.hf_config, prompts, outs, flops, bw)
+    print(f"workload {name}: {wl}; {in_tok:,} prompt + {out_tok:,} output tokens; roofline "
+          f"estimate {bound:.2f} s", flush=True)
+    first = len(rows)
+
+    def add_ratios() -> None:  # each row's output tokens/s over each peer's, same workload
+        for r in rows[first:]:
+            for p in rows[first:]:
+                if p["system"].startswith("HF"):
+                    r[f"vs {p['system']}"] = r["output_tokens_per_s"] / p["output_tokens_per_s"]
+
+    def row(system: str, wall: float, extra: dict[str, Any]) -> None:
+        r = {"workload": name, "system": system, "wall_time_s": wall,
+             "output_tokens_per_s": out_tok / wall, "total_tokens_per_s": (in_tok + out_tok) / wall,
+             "roofline_s": bound, "x_roofline": wall / bound, **extra}
+        print(json.dumps(r), flush=True)
+        rows.append(r)
+        add_ratios()
+        save()
+
+    for b in backends:
+        cfg, sampling = profile_configs(wl.profile, backend=b)
+        params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+        runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
+        assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
+        free()
+        res = median(runs)
+        row(f"pagedgen {b}", res["wall_time_s"], {
+            k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
+                                "decode_step_ms", "peak_memory_bytes", "block_size",
+                                "decode_host_ms_per_step", "attention_warmup_s",
+                                "graph_capture_s", "load_time_s") if k in res})
+    if peers:
+        model = hf_model(src.hf_config)
+        for peer in peers:
+            if peer == "hf-continuous" and not hasattr(model, "continuous_batching_context_manager"):
+                print("transformers has no continuous batching here; skipped", flush=True)
+                continue
+
+            def once() -> dict[str, Any]:
+                torch.cuda.reset_peak_memory_stats()
+                wall = (hf_padded(model, prompts, outs, hf_batch) if peer == "hf-generate"
+                        else hf_continuous(model, prompts, outs))
+                free()
+                return {"output_tokens_per_s": out_tok / wall, "wall_time_s": wall,
+                        "peak_memory_bytes": torch.cuda.max_memory_allocated()}
+
+            res = median([once() for _ in range(peer_repeats)])
+            label = f"HF generate (padded, batch {hf_batch})" if peer == "hf-generate" \
+                else "HF generate_batch (paged|sdpa)"
+            row(label, res["wall_time_s"], {
+                k: res[k] for k in ("runs_output_tokens_per_s", "peak_memory_bytes")})
+        del model
+        free()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="a,b,c")
+    ap.add_argument("--backends", default="auto",
+                    help="comma list, or auto: every available GPU backend but sdpa/eager")
+    ap.add_argument("--peers", default="hf-generate,hf-continuous",
+                    help="comma list of hf-generate, hf-continuous; empty for none")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peer-repeats", type=int, default=1)
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("peers.py needs a CUDA GPU")
+    backends = args.backends.split(",") if args.backends != "auto" else [
+        s.name for s in backend_status(torch.device("cuda"))
+        if s.available and s.name not in ("sdpa", "eager")]
+    peers = [p for p in args.peers.split(",") if p]
+    bw, flops = copy_bandwidth(), matmul_flops()
+    import transformers
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "copy_bw_tb_s": bw / 1e12,
+            "matmul_tflop_s": flops / 1e12, "date": time.strftime("%Y-%m-%d"),
+            "command": " ".join(sys.argv)}
+    print(json.dumps(meta), flush=True)
+    rows: list[dict] = []
+
+    def save() -> None:  # after every row, so a crash or a time limit keeps what was measured
+        if args.json:
+            args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    for name in args.workloads.split(","):
+        run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
+                     args.hf_batch, flops, bw, rows, save)
+    ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
+    print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
+                ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",
+                 *ratio_cols, "wall_time_s", "roofline_s", "x_roofline",
+                 "decode_roofline_fraction", "peak_memory_bytes"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""The benchmark helpers on CPU: repeated runs on one engine, the roofline estimate."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import common  # noqa: E402
+import peers  # noqa: E402
+
+
+def test_run_engine_repeats_on_one_engine():
+    cfg, sampling = common.profile_configs("tiny", device="cpu", backend="sdpa")
+    prompts = common.random_prompts(4, 5, 30, vocab=256)
+    params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5, 7, 9)]
+    runs = common.run_engine(cfg, prompts, params, copy_bw=1e11, repeats=2)
+    assert len(runs) == 2
+    for r in runs:
+        assert r["output_tokens"] == 24 and r["requests"] == 4
+        assert r["decode_steps"] > 0 and 0 < r["decode_roofline_fraction"]
+
+
+def test_workload_requests_are_fixed_and_in_range():
+    wl = peers.WORKLOADS["c"]
+    a, outs = wl.requests(vocab=1000)
+    b, outs2 = wl.requests(vocab=1000)
+    assert a == b and outs == outs2 and len(a) == 256
+    assert all(100 <= len(p) <= 1024 for p in a) and all(100 <= n <= 1024 for n in outs)
+
+
+def test_roofline_estimate_by_hand():
+    c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
+                        tie_word_embeddings=True)
+    flops, bw = 1e3, 1e2
+    linear = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)
+    prefill = (2 * linear * 3 + 2 * 80 + 2 * 2 * 8 * 9) / flops
+    assert peers.roofline_s(c, [[1, 2, 3]], [1], flops, bw) == pytest.approx(prefill)
+    weights = 2 * (linear + 80)
+    kv_token = 2 * 2 * 4 * 2
+    step = max((weights + 4 * kv_token) / bw, 2 * (linear + 80) / flops)
+    assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+
+
+def test_transformers_peers_run_the_requested_lengths():
+    from pagedgen.runtime.models.loader import resolve_model
+
+    model = peers.hf_model(resolve_model("tiny").hf_config, device="cpu").float()
+    prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
+    assert peers.hf_padded(model, prompts, [3, 2, 4], batch_size=2) > 0
+    assert peers.hf_continuous(model, prompts, [3, 2, 4]) > 0  # asserts each output length

@@ -1,0 +1,113 @@
+"""The flash-attn backend on CPU: each flavour's calls against eager, through torch models of the
+flash-attn APIs (tests/fake_flash_attn.py); cache layout, page sizes, flavour selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fake_flash_attn
+from conftest import make_paged_batch, run_backend
+from pagedgen.attention import flash_attn as fa
+from pagedgen.attention.eager import EagerBackend
+from pagedgen.attention.flash_attn import FlashAttnBackend, FlashAttnState
+from pagedgen.errors import PagedgenError
+
+
+@pytest.fixture(autouse=True)
+def _fresh_selection():
+    fa.select_flavour.cache_clear()
+    yield
+    fa.select_flavour.cache_clear()
+
+
+def _state(batch, flavour: str) -> FlashAttnState:
+    return FlashAttnState(FlashAttnBackend, [batch.spec], batch.block_size, batch.q.dtype,
+                          batch.kv_cache.dtype, batch.q.device, flavour=fa._BY_NAME[flavour])
+
+
+@pytest.mark.parametrize("flavour,page", [("fa4", 16), ("fa4", 128), ("fa3", 16), ("fa2", 256)])
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 19}, {"soft_cap": 20.0}],
+                         ids=["plain", "window", "softcap"])
+def test_flavour_calls_match_eager(monkeypatch, flavour, page, opts):
+    fake_flash_attn.install(monkeypatch, flavour)
+    for seed in range(3):
+        b = make_paged_batch(seed, num_heads=8, num_kv_heads=2, head_size=64, block_size=page,
+                             num_prefills=1 + seed, num_decodes=2 + seed, max_context=2 * page + 5,
+                             max_new=40, **opts)
+        ref, ref_cache = run_backend(EagerBackend, b)
+        out, cache = run_backend(FlashAttnBackend, b, state=_state(b, flavour))
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+        assert torch.equal(cache, ref_cache)  # K/V written to the same slots
+
+
+def test_decode_only_and_prefill_only_steps(monkeypatch):
+    fake_flash_attn.install(monkeypatch, "fa4")
+    for p, d in ((0, 5), (3, 0)):
+        b = make_paged_batch(7, num_heads=4, num_kv_heads=4, block_size=16, num_prefills=p,
+                             num_decodes=d)
+        ref, _ = run_backend(EagerBackend, b)
+        out, _ = run_backend(FlashAttnBackend, b, state=_state(b, "fa4"))
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_separate_k_and_v_caches_and_block_ops():
+    shape = FlashAttnBackend.get_kv_cache_shape(6, 16, 2, 64)
+    assert shape == (2, 6, 16, 2, 64)
+    cache = torch.randn(shape)
+    k_cache, v_cache = cache[0], cache[1]
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()  # [pages, page, H, D] each
+    blocks = FlashAttnBackend.blocks_view(cache)
+    assert torch.equal(blocks[3, 0], k_cache[3]) and torch.equal(blocks[3, 1], v_cache[3])
+    before = cache.clone()
+    FlashAttnBackend.copy_blocks([cache], torch.tensor([[1, 4]]))
+    assert torch.equal(cache[:, 4], before[:, 1]) and torch.equal(cache[:, 0], before[:, 0])
+    host = torch.zeros_like(cache)
+    FlashAttnBackend.swap_blocks(cache, host, torch.tensor([[2, 5]]))
+    assert torch.equal(host[:, 5], cache[:, 2]) and host[:, :5].abs().sum() == 0
+
+
+def _pretend_gpu(monkeypatch, capability=(9, 0)):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_page_sizes_come_from_the_flavour(monkeypatch):
+    fake_flash_attn.install(monkeypatch, "fa2")
+    _pretend_gpu(monkeypatch)
+    assert FlashAttnBackend.unavailable_reason(torch.device("cuda")) is None
+    assert "fa2" in FlashAttnBackend.describe(torch.device("cuda"))
+    assert FlashAttnBackend.resolve_block_size(None) == 256
+    assert FlashAttnBackend.resolve_block_size(512) == 512
+    with pytest.raises(PagedgenError, match="block size 16.*256, 512"):
+        FlashAttnBackend.resolve_block_size(16)
+
+
+def test_flavour_choice_and_reasons(monkeypatch):
+    fake_flash_attn.install(monkeypatch, "fa3")
+    _pretend_gpu(monkeypatch, (8, 0))
+    why = FlashAttnBackend.unavailable_reason(torch.device("cuda"))
+    assert "fa3: runs on SM9x, not SM80" in why
+    fa.select_flavour.cache_clear()
+    _pretend_gpu(monkeypatch, (9, 0))
+    assert fa.select_flavour(torch.device("cuda"))[0].name == "fa3"
+    assert FlashAttnBackend.resolve_block_size(None) == 16
+    fa.select_flavour.cache_clear()
+    monkeypatch.setenv(fa.ENV_FLAVOUR, "fa4")
+    assert "fa4: flash_attn.cute is not installed" in \
+        FlashAttnBackend.unavailable_reason(torch.device("cuda"))
+
+
+def test_unavailable_on_cpu_says_how_to_install():
+    why = FlashAttnBackend.unavailable_reason(torch.device("cpu"))
+    assert why is not None and ("pagedgen[flash-attn]" in why or "needs a CUDA GPU" in why)
+
+
+def test_warmup_runs_every_shape(monkeypatch):
+    fake_flash_attn.install(monkeypatch, "fa4")
+    b = make_paged_batch(0, num_heads=4, num_kv_heads=2, block_size=16)
+    st = _state(b, "fa4")
+    st.warmup(max_num_seqs=300, max_num_batched_tokens=2048, max_model_len=300)
+    stats = st.compile_stats()
+    assert stats["attention_warmup_s"] > 0
+    assert stats["attention_kernels_compiled_later"] == 0
