@@ -100,7 +100,7 @@ def test_model_logits_flashinfer_vs_eager():
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     # token ids are patched on the host below, so no device-side advance for `a`
     a = tiny(backend="flashinfer", enforce_eager=True, advance_decode_on_device=False)
-    b = tiny(backend="eager")
+    b = tiny(backend="eager", async_scheduling=False)  # stepped in lockstep, tokens patched
     pairs = [(a.add_request(p, params), b.add_request(p, params)) for p in ps]
     worst = 0.0
     agree = total = 0
