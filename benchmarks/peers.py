@@ -240,7 +240,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--backends", default="auto",
-                    help="comma list, or auto: every available GPU backend but sdpa/eager")
+                    help="comma list (empty: peers only), or auto: every available GPU "
+                         "backend but sdpa/eager")
     ap.add_argument("--peers", default="hf-generate,hf-continuous",
                     help="comma list of hf-generate, hf-continuous; empty for none")
     ap.add_argument("--repeats", type=int, default=3)
@@ -250,7 +251,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("peers.py needs a CUDA GPU")
-    backends = args.backends.split(",") if args.backends != "auto" else [
+    backends = [b for b in args.backends.split(",") if b] if args.backends != "auto" else [
         s.name for s in backend_status(torch.device("cuda"))
         if s.available and s.name not in ("sdpa", "eager")]
     peers = [p for p in args.peers.split(",") if p]
