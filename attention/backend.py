@@ -23,6 +23,7 @@ import torch
 
 from pagedgen.attention import kv_cache as kv_ops
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.transfer import to_device
 
 
 class AttentionType(str, enum.Enum):
@@ -152,8 +153,7 @@ class AttentionMetadataBuilder:
         dev = self.device
 
         def t(x: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(x, dtype=dtype, pin_memory=dev.type == "cuda").to(
-                dev, non_blocking=True)
+            return to_device(x, dtype, dev)
 
         num_prefill_tokens = sum(s.num_new for s in prefills)
         return AttentionMetadata(

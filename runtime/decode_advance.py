@@ -15,6 +15,7 @@ import torch
 
 from pagedgen.attention.backend import AttentionMetadata
 from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.transfer import to_device
 
 
 @dataclass
@@ -78,9 +79,7 @@ class DecodeAdvancer:
                     rows.append(r)
                     cols.append(c)
                     vals.append(seqs[r].block_table[c])
-            pin = self.device.type == "cuda"  # pinned: the copy need not wait for the GPU
-            upload = torch.tensor([rows, cols, vals], dtype=torch.int64, pin_memory=pin).to(
-                self.device, non_blocking=pin)
+            upload = to_device([rows, cols, vals], torch.int64, self.device)
             tables[upload[0], upload[1]] = upload[2].to(tables.dtype)
         slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long() * bs + positions % bs
         md = AttentionMetadata(

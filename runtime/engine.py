@@ -170,8 +170,7 @@ class Engine:
         for seq in handle.sampling:
             seq.append_token(PENDING_TOKEN)
             placed.append(seq.num_output_tokens - 1)
-            if (seq.num_output_tokens >= seq.params.max_tokens
-                    or seq.num_tokens >= self.max_model_len):
+            if self._at_length_limit(seq, seq.num_output_tokens):
                 self.scheduler.finish(seq)
         return placed
 
@@ -204,9 +203,13 @@ class Engine:
             seq.finish_reason = "stop"
         elif p.stop and (hit := self._find_stop(seq, n_out)) is not None:
             seq.finish_reason, seq.stop_text_end = "stop", hit
-        elif n_out >= p.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len:
+        elif self._at_length_limit(seq, n_out):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
+
+    def _at_length_limit(self, seq: Sequence, n_out: int) -> bool:
+        """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
+        return n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len
 
     def _find_stop(self, seq: Sequence, n_out: int) -> int | None:
         text = self.tokenizer.decode(seq.output_token_ids[:n_out])

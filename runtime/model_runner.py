@@ -25,6 +25,7 @@ from pagedgen.runtime.models.loader import ModelSource, build_model
 from pagedgen.runtime.profiling import scope
 from pagedgen.runtime.sampler import SamplingBatch, sample
 from pagedgen.runtime.scheduler import ScheduledBatch
+from pagedgen.runtime.transfer import to_device
 from pagedgen.runtime.sequence import Sequence
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -189,19 +190,12 @@ class ModelRunner:
             pos.append(seq.num_tokens - 1)
             decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1))
         md = self.builder.build(prefills, decodes)
-        pin = self.device.type == "cuda"
-        ids_t = torch.tensor(ids, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.long, pin_memory=pin).to(self.device, non_blocking=True)
-        return ids_t, pos_t, md
+        return to_device(ids, torch.long, self.device), to_device(pos, torch.long, self.device), md
 
     def can_advance(self, decodes: list[Sequence]) -> bool:
         """Whether a decode step of ``decodes`` can take its inputs from the device (so it may
         launch before the previous step's tokens reach the host)."""
         return self.advancer is not None and self.advancer.can_advance(decodes)
-
-    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
-        """Run one step; returns (sequence, sampled token) for each sequence that samples."""
-        return self.launch(batch).result()
 
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> StepHandle:
@@ -236,8 +230,7 @@ class ModelRunner:
         if rows == list(range(rows[0], rows[0] + len(rows))):
             picked = hidden[rows[0]:rows[0] + len(rows)]
         else:
-            pin = self.device.type == "cuda"
-            picked = hidden[torch.tensor(rows, pin_memory=pin).to(self.device, non_blocking=pin)]
+            picked = hidden[to_device(rows, torch.long, self.device)]
         logits = self.model.compute_logits(picked)
         self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
         with scope("sampling"):

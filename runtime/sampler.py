@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedgen.runtime.transfer import to_device
+
 _M32 = 0xFFFFFFFF
 
 
@@ -45,9 +47,8 @@ class SamplingBatch:
     @classmethod
     def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float],
               seeds: list[int], steps: list[int], device: torch.device) -> SamplingBatch:
-        def up(x: list, dtype: torch.dtype) -> torch.Tensor:  # pinned: no wait for the GPU
-            pin = device.type == "cuda"
-            return torch.tensor(x, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+        def up(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(x, dtype, device)
 
         return cls(
             temperatures=up(temperatures, torch.float32), top_ks=up(top_ks, torch.int64),
