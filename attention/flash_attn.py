@@ -113,29 +113,29 @@ def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
 # Each takes q [T, Hq, D] of one kind of sequence, the K and V caches and that part's metadata,
 # and returns [T, Hq, D]. Causal masks are aligned bottom-right (queries are the last tokens).
 
-def _window(spec: LayerSpec) -> tuple[int, int] | None:
-    return (spec.sliding_window - 1, 0) if spec.sliding_window else None
+def _common(spec: LayerSpec, no_window: tuple) -> dict:
+    """The keywords every flavour's calls share; ``no_window``: how the flavour spells "no
+    sliding window" (FA4 (None, None), FA2/FA3 (-1, -1))."""
+    window = (spec.sliding_window - 1, 0) if spec.sliding_window else no_window
+    return dict(softmax_scale=spec.scale, causal=True, window_size=window,
+                softcap=spec.logits_soft_cap or 0.0)
 
 
 def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
     fn = mod.flash_attn_varlen_func
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
 
-    def common(spec: LayerSpec) -> dict:
-        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (None, None),
-                    softcap=spec.logits_soft_cap or 0.0)
-
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         return fn(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
                   max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
-                  page_table=md.block_tables, **common(spec))[0]
+                  page_table=md.block_tables, **_common(spec, (None, None)))[0]
 
     def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         # q as [B, 1, H, D] (no cu_seqlens): shapes fixed by the batch, so CUDA graphs can hold
         # it. With split_kv the KV is split when the batch alone cannot fill the GPU.
         return fn(q.unsqueeze(1), k_cache, v_cache, seqused_k=md.seq_lens,
                   page_table=md.block_tables, num_splits=num_splits,
-                  **common(spec))[0].squeeze(1)
+                  **_common(spec, (None, None)))[0].squeeze(1)
 
     return prefill, decode
 
@@ -143,37 +143,30 @@ def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
 def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
     fn = mod.flash_attn_with_kvcache
 
-    def common(spec: LayerSpec) -> dict:
-        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (-1, -1),
-                    softcap=spec.logits_soft_cap or 0.0)
-
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         return fn(q, k_cache, v_cache, cache_seqlens=md.seq_lens, page_table=md.block_tables,
-                  cu_seqlens_q=md.query_start_loc, max_seqlen_q=md.max_query_len, **common(spec))
+                  cu_seqlens_q=md.query_start_loc, max_seqlen_q=md.max_query_len,
+                  **_common(spec, (-1, -1)))
 
     def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         return fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
-                  page_table=md.block_tables, num_splits=0, **common(spec)).squeeze(1)
+                  page_table=md.block_tables, num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
     return prefill, decode
 
 
 def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
-    def common(spec: LayerSpec) -> dict:
-        return dict(softmax_scale=spec.scale, causal=True, window_size=_window(spec) or (-1, -1),
-                    softcap=spec.logits_soft_cap or 0.0)
-
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         cu_seqlens_k = F.pad(md.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return mod.flash_attn_varlen_func(
             q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=md.max_query_len, max_seqlen_k=md.max_seq_len,
-            block_table=md.block_tables, **common(spec))
+            block_table=md.block_tables, **_common(spec, (-1, -1)))
 
     def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         return mod.flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache,
                                            cache_seqlens=md.seq_lens, block_table=md.block_tables,
-                                           num_splits=0, **common(spec)).squeeze(1)
+                                           num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
     return prefill, decode
 
