@@ -143,3 +143,15 @@ def test_async_scheduling_gives_the_same_results_as_sync(num_blocks):
         assert a.token_ids == a.prompt_token_ids + a.output_token_ids
     if num_blocks:
         assert eng.stats.num_preemptions > 0
+
+
+def test_lockstep_logits_sdpa_vs_eager():
+    """The GPU backends' model-level check (tests/engine_checks.py), here with sdpa on CPU."""
+    from engine_checks import byte_prompts, engine, lockstep_logits
+
+    kw = dict(device="cpu", dtype="float32", num_blocks=128)
+    a = engine(backend="sdpa", advance_decode_on_device=False, **kw)
+    ref = engine(backend="eager", async_scheduling=False, **kw)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    worst, agree, total = lockstep_logits(a, ref, byte_prompts(4), params)
+    assert total == 4 * 6 and agree == total and worst < 1e-4

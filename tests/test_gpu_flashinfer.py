@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from pagedgen.attention.eager import EagerBackend
-from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine import Engine
 from conftest import make_paged_batch, run_backend
+from engine_checks import byte_prompts, engine, graphs_vs_eager, lockstep_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")]
@@ -82,64 +83,30 @@ def test_flashinfer_fp8_kv_cache():
 
 
 def tiny(**kw) -> Engine:
-    base = dict(device="cuda", load_format="dummy", max_num_seqs=16, max_num_batched_tokens=512,
-                dtype="bfloat16", num_blocks=2048)
-    base.update(kw)
-    return Engine(EngineConfig(**base))
-
-
-def prompts(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [[256] + torch.randint(0, 256, (int(l),), generator=g).tolist()
-            for l in torch.randint(5, 120, (n,), generator=g)]
+    return engine(num_blocks=2048, **kw)
 
 
 def test_model_logits_flashinfer_vs_eager():
     """Same prompts through the model with each backend, stepped together: logits per step."""
-    ps = prompts(6)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    # token ids are patched on the host below, so no device-side advance for `a`
     a = tiny(backend="flashinfer", enforce_eager=True, advance_decode_on_device=False)
     b = tiny(backend="eager", async_scheduling=False)  # stepped in lockstep, tokens patched
-    pairs = [(a.add_request(p, params), b.add_request(p, params)) for p in ps]
-    worst = 0.0
-    agree = total = 0
-    while a.has_unfinished():
-        a.step()
-        b.step()
-        la, lb = a.runner.last_logits, b.runner.last_logits
-        worst = max(worst, (la - lb).abs().max().item() / lb.abs().max().item())
-        agree += (la.argmax(-1) == lb.argmax(-1)).sum().item()
-        total += la.shape[0]
-        # keep the two engines on the same tokens so that later steps stay comparable
-        for sa, sb in pairs:
-            if sb.output_token_ids:
-                sa.token_ids[-1] = sb.token_ids[-1]
-                sa.output_token_ids[-1] = sb.output_token_ids[-1]
+    worst, agree, total = lockstep_logits(a, b, byte_prompts(6), params)
     print(f"model-level: worst relative logit diff {worst:.4f}, argmax agreement {agree}/{total}")
     assert worst < 0.05 and agree >= 0.95 * total
 
 
 def test_cuda_graphs_give_the_same_tokens_and_logits_as_eager():
-    ps = prompts(11, seed=1)  # 11 sequences: padded to the bucket of 16
+    ps = byte_prompts(11, seed=1)  # 11 sequences: padded to the bucket of 16
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    g, e = tiny(backend="flashinfer"), tiny(backend="flashinfer", enforce_eager=True)
-    assert g.runner.graphs is not None and e.runner.graphs is None
-    pairs = [(g.add_request(p, params), e.add_request(p, params)) for p in ps]
-    worst = 0.0
-    while g.has_unfinished():
-        g.step()
-        e.step()
-        worst = max(worst, (g.runner.last_logits - e.runner.last_logits).abs().max().item())
-    assert g.runner.host_steps["decode"] > 10
+    worst = graphs_vs_eager(tiny(backend="flashinfer"),
+                            tiny(backend="flashinfer", enforce_eager=True), ps, params)
     print(f"graphs vs eager: worst logit diff {worst:.5f}")
-    for sg, se in pairs:
-        assert sg.output_token_ids == se.output_token_ids
     assert worst < 1e-2
 
 
 def test_engine_generate_with_graphs_matches_eager_sequences():
-    ps = prompts(20, seed=2)
+    ps = byte_prompts(20, seed=2)
     params = SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, ignore_eos=True)
     with_graphs = [s.output_token_ids for s in tiny(backend="flashinfer").generate(ps, params)]
     without = [s.output_token_ids for s in
@@ -151,5 +118,5 @@ def test_engine_generate_with_graphs_matches_eager_sequences():
 def test_fp8_engine_runs_and_halves_cache_bytes():
     full, fp8 = tiny(backend="flashinfer"), tiny(backend="flashinfer", kv_cache_dtype="fp8")
     assert fp8.runner.block_bytes() * 2 == full.runner.block_bytes()
-    seqs = fp8.generate(prompts(4), SamplingParams(max_tokens=8, temperature=0.0))
+    seqs = fp8.generate(byte_prompts(4), SamplingParams(max_tokens=8, temperature=0.0))
     assert all(s.num_output_tokens >= 1 for s in seqs)
