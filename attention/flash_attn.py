@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
+from pagedgen.attention.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.profiling import scope
 
@@ -257,6 +258,9 @@ class FlashAttnState(AttentionState):
 def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store new tokens' k/v [T, H, D] at their slots in separate [pages, page, H, D] caches."""
+    if triton_writes(k_cache, k):
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+        return
     with scope("kv_cache_write"):
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)

@@ -6,19 +6,51 @@ caches; ``copy_blocks`` duplicates blocks inside every layer's cache (used to fo
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from pagedgen.runtime.profiling import scope
 
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
-    """Store new tokens' k/v [T, H, D] in their slots (two index_copy kernels).
+    """Store new tokens' k/v [T, H, D] in their slots: on CUDA one Triton kernel
+    (``write_kv_triton``), elsewhere two index_copy kernels.
 
     FP8 caches store ``x / scale`` (copied as bytes, since index_copy has no FP8 kernels).
     """
+    if triton_writes(kv_cache, k):
+        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping)
+        return
     with scope("kv_cache_write"):
         _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+
+
+def triton_writes(cache: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``write_kv_triton`` stores into ``cache``: CUDA, not FP8 (scaled on the torch
+    path), a power-of-two head size."""
+    d = k.shape[-1]
+    return HAVE_TRITON and cache.is_cuda and cache.dtype.itemsize > 1 and d & (d - 1) == 0
+
+
+def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k/v [T, H, D] (any strides) at their slots in page views ``k_cache``, ``v_cache``
+    [num_blocks, block_size, H, D] of equal strides, in one kernel: a program per token."""
+    from pagedgen.attention import triton_kernels as tk
+
+    if not k.shape[0]:
+        return
+    h, d = k.shape[1:]
+    cs = k_cache.stride()
+    with scope("kv_cache_write"):
+        tk.write_kv_kernel[(k.shape[0],)](
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), cs[0], cs[1], cs[2], h, k_cache.shape[1],
+            HP=1 << max(0, (h - 1).bit_length()), D=d)
 
 
 def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
+from pagedgen.attention.kv_cache import write_kv_triton
 from pagedgen.runtime.profiling import scope
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
@@ -97,12 +98,8 @@ class TritonImpl(AttentionImpl):
                 metadata: AttentionMetadata) -> torch.Tensor:
         md, st, spec, tk = metadata, self.state, self.spec, self.tk
         out = torch.empty_like(q)
+        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, md.slot_mapping)
         cs = kv_cache.stride()
-        with scope("kv_cache_write"):
-            tk.write_kv_kernel[(q.shape[0],)](
-                k, v, kv_cache, md.slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                v.stride(1), cs[0], cs[1], cs[2], cs[3], spec.num_kv_heads, md.block_size,
-                HP=_pow2(spec.num_kv_heads), D=spec.head_size)
         window = spec.sliding_window or 0
         cap = spec.logits_soft_cap or 0.0
         precision = "ieee" if q.dtype == torch.float32 else "tf32"

@@ -1,6 +1,7 @@
 """pagedgen's own paged-attention kernels, in Triton.
 
-* ``write_kv_kernel``: reshape-and-cache, one program per new token, every KV head at once.
+* ``write_kv_kernel``: reshape-and-cache, one program per new token, every KV head at once
+  (K and V page views of the same strides: either cache layout; see kv_cache.write_kv_triton).
 * ``prefill_kernel``: causal attention of new tokens (with prior cached context) over K/V read
   through the block table; FlashAttention-style online softmax over BLOCK_N-token tiles. The
   query heads of one KV head are processed together: a tile's rows are (token, head) pairs.
@@ -25,8 +26,8 @@ def _tanh(x):
 
 
 @triton.jit
-def write_kv_kernel(K, V, Cache, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cb, stride_c2, stride_cs, stride_ch, H, PAGE,
+def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
+                    stride_cb, stride_cs, stride_ch, H, PAGE,
                     HP: tl.constexpr, D: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
@@ -35,11 +36,11 @@ def write_kv_kernel(K, V, Cache, Slots, stride_kt, stride_kh, stride_vt, stride_
     h = tl.arange(0, HP)[:, None]
     d = tl.arange(0, D)[None, :]
     mask = h < H
-    dst = Cache + blk * stride_cb + off * stride_cs + h * stride_ch + d
+    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
     k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(dst, k.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
     v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(dst + stride_c2, v.to(Cache.dtype.element_ty), mask=mask)
+    tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
 @triton.jit

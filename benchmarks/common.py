@@ -36,7 +36,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
     load_s = time.perf_counter() - t0
     r = engine.runner
     per_request = params if isinstance(params, list) else [params] * len(prompts)
-    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    weight_bytes = r.model.step_weight_bytes()
     kv_per_token = r.block_bytes() / r.block_size
     runs = []
     for _ in range(repeats):

@@ -34,11 +34,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--no-fused-kernels", action="store_true",
+                    help="norms, rotary and SwiGLU as torch ops (to measure the fused kernels)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     bw = copy_bandwidth()
     cfg, sampling = profile_configs(args.profile, backend=args.backend, max_num_seqs=args.batch,
-                                    enforce_eager=args.enforce_eager)
+                                    enforce_eager=args.enforce_eager,
+                                    fused_kernels=not args.no_fused_kernels)
     engine = Engine(cfg)
     params = replace(sampling, max_tokens=args.steps + 1, temperature=0.0, ignore_eos=True)
     for p in random_prompts(args.batch, args.context, args.context, vocab=256):
@@ -66,11 +69,12 @@ def main() -> None:
     times = times[3:]  # warm-up
     step = statistics.median(times)
     r = engine.runner
-    weight_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    weight_bytes = r.model.step_weight_bytes()
     per_token_kv = r.block_bytes() // r.block_size
     kv_bytes = args.batch * (args.context + args.steps // 2) * per_token_kv
     bound = (weight_bytes + kv_bytes) / bw
-    res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None, "batch": args.batch,
+    res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None,
+           "fused_kernels": r.fused_kernels, "batch": args.batch,
            "context": args.context, "step_ms": step * 1000, "step_ms_p90": 1000 * sorted(times)[
                int(0.9 * (len(times) - 1))], "weight_gb": weight_bytes / 1e9,
            "kv_gb": kv_bytes / 1e9, "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,

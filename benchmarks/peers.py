@@ -75,7 +75,7 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
     per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size
     linear = layers * per_layer  # matmul weights a token passes through (no embedding, no head)
     head = hidden * c.vocab_size
-    weight_bytes = 2 * (linear + head + (0 if c.tie_word_embeddings else head))
+    weight_bytes = 2 * (linear + head)  # the embedding table: only the batch's rows are read
     kv_per_token = 2 * layers * kv_dim * 2
     t = 0.0
     for p in prompts:  # prefill: linear layers + causal attention, logits for the last token

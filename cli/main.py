@@ -51,6 +51,9 @@ def generate(
     max_model_len: Optional[int] = typer.Option(None),
     enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
                                                  help="Turn CUDA graphs off."),
+    fused_kernels: Optional[bool] = typer.Option(
+        None, "--fused-kernels/--no-fused-kernels",
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
@@ -65,7 +68,7 @@ def generate(
              load_format=load_format, seed=seed, block_size=block_size, num_blocks=num_blocks,
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-             enforce_eager=enforce_eager),
+             enforce_eager=enforce_eager, fused_kernels=fused_kernels),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              ignore_eos=ignore_eos))
     try:

@@ -114,12 +114,13 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                "step_ms_p50": 1000 * p50, "step_ms_p90": 1000 * _percentile(times, 90),
                "step_ms_p99": 1000 * _percentile(times, 99), "mean_context": ctx}
         if "copy_bw" in limits:
-            weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
+            weights = r.model.step_weight_bytes()
             kv = batch * ctx * r.block_bytes() / r.block_size
             row["decode_roofline_ms"] = 1000 * (weights + kv) / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
         per_batch.append(row)
     result: dict[str, Any] = {"backend": name, "cuda_graphs": r.graphs is not None,
+                              "fused_kernels": r.fused_kernels,
                               "device": str(r.device), "model": engine.src.name,
                               "dtype": str(r.dtype).removeprefix("torch."),
                               "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
@@ -378,13 +379,17 @@ def profile(
     warmup_steps: Optional[int] = typer.Option(None),
     measured_steps: Optional[int] = typer.Option(None),
     cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
+    fused_kernels: Optional[bool] = typer.Option(
+        None, "--fused-kernels/--no-fused-kernels",
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
     output_dir: Path = typer.Option(Path("pagedgen-profile"), help="Trace, JSON and charts."),
     seed: int = typer.Option(0),
 ) -> None:
     """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
     engine_cfg, _, prof = engine_and_sampling(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                                  block_size=block_size, seed=seed), {})
+                                  block_size=block_size, seed=seed,
+                                  fused_kernels=fused_kernels), {})
     wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
                               output_len=output_len, prompts=prompts,
                               warmup_steps=warmup_steps, measured_steps=measured_steps,

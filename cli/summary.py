@@ -41,6 +41,7 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
         "block_size": engine.runner.block_size,
         "peak_memory_bytes": engine.peak_memory_bytes(),
         "cuda_graphs": engine.runner.graphs is not None,
+        "fused_kernels": engine.runner.fused_kernels,
     }
     runner = engine.runner
     if runner.graphs is not None:
@@ -77,6 +78,7 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "graph_memory_bytes": "CUDA-graph memory",
            "decode_host_ms_per_step": "host time per decode step",
            "block_size": "KV page size (tokens)",
+           "fused_kernels": "fused norm/rotary/SwiGLU kernels",
            "attention_warmup_s": "attention warm-up (compile) time",
            "attention_kernels_compiled_at_warmup": "attention kernel variants ready after warm-up",
            "attention_kernels_compiled_later": "attention kernels compiled after warm-up",

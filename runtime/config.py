@@ -71,6 +71,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
+    fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

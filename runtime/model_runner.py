@@ -20,6 +20,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
 from pagedgen.runtime.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.decode_advance import DecodeAdvancer
+from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.models.llama import layer_specs
 from pagedgen.runtime.models.loader import ModelSource, build_model
 from pagedgen.runtime.profiling import scope
@@ -69,6 +70,8 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)
         self.model.setup_rotary(self.max_model_len, self.device)
+        self.fused_kernels = config.fused_kernels and fused_ops.unavailable_reason(self.device) is None
+        self.model.use_fused_kernels(self.fused_kernels)
         self.attn_state = self.backend.get_state_cls()(
             self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
         impl_cls = self.backend.get_impl_cls()

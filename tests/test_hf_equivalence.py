@@ -7,6 +7,7 @@ import torch
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.scheduler import ScheduledBatch
 from hf_models import make_checkpoint
 
@@ -59,6 +60,20 @@ def test_logits_match_transformers(checkpoint, backend):
     torch.testing.assert_close(prefill_logits(eng, ids, chunk=30), ref, atol=2e-4, rtol=1e-4)
     eng2 = engine(path, backend)  # chunked prefill: 30 tokens as 11 + 11 + 8
     torch.testing.assert_close(prefill_logits(eng2, ids, chunk=11), ref, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="triton is not installed")
+def test_fused_kernels_match_transformers(checkpoint):
+    """The model with its norms, rotary (and Qwen3's q/k norm) and SwiGLU as the fused Triton
+    kernels (on CPU: in Triton's interpreter) gives Hugging Face's logits."""
+    kind, path = checkpoint
+    ids = torch.randint(3, 320, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([ids])).logits[0]
+    eng = engine(path, "eager")
+    eng.runner.model.use_fused_kernels(True)
+    assert all(m.fused for m in eng.runner.model.modules() if hasattr(m, "fused"))
+    torch.testing.assert_close(prefill_logits(eng, ids, chunk=11), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_greedy_generation_matches_transformers(checkpoint):

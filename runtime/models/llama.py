@@ -15,23 +15,25 @@ from torch import nn
 
 from pagedgen.attention.backend import (AttentionImpl, AttentionMetadata, AttentionType,
                                         LayerSpec)
+from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.profiling import scope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; with ``residual``, adds it first and returns (normed, new residual)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.fused = False  # one Triton kernel instead of torch ops (set by use_fused_kernels)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        op = fused_ops.rms_norm_fused if self.fused else fused_ops.rms_norm_ref
         with scope("normalization"):
-            dtype = x.dtype
-            x = x.float()
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * x.to(dtype)
+            return op(x, self.weight, self.eps, residual)
 
 
 class RotaryEmbedding:
@@ -51,20 +53,8 @@ class RotaryEmbedding:
         assert self.cos.shape[-1] == head_dim, "partial rotary is not supported"
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, head_dim] for a step's positions (looked up once, used by every layer)."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+        """cos, sin [T, head_dim] for a step's positions (looked up once, used by every layer)."""
+        return self.cos[positions], self.sin[positions]
 
 
 def layer_specs(config) -> list[LayerSpec]:
@@ -97,10 +87,11 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, h, bias=bias and config.model_type != "qwen2")
         self.qk_norm = config.model_type == "qwen3"
-        if self.qk_norm:
+        if self.qk_norm:  # per-head RMSNorm of q and k before rotary (applied by the rotary op)
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.impl: AttentionImpl | None = None  # bound by the model runner
+        self.fused = False
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
@@ -109,10 +100,10 @@ class Attention(nn.Module):
         q = q.reshape(-1, s.num_heads, s.head_size)
         k = k.reshape(-1, s.num_kv_heads, s.head_size)
         v = v.reshape(-1, s.num_kv_heads, s.head_size)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        op = fused_ops.rotary_fused if self.fused else fused_ops.rotary_ref
         with scope("rotary"):
-            q, k = apply_rotary(q, k, cos_sin)
+            q, k = op(q, k, *cos_sin, *norms)
         with scope("attention"):
             o = self.impl.forward(q, k, v, kv_cache, metadata)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -124,11 +115,13 @@ class MLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        op = fused_ops.silu_and_mul_fused if self.fused else fused_ops.silu_and_mul_ref
         with scope("activation"):
-            h = F.silu(gate) * up
+            h = op(gate_up)
         return self.down_proj(h)
 
 
@@ -140,9 +133,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, cos_sin, x, kv_cache, metadata) -> torch.Tensor:
-        x = x + self.self_attn(cos_sin, self.input_layernorm(x), kv_cache, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, cos_sin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache,
+                metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer's input norm
+        adds the two (so each residual add shares a kernel with a norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(cos_sin, h, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Model(nn.Module):
@@ -173,6 +174,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None
 
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Norms, rotary and activation as fused Triton kernels (True) or torch ops (False)."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = enabled
+
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
         spec = self.model.layers[0].self_attn.spec
         self.rotary = RotaryEmbedding(self.config, spec.head_size, max_positions, device)
@@ -186,9 +193,16 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         with scope("rotary"):
             cos_sin = self.rotary.lookup(positions)
+        residual = None
         for layer, cache in zip(self.model.layers, kv_caches):
-            x = layer(cos_sin, x, cache, metadata)
-        return self.model.norm(x)
+            x, residual = layer(cos_sin, x, residual, cache, metadata)
+        return self.model.norm(x, residual)[0]
+
+    def step_weight_bytes(self) -> int:
+        """Weight bytes one forward reads in full: every parameter but the embedding table, of
+        which a step reads only its tokens' rows (a tied table is read in full as the LM head)."""
+        skip = None if self.tie_word_embeddings else self.model.embed_tokens.weight
+        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
