@@ -60,11 +60,9 @@ def main() -> None:
                                             max_name_column_width=60))
         prefill = bool(engine.scheduler.waiting) or any(
             s.num_uncomputed > 1 for s in engine.scheduler.running)
-        torch.cuda.synchronize()
         n_before = len(engine.stats.step_times)
-        engine.step()
-        torch.cuda.synchronize()
-        if not prefill:
+        engine.step()  # no syncs around it: async scheduling overlaps the host with the GPU
+        if len(engine.stats.step_times) > n_before and not prefill:
             times.append(engine.stats.step_times[n_before])
     times = times[3:]  # warm-up
     step = statistics.median(times)

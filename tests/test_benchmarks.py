@@ -8,6 +8,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 import common  # noqa: E402
@@ -54,3 +55,26 @@ def test_transformers_peers_run_the_requested_lengths():
     prompts = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
     assert peers.hf_padded(model, prompts, [3, 2, 4], batch_size=2) > 0
     assert peers.hf_continuous(model, prompts, [3, 2, 4]) > 0  # asserts each output length
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_step_weight_bytes_skips_an_untied_embedding_table(tied):
+    """A decode step reads its tokens' rows of the embedding table, not the table: rooflines
+    count it only when it doubles as the LM head."""
+    from pagedgen.runtime.models.llama import LlamaForCausalLM
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = resolve_model("tiny").hf_config
+    cfg.tie_word_embeddings = tied
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    table = model.model.embed_tokens.weight
+    expected = total if tied else total - table.numel() * table.element_size()
+    assert model.step_weight_bytes() == expected
+    c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
+                        tie_word_embeddings=tied)
+    assert peers.roofline_s(c, [[1, 2, 3]], [2], 1e3, 1e2) == pytest.approx(
+        peers.roofline_s(SimpleNamespace(**{**vars(c), "tie_word_embeddings": not tied}),
+                         [[1, 2, 3]], [2], 1e3, 1e2))

@@ -101,7 +101,8 @@ def test_engine_fused_vs_torch_ops(backend):
 
     from pagedgen.runtime.config import SamplingParams
 
-    common = dict(backend=backend, async_scheduling=False, advance_decode_on_device=False)
+    common = dict(backend=backend, async_scheduling=False, advance_decode_on_device=False,
+                  num_blocks=1024)
     fused = engine(fused_kernels=True, **common)
     plain = engine(fused_kernels=False, **common)
     assert fused.runner.fused_kernels and not plain.runner.fused_kernels
