@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import torch
+import os
 
 import pytest
+import torch
 
 from pagedgen.attention.kv_cache import (HAVE_TRITON, copy_blocks, gather_kv, swap_blocks,
                                          write_kv, write_kv_triton)
@@ -24,25 +25,30 @@ def test_write_then_gather_roundtrip():
     assert cache[1].abs().sum() == 0  # untouched block
 
 
-@pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(not HAVE_TRITON or not (torch.cuda.is_available()
+                                            or os.environ.get("TRITON_INTERPRET") == "1"),
+                    reason="needs a GPU, or TRITON_INTERPRET=1 for CPU tensors")
 @pytest.mark.parametrize("layout", ["blocks", "split"])
 def test_write_kv_triton_matches_torch(layout):
     """The Triton write (on CPU in the interpreter) into both cache layouts, from k/v that are
-    strided views of one projection (as the model passes v), with 3 heads (a masked head tile)."""
+    strided views of one projection (as the model passes v), with 3 heads (a masked head tile).
+    On a GPU it runs compiled, against the torch write on the CPU."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
     kv = torch.randn(7, 2 * 3 * 16, generator=g)
     k, v = kv[:, :48].view(7, 3, 16), kv[:, 48:].view(7, 3, 16)
     slots = torch.tensor([9, 10, 11, 12, 0, 3, 22])  # crosses a page boundary; block 1 unused
     ref = torch.zeros(6, 2, 4, 3, 16)
     write_kv(ref, k, v, slots)
+    k, v, slots = k.to(dev), v.to(dev), slots.to(dev)
     if layout == "blocks":  # [blocks, 2, page, H, D]
-        cache = torch.zeros(6, 2, 4, 3, 16)
+        cache = torch.zeros(6, 2, 4, 3, 16, device=dev)
         write_kv_triton(cache[:, 0], cache[:, 1], k, v, slots)
     else:  # [2, blocks, page, H, D], as the flash-attn backend keeps it
-        split = torch.zeros(2, 6, 4, 3, 16)
+        split = torch.zeros(2, 6, 4, 3, 16, device=dev)
         write_kv_triton(split[0], split[1], k, v, slots)
         cache = split.transpose(0, 1)
-    assert torch.equal(cache, ref)
+    assert torch.equal(cache.cpu(), ref)
 
 
 def test_swap_blocks_device_to_host_and_back():
