@@ -40,6 +40,8 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
                     v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store k/v [T, H, D] (any strides) at their slots in page views ``k_cache``, ``v_cache``
     [num_blocks, block_size, H, D] of equal strides, in one kernel: a program per token."""
+    import triton
+
     from pagedgen.attention import triton_kernels as tk
 
     if not k.shape[0]:
@@ -50,7 +52,7 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         tk.write_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), cs[0], cs[1], cs[2], h, k_cache.shape[1],
-            HP=1 << max(0, (h - 1).bit_length()), D=d)
+            HP=triton.next_power_of_2(h), D=d)
 
 
 def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:

@@ -108,7 +108,8 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   scale, soft_cap, window, num_splits, G, PAGE,
-                  GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+                  GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                  USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                   DIRECT: tl.constexpr, PRECISION: tl.constexpr):
     seq = tl.program_id(0)
     kvh = tl.program_id(1)

@@ -101,10 +101,6 @@ def unavailable_reason(device: torch.device) -> str | None:
     return None
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 # ---- RMSNorm -----------------------------------------------------------------------------------
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -127,7 +123,7 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.shape[0]:
-        block = _pow2(n)
+        block = triton.next_power_of_2(n)
         rms_norm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
@@ -168,7 +164,8 @@ def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         rotary_kernel[(t,)](
             q, k, cos, sin, q_norm if norm else cos, k_norm if norm else cos, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), h, hk, eps,
-            HP=_pow2(h), HKP=_pow2(hk), HALF=d // 2, NORM=norm, num_warps=4)
+            HP=triton.next_power_of_2(h), HKP=triton.next_power_of_2(hk), HALF=d // 2,
+            NORM=norm, num_warps=4)
     return q_out, k_out
 
 
@@ -185,7 +182,7 @@ def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * n)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        block = min(1024, _pow2(n))
+        block = min(1024, triton.next_power_of_2(n))
         silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], n)
