@@ -1,7 +1,9 @@
 """The sdpa backend: torch.nn.functional.scaled_dot_product_attention over the paged cache.
 
-Prefills run one sequence at a time on its gathered K/V (causal, offset by its cached context);
-decodes run as one batch over K/V gathered through the block tables and padded, with a length mask.
+Prefills of fresh prompts (nothing cached yet) of similar lengths run as one padded batch over
+the step's own K/V; other prefills run one sequence at a time on its gathered K/V (causal,
+offset by its cached context); decodes run as one batch over K/V gathered through the block
+tables and padded, with a length mask.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class SdpaImpl(AttentionImpl):
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
         if (pre := metadata.prefill_metadata) is not None:
-            self._prefill(q, kv_cache, pre, out)
+            self._prefill(q, k, v, kv_cache, pre, out)
         if (dec := metadata.decode_metadata) is not None:
             t0 = metadata.num_prefill_tokens
             out[t0:] = self._decode(q[t0:], kv_cache, dec)
@@ -32,10 +34,22 @@ class SdpaImpl(AttentionImpl):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.spec.scale, enable_gqa=True)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                 out: torch.Tensor) -> None:
-        qsl = md.query_start_loc.tolist()
-        for i, seq_len in enumerate(md.seq_lens_cpu):
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 md: AttentionMetadata, out: torch.Tensor) -> None:
+        qsl = [0]
+        for n in md.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        fresh = [i for i, (n, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu))
+                 if n == seq_len]
+        lens = [md.query_lens_cpu[i] for i in fresh]
+        if len(fresh) > 1 and self.spec.sliding_window is None \
+                and len(fresh) * max(lens) <= 2 * sum(lens):  # padding at most doubles the work
+            self._prefill_fresh(q, k, v, [qsl[i] for i in fresh], lens, out)
+            rest = sorted(set(range(md.num_seqs)) - set(fresh))
+        else:
+            rest = range(md.num_seqs)
+        for i in rest:
+            seq_len = md.seq_lens_cpu[i]
             q_i = q[qsl[i]:qsl[i + 1]].transpose(0, 1)  # [Hq, n, D]
             n = q_i.shape[1]
             k_i, v_i = gather_kv(kv_cache, md.block_tables[i], seq_len)
@@ -46,6 +60,19 @@ class SdpaImpl(AttentionImpl):
                                       torch.arange(seq_len, device=q.device), self.spec)
             o = self._sdpa(q_i, k_i.transpose(0, 1), v_i.transpose(0, 1), mask, simple_causal)
             out[qsl[i]:qsl[i + 1]] = o.transpose(0, 1)
+
+    def _prefill_fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       starts: list[int], lens: list[int], out: torch.Tensor) -> None:
+        """Whole prompts (their K/V are this step's k, v) as one padded causal batch."""
+        dev, width = q.device, max(lens)
+        pos = torch.arange(width, device=dev)
+        n = torch.tensor(lens, device=dev)[:, None]
+        valid = pos[None, :] < n  # [B, width]
+        rows = torch.tensor(starts, device=dev)[:, None] + torch.minimum(pos[None, :], n - 1)
+        mask = (pos[None, :] <= pos[:, None])[None] & valid[:, None, :]  # causal, real keys
+        o = self._sdpa(q[rows].transpose(1, 2), k[rows].transpose(1, 2), v[rows].transpose(1, 2),
+                       mask[:, None], False)  # [B, Hq, width, D]
+        out[rows[valid]] = o.transpose(1, 2)[valid]
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata
                 ) -> torch.Tensor:

@@ -50,7 +50,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
         start = time.perf_counter()
         engine.run()
         wall = time.perf_counter() - start
-        res = summarize(engine, seqs, wall, start, {
+        res = summarize(engine, wall, start, {
             "load_time_s": load_s, "advance_on_device": cfg.advance_decode_on_device})
         st = engine.stats
         res["decode_steps"] = st.decode_steps

@@ -1,54 +1,158 @@
-"""The completions file: lines appended (and flushed) as sequences finish, so a crash or Ctrl-C
-loses nothing finished; put back in input order when the run ends; ``--resume`` skips done ids."""
+"""The completions file: lines appended as requests finish, put in input order at the end.
+
+Each step's finished lines go out in one ``os.write`` (a crash or Ctrl-C loses nothing
+finished). The writer remembers the byte offset of every request's line (8 bytes a request),
+so the final reorder is one linear pass that copies lines in input order, never holding them in
+memory, and is skipped when the file is already in order. ``--resume`` scans the file once,
+drops a last line a crash cut short, and appends after it.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from array import array
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterable, Iterator, Mapping
+
+from pagedgen.errors import PagedgenError
+
+
+def check_output_path(path: Path) -> None:
+    """Fail now (before any model loads) when ``path`` cannot be created or written; creates
+    nothing."""
+    if path.is_dir():
+        raise PagedgenError(f"{path}: is a directory; --output needs a file path")
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise PagedgenError(f"{path}: not writable")
+        return
+    parent = path.parent
+    while not parent.exists():  # the writer creates the missing folders
+        parent = parent.parent
+    if not parent.is_dir():
+        raise PagedgenError(f"{path}: cannot be created ({parent} is not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PagedgenError(f"{path}: cannot be created ({parent} is not writable)")
 
 
 class OutputWriter:
-    def __init__(self, path: Path, resume: bool) -> None:
+    def __init__(self, path: Path, index_of: Mapping[Any, int], resume: bool) -> None:
+        """``index_of``: each request id's position in the input (the final order)."""
         self.path = path
-        self.done: set[str] = set()  # json-encoded ids already in the file
-        records = self._read() if resume and path.exists() else []
-        self.done = {json.dumps(r["id"]) for r in records}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # rewrite what survived (drops a line a crash cut short), then append
-        self._file: TextIO = path.open("w", encoding="utf-8")
-        for r in records:
-            self._file.write(json.dumps(r, ensure_ascii=False) + "\n")
-        self._file.flush()
+        self.index_of = index_of
+        self.offsets = array("q", [-1]) * len(index_of)  # input index -> line offset
+        self.extra: list[int] = []  # offsets of resumed lines whose id is not in this input
+        self.num_done = 0
+        self.failed = False
+        self._dirty = False  # the file holds lines the reorder must drop
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            end = self._scan() if resume and path.exists() else 0
+            self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, end)  # drops a cut-short last line (or the old file)
+            os.lseek(self._fd, end, os.SEEK_SET)
+        except OSError as e:
+            raise PagedgenError(f"{path}: cannot write: {e.strerror or e}")
+        self._pos = end
 
-    def _read(self) -> list[dict[str, Any]]:
-        out = []
-        with self.path.open(encoding="utf-8") as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a partial last line from an interrupted run
-                if isinstance(r, dict) and "id" in r:
-                    out.append(r)
-        return out
+    def _scan(self) -> int:
+        """Record the offsets of the lines already in the file; returns where its last
+        complete line ends."""
+        decoder = json.JSONDecoder()
+        pos = 0
+        with self.path.open("rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # a partial last line from an interrupted run
+                rid = _line_id(raw, decoder)
+                index = self.index_of.get(rid) if isinstance(rid, (str, int)) else None
+                if rid is _NO_ID:
+                    self._dirty = True  # not a completion line: the reorder drops it
+                elif index is None:
+                    self.extra.append(pos)
+                elif self.offsets[index] >= 0:
+                    self._dirty = True  # a second line for one request: keep the first
+                else:
+                    self.offsets[index] = pos
+                    self.num_done += 1
+                pos += len(raw)
+        return pos
 
-    def is_done(self, request_id: Any) -> bool:
-        return json.dumps(request_id) in self.done
+    def is_done(self, index: int) -> bool:
+        return self.offsets[index] >= 0
 
-    def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._file.flush()
-        self.done.add(json.dumps(record["id"]))
+    def write(self, records: list[dict[str, Any]]) -> None:
+        """Append finished requests' lines (each record's ``id`` is one of the input's) in one
+        write. A failed write (disk full, ...) is a one-line error; the lines before it stay."""
+        if not records:
+            return
+        lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in records]
+        data = b"".join(lines)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as e:
+            self.failed = True
+            raise PagedgenError(
+                f"{self.path}: cannot write: {e.strerror or e}; the {self.num_done} lines "
+                "written before are kept (run again with --resume to finish)")
+        for r, line in zip(records, lines):
+            self.offsets[self.index_of[r["id"]]] = self._pos
+            self._pos += len(line)
+        self.num_done += len(records)
 
-    def close(self, order: list[Any]) -> None:
-        """Close the file and rewrite it in input order (atomically)."""
-        self._file.close()
-        rank = {json.dumps(i): n for n, i in enumerate(order)}
-        records = sorted(self._read(), key=lambda r: rank.get(json.dumps(r["id"]), len(rank)))
+    def close(self) -> None:
+        """Close the file and put its lines in input order (skipped after a failed write: the
+        file then keeps its lines in completion order, which ``--resume`` reads as well)."""
+        if self._fd is None:
+            return
+        os.close(self._fd)
+        self._fd = None
+        if self.failed:
+            return
+        if not self._dirty and _increasing(self._order()):
+            return  # already in input order
         tmp = self.path.with_name(self.path.name + ".tmp")
-        with tmp.open("w", encoding="utf-8") as f:
-            for r in records:
-                f.write(json.dumps(r, ensure_ascii=False) + "\n")
-        os.replace(tmp, self.path)
+        try:
+            with self.path.open("rb") as src, tmp.open("wb") as dst:
+                for off in self._order():
+                    src.seek(off)
+                    dst.write(src.readline())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PagedgenError(f"{self.path}: cannot put the lines in input order: "
+                                f"{e.strerror or e}; every line is there, in completion order")
+
+
+    def _order(self) -> Iterator[int]:
+        """Line offsets in output order: the input's, then lines of ids it does not have."""
+        yield from (o for o in self.offsets if o >= 0)
+        yield from self.extra
+
+
+def _increasing(xs: Iterable[int]) -> bool:
+    prev = -1
+    for x in xs:
+        if x <= prev:
+            return False
+        prev = x
+    return True
+
+
+_NO_ID = object()
+
+
+def _line_id(raw: bytes, decoder: json.JSONDecoder) -> Any:
+    """The ``id`` of an output line, read from its start (the writer puts it first) without
+    parsing the rest; the whole line is parsed only when it does not start that way."""
+    text = raw.decode("utf-8", errors="replace")
+    try:
+        if text.startswith('{"id": '):
+            return decoder.raw_decode(text, 7)[0]
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return _NO_ID
+    return obj["id"] if isinstance(obj, dict) and "id" in obj else _NO_ID

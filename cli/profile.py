@@ -48,11 +48,10 @@ def _percentile(xs: list[float], p: float) -> float:
 
 def _prompts(engine, wl: Workload, batch: int, seed: int) -> list[list[int]]:
     if wl.prompts:
-        from pagedgen.cli.prompts import read_requests
-        reqs = read_requests(Path(wl.prompts))
-        tok = engine.tokenizer
-        ids = [r.prompt_token_ids or (tok.encode(r.prompt) if r.prompt is not None
-                                      else tok.apply_chat_template(r.messages)) for r in reqs]
+        from pagedgen.cli.prompts import read_requests, tokenize_requests
+        rf = read_requests(Path(wl.prompts))
+        tokenize_requests(rf, engine.tokenizer)
+        ids = [list(r.prompt_token_ids) for r in rf.requests]
         return [ids[i % len(ids)] for i in range(batch)]
     g = torch.Generator().manual_seed(seed)
     vocab = min(256, engine.src.hf_config.vocab_size)

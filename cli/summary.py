@@ -2,29 +2,25 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from rich.table import Table
 
 from pagedgen.runtime.engine import Engine
-from pagedgen.runtime.sequence import Sequence
 
 
-def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
+def summarize(engine: Engine, wall: float, start: float,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's figures from the engine's counters (requests finished since ``start``, the
+    ``time.perf_counter()`` at which the run began)."""
     st = engine.stats
-    prompt_tokens = sum(s.num_prompt_tokens for s in seqs)
-    output_tokens = sum(s.num_output_tokens for s in seqs)
-    ttft = [s.first_token_time - start for s in seqs if s.first_token_time]
-    tpot = [(s.finish_time - s.first_token_time) / (s.num_output_tokens - 1)
-            for s in seqs if s.finish_time and s.first_token_time and s.num_output_tokens > 1]
+    prompt_tokens, output_tokens = st.prompt_tokens, st.output_tokens
     out = {
         "model": engine.src.name,
         "backend": engine.runner.backend.name,
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "requests": len(seqs),
+        "requests": st.requests_finished,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "wall_time_s": wall,
@@ -32,8 +28,9 @@ def summarize(engine: Engine, seqs: list[Sequence], wall: float, start: float,
         "decode_tokens_per_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
         "output_tokens_per_s": output_tokens / wall if wall else 0.0,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
-        "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0,
-        "mean_tpot_s": statistics.fmean(tpot) if tpot else 0.0,
+        "mean_ttft_s": (st.first_token_time_sum / st.requests_with_first_token - start
+                        if st.requests_with_first_token else 0.0),
+        "mean_tpot_s": st.tpot_sum / st.requests_with_tpot if st.requests_with_tpot else 0.0,
         "steps": st.num_steps,
         "steps_launched_ahead": st.overlapped_steps,
         "preemptions": st.num_preemptions,
@@ -74,6 +71,7 @@ def format_value(key: str, value: Any) -> str:
 _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token",
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
            "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
+           "input_time_s": "input read, validated and tokenized in",
            "kv_cache_blocks": "KV-cache blocks", "graph_capture_s": "CUDA-graph capture time",
            "graph_memory_bytes": "CUDA-graph memory",
            "decode_host_ms_per_step": "host time per decode step",

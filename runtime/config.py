@@ -73,6 +73,11 @@ class EngineConfig:
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
 
+    def context_limit(self, hf_config: Any) -> int:
+        """``max_model_len``, or the model's own; the engine may lower it to what its KV
+        cache holds."""
+        return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 4096))
+
     def torch_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

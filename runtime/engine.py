@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -15,6 +15,7 @@ from pagedgen.runtime.model_runner import ModelRunner
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.scheduler import Scheduler
 from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.tokenizer import Tokenizer
 
 PENDING_TOKEN = -1  # an output token whose step is still running on the device
 
@@ -32,18 +33,42 @@ class StepStats:
     overlapped_steps: int = 0  # launched before the previous step's tokens were read
     num_steps: int = 0
     num_preemptions: int = 0
-    step_times: list[float] = field(default_factory=list)
+    # finished requests, counted as they finish (nothing kept per request)
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token_time_sum: float = 0.0  # over the requests that got a token
+    requests_with_first_token: int = 0
+    tpot_sum: float = 0.0  # time per output token after the first, over requests with >1
+    requests_with_tpot: int = 0
+
+    def record_finished(self, seq: Sequence) -> None:
+        self.requests_finished += 1
+        self.prompt_tokens += seq.num_prompt_tokens
+        self.output_tokens += seq.num_output_tokens
+        if seq.first_token_time is not None:
+            self.first_token_time_sum += seq.first_token_time
+            self.requests_with_first_token += 1
+            if seq.finish_time is not None and seq.num_output_tokens > 1:
+                self.tpot_sum += (seq.finish_time - seq.first_token_time) / (
+                    seq.num_output_tokens - 1)
+                self.requests_with_tpot += 1
+
+
+# What ``Engine.add_requests`` takes: (prompt token ids, sampling, caller's handle, index).
+RequestItem = tuple[Any, SamplingParams, Any, int | None]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, src: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, src: ModelSource | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
         if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
             raise PagedgenError("--block-size and --max-num-seqs must be positive")
         self.config = config
         self.src = src or resolve_model(config.model)
-        self.tokenizer = load_tokenizer(self.src)
+        self.tokenizer = tokenizer or load_tokenizer(self.src)
         self.runner = ModelRunner(config, self.src)
         self.block_manager = BlockManager(self.runner.num_blocks - 1, self.runner.block_size)  # -1: scratch
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -51,6 +76,9 @@ class Engine:
         self.stats = StepStats()
         self._next_id = 0
         self._pending = None  # (StepHandle, placeholder indices) of the step in flight
+        self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
+        # Sequences made ahead of admission: enough to fill every seat of the next step.
+        self._lookahead = config.max_num_seqs
 
     @property
     def max_model_len(self) -> int:
@@ -74,19 +102,31 @@ class Engine:
         self.scheduler.add(seq)
         return seq
 
-    def check_prompt(self, prompt_token_ids: list[int]) -> None:
-        """Raise ValueError when the prompt is empty, too long or outside the vocabulary."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context"
-                             f" is {self.max_model_len} tokens")
-        vocab = self.src.hf_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    def add_requests(self, items: Iterable[RequestItem]) -> None:
+        """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
+        scheduler's waiting queue runs short, so a million queued requests cost no more per
+        step than a hundred, and hold no per-sequence state until they are near admission.
+        Items must already have passed ``check_prompt``."""
+        self._sources.append(iter(items))
+
+    def _top_up(self) -> None:
+        waiting = self.scheduler.waiting
+        while self._sources and len(waiting) < self._lookahead:
+            item = next(self._sources[0], None)
+            if item is None:
+                self._sources.pop(0)
+                continue
+            ids, params, request, index = item
+            self.add_request(ids, params, request=request, index=index)
+
+    def check_prompt(self, prompt_token_ids, max_model_len: int | None = None) -> None:
+        """Raise ValueError when the prompt is empty, too long or outside the vocabulary.
+        ``max_model_len`` defaults to the engine's (an upper bound before the engine exists)."""
+        check_prompt(prompt_token_ids, max_model_len or self.max_model_len,
+                     self.src.hf_config.vocab_size)
 
     def has_unfinished(self) -> bool:
+        self._top_up()
         return self.scheduler.has_unfinished() or self._pending is not None
 
     def step(self) -> list[Sequence]:
@@ -97,6 +137,7 @@ class Engine:
         reach the host: the host's bookkeeping for step N overlaps the GPU running step N+1.
         Sampled tokens enter as placeholders; sequences finish when their tokens are known.
         """
+        self._top_up()
         if self.config.async_scheduling and self.runner.advancer is not None:
             return self._step_async()
         if not self.scheduler.has_unfinished():
@@ -152,7 +193,6 @@ class Engine:
         st = self.stats
         st.num_steps += 1
         st.num_preemptions += len(batch.preempted)
-        st.step_times.append(now - t0)
         if batch.prefills:
             st.prefill_tokens += batch.num_prefill_tokens
             st.prefill_time += now - t0
@@ -193,6 +233,7 @@ class Engine:
             if seq.is_finished and i + 1 == seq.num_output_tokens:
                 seq.finish_reason = seq.finish_reason or "length"
                 seq.finish_time = now
+                self.stats.record_finished(seq)
                 finished.append(seq)
         return finished
 
@@ -243,3 +284,17 @@ class Engine:
             return torch.cuda.max_memory_allocated(dev)
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError when a prompt (a list or array of ids) is empty, has no room for an
+    output token within ``max_model_len``, or holds an id outside the vocabulary."""
+    if not len(prompt_token_ids):
+        raise ValueError("the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context"
+                         f" is {max_model_len} tokens")
+    lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops, not a Python scan
+    if lo < 0 or hi >= vocab_size:
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")

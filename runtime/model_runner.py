@@ -64,8 +64,7 @@ class ModelRunner:
                 raise PagedgenError(f"backend '{self.backend.name}' cannot run {src.name}: {why}")
         if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
             raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
-        self.max_model_len = config.max_model_len or int(
-            getattr(hf, "max_position_embeddings", 4096))
+        self.max_model_len = config.context_limit(hf)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)

@@ -31,13 +31,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """Queues whose cost per step and per finished sequence does not grow with their length:
+    ``running`` is an insertion-ordered dict used as a set (admission order, O(1) removal),
+    ``waiting`` a deque (preempted sequences go back to its front)."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order
+        self.running: dict[Sequence, None] = {}  # in admission order
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -50,25 +54,21 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         # 1. decodes, preempting from the back when a block is missing
-        i = 0
-        while i < len(self.running):
-            seq = self.running[i]
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                break  # preempted below: so is everything admitted after it
             if seq.num_uncomputed != 1:
-                i += 1
                 continue
             while not self.bm.can_allocate(seq, seq.num_tokens):
-                victim = self.running[-1]
+                victim = next(reversed(self.running))
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # seq itself was preempted: nothing after it is running any more
-            if budget == 0:
+            if seq.status != SequenceStatus.RUNNING or budget == 0:
                 break
             self.bm.allocate(seq, seq.num_tokens)
             batch.decodes.append(seq)
             budget -= 1
-            i += 1
         # 2. unfinished prefill chunks of running sequences
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
@@ -85,7 +85,7 @@ class Scheduler:
             budget -= n
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running[seq] = None
         return batch
 
     def _admit_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
@@ -103,7 +103,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free ``seq``'s blocks and put it first in line; its K/V will be recomputed."""
-        self.running.remove(seq)
+        del self.running[seq]
         self.bm.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -111,10 +111,12 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def finish(self, seq: Sequence) -> None:
-        """Release a finished sequence's blocks."""
+        """Release a finished sequence's blocks (O(1) for a running sequence)."""
+        if seq.status == SequenceStatus.RUNNING:
+            del self.running[seq]
+        elif seq.status == SequenceStatus.WAITING:
+            # preempted while its last token was still on the device: rare, and the waiting
+            # queue holds at most a window of sequences (the engine admits requests lazily)
+            self.waiting = deque(s for s in self.waiting if s is not seq)
         seq.status = SequenceStatus.FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:  # preempted while its last token was still on the device
-            self.waiting.remove(seq)
         self.bm.free(seq)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+from typing import Sequence as Sequence_
 
 from pagedgen.runtime.config import SamplingParams
 
@@ -15,10 +16,10 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues of thousands must never compare token lists
 class Sequence:
     seq_id: int
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence_[int]  # a list, or an array('i') from the prompt store
     params: SamplingParams
     seed: int  # per-request sampling seed
     request: Any = None  # caller's handle (e.g. the JSONL request)

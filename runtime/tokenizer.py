@@ -17,6 +17,10 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, then BOS (256) and EOS (257). For the built-in presets."""
@@ -36,6 +40,12 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
         return self.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
+        return [self.apply_chat_template(c) for c in conversations]
 
 
 class HFTokenizer:
@@ -61,12 +71,21 @@ class HFTokenizer:
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.apply_chat_template_batch([messages])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """One call into the fast tokenizer for the whole batch (its Rust side runs it in
+        parallel); the same ids as ``encode`` one text at a time."""
+        return self.tok(texts, return_attention_mask=False)["input_ids"]
+
+    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
         if not getattr(self.tok, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use 'prompt' instead")
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tok.apply_chat_template(conversations, add_generation_prompt=True,
+                                           tokenize=True)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
-        return list(out)
+        return [list(ids) for ids in out]
 
 
 class MissingTokenizer:
@@ -84,4 +103,10 @@ class MissingTokenizer:
         return ""
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.encode("")
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encode("")
+
+    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
         return self.encode("")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import sysconfig
 import venv
 import zipfile
 from pathlib import Path
@@ -22,10 +23,15 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
                  "pagedgen/runtime/engine.py", "pagedgen/profiles/tiny.yaml"):
         assert must in names
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
-    # a fresh venv that borrows torch & co. from this interpreter, with pagedgen from the wheel
+    # a fresh venv that borrows torch & co. from this interpreter (itself perhaps a venv, whose
+    # packages system_site_packages would not reach), with pagedgen from the wheel
     env_dir = tmp_path / "venv"
-    venv.create(env_dir, with_pip=False, system_site_packages=True)
+    venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
+    env_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    Path(env_site, "borrowed.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q",
                     "--no-deps", str(wheel)], check=True)
     where = subprocess.run([str(py), "-c", "import pagedgen; print(pagedgen.__file__)"],

@@ -34,7 +34,7 @@ class OffByOneDecodeBackend(SdpaBackend):
 class WrongCausalOffsetImpl(SdpaImpl):
     """Planted bug: prefill masks as if the new tokens started at position 0 (no prior context)."""
 
-    def _prefill(self, q, kv_cache, md, out):
+    def _prefill(self, q, k_new, v_new, kv_cache, md, out):
         qsl = md.query_start_loc.tolist()
         for i, seq_len in enumerate(md.seq_lens_cpu):
             n = qsl[i + 1] - qsl[i]

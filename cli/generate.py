@@ -1,0 +1,166 @@
+"""`pagedgen generate`: a JSONL prompt file through the engine into a JSONL completions file.
+
+Order of work, so that every error a user can cause shows before the slow parts: options →
+read and validate the file → check the output path → tokenize every prompt (the model's
+tokenizer, before its weights load) → load the engine → stream the requests into it lazily,
+appending each finished line as it comes → put the file in input order → summary.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
+                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
+from pagedgen.cli.output import OutputWriter, check_output_path
+from pagedgen.cli.prompts import check_requests, read_requests, tokenize_requests
+from pagedgen.cli.summary import summarize, summary_table
+from pagedgen.errors import PagedgenError
+
+
+@cli_errors
+def generate(
+    prompts: Path = typer.Argument(..., help="JSONL file: one {\"prompt\"|\"prompt_token_ids\"|"
+                                             "\"messages\": ...} per line."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Output JSONL [default: PROMPTS.completions.jsonl]."),
+    resume: bool = typer.Option(False, help="Skip ids already in the output file."),
+    model: Optional[str] = typer.Option(None, help="Checkpoint directory or preset [default: tiny]."),
+    profile: Optional[str] = typer.Option(None, help="Run profile: a name in profiles/ or a YAML file."),
+    backend: Optional[str] = typer.Option(None, help="Attention backend, or auto."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, float16 or bfloat16."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
+    load_format: Optional[str] = typer.Option(None, help="auto, safetensors or dummy."),
+    max_tokens: Optional[int] = typer.Option(None, help="Default output tokens per request."),
+    temperature: Optional[float] = typer.Option(None, help="Default temperature (0 = greedy)."),
+    top_p: Optional[float] = typer.Option(None),
+    top_k: Optional[int] = typer.Option(None),
+    seed: Optional[int] = typer.Option(None, help="Run seed (per-request seeds derive from it)."),
+    ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos/--no-ignore-eos"),
+    block_size: Optional[int] = typer.Option(None, help="Tokens per KV page (default: the "
+                                             "backend's)."),
+    num_blocks: Optional[int] = typer.Option(None),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
+    max_num_seqs: Optional[int] = typer.Option(None),
+    max_num_batched_tokens: Optional[int] = typer.Option(None),
+    max_model_len: Optional[int] = typer.Option(None),
+    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
+                                                 help="Turn CUDA graphs off."),
+    fused_kernels: Optional[bool] = typer.Option(
+        None, "--fused-kernels/--no-fused-kernels",
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
+    json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Generate completions for every line of PROMPTS and print a throughput summary."""
+    from pagedgen.runtime.engine import Engine, check_prompt
+    from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+
+    engine_cfg, defaults, _ = engine_and_sampling(
+        profile, model,
+        dict(backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+             load_format=load_format, seed=seed, block_size=block_size, num_blocks=num_blocks,
+             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+             enforce_eager=enforce_eager, fused_kernels=fused_kernels),
+        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+             ignore_eos=ignore_eos))
+    try:
+        defaults.validate()
+    except ValueError as e:
+        raise PagedgenError(f"options: {e}")
+    output = output or prompts.with_name(prompts.stem + ".completions.jsonl")
+    if prompts.is_file() and output.resolve() == prompts.resolve():
+        raise PagedgenError("--output must differ from the prompts file")
+
+    t_read = time.perf_counter()
+    with _startup_progress(json_summary) as progress:
+        task = progress.add_task("reading", total=prompts.stat().st_size if prompts.is_file()
+                                 else None)
+        rf = read_requests(prompts, lambda n: progress.update(task, completed=n))
+        check_output_path(output)
+        input_s = time.perf_counter() - t_read
+        t_load = time.perf_counter()
+        src = resolve_model(engine_cfg.model)
+        tokenizer = load_tokenizer(src)
+        load_s = time.perf_counter() - t_load
+        limit, vocab = engine_cfg.context_limit(src.hf_config), src.hf_config.vocab_size
+        t_tok = time.perf_counter()
+        task = progress.add_task("tokenizing", total=len(rf))
+        tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+        check_requests(rf, lambda ids: check_prompt(ids, limit, vocab))
+        input_s += time.perf_counter() - t_tok
+
+    t_load = time.perf_counter()
+    with console.status(f"loading {engine_cfg.model} ..."):
+        engine = Engine(engine_cfg, src, tokenizer)
+    load_s += time.perf_counter() - t_load
+    if engine.max_model_len < limit:  # the KV cache holds less than the model's context
+        check_requests(rf, engine.check_prompt)
+
+    writer = OutputWriter(output, rf.index_of, resume)
+    todo = len(rf) - writer.num_done
+    engine.add_requests((r.prompt_token_ids, r.sampling(defaults), r, r.index)
+                        for r in rf.requests if not writer.is_done(r.index))
+    start = time.perf_counter()
+    progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[tokens]:,} tokens out"), TimeElapsedColumn(),
+                        TimeRemainingColumn(), console=console, transient=json_summary)
+    try:
+        with progress:
+            task = progress.add_task("gen", total=todo, tokens=0)
+
+            def on_step(finished) -> None:
+                writer.write([_record(engine, seq) for seq in finished])
+                progress.update(task, advance=len(finished), tokens=engine.stats.output_tokens)
+
+            engine.run(on_step=on_step)
+    except KeyboardInterrupt:
+        _close_quietly(writer)
+        console.print(f"[yellow]interrupted:[/] {writer.num_done} of {len(rf)} requests "
+                      f"are in {output}; run again with --resume to finish")
+        raise typer.Exit(130)
+    except BaseException:
+        _close_quietly(writer)
+        raise
+    wall = time.perf_counter() - start
+    writer.close()
+    summary = summarize(engine, wall, start, {
+        "input_time_s": input_s, "load_time_s": load_s,
+        "skipped_resumed": len(rf) - todo, "output": str(output)})
+    if json_summary:
+        print(json.dumps(summary, indent=2))
+    else:
+        out_console().print(summary_table(summary))
+
+
+def _record(engine, seq) -> dict[str, Any]:
+    """A finished sequence's output line (``id`` first: ``--resume`` reads it from there)."""
+    req = seq.request
+    return {"id": req.id,
+            "prompt": req.prompt if req.prompt is not None
+            else engine.tokenizer.decode(seq.prompt_token_ids),
+            "text": engine.output_text(seq), "token_ids": seq.output_token_ids,
+            "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_output_tokens": seq.num_output_tokens, "finish_reason": seq.finish_reason}
+
+
+def _startup_progress(quiet: bool) -> Progress:
+    """Bars for reading and tokenizing the input (gone when done)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                    disable=quiet and not console.is_terminal)
+
+
+def _close_quietly(writer: OutputWriter) -> None:
+    """Close (and reorder) after an error or Ctrl-C; the error in flight is the one to show."""
+    try:
+        writer.close()
+    except PagedgenError:
+        pass
