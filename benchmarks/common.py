@@ -40,6 +40,7 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
     kv_per_token = r.block_bytes() / r.block_size
     runs = []
     for _ in range(repeats):
+        engine.reset_prefix_cache()  # each repeat starts cold, as the first did
         engine.stats = StepStats()
         r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
         r.host_steps = dict.fromkeys(r.host_steps, 0)

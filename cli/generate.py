@@ -22,6 +22,7 @@ from pagedgen.cli.output import OutputWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, read_requests, tokenize_requests
 from pagedgen.cli.summary import summarize, summary_table
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.engine import check_prompt
 
 
 @cli_errors
@@ -44,6 +45,8 @@ def generate(
     top_k: Optional[int] = typer.Option(None),
     seed: Optional[int] = typer.Option(None, help="Run seed (per-request seeds derive from it)."),
     ignore_eos: Optional[bool] = typer.Option(None, "--ignore-eos/--no-ignore-eos"),
+    n: Optional[int] = typer.Option(None, "--n", help="Default samples per request (1-128); "
+                                    "they share the prompt's KV cache."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page (default: the "
                                              "backend's)."),
     num_blocks: Optional[int] = typer.Option(None),
@@ -56,10 +59,13 @@ def generate(
     fused_kernels: Optional[bool] = typer.Option(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
+    prefix_caching: Optional[bool] = typer.Option(
+        None, "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV cache of prompt prefixes computed before (default: on)."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
-    from pagedgen.runtime.engine import Engine, check_prompt
+    from pagedgen.runtime.engine import Engine
     from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 
     engine_cfg, defaults, _ = engine_and_sampling(
@@ -68,9 +74,10 @@ def generate(
              load_format=load_format, seed=seed, block_size=block_size, num_blocks=num_blocks,
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-             enforce_eager=enforce_eager, fused_kernels=fused_kernels),
+             enforce_eager=enforce_eager, fused_kernels=fused_kernels,
+             prefix_caching=prefix_caching),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-             ignore_eos=ignore_eos))
+             ignore_eos=ignore_eos, n=n))
     try:
         defaults.validate()
     except ValueError as e:
@@ -94,7 +101,8 @@ def generate(
         t_tok = time.perf_counter()
         task = progress.add_task("tokenizing", total=len(rf))
         tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
-        check_requests(rf, lambda ids: check_prompt(ids, limit, vocab))
+        seats = engine_cfg.max_num_seqs
+        check_requests(rf, lambda r: _check(r, defaults, seats, limit, vocab))
         input_s += time.perf_counter() - t_tok
 
     t_load = time.perf_counter()
@@ -102,7 +110,7 @@ def generate(
         engine = Engine(engine_cfg, src, tokenizer)
     load_s += time.perf_counter() - t_load
     if engine.max_model_len < limit:  # the KV cache holds less than the model's context
-        check_requests(rf, engine.check_prompt)
+        check_requests(rf, lambda r: _check(r, defaults, seats, engine.max_model_len, vocab))
 
     writer = OutputWriter(output, rf.index_of, resume)
     todo = len(rf) - writer.num_done
@@ -117,8 +125,9 @@ def generate(
             task = progress.add_task("gen", total=todo, tokens=0)
 
             def on_step(finished) -> None:
-                writer.write([_record(engine, seq) for seq in finished])
-                progress.update(task, advance=len(finished), tokens=engine.stats.output_tokens)
+                records = _records(engine, finished)
+                writer.write(records)
+                progress.update(task, advance=len(records), tokens=engine.stats.output_tokens)
 
             engine.run(on_step=on_step)
     except KeyboardInterrupt:
@@ -140,15 +149,42 @@ def generate(
         out_console().print(summary_table(summary))
 
 
-def _record(engine, seq) -> dict[str, Any]:
-    """A finished sequence's output line (``id`` first: ``--resume`` reads it from there)."""
+def _records(engine, finished: list) -> list[dict[str, Any]]:
+    """Output lines for the requests whose every sample is done (``id`` first: ``--resume``
+    reads it from there). A request with ``n`` > 1 is one line with ``choices``."""
+    out, groups = [], {}
+    for seq in finished:
+        if seq.samples is None:
+            out.append({**_request_fields(engine, seq), **_choice(engine, seq)})
+        elif all(s.finish_time is not None for s in seq.samples):
+            groups[id(seq.samples)] = seq.samples  # once, whichever sample finished last
+    for samples in groups.values():
+        out.append({**_request_fields(engine, samples[0]),
+                    "choices": [{"index": s.sample_index, **_choice(engine, s)}
+                                for s in samples]})
+    return out
+
+
+def _request_fields(engine, seq) -> dict[str, Any]:
     req = seq.request
     return {"id": req.id,
             "prompt": req.prompt if req.prompt is not None
             else engine.tokenizer.decode(seq.prompt_token_ids),
-            "text": engine.output_text(seq), "token_ids": seq.output_token_ids,
-            "num_prompt_tokens": seq.num_prompt_tokens,
+            "num_prompt_tokens": seq.num_prompt_tokens}
+
+
+def _choice(engine, seq) -> dict[str, Any]:
+    return {"text": engine.output_text(seq), "token_ids": seq.output_token_ids,
             "num_output_tokens": seq.num_output_tokens, "finish_reason": seq.finish_reason}
+
+
+def _check(r, defaults, max_num_seqs: int, max_model_len: int, vocab: int) -> None:
+    """A request the engine can take: its prompt (ids in the vocabulary, room for an output
+    token) and its samples (each needs a seat)."""
+    check_prompt(r.prompt_token_ids, max_model_len, vocab)
+    n = r.sampling(defaults).n
+    if n > max_num_seqs:
+        raise ValueError(f"n = {n} samples need as many seats; --max-num-seqs is {max_num_seqs}")
 
 
 def _startup_progress(quiet: bool) -> Progress:

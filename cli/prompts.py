@@ -26,6 +26,7 @@ _SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "seed": ((int,), "an integer"),
     "stop": ((str, list), "a string or a list of strings"),
     "ignore_eos": ((bool,), "true or false"),
+    "n": ((int,), "an integer"),
 }
 _PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
 _KNOWN_FIELDS = frozenset(_PROMPT_FIELDS) | frozenset(_SAMPLING_FIELDS) | {"id"}
@@ -130,11 +131,11 @@ def tokenize_requests(rf: RequestFile, tokenizer,
                 progress(done)
 
 
-def check_requests(rf: RequestFile, check: Callable[[array], None]) -> None:
-    """``check`` every request's token ids; its ValueError becomes a ``file:line:`` error."""
+def check_requests(rf: RequestFile, check: Callable[[Request], None]) -> None:
+    """``check`` every request; its ValueError becomes a ``file:line:`` error."""
     for r in rf.requests:
         try:
-            check(r.prompt_token_ids)
+            check(r)
         except ValueError as e:
             raise PagedgenError(f"{r.where(rf.path)}: {e}")
 

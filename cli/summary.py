@@ -21,6 +21,7 @@ def summarize(engine: Engine, wall: float, start: float,
         "device": str(engine.runner.device),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "requests": st.requests_finished,
+        "samples": st.samples_finished,
         "prompt_tokens": prompt_tokens,
         "output_tokens": output_tokens,
         "wall_time_s": wall,
@@ -34,6 +35,11 @@ def summarize(engine: Engine, wall: float, start: float,
         "steps": st.num_steps,
         "steps_launched_ahead": st.overlapped_steps,
         "preemptions": st.num_preemptions,
+        "prefix_caching": engine.block_manager.prefix_caching,
+        "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
+                                  if st.prefix_queried_tokens else 0.0),
+        "prefix_cache_hit_tokens": st.prefix_hit_tokens,
+        "prefix_cache_evicted_blocks": st.evicted_blocks,
         "kv_cache_blocks": engine.runner.num_blocks,
         "block_size": engine.runner.block_size,
         "peak_memory_bytes": engine.peak_memory_bytes(),
@@ -57,6 +63,8 @@ def format_value(key: str, value: Any) -> str:
         return "on" if value else "off"
     if key.endswith("_ms_per_step"):
         return f"{value:.3f} ms"
+    if key.endswith("_rate"):
+        return f"{value:.1%}"
     if key.endswith("_bytes"):
         return f"{value / 2**30:.2f} GiB"
     if key.endswith("_per_s"):
@@ -72,6 +80,10 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
            "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
            "input_time_s": "input read, validated and tokenized in",
+           "samples": "samples (n per request)",
+           "prefix_cache_hit_rate": "prefix-cache hit rate (admitted tokens)",
+           "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
+           "prefix_cache_evicted_blocks": "cached blocks evicted",
            "kv_cache_blocks": "KV-cache blocks", "graph_capture_s": "CUDA-graph capture time",
            "graph_memory_bytes": "CUDA-graph memory",
            "decode_host_ms_per_step": "host time per decode step",

@@ -25,6 +25,7 @@ from pagedgen import PROFILES_DIR
 from pagedgen.errors import PagedgenError
 
 DEFAULT_MODEL = "tiny"
+MAX_SAMPLES = 128  # the largest `n` (parallel samples of one request)
 
 
 @dataclass
@@ -38,10 +39,13 @@ class SamplingParams:
     seed: int | None = None  # None: derived from the run seed and the request index
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    n: int = 1  # samples of the request (parallel sampling: they share the prompt's K/V)
 
     def validate(self) -> None:
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise ValueError(f"n must be in 1..{MAX_SAMPLES}")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:
@@ -72,6 +76,7 @@ class EngineConfig:
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
+    prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
 
     def context_limit(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own; the engine may lower it to what its KV

@@ -14,10 +14,9 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.model_runner import ModelRunner
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.scheduler import Scheduler
-from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.sampler import derive_seed
+from pagedgen.runtime.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.tokenizer import Tokenizer
-
-PENDING_TOKEN = -1  # an output token whose step is still running on the device
 
 
 @dataclass
@@ -33,8 +32,12 @@ class StepStats:
     overlapped_steps: int = 0  # launched before the previous step's tokens were read
     num_steps: int = 0
     num_preemptions: int = 0
-    # finished requests, counted as they finish (nothing kept per request)
-    requests_finished: int = 0
+    prefix_queried_tokens: int = 0  # tokens of sequences admitted from scratch
+    prefix_hit_tokens: int = 0  # of which the prefix cache held the K/V
+    evicted_blocks: int = 0  # cached blocks evicted for new contents
+    # finished requests (and samples), counted as they finish (nothing kept per request)
+    requests_finished: int = 0  # a request counts when its first sample finishes
+    samples_finished: int = 0
     prompt_tokens: int = 0
     output_tokens: int = 0
     first_token_time_sum: float = 0.0  # over the requests that got a token
@@ -43,8 +46,10 @@ class StepStats:
     requests_with_tpot: int = 0
 
     def record_finished(self, seq: Sequence) -> None:
-        self.requests_finished += 1
-        self.prompt_tokens += seq.num_prompt_tokens
+        self.samples_finished += 1
+        if seq.sample_index == 0:
+            self.requests_finished += 1
+            self.prompt_tokens += seq.num_prompt_tokens
         self.output_tokens += seq.num_output_tokens
         if seq.first_token_time is not None:
             self.first_token_time_sum += seq.first_token_time
@@ -70,7 +75,8 @@ class Engine:
         self.src = src or resolve_model(config.model)
         self.tokenizer = tokenizer or load_tokenizer(self.src)
         self.runner = ModelRunner(config, self.src)
-        self.block_manager = BlockManager(self.runner.num_blocks - 1, self.runner.block_size)  # -1: scratch
+        self.block_manager = BlockManager(self.runner.num_blocks - 1,  # -1: the scratch block
+                                          self.runner.block_size, config.prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stats = StepStats()
@@ -90,15 +96,28 @@ class Engine:
 
         Without a seed in ``params`` the request's seed is derived from the run seed and
         ``index`` (its position in the input; default: arrival order), so reruns repeat it.
+        With ``params.n`` > 1 the returned sequence is sample 0; ``seq.samples`` lists all
+        ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
         """
         self.check_prompt(prompt_token_ids)
         params.validate()
-        seq_id = self._next_id
-        self._next_id += 1
-        index = seq_id if index is None else index
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
+                             f"{self.config.max_num_seqs}")
+        index = self._next_id if index is None else index
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
-        seq = Sequence(seq_id, list(prompt_token_ids), params, seed, request,
-                       arrival_time=time.perf_counter())
+        ids = list(prompt_token_ids)
+        now = time.perf_counter()
+        samples = []
+        for i in range(params.n):
+            samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
+                                    arrival_time=now, sample_index=i))
+            self._next_id += 1
+        seq = samples[0]
+        if params.n > 1:
+            seq.forks = samples[1:]
+            for s in samples:
+                s.samples = samples
         self.scheduler.add(seq)
         return seq
 
@@ -181,18 +200,30 @@ class Engine:
             raise RuntimeError("scheduler produced an empty step with requests pending")
         return batch
 
-    @staticmethod
-    def _computed(batch) -> None:
+    def _computed(self, batch) -> None:
+        """The launched step's tokens count as computed; full blocks among them join the prefix
+        cache (now, not at scheduling: a sequence scheduled but dropped before launch must never
+        leave blocks in the cache whose K/V were not written)."""
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
+            self._cache_blocks(seq)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
+            self._cache_blocks(seq)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if bm.prefix_caching and seq.num_computed_tokens // bm.block_size > seq.num_cached_blocks:
+            bm.cache_blocks(seq, min(seq.num_computed_tokens, seq.num_known_tokens))
 
     def _account(self, batch, t0: float) -> None:
         now = time.perf_counter()
         st = self.stats
         st.num_steps += 1
         st.num_preemptions += len(batch.preempted)
+        st.prefix_queried_tokens += batch.prefix_queried_tokens
+        st.prefix_hit_tokens += batch.prefix_hit_tokens
+        st.evicted_blocks += batch.evicted_blocks
         if batch.prefills:
             st.prefill_tokens += batch.num_prefill_tokens
             st.prefill_time += now - t0
@@ -223,6 +254,7 @@ class Engine:
                 continue  # dropped: the sequence stopped at an earlier token
             seq.output_token_ids[i] = token
             seq.token_ids[seq.num_prompt_tokens + i] = token
+            self._cache_blocks(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.finish_reason is None and self._check_stop(seq, token, i + 1):
@@ -277,6 +309,13 @@ class Engine:
         seqs = [self.add_request(p, params) for p in prompts]
         self.run()
         return seqs
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (between benchmark repeats: a rerun of the same prompts
+        must not hit the last run's cache). Only when no request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache with requests in flight")
+        self.block_manager.reset_prefix_cache()
 
     def peak_memory_bytes(self) -> int:
         dev = self.runner.device

@@ -217,14 +217,19 @@ class ModelRunner:
                 hidden = self.graphs.replay(graph_bs, md.num_decodes)
             else:
                 hidden = self.model(ids, pos, self.kv_caches, md)
-        # the last token of every sequence whose uncomputed tokens all ran this step
+        if batch.block_copies:  # forked samples' copies of the last prompt block, now written
+            self.backend.copy_blocks(self.kv_caches, to_device(batch.block_copies, torch.int64,
+                                                               self.device))
+        # the last token of every sequence whose uncomputed tokens all ran this step (and of
+        # the samples forked from it: the same row)
         rows, sampling = [], []
         qsl = 0
         for seq, n in batch.prefills:
             qsl += n
             if seq.num_computed_tokens + n == seq.num_tokens:
-                rows.append(qsl - 1)
-                sampling.append(seq)
+                for s in (seq, *batch.forked.get(seq, ())):
+                    rows.append(qsl - 1)
+                    sampling.append(s)
         rows += range(qsl, qsl + len(batch.decodes))
         sampling += batch.decodes
         if not sampling:

@@ -2,7 +2,8 @@
 
 Randomness is a counter-based hash of (request seed, output position, token id), turned into
 Gumbel noise, so a request's tokens do not depend on which other requests share its batch, on
-the batch order or on the device's random state: a run is reproducible.
+the batch order or on the device's random state: a run is reproducible. The samples of a
+request with ``n`` > 1 each take a seed derived from the request's (``derive_seed``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> 
     col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _hash32(row[:, None] * 0x27D4EB2F + col[None, :] * 0x165667B1 + 0x1B873593)
     return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32)
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Sample ``i``'s seed for a request of seed ``seed`` (sample 0 keeps the request's): a
+    splitmix64 step over both, so seeds of neighbouring requests and samples look unrelated."""
+    if sample_index == 0:
+        return seed
+    x = (seed * 0x9E3779B97F4A7C15 + sample_index) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (x ^ (x >> 31)) >> 33  # 31 bits: a seed a JSONL line can carry
 
 
 @dataclass

@@ -9,6 +9,8 @@ from typing import Sequence as Sequence_
 
 from pagedgen.runtime.config import SamplingParams
 
+PENDING_TOKEN = -1  # an output token whose step is still running on the device
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # not admitted, or preempted (its KV is recomputed when readmitted)
@@ -32,7 +34,17 @@ class Sequence:
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    finish_time: float | None = None
+    finish_time: float | None = None  # set when its last token is known: the sample is done
+    # parallel sampling: sample `sample_index` of a request with params.n samples; `samples`
+    # (shared by all of them) lists them; `forks` holds the ones still to fork from this one
+    # when its prompt's prefill completes
+    sample_index: int = 0
+    samples: list[Sequence] | None = None
+    forks: list[Sequence] = field(default_factory=list)
+    # prefix caching: keys of its full blocks (prefix_cache.block_keys), and how many of its
+    # leading blocks are registered in the cache
+    block_keys: list = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place
@@ -57,6 +69,14 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (all but trailing placeholders of steps in flight)."""
+        n = len(self.token_ids)
+        while n and self.token_ids[n - 1] == PENDING_TOKEN:
+            n -= 1
+        return n
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -92,6 +92,12 @@ def test_profile_and_options_apply(tmp_path):
     ([{"prompt": "a", "prompt_token_ids": [1]}], r"p.jsonl:1: need exactly one of"),
     (["[1, 2]"], r"p.jsonl:1: expected a JSON object"),
     ([{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}], r"p.jsonl:2: duplicate id 1"),
+    ([{"prompt": "a", "n": 0}], r"p.jsonl:1: n must be in 1..128"),
+    ([{"prompt": "a"}, {"prompt": "a", "n": 129}], r"p.jsonl:2: n must be in 1..128"),
+    ([{"prompt": "a", "n": 2.5}], r"p.jsonl:1: 'n' must be an integer"),
+    ([{"prompt": "a", "n": True}], r"p.jsonl:1: 'n' must be an integer"),
+    ([{"prompt": "a", "n": 100}], r"p.jsonl:1: n = 100 samples need as many seats; "
+                                  r"--max-num-seqs is 32"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, lines, message):
     import re

@@ -91,8 +91,7 @@ def test_fork_shares_full_blocks_and_copies_the_partial_one():
     bm = BlockManager(num_blocks=8, block_size=4)
     parent, child = seq(10), seq(10, 1)
     bm.allocate(parent, 10)
-    parent.num_computed_tokens = 10
-    copies = bm.fork(parent, child)
+    copies = bm.fork(parent, child, 10)
     assert child.block_table[:2] == parent.block_table[:2]
     assert copies == [(parent.block_table[2], child.block_table[2])]
     assert bm.num_free_blocks == 4
