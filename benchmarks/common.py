@@ -28,19 +28,31 @@ def profile_configs(profile: str, **engine_overrides) -> tuple[EngineConfig, Sam
 def run_engine(cfg: EngineConfig, prompts: list[list[int]],
                params: SamplingParams | list[SamplingParams], copy_bw: float | None = None,
                repeats: int = 1) -> list[dict[str, Any]]:
-    """Build one engine and generate the workload ``repeats`` times on it; for each run, the
-    summary ``pagedgen generate`` prints, and with ``copy_bw`` (bytes/s) the decode steps'
-    fraction of the memory roofline. Frees the GPU afterwards."""
+    """Build one engine and generate the workload ``repeats`` times on it (``timed_runs``).
+    Frees the GPU afterwards."""
     t0 = time.perf_counter()
     engine = Engine(cfg)
-    load_s = time.perf_counter() - t0
+    runs = timed_runs(engine, prompts, params, copy_bw, repeats, time.perf_counter() - t0)
+    del engine
+    free_gpu()
+    return runs
+
+
+def timed_runs(engine: Engine, prompts: list[list[int]],
+               params: SamplingParams | list[SamplingParams], copy_bw: float | None = None,
+               repeats: int = 1, load_s: float = 0.0, prefix_caching: bool | None = None
+               ) -> list[dict[str, Any]]:
+    """Generate the workload ``repeats`` times on ``engine``, each run from a cold prefix
+    cache (``prefix_caching`` turns it on or off); for each run, the summary ``pagedgen
+    generate`` prints, and with ``copy_bw`` (bytes/s) the decode steps' fraction of the memory
+    roofline."""
     r = engine.runner
     per_request = params if isinstance(params, list) else [params] * len(prompts)
     weight_bytes = r.model.step_weight_bytes()
     kv_per_token = r.block_bytes() / r.block_size
     runs = []
     for _ in range(repeats):
-        engine.reset_prefix_cache()  # each repeat starts cold, as the first did
+        engine.reset_prefix_cache(prefix_caching)  # each repeat starts cold, as the first did
         engine.stats = StepStats()
         r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
         r.host_steps = dict.fromkeys(r.host_steps, 0)
@@ -52,19 +64,25 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
         engine.run()
         wall = time.perf_counter() - start
         res = summarize(engine, wall, start, {
-            "load_time_s": load_s, "advance_on_device": cfg.advance_decode_on_device})
+            "load_time_s": load_s, "advance_on_device": engine.config.advance_decode_on_device})
         st = engine.stats
         res["decode_steps"] = st.decode_steps
+        # equal digests: the same tokens (e.g. prefix caching on and off, greedy)
+        res["outputs_digest"] = hash(tuple(tuple(x.output_token_ids) for s in seqs
+                                           for x in (s.samples or [s])))
         if copy_bw and st.decode_steps:
             bound = (st.decode_steps * weight_bytes + st.decode_kv_tokens * kv_per_token) / copy_bw
             res["decode_step_ms"] = 1000 * st.decode_time / st.decode_steps
             res["decode_roofline_fraction"] = bound / st.decode_time
         runs.append(res)
-    del engine, seqs, r
+    return runs
+
+
+def free_gpu() -> None:
+    """Give the memory of dropped engines and models back (before the next system runs)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return runs
 
 
 def print_table(title: str, rows: list[dict[str, Any]], cols: list[str]) -> None:

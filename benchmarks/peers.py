@@ -21,46 +21,22 @@ max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, profile_configs, run_engine  # noqa: E402
+from common import free_gpu, print_table, profile_configs, run_engine  # noqa: E402
+from workloads import WORKLOADS, Workload  # noqa: E402
 
 from pagedgen.attention.registry import backend_status  # noqa: E402
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops  # noqa: E402
 from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
-
-
-@dataclass(frozen=True)
-class Workload:
-    profile: str
-    num_prompts: int
-    input_len: tuple[int, int]
-    output_len: tuple[int, int]
-
-    def requests(self, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-        """Prompt token ids and output lengths, the same for every system."""
-        g = torch.Generator().manual_seed(seed)
-        n = self.num_prompts
-        lens = torch.randint(self.input_len[0], self.input_len[1] + 1, (n,), generator=g)
-        outs = torch.randint(self.output_len[0], self.output_len[1] + 1, (n,), generator=g)
-        prompts = [torch.randint(0, vocab, (int(l),), generator=g).tolist() for l in lens]
-        return prompts, outs.tolist()
-
-
-WORKLOADS = {
-    "a": Workload("llama-3-8b", 256, (128, 1024), (256, 256)),
-    "b": Workload("llama-3-8b", 64, (2048, 2048), (128, 128)),
-    "c": Workload("qwen3-0.6b", 256, (100, 1024), (100, 1024)),
-}
 
 
 # ---- the roofline estimate ----------------------------------------------------------------------
@@ -167,11 +143,6 @@ def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return {**best, "runs_output_tokens_per_s": [r[key] for r in runs]}
 
 
-def free() -> None:
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None]) -> None:
@@ -204,7 +175,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
         runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
-        free()
+        free_gpu()
         res = median(runs)
         row(f"pagedgen {b}", res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
@@ -222,7 +193,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 torch.cuda.reset_peak_memory_stats()
                 wall = (hf_padded(model, prompts, outs, hf_batch) if peer == "hf-generate"
                         else hf_continuous(model, prompts, outs))
-                free()
+                free_gpu()
                 return {"output_tokens_per_s": out_tok / wall, "wall_time_s": wall,
                         "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
@@ -232,7 +203,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             row(label, res["wall_time_s"], {
                 k: res[k] for k in ("runs_output_tokens_per_s", "peak_memory_bytes")})
         del model
-        free()
+        free_gpu()
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ from pagedgen.runtime import kernel_stats, profiling
 class Workload:
     batch_sizes: list[int] = field(default_factory=lambda: [1, 4, 16])
     prompt_len: int = 64
+    shared_prefix_len: int = 0  # leading tokens every prompt of a batch shares (prefix caching)
     output_len: int = 16  # caps the decode steps per batch size
     prompts: str | None = None  # a JSONL prompt file instead of random prompts
     warmup_steps: int = 2
@@ -55,7 +56,9 @@ def _prompts(engine, wl: Workload, batch: int, seed: int) -> list[list[int]]:
         return [ids[i % len(ids)] for i in range(batch)]
     g = torch.Generator().manual_seed(seed)
     vocab = min(256, engine.src.hf_config.vocab_size)
-    return [torch.randint(0, vocab, (wl.prompt_len,), generator=g).tolist() for _ in range(batch)]
+    shared = torch.randint(0, vocab, (min(wl.shared_prefix_len, wl.prompt_len),), generator=g)
+    return [shared.tolist() + torch.randint(0, vocab, (wl.prompt_len - len(shared),),
+                                            generator=g).tolist() for _ in range(batch)]
 
 
 def _step(engine, phase: str) -> float:
@@ -89,6 +92,8 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
         chunks = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens) + 1
         params = SamplingParams(max_tokens=chunks + wl.warmup_steps + decode_steps + 2,
                                 temperature=0.0, ignore_eos=True)
+        engine.reset_prefix_cache()  # each batch size starts cold (its prompts repeat)
+        hits_before = engine.stats.prefix_hit_tokens
         seqs = [engine.add_request(p, params) for p in prompts]
         if batch == kernel_batch:
             acts = [torch.profiler.ProfilerActivity.CPU]
@@ -103,11 +108,12 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                 prof.stop()
         prefill_s, prefill_tokens, times = (timings["prefill_s"], timings["prefill_tokens"],
                                             timings["times"])
+        hits = engine.stats.prefix_hit_tokens - hits_before
         while engine.has_unfinished():
             engine.step()
         ctx = timings["mean_context"]
         p50 = _percentile(times, 50)
-        row = {"batch": batch, "prefill_tokens": prefill_tokens,
+        row = {"batch": batch, "prefill_tokens": prefill_tokens, "prefix_hit_tokens": hits,
                "prefill_tok_s": prefill_tokens / prefill_s if prefill_s else 0.0,
                "decode_tok_s": batch / p50 if p50 else 0.0,
                "step_ms_p50": 1000 * p50, "step_ms_p90": 1000 * _percentile(times, 90),
@@ -236,6 +242,9 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
         t = Table(title=f"{b}: {res['model']} {res['dtype']} on {res['device']}",
                   title_justify="left")
         cols = ["batch", "prefill tok/s", "decode tok/s", "step p50 ms", "p90 ms", "p99 ms"]
+        cached = any(row.get("prefix_hit_tokens") for row in res["batches"])
+        if cached:
+            cols.insert(2, "prompt tok cached")
         if "decode_roofline_fraction" in res["batches"][0]:
             cols += ["roofline ms", "of roofline"]
         for c in cols:
@@ -244,6 +253,8 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
             vals = [str(row["batch"]), f"{row['prefill_tok_s']:,.0f}",
                     f"{row['decode_tok_s']:,.0f}", f"{row['step_ms_p50']:.3f}",
                     f"{row['step_ms_p90']:.3f}", f"{row['step_ms_p99']:.3f}"]
+            if cached:
+                vals.insert(2, f"{row['prefix_hit_tokens']:,}")
             if "decode_roofline_fraction" in row:
                 vals += [f"{row['decode_roofline_ms']:.3f}",
                          f"{100 * row['decode_roofline_fraction']:.0f}%"]
@@ -373,6 +384,8 @@ def profile(
     block_size: Optional[int] = typer.Option(None),
     batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated, e.g. 1,8,64."),
     prompt_len: Optional[int] = typer.Option(None),
+    shared_prefix_len: Optional[int] = typer.Option(
+        None, help="Leading tokens every prompt of a batch shares (shows prefix caching)."),
     output_len: Optional[int] = typer.Option(None),
     prompts: Optional[str] = typer.Option(None, help="JSONL prompt file instead of random."),
     warmup_steps: Optional[int] = typer.Option(None),
@@ -381,6 +394,7 @@ def profile(
     fused_kernels: Optional[bool] = typer.Option(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
     output_dir: Path = typer.Option(Path("pagedgen-profile"), help="Trace, JSON and charts."),
     seed: int = typer.Option(0),
 ) -> None:
@@ -388,8 +402,9 @@ def profile(
     engine_cfg, _, prof = engine_and_sampling(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   block_size=block_size, seed=seed,
-                                  fused_kernels=fused_kernels), {})
+                                  fused_kernels=fused_kernels, prefix_caching=prefix_caching), {})
     wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
+                              shared_prefix_len=shared_prefix_len,
                               output_len=output_len, prompts=prompts,
                               warmup_steps=warmup_steps, measured_steps=measured_steps,
                               cuda_graphs=cuda_graphs))

@@ -165,6 +165,45 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
                worst_rel <= tol, detail)
 
 
+def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.device,
+                       steps: int, seed: int, page_size: int) -> Row:
+    """A prompt whose first blocks come from the prefix cache against an uncached run of the
+    same prompt on the same backend. The shared prefix ends mid-block (2.5 pages), so the
+    cached run recomputes the prefix's last half page on top of two cached pages."""
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine import Engine
+
+    base = EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
+                        seed=seed, backend=backend_name, block_size=page_size, num_blocks=64,
+                        max_num_seqs=4, max_num_batched_tokens=2048, max_model_len=8 * page_size,
+                        async_scheduling=False)
+    cached = Engine(base)
+    fresh = Engine(dataclasses.replace(base, prefix_caching=False))
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, 256, (5 * page_size // 2,), generator=g).tolist()
+    warm, prompt = (prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 13))
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    cached.generate([warm], params)  # fills the cache with the prefix's two full pages
+    a, b = cached.add_request(prompt, params), fresh.add_request(prompt, params)
+    worst_abs = worst_rel = 0.0
+    while fresh.has_unfinished():
+        cached.step()
+        fresh.step()
+        if a.output_token_ids[:-1] != b.output_token_ids[:-1]:
+            break  # contexts differ from here on
+        la, lb = cached.runner.last_logits[0].float(), fresh.runner.last_logits[0].float()
+        err = (la - lb).abs().max().item()
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / max(lb.abs().max().item(), 1e-6))
+    hit = cached.stats.prefix_hit_tokens
+    same = sum(x == y for x, y in zip(a.output_token_ids, b.output_token_ids))
+    tol = MODEL_TOL[cached.runner.dtype]
+    ok = worst_rel <= tol and hit == 2 * page_size
+    return Row("model", f"prefix-cached prefill, page {page_size}", steps, worst_abs, worst_rel,
+               tol, ok, f"{hit} of {len(prompt)} prompt tokens from the cache; greedy agreement "
+                        f"{same}/{b.num_output_tokens}")
+
+
 def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
                    steps: int, seed: int) -> BackendReport:
     if name == "eager":
@@ -180,6 +219,8 @@ def verify_backend(name: str, device: torch.device, model: str, dtype: str, case
                              else [])
     for graphs in graph_modes:
         report.rows.append(check_model(name, model, dtype, device, steps, seed, graphs))
+    for page in page_sizes(backend):
+        report.rows.append(check_prefix_cache(name, model, dtype, device, steps, seed, page))
     return report
 
 

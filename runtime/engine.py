@@ -35,6 +35,7 @@ class StepStats:
     prefix_queried_tokens: int = 0  # tokens of sequences admitted from scratch
     prefix_hit_tokens: int = 0  # of which the prefix cache held the K/V
     evicted_blocks: int = 0  # cached blocks evicted for new contents
+    peak_blocks_used: int = 0  # most KV blocks referenced by sequences at once
     # finished requests (and samples), counted as they finish (nothing kept per request)
     requests_finished: int = 0  # a request counts when its first sample finishes
     samples_finished: int = 0
@@ -201,9 +202,9 @@ class Engine:
         return batch
 
     def _computed(self, batch) -> None:
-        """The launched step's tokens count as computed; full blocks among them join the prefix
-        cache (now, not at scheduling: a sequence scheduled but dropped before launch must never
-        leave blocks in the cache whose K/V were not written)."""
+        """The launched step's tokens count as computed; full blocks among them that the
+        scheduler did not cache yet (decodes, and chunks of sequences that waited on a token)
+        join the prefix cache now that their step is launched."""
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
             self._cache_blocks(seq)
@@ -224,6 +225,8 @@ class Engine:
         st.prefix_queried_tokens += batch.prefix_queried_tokens
         st.prefix_hit_tokens += batch.prefix_hit_tokens
         st.evicted_blocks += batch.evicted_blocks
+        bm = self.block_manager
+        st.peak_blocks_used = max(st.peak_blocks_used, bm.num_blocks - bm.num_free_blocks)
         if batch.prefills:
             st.prefill_tokens += batch.num_prefill_tokens
             st.prefill_time += now - t0
@@ -310,12 +313,15 @@ class Engine:
         self.run()
         return seqs
 
-    def reset_prefix_cache(self) -> None:
+    def reset_prefix_cache(self, enabled: bool | None = None) -> None:
         """Forget every cached block (between benchmark repeats: a rerun of the same prompts
-        must not hit the last run's cache). Only when no request is in flight."""
+        must not hit the last run's cache), and turn caching on or off when ``enabled`` says.
+        Only when no request is in flight."""
         if self.has_unfinished():
             raise RuntimeError("reset_prefix_cache with requests in flight")
         self.block_manager.reset_prefix_cache()
+        if enabled is not None:
+            self.block_manager.prefix_caching = enabled
 
     def peak_memory_bytes(self) -> int:
         dev = self.runner.device

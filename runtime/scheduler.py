@@ -6,7 +6,9 @@ later), then fills the remaining token budget with prefills: unfinished chunks f
 waiting sequences in arrival order. A prompt larger than the budget is prefilled in chunks.
 
 A sequence admitted with no blocks starts on the longest run of its leading full blocks that the
-prefix cache holds (at least one token is always computed, so the step has logits to sample).
+prefix cache holds (at least one token is always computed, so the step has logits to sample);
+the blocks a prefill chunk fills are cached as it is scheduled, so prompts admitted later in the
+same step already share them.
 A request with ``n`` samples is admitted as one sequence holding seats for all of them; the step
 that completes its prompt forks the others from it (shared full blocks, a copy of the last).
 """
@@ -139,6 +141,12 @@ class Scheduler:
             batch.prefix_hit_tokens += computed
         bm.allocate(seq, computed + n)
         batch.prefills.append((seq, n))
+        if seq.num_known_tokens == seq.num_tokens:
+            # Its full blocks can serve admissions later in this very step: each layer writes
+            # every new token's K/V before it attends. A sequence waiting on a token of the
+            # step in flight registers after launch instead (the engine), as it may be dropped
+            # from this step when that token turns out to stop it.
+            bm.cache_blocks(seq, computed + n)
         return n
 
     def _fork_if_complete(self, parent: Sequence, n: int, batch: ScheduledBatch) -> None:

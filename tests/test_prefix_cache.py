@@ -81,6 +81,19 @@ def test_a_block_is_reused_only_behind_the_same_prefix():
     assert on.stats.prefix_hit_tokens == 8  # only block A, for the last prompt
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_prompts_admitted_in_one_step_share_their_prefix(async_scheduling):
+    rng = random.Random(4)
+    prefix = [rng.randrange(256) for _ in range(27)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(5 + i)] for i in range(4)]
+    on = engine(async_scheduling=async_scheduling, max_num_batched_tokens=256)
+    got = on.generate(prompts, GREEDY)
+    assert on.stats.prefix_hit_tokens == 3 * 24  # the first step: one computes, three share
+    assert on.stats.prefill_tokens == sum(map(len, prompts)) - 3 * 24
+    want = engine(prefix_caching=False).generate(prompts, GREEDY)
+    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
+
+
 def test_preempted_sequence_recomputes_from_its_own_cached_blocks():
     eng = engine(num_blocks=14, max_num_seqs=4)
     ps = [[256] + [(7 * i + j) % 250 for j in range(30)] for i in range(4)]

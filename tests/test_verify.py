@@ -75,11 +75,11 @@ def test_verify_all_lists_gpu_only_backends_as_skipped_on_cpu():
     assert "flashinfer: skipped" in res.output or "flashinfer vs eager" in res.output
 
 
-def verify_planted(name: str, target: str):
+def verify_planted(name: str, target: str, *args):
     """Run verify on a backend registered only for this test."""
     register_backend(name, target)
     try:
-        return invoke("--backend", name, *FAST)
+        return invoke("--backend", name, *FAST, *args)
     finally:
         del _BACKENDS[name]
 
@@ -94,6 +94,18 @@ def test_verify_fails_a_wrong_causal_offset():
     res = verify_planted("broken-causal", "test_verify:WrongCausalOffsetBackend")
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output
+
+
+def test_prefix_cache_check_fails_a_prefill_that_ignores_cached_context(tmp_path):
+    res = verify_planted("broken-causal", "test_verify:WrongCausalOffsetBackend",
+                         "--json", tmp_path / "v.json")
+    assert res.exit_code == 1, res.output
+    rows = json.loads((tmp_path / "v.json").read_text())["backends"][0]["rows"]
+    prefix = [r for r in rows if r["group"].startswith("prefix-cached prefill")]
+    assert len(prefix) == 2 and not any(r["passed"] for r in prefix)
+    good = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "s.json")
+    rows = json.loads((tmp_path / "s.json").read_text())["backends"][0]["rows"]
+    assert [r["passed"] for r in rows if r["group"].startswith("prefix-cached")] == [True, True]
 
 
 def test_verify_usage_error_exits_2():

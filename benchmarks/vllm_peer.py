@@ -1,0 +1,98 @@
+"""vLLM as the benchmark peer, in a process of its own (its own site-packages: it pins other
+versions of FlashInfer and friends than pagedgen's).
+
+The parent writes the model's ``config.json`` (dummy weights, as pagedgen's presets) and a spec;
+the worker regenerates the workload's token ids with ``workloads.py`` (the same ids pagedgen
+runs), builds ``vllm.LLM`` once (start-up timed apart), then times ``LLM.generate`` over every
+request in one call, ``repeats`` times, resetting its prefix cache before each run.
+
+Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_VLLM_SITE``
+(default ``/tmp/site-vllm``, where ``../shared/gpu/stage-wheels.sh vllm`` installs it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def vllm_site() -> str | None:
+    """'' when vLLM imports here, a site directory holding it, or None when there is none."""
+    if importlib.util.find_spec("vllm") is not None:
+        return ""
+    site = os.environ.get("PAGEDGEN_VLLM_SITE", "/tmp/site-vllm")
+    return site if (Path(site) / "vllm").is_dir() else None
+
+
+def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dict[str, Any],
+             repeats: int = 3, timeout: float = 590.0) -> dict[str, Any]:
+    """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed."""
+    site = vllm_site()
+    if site is None:
+        return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp) / "model"
+        model.mkdir()
+        cfg = hf_config.to_dict()
+        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+        (model / "config.json").write_text(json.dumps(cfg))
+        spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
+                "vocab": cfg["vocab_size"], "engine": engine, "repeats": repeats}
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "HF_HUB_OFFLINE": "1"}
+        if site:
+            env["PYTHONPATH"] = site
+        res = subprocess.run([sys.executable, str(Path(__file__)), str(Path(tmp) / "spec.json"),
+                              str(Path(tmp) / "out.json")], env=env, timeout=timeout,
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            return {"skipped": f"vLLM failed: {res.stderr.strip().splitlines()[-1:]}",
+                    "log": res.stderr[-4000:]}
+        return json.loads((Path(tmp) / "out.json").read_text())
+
+
+def _worker(spec_path: str, out_path: str) -> None:
+    sys.path.insert(0, str(HERE))
+    t0 = time.perf_counter()
+    import vllm
+    from vllm.inputs import TokensPrompt
+    from workloads import workload
+
+    spec = json.loads(Path(spec_path).read_text())
+    wl = workload(spec["workload"], spec["num_prompts"])
+    prompts, outs = wl.requests(spec["vocab"])
+    llm = vllm.LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
+                   dtype="bfloat16", gpu_memory_utilization=0.9, seed=0, **spec["engine"])
+    startup = time.perf_counter() - t0
+    params = [vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=wl.temperature,
+                                  n=wl.n, seed=i if wl.temperature else None, detokenize=False)
+              for i, n in enumerate(outs)]
+    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    runs = []
+    for _ in range(spec["repeats"]):
+        llm.reset_prefix_cache()  # every run starts cold, as the first
+        t = time.perf_counter()
+        results = llm.generate(inputs, params, use_tqdm=False)
+        wall = time.perf_counter() - t
+        tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
+        runs.append({"wall_time_s": wall, "output_tokens": tokens,
+                     "output_tokens_per_s": tokens / wall})
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
+                                          "engine": spec["engine"], "runs": runs}))
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])

@@ -1,0 +1,58 @@
+"""The benchmark workloads: prompt token ids and output lengths, generated from a seed so that
+every system (and the vLLM peer, in a process of its own) runs exactly the same requests.
+
+  a: Llama-3-8B shape, 256 prompts x random 128-1024 input, 256 output tokens
+  b: Llama-3-8B shape, 64 prompts x 2048 input, 128 output tokens
+  c: Qwen3-0.6B shape, 256 prompts x random 100-1024 input and output (nano-vllm's setup)
+  d: Llama-3-8B shape, 512 prompts x (1,536 shared + 128 unique) input, 128 output (one system
+     prompt or few-shot block in front of every question: prefix caching)
+  p: Llama-3-8B shape, 128 prompts x 1,024 input, n = 8 samples x 256 output, temperature 1
+     (parallel sampling)
+  r: Llama-3-8B shape, 100,000 prompts x random 64-256 input, 16 output (request count)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Workload:
+    profile: str
+    num_prompts: int
+    input_len: tuple[int, int]  # each prompt's own tokens (after the shared prefix)
+    output_len: tuple[int, int]
+    shared_prefix_len: int = 0
+    n: int = 1  # samples per prompt
+    temperature: float = 0.0
+
+    def requests(self, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+        """Prompt token ids and output lengths, the same for every system."""
+        g = torch.Generator().manual_seed(seed)
+        n = self.num_prompts
+        lens = torch.randint(self.input_len[0], self.input_len[1] + 1, (n,), generator=g)
+        outs = torch.randint(self.output_len[0], self.output_len[1] + 1, (n,), generator=g)
+        shared = torch.randint(0, vocab, (self.shared_prefix_len,), generator=g).tolist()
+        prompts = [shared + torch.randint(0, vocab, (int(l),), generator=g).tolist()
+                   for l in lens]
+        return prompts, outs.tolist()
+
+    def output_tokens(self, outs: list[int]) -> int:
+        return sum(outs) * self.n
+
+
+WORKLOADS = {
+    "a": Workload("llama-3-8b", 256, (128, 1024), (256, 256)),
+    "b": Workload("llama-3-8b", 64, (2048, 2048), (128, 128)),
+    "c": Workload("qwen3-0.6b", 256, (100, 1024), (100, 1024)),
+    "d": Workload("llama-3-8b", 512, (128, 128), (128, 128), shared_prefix_len=1536),
+    "p": Workload("llama-3-8b", 128, (1024, 1024), (256, 256), n=8, temperature=1.0),
+    "r": Workload("llama-3-8b", 100_000, (64, 256), (16, 16)),
+}
+
+
+def workload(name: str, num_prompts: int | None = None) -> Workload:
+    wl = WORKLOADS[name]
+    return replace(wl, num_prompts=num_prompts) if num_prompts else wl
