@@ -237,7 +237,8 @@ class AttentionState:
 
     def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
         """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
-        ``supports_cuda_graphs``)."""
+        ``supports_cuda_graphs``). ``max_num_pages``: the most page-table entries such a step
+        can hold (more than the cache's blocks when sequences share prefix blocks)."""
         raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 

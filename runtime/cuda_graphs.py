@@ -68,7 +68,8 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         pool = None
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
-            r.attn_state.make_graph_plan(bs, r.num_blocks)
+            # page-table entries, not physical blocks: sequences share cached blocks
+            r.attn_state.make_graph_plan(bs, bs * self.max_blocks)
             md = self._metadata(bs, [1] * bs)
             r.attn_state.begin_forward(md, graph_batch_size=bs)
             args = (self.input_ids[:bs], self.positions[:bs], r.kv_caches, md)
