@@ -59,10 +59,6 @@ class AttentionMetadata:
     block_size: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
-    # Decode-only steps: leading blocks every sequence's table shares (a common prefix served
-    # from the prefix cache); backends that declare ``supports_cascade`` attend them once for
-    # the whole batch. 0: none (or not computed).
-    common_prefix_blocks: int = 0
     # Backend-private data set by ``AttentionState.begin_forward`` (planned wrappers, buffers).
     plan: Any = None
     _prefill: AttentionMetadata | None = field(default=None, repr=False)
@@ -255,7 +251,6 @@ class AttentionBackend(ABC):
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
     supports_fp8_kv_cache: ClassVar[bool] = False
-    supports_cascade: ClassVar[bool] = False  # decode with a shared prefix attended once
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16,
                                                            torch.float32)
     default_block_size: ClassVar[int] = 16

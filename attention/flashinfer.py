@@ -4,12 +4,6 @@ by ``FlashInferState.begin_forward`` and run by every layer. CUDA-graph decode u
 wrapper per captured batch size over fixed indptr/indices/last-page buffers, re-planned before
 each replay.
 
-Cascade decode: when every sequence of a decode step shares its leading blocks (a cached common
-prefix, ``AttentionMetadata.common_prefix_blocks``), those pages are attended once for the whole
-batch (one non-causal prefill call, all queries as one request, so the prefix's K/V are read
-once instead of once per sequence), each sequence's own pages by the decode wrapper, and the two
-partial results merged by their log-sum-exp (FlashInfer's ``merge_state_in_place``).
-
 The prefill kernel is FlashInfer's ``fa2`` by default (first JIT compile about 30 s on an H100);
 ``PAGEDGEN_FLASHINFER_PREFILL=fa3`` picks the Hopper kernel (about 1.6x faster prefill at 4k,
 first JIT compile about 110 s). Compiled kernels are cached in FlashInfer's JIT cache.
@@ -43,7 +37,6 @@ class FlashInferPlan:
 
     prefill: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
-    shared: dict | None = None  # cascade decode: the common prefix's wrappers
 
 
 def paged_kv_arrays(seq_lens: list[int], seq_lens_dev: torch.Tensor,
@@ -80,9 +73,6 @@ class FlashInferState(AttentionState):
                 self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys},
             decode={k: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True) for k in self.keys})
-        self.shared = {k: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys}
-        self.cascade_steps = 0
         self.graph_plans: dict[int, FlashInferPlan] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
@@ -119,10 +109,7 @@ class FlashInferState(AttentionState):
                 w.plan(qo, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_size,
                        md.block_size, causal=True, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
-        plan.shared = None
-        if md.num_decodes and md.common_prefix_blocks and graph_batch_size is None:
-            self._plan_cascade(md, plan, common)
-        elif md.num_decodes:
+        if md.num_decodes:
             p = md.num_prefills
             indptr, indices, last = paged_kv_arrays(md.seq_lens_cpu[p:], md.seq_lens[p:],
                                                     md.block_tables[p:], md.block_size)
@@ -131,27 +118,6 @@ class FlashInferState(AttentionState):
                        md.block_size, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
         md.plan = plan
-
-    def _plan_cascade(self, md: AttentionMetadata, plan: FlashInferPlan, common: dict) -> None:
-        """A decode-only step whose sequences share ``md.common_prefix_blocks`` pages: the
-        shared pages for all queries at once, then each sequence's own pages."""
-        s, n, page = self.spec, md.common_prefix_blocks, md.block_size
-        i32 = torch.int32
-        qo = torch.tensor([0, md.num_decodes], dtype=i32)
-        for (window_left, cap), w in self.shared.items():
-            w.plan(qo, torch.tensor([0, n], dtype=i32), md.block_tables[0, :n].to(i32),
-                   torch.tensor([page], dtype=i32), s.num_heads, s.num_kv_heads, s.head_size,
-                   page, causal=False, sm_scale=s.scale, window_left=window_left,
-                   logits_soft_cap=cap or None, **common)
-        own = [x - n * page for x in md.seq_lens_cpu]
-        indptr, indices, last = paged_kv_arrays(own, md.seq_lens - n * page,
-                                                md.block_tables[:, n:], page)
-        for (window_left, cap), w in plan.decode.items():
-            w.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_size, page,
-                   sm_scale=s.scale, window_left=window_left, logits_soft_cap=cap or None,
-                   **common)
-        plan.shared = self.shared
-        self.cascade_steps += 1
 
 
 class FlashInferImpl(AttentionImpl):
@@ -163,16 +129,10 @@ class FlashInferImpl(AttentionImpl):
                 metadata: AttentionMetadata) -> torch.Tensor:
         st = self.state
         write_kv(kv_cache, k, v, metadata.slot_mapping, st.k_scale, st.v_scale)
+        out = torch.empty_like(q)
         n = metadata.num_prefill_tokens
         scales = dict(k_scale=st.k_scale, v_scale=st.v_scale) if kv_cache.dtype.itemsize == 1 \
             else {}
-        if metadata.plan.shared is not None:  # cascade (decode-only steps)
-            o, lse = metadata.plan.decode[self.key].run(q, kv_cache, return_lse=True, **scales)
-            o_shared, lse_shared = metadata.plan.shared[self.key].run(q, kv_cache,
-                                                                      return_lse=True, **scales)
-            st.fi.merge_state_in_place(o, lse, o_shared, lse_shared)
-            return o
-        out = torch.empty_like(q)
         if n:
             metadata.plan.prefill[self.key].run(q[:n], kv_cache, out=out[:n], **scales)
         if metadata.num_decode_tokens:
@@ -187,7 +147,6 @@ class FlashInferBackend(AttentionBackend):
     supports_sliding_window = True
     supports_soft_cap = True
     supports_fp8_kv_cache = True
-    supports_cascade = True
     supported_dtypes = (torch.float16, torch.bfloat16)
 
     @staticmethod

@@ -85,10 +85,7 @@ class CudaGraphRunner:
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
 
     def can_run(self, md: AttentionMetadata) -> bool:
-        """Decode-only steps of captured sizes; not cascade steps (a shared prefix attended once
-        for the batch is a different kernel sequence, run eagerly)."""
-        return (md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
-                and md.common_prefix_blocks == 0)
+        return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
 
     def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
                 ) -> int:

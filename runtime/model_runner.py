@@ -23,7 +23,6 @@ from pagedgen.runtime.decode_advance import DecodeAdvancer
 from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.models.llama import layer_specs
 from pagedgen.runtime.models.loader import ModelSource, build_model
-from pagedgen.runtime.prefix_cache import common_prefix_blocks
 from pagedgen.runtime.profiling import scope
 from pagedgen.runtime.sampler import SamplingBatch, sample
 from pagedgen.runtime.scheduler import ScheduledBatch
@@ -31,8 +30,6 @@ from pagedgen.runtime.transfer import to_device
 from pagedgen.runtime.sequence import Sequence
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
-CASCADE_MIN_SEQS = 8  # a decode batch shares its prefix's K/V reads from this many sequences
-CASCADE_MIN_TOKENS = 256  # ... over a common prefix of at least this many tokens
 
 
 @dataclass
@@ -91,10 +88,6 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
-        # shared-prefix decode (windows are relative to a query's position: not with them)
-        self.cascade = self.backend.supports_cascade and not any(s.sliding_window
-                                                                 for s in self.specs)
-        self._cascade_memo: tuple[list[Sequence], int] | None = None
         self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
             if config.advance_decode_on_device else None
         self.graphs: CudaGraphRunner | None = None
@@ -171,37 +164,17 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                       AttentionMetadata]:
         """Input ids, positions and attention metadata for a step (prefills first)."""
-        out = None
         if self.advancer is not None and not batch.prefills:
-            out = self.advancer.advance(batch.decodes)
-        if out is None:
-            out = self._build(batch)
-            if self.advancer is not None:
-                if batch.prefills:
-                    self.advancer.forget()
-                else:
-                    self.advancer.remember(batch.decodes, out[1], out[2])
-        if batch.prefills:  # readmitted sequences hold new block tables
-            self._cascade_memo = None
-        elif self.cascade:
-            out[2].common_prefix_blocks = self._shared_blocks(batch.decodes)
-        return out
-
-    def _shared_blocks(self, decodes: list[Sequence]) -> int:
-        """Blocks all of a decode batch shares, when enough to attend once for the batch
-        (CASCADE_MIN_SEQS sequences, CASCADE_MIN_TOKENS tokens); kept while the batch stays
-        the same sequences (their shared blocks cannot change)."""
-        memo = self._cascade_memo
-        if memo is not None and len(memo[0]) == len(decodes) \
-                and all(a is b for a, b in zip(memo[0], decodes)):
-            return memo[1]
-        n = 0
-        if len(decodes) >= CASCADE_MIN_SEQS:
-            n = common_prefix_blocks([s.block_table for s in decodes])
-            if n * self.block_size < CASCADE_MIN_TOKENS:
-                n = 0
-        self._cascade_memo = (list(decodes), n)
-        return n
+            advanced = self.advancer.advance(batch.decodes)
+            if advanced is not None:
+                return advanced
+        ids_t, pos_t, md = self._build(batch)
+        if self.advancer is not None:
+            if batch.prefills:
+                self.advancer.forget()
+            else:
+                self.advancer.remember(batch.decodes, pos_t, md)
+        return ids_t, pos_t, md
 
     def _build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                      AttentionMetadata]:

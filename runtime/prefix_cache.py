@@ -27,20 +27,3 @@ def block_keys(seq: Sequence, block_size: int, num_blocks: int) -> list[BlockKey
         keys.append((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
     return keys
 
-
-
-def common_prefix_blocks(tables: list[list[int]]) -> int:
-    """Leading blocks that every block table shares (the same physical blocks: a cached
-    prefix). Each sequence's last block is left out: it holds the token being written."""
-    first = tables[0]
-    n = min(len(t) for t in tables) - 1
-    for t in tables[1:]:
-        if n <= 0:
-            return 0
-        if t[:n] != first[:n]:  # the longest k with t[:k] == first[:k], by bisection
-            lo, hi = 0, n - 1
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                lo, hi = (mid, hi) if t[:mid] == first[:mid] else (lo, mid - 1)
-            n = lo
-    return max(n, 0)

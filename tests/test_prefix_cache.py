@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-from types import SimpleNamespace
 
 import pytest
 from typer.testing import CliRunner
@@ -231,47 +230,3 @@ def test_generate_writes_choices_and_the_hit_rate(tmp_path):
         assert set(c) == {"index", "text", "token_ids", "num_output_tokens", "finish_reason"}
     assert all(c["num_output_tokens"] == 3 for c in lines[2]["choices"])
     assert "text" in lines[1] and "choices" not in lines[1]
-
-
-def test_common_prefix_blocks():
-    from pagedgen.runtime.prefix_cache import common_prefix_blocks
-    assert common_prefix_blocks([[1, 2, 3, 4], [1, 2, 3, 9], [1, 2, 7, 8, 5]]) == 2
-    assert common_prefix_blocks([[1, 2, 3], [1, 2, 3]]) == 2  # each keeps its last block
-    assert common_prefix_blocks([[1, 2], [3, 2]]) == 0
-    assert common_prefix_blocks([list(range(90)), list(range(57)) + [0] * 40]) == 57
-
-
-def test_decode_steps_know_the_blocks_their_batch_shares(monkeypatch):
-    """With a cascade backend, a decode batch whose sequences share a cached prefix carries its
-    length in blocks (the memo holds while the batch is unchanged); CUDA graphs leave such
-    steps to eager execution."""
-    from pagedgen.attention.sdpa import SdpaBackend
-    from pagedgen.runtime import model_runner
-    from pagedgen.runtime.cuda_graphs import CudaGraphRunner
-
-    monkeypatch.setattr(SdpaBackend, "supports_cascade", True)
-    monkeypatch.setattr(model_runner, "CASCADE_MIN_SEQS", 4)
-    eng = engine(max_num_seqs=8, max_num_batched_tokens=512, block_size=8)
-    seen = []
-    prepare = eng.runner.prepare
-
-    def spy(batch):
-        out = prepare(batch)
-        if not batch.prefills:
-            seen.append(out[2].common_prefix_blocks)
-        return out
-
-    eng.runner.prepare = spy
-    rng = random.Random(5)
-    prefix = [rng.randrange(256) for _ in range(300)]  # 37 full blocks of 8
-    prompts = [prefix + [rng.randrange(256) for _ in range(3 + i)] for i in range(6)]
-    got = eng.generate(prompts, GREEDY)
-    assert seen and set(seen) == {37}
-    want = engine(prefix_caching=False, max_num_batched_tokens=512, block_size=8).generate(
-        prompts, GREEDY)
-    assert [s.output_token_ids for s in got] == [s.output_token_ids for s in want]
-    graphs = CudaGraphRunner.__new__(CudaGraphRunner)
-    graphs.max_bs = 8
-    md = SimpleNamespace(num_prefills=0, num_decodes=6, common_prefix_blocks=37)
-    assert not graphs.can_run(md) and graphs.can_run(SimpleNamespace(**{**vars(md),
-                                                                         "common_prefix_blocks": 0}))
