@@ -66,8 +66,7 @@ def part_d(backend: str, repeats: int, off_repeats: int) -> list[dict]:
     _, sampling = profile_configs(wl.profile)
     params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
     on = timed_runs(eng, prompts, params, repeats=repeats, load_s=load_s, prefix_caching=True)
-    rows = [row("d", f"pagedgen {backend}, prefix caching on", on, load_time_s=load_s,
-                cascade_steps=getattr(eng.runner.attn_state, "cascade_steps", 0))]
+    rows = [row("d", f"pagedgen {backend}, prefix caching on", on, load_time_s=load_s)]
     if off_repeats:
         off = timed_runs(eng, prompts, params, repeats=off_repeats, prefix_caching=False)
         same = len({r["outputs_digest"] for r in on + off}) == 1
