@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from array import array
 from typing import Any
-from typing import Sequence as Sequence_
 
 from pagedgen.runtime.config import SamplingParams
 
@@ -21,7 +21,7 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)  # identity: queues of thousands must never compare token lists
 class Sequence:
     seq_id: int
-    prompt_token_ids: Sequence_[int]  # a list, or an array('i') from the prompt store
+    prompt_token_ids: list[int] | array  # ids as given (an array('i') from a prompt file)
     params: SamplingParams
     seed: int  # per-request sampling seed
     request: Any = None  # caller's handle (e.g. the JSONL request)

@@ -100,8 +100,8 @@ def test_preempted_sequence_recomputes_from_its_own_cached_blocks():
     seqs = eng.generate(ps, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     assert eng.stats.num_preemptions > 0
     assert eng.stats.prefix_hit_tokens > 0  # only readmissions could hit: the prompts differ
-    ref = engine(num_blocks=64, prefix_caching=False).generate(ps, GREEDY.__class__(
-        max_tokens=20, temperature=0.0, ignore_eos=True))
+    ref = engine(num_blocks=64, prefix_caching=False).generate(
+        ps, SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True))
     assert [s.output_token_ids for s in seqs] == [s.output_token_ids for s in ref]
 
 
