@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from array import array
 from typing import Any
 
 from pagedgen.runtime.config import SamplingParams
@@ -21,7 +20,7 @@ class SequenceStatus(enum.Enum):
 @dataclass(eq=False)  # identity: queues of thousands must never compare token lists
 class Sequence:
     seq_id: int
-    prompt_token_ids: list[int] | array  # ids as given (an array('i') from a prompt file)
+    prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # per-request sampling seed
     request: Any = None  # caller's handle (e.g. the JSONL request)
