@@ -22,7 +22,7 @@ from pagedgen.cli.output import OutputWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, read_requests, tokenize_requests
 from pagedgen.cli.summary import summarize, summary_table
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine import check_prompt
+from pagedgen.runtime.engine import check_request
 
 
 @cli_errors
@@ -102,7 +102,8 @@ def generate(
         task = progress.add_task("tokenizing", total=len(rf))
         tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
         seats = engine_cfg.max_num_seqs
-        check_requests(rf, lambda r: _check(r, defaults, seats, limit, vocab))
+        check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
+                                                   limit, vocab, seats))
         input_s += time.perf_counter() - t_tok
 
     t_load = time.perf_counter()
@@ -110,7 +111,8 @@ def generate(
         engine = Engine(engine_cfg, src, tokenizer)
     load_s += time.perf_counter() - t_load
     if engine.max_model_len < limit:  # the KV cache holds less than the model's context
-        check_requests(rf, lambda r: _check(r, defaults, seats, engine.max_model_len, vocab))
+        check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
+                                                   engine.max_model_len, vocab, seats))
 
     writer = OutputWriter(output, rf.index_of, resume)
     todo = len(rf) - writer.num_done
@@ -176,15 +178,6 @@ def _request_fields(engine, seq) -> dict[str, Any]:
 def _choice(engine, seq) -> dict[str, Any]:
     return {"text": engine.output_text(seq), "token_ids": seq.output_token_ids,
             "num_output_tokens": seq.num_output_tokens, "finish_reason": seq.finish_reason}
-
-
-def _check(r, defaults, max_num_seqs: int, max_model_len: int, vocab: int) -> None:
-    """A request the engine can take: its prompt (ids in the vocabulary, room for an output
-    token) and its samples (each needs a seat)."""
-    check_prompt(r.prompt_token_ids, max_model_len, vocab)
-    n = r.sampling(defaults).n
-    if n > max_num_seqs:
-        raise ValueError(f"n = {n} samples need as many seats; --max-num-seqs is {max_num_seqs}")
 
 
 def _startup_progress(quiet: bool) -> Progress:

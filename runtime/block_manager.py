@@ -43,8 +43,8 @@ class BlockManager:
         """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int, extra: int = 0) -> bool:
-        return self.blocks_needed(seq, num_tokens) + extra <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq``'s block table to cover ``num_tokens`` tokens."""

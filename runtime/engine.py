@@ -100,11 +100,9 @@ class Engine:
         With ``params.n`` > 1 the returned sequence is sample 0; ``seq.samples`` lists all
         ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
         """
-        self.check_prompt(prompt_token_ids)
         params.validate()
-        if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
-                             f"{self.config.max_num_seqs}")
+        check_request(prompt_token_ids, params, self.max_model_len,
+                      self.src.hf_config.vocab_size, self.config.max_num_seqs)
         index = self._next_id if index is None else index
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         ids = list(prompt_token_ids)
@@ -126,7 +124,7 @@ class Engine:
         """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
         scheduler's waiting queue runs short, so a million queued requests cost no more per
         step than a hundred, and hold no per-sequence state until they are near admission.
-        Items must already have passed ``check_prompt``."""
+        Items must already have passed ``check_request``."""
         self._sources.append(iter(items))
 
     def _top_up(self) -> None:
@@ -138,12 +136,6 @@ class Engine:
                 continue
             ids, params, request, index = item
             self.add_request(ids, params, request=request, index=index)
-
-    def check_prompt(self, prompt_token_ids, max_model_len: int | None = None) -> None:
-        """Raise ValueError when the prompt is empty, too long or outside the vocabulary.
-        ``max_model_len`` defaults to the engine's (an upper bound before the engine exists)."""
-        check_prompt(prompt_token_ids, max_model_len or self.max_model_len,
-                     self.src.hf_config.vocab_size)
 
     def has_unfinished(self) -> bool:
         self._top_up()
@@ -331,9 +323,11 @@ class Engine:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def check_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError when a prompt (a list or array of ids) is empty, has no room for an
-    output token within ``max_model_len``, or holds an id outside the vocabulary."""
+def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
+                  vocab_size: int, max_num_seqs: int) -> None:
+    """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
+    has no room for an output token within ``max_model_len`` or holds an id outside the
+    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``."""
     if not len(prompt_token_ids):
         raise ValueError("the prompt is empty")
     if len(prompt_token_ids) >= max_model_len:
@@ -343,3 +337,6 @@ def check_prompt(prompt_token_ids, max_model_len: int, vocab_size: int) -> None:
     if lo < 0 or hi >= vocab_size:
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
+                         f"{max_num_seqs}")
