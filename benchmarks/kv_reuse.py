@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_gpu, print_table, profile_configs, timed_runs  # noqa: E402
+from common import (build_engine, free_gpu, median_run, print_table, profile_configs,  # noqa: E402
+                    timed_runs)
 from vllm_peer import run_vllm  # noqa: E402
 from workloads import workload  # noqa: E402
 
@@ -44,19 +45,17 @@ KEYS = ("wall_time_s", "output_tokens", "output_tokens_per_s", "prefix_cache_hit
 
 
 def row(part: str, system: str, runs: list[dict[str, Any]], **extra) -> dict[str, Any]:
-    """The run with the median output tok/s, and every run's figure."""
-    key = "output_tokens_per_s"
-    mid = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
+    """The median run's figures (``KEYS``) and every run's output tok/s."""
+    mid = median_run(runs)
     out = {"part": part, "system": system, **{k: mid[k] for k in KEYS if k in mid},
-           "runs_output_tokens_per_s": [round(r[key], 1) for r in runs], **extra}
+           "runs_output_tokens_per_s": [round(x, 1) for x in mid["runs_output_tokens_per_s"]],
+           **extra}
     print(json.dumps(out), flush=True)
     return out
 
 
 def engine_for(profile: str, backend: str) -> tuple[Engine, float]:
-    cfg, _ = profile_configs(profile, backend=backend)
-    t0 = time.perf_counter()
-    return Engine(cfg), time.perf_counter() - t0
+    return build_engine(profile_configs(profile, backend=backend)[0])
 
 
 def part_d(backend: str, repeats: int, off_repeats: int) -> list[dict]:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_gpu, print_table, profile_configs, run_engine  # noqa: E402
+from common import free_gpu, median_run, print_table, profile_configs, run_engine  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 from pagedgen.attention.registry import backend_status  # noqa: E402
@@ -136,13 +136,6 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int]) -> float:
 
 # ---- one workload -------------------------------------------------------------------------------
 
-def median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The run with the median output tokens/s, with every run's figure."""
-    key = "output_tokens_per_s"
-    best = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
-    return {**best, "runs_output_tokens_per_s": [r[key] for r in runs]}
-
-
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None]) -> None:
@@ -176,7 +169,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
         free_gpu()
-        res = median(runs)
+        res = median_run(runs)
         row(f"pagedgen {b}", res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
@@ -197,7 +190,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 return {"output_tokens_per_s": out_tok / wall, "wall_time_s": wall,
                         "peak_memory_bytes": torch.cuda.max_memory_allocated()}
 
-            res = median([once() for _ in range(peer_repeats)])
+            res = median_run([once() for _ in range(peer_repeats)])
             label = f"HF generate (padded, batch {hf_batch})" if peer == "hf-generate" \
                 else "HF generate_batch (paged|sdpa)"
             row(label, res["wall_time_s"], {

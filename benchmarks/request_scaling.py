@@ -99,13 +99,9 @@ def compare_chunks(num_prompts: int, chunk: int, backend: str, vllm: bool,
 def _pagedgen_chunks(wl, cfg, sampling, chunk: int) -> list[dict]:
     from dataclasses import replace
 
-    from common import free_gpu
+    from common import build_engine, free_gpu
 
-    from pagedgen.runtime.engine import Engine
-
-    t0 = time.perf_counter()
-    engine = Engine(cfg)
-    load_s = time.perf_counter() - t0
+    engine, load_s = build_engine(cfg)
     prompts, outs = wl.requests(engine.src.hf_config.vocab_size)
     params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
     items = [(p, sp, None, i) for i, (p, sp) in enumerate(zip(prompts, params))]
