@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
+from pagedgen.cli import openai_batch, records
 from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
 from pagedgen.cli.output import OutputWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, read_requests, tokenize_requests
+from pagedgen.cli.request import InputOptions
 from pagedgen.cli.summary import summarize, summary_table
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine import check_request
@@ -28,7 +31,8 @@ from pagedgen.runtime.engine import check_request
 @cli_errors
 def generate(
     prompts: Path = typer.Argument(..., help="JSONL file: one {\"prompt\"|\"prompt_token_ids\"|"
-                                             "\"messages\": ...} per line."),
+                                             "\"messages\": ...} per line, or an OpenAI batch "
+                                             "input file."),
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Output JSONL [default: PROMPTS.completions.jsonl]."),
     resume: bool = typer.Option(False, help="Skip ids already in the output file."),
@@ -62,6 +66,20 @@ def generate(
     prefix_caching: Optional[bool] = typer.Option(
         None, "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV cache of prompt prefixes computed before (default: on)."),
+    logprobs: Optional[int] = typer.Option(
+        None, help="Default log-probabilities per output token, with this many top "
+                   "alternatives (0-20)."),
+    prompt_logprobs: Optional[int] = typer.Option(
+        None, help="Default log-probabilities per prompt token, with this many top "
+                   "alternatives (0-20)."),
+    prompt_field: str = typer.Option("prompt", help="The field that holds a text prompt."),
+    messages_field: str = typer.Option("messages", help="The field that holds chat messages."),
+    strict_fields: bool = typer.Option(
+        False, "--strict-fields", help="Unknown fields are errors (default: they are copied "
+                                      "into the output line's \"metadata\")."),
+    served_model_name: Optional[str] = typer.Option(
+        None, help="OpenAI batch files: the model name their lines' body \"model\" must "
+                   "have, and the name reported."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
@@ -77,7 +95,7 @@ def generate(
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-             ignore_eos=ignore_eos, n=n))
+             ignore_eos=ignore_eos, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
     try:
         defaults.validate()
     except ValueError as e:
@@ -90,7 +108,9 @@ def generate(
     with _startup_progress(json_summary) as progress:
         task = progress.add_task("reading", total=prompts.stat().st_size if prompts.is_file()
                                  else None)
-        rf = read_requests(prompts, lambda n: progress.update(task, completed=n))
+        rf = read_requests(prompts, lambda n: progress.update(task, completed=n),
+                           InputOptions(prompt_field, messages_field, strict_fields,
+                                        served_model_name))
         check_output_path(output)
         input_s = time.perf_counter() - t_read
         t_load = time.perf_counter()
@@ -114,22 +134,28 @@ def generate(
         check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
                                                    engine.max_model_len, vocab, seats))
 
-    writer = OutputWriter(output, rf.index_of, resume)
+    writer = OutputWriter(output, rf.index_of, resume,
+                          key="custom_id" if rf.format == "openai" else "id")
+    make_record = partial(openai_batch.record, engine, model=served_model_name or src.name) \
+        if rf.format == "openai" else partial(records.record, engine)
     todo = len(rf) - writer.num_done
     engine.add_requests((r.prompt_token_ids, r.sampling(defaults), r, r.index)
                         for r in rf.requests if not writer.is_done(r.index))
     start = time.perf_counter()
     progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[tokens]:,} tokens out"), TimeElapsedColumn(),
+                        TextColumn("{task.fields[tokens]:,} tokens out, "
+                                   "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
                         TimeRemainingColumn(), console=console, transient=json_summary)
     try:
         with progress:
-            task = progress.add_task("gen", total=todo, tokens=0)
+            task = progress.add_task("gen", total=todo, tokens=0, rate=0.0)
 
             def on_step(finished) -> None:
-                records = _records(engine, finished)
-                writer.write(records)
-                progress.update(task, advance=len(records), tokens=engine.stats.output_tokens)
+                lines = [make_record(samples) for samples in records.finished_requests(finished)]
+                writer.write(lines)
+                tokens = engine.stats.output_tokens
+                progress.update(task, advance=len(lines), tokens=tokens,
+                                rate=tokens / max(time.perf_counter() - start, 1e-9))
 
             engine.run(on_step=on_step)
     except KeyboardInterrupt:
@@ -149,35 +175,6 @@ def generate(
         print(json.dumps(summary, indent=2))
     else:
         out_console().print(summary_table(summary))
-
-
-def _records(engine, finished: list) -> list[dict[str, Any]]:
-    """Output lines for the requests whose every sample is done (``id`` first: ``--resume``
-    reads it from there). A request with ``n`` > 1 is one line with ``choices``."""
-    out, groups = [], {}
-    for seq in finished:
-        if seq.samples is None:
-            out.append({**_request_fields(engine, seq), **_choice(engine, seq)})
-        elif all(s.finish_time is not None for s in seq.samples):
-            groups[id(seq.samples)] = seq.samples  # once, whichever sample finished last
-    for samples in groups.values():
-        out.append({**_request_fields(engine, samples[0]),
-                    "choices": [{"index": s.sample_index, **_choice(engine, s)}
-                                for s in samples]})
-    return out
-
-
-def _request_fields(engine, seq) -> dict[str, Any]:
-    req = seq.request
-    return {"id": req.id,
-            "prompt": req.prompt if req.prompt is not None
-            else engine.tokenizer.decode(seq.prompt_token_ids),
-            "num_prompt_tokens": seq.num_prompt_tokens}
-
-
-def _choice(engine, seq) -> dict[str, Any]:
-    return {"text": engine.output_text(seq), "token_ids": seq.output_token_ids,
-            "num_output_tokens": seq.num_output_tokens, "finish_reason": seq.finish_reason}
 
 
 def _startup_progress(quiet: bool) -> Progress:

@@ -37,10 +37,13 @@ def check_output_path(path: Path) -> None:
 
 
 class OutputWriter:
-    def __init__(self, path: Path, index_of: Mapping[Any, int], resume: bool) -> None:
-        """``index_of``: each request id's position in the input (the final order)."""
+    def __init__(self, path: Path, index_of: Mapping[Any, int], resume: bool,
+                 key: str = "id") -> None:
+        """``index_of``: each request id's position in the input (the final order); ``key``:
+        the field of a line that holds its request's id (its first field)."""
         self.path = path
         self.index_of = index_of
+        self.key = key
         self.offsets = array("q", [-1]) * len(index_of)  # input index -> line offset
         self.extra: list[int] = []  # offsets of resumed lines whose id is not in this input
         self.num_done = 0
@@ -65,7 +68,7 @@ class OutputWriter:
             for raw in f:
                 if not raw.endswith(b"\n"):
                     break  # a partial last line from an interrupted run
-                rid = _line_id(raw, decoder)
+                rid = _line_id(raw, decoder, self.key)
                 index = self.index_of.get(rid) if isinstance(rid, (str, int)) else None
                 if rid is _NO_ID:
                     self._dirty = True  # not a completion line: the reorder drops it
@@ -83,7 +86,7 @@ class OutputWriter:
         return self.offsets[index] >= 0
 
     def write(self, records: list[dict[str, Any]]) -> None:
-        """Append finished requests' lines (each record's ``id`` is one of the input's) in one
+        """Append finished requests' lines (each record's id is one of the input's) in one
         write. A failed write (disk full, ...) is a one-line error; the lines before it stay."""
         if not records:
             return
@@ -99,7 +102,7 @@ class OutputWriter:
                 f"{self.path}: cannot write: {e.strerror or e}; the {self.num_done} lines "
                 "written before are kept (run again with --resume to finish)")
         for r, line in zip(records, lines):
-            self.offsets[self.index_of[r["id"]]] = self._pos
+            self.offsets[self.index_of[r[self.key]]] = self._pos
             self._pos += len(line)
         self.num_done += len(records)
 
@@ -145,14 +148,15 @@ def _increasing(xs: Iterable[int]) -> bool:
 _NO_ID = object()
 
 
-def _line_id(raw: bytes, decoder: json.JSONDecoder) -> Any:
-    """The ``id`` of an output line, read from its start (the writer puts it first) without
-    parsing the rest; the whole line is parsed only when it does not start that way."""
+def _line_id(raw: bytes, decoder: json.JSONDecoder, key: str) -> Any:
+    """The id (field ``key``) of an output line, read from its start (the writer puts it first)
+    without parsing the rest; the whole line is parsed only when it does not start that way."""
     text = raw.decode("utf-8", errors="replace")
+    head = f'{{"{key}": '
     try:
-        if text.startswith('{"id": '):
-            return decoder.raw_decode(text, 7)[0]
+        if text.startswith(head):
+            return decoder.raw_decode(text, len(head))[0]
         obj = json.loads(text)
     except json.JSONDecodeError:
         return _NO_ID
-    return obj["id"] if isinstance(obj, dict) and "id" in obj else _NO_ID
+    return obj[key] if isinstance(obj, dict) and key in obj else _NO_ID

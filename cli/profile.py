@@ -301,8 +301,6 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
                              f"{100 * rf['decode_step_roofline_fraction']:.0f}% of the memory "
                              f"roofline")
             console.print("roofline: " + "; ".join(parts))
-            console.print(f"graph replays attributed by position: "
-                          f"{res.get('graph_replays_matched', 0)}")
         if "not_measured" in res:
             console.print(f"[yellow]note:[/] {res['not_measured']}")
     if len(results) > 1:

@@ -7,56 +7,18 @@ batches (one call into the fast tokenizer per batch).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from array import array
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from pagedgen.cli import openai_batch
+from pagedgen.cli.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
+                                  set_prompt, set_sampling, user_fields)
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import SamplingParams
 
-# field -> (accepted JSON types, description for errors)
-_SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "max_tokens": ((int,), "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_p": ((int, float), "a number"),
-    "top_k": ((int,), "an integer"),
-    "seed": ((int,), "an integer"),
-    "stop": ((str, list), "a string or a list of strings"),
-    "ignore_eos": ((bool,), "true or false"),
-    "n": ((int,), "an integer"),
-}
-_PROMPT_FIELDS = ("prompt", "prompt_token_ids", "messages")
-_KNOWN_FIELDS = frozenset(_PROMPT_FIELDS) | frozenset(_SAMPLING_FIELDS) | {"id"}
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
-
-
-@dataclass(slots=True)
-class Request:
-    """One JSONL line. ``prompt_token_ids`` holds the tokenized prompt once
-    :func:`tokenize_requests` has run, whatever the line gave."""
-
-    index: int  # position among the file's requests
-    line: int  # 1-based line number
-    id: Any
-    prompt: str | None = None
-    prompt_token_ids: array | None = None
-    messages: list[dict] | None = None
-    overrides: dict[str, Any] | None = None  # per-line sampling fields
-
-    def where(self, path: Path) -> str:
-        return f"{path}:{self.line}"
-
-    def sampling(self, defaults: SamplingParams) -> SamplingParams:
-        """The line's sampling settings (``defaults`` itself when the line sets none)."""
-        if not self.overrides:
-            return defaults
-        values = dict(self.overrides)
-        if isinstance(values.get("stop"), str):
-            values["stop"] = [values["stop"]]
-        return dataclasses.replace(defaults, **values)
 
 
 @dataclass
@@ -66,20 +28,25 @@ class RequestFile:
     path: Path
     requests: list[Request]
     index_of: dict[Any, int]  # request id (str or int) -> index
+    format: str = "pagedgen"  # or "openai" (OpenAI batch lines; ids are their custom_id)
 
     def __len__(self) -> int:
         return len(self.requests)
 
 
-def read_requests(path: Path, progress: Callable[[int], None] | None = None) -> RequestFile:
+def read_requests(path: Path, progress: Callable[[int], None] | None = None,
+                  options: InputOptions = InputOptions()) -> RequestFile:
     """Parse and validate every line up front, so bad input fails before any work is done.
-    ``progress(bytes_read)`` is called every few thousand lines."""
+    The first line decides the format: an OpenAI batch line (``custom_id``, ``body``) or
+    pagedgen's own. ``progress(bytes_read)`` is called every few thousand lines."""
     if not path.is_file():
         raise PagedgenError(f"{path}: no such file")
     requests: list[Request] = []
     index_of: dict[Any, int] = {}  # ids are str or int (never bool), so 1 and "1" differ
     nbytes = 0
     lineno = 0
+    fmt = None
+    parse = _parse
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -93,7 +60,12 @@ def read_requests(path: Path, progress: Callable[[int], None] | None = None) -> 
                     obj = json.loads(raw)
                 except json.JSONDecodeError as e:
                     raise PagedgenError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
-                req = _parse(obj, len(requests), lineno, where)
+                if fmt is None:
+                    fmt = "openai" if openai_batch.is_batch_line(obj) else "pagedgen"
+                    if fmt == "openai":
+                        parse = openai_batch.parse_line
+                        _check_openai_options(options)
+                req = parse(obj, len(requests), lineno, where, options)
                 first = index_of.setdefault(req.id, req.index)
                 if first != req.index:
                     raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on line "
@@ -105,7 +77,13 @@ def read_requests(path: Path, progress: Callable[[int], None] | None = None) -> 
         progress(nbytes)
     if not requests:
         raise PagedgenError(f"{path}: no requests (the file is empty)")
-    return RequestFile(path, requests, index_of)
+    return RequestFile(path, requests, index_of, fmt)
+
+
+def _check_openai_options(options: InputOptions) -> None:
+    if options.prompt_field != "prompt" or options.messages_field != "messages":
+        raise PagedgenError("--prompt-field and --messages-field do not apply to OpenAI batch "
+                            "files (their prompt is in \"body\")")
 
 
 def tokenize_requests(rf: RequestFile, tokenizer,
@@ -140,60 +118,26 @@ def check_requests(rf: RequestFile, check: Callable[[Request], None]) -> None:
             raise PagedgenError(f"{r.where(rf.path)}: {e}")
 
 
-def _parse(obj: Any, index: int, lineno: int, where: str) -> Request:
+def _parse(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:
+    """A pagedgen line: one prompt field, optional ``id`` and sampling fields; other fields
+    become the output's ``metadata``."""
     if not isinstance(obj, dict):
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    for key in obj:
-        if key not in _KNOWN_FIELDS:
-            raise PagedgenError(f"{where}: unknown field '{sorted(set(obj) - _KNOWN_FIELDS)[0]}'")
-    given = [k for k in _PROMPT_FIELDS if k in obj]
+    kinds = {opts.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
+             opts.messages_field: "messages"}
+    known = {*kinds, *SAMPLING_FIELDS, "id", "metadata"}
+    given = [k for k in kinds if k in obj]
     if len(given) != 1:
-        raise PagedgenError(f"{where}: need exactly one of 'prompt', 'prompt_token_ids', "
-                            f"'messages' (got {', '.join(given) or 'none'})")
+        raise PagedgenError(f"{where}: need exactly one of "
+                            f"{', '.join(repr(k) for k in kinds)} (got {', '.join(given) or 'none'})")
     rid = obj.get("id", index)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise PagedgenError(f"{where}: 'id' must be a string or an integer")
     req = Request(index=index, line=lineno, id=rid)
-    kind = given[0]
-    value = obj[kind]
-    if kind == "prompt":
-        if not isinstance(value, str) or not value:
-            raise PagedgenError(f"{where}: 'prompt' must be a non-empty string")
-        req.prompt = value
-    elif kind == "prompt_token_ids":
-        req.prompt_token_ids = _token_ids(value, where)
-    else:
-        if not isinstance(value, list) or not value or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in value):
-            raise PagedgenError(f"{where}: 'messages' must be a non-empty list of "
-                                "{\"role\": str, \"content\": str} objects")
-        req.messages = value
-    for name, (types, desc) in _SAMPLING_FIELDS.items():
-        if name not in obj:
-            continue
-        v = obj[name]
-        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
-            raise PagedgenError(f"{where}: '{name}' must be {desc}")
-        if name == "stop" and isinstance(v, list) and not all(isinstance(s, str) and s for s in v):
-            raise PagedgenError(f"{where}: 'stop' must be a string or a list of strings")
-        if req.overrides is None:
-            req.overrides = {}
-        req.overrides[name] = v
-    if req.overrides:
-        try:
-            req.sampling(SamplingParams()).validate()
-        except ValueError as e:
-            raise PagedgenError(f"{where}: {e}")
+    req.metadata = user_fields(obj, known, where, opts)
+    set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
+    for name in SAMPLING_FIELDS:
+        if name in obj:
+            set_sampling(req, name, obj[name], where)
+    check_sampling(req, where)
     return req
-
-
-def _token_ids(value: Any, where: str) -> array:
-    """A JSON list of token ids as ``array('i')``; the type check runs in C (``map(type)``), not
-    a Python loop per token."""
-    if isinstance(value, list) and value and set(map(type, value)) == {int}:
-        try:
-            return array("i", value)
-        except OverflowError:
-            raise PagedgenError(f"{where}: a token id in 'prompt_token_ids' is out of range")
-    raise PagedgenError(f"{where}: 'prompt_token_ids' must be a non-empty list of integers")

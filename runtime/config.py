@@ -26,6 +26,7 @@ from pagedgen.errors import PagedgenError
 
 DEFAULT_MODEL = "tiny"
 MAX_SAMPLES = 128  # the largest `n` (parallel samples of one request)
+MAX_LOGPROBS = 20  # the most top alternatives per token (`logprobs`, `prompt_logprobs`)
 
 
 @dataclass
@@ -40,12 +41,22 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1  # samples of the request (parallel sampling: they share the prompt's K/V)
+    # log-probabilities with this many top alternatives (None: none), of each output token and
+    # of each prompt token after the first
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
+        if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
+            raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: scoring)")
         if not 1 <= self.n <= MAX_SAMPLES:
             raise ValueError(f"n must be in 1..{MAX_SAMPLES}")
+        if self.n > 1 and self.max_tokens == 0:
+            raise ValueError("n > 1 needs max_tokens >= 1")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in 0..{MAX_LOGPROBS}")
         if self.temperature < 0:
             raise ValueError("temperature must be >= 0")
         if not 0 < self.top_p <= 1:

@@ -232,6 +232,8 @@ class Engine:
         """Append a placeholder token for each sequence the launched step samples; a sequence
         that reaches its length limit with it leaves the scheduler now (its token is still to
         come). Returns each placeholder's index in its sequence's output."""
+        for seq in handle.scored:  # prompts scored without sampling (max_tokens 0): done
+            self.scheduler.finish(seq)
         placed = []
         for seq in handle.sampling:
             seq.append_token(PENDING_TOKEN)
@@ -241,14 +243,20 @@ class Engine:
         return placed
 
     def _resolve(self, handle, placed: list[int]) -> list[Sequence]:
-        """Fill a launched step's placeholders with its tokens and apply the stop rules."""
+        """Fill a launched step's placeholders with its tokens (and log-probabilities) and
+        apply the stop rules."""
+        results = handle.result()
         now = time.perf_counter()
         finished = []
-        for (seq, token), i in zip(handle.result(), placed):
+        for seq, entries in handle.prompt_results():
+            seq.prompt_logprobs += entries
+        for (seq, token, entry), i in zip(results, placed):
             if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
                 continue  # dropped: the sequence stopped at an earlier token
             seq.output_token_ids[i] = token
             seq.token_ids[seq.num_prompt_tokens + i] = token
+            if entry is not None:  # entries come in output order, as the tokens do
+                seq.logprobs.append(entry)
             self._cache_blocks(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -262,6 +270,10 @@ class Engine:
                 seq.finish_time = now
                 self.stats.record_finished(seq)
                 finished.append(seq)
+        for seq in handle.scored:
+            seq.finish_reason, seq.finish_time = "length", now
+            self.stats.record_finished(seq)
+            finished.append(seq)
         return finished
 
     def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:

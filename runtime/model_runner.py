@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,8 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
 from pagedgen.runtime.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.decode_advance import DecodeAdvancer
+from pagedgen.runtime import logprobs
+from pagedgen.runtime.logprobs import Entry, Logprobs
 from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.models.llama import layer_specs
 from pagedgen.runtime.models.loader import ModelSource, build_model
@@ -34,18 +36,38 @@ CPU_DEFAULT_KV_BYTES = 1 << 30
 
 @dataclass
 class StepHandle:
-    """A launched step: its sampling sequences and their tokens, on the host once ``event``
-    has completed."""
+    """A launched step: its sampling sequences and their tokens (and log-probabilities, for
+    the sequences that asked), on the host once ``event`` has completed."""
 
     sampling: list[Sequence]
     tokens: torch.Tensor | None
     event: torch.cuda.Event | None
+    logprobs: Logprobs | None = None  # rows: the sampling sequences at ``logprob_rows``
+    logprob_rows: list[int] = field(default_factory=list)
+    prompt_logprobs: list[tuple[Sequence, Logprobs]] = field(default_factory=list)
+    # prompts completed this step that sample nothing (max_tokens 0: scoring only)
+    scored: list[Sequence] = field(default_factory=list)
 
-    def result(self) -> list[tuple[Sequence, int]]:
-        """(sequence, sampled token) per sampling sequence; waits for the device."""
+    def result(self) -> list[tuple[Sequence, int, Entry | None]]:
+        """(sequence, sampled token, its log-probabilities or None) per sampling sequence;
+        waits for the device."""
         if self.event is not None:
             self.event.synchronize()
-        return [] if self.tokens is None else list(zip(self.sampling, self.tokens.tolist()))
+        if self.tokens is None:
+            return []
+        entries: list[Entry | None] = [None] * len(self.sampling)
+        if self.logprobs is not None:
+            ks = [self.sampling[r].params.logprobs for r in self.logprob_rows]
+            for r, e in zip(self.logprob_rows, self.logprobs.entries(ks)):
+                entries[r] = e
+        return list(zip(self.sampling, self.tokens.tolist(), entries))
+
+    def prompt_results(self) -> list[tuple[Sequence, list[Entry]]]:
+        """(sequence, entries for its prompt positions scored this step); after ``result``."""
+        if self.event is not None:
+            self.event.synchronize()
+        return [(seq, lp.entries([seq.params.prompt_logprobs] * lp.chosen.shape[0]))
+                for seq, lp in self.prompt_logprobs]
 
 
 class ModelRunner:
@@ -222,34 +244,73 @@ class ModelRunner:
                                                                self.device))
         # the last token of every sequence whose uncomputed tokens all ran this step (and of
         # the samples forked from it: the same row)
-        rows, sampling = [], []
+        rows, sampling, scored, prompt_lps = [], [], [], []
         qsl = 0
         for seq, n in batch.prefills:
+            if seq.prompt_logprobs is not None:
+                lp = self._prompt_logprobs(seq, n, hidden[qsl:qsl + n])
+                if lp is not None:
+                    prompt_lps.append((seq, lp))
             qsl += n
             if seq.num_computed_tokens + n == seq.num_tokens:
+                if seq.params.max_tokens == 0:
+                    scored.append(seq)
+                    continue
                 for s in (seq, *batch.forked.get(seq, ())):
                     rows.append(qsl - 1)
                     sampling.append(s)
         rows += range(qsl, qsl + len(batch.decodes))
         sampling += batch.decodes
-        if not sampling:
-            return StepHandle([], None, None)
-        if rows == list(range(rows[0], rows[0] + len(rows))):
-            picked = hidden[rows[0]:rows[0] + len(rows)]
-        else:
-            picked = hidden[to_device(rows, torch.long, self.device)]
-        logits = self.model.compute_logits(picked)
-        self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
-        with scope("sampling"):
-            tokens = sample(logits, self.sampling_batch(sampling))
-        if self.advancer is not None and not batch.prefills:
-            self.advancer.sampled(tokens)
+        handle = StepHandle(sampling, None, None, prompt_logprobs=prompt_lps, scored=scored)
+        if sampling:
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                picked = hidden[rows[0]:rows[0] + len(rows)]
+            else:
+                picked = hidden[to_device(rows, torch.long, self.device)]
+            logits = self.model.compute_logits(picked)
+            self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
+            with scope("sampling"):
+                handle.tokens = sample(logits, self.sampling_batch(sampling))
+            if self.advancer is not None and not batch.prefills:
+                self.advancer.sampled(handle.tokens)
+            handle.logprob_rows = [i for i, s in enumerate(sampling)
+                                   if s.params.logprobs is not None]
+            if handle.logprob_rows:
+                with scope("logprobs"):
+                    handle.logprobs = self._sampled_logprobs(logits, handle)
         if self.device.type != "cuda":
-            return StepHandle(sampling, tokens, None)
-        event = torch.cuda.Event()
-        host = tokens.to("cpu", non_blocking=True)  # into pinned memory
-        event.record()
-        return StepHandle(sampling, host, event)
+            return handle
+        if handle.tokens is not None:
+            handle.tokens = handle.tokens.to("cpu", non_blocking=True)  # into pinned memory
+        if handle.logprobs is not None:
+            handle.logprobs = handle.logprobs.to_host()
+        handle.prompt_logprobs = [(seq, lp.to_host()) for seq, lp in prompt_lps]
+        handle.event = torch.cuda.Event()
+        handle.event.record()
+        return handle
+
+    def _sampled_logprobs(self, logits: torch.Tensor, handle: StepHandle) -> Logprobs:
+        """Log-probabilities of the sampled tokens of the rows that asked for them."""
+        rows = handle.logprob_rows
+        k = max(handle.sampling[r].params.logprobs for r in rows)
+        if len(rows) == len(handle.sampling):
+            return logprobs.compute(logits, handle.tokens, k)
+        idx = to_device(rows, torch.long, self.device)
+        return logprobs.compute(logits[idx], handle.tokens[idx], k)
+
+    def _prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor) -> Logprobs | None:
+        """Log-probabilities of the prompt tokens this chunk predicts (position ``p`` predicts
+        token ``p + 1``), skipping those recorded before (a sequence recomputed after a
+        preemption); ``hidden`` holds the chunk's rows."""
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs))
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        targets = to_device(seq.token_ids[first + 1:end + 1], torch.long, self.device)
+        with scope("logprobs"):
+            return logprobs.of_hidden(hidden[first - start:end - start], targets,
+                                      seq.params.prompt_logprobs, self.model.compute_logits)
 
     def sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         p = [s.params for s in seqs]

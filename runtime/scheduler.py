@@ -117,8 +117,7 @@ class Scheduler:
         sequence holding no blocks first takes its cached prefix."""
         bm, bs = self.bm, self.bm.block_size
         fresh = not seq.block_table
-        hits = bm.match_prefix(seq, min(seq.num_tokens - 1, seq.num_known_tokens)) \
-            if fresh else []
+        hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else []
         computed = len(hits) * bs if fresh else seq.num_computed_tokens
         have = len(hits) if fresh else len(seq.block_table)
         free = bm.num_free_blocks - bm.num_free_among(hits)
@@ -148,6 +147,14 @@ class Scheduler:
             # from this step when that token turns out to stop it.
             bm.cache_blocks(seq, computed + n)
         return n
+
+    @staticmethod
+    def _cacheable(seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` may come from the prefix cache: all but the last
+        (it gives the logits to sample from), known ones only, and none whose prompt
+        log-probabilities are still to be computed (they need the model's output there)."""
+        n = min(seq.num_tokens - 1, seq.num_known_tokens)
+        return n if seq.prompt_logprobs is None else min(n, len(seq.prompt_logprobs))
 
     def _fork_if_complete(self, parent: Sequence, n: int, batch: ScheduledBatch) -> None:
         """When this step's ``n`` tokens complete the parent's prompt, its other samples join

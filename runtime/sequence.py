@@ -44,9 +44,17 @@ class Sequence:
     # leading blocks are registered in the cache
     block_keys: list = field(default_factory=list)
     num_cached_blocks: int = 0
+    # log-probabilities, when asked for (runtime.logprobs.Entry): one per output token, and one
+    # per prompt token after the first (sample 0 of a request holds the prompt's)
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place
+        if self.params.logprobs is not None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.sample_index == 0:
+            self.prompt_logprobs = []
 
     @property
     def num_tokens(self) -> int:

@@ -84,7 +84,11 @@ def test_profile_and_options_apply(tmp_path):
 @pytest.mark.parametrize("lines,message", [
     (['{"prompt": "a"}', '{"prompt": '], r"p.jsonl:2: invalid JSON"),
     ([], r"p.jsonl: no requests"),
-    ([{"prompt": "a", "colour": 1}], r"p.jsonl:1: unknown field 'colour'"),
+    ([{"prompt": "a", "temprature": 1}], r"p.jsonl:1: unknown field 'temprature' \(did you "
+                                          r"mean 'temperature'\?"),
+    ([{"prompt": "a", "logprobs": 21}], r"p.jsonl:1: logprobs must be in 0..20"),
+    ([{"prompt": "a", "max_tokens": 0}], r"p.jsonl:1: max_tokens must be >= 1 \(0 only with "
+                                         r"prompt_logprobs"),
     ([{"prompt": 5}], r"p.jsonl:1: 'prompt' must be a non-empty string"),
     ([{"prompt": "a", "max_tokens": "ten"}], r"p.jsonl:1: 'max_tokens' must be an integer"),
     ([{"prompt": "a", "top_p": 2}], r"p.jsonl:1: top_p must be in"),

@@ -1,0 +1,174 @@
+"""One input line as a request, and the field rules both input formats share (pagedgen's own
+lines and OpenAI batch lines): prompt kinds, sampling fields, users' own fields."""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import SamplingParams
+
+# field -> (accepted JSON types, description for errors); null means "not set"
+SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
+    "max_tokens": ((int,), "an integer"),
+    "temperature": ((int, float), "a number"),
+    "top_p": ((int, float), "a number"),
+    "top_k": ((int,), "an integer"),
+    "seed": ((int,), "an integer"),
+    "stop": ((str, list), "a string or a list of strings"),
+    "ignore_eos": ((bool,), "true or false"),
+    "n": ((int,), "an integer"),
+    "logprobs": ((int,), "an integer"),
+    "prompt_logprobs": ((int,), "an integer"),
+}
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """How lines are read: which fields hold the prompt, and what happens to other fields."""
+
+    prompt_field: str = "prompt"
+    messages_field: str = "messages"
+    strict_fields: bool = False  # unknown fields are errors instead of output metadata
+    served_model_name: str | None = None  # OpenAI lines' body "model" must equal it
+
+
+@dataclass(slots=True)
+class Request:
+    """One input line. ``prompt_token_ids`` holds the tokenized prompt once the file's prompts
+    are tokenized, whatever the line gave."""
+
+    index: int  # position among the file's requests
+    line: int  # 1-based line number
+    id: Any  # pagedgen lines: "id" (default: index); OpenAI lines: "custom_id"
+    prompt: str | None = None
+    prompt_token_ids: array | None = None
+    messages: list[dict] | None = None
+    overrides: dict[str, Any] | None = None  # per-line sampling fields
+    metadata: Any = None  # the user's own fields, carried into the output line
+    endpoint: str | None = None  # OpenAI lines: "chat" or "completions"
+    model: str | None = None  # OpenAI lines: the body's "model"
+
+    def where(self, path: Path) -> str:
+        return f"{path}:{self.line}"
+
+    def sampling(self, defaults: SamplingParams) -> SamplingParams:
+        """The line's sampling settings (``defaults`` itself when the line sets none)."""
+        if not self.overrides:
+            return defaults
+        values = dict(self.overrides)
+        if isinstance(values.get("stop"), str):
+            values["stop"] = [values["stop"]]
+        return dataclasses.replace(defaults, **values)
+
+
+def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> None:
+    """``kind``: "prompt" (text), "prompt_token_ids" or "messages"; ``label`` names the field
+    as the user wrote it."""
+    if kind == "prompt":
+        if not isinstance(value, str) or not value:
+            raise PagedgenError(f"{where}: {label} must be a non-empty string")
+        req.prompt = value
+    elif kind == "prompt_token_ids":
+        req.prompt_token_ids = token_ids(value, where, label)
+    else:
+        if not isinstance(value, list) or not value or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str) for m in value):
+            raise PagedgenError(f"{where}: {label} must be a non-empty list of "
+                                "{\"role\": str, \"content\": str} objects")
+        req.messages = value
+
+
+def token_ids(value: Any, where: str, label: str) -> array:
+    """A JSON list of token ids as ``array('i')``; the type check runs in C (``map(type)``), not
+    a Python loop per token."""
+    if isinstance(value, list) and value and set(map(type, value)) == {int}:
+        try:
+            return array("i", value)
+        except OverflowError:
+            raise PagedgenError(f"{where}: a token id in {label} is out of range")
+    raise PagedgenError(f"{where}: {label} must be a non-empty list of integers")
+
+
+def set_sampling(req: Request, name: str, value: Any, where: str, label: str | None = None) -> None:
+    """Type-check one sampling field (``name`` as in ``SAMPLING_FIELDS``); null leaves it unset."""
+    if value is None:
+        return
+    types, desc = SAMPLING_FIELDS[name]
+    label = label or f"'{name}'"
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise PagedgenError(f"{where}: {label} must be {desc}")
+    if name == "stop" and isinstance(value, list) and not all(
+            isinstance(s, str) and s for s in value):
+        raise PagedgenError(f"{where}: {label} must be a string or a list of strings")
+    if req.overrides is None:
+        req.overrides = {}
+    req.overrides[name] = value
+
+
+def check_sampling(req: Request, where: str) -> None:
+    """The line's sampling fields together (ranges, combinations)."""
+    if req.overrides:
+        try:
+            req.sampling(SamplingParams()).validate()
+        except ValueError as e:
+            raise PagedgenError(f"{where}: {e}")
+
+
+def user_fields(obj: dict, known: set[str] | frozenset[str], where: str,
+                opts: InputOptions) -> Any:
+    """The line's fields pagedgen does not know, as the output's ``metadata`` (with the line's
+    own ``metadata`` field, carried as it is); None when there are none. A name one edit away
+    from a known field is an error with a hint; so is any unknown field with --strict-fields."""
+    extra = {k: v for k, v in obj.items() if k not in known}
+    for name in extra:
+        hint = near_miss(name, known)
+        if hint:
+            raise PagedgenError(f"{where}: unknown field '{name}' (did you mean '{hint}'? "
+                                "a field of your own can go under \"metadata\")")
+        if opts.strict_fields:
+            raise PagedgenError(f"{where}: unknown field '{name}' (--strict-fields)")
+    if "metadata" not in obj:
+        return extra or None
+    given = obj["metadata"]
+    if not extra:
+        return given
+    if not isinstance(given, dict):
+        raise PagedgenError(f"{where}: 'metadata' must be an object when the line has other "
+                            f"fields of its own ({', '.join(map(repr, extra))})")
+    both = sorted(set(given) & set(extra))
+    if both:
+        raise PagedgenError(f"{where}: field '{both[0]}' is both on the line and in 'metadata'")
+    return {**given, **extra}
+
+
+def near_miss(name: str, known: set[str] | frozenset[str]) -> str | None:
+    """The known field ``name`` is a typo of (one edit apart, or differing in case only),
+    among names of 4 characters or more (a short field like ``idx`` is the user's own)."""
+    if len(name) < 4:
+        return None
+    for k in sorted(known):
+        if len(k) >= 4 and (name.lower() == k or _one_edit(name, k)):
+            return k
+    return None
+
+
+def _one_edit(a: str, b: str) -> bool:
+    """Whether one insertion, deletion, substitution or swap of neighbours turns ``a`` into
+    ``b``."""
+    if a == b or abs(len(a) - len(b)) > 1:
+        return False
+    if len(a) == len(b):
+        diff = [i for i in range(len(a)) if a[i] != b[i]]
+        return len(diff) == 1 or (len(diff) == 2 and diff[1] == diff[0] + 1
+                                  and a[diff[0]] == b[diff[1]] and a[diff[1]] == b[diff[0]])
+    short, long = (a, b) if len(a) < len(b) else (b, a)
+    i = 0
+    while i < len(short) and short[i] == long[i]:
+        i += 1
+    return short[i:] == long[i + 1:]

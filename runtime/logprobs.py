@@ -1,0 +1,55 @@
+"""Log-probabilities of chosen tokens and of their top alternatives, computed on the device.
+
+They are ``log_softmax`` of the model's float32 logits, before temperature, top-k and top-p
+(what the model thinks, not what the sampler drew from). Only the rows that asked are computed:
+a step whose requests ask for none does no extra work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# (logprob of the token, [[token id, logprob], ...] of the top k alternatives, best first)
+Entry = tuple[float, list[list]]
+ROWS_PER_PASS = 512  # prompt rows per logits pass: [512, vocab] float32 at a time
+
+
+@dataclass
+class Logprobs:
+    """Per row: the target token's log-probability and the top ``k`` (id, log-probability)."""
+
+    chosen: torch.Tensor  # [R] float32
+    top_ids: torch.Tensor  # [R, k] int64
+    top_lps: torch.Tensor  # [R, k] float32
+
+    def to_host(self) -> Logprobs:
+        """Non-blocking copies (read them once the step's event has completed)."""
+        return Logprobs(*(t.to("cpu", non_blocking=True)
+                          for t in (self.chosen, self.top_ids, self.top_lps)))
+
+    def entries(self, ks: list[int]) -> list[Entry]:
+        """One entry per row, keeping ``ks[row]`` of the top alternatives."""
+        chosen, ids, lps = self.chosen.tolist(), self.top_ids.tolist(), self.top_lps.tolist()
+        return [(c, [[i, lp] for i, lp in zip(ids[r][:k], lps[r][:k])])
+                for r, (c, k) in enumerate(zip(chosen, ks))]
+
+
+def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
+    """``logits`` [R, V], ``targets`` [R] → log-probabilities of the targets and the top ``k``."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top_lps, top_ids = lp.topk(k, dim=-1)
+    return Logprobs(lp.gather(1, targets[:, None])[:, 0], top_ids, top_lps)
+
+
+def of_hidden(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits) -> Logprobs:
+    """Like :func:`compute` from hidden states, ``ROWS_PER_PASS`` rows at a time (a prompt of
+    thousands of tokens never holds all its logits at once)."""
+    parts = [compute(compute_logits(hidden[i:i + ROWS_PER_PASS]),
+                     targets[i:i + ROWS_PER_PASS], k)
+             for i in range(0, hidden.shape[0], ROWS_PER_PASS)]
+    if len(parts) == 1:
+        return parts[0]
+    return Logprobs(*(torch.cat([getattr(p, f) for p in parts])
+                      for f in ("chosen", "top_ids", "top_lps")))
