@@ -37,10 +37,12 @@ class Logprobs:
 
 
 def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
-    """``logits`` [R, V], ``targets`` [R] → log-probabilities of the targets and the top ``k``."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    top_lps, top_ids = lp.topk(k, dim=-1)
-    return Logprobs(lp.gather(1, targets[:, None])[:, 0], top_ids, top_lps)
+    """``logits`` [R, V], ``targets`` [R] → log-probabilities of the targets and the top ``k``.
+    ``logit - logsumexp`` of the few values needed: no [R, V] log-softmax is written."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    top, top_ids = logits.topk(k, dim=-1)
+    return Logprobs((logits.gather(1, targets[:, None]) - lse)[:, 0], top_ids, top - lse)
 
 
 def of_hidden(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits) -> Logprobs:
