@@ -3,7 +3,9 @@
 Order of work, so that every error a user can cause shows before the slow parts: options →
 read and validate the file → check the output path → tokenize every prompt (the model's
 tokenizer, before its weights load) → load the engine → stream the requests into it lazily,
-appending each finished line as it comes → put the file in input order → summary.
+appending each finished line as it comes → put the file in input order → summary. With
+``--ray``, the requests run on Ray Data replicas instead (``pagedgen.ray``), their lines
+streamed into the same writer.
 """
 
 from __future__ import annotations
@@ -80,10 +82,13 @@ def generate(
     served_model_name: Optional[str] = typer.Option(
         None, help="OpenAI batch files: the model name their lines' body \"model\" must "
                    "have, and the name reported."),
+    ray: Optional[str] = typer.Option(
+        None, "--ray", help="Run on Ray Data: 'local' (a Ray instance started here) or a "
+                            "cluster address; needs pagedgen[ray]."),
+    replicas: int = typer.Option(1, help="With --ray: engine replicas (actors), one GPU each."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
-    from pagedgen.runtime.engine import Engine
     from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 
     engine_cfg, defaults, _ = engine_and_sampling(
@@ -100,6 +105,9 @@ def generate(
         defaults.validate()
     except ValueError as e:
         raise PagedgenError(f"options: {e}")
+    if ray is not None:
+        import pagedgen.ray as on_ray
+        on_ray.check(replicas)
     output = output or prompts.with_name(prompts.stem + ".completions.jsonl")
     if prompts.is_file() and output.resolve() == prompts.resolve():
         raise PagedgenError("--output must differ from the prompts file")
@@ -126,55 +134,87 @@ def generate(
                                                    limit, vocab, seats))
         input_s += time.perf_counter() - t_tok
 
-    t_load = time.perf_counter()
-    with console.status(f"loading {engine_cfg.model} ..."):
-        engine = Engine(engine_cfg, src, tokenizer)
-    load_s += time.perf_counter() - t_load
-    if engine.max_model_len < limit:  # the KV cache holds less than the model's context
-        check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
-                                                   engine.max_model_len, vocab, seats))
-
     writer = OutputWriter(output, rf.index_of, resume,
                           key="custom_id" if rf.format == "openai" else "id")
+    todo = [r for r in rf.requests if not writer.is_done(r.index)]
+    extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
+             "output": str(output)}
+    if ray is not None:
+        import pagedgen.ray as on_ray
+        summary = on_ray.generate(rf, todo, writer, engine_cfg, defaults, served_model_name,
+                                  ray, replicas, extra, quiet=json_summary)
+    else:
+        summary = _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s,
+                                 served_model_name, extra, quiet=json_summary)
+    if json_summary:
+        print(json.dumps(summary, indent=2))
+    else:
+        out_console().print(summary_table(summary))
+
+
+def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s: float,
+                   served_model_name, extra: dict, quiet: bool) -> dict:
+    """Run the requests on an engine in this process; returns the summary."""
+    from pagedgen.runtime.engine import Engine
+
+    t_load = time.perf_counter()
+    try:
+        with console.status(f"loading {engine_cfg.model} ..."):
+            engine = Engine(engine_cfg, src, tokenizer)
+        if engine.max_model_len < engine_cfg.context_limit(src.hf_config):
+            # the KV cache holds less than the model's context
+            check_requests(rf, lambda r: check_request(
+                r.prompt_token_ids, r.sampling(defaults), engine.max_model_len,
+                src.hf_config.vocab_size, engine_cfg.max_num_seqs))
+    except BaseException:
+        _close_quietly(writer)
+        raise
+    load_s += time.perf_counter() - t_load
     make_record = partial(openai_batch.record, engine, model=served_model_name or src.name) \
         if rf.format == "openai" else partial(records.record, engine)
-    todo = len(rf) - writer.num_done
-    engine.add_requests((r.prompt_token_ids, r.sampling(defaults), r, r.index)
-                        for r in rf.requests if not writer.is_done(r.index))
+    engine.add_requests((r.prompt_token_ids, r.sampling(defaults), r, r.index) for r in todo)
+
+    def run(emit) -> None:
+        def on_step(finished) -> None:
+            emit([(g[0].request.index, json.dumps(make_record(g), ensure_ascii=False))
+                  for g in records.finished_requests(finished)], engine.stats.output_tokens)
+
+        engine.run(on_step=on_step)
+
+    start, wall = stream_output(rf, writer, len(todo), run, quiet)
+    return summarize(engine, wall, start, {**extra, "load_time_s": load_s})
+
+
+def stream_output(rf, writer: OutputWriter, total: int, run, quiet: bool) -> tuple[float, float]:
+    """``run(emit)`` produces the lines, calling ``emit([(index, JSON text), ...],
+    output_tokens_so_far)`` as they finish; each call is one write, with a progress bar (live
+    tok/s). Ctrl-C or an error keeps what was written. Returns (start, wall seconds)."""
     start = time.perf_counter()
     progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[tokens]:,} tokens out, "
                                    "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
-                        TimeRemainingColumn(), console=console, transient=json_summary)
+                        TimeRemainingColumn(), console=console, transient=quiet)
     try:
         with progress:
-            task = progress.add_task("gen", total=todo, tokens=0, rate=0.0)
+            task = progress.add_task("gen", total=total, tokens=0, rate=0.0)
 
-            def on_step(finished) -> None:
-                lines = [make_record(samples) for samples in records.finished_requests(finished)]
-                writer.write(lines)
-                tokens = engine.stats.output_tokens
+            def emit(lines: list[tuple[int, str]], tokens: int) -> None:
+                writer.write_lines(lines)
                 progress.update(task, advance=len(lines), tokens=tokens,
                                 rate=tokens / max(time.perf_counter() - start, 1e-9))
 
-            engine.run(on_step=on_step)
+            run(emit)
     except KeyboardInterrupt:
         _close_quietly(writer)
         console.print(f"[yellow]interrupted:[/] {writer.num_done} of {len(rf)} requests "
-                      f"are in {output}; run again with --resume to finish")
+                      f"are in {writer.path}; run again with --resume to finish")
         raise typer.Exit(130)
     except BaseException:
         _close_quietly(writer)
         raise
     wall = time.perf_counter() - start
     writer.close()
-    summary = summarize(engine, wall, start, {
-        "input_time_s": input_s, "load_time_s": load_s,
-        "skipped_resumed": len(rf) - todo, "output": str(output)})
-    if json_summary:
-        print(json.dumps(summary, indent=2))
-    else:
-        out_console().print(summary_table(summary))
+    return start, wall
 
 
 def _startup_progress(quiet: bool) -> Progress:

@@ -88,10 +88,15 @@ class OutputWriter:
     def write(self, records: list[dict[str, Any]]) -> None:
         """Append finished requests' lines (each record's id is one of the input's) in one
         write. A failed write (disk full, ...) is a one-line error; the lines before it stay."""
-        if not records:
+        self.write_lines([(self.index_of[r[self.key]], json.dumps(r, ensure_ascii=False))
+                          for r in records])
+
+    def write_lines(self, lines: list[tuple[int, str]]) -> None:
+        """Append (input index, JSON text) lines in one write."""
+        if not lines:
             return
-        lines = [(json.dumps(r, ensure_ascii=False) + "\n").encode() for r in records]
-        data = b"".join(lines)
+        encoded = [(text + "\n").encode() for _, text in lines]
+        data = b"".join(encoded)
         try:
             view = memoryview(data)
             while view:
@@ -101,10 +106,10 @@ class OutputWriter:
             raise PagedgenError(
                 f"{self.path}: cannot write: {e.strerror or e}; the {self.num_done} lines "
                 "written before are kept (run again with --resume to finish)")
-        for r, line in zip(records, lines):
-            self.offsets[self.index_of[r[self.key]]] = self._pos
+        for (index, _), line in zip(lines, encoded):
+            self.offsets[index] = self._pos
             self._pos += len(line)
-        self.num_done += len(records)
+        self.num_done += len(lines)
 
     def close(self) -> None:
         """Close the file and put its lines in input order (skipped after a failed write: the

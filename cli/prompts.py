@@ -46,7 +46,7 @@ def read_requests(path: Path, progress: Callable[[int], None] | None = None,
     nbytes = 0
     lineno = 0
     fmt = None
-    parse = _parse
+    parse = parse_line
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -118,7 +118,7 @@ def check_requests(rf: RequestFile, check: Callable[[Request], None]) -> None:
             raise PagedgenError(f"{r.where(rf.path)}: {e}")
 
 
-def _parse(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:
+def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:
     """A pagedgen line: one prompt field, optional ``id`` and sampling fields; other fields
     become the output's ``metadata``."""
     if not isinstance(obj, dict):
