@@ -22,8 +22,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
 
 from pagedgen.cli import openai_batch, records
 from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
-from pagedgen.cli.output import OutputWriter, check_output_path
-from pagedgen.cli.prompts import check_requests, read_requests, tokenize_requests
+from pagedgen.cli.output import OutputWriter, ShardWriter, check_output_path
+from pagedgen.cli.prompts import check_requests, input_files, read_requests, tokenize_requests
 from pagedgen.cli.request import InputOptions
 from pagedgen.cli.summary import summarize, summary_table
 from pagedgen.errors import PagedgenError
@@ -32,11 +32,12 @@ from pagedgen.runtime.engine import check_request
 
 @cli_errors
 def generate(
-    prompts: Path = typer.Argument(..., help="JSONL file: one {\"prompt\"|\"prompt_token_ids\"|"
-                                             "\"messages\": ...} per line, or an OpenAI batch "
-                                             "input file."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="Output JSONL [default: PROMPTS.completions.jsonl]."),
+    prompts: str = typer.Argument(..., help="JSONL file (one {\"prompt\"|\"prompt_token_ids\"|"
+                                            "\"messages\": ...} per line, or an OpenAI batch "
+                                            "input file), or a directory or glob of them."),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", help="Output JSONL [default: PROMPTS.completions.jsonl]; with "
+                                     "--ray, a path ending in / is a directory of shards."),
     resume: bool = typer.Option(False, help="Skip ids already in the output file."),
     model: Optional[str] = typer.Option(None, help="Checkpoint directory or preset [default: tiny]."),
     profile: Optional[str] = typer.Option(None, help="Run profile: a name in profiles/ or a YAML file."),
@@ -108,18 +109,21 @@ def generate(
     if ray is not None:
         import pagedgen.ray as on_ray
         on_ray.check(replicas)
-    output = output or prompts.with_name(prompts.stem + ".completions.jsonl")
-    if prompts.is_file() and output.resolve() == prompts.resolve():
-        raise PagedgenError("--output must differ from the prompts file")
+    files = input_files(prompts)
+    shards = output is not None and output.endswith("/")
+    out_path = _output_path(prompts, files, output)
+    if shards and (ray is None or resume):
+        raise PagedgenError("an output directory (--output ending in /) needs --ray and "
+                            "cannot --resume; give a file to resume")
 
     t_read = time.perf_counter()
     with _startup_progress(json_summary) as progress:
-        task = progress.add_task("reading", total=prompts.stat().st_size if prompts.is_file()
-                                 else None)
-        rf = read_requests(prompts, lambda n: progress.update(task, completed=n),
+        task = progress.add_task("reading", total=sum(f.stat().st_size for f in files))
+        rf = read_requests(files, lambda n: progress.update(task, completed=n),
                            InputOptions(prompt_field, messages_field, strict_fields,
                                         served_model_name))
-        check_output_path(output)
+        if not shards:
+            check_output_path(out_path)
         input_s = time.perf_counter() - t_read
         t_load = time.perf_counter()
         src = resolve_model(engine_cfg.model)
@@ -134,11 +138,11 @@ def generate(
                                                    limit, vocab, seats))
         input_s += time.perf_counter() - t_tok
 
-    writer = OutputWriter(output, rf.index_of, resume,
-                          key="custom_id" if rf.format == "openai" else "id")
+    writer = ShardWriter(out_path) if shards else OutputWriter(
+        out_path, rf.index_of, resume, key="custom_id" if rf.format == "openai" else "id")
     todo = [r for r in rf.requests if not writer.is_done(r.index)]
     extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
-             "output": str(output)}
+             "output": str(out_path) + ("/" if shards else "")}
     if ray is not None:
         import pagedgen.ray as on_ray
         summary = on_ray.generate(rf, todo, writer, engine_cfg, defaults, served_model_name,
@@ -185,7 +189,8 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
     return summarize(engine, wall, start, {**extra, "load_time_s": load_s})
 
 
-def stream_output(rf, writer: OutputWriter, total: int, run, quiet: bool) -> tuple[float, float]:
+def stream_output(rf, writer: OutputWriter | ShardWriter, total: int, run, quiet: bool
+                  ) -> tuple[float, float]:
     """``run(emit)`` produces the lines, calling ``emit([(index, JSON text), ...],
     output_tokens_so_far)`` as they finish; each call is one write, with a progress bar (live
     tok/s). Ctrl-C or an error keeps what was written. Returns (start, wall seconds)."""
@@ -217,6 +222,22 @@ def stream_output(rf, writer: OutputWriter, total: int, run, quiet: bool) -> tup
     return start, wall
 
 
+def _output_path(spec: str, files: list[Path], output: str | None) -> Path:
+    """``--output``, or beside a single input file (or a directory) as
+    ``NAME.completions.jsonl``; never one of the input files."""
+    if output is not None:
+        path = Path(output)
+    elif len(files) == 1 and Path(spec).is_file():
+        path = files[0].with_name(files[0].stem + ".completions.jsonl")
+    elif Path(spec).is_dir():
+        path = Path(spec.rstrip("/") + ".completions.jsonl")
+    else:
+        raise PagedgenError(f"{spec}: give --output for a glob of input files")
+    if any(path.resolve() == f.resolve() for f in files):
+        raise PagedgenError("--output must differ from the prompts file")
+    return path
+
+
 def _startup_progress(quiet: bool) -> Progress:
     """Bars for reading and tokenizing the input (gone when done)."""
     return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
@@ -224,7 +245,7 @@ def _startup_progress(quiet: bool) -> Progress:
                     disable=quiet and not console.is_terminal)
 
 
-def _close_quietly(writer: OutputWriter) -> None:
+def _close_quietly(writer: OutputWriter | ShardWriter) -> None:
     """Close (and reorder) after an error or Ctrl-C; the error in flight is the one to show."""
     try:
         writer.close()

@@ -165,3 +165,41 @@ def _line_id(raw: bytes, decoder: json.JSONDecoder, key: str) -> Any:
     except json.JSONDecodeError:
         return _NO_ID
     return obj[key] if isinstance(obj, dict) and key in obj else _NO_ID
+
+
+class ShardWriter:
+    """An output directory of shards (``--ray`` with ``--output DIR/``): each write is one
+    file ``part-NNNNN.jsonl``, lines in completion order, written under a temporary name and
+    renamed when complete (a crash leaves whole shards only)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.num_done = 0
+        self._next = 0
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if any(path.glob("part-*.jsonl")):
+                raise PagedgenError(f"{path}/: already holds shards; give an empty directory")
+        except OSError as e:
+            raise PagedgenError(f"{path}/: cannot write: {e.strerror or e}")
+
+    def is_done(self, index: int) -> bool:
+        return False
+
+    def write_lines(self, lines: list[tuple[int, str]]) -> None:
+        if not lines:
+            return
+        shard = self.path / f"part-{self._next:05d}.jsonl"
+        tmp = shard.with_name("." + shard.name + ".tmp")
+        try:
+            tmp.write_text("".join(text + "\n" for _, text in lines), encoding="utf-8")
+            os.replace(tmp, shard)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PagedgenError(f"{shard}: cannot write: {e.strerror or e}; the {self.num_done}"
+                                " lines written before are kept")
+        self._next += 1
+        self.num_done += len(lines)
+
+    def close(self) -> None:
+        pass

@@ -23,9 +23,9 @@ TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
 
 @dataclass
 class RequestFile:
-    """A validated prompt file: its requests in input order, and each id's index."""
+    """Validated prompt files: their requests in input order, and each id's index."""
 
-    path: Path
+    paths: list[Path]
     requests: list[Request]
     index_of: dict[Any, int]  # request id (str or int) -> index
     format: str = "pagedgen"  # or "openai" (OpenAI batch lines; ids are their custom_id)
@@ -33,20 +33,64 @@ class RequestFile:
     def __len__(self) -> int:
         return len(self.requests)
 
+    def where(self, r: Request) -> str:
+        """``file:line`` of a request, for errors."""
+        return f"{self.paths[r.source]}:{r.line}"
 
-def read_requests(path: Path, progress: Callable[[int], None] | None = None,
-                  options: InputOptions = InputOptions()) -> RequestFile:
-    """Parse and validate every line up front, so bad input fails before any work is done.
-    The first line decides the format: an OpenAI batch line (``custom_id``, ``body``) or
-    pagedgen's own. ``progress(bytes_read)`` is called every few thousand lines."""
+
+def input_files(spec: str) -> list[Path]:
+    """The JSONL files of ``spec``: a file, a directory (its ``*.jsonl``, sorted) or a glob
+    pattern (its matches, sorted)."""
+    path = Path(spec)
+    if any(c in spec for c in "*?["):
+        files = sorted(p for p in Path(path.anchor or ".").glob(
+            str(path.relative_to(path.anchor)) if path.anchor else spec) if p.is_file())
+        if not files:
+            raise PagedgenError(f"{spec}: no file matches")
+        return files
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if not files:
+            raise PagedgenError(f"{spec}: a directory without .jsonl files")
+        return files
     if not path.is_file():
-        raise PagedgenError(f"{path}: no such file")
+        raise PagedgenError(f"{spec}: no such file")
+    return [path]
+
+
+def read_requests(paths: Path | list[Path], progress: Callable[[int], None] | None = None,
+                  options: InputOptions = InputOptions()) -> RequestFile:
+    """Parse and validate every line of ``paths`` (in order) up front, so bad input fails
+    before any work is done. The first line decides the format: an OpenAI batch line
+    (``custom_id``, ``body``) or pagedgen's own. ``progress(bytes_read)`` is called every few
+    thousand lines."""
+    paths = [paths] if isinstance(paths, Path) else paths
+    for path in paths:
+        if not path.is_file():
+            raise PagedgenError(f"{path}: no such file")
     requests: list[Request] = []
     index_of: dict[Any, int] = {}  # ids are str or int (never bool), so 1 and "1" differ
     nbytes = 0
-    lineno = 0
     fmt = None
     parse = parse_line
+    for source, path in enumerate(paths):
+        nbytes, fmt, parse = _read_file(paths, source, requests, index_of, nbytes, fmt, parse,
+                                        progress, options)
+    if progress is not None:
+        progress(nbytes)
+    if not requests:
+        raise PagedgenError(f"{paths[0] if len(paths) == 1 else 'the input'}: no requests "
+                            "(the file is empty)")
+    return RequestFile(paths, requests, index_of, fmt)
+
+
+def _read_file(paths: list[Path], source: int, requests: list[Request],
+               index_of: dict[Any, int], nbytes: int, fmt: str | None, parse, progress,
+               options: InputOptions):
+    """Append the requests of ``paths[source]``; returns the running byte count, the format
+    and the line parser (both set by the input's first line)."""
+    path = paths[source]
+    lineno = 0
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, raw in enumerate(f, start=1):
@@ -66,18 +110,17 @@ def read_requests(path: Path, progress: Callable[[int], None] | None = None,
                         parse = openai_batch.parse_line
                         _check_openai_options(options)
                 req = parse(obj, len(requests), lineno, where, options)
+                req.source = source
                 first = index_of.setdefault(req.id, req.index)
                 if first != req.index:
-                    raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on line "
-                                        f"{requests[first].line})")
+                    prev = requests[first]
+                    at = f"line {prev.line}" if prev.source == source \
+                        else f"{paths[prev.source]}:{prev.line}"
+                    raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on {at})")
                 requests.append(req)
     except UnicodeDecodeError as e:
         raise PagedgenError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})")
-    if progress is not None:
-        progress(nbytes)
-    if not requests:
-        raise PagedgenError(f"{path}: no requests (the file is empty)")
-    return RequestFile(path, requests, index_of, fmt)
+    return nbytes, fmt, parse
 
 
 def _check_openai_options(options: InputOptions) -> None:
@@ -101,7 +144,7 @@ def tokenize_requests(rf: RequestFile, tokenizer,
                 else:
                     out = tokenizer.apply_chat_template_batch([r.messages for r in batch])
             except (ValueError, PagedgenError) as e:
-                raise PagedgenError(f"{batch[0].where(rf.path)}: {e}")
+                raise PagedgenError(f"{rf.where(batch[0])}: {e}")
             for r, ids in zip(batch, out):
                 r.prompt_token_ids = array("i", ids)
             done += len(batch)
@@ -115,7 +158,7 @@ def check_requests(rf: RequestFile, check: Callable[[Request], None]) -> None:
         try:
             check(r)
         except ValueError as e:
-            raise PagedgenError(f"{r.where(rf.path)}: {e}")
+            raise PagedgenError(f"{rf.where(r)}: {e}")
 
 
 def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:

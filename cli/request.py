@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from array import array
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pagedgen.errors import PagedgenError
@@ -52,9 +51,7 @@ class Request:
     metadata: Any = None  # the user's own fields, carried into the output line
     endpoint: str | None = None  # OpenAI lines: "chat" or "completions"
     model: str | None = None  # OpenAI lines: the body's "model"
-
-    def where(self, path: Path) -> str:
-        return f"{path}:{self.line}"
+    source: int = 0  # which of the input's files holds the line
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The line's sampling settings (``defaults`` itself when the line sets none)."""

@@ -165,3 +165,26 @@ def test_console_script_runs_as_a_subprocess(tmp_path):
     assert res.returncode == 1
     assert res.stderr.strip().startswith("error:") and "p.jsonl:2:" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_a_directory_or_glob_of_files_is_one_input_in_file_order(tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    write(d / "b.jsonl", [{"id": "b1", "prompt": "x"}, {"prompt": "y"}])
+    write(d / "a.jsonl", [{"id": "a1", "prompt": "z"}])
+    (d / "notes.txt").write_text("not an input\n")
+    res = invoke("generate", d, *FAST)
+    assert res.exit_code == 0, res.output
+    assert [r["id"] for r in read(tmp_path / "in.completions.jsonl")] == ["a1", "b1", 2]
+    res = invoke("generate", f"{d}/*.jsonl", *FAST)
+    assert res.exit_code == 1 and "give --output for a glob" in res.output
+    out = tmp_path / "g.jsonl"
+    assert invoke("generate", f"{d}/b*.jsonl", *FAST, "-o", out).exit_code == 0
+    assert [r["id"] for r in read(out)] == ["b1", 1]
+    write(d / "c.jsonl", [{"id": "a1", "prompt": "again"}])
+    res = invoke("generate", d, *FAST)
+    assert res.exit_code == 1
+    assert "c.jsonl:1: duplicate id 'a1' (first on " in res.output.replace("\n", "")
+    assert "a.jsonl:1)" in res.output.replace("\n", "")
+    res = invoke("generate", d, *FAST, "-o", f"{tmp_path}/shards/")
+    assert res.exit_code == 1 and "needs --ray" in res.output

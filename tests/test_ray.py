@@ -50,6 +50,24 @@ def test_cli_replicas_write_the_single_process_output(local_ray, tmp_path):
     assert [l["metadata"]["tag"] for l in lines] == list(range(30))
 
 
+def test_directory_input_to_output_shards(local_ray, tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    for k in range(2):
+        (d / f"part{k}.jsonl").write_text("".join(
+            json.dumps({"id": f"{k}-{i}", "prompt": f"p{i}", "max_tokens": 2}) + "\n"
+            for i in range(10)))
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["generate", str(d), "--device", "cpu", "--temperature", "0",
+                                   "--max-num-seqs", "4", "--ray", "local", "--replicas", "2",
+                                   "-o", f"{out}/"])
+    assert res.exit_code == 0, res.output
+    shards = sorted(out.glob("part-*.jsonl"))
+    assert len(shards) > 1
+    ids = [json.loads(l)["id"] for s in shards for l in s.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"{k}-{i}" for k in range(2) for i in range(10))
+
+
 def test_generator_in_a_users_pipeline_survives_a_dying_actor(local_ray, tmp_path):
     import pagedgen.ray
 

@@ -97,7 +97,7 @@ class Generator:
         rows = _rows(batch)
         reqs = [parse_line(row, i, i + 1, f"row {i}", self.options)
                 for i, row in enumerate(rows)]
-        rf = RequestFile(Path("batch"), reqs, {r.id: r.index for r in reqs})
+        rf = RequestFile([Path("batch row")], reqs, {r.id: r.index for r in reqs})
         eng = self.replica.engine
         tokenize_requests(rf, eng.tokenizer)
         check_requests(rf, lambda r: check_request(
