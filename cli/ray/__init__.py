@@ -135,7 +135,6 @@ def run_requests(rf: RequestFile, todo: Iterable[Request], engine_config: Engine
     they complete."""
     import ray
 
-    gpus = 1 if engine_config.device != "cpu" and _have_gpu() else 0
     if not ray.is_initialized():
         if address == "local":
             # a CPU left for Ray Data's own tasks beside the actors (else 2 CPUs deadlock)
@@ -143,6 +142,7 @@ def run_requests(rf: RequestFile, todo: Iterable[Request], engine_config: Engine
                      log_to_driver=False, configure_logging=False)
         else:
             ray.init(address=address, log_to_driver=False, configure_logging=False)
+    gpus = 1 if engine_config.device != "cpu" and _have_gpu() else 0
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -154,7 +154,10 @@ def run_requests(rf: RequestFile, todo: Iterable[Request], engine_config: Engine
         _RequestRunner, fn_constructor_kwargs=dict(
             engine_config=engine_config, defaults=defaults, fmt=rf.format,
             served_model_name=served_model_name),
-        compute=ray.data.ActorPoolStrategy(size=replicas), batch_size=batch_size,
+        # one batch per actor at a time: a batch waits for a free engine rather than queueing
+        # behind a busy one while another replica idles
+        compute=ray.data.ActorPoolStrategy(size=replicas, max_tasks_in_flight_per_actor=1),
+        batch_size=batch_size,
         num_gpus=gpus, num_cpus=1, batch_format="numpy")
     yield from out.iter_batches(batch_size=None, batch_format="numpy")
 
@@ -211,7 +214,9 @@ def generate(rf: RequestFile, todo: list[Request], writer, engine_config: Engine
     into ``writer`` as batches complete; returns the summary, with a line per replica."""
     from pagedgen.cli.generate import stream_output
 
-    batch_size = 2 * engine_config.max_num_seqs  # enough to keep an engine's batch full
+    # enough to keep an engine's batch full, and at least two batches per replica (a replica
+    # that starts late still gets work)
+    batch_size = max(1, min(2 * engine_config.max_num_seqs, -(-len(todo) // (2 * replicas))))
     per: dict[str, dict[str, float]] = {}
     total = 0
 
