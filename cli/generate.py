@@ -5,7 +5,8 @@ read and validate the file → check the output path → tokenize every prompt (
 tokenizer, before its weights load) → load the engine → stream the requests into it lazily,
 appending each finished line as it comes → put the file in input order → summary. With
 ``--ray``, the requests run on Ray Data replicas instead (``pagedgen.ray``), their lines
-streamed into the same writer.
+streamed into the same writer; with ``-dp N``, on N worker processes of this host
+(``cli/data_parallel.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import typer
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
-from pagedgen.cli import openai_batch, records
+from pagedgen.cli import data_parallel, openai_batch, records
 from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
 from pagedgen.cli.output import OutputWriter, ShardWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, input_files, read_requests, tokenize_requests
@@ -87,6 +88,9 @@ def generate(
         None, "--ray", help="Run on Ray Data: 'local' (a Ray instance started here) or a "
                             "cluster address; needs pagedgen[ray]."),
     replicas: int = typer.Option(1, help="With --ray: engine replicas (actors), one GPU each."),
+    data_parallel_size: int = typer.Option(
+        1, "--data-parallel-size", "-dp", help="Engine replicas on this host, one GPU each "
+                                                "(worker processes)."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
@@ -109,6 +113,10 @@ def generate(
     if ray is not None:
         import pagedgen.ray as on_ray
         on_ray.check(replicas)
+        if data_parallel_size != 1:
+            raise PagedgenError("--ray and -dp are two ways to run replicas: give one")
+    dp_gpus = data_parallel.check(data_parallel_size, engine_cfg) \
+        if data_parallel_size != 1 else None
     files = input_files(prompts)
     shards = output is not None and output.endswith("/")
     out_path = _output_path(prompts, files, output)
@@ -147,6 +155,10 @@ def generate(
         import pagedgen.ray as on_ray
         summary = on_ray.generate(rf, todo, writer, engine_cfg, defaults, served_model_name,
                                   ray, replicas, extra, quiet=json_summary)
+    elif dp_gpus is not None:
+        summary = data_parallel.generate(rf, todo, writer, engine_cfg, defaults,
+                                         served_model_name, data_parallel_size, dp_gpus, extra,
+                                         quiet=json_summary)
     else:
         summary = _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s,
                                  served_model_name, extra, quiet=json_summary)

@@ -21,53 +21,18 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from pagedgen.cli import openai_batch, records
+from pagedgen.cli.data_parallel import replica_lines
 from pagedgen.cli.prompts import RequestFile, check_requests, parse_line, tokenize_requests
+from pagedgen.cli.replica import Replica
 from pagedgen.cli.request import InputOptions, Request
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine, check_request
-
-
-class _Replica:
-    """An engine and the way it turns requests into output lines."""
-
-    def __init__(self, engine_config: EngineConfig, defaults: SamplingParams, fmt: str,
-                 served_model_name: str | None = None) -> None:
-        t0 = time.perf_counter()
-        self.engine = Engine(engine_config)
-        self.load_s = time.perf_counter() - t0
-        self.defaults = defaults
-        self.fmt = fmt
-        self.model_name = served_model_name or self.engine.src.name
-        self.replica = f"{os.uname().nodename}:{os.getpid()}"
-
-    def run(self, requests: list[Request]) -> tuple[list[dict[str, Any]], list[int], float]:
-        """Output lines of ``requests`` (already tokenized and checked) in their order, each
-        one's output tokens, and the seconds the engine took."""
-        eng = self.engine
-        t0 = time.perf_counter()
-        pos = {r.index: i for i, r in enumerate(requests)}
-        lines: list[dict[str, Any] | None] = [None] * len(requests)
-        tokens = [0] * len(requests)
-        eng.add_requests((r.prompt_token_ids, r.sampling(self.defaults), r, r.index)
-                         for r in requests)
-
-        def on_step(finished) -> None:
-            for samples in records.finished_requests(finished):
-                i = pos[samples[0].request.index]
-                lines[i] = (openai_batch.record(eng, samples, self.model_name)
-                            if self.fmt == "openai" else records.record(eng, samples))
-                tokens[i] = sum(s.num_output_tokens for s in samples)
-
-        eng.run(on_step=on_step)
-        return lines, tokens, time.perf_counter() - t0
+from pagedgen.runtime.engine import check_request
 
 
 class Generator:
@@ -91,7 +56,7 @@ class Generator:
         cfg, defaults, _ = engine_and_sampling(profile, model, engine or {}, sampling or {})
         defaults.validate()
         self.options = InputOptions(prompt_field, messages_field, strict_fields)
-        self.replica = _Replica(cfg, defaults, "pagedgen")
+        self.replica = Replica(cfg, defaults, "pagedgen")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         rows = _rows(batch)
@@ -114,7 +79,7 @@ class _RequestRunner:
 
     def __init__(self, engine_config: EngineConfig, defaults: SamplingParams, fmt: str,
                  served_model_name: str | None) -> None:
-        self.replica = _Replica(engine_config, defaults, fmt, served_model_name)
+        self.replica = Replica(engine_config, defaults, fmt, served_model_name)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
         reqs = [pickle.loads(b) for b in batch["request"]]
@@ -124,7 +89,7 @@ class _RequestRunner:
         return {"index": [r.index for r in reqs],
                 "line": [json.dumps(line, ensure_ascii=False) for line in lines],
                 "output_tokens": tokens, "busy_s": [busy / n] * n,
-                "replica": [self.replica.replica] * n, "load_s": [self.replica.load_s] * n}
+                "replica": [self.replica.name] * n, "load_s": [self.replica.load_s] * n}
 
 
 def run_requests(rf: RequestFile, todo: Iterable[Request], engine_config: EngineConfig,
@@ -160,6 +125,49 @@ def run_requests(rf: RequestFile, todo: Iterable[Request], engine_config: Engine
         batch_size=batch_size,
         num_gpus=gpus, num_cpus=1, batch_format="numpy")
     yield from out.iter_batches(batch_size=None, batch_format="numpy")
+
+
+def generate(rf: RequestFile, todo: list[Request], writer, engine_config: EngineConfig,
+             defaults: SamplingParams, served_model_name: str | None, address: str,
+             replicas: int, extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
+    """``pagedgen generate --ray``: the requests on ``replicas`` actors, their lines streamed
+    into ``writer`` as batches complete; returns the summary, with a line per replica."""
+    from pagedgen.cli.generate import stream_output
+
+    # enough to keep an engine's batch full, and at least two batches per replica (a replica
+    # that starts late still gets work)
+    batch_size = max(1, min(2 * engine_config.max_num_seqs, -(-len(todo) // (2 * replicas))))
+    per: dict[str, dict[str, Any]] = {}
+    total = 0
+
+    def run(emit) -> None:
+        nonlocal total
+        try:
+            for b in run_requests(rf, todo, engine_config, defaults, served_model_name,
+                                  address, replicas, batch_size):
+                for name, tok, busy, load in zip(b["replica"], b["output_tokens"],
+                                                 b["busy_s"], b["load_s"]):
+                    r = per.setdefault(str(name), {"name": str(name), "requests": 0,
+                                                   "output_tokens": 0, "busy_s": 0.0,
+                                                   "load_s": 0.0})
+                    r["requests"] += 1
+                    r["output_tokens"] += int(tok)
+                    r["busy_s"] += float(busy)
+                    r["load_s"] = max(r["load_s"], float(load))
+                total += int(b["output_tokens"].sum())
+                emit(list(zip(b["index"].tolist(), b["line"].tolist())), total)
+        except Exception as e:  # a failed task: Ray's error wraps the actor's
+            if isinstance(e, PagedgenError) or not type(e).__module__.startswith("ray"):
+                raise
+            raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
+
+    start, wall = stream_output(rf, writer, len(todo), run, quiet)
+    summary: dict[str, Any] = {
+        "model": engine_config.model, "backend": engine_config.backend, "ray": address,
+        "replicas": replicas, "requests": len(todo), "output_tokens": total,
+        "wall_time_s": wall, "output_tokens_per_s": total / wall if wall else 0.0, **extra}
+    summary.update(replica_lines([per[k] for k in sorted(per)]))
+    return summary
 
 
 def _have_gpu() -> bool:
@@ -207,47 +215,3 @@ def check(replicas: int) -> None:
         raise PagedgenError("--ray needs Ray Data: pip install 'pagedgen[ray]'")
 
 
-def generate(rf: RequestFile, todo: list[Request], writer, engine_config: EngineConfig,
-             defaults: SamplingParams, served_model_name: str | None, address: str,
-             replicas: int, extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
-    """``pagedgen generate --ray``: the requests on ``replicas`` actors, their lines streamed
-    into ``writer`` as batches complete; returns the summary, with a line per replica."""
-    from pagedgen.cli.generate import stream_output
-
-    # enough to keep an engine's batch full, and at least two batches per replica (a replica
-    # that starts late still gets work)
-    batch_size = max(1, min(2 * engine_config.max_num_seqs, -(-len(todo) // (2 * replicas))))
-    per: dict[str, dict[str, float]] = {}
-    total = 0
-
-    def run(emit) -> None:
-        nonlocal total
-        try:
-            for b in run_requests(rf, todo, engine_config, defaults, served_model_name,
-                                  address, replicas, batch_size):
-                for name, tok, busy, load in zip(b["replica"], b["output_tokens"],
-                                                 b["busy_s"], b["load_s"]):
-                    r = per.setdefault(str(name), {"requests": 0, "output_tokens": 0,
-                                                   "busy_s": 0.0, "load_s": 0.0})
-                    r["requests"] += 1
-                    r["output_tokens"] += int(tok)
-                    r["busy_s"] += float(busy)
-                    r["load_s"] = max(r["load_s"], float(load))
-                total += int(b["output_tokens"].sum())
-                emit(list(zip(b["index"].tolist(), b["line"].tolist())), total)
-        except Exception as e:  # a failed task: Ray's error wraps the actor's
-            if isinstance(e, PagedgenError) or not type(e).__module__.startswith("ray"):
-                raise
-            raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
-
-    start, wall = stream_output(rf, writer, len(todo), run, quiet)
-    summary: dict[str, Any] = {
-        "model": engine_config.model, "backend": engine_config.backend, "ray": address,
-        "replicas": replicas, "requests": len(todo), "output_tokens": total,
-        "wall_time_s": wall, "output_tokens_per_s": total / wall if wall else 0.0, **extra}
-    for i, (name, r) in enumerate(sorted(per.items())):
-        summary[f"replica_{i}"] = (
-            f"{name}: {r['requests']:,} requests, {r['output_tokens']:,} tokens out, "
-            f"{r['output_tokens'] / max(r['busy_s'], 1e-9):,.0f} tok/s while busy, "
-            f"start-up {r['load_s']:.1f} s")
-    return summary

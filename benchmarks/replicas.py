@@ -1,5 +1,6 @@
-"""`pagedgen generate --ray local --replicas N` against one GPU on a workload of workloads.py,
-each as the whole command a user runs (start-up included), and how many output lines agree.
+"""`pagedgen generate --ray local --replicas N` and `-dp N` against one GPU on a workload of
+workloads.py, each as the whole command a user runs (start-up included), and how many output
+lines agree with the one-GPU run.
 
     python benchmarks/ray_replicas.py --workload a --backend triton --replicas 2 --json out.json
 """
@@ -69,22 +70,27 @@ def main() -> None:
     # a short run first: the kernel caches on disk are warm for every run after it
     run([str(warm), *opts, "-o", str(args.dir / "warm.out.jsonl")])
     rows["one GPU"] = run([*base, "-o", str(args.dir / "one2.jsonl")])
+    rows[f"-dp {args.replicas}"] = run([*base, "-o", str(args.dir / "dp.jsonl"), "-dp",
+                                        str(args.replicas)])
     rows[f"ray, {args.replicas} replicas"] = run(
         [*base, "-o", str(args.dir / "ray.jsonl"), "--ray", "local",
          "--replicas", str(args.replicas)])
     one = (args.dir / "one2.jsonl").read_text().splitlines()
     ray = (args.dir / "ray.jsonl").read_text().splitlines()
     same = sum(a == b for a, b in zip(one, ray))
+    dp = (args.dir / "dp.jsonl").read_text().splitlines()
+    same_dp = sum(a == b for a, b in zip(one, dp))
     for name, r in rows.items():
         print(f"{name:>22}: {r['output_tokens_per_s']:>9,.0f} output tok/s, run "
               f"{r['wall_time_s']:.2f} s, whole command {r['command_s']:.1f} s")
         for k in sorted(k for k in r if k.startswith("replica_")):
             print(f"{'':>24}{r[k]}")
-    print(f"{n} requests; output lines identical to the one-GPU run: {same} of {len(one)} "
-          "(greedy bf16: a batch of another size may flip a near tie)")
+    print(f"{n} requests; output lines identical to the one-GPU run: ray {same}, -dp "
+          f"{same_dp} of {len(one)} (greedy bf16: a batch of another size may flip a near tie)")
     if args.json:
         args.json.write_text(json.dumps({"workload": args.workload, "backend": args.backend,
                                          "runs": rows, "identical_lines": same,
+                                         "identical_lines_dp": same_dp,
                                          "requests": n}, indent=2))
 
 
