@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=None)
     ap.add_argument("--device", default=None)
     ap.add_argument("--repeat", type=int, default=1, help="the workload's requests K times over")
+    ap.add_argument("--no-ray", action="store_true", help="one GPU and -dp only")
     args = ap.parse_args()
     profile = args.profile or workload(args.workload).profile
     args.dir.mkdir(parents=True, exist_ok=True)
@@ -72,14 +73,17 @@ def main() -> None:
     rows["one GPU"] = run([*base, "-o", str(args.dir / "one2.jsonl")])
     rows[f"-dp {args.replicas}"] = run([*base, "-o", str(args.dir / "dp.jsonl"), "-dp",
                                         str(args.replicas)])
-    rows[f"ray, {args.replicas} replicas"] = run(
-        [*base, "-o", str(args.dir / "ray.jsonl"), "--ray", "local",
-         "--replicas", str(args.replicas)])
+    if not args.no_ray:
+        rows[f"ray, {args.replicas} replicas"] = run(
+            [*base, "-o", str(args.dir / "ray.jsonl"), "--ray", "local",
+             "--replicas", str(args.replicas)])
     one = (args.dir / "one2.jsonl").read_text().splitlines()
-    ray = (args.dir / "ray.jsonl").read_text().splitlines()
-    same = sum(a == b for a, b in zip(one, ray))
     dp = (args.dir / "dp.jsonl").read_text().splitlines()
     same_dp = sum(a == b for a, b in zip(one, dp))
+    same = None
+    if not args.no_ray:
+        ray = (args.dir / "ray.jsonl").read_text().splitlines()
+        same = sum(a == b for a, b in zip(one, ray))
     for name, r in rows.items():
         print(f"{name:>22}: {r['output_tokens_per_s']:>9,.0f} output tok/s, run "
               f"{r['wall_time_s']:.2f} s, whole command {r['command_s']:.1f} s")

@@ -1,5 +1,5 @@
 """``pagedgen generate -dp N``: N engine replicas on this host, one GPU each (worker processes,
-``runtime/launch.py``). The requests are dealt so that replicas finish together (by prompt +
+``runtime/launch.py``), started before the input is read so that their start-up overlaps it. The requests are dealt so that replicas finish together (by prompt +
 output tokens), requests that share a prompt prefix go to the same replica (its prefix cache
 then serves them), and every replica's lines stream into the one output file.
 """
@@ -69,35 +69,48 @@ def deal(requests: list[Request], n: int, defaults: SamplingParams) -> list[list
     return [sorted(p, key=lambda r: r.index) for p in parts]
 
 
-def replica_main(engine_config: EngineConfig, defaults: SamplingParams, fmt: str,
-                 served_model_name: str | None, requests: list[Request]) -> Iterator[tuple]:
-    """A worker: its engine's lines as steps finish them, then its busy seconds."""
-    rep = Replica(engine_config, defaults, fmt, served_model_name)
+def replica_main(engine_config: EngineConfig, defaults: SamplingParams,
+                 served_model_name: str | None, inbox) -> Iterator[tuple]:
+    """A worker: loads its engine at once, then runs the (format, requests) it is sent; its
+    lines as steps finish them, then its busy seconds."""
+    rep = Replica(engine_config, defaults, "pagedgen", served_model_name)
     yield ("started", rep.name, rep.load_s)
+    rep.fmt, requests = inbox.get()
     t0 = time.perf_counter()
     for step in rep.stream(requests):
         yield ("lines", [(i, json.dumps(line, ensure_ascii=False), n) for i, line, n in step])
     yield ("finished", time.perf_counter() - t0)
 
 
-def generate(rf, todo: list[Request], writer, engine_config: EngineConfig,
-             defaults: SamplingParams, served_model_name: str | None, replicas: int,
-             gpus: list[int | None], extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
-    """Run ``todo`` on ``replicas`` workers, streaming their lines into ``writer``; returns the
-    summary with a line per replica."""
-    from pagedgen.cli.generate import stream_output
+class DataParallel:
+    """``replicas`` workers, started now so that their imports and engine loads overlap the
+    driver reading and tokenizing the input; ``stop`` ends them (always call it)."""
 
-    parts = deal(todo, replicas, defaults)
-    per = [{"name": "", "requests": 0, "output_tokens": 0, "busy_s": 0.0, "load_s": 0.0}
-           for _ in range(replicas)]
-    total = 0
+    def __init__(self, engine_config: EngineConfig, defaults: SamplingParams,
+                 served_model_name: str | None, replicas: int, gpus: list[int | None]) -> None:
+        self.engine_config, self.defaults, self.replicas = engine_config, defaults, replicas
+        self.workers = Workers(replica_main, [(engine_config, defaults, served_model_name)]
+                               * replicas, gpus)
 
-    def run(emit) -> None:
-        nonlocal total
-        args = [(engine_config, defaults, rf.format, served_model_name, part) for part in parts]
-        try:
-            with Workers(replica_main, args, gpus) as workers:
-                for rank, msg in workers.messages():
+    def stop(self) -> None:
+        self.workers.stop()
+
+    def generate(self, rf, todo: list[Request], writer, extra: dict[str, Any], quiet: bool
+                 ) -> dict[str, Any]:
+        """Deal ``todo`` to the workers and stream their lines into ``writer``; returns the
+        summary with a line per replica."""
+        from pagedgen.cli.generate import stream_output
+
+        for rank, part in enumerate(deal(todo, self.replicas, self.defaults)):
+            self.workers.send(rank, (rf.format, part))
+        per = [{"name": "", "requests": 0, "output_tokens": 0, "busy_s": 0.0, "load_s": 0.0}
+               for _ in range(self.replicas)]
+        total = 0
+
+        def run(emit) -> None:
+            nonlocal total
+            try:
+                for rank, msg in self.workers.messages():
                     r = per[rank]
                     if msg[0] == "started":
                         r["name"], r["load_s"] = msg[1], msg[2]
@@ -109,16 +122,17 @@ def generate(rf, todo: list[Request], writer, engine_config: EngineConfig,
                         r["output_tokens"] += n
                         total += n
                         emit([(i, text) for i, text, _ in msg[1]], total)
-        except WorkerError as e:
-            raise PagedgenError(f"data parallel: {e}")
+            except WorkerError as e:
+                raise PagedgenError(f"data parallel: {e}")
 
-    start, wall = stream_output(rf, writer, len(todo), run, quiet)
-    summary: dict[str, Any] = {
-        "model": engine_config.model, "backend": engine_config.backend,
-        "data_parallel_size": replicas, "requests": len(todo), "output_tokens": total,
-        "wall_time_s": wall, "output_tokens_per_s": total / wall if wall else 0.0, **extra}
-    summary.update(replica_lines(per))
-    return summary
+        start, wall = stream_output(rf, writer, len(todo), run, quiet)
+        cfg = self.engine_config
+        summary: dict[str, Any] = {
+            "model": cfg.model, "backend": cfg.backend, "data_parallel_size": self.replicas,
+            "requests": len(todo), "output_tokens": total, "wall_time_s": wall,
+            "output_tokens_per_s": total / wall if wall else 0.0, **extra}
+        summary.update(replica_lines(per))
+        return summary
 
 
 def replica_lines(per: list[dict[str, Any]]) -> dict[str, str]:

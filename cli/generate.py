@@ -124,44 +124,49 @@ def generate(
         raise PagedgenError("an output directory (--output ending in /) needs --ray and "
                             "cannot --resume; give a file to resume")
 
-    t_read = time.perf_counter()
-    with _startup_progress(json_summary) as progress:
-        task = progress.add_task("reading", total=sum(f.stat().st_size for f in files))
-        rf = read_requests(files, lambda n: progress.update(task, completed=n),
-                           InputOptions(prompt_field, messages_field, strict_fields,
-                                        served_model_name))
-        if not shards:
-            check_output_path(out_path)
-        input_s = time.perf_counter() - t_read
-        t_load = time.perf_counter()
-        src = resolve_model(engine_cfg.model)
-        tokenizer = load_tokenizer(src)
-        load_s = time.perf_counter() - t_load
-        limit, vocab = engine_cfg.context_limit(src.hf_config), src.hf_config.vocab_size
-        t_tok = time.perf_counter()
-        task = progress.add_task("tokenizing", total=len(rf))
-        tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
-        seats = engine_cfg.max_num_seqs
-        check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
-                                                   limit, vocab, seats))
-        input_s += time.perf_counter() - t_tok
+    # -dp workers start now: their imports and model loads overlap reading the input
+    dp = data_parallel.DataParallel(engine_cfg, defaults, served_model_name, data_parallel_size,
+                                    dp_gpus) if dp_gpus is not None else None
+    try:
+        t_read = time.perf_counter()
+        with _startup_progress(json_summary) as progress:
+            task = progress.add_task("reading", total=sum(f.stat().st_size for f in files))
+            rf = read_requests(files, lambda n: progress.update(task, completed=n),
+                               InputOptions(prompt_field, messages_field, strict_fields,
+                                            served_model_name))
+            if not shards:
+                check_output_path(out_path)
+            input_s = time.perf_counter() - t_read
+            t_load = time.perf_counter()
+            src = resolve_model(engine_cfg.model)
+            tokenizer = load_tokenizer(src)
+            load_s = time.perf_counter() - t_load
+            limit, vocab = engine_cfg.context_limit(src.hf_config), src.hf_config.vocab_size
+            t_tok = time.perf_counter()
+            task = progress.add_task("tokenizing", total=len(rf))
+            tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+            seats = engine_cfg.max_num_seqs
+            check_requests(rf, lambda r: check_request(r.prompt_token_ids, r.sampling(defaults),
+                                                       limit, vocab, seats))
+            input_s += time.perf_counter() - t_tok
 
-    writer = ShardWriter(out_path) if shards else OutputWriter(
-        out_path, rf.index_of, resume, key="custom_id" if rf.format == "openai" else "id")
-    todo = [r for r in rf.requests if not writer.is_done(r.index)]
-    extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
-             "output": str(out_path) + ("/" if shards else "")}
-    if ray is not None:
-        import pagedgen.ray as on_ray
-        summary = on_ray.generate(rf, todo, writer, engine_cfg, defaults, served_model_name,
-                                  ray, replicas, extra, quiet=json_summary)
-    elif dp_gpus is not None:
-        summary = data_parallel.generate(rf, todo, writer, engine_cfg, defaults,
-                                         served_model_name, data_parallel_size, dp_gpus, extra,
-                                         quiet=json_summary)
-    else:
-        summary = _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s,
-                                 served_model_name, extra, quiet=json_summary)
+        writer = ShardWriter(out_path) if shards else OutputWriter(
+            out_path, rf.index_of, resume, key="custom_id" if rf.format == "openai" else "id")
+        todo = [r for r in rf.requests if not writer.is_done(r.index)]
+        extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
+                 "output": str(out_path) + ("/" if shards else "")}
+        if ray is not None:
+            import pagedgen.ray as on_ray
+            summary = on_ray.generate(rf, todo, writer, engine_cfg, defaults, served_model_name,
+                                      ray, replicas, extra, quiet=json_summary)
+        elif dp is not None:
+            summary = dp.generate(rf, todo, writer, extra, quiet=json_summary)
+        else:
+            summary = _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s,
+                                     served_model_name, extra, quiet=json_summary)
+    finally:
+        if dp is not None:
+            dp.stop()
     if json_summary:
         print(json.dumps(summary, indent=2))
     else:

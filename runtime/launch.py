@@ -2,9 +2,11 @@
 visible, so ``cuda`` means its GPU), their messages read from one queue, all stopped together
 when one fails or the caller stops (Ctrl-C).
 
-``target(*args)`` runs in each worker and yields messages; the caller sees ``(rank, message)``
-as they come, until every worker has finished. A worker's exception becomes a ``WorkerError``
-naming the rank, and the other workers are terminated.
+``target(*args, inbox)`` runs in each worker and yields messages; the caller sees ``(rank,
+message)`` as they come, until every worker has finished, and can ``send`` a worker objects (its
+``inbox.get()`` returns them), so workers may start (imports, model loads) before their work is
+known. A worker's exception becomes a ``WorkerError`` naming the rank, and the other workers are
+terminated.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ class WorkerError(RuntimeError):
     pass
 
 
-def _main(target: Callable[..., Iterator[Any]], args: tuple, rank: int, q) -> None:
+def _main(target: Callable[..., Iterator[Any]], args: tuple, rank: int, q, inbox) -> None:
     try:
-        for message in target(*args):
+        for message in target(*args, inbox):
             q.put((rank, "data", message))
         q.put((rank, "done", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
@@ -39,13 +41,15 @@ class Workers:
                  gpus: list[int | None]) -> None:
         ctx = mp.get_context("spawn")
         self.queue = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in args]
         self.procs = []
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
             for rank, (a, gpu) in enumerate(zip(args, gpus)):
                 if gpu is not None:  # a spawned child takes the environment at start
                     os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-                p = ctx.Process(target=_main, args=(target, a, rank, self.queue), daemon=True)
+                p = ctx.Process(target=_main, args=(target, a, rank, self.queue,
+                                                    self.inboxes[rank]), daemon=True)
                 p.start()
                 self.procs.append(p)
         finally:
@@ -59,6 +63,9 @@ class Workers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def send(self, rank: int, obj: Any) -> None:
+        self.inboxes[rank].put(obj)
 
     def messages(self) -> Iterator[tuple[int, Any]]:
         running = set(range(len(self.procs)))

@@ -52,6 +52,11 @@ def test_a_failing_worker_is_a_one_line_error(tmp_path):
 
 def test_bad_dp_options(tmp_path):
     src = write(tmp_path / "p.jsonl", 2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"prompt": 5}\n')
+    res = runner.invoke(app, ["generate", str(bad), "--device", "cpu", "-dp", "2"])
+    assert res.exit_code == 1 and "bad.jsonl:2: 'prompt' must be a non-empty string" in \
+        res.output.replace("\n", "")  # the workers, started early, are stopped
     for args, message in [(["-dp", "0"], "--data-parallel-size must be >= 1"),
                           (["-dp", "2", "--ray", "local"], "give one"),
                           (["-dp", "64", "--device", "cuda"], "-dp 64 needs 64 GPUs")]:
