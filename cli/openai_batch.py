@@ -179,8 +179,9 @@ def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
     logprobs = None
     if seq.logprobs is not None:
         def item(t: int, lp: float) -> dict[str, Any]:
-            s = engine.tokenizer.decode([t])
-            return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+            b = engine.tokenizer.token_bytes(t)
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp,
+                    "bytes": list(b)}
 
         logprobs = {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]}
                                 for t, (lp, top) in zip(seq.output_token_ids, seq.logprobs)],
@@ -194,7 +195,9 @@ def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
     text = engine.output_text(seq)
     logprobs = None
     if seq.logprobs is not None:
-        dec = engine.tokenizer.decode
+        def dec(ids: list[int]) -> str:
+            return engine.tokenizer.token_bytes(ids[0]).decode("utf-8", errors="replace")
+
         tokens = [dec([t]) for t in seq.output_token_ids]
         offsets, pos = [], 0
         for s in tokens:

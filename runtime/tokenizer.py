@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +15,8 @@ class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
 
@@ -36,6 +39,9 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return bytes([token_id]) if token_id < 256 else b""
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
@@ -70,6 +76,41 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, also when it holds part of a UTF-8 character:
+        byte-level BPE pieces (GPT-2's byte-to-character table: Llama 3, Qwen) mapped back,
+        SentencePiece byte fallback (``<0xE2>``) and ``▁`` for a space; special tokens empty."""
+        if token_id in self._special_ids:
+            return b""
+        piece = self.tok.convert_ids_to_tokens(token_id)
+        if piece is None:
+            return b""
+        if self._byte_of is not None:
+            try:
+                return bytes(self._byte_of[c] for c in piece)
+            except KeyError:
+                return piece.encode()
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+
+    @functools.cached_property
+    def _special_ids(self) -> set[int]:
+        return set(self.tok.all_special_ids)
+
+    @functools.cached_property
+    def _byte_of(self) -> dict[str, int] | None:
+        """GPT-2's character -> byte table when the tokenizer decodes byte-level pieces."""
+        decoder = getattr(getattr(self.tok, "backend_tokenizer", None), "decoder", None)
+        if decoder is None or "ByteLevel" not in type(decoder).__name__ + repr(decoder):
+            return None
+        # GPT-2's table: printable bytes stand for themselves, the others for 256, 257, ...
+        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+        rest = [b for b in range(256) if b not in keep]
+        table = {chr(b): b for b in keep}
+        table.update({chr(256 + i): b for i, b in enumerate(rest)})
+        return table
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.apply_chat_template_batch([messages])[0]
 
@@ -101,6 +142,9 @@ class MissingTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return ""
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b""
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.encode("")

@@ -172,3 +172,41 @@ def test_prompt_and_messages_fields_and_logprobs_lines(tmp_path):
 def test_near_miss(name, hint):
     known = {"prompt", "max_tokens", "temperature", "ignore_eos", "seed", "id", "n"}
     assert near_miss(name, known) == hint
+
+
+def test_openai_logprob_tokens_carry_their_bytes(tmp_path):
+    """A token holding part of a UTF-8 character keeps its own bytes ("bytes", OpenAI's
+    field); the tokens' bytes put together are the completion's text."""
+    src = write(tmp_path / "batch.jsonl", [
+        completion("t", prompt="é ü —", max_tokens=12, logprobs=0, temperature=0,
+                   ignore_eos=True),
+        chat("c", max_tokens=12, logprobs=True, temperature=0, ignore_eos=True)])
+    out = tmp_path / "out.jsonl"
+    assert run(src, *FAST, "-o", out).exit_code == 0
+    t, c = (json.loads(l)["response"]["body"]["choices"][0] for l in out.read_text().splitlines())
+    got = bytes(b for item in c["logprobs"]["content"] for b in item["bytes"])
+    assert got.decode("utf-8", errors="replace") == c["message"]["content"]
+    assert "".join(t["logprobs"]["tokens"]).replace("\ufffd", "") == t["text"].replace("\ufffd", "")
+
+
+def test_byte_level_bpe_token_bytes(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from pagedgen.runtime.tokenizer import HFTokenizer
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(["héllo wörld — naïve café"] * 50, trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<s>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>",
+                            eos_token="</s>").save_pretrained(tmp_path)
+    tok = HFTokenizer(tmp_path, None)
+    text = "naïve — café wörld"
+    pieces = [tok.token_bytes(i) for i in tok.encode(text)]
+    assert b"".join(pieces).decode() == text
+    assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore")
+               for p in pieces)  # some token does split a character
+    assert tok.token_bytes(tok.tok.eos_token_id) == b""
