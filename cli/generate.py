@@ -12,6 +12,7 @@ streamed into the same writer; with ``-dp N``, on N worker processes of this hos
 from __future__ import annotations
 
 import json
+import os
 import time
 from functools import partial
 from pathlib import Path
@@ -203,7 +204,22 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
         engine.run(on_step=on_step)
 
     start, wall = stream_output(rf, writer, len(todo), run, quiet)
-    return summarize(engine, wall, start, {**extra, "load_time_s": load_s})
+    startup = {}
+    age = process_age()
+    if age is not None and engine.stats.first_step_wall_time is not None:
+        startup["startup_s"] = age - (time.time() - engine.stats.first_step_wall_time)
+    return summarize(engine, wall, start, {**extra, "load_time_s": load_s, **startup})
+
+
+def process_age() -> float | None:
+    """Seconds since this process started, from ``/proc`` (Linux; else None), so that a
+    command's start-up includes the interpreter's and the imports' time."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def stream_output(rf, writer: OutputWriter | ShardWriter, total: int, run, quiet: bool

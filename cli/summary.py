@@ -79,7 +79,8 @@ def format_value(key: str, value: Any) -> str:
 
 _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token",
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
-           "load_time_s": "model load time", "skipped_resumed": "skipped (already done)",
+           "load_time_s": "model load time",
+           "startup_s": "start-up (command to first step)", "skipped_resumed": "skipped (already done)",
            "input_time_s": "input read, validated and tokenized in",
            "samples": "samples (n per request)",
            "prefix_cache_hit_rate": "prefix-cache hit rate (admitted tokens)",

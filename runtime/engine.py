@@ -31,6 +31,7 @@ class StepStats:
     decode_kv_tokens: int = 0  # cached tokens read by decode-only steps (for rooflines)
     overlapped_steps: int = 0  # launched before the previous step's tokens were read
     num_steps: int = 0
+    first_step_wall_time: float | None = None  # time.time() when the first step was launched
     num_preemptions: int = 0
     prefix_queried_tokens: int = 0  # tokens of sequences admitted from scratch
     prefix_hit_tokens: int = 0  # of which the prefix cache held the K/V
@@ -212,6 +213,8 @@ class Engine:
     def _account(self, batch, t0: float) -> None:
         now = time.perf_counter()
         st = self.stats
+        if not st.num_steps:
+            st.first_step_wall_time = time.time() - (now - t0)
         st.num_steps += 1
         st.num_preemptions += len(batch.preempted)
         st.prefix_queried_tokens += batch.prefix_queried_tokens

@@ -188,3 +188,18 @@ def test_a_directory_or_glob_of_files_is_one_input_in_file_order(tmp_path):
     assert "a.jsonl:1)" in res.output.replace("\n", "")
     res = invoke("generate", d, *FAST, "-o", f"{tmp_path}/shards/")
     assert res.exit_code == 1 and "needs --ray" in res.output
+
+
+def test_summary_reports_startup_from_the_command(tmp_path):
+    """``startup_s`` runs from the process start (interpreter and imports included) to the first
+    step: more than the model load, less than the whole command."""
+    import time
+
+    src = write(tmp_path / "p.jsonl", [{"prompt": "abc"}])
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", "from pagedgen.cli.main import main; main()",
+                          "generate", str(src), *FAST, "--json"], capture_output=True, text=True)
+    whole = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["load_time_s"] < summary["startup_s"] < whole
