@@ -1,7 +1,8 @@
 """``pagedgen generate -dp N``: N engine replicas on this host, one GPU each (worker processes,
-``runtime/launch.py``), started before the input is read so that their start-up overlaps it. The requests are dealt so that replicas finish together (by prompt +
-output tokens), requests that share a prompt prefix go to the same replica (its prefix cache
-then serves them), and every replica's lines stream into the one output file.
+``runtime/launch.py``), started before the input is read so that their start-up overlaps it.
+The requests are dealt so that replicas finish together (by prompt + output tokens), requests
+that share a prompt prefix go to the same replica (its prefix cache then serves them), and every
+replica's lines stream into the one output file.
 """
 
 from __future__ import annotations

@@ -172,7 +172,8 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     given = [k for k in kinds if k in obj]
     if len(given) != 1:
         raise PagedgenError(f"{where}: need exactly one of "
-                            f"{', '.join(repr(k) for k in kinds)} (got {', '.join(given) or 'none'})")
+                            f"{', '.join(repr(k) for k in kinds)} "
+                            f"(got {', '.join(given) or 'none'})")
     rid = obj.get("id", index)
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise PagedgenError(f"{where}: 'id' must be a string or an integer")
