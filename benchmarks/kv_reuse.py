@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (build_engine, free_gpu, median_run, print_table, profile_configs,  # noqa: E402
                     timed_runs)
-from vllm_peer import run_vllm  # noqa: E402
+from vllm_peer import run_vllm, same_limits  # noqa: E402
 from workloads import workload  # noqa: E402
 
 from pagedgen.runtime.engine import Engine  # noqa: E402
@@ -121,10 +121,8 @@ def part_a(backend: str, repeats: int) -> list[dict]:
 def part_d_vllm(repeats: int) -> list[dict]:
     wl = workload("d")
     cfg, _ = profile_configs(wl.profile)
-    res = run_vllm("d", None, resolve_model(wl.profile).hf_config,
-                   dict(max_num_seqs=cfg.max_num_seqs,
-                        max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        enable_prefix_caching=True), repeats=repeats)
+    res = run_vllm("d", None, resolve_model(wl.profile).hf_config, same_limits(cfg),
+                   repeats=repeats)
     if "skipped" in res:
         print(f"vLLM: {res['skipped']}", flush=True)
         return []

@@ -1,14 +1,18 @@
 """pagedgen against what a user would run instead, on the same GPU and model in one run (issue 8).
 
-Systems: pagedgen with each available GPU backend (CUDA graphs on), and Hugging Face
-transformers with the same dummy-weight model: ``model.generate`` over padded static batches,
-and its continuous-batching paged path (``generate_batch``'s manager, ``paged|sdpa``) where the
-installed version has it. Same prompts (token ids), same output lengths (EOS ignored), greedy.
+Systems: pagedgen with each available GPU backend (CUDA graphs on); vLLM (``vllm_peer.py``: a
+process of its own, the same token ids, pagedgen's ``max_num_seqs`` and
+``max_num_batched_tokens``, prefix caching on in both, start-up reported apart; skipped with the
+reason where it is not installed); and Hugging Face transformers with the same dummy-weight
+model: ``model.generate`` over padded static batches, and its continuous-batching paged path
+(``generate_batch``'s manager, ``paged|sdpa``) where the installed version has it. Same prompts
+(token ids), same output lengths (EOS ignored), greedy.
 
-Workloads (``--workloads a,b,c``):
+Workloads (``--workloads a,b,c``; workloads.py):
   a: Llama-3-8B-shaped, bf16, 256 prompts x random 128-1024 input, 256 output tokens
   b: Llama-3-8B-shaped, bf16, 64 prompts x 2048 input, 128 output tokens
   c: Qwen3-0.6B-shaped, bf16, 256 prompts x random 100-1024 input and output (nano-vllm's setup)
+  d: Llama-3-8B-shaped, 512 prompts x (1,536 shared + 128 unique) input, 128 output
 
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
 are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
@@ -32,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import free_gpu, median_run, print_table, profile_configs, run_engine  # noqa: E402
+from vllm_peer import run_vllm, same_limits  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
 from pagedgen.attention.registry import backend_status  # noqa: E402
@@ -151,7 +156,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     def add_ratios() -> None:  # each row's output tokens/s over each peer's, same workload
         for r in rows[first:]:
             for p in rows[first:]:
-                if p["system"].startswith("HF"):
+                if p["system"].startswith(("HF", "vLLM")):
                     r[f"vs {p['system']}"] = r["output_tokens_per_s"] / p["output_tokens_per_s"]
 
     def row(system: str, wall: float, extra: dict[str, Any]) -> None:
@@ -175,9 +180,22 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
                                 "graph_capture_s", "load_time_s") if k in res})
-    if peers:
+    if "vllm" in peers:
+        cfg, _ = profile_configs(wl.profile)
+        res = run_vllm(name, None, src.hf_config, same_limits(cfg), repeats=repeats)
+        if "skipped" in res:
+            print(f"vLLM: {res['skipped']}", flush=True)
+        else:
+            assert all(r["output_tokens"] == out_tok for r in res["runs"]), \
+                "vLLM output length differs"
+            mid = median_run(res["runs"])
+            row(f"vLLM {res['vllm']}", mid["wall_time_s"], {
+                "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
+                "startup_s": res["startup_s"]})
+    hf_peers = [p for p in peers if p != "vllm"]
+    if hf_peers:
         model = hf_model(src.hf_config)
-        for peer in peers:
+        for peer in hf_peers:
             if peer == "hf-continuous" and not hasattr(model, "continuous_batching_context_manager"):
                 print("transformers has no continuous batching here; skipped", flush=True)
                 continue
@@ -206,8 +224,8 @@ def main() -> None:
     ap.add_argument("--backends", default="auto",
                     help="comma list (empty: peers only), or auto: every available GPU "
                          "backend but sdpa/eager")
-    ap.add_argument("--peers", default="hf-generate,hf-continuous",
-                    help="comma list of hf-generate, hf-continuous; empty for none")
+    ap.add_argument("--peers", default="vllm,hf-generate,hf-continuous",
+                    help="comma list of vllm, hf-generate, hf-continuous; empty for none")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)

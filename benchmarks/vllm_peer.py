@@ -35,6 +35,14 @@ def vllm_site() -> str | None:
     return site if (Path(site) / "vllm").is_dir() else None
 
 
+def same_limits(engine_config: Any) -> dict[str, Any]:
+    """vLLM engine arguments with pagedgen's batching limits (``EngineConfig``), prefix
+    caching on (as both run by default)."""
+    return dict(max_num_seqs=engine_config.max_num_seqs,
+                max_num_batched_tokens=engine_config.max_num_batched_tokens,
+                enable_prefix_caching=True)
+
+
 def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dict[str, Any],
              repeats: int = 3, timeout: float = 590.0) -> dict[str, Any]:
     """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed."""

@@ -78,3 +78,16 @@ def test_step_weight_bytes_skips_an_untied_embedding_table(tied):
     assert peers.roofline_s(c, [[1, 2, 3]], [2], 1e3, 1e2) == pytest.approx(
         peers.roofline_s(SimpleNamespace(**{**vars(c), "tie_word_embeddings": not tied}),
                          [[1, 2, 3]], [2], 1e3, 1e2))
+
+
+def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
+    import vllm_peer
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg, _ = common.profile_configs("llama-3-8b")
+    assert vllm_peer.same_limits(cfg) == {"max_num_seqs": cfg.max_num_seqs,
+                                          "max_num_batched_tokens": cfg.max_num_batched_tokens,
+                                          "enable_prefix_caching": True}
+    monkeypatch.setattr(vllm_peer, "vllm_site", lambda: None)
+    res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {})
+    assert "not installed" in res["skipped"]
