@@ -103,3 +103,22 @@ def test_bad_replicas_is_a_one_line_error(tmp_path):
     res = CliRunner().invoke(app, ["generate", str(prompts(tmp_path, 2)), "--device", "cpu",
                                    "--ray", "local", "--replicas", "0"])
     assert res.exit_code == 1 and "--replicas must be >= 1" in res.output
+
+
+def test_generator_called_directly_seeds_rows_by_id():
+    """Without Ray: two batches whose rows sit at the same positions sample differently when
+    their ids differ, and identically when a row repeats (id and all)."""
+    import numpy as np
+
+    import pagedgen.ray
+
+    gen = pagedgen.ray.Generator(model="tiny", engine=CPU, sampling={"temperature": 1.0,
+                                                                     "max_tokens": 8})
+
+    def batch(ids):
+        return {"id": np.array(ids, dtype=object),
+                "prompt": np.array(["same prompt"] * len(ids), dtype=object)}
+
+    a, b, again = gen(batch(["x", "y"])), gen(batch(["z", "w"])), gen(batch(["x", "y"]))
+    assert a["token_ids"][0] != b["token_ids"][0]
+    assert a["token_ids"] == again["token_ids"] and a["id"] == ["x", "y"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import zlib
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -41,7 +42,9 @@ class Generator:
     Takes batches of request rows (the fields of a pagedgen JSONL line: ``prompt`` |
     ``prompt_token_ids`` | ``messages``, optional ``id`` and sampling fields, fields of your
     own) and returns the output rows (the fields of an output line, ``metadata`` included; a
-    field a row lacks is null). A row without ``id`` gets its position in the batch.
+    field a row lacks is null). A row without ``id`` gets its position in the batch; a row
+    without ``seed`` samples with one derived from its ``id`` (else its fields), so rows at the
+    same position of different batches draw different numbers, the same on every rerun.
     Constructor arguments are ``pagedgen generate``'s: ``model``, ``profile``, ``engine``
     (EngineConfig fields), ``sampling`` (default SamplingParams fields), ``strict_fields``,
     ``prompt_field``, ``messages_field``.
@@ -62,6 +65,10 @@ class Generator:
         rows = _rows(batch)
         reqs = [parse_line(row, i, i + 1, f"row {i}", self.options)
                 for i, row in enumerate(rows)]
+        for row, r in zip(rows, reqs):  # positions repeat from batch to batch; ids do not
+            if not (r.overrides and "seed" in r.overrides):
+                key = json.dumps(row.get("id", row), sort_keys=True, default=str)
+                r.overrides = {**(r.overrides or {}), "seed": zlib.crc32(key.encode()) >> 1}
         rf = RequestFile([Path("batch row")], reqs, {r.id: r.index for r in reqs})
         eng = self.replica.engine
         tokenize_requests(rf, eng.tokenizer)
