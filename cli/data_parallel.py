@@ -79,7 +79,8 @@ def replica_main(engine_config: EngineConfig, defaults: SamplingParams,
     rep.fmt, requests = inbox.get()
     t0 = time.perf_counter()
     for step in rep.stream(requests):
-        yield ("lines", [(i, json.dumps(line, ensure_ascii=False), n) for i, line, n in step])
+        if step:
+            yield ("lines", [(i, json.dumps(line, ensure_ascii=False), n) for i, line, n in step])
     yield ("finished", time.perf_counter() - t0)
 
 
@@ -127,17 +128,22 @@ class DataParallel:
                 raise PagedgenError(f"data parallel: {e}")
 
         start, wall = stream_output(rf, writer, len(todo), run, quiet)
-        cfg = self.engine_config
-        summary: dict[str, Any] = {
-            "model": cfg.model, "backend": cfg.backend, "data_parallel_size": self.replicas,
-            "requests": len(todo), "output_tokens": total, "wall_time_s": wall,
-            "output_tokens_per_s": total / wall if wall else 0.0, **extra}
-        summary.update(replica_lines(per))
-        return summary
+        return replicas_summary(self.engine_config, {"data_parallel_size": self.replicas},
+                                per, len(todo), total, wall, extra)
 
 
-def replica_lines(per: list[dict[str, Any]]) -> dict[str, str]:
-    """The summary's line per replica."""
+def replicas_summary(engine_config: EngineConfig, how: dict[str, Any],
+                     per: list[dict[str, Any]], requests: int, output_tokens: int, wall: float,
+                     extra: dict[str, Any]) -> dict[str, Any]:
+    """The summary of a run on replicas (``-dp`` or Ray; ``how`` says which), with a line per
+    replica: requests, output tokens, tok/s while busy, start-up."""
+    return {"model": engine_config.model, "backend": engine_config.backend, **how,
+            "requests": requests, "output_tokens": output_tokens, "wall_time_s": wall,
+            "output_tokens_per_s": output_tokens / wall if wall else 0.0, **extra,
+            **_replica_lines(per)}
+
+
+def _replica_lines(per: list[dict[str, Any]]) -> dict[str, str]:
     return {f"replica_{i}": (
         f"{r['name']}: {r['requests']:,} requests, {r['output_tokens']:,} tokens out, "
         f"{r['output_tokens'] / max(r['busy_s'], 1e-9):,.0f} tok/s while busy, "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -22,10 +21,11 @@ import typer
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
-from pagedgen.cli import data_parallel, openai_batch, records
+from pagedgen.cli import data_parallel
 from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
 from pagedgen.cli.output import OutputWriter, ShardWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, input_files, read_requests, tokenize_requests
+from pagedgen.cli.replica import Replica
 from pagedgen.cli.request import InputOptions
 from pagedgen.cli.summary import summarize, summary_table
 from pagedgen.errors import PagedgenError
@@ -177,12 +177,11 @@ def generate(
 def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s: float,
                    served_model_name, extra: dict, quiet: bool) -> dict:
     """Run the requests on an engine in this process; returns the summary."""
-    from pagedgen.runtime.engine import Engine
-
     t_load = time.perf_counter()
     try:
         with console.status(f"loading {engine_cfg.model} ..."):
-            engine = Engine(engine_cfg, src, tokenizer)
+            rep = Replica(engine_cfg, defaults, rf.format, served_model_name, src, tokenizer)
+        engine = rep.engine
         if engine.max_model_len < engine_cfg.context_limit(src.hf_config):
             # the KV cache holds less than the model's context
             check_requests(rf, lambda r: check_request(
@@ -192,16 +191,11 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
         _close_quietly(writer)
         raise
     load_s += time.perf_counter() - t_load
-    make_record = partial(openai_batch.record, engine, model=served_model_name or src.name) \
-        if rf.format == "openai" else partial(records.record, engine)
-    engine.add_requests((r.prompt_token_ids, r.sampling(defaults), r, r.index) for r in todo)
 
     def run(emit) -> None:
-        def on_step(finished) -> None:
-            emit([(g[0].request.index, json.dumps(make_record(g), ensure_ascii=False))
-                  for g in records.finished_requests(finished)], engine.stats.output_tokens)
-
-        engine.run(on_step=on_step)
+        for step in rep.stream(todo):
+            emit([(i, json.dumps(line, ensure_ascii=False)) for i, line, _ in step],
+                 engine.stats.output_tokens)
 
     start, wall = stream_output(rf, writer, len(todo), run, quiet)
     startup = {}

@@ -180,8 +180,7 @@ def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
     if seq.logprobs is not None:
         def item(t: int, lp: float) -> dict[str, Any]:
             b = engine.tokenizer.token_bytes(t)
-            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp,
-                    "bytes": list(b)}
+            return {"token": _text(b), "logprob": lp, "bytes": list(b)}
 
         logprobs = {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]}
                                 for t, (lp, top) in zip(seq.output_token_ids, seq.logprobs)],
@@ -195,16 +194,21 @@ def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
     text = engine.output_text(seq)
     logprobs = None
     if seq.logprobs is not None:
-        def dec(ids: list[int]) -> str:
-            return engine.tokenizer.token_bytes(ids[0]).decode("utf-8", errors="replace")
+        def dec(t: int) -> str:
+            return _text(engine.tokenizer.token_bytes(t))
 
-        tokens = [dec([t]) for t in seq.output_token_ids]
+        tokens = [dec(t) for t in seq.output_token_ids]
         offsets, pos = [], 0
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
         logprobs = {"tokens": tokens, "token_logprobs": [lp for lp, _ in seq.logprobs],
-                    "top_logprobs": [{dec([i]): l for i, l in top} for _, top in seq.logprobs],
+                    "top_logprobs": [{dec(i): l for i, l in top} for _, top in seq.logprobs],
                     "text_offset": offsets}
     return {"index": seq.sample_index, "text": text, "logprobs": logprobs,
             "finish_reason": seq.finish_reason}
+
+
+def _text(token_bytes: bytes) -> str:
+    """A token's text: its bytes as UTF-8, U+FFFD for a part of a character."""
+    return token_bytes.decode("utf-8", errors="replace")

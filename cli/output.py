@@ -85,14 +85,9 @@ class OutputWriter:
     def is_done(self, index: int) -> bool:
         return self.offsets[index] >= 0
 
-    def write(self, records: list[dict[str, Any]]) -> None:
-        """Append finished requests' lines (each record's id is one of the input's) in one
-        write. A failed write (disk full, ...) is a one-line error; the lines before it stay."""
-        self.write_lines([(self.index_of[r[self.key]], json.dumps(r, ensure_ascii=False))
-                          for r in records])
-
     def write_lines(self, lines: list[tuple[int, str]]) -> None:
-        """Append (input index, JSON text) lines in one write."""
+        """Append finished requests' (input index, JSON text) lines in one write. A failed
+        write (disk full, ...) is a one-line error; the lines before it stay."""
         if not lines:
             return
         encoded = [(text + "\n").encode() for _, text in lines]

@@ -12,13 +12,16 @@ from pagedgen.cli import openai_batch, records
 from pagedgen.cli.request import Request
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.models.loader import ModelSource
+from pagedgen.runtime.tokenizer import Tokenizer
 
 
 class Replica:
     def __init__(self, engine_config: EngineConfig, defaults: SamplingParams, fmt: str,
-                 served_model_name: str | None = None) -> None:
+                 served_model_name: str | None = None, src: ModelSource | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
         t0 = time.perf_counter()
-        self.engine = Engine(engine_config)
+        self.engine = Engine(engine_config, src, tokenizer)
         self.load_s = time.perf_counter() - t0
         self.defaults = defaults
         self.fmt = fmt
@@ -33,15 +36,13 @@ class Replica:
 
     def stream(self, requests: list[Request]) -> Iterator[list[tuple[int, dict[str, Any], int]]]:
         """Run ``requests`` (tokenized and checked); after each step, the requests it
-        finished as (input index, output line, output tokens)."""
+        finished (often none) as (input index, output line, output tokens)."""
         eng = self.engine
         eng.add_requests((r.prompt_token_ids, r.sampling(self.defaults), r, r.index)
                          for r in requests)
         while eng.has_unfinished():
-            done = records.finished_requests(eng.step())
-            if done:
-                yield [(g[0].request.index, self.record(g),
-                        sum(s.num_output_tokens for s in g)) for g in done]
+            yield [(g[0].request.index, self.record(g), sum(s.num_output_tokens for s in g))
+                   for g in records.finished_requests(eng.step())]
 
     def run(self, requests: list[Request]) -> tuple[list[dict[str, Any]], list[int], float]:
         """Output lines of ``requests`` in their order, each one's output tokens, and the

@@ -27,7 +27,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-from pagedgen.cli.data_parallel import replica_lines
+from pagedgen.cli.data_parallel import replicas_summary
 from pagedgen.cli.prompts import RequestFile, check_requests, parse_line, tokenize_requests
 from pagedgen.cli.replica import Replica
 from pagedgen.cli.request import InputOptions, Request
@@ -169,12 +169,8 @@ def generate(rf: RequestFile, todo: list[Request], writer, engine_config: Engine
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
     start, wall = stream_output(rf, writer, len(todo), run, quiet)
-    summary: dict[str, Any] = {
-        "model": engine_config.model, "backend": engine_config.backend, "ray": address,
-        "replicas": replicas, "requests": len(todo), "output_tokens": total,
-        "wall_time_s": wall, "output_tokens_per_s": total / wall if wall else 0.0, **extra}
-    summary.update(replica_lines([per[k] for k in sorted(per)]))
-    return summary
+    return replicas_summary(engine_config, {"ray": address, "replicas": replicas},
+                            [per[k] for k in sorted(per)], len(todo), total, wall, extra)
 
 
 def _have_gpu() -> bool:
