@@ -58,6 +58,15 @@ def backend_status(device: torch.device) -> list[BackendStatus]:
     return rows
 
 
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """Why backend ``name`` (a registered one, not ``auto``) cannot run on ``device``, or None;
+    loads only that backend."""
+    try:
+        return _load(name).unavailable_reason(device)
+    except Exception as e:
+        return f"failed to load: {type(e).__name__}: {e}"
+
+
 def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend called ``name`` (or the best for ``device`` when ``auto``).
 

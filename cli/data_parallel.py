@@ -1,8 +1,9 @@
-"""``pagedgen generate -dp N``: N engine replicas on this host, one GPU each (worker processes,
-``runtime/launch.py``), started before the input is read so that their start-up overlaps it.
-The requests are dealt so that replicas finish together (by prompt + output tokens), requests
-that share a prompt prefix go to the same replica (its prefix cache then serves them), and every
-replica's lines stream into the one output file.
+"""``pagedgen generate -dp N -tp M``: N engine replicas on this host, each a group of M
+tensor-parallel worker processes on M GPUs (``runtime/launch.py``), started before the input is
+read so that their start-up overlaps it. The requests are dealt so that replicas finish together
+(by prompt + output tokens), requests that share a prompt prefix go to the same replica (its
+prefix cache then serves them), and every replica's lines (from its rank 0) stream into the one
+output file. A single replica (``-tp M`` alone) reports the usual engine summary.
 """
 
 from __future__ import annotations
@@ -20,22 +21,43 @@ from pagedgen.runtime.launch import WorkerError, Workers
 PREFIX_TOKENS = 128  # prompts longer than twice this, with the same first tokens, travel together
 
 
-def check(replicas: int, engine_config: EngineConfig) -> list[int | None]:
-    """The GPU of each replica (None on the CPU); fails before anything loads."""
-    if replicas < 1:
-        raise PagedgenError("--data-parallel-size must be >= 1")
-    if engine_config.device == "cpu":
-        return [None] * replicas
-    if engine_config.device not in ("auto", "cuda"):
-        raise PagedgenError("-dp places replica i on GPU i: use --device auto or cuda")
+def check(replicas: int, engine_config: EngineConfig) -> list[list[int] | None]:
+    """The GPUs of each replica (``tensor_parallel_size`` each; None on the CPU). Fails before
+    anything starts on a size the model cannot be sharded to, too few GPUs or a backend that
+    cannot run here."""
     import torch
 
-    have = torch.cuda.device_count()
-    if have == 0 and engine_config.device == "auto":
+    from pagedgen.attention.registry import backend_names, unavailable_reason
+    from pagedgen.runtime.models.llama import tensor_parallel_error
+    from pagedgen.runtime.models.loader import resolve_model
+
+    tp = engine_config.tensor_parallel_size
+    if replicas < 1:
+        raise PagedgenError("--data-parallel-size must be >= 1")
+    if tp < 1:
+        raise PagedgenError("--tensor-parallel-size must be >= 1")
+    if tp > 1:
+        src = resolve_model(engine_config.model)
+        why = tensor_parallel_error(src.hf_config, tp)
+        if why:
+            raise PagedgenError(f"-tp {tp}: {src.name}: {why}")
+    if engine_config.device not in ("auto", "cuda", "cpu"):
+        raise PagedgenError("-dp/-tp place their ranks on GPUs 0, 1, ...: use --device auto, "
+                            "cuda or cpu")
+    have = torch.cuda.device_count() if engine_config.device != "cpu" else 0
+    on_gpu = have > 0 or engine_config.device == "cuda"
+    name = engine_config.backend
+    if name in backend_names():  # an unusable backend fails here, not in every worker
+        why = unavailable_reason(name, torch.device("cuda" if on_gpu else "cpu"))
+        if why:
+            raise PagedgenError(f"backend '{name}' cannot run here: {why}")
+    if not on_gpu:
         return [None] * replicas
-    if replicas > have:
-        raise PagedgenError(f"-dp {replicas} needs {replicas} GPUs; {have} are visible")
-    return list(range(replicas))
+    need = replicas * tp
+    if need > have:
+        sizes = f"-dp {replicas}" + (f" -tp {tp}" if tp > 1 else "")
+        raise PagedgenError(f"{sizes} needs {need} GPUs; {have} are visible")
+    return [list(range(i * tp, (i + 1) * tp)) for i in range(replicas)]
 
 
 def deal(requests: list[Request], n: int, defaults: SamplingParams) -> list[list[Request]]:
@@ -72,8 +94,11 @@ def deal(requests: list[Request], n: int, defaults: SamplingParams) -> list[list
 
 def replica_main(engine_config: EngineConfig, defaults: SamplingParams,
                  served_model_name: str | None, inbox) -> Iterator[tuple]:
-    """A worker: loads its engine at once, then runs the (format, requests) it is sent; its
-    lines as steps finish them, then its busy seconds."""
+    """A worker (every rank of a tensor-parallel group runs it; rank 0's messages are read):
+    loads its engine at once, then runs the (format, requests) it is sent; its lines as steps
+    finish them, then its busy seconds and engine summary."""
+    from pagedgen.cli.summary import summarize
+
     rep = Replica(engine_config, defaults, "pagedgen", served_model_name)
     yield ("started", rep.name, rep.load_s)
     rep.fmt, requests = inbox.get()
@@ -81,7 +106,9 @@ def replica_main(engine_config: EngineConfig, defaults: SamplingParams,
     for step in rep.stream(requests):
         if step:
             yield ("lines", [(i, json.dumps(line, ensure_ascii=False), n) for i, line, n in step])
-    yield ("finished", time.perf_counter() - t0)
+    busy = time.perf_counter() - t0
+    summary = summarize(rep.engine, busy, t0, {"load_time_s": rep.load_s})
+    yield ("finished", busy, summary, rep.engine.stats.first_step_wall_time)
 
 
 class DataParallel:
@@ -89,10 +116,11 @@ class DataParallel:
     driver reading and tokenizing the input; ``stop`` ends them (always call it)."""
 
     def __init__(self, engine_config: EngineConfig, defaults: SamplingParams,
-                 served_model_name: str | None, replicas: int, gpus: list[int | None]) -> None:
+                 served_model_name: str | None, replicas: int,
+                 gpus: list[list[int] | None]) -> None:
         self.engine_config, self.defaults, self.replicas = engine_config, defaults, replicas
         self.workers = Workers(replica_main, [(engine_config, defaults, served_model_name)]
-                               * replicas, gpus)
+                               * replicas, gpus, engine_config.tensor_parallel_size)
 
     def stop(self) -> None:
         self.workers.stop()
@@ -105,8 +133,8 @@ class DataParallel:
 
         for rank, part in enumerate(deal(todo, self.replicas, self.defaults)):
             self.workers.send(rank, (rf.format, part))
-        per = [{"name": "", "requests": 0, "output_tokens": 0, "busy_s": 0.0, "load_s": 0.0}
-               for _ in range(self.replicas)]
+        per = [{"name": "", "requests": 0, "output_tokens": 0, "busy_s": 0.0, "load_s": 0.0,
+                "summary": {}, "first_step": None} for _ in range(self.replicas)]
         total = 0
 
         def run(emit) -> None:
@@ -117,7 +145,7 @@ class DataParallel:
                     if msg[0] == "started":
                         r["name"], r["load_s"] = msg[1], msg[2]
                     elif msg[0] == "finished":
-                        r["busy_s"] = msg[1]
+                        r["busy_s"], r["summary"], r["first_step"] = msg[1:]
                     else:
                         r["requests"] += len(msg[1])
                         n = sum(t for _, _, t in msg[1])
@@ -125,11 +153,28 @@ class DataParallel:
                         total += n
                         emit([(i, text) for i, text, _ in msg[1]], total)
             except WorkerError as e:
-                raise PagedgenError(f"data parallel: {e}")
+                what = "data parallel" if self.replicas > 1 else "tensor parallel"
+                raise PagedgenError(f"{what}: {e}")
 
         start, wall = stream_output(rf, writer, len(todo), run, quiet)
-        return replicas_summary(self.engine_config, {"data_parallel_size": self.replicas},
-                                per, len(todo), total, wall, extra)
+        tp = self.engine_config.tensor_parallel_size
+        if self.replicas == 1 and per[0]["summary"]:  # -tp alone: the engine's own summary
+            return one_replica_summary(per[0], extra)
+        how = {"data_parallel_size": self.replicas,
+               **({"tensor_parallel_size": tp} if tp > 1 else {})}
+        return replicas_summary(self.engine_config, how, per, len(todo), total, wall, extra)
+
+
+def one_replica_summary(rep: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """A single worker's engine summary (its wall time runs from its first request, as a
+    local run's does after its load), with this command's start-up."""
+    from pagedgen.cli.generate import process_age
+
+    out = {**rep["summary"], **extra}
+    age = process_age()
+    if age is not None and rep["first_step"] is not None:
+        out["startup_s"] = age - (time.time() - rep["first_step"])
+    return out
 
 
 def replicas_summary(engine_config: EngineConfig, how: dict[str, Any],
@@ -137,9 +182,12 @@ def replicas_summary(engine_config: EngineConfig, how: dict[str, Any],
                      extra: dict[str, Any]) -> dict[str, Any]:
     """The summary of a run on replicas (``-dp`` or Ray; ``how`` says which), with a line per
     replica: requests, output tokens, tok/s while busy, start-up."""
+    busy = max((r["busy_s"] for r in per), default=0.0)
     return {"model": engine_config.model, "backend": engine_config.backend, **how,
             "requests": requests, "output_tokens": output_tokens, "wall_time_s": wall,
-            "output_tokens_per_s": output_tokens / wall if wall else 0.0, **extra,
+            "output_tokens_per_s": output_tokens / wall if wall else 0.0,
+            # from the replicas' first steps to the last one's end: their start-up apart
+            "output_tokens_per_s_while_busy": output_tokens / busy if busy else 0.0, **extra,
             **_replica_lines(per)}
 
 

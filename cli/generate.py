@@ -90,8 +90,11 @@ def generate(
                             "cluster address; needs pagedgen[ray]."),
     replicas: int = typer.Option(1, help="With --ray: engine replicas (actors), one GPU each."),
     data_parallel_size: int = typer.Option(
-        1, "--data-parallel-size", "-dp", help="Engine replicas on this host, one GPU each "
-                                                "(worker processes)."),
+        1, "--data-parallel-size", "-dp", help="Engine replicas on this host, each on "
+                                                "--tensor-parallel-size GPUs (worker processes)."),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", "-tp", help="GPUs one model is sharded over (worker "
+                                                     "processes joined by NCCL; gloo on CPU)."),
     json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
@@ -104,20 +107,24 @@ def generate(
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
-             prefix_caching=prefix_caching),
+             prefix_caching=prefix_caching, tensor_parallel_size=tensor_parallel_size),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              ignore_eos=ignore_eos, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
     try:
         defaults.validate()
     except ValueError as e:
         raise PagedgenError(f"options: {e}")
+    ranks = _torchrun_ranks(engine_cfg, tensor_parallel_size, data_parallel_size, ray)
+    lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
     if ray is not None:
         import pagedgen.ray as on_ray
         on_ray.check(replicas)
         if data_parallel_size != 1:
             raise PagedgenError("--ray and -dp are two ways to run replicas: give one")
-    dp_gpus = data_parallel.check(data_parallel_size, engine_cfg) \
-        if data_parallel_size != 1 else None
+        if engine_cfg.tensor_parallel_size != 1:
+            raise PagedgenError("--ray runs one GPU per replica: -tp is for local runs")
+    workers = ranks is None and (data_parallel_size != 1 or engine_cfg.tensor_parallel_size != 1)
+    dp_gpus = data_parallel.check(data_parallel_size, engine_cfg) if workers else None
     files = input_files(prompts)
     shards = output is not None and output.endswith("/")
     out_path = _output_path(prompts, files, output)
@@ -130,7 +137,7 @@ def generate(
                                     dp_gpus) if dp_gpus is not None else None
     try:
         t_read = time.perf_counter()
-        with _startup_progress(json_summary) as progress:
+        with _startup_progress(json_summary or not lead) as progress:
             task = progress.add_task("reading", total=sum(f.stat().st_size for f in files))
             rf = read_requests(files, lambda n: progress.update(task, completed=n),
                                InputOptions(prompt_field, messages_field, strict_fields,
@@ -151,9 +158,17 @@ def generate(
                                                        limit, vocab, seats))
             input_s += time.perf_counter() - t_tok
 
+        if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
+            todo = _lead_todo(ranks, rf, None)
+            rep = Replica(engine_cfg, defaults, rf.format, served_model_name, src, tokenizer)
+            for _ in rep.stream(todo):
+                pass
+            return
         writer = ShardWriter(out_path) if shards else OutputWriter(
             out_path, rf.index_of, resume, key="custom_id" if rf.format == "openai" else "id")
         todo = [r for r in rf.requests if not writer.is_done(r.index)]
+        if ranks is not None:
+            _lead_todo(ranks, rf, todo)
         extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
                  "output": str(out_path) + ("/" if shards else "")}
         if ray is not None:
@@ -172,6 +187,35 @@ def generate(
         print(json.dumps(summary, indent=2))
     else:
         out_console().print(summary_table(summary))
+
+
+def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_size: int,
+                    ray: str | None):
+    """This process's tensor-parallel group when ``torchrun`` started it (every process runs
+    this command as one rank; the engine is sharded over all of them), else None."""
+    from pagedgen.runtime import parallel
+
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    size = int(os.environ["WORLD_SIZE"])
+    if tensor_parallel_size not in (None, size) or data_parallel_size != 1 or ray is not None:
+        raise PagedgenError(f"under torchrun the {size} processes are one model's "
+                            f"tensor-parallel ranks: give -tp {size} or no -tp, no -dp or --ray")
+    engine_cfg.tensor_parallel_size = size
+    return parallel.init_from_env()
+
+
+def _lead_todo(ranks, rf, todo):
+    """The requests still to run, as rank 0 found them in its output file (``todo`` there),
+    on every rank."""
+    import torch.distributed as dist
+
+    box = [None if todo is None else [r.index for r in todo]]
+    dist.broadcast_object_list(box, src=0, group=ranks.group)
+    if todo is not None:
+        return todo
+    by_index = {r.index: r for r in rf.requests}
+    return [by_index[i] for i in box[0]]
 
 
 def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s: float,

@@ -128,10 +128,12 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                               "fused_kernels": r.fused_kernels,
                               "device": str(r.device), "model": engine.src.name,
                               "dtype": str(r.dtype).removeprefix("torch."),
+                              "tensor_parallel_size": r.tp.size,
                               "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
                               "batches": per_batch, "kernel_batch": kernel_batch,
                               "decode_steps": decode_steps}
-    trace = out_dir / f"trace-{name}.json"
+    rank = f"-rank{r.tp.rank}" if r.tp.size > 1 else ""  # every rank writes its own
+    trace = out_dir / f"trace-{name}{rank}.json"
     prof.export_chrome_trace(str(trace))
     result["trace"] = str(trace)
     if r.device.type == "cuda":
@@ -192,7 +194,7 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
         out["decode_attention_bw_fraction"] = kv_bytes / attn_s / limits["copy_bw"]
     linear = sum(m.weight.numel() for n, m in r.model.named_modules()
                  if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
-    lm_head = hf.vocab_size * hf.hidden_size
+    lm_head = hf.vocab_size * hf.hidden_size / r.tp.size  # this rank's slice of the vocabulary
     gemm_dec_s = dec["groups_us"]["GEMM"] / 1e6 / steps
     if gemm_dec_s:
         out["decode_gemm_tflop_s"] = 2 * batch * (linear + lm_head) / gemm_dec_s / 1e12
@@ -393,6 +395,9 @@ def profile(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", "-tp",
+        help="Shard the model over this many GPUs (rank 0's kernels are reported)."),
     output_dir: Path = typer.Option(Path("pagedgen-profile"), help="Trace, JSON and charts."),
     seed: int = typer.Option(0),
 ) -> None:
@@ -400,7 +405,8 @@ def profile(
     engine_cfg, _, prof = engine_and_sampling(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   block_size=block_size, seed=seed,
-                                  fused_kernels=fused_kernels, prefix_caching=prefix_caching), {})
+                                  fused_kernels=fused_kernels, prefix_caching=prefix_caching,
+                                  tensor_parallel_size=tensor_parallel_size), {})
     wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
                               shared_prefix_len=shared_prefix_len,
                               output_len=output_len, prompts=prompts,
@@ -420,8 +426,11 @@ def profile(
     results = []
     for name in names:
         console.print(f"[bold]profiling {name}[/] ...")
-        results.append(run_backend(dataclasses.replace(engine_cfg, backend=name), wl,
-                                   output_dir, seed, limits))
+        cfg = dataclasses.replace(engine_cfg, backend=name)
+        if cfg.tensor_parallel_size > 1:
+            results.append(_run_sharded(cfg, wl, output_dir, seed, limits))
+        else:
+            results.append(run_backend(cfg, wl, output_dir, seed, limits))
     render(results, console)
     pngs = charts(results, output_dir)
     summary = output_dir / "profile.json"
@@ -429,6 +438,27 @@ def profile(
                                    "results": results}, indent=2))
     console.print(f"wrote {summary}, {', '.join(str(p) for p in pngs)} and "
                   f"{', '.join(r['trace'] for r in results)} (open in Perfetto)")
+
+
+def _run_sharded(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float]
+                 ) -> dict[str, Any]:
+    """``run_backend`` on every rank of a tensor-parallel group (worker processes on GPUs
+    0..N-1, or gloo on the CPU); rank 0's result."""
+    from pagedgen.cli import data_parallel
+    from pagedgen.runtime.launch import WorkerError, Workers
+
+    gpus = data_parallel.check(1, cfg)
+    try:
+        with Workers(_profile_worker, [(cfg, wl, out_dir, seed, limits)], gpus,
+                     cfg.tensor_parallel_size) as w:
+            return next(msg for _, msg in w.messages())
+    except WorkerError as e:
+        raise PagedgenError(f"tensor parallel: {e}")
+
+
+def _profile_worker(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float],
+                    inbox):
+    yield run_backend(cfg, wl, out_dir, seed, limits)
 
 
 def _workload(profile: dict | None, overrides: dict[str, Any]) -> Workload:

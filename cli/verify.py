@@ -22,6 +22,7 @@ from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.cases import make_paged_batch, run_backend
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import backend_names, backend_status, get_backend
+from pagedgen.cli import data_parallel
 from pagedgen.cli.common import console, out_console
 from pagedgen.errors import PagedgenError
 
@@ -116,53 +117,107 @@ def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: 
     return rows
 
 
-def check_model(backend_name: str, model: str, dtype: str, device: torch.device, steps: int,
-                seed: int, graphs: bool) -> Row:
-    """The same prompts through the model with the backend and with eager, stepped together."""
-    from pagedgen.runtime.config import EngineConfig, SamplingParams
-    from pagedgen.runtime.engine import Engine
+def _model_config(backend_name: str, model: str, dtype: str, device: torch.device, seed: int,
+                  graphs: bool, tp: int = 1):
+    from pagedgen.runtime.config import EngineConfig
 
-    base = EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
+    return EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
                         seed=seed, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=1024,
-                        max_model_len=512, async_scheduling=False)  # stepped in lockstep
-    ref = Engine(dataclasses.replace(base, backend="eager", enforce_eager=True))
-    eng = Engine(dataclasses.replace(base, backend=backend_name, enforce_eager=not graphs))
+                        max_model_len=512, async_scheduling=False, backend=backend_name,
+                        enforce_eager=not graphs, tensor_parallel_size=tp)
+
+
+def _model_prompts(seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 15, 16, 17, 40, 100]  # around page boundaries, and a single token
-    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
+
+
+Trace = tuple[dict[tuple[int, int], torch.Tensor], list[list[int]]]
+
+
+def trace(engine, prompts: list[list[int]], steps: int) -> Trace:
+    """Greedy generation of ``prompts``: the float32 logits each output position was sampled
+    from, by (prompt index, position), and the output tokens."""
+    from pagedgen.runtime.config import SamplingParams
+
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
-    ref_seqs = [ref.add_request(p, params) for p in prompts]
-    seqs = [eng.add_request(p, params) for p in prompts]
-    diverged: dict[int, int] = {}  # request index -> first output position that differs
+    seqs = [engine.add_request(p, params) for p in prompts]
+    index = {s.seq_id: i for i, s in enumerate(seqs)}
+    logits = {}
+    while engine.has_unfinished():
+        engine.step()
+        for row, s in enumerate(engine.runner.last_sampled):
+            logits[(index[s.seq_id], s.num_output_tokens - 1)] = \
+                engine.runner.last_logits[row].float().cpu()
+    return logits, [list(s.output_token_ids) for s in seqs]
+
+
+def trace_worker(config, prompts: list[list[int]], steps: int, inbox):
+    """``trace`` on an engine built in a worker process (every tensor-parallel rank runs it;
+    rank 0's trace is sent, as numpy arrays: tensors do not outlive a worker)."""
+    from pagedgen.runtime.engine import Engine
+
+    logits, outputs = trace(Engine(config), prompts, steps)
+    yield {k: v.numpy() for k, v in logits.items()}, outputs
+
+
+def compare(ref: Trace, got: Trace, tol: float, label: str) -> Row:
+    """Logits at every position where both runs had produced the same tokens so far, and the
+    greedy agreement."""
     worst_abs = worst_rel = 0.0
-    while ref.has_unfinished():
-        ref.step()
-        eng.step()
-        r_rows = {s.seq_id: i for i, s in enumerate(ref.runner.last_sampled)}
-        for i, s in enumerate(eng.runner.last_sampled):
-            if s.seq_id in diverged:
-                continue  # contexts differ from here on: logits are no longer comparable
-            la = eng.runner.last_logits[i].float()
-            lb = ref.runner.last_logits[r_rows[s.seq_id]].float()
+    first = None
+    for i, (a, b) in enumerate(zip(got[1], ref[1])):
+        for pos in range(min(len(a), len(b))):
+            la, lb = torch.as_tensor(got[0][(i, pos)]), ref[0][(i, pos)]
             err = (la - lb).abs().max().item()
             worst_abs = max(worst_abs, err)
             worst_rel = max(worst_rel, err / max(lb.abs().max().item(), 1e-6))
-        for s, r in zip(seqs, ref_seqs):
-            n = min(s.num_output_tokens, r.num_output_tokens)
-            if s.seq_id not in diverged and s.output_token_ids[:n] != r.output_token_ids[:n]:
-                diverged[s.seq_id] = next(j for j in range(n)
-                                          if s.output_token_ids[j] != r.output_token_ids[j])
-    total = sum(s.num_output_tokens for s in seqs)
-    same = sum(a == b for s, r in zip(seqs, ref_seqs)
-               for a, b in zip(s.output_token_ids, r.output_token_ids))
-    tol = MODEL_TOL[eng.runner.dtype]
-    first = min(diverged.values()) if diverged else None
+            if a[pos] != b[pos]:  # contexts differ from here on: no longer comparable
+                first = pos if first is None else min(first, pos)
+                break
+    total = sum(len(a) for a in got[1])
+    same = sum(x == y for a, b in zip(got[1], ref[1]) for x, y in zip(a, b))
     detail = (f"greedy agreement {same}/{total}; "
               + (f"first divergence at step {first}" if first is not None else "no divergence"))
+    return Row("model", label, total, worst_abs, worst_rel, tol, worst_rel <= tol, detail)
+
+
+def check_model(backend_name: str, model: str, dtype: str, device: torch.device, steps: int,
+                seed: int, graphs: bool) -> Row:
+    """The same prompts through the model with the backend and with eager."""
+    from pagedgen.runtime.engine import Engine
+
+    prompts = _model_prompts(seed)
+    ref = trace(Engine(_model_config("eager", model, dtype, device, seed, False)), prompts, steps)
+    eng = Engine(_model_config(backend_name, model, dtype, device, seed, graphs))
     label = f"model {eng.src.name} {str(eng.runner.dtype).removeprefix('torch.')}, " \
             f"CUDA graphs {'on' if graphs else 'off'}"
-    return Row("model", label, len(prompts) * steps, worst_abs, worst_rel, tol,
-               worst_rel <= tol, detail)
+    return compare(ref, trace(eng, prompts, steps), MODEL_TOL[eng.runner.dtype], label)
+
+
+def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: torch.device,
+                          steps: int, seed: int, tp: int, graphs: bool) -> Row:
+    """The model sharded over ``tp`` ranks (worker processes, NCCL on GPUs 0..tp-1 or gloo on
+    the CPU) with the backend, against one process running eager attention."""
+    from pagedgen.runtime.engine import Engine
+    from pagedgen.runtime.launch import WorkerError, Workers
+
+    prompts = _model_prompts(seed)
+    ref_engine = Engine(_model_config("eager", model, dtype, device, seed, False))
+    ref = trace(ref_engine, prompts, steps)
+    cfg = _model_config(backend_name, model, dtype, device, seed, graphs, tp)
+    gpus = data_parallel.check(1, cfg)  # the model divides over tp ranks; enough GPUs
+    got = None
+    try:
+        with Workers(trace_worker, [(cfg, prompts, steps)], gpus, tp) as w:
+            for _, got in w.messages():
+                pass
+    except WorkerError as e:
+        raise PagedgenError(f"tensor parallel: {e}")
+    label = f"tensor parallel {tp} ({ref_engine.src.name}, CUDA graphs " \
+            f"{'on' if graphs else 'off'}) vs 1 rank eager"
+    return compare(ref, got, MODEL_TOL[ref_engine.runner.dtype], label)
 
 
 def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.device,
@@ -205,7 +260,7 @@ def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.
 
 
 def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
-                   steps: int, seed: int) -> BackendReport:
+                   steps: int, seed: int, tp: int = 1) -> BackendReport:
     if name == "eager":
         return BackendReport(name, "reference", "the reference itself (tested against a dense "
                                                 "float64 computation in the test suite)")
@@ -221,6 +276,9 @@ def verify_backend(name: str, device: torch.device, model: str, dtype: str, case
         report.rows.append(check_model(name, model, dtype, device, steps, seed, graphs))
     for page in page_sizes(backend):
         report.rows.append(check_prefix_cache(name, model, dtype, device, steps, seed, page))
+    if tp > 1:
+        report.rows.append(check_tensor_parallel(name, model, dtype, device, steps, seed, tp,
+                                                 graph_modes[-1]))
     return report
 
 
@@ -248,6 +306,10 @@ def verify(
     steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),
     seed: int = typer.Option(0),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", "-tp", min=1,
+        help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "
+             "against one rank's eager run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
 ) -> None:
     """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
@@ -264,7 +326,8 @@ def verify(
         out = out_console()
         reports = []
         for n in (names if backend == "all" else [backend]):
-            reports.append(verify_backend(n, dev, model, dtype, cases, steps, seed))
+            reports.append(verify_backend(n, dev, model, dtype, cases, steps, seed,
+                                          tensor_parallel_size))
             render(reports[-1:], out)  # as each backend finishes
     except PagedgenError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")

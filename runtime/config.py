@@ -88,6 +88,7 @@ class EngineConfig:
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
 
     def context_limit(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own; the engine may lower it to what its KV

@@ -20,11 +20,12 @@ from typing import Any
 from pagedgen.runtime.profiling import PREFIX
 
 GROUPS = ("attention", "GEMM", "normalization", "activation", "rotary", "sampling",
-          "KV-cache write", "memory copy", "other")
+          "KV-cache write", "all-reduce", "memory copy", "other")
 _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "activation": "activation", "rotary": "rotary", "sampling": "sampling",
-                "kv_cache_write": "KV-cache write"}
+                "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
+    ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
     ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
     ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel", re.I)),
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|\bmm\b|splitk|Kernel2", re.I)),

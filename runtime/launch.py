@@ -1,12 +1,14 @@
-"""Worker processes on one host, one per GPU: started with ``spawn`` (each with only its own GPU
-visible, so ``cuda`` means its GPU), their messages read from one queue, all stopped together
-when one fails or the caller stops (Ctrl-C).
+"""Worker processes on one host: started with ``spawn``, their messages read from one queue,
+all stopped together when one fails or the caller stops (Ctrl-C).
 
-``target(*args, inbox)`` runs in each worker and yields messages; the caller sees ``(rank,
-message)`` as they come, until every worker has finished, and can ``send`` a worker objects (its
-``inbox.get()`` returns them), so workers may start (imports, model loads) before their work is
-known. A worker's exception becomes a ``WorkerError`` naming the rank, and the other workers are
-terminated.
+A worker is a group of ``tp`` processes (tensor-parallel ranks; one process when ``tp`` is 1),
+each seeing only its group's GPUs (so ``cuda`` means its own GPU) and joined into one
+``torch.distributed`` group (runtime/parallel.py) before its code runs. ``target(*args, inbox)``
+runs in every process of a group and yields messages; the caller sees rank 0's as ``(worker,
+message)`` as they come, until every worker has finished, and can ``send`` a worker objects
+(each of its processes' ``inbox.get()`` returns them), so workers may start (imports, model
+loads) before their work is known. An exception in any process becomes a ``WorkerError``
+naming it, and every other process is terminated.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import traceback
 from typing import Any, Callable, Iterator
 
@@ -22,36 +25,55 @@ class WorkerError(RuntimeError):
     pass
 
 
-def _main(target: Callable[..., Iterator[Any]], args: tuple, rank: int, q, inbox) -> None:
+def _main(target: Callable[..., Iterator[Any]], args: tuple, proc: int, q, inbox,
+          tp: tuple[int, int, str, bool]) -> None:
+    tp_rank, tp_size, init_method, on_gpu = tp
     try:
+        if tp_size > 1:
+            from pagedgen.runtime import parallel
+            parallel.init(tp_rank, tp_size, init_method, tp_rank if on_gpu else None)
         for message in target(*args, inbox):
-            q.put((rank, "data", message))
-        q.put((rank, "done", None))
+            if tp_rank == 0:  # the other ranks compute the same results: one reports
+                q.put((proc, "data", message))
+        q.put((proc, "done", None))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         last = traceback.extract_tb(e.__traceback__)[-1:] or None
         where = f" ({os.path.basename(last[0].filename)}:{last[0].lineno})" if last else ""
-        q.put((rank, "error", f"{type(e).__name__}: {e}{where}"))
+        q.put((proc, "error", f"{type(e).__name__}: {e}{where}"))
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class Workers:
-    """``with Workers(target, [args per rank], gpus) as w: for rank, msg in w.messages(): ...``;
-    ``gpus[rank]`` is the GPU index a worker sees (None: keep the parent's visibility)."""
+    """``with Workers(target, [args per worker], gpus, tp) as w: for i, msg in w.messages():``;
+    ``gpus[i]`` lists the ``tp`` GPUs worker ``i`` runs on (None: the CPU, ranks joined over
+    gloo, with the parent's GPU visibility)."""
 
     def __init__(self, target: Callable[..., Iterator[Any]], args: list[tuple],
-                 gpus: list[int | None]) -> None:
+                 gpus: list[list[int] | None], tp: int = 1) -> None:
         ctx = mp.get_context("spawn")
+        self.tp = tp
         self.queue = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in args]
+        self.inboxes = [ctx.Queue() for _ in range(len(args) * tp)]
         self.procs = []
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         try:
-            for rank, (a, gpu) in enumerate(zip(args, gpus)):
-                if gpu is not None:  # a spawned child takes the environment at start
-                    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-                p = ctx.Process(target=_main, args=(target, a, rank, self.queue,
-                                                    self.inboxes[rank]), daemon=True)
-                p.start()
-                self.procs.append(p)
+            for worker, (a, group) in enumerate(zip(args, gpus)):
+                if group is not None:  # a spawned child takes the environment at start
+                    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, group))
+                init_method = f"tcp://127.0.0.1:{free_port()}"
+                for r in range(tp):
+                    proc = worker * tp + r
+                    p = ctx.Process(target=_main, args=(
+                        target, a, proc, self.queue, self.inboxes[proc],
+                        (r, tp, init_method, group is not None)), daemon=True)
+                    p.start()
+                    self.procs.append(p)
         finally:
             if saved is None:
                 os.environ.pop("CUDA_VISIBLE_DEVICES", None)
@@ -64,26 +86,31 @@ class Workers:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def send(self, rank: int, obj: Any) -> None:
-        self.inboxes[rank].put(obj)
+    def send(self, worker: int, obj: Any) -> None:
+        for proc in range(worker * self.tp, (worker + 1) * self.tp):
+            self.inboxes[proc].put(obj)
+
+    def _name(self, proc: int) -> str:
+        worker, rank = divmod(proc, self.tp)
+        return f"worker {worker}" + (f" (tensor-parallel rank {rank})" if self.tp > 1 else "")
 
     def messages(self) -> Iterator[tuple[int, Any]]:
         running = set(range(len(self.procs)))
         while running:
             try:
-                rank, kind, message = self.queue.get(timeout=1.0)
+                proc, kind, message = self.queue.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r in running if not self.procs[r].is_alive()]
                 if dead and self.queue.empty():
-                    raise WorkerError(f"worker {dead[0]} died (exit code "
+                    raise WorkerError(f"{self._name(dead[0])} died (exit code "
                                       f"{self.procs[dead[0]].exitcode})")
                 continue
             if kind == "data":
-                yield rank, message
+                yield proc // self.tp, message
             elif kind == "done":
-                running.discard(rank)
+                running.discard(proc)
             else:
-                raise WorkerError(f"worker {rank}: {message}")
+                raise WorkerError(f"{self._name(proc)}: {message}")
 
     def stop(self) -> None:
         for p in self.procs:

@@ -20,7 +20,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
 from pagedgen.runtime.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.decode_advance import DecodeAdvancer
-from pagedgen.runtime import logprobs
+from pagedgen.runtime import logprobs, parallel
 from pagedgen.runtime.logprobs import Entry, Logprobs
 from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.models.llama import layer_specs
@@ -79,7 +79,15 @@ class ModelRunner:
         self.backend: type[AttentionBackend] = get_backend(config.backend, self.device)
         self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
         hf = src.hf_config
-        self.specs = layer_specs(hf)
+        self.tp = parallel.current()
+        if self.tp.size != config.tensor_parallel_size:
+            raise PagedgenError(f"tensor_parallel_size is {config.tensor_parallel_size} but this "
+                                f"process is one of {self.tp.size} ranks (-tp N starts its own "
+                                f"workers)")
+        try:
+            self.specs = layer_specs(hf, self.tp.size)
+        except ValueError as e:  # a size the model's heads do not divide
+            raise PagedgenError(f"{src.name}: {e}")
         for spec in self.specs:
             why = self.backend.check_layer(spec, self.dtype)
             if why:
@@ -87,9 +95,11 @@ class ModelRunner:
         if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
             raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
         self.max_model_len = config.context_limit(hf)
+        self.tp.enable_one_shot(self.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed)
+        self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
+                                 self.tp)
         self.model.setup_rotary(self.max_model_len, self.device)
         self.fused_kernels = config.fused_kernels and fused_ops.unavailable_reason(self.device) is None
         self.model.use_fused_kernels(self.fused_kernels)
@@ -101,7 +111,7 @@ class ModelRunner:
         self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
                                self.max_model_len)
         self.builder = AttentionMetadataBuilder(self.block_size, self.device)
-        self.num_blocks = self._num_blocks()
+        self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
         if self.num_blocks < 2:
             raise PagedgenError("the KV cache needs at least 2 blocks")
         # The last block is never handed out: CUDA-graph padding rows write into it.
@@ -270,7 +280,8 @@ class ModelRunner:
             logits = self.model.compute_logits(picked)
             self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
             with scope("sampling"):
-                handle.tokens = sample(logits, self.sampling_batch(sampling))
+                # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
+                handle.tokens = self.tp.broadcast(sample(logits, self.sampling_batch(sampling)))
             if self.advancer is not None and not batch.prefills:
                 self.advancer.sampled(handle.tokens)
             handle.logprob_rows = [i for i, s in enumerate(sampling)

@@ -11,9 +11,11 @@ COMMON = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden
               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False) -> Path:
+def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overrides) -> Path:
+    """``overrides`` replace fields of the shared config (e.g. ``num_key_value_heads=1``)."""
     import transformers as tf
 
+    COMMON = {**globals()["COMMON"], **overrides}
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)

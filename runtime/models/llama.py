@@ -7,15 +7,18 @@ Attention goes through the selected backend's AttentionImpl (bound by the model 
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.attention.backend import (AttentionImpl, AttentionMetadata, AttentionType,
                                         LayerSpec)
 from pagedgen.runtime.models import fused_ops
+from pagedgen.runtime.models.sharded import (ColumnParallelLinear, RowParallelLinear, Segment,
+                                             VocabParallelEmbedding, load_segment, shard_map,
+                                             split)
+from pagedgen.runtime.parallel import TensorParallel
 from pagedgen.runtime.profiling import scope
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -57,9 +60,15 @@ class RotaryEmbedding:
         return self.cos[positions], self.sin[positions]
 
 
-def layer_specs(config) -> list[LayerSpec]:
-    """The attention shape of every layer, including per-layer sliding windows."""
+def layer_specs(config, tp_size: int = 1) -> list[LayerSpec]:
+    """The attention shape of every layer on one of ``tp_size`` tensor-parallel ranks (its
+    share of the query heads; of the KV heads, or one replicated KV head when there are fewer
+    KV heads than ranks), including per-layer sliding windows."""
+    why = tensor_parallel_error(config, tp_size)
+    if why:
+        raise ValueError(why)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
     layer_types = getattr(config, "layer_types", None)
     specs = []
     for i in range(config.num_hidden_layers):
@@ -68,24 +77,47 @@ def layer_specs(config) -> list[LayerSpec]:
         else:  # Mistral: one window for every layer
             window = getattr(config, "sliding_window", None)
         specs.append(LayerSpec(
-            num_heads=config.num_attention_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            num_heads=heads // tp_size, num_kv_heads=max(1, kv_heads // tp_size),
             head_size=head_dim, scale=head_dim ** -0.5, sliding_window=window,
             logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
             attn_type=AttentionType.DECODER))
     return specs
 
 
+def num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def tensor_parallel_error(config, tp_size: int) -> str | None:
+    """Why the model cannot be sharded over ``tp_size`` ranks, or None."""
+    heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
+    if heads % tp_size:
+        return f"{heads} attention heads cannot be split over {tp_size} tensor-parallel ranks"
+    if kv_heads % tp_size and tp_size % kv_heads:
+        return (f"{kv_heads} KV heads cannot be split over (or replicated on) {tp_size} "
+                f"tensor-parallel ranks")
+    if config.intermediate_size % tp_size:
+        return (f"intermediate_size {config.intermediate_size} cannot be split over {tp_size} "
+                f"tensor-parallel ranks")
+    return None
+
+
 class Attention(nn.Module):
-    def __init__(self, config, spec: LayerSpec) -> None:
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
         super().__init__()
         self.spec = spec
         h, d = config.hidden_size, spec.head_size
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2"
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=bias and config.model_type != "qwen2")
+        kv_full = num_kv_heads(config) * d
+        q = split(config.num_attention_heads * d, tp, "query features")
+        # this rank's KV heads, or the one it replicates when there are fewer than ranks
+        kv_first = (tp.rank * num_kv_heads(config) // tp.size) * d
+        kv = Segment(None, kv_full, kv_first, self.kv_size, 0)
+        self.qkv_proj = ColumnParallelLinear(h, [("q", q), ("k", kv), ("v", kv)], qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h,
+                                        bias and config.model_type != "qwen2", tp)
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:  # per-head RMSNorm of q and k before rotary (applied by the rotary op)
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -110,11 +142,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        inter = split(config.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(0, inter), (1, inter)],
+                                                 bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
         self.fused = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -126,10 +160,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: LayerSpec) -> None:
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(config, spec)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, spec, tp)
+        self.mlp = MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -147,31 +181,35 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, s) for s in layer_specs(config))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, s, tp)
+                                    for s in layer_specs(config, tp.size))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → float32 logits."""
+    """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → float32 logits.
+    With a tensor-parallel group of more than one rank, this is one rank's shard
+    (runtime/models/sharded.py); logits are gathered in full on every rank."""
 
     # checkpoint name → (our fused parameter, shard id)
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
         super().__init__()
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type '{config.model_type}' is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         self.config = config
-        self.model = Model(config)
+        self.tp = tp or TensorParallel()
+        self.model = Model(config, self.tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not self.tie_word_embeddings:  # the same vocabulary split as the embedding
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
         self.rotary: RotaryEmbedding | None = None
 
     def use_fused_kernels(self, enabled: bool) -> None:
@@ -205,12 +243,15 @@ class LlamaForCausalLM(nn.Module):
         return sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return head.logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors into our (partly fused) parameters; fail on missing ones."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (torch tensors or lazy safetensors slices, of which only this
+        rank's rows are read) into our (partly fused, maybe sharded) parameters; fail on
+        missing ones."""
         params = dict(self.named_parameters())
+        shards = shard_map(self)
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
@@ -224,9 +265,8 @@ class LlamaForCausalLM(nn.Module):
                     break
             if target not in params:
                 raise ValueError(f"unexpected weight '{name}' in checkpoint")
-            param = params[target]
             with torch.no_grad():
-                self._shard(param, target, shard).copy_(tensor)
+                load_segment(params[target].data, shards.get(target), shard, tensor)
             loaded.add(f"{target}:{shard}")
         expected = set()
         for pname in params:
@@ -235,14 +275,3 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]}")
-
-    def _shard(self, param: torch.Tensor, name: str, shard) -> torch.Tensor:
-        if shard is None:
-            return param.data
-        if shard in ("q", "k", "v"):
-            attn = self.get_submodule(name.rsplit(".qkv_proj", 1)[0])
-            q, kv = attn.q_size, attn.kv_size
-            start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard]
-            return param.data.narrow(0, start, size)
-        half = param.shape[0] // 2
-        return param.data.narrow(0, shard * half, half)

@@ -16,6 +16,8 @@ import torch
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import list_profiles, load_profile
 from pagedgen.runtime.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from pagedgen.runtime.models.sharded import copy_shard, full_shape, shard_map
+from pagedgen.runtime.parallel import TensorParallel
 from pagedgen.runtime.tokenizer import ByteTokenizer, HFTokenizer, MissingTokenizer, Tokenizer
 
 
@@ -94,8 +96,9 @@ def load_tokenizer(src: ModelSource) -> Tokenizer:
 
 
 def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
-                seed: int = 0) -> LlamaForCausalLM:
-    """Build the modules on ``device`` in ``dtype`` and fill them from safetensors or at random."""
+                seed: int = 0, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
+    ``dtype`` and fill them from safetensors or at random."""
     if load_format == "auto":
         load_format = "safetensors" if src.checkpoint is not None else "dummy"
     if load_format not in ("safetensors", "dummy"):
@@ -106,7 +109,9 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     try:  # build on the meta device in the target dtype, then allocate once on the device
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
-            model = LlamaForCausalLM(src.hf_config)
+            model = LlamaForCausalLM(src.hf_config, tp)
+    except ValueError as e:  # a shape the tensor-parallel size does not divide
+        raise PagedgenError(f"{src.name}: {e}")
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
@@ -114,15 +119,18 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         _init_dummy(model, seed)
     else:
         try:
-            model.load_weights(_iter_safetensors(src.checkpoint, device))
+            model.load_weights(_iter_safetensors(src.checkpoint))
         except ValueError as e:
             raise PagedgenError(f"{src.checkpoint}: {e}")
     return model.eval()
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
-    """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed."""
+    """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed.
+    A sharded parameter takes its part of the tensor the unsharded model would draw, so every
+    tensor-parallel size runs the same model."""
     gens: dict[torch.device, torch.Generator] = {}
+    shards = shard_map(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -131,10 +139,17 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                 p.zero_()
             else:
                 gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
-                p.normal_(0.0, 0.02, generator=gen)
+                shape = full_shape(p, shards.get(name))
+                if shape == p.shape:
+                    p.normal_(0.0, 0.02, generator=gen)
+                else:
+                    full = torch.empty(shape, dtype=p.dtype, device=p.device)
+                    copy_shard(p, shards[name], full.normal_(0.0, 0.02, generator=gen))
+                    del full
 
 
-def _iter_safetensors(path: Path, device: torch.device):
+def _iter_safetensors(path: Path):
+    """(name, lazy slice) of every checkpoint tensor: the model reads the rows it holds."""
     from safetensors import safe_open
 
     files = sorted(path.glob("*.safetensors"))
@@ -147,4 +162,4 @@ def _iter_safetensors(path: Path, device: torch.device):
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                yield name, st.get_tensor(name).to(device)
+                yield name, st.get_slice(name)

@@ -1,0 +1,209 @@
+"""Tensor parallelism on the CPU (gloo): sharded models equal the unsharded one, shards are cut
+from the checkpoint as they are read, and the command line starts and stops its ranks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hf_models import make_checkpoint
+from pagedgen.cli.main import app
+from pagedgen.cli.verify import compare, trace
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.launch import WorkerError, Workers, free_port
+from pagedgen.runtime.models.loader import build_model, resolve_model
+from pagedgen.runtime.parallel import TensorParallel
+
+runner = CliRunner()
+PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
+
+
+def config(model: str, tp: int = 1) -> EngineConfig:
+    return EngineConfig(model=model, device="cpu", load_format="auto", num_blocks=64,
+                        block_size=16, max_model_len=128, max_num_seqs=4,
+                        max_num_batched_tokens=32,  # chunked prefill
+                        async_scheduling=False, tensor_parallel_size=tp)
+
+
+def traces_worker(models: list[str], inbox):
+    """Every model's greedy trace on this rank's shard (one process group for all)."""
+    for model in models:
+        logits, outputs = trace(Engine(config(model, 2)), PROMPTS, 6)
+        yield {k: v.numpy() for k, v in logits.items()}, outputs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> list[str]:
+    base = tmp_path_factory.mktemp("tp")
+    return [str(make_checkpoint("llama", base / "llama-kv2")),  # 2 KV heads: one per rank
+            str(make_checkpoint("llama", base / "llama-kv1", num_key_value_heads=1)),  # replicated
+            str(make_checkpoint("qwen3", base / "qwen3"))]  # q/k norms, tied embeddings
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(checkpoints):
+    models = ["tiny", *checkpoints]
+    got = []
+    with Workers(traces_worker, [(models,)], [None], tp=2) as w:
+        got = [msg for _, msg in w.messages()]
+    assert len(got) == len(models)
+    for model, sharded in zip(models, got):
+        ref = trace(Engine(config(model)), PROMPTS, 6)
+        row = compare(ref, sharded, 1e-5, model)
+        assert row.worst_abs < 1e-4 and row.passed, (model, row)
+        assert sharded[1] == ref[1], model  # greedy tokens, token for token
+        assert row.cases == 3 * 6
+
+
+class RecordingSlice:
+    """A checkpoint tensor that records which rows are read from it (as safetensors' lazy
+    slices do, only the indexed part is materialized)."""
+
+    def __init__(self, tensor: torch.Tensor, reads: list) -> None:
+        self.tensor, self.reads = tensor, reads
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.tensor[index]
+
+
+def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
+    from safetensors.torch import load_file
+
+    path = Path(checkpoints[0])  # Llama: 4 query heads, 2 KV heads, head_dim 32
+    ckpt = load_file(str(path / "model.safetensors"))
+    src = resolve_model(str(path))
+    for rank in range(2):
+        reads: list = []
+        weights = [(n, RecordingSlice(t, reads)) for n, t in ckpt.items()]
+        monkeypatch.setattr("pagedgen.runtime.models.loader._iter_safetensors",
+                            lambda p: iter(weights))
+        model = build_model(src, "safetensors", torch.float32, torch.device("cpu"),
+                            tp=TensorParallel(rank, 2))
+        p = dict(model.named_parameters())
+        layer = "model.layers.1"
+        q, k, v = (ckpt[f"{layer}.self_attn.{x}_proj.weight"] for x in "qkv")
+        qkv = p[f"{layer}.self_attn.qkv_proj.weight"]
+        assert torch.equal(qkv, torch.cat([q[64 * rank:64 * (rank + 1)],
+                                           k[32 * rank:32 * (rank + 1)],
+                                           v[32 * rank:32 * (rank + 1)]]))
+        o = ckpt[f"{layer}.self_attn.o_proj.weight"]
+        assert torch.equal(p[f"{layer}.self_attn.o_proj.weight"], o[:, 64 * rank:64 * (rank + 1)])
+        gate, up = (ckpt[f"{layer}.mlp.{x}_proj.weight"] for x in ("gate", "up"))
+        assert torch.equal(p[f"{layer}.mlp.gate_up_proj.weight"],
+                           torch.cat([gate[128 * rank:128 * (rank + 1)],
+                                      up[128 * rank:128 * (rank + 1)]]))
+        down = ckpt[f"{layer}.mlp.down_proj.weight"]
+        assert torch.equal(p[f"{layer}.mlp.down_proj.weight"], down[:, 128 * rank:128 * (rank + 1)])
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):  # vocabulary 320: 160 each
+            assert torch.equal(p[name], ckpt[name][160 * rank:160 * (rank + 1)])
+        assert torch.equal(p["model.norm.weight"], ckpt["model.norm.weight"])  # replicated
+        # sharded tensors were read a slice at a time; only 1-D norms were read whole
+        whole = [i for i in reads if i == slice(None)]
+        assert len(whole) == sum(t.dim() == 1 for t in ckpt.values())
+
+
+def test_generate_tp2_writes_the_tp1_file_and_resumes(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i + 1),
+                                       "max_tokens": 3 + i % 4}) + "\n" for i in range(10)))
+    common = ["generate", str(src), "--device", "cpu", "--temperature", "0",
+              "--max-num-seqs", "4"]
+    assert runner.invoke(app, [*common, "-o", str(tmp_path / "one.jsonl")]).exit_code == 0
+    out = tmp_path / "tp.jsonl"
+    res = runner.invoke(app, [*common, "-o", str(out), "-tp", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["tensor_parallel_size"] == 2 and summary["requests"] == 10
+    assert summary["kv_cache_blocks"] > 0 and summary["startup_s"] > 0  # the engine's summary
+    want = (tmp_path / "one.jsonl").read_text()
+    assert out.read_text() == want
+    lines = want.splitlines()
+    out.write_text("\n".join(lines[:4]) + "\n" + lines[4][:15])  # killed mid-line
+    res = runner.invoke(app, [*common, "-o", str(out), "-tp", "2", "--resume", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["skipped_resumed"] == 4
+    assert out.read_text() == want
+
+
+def test_generate_under_torchrun(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"prompt": f"q{i} " * 9, "max_tokens": 4}) + "\n"
+                           for i in range(6)))
+    outs = []
+    script = str(Path(sys.executable).with_name("pagedgen"))  # the installed command
+    for launcher in ([], [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port())]):
+        out = tmp_path / f"out{len(outs)}.jsonl"
+        cmd = [*(launcher or [sys.executable]), script, "generate", str(src), "-o", str(out),
+               "--device", "cpu", "--temperature", "0", "--json"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        outs.append(out.read_text())
+        if launcher:  # one summary (rank 0's), saying two ranks
+            assert res.stdout.count('"requests"') == 1
+            assert json.loads(res.stdout[res.stdout.index("{"):])["tensor_parallel_size"] == 2
+    assert outs[0] == outs[1]
+
+
+def test_bad_tp_options_fail_before_anything_starts(tmp_path):
+    src = tmp_path / "p.jsonl"
+    src.write_text('{"prompt": "a"}\n')
+    for args, message in [
+            (["-tp", "3"], "-tp 3: tiny: 4 attention heads cannot be split over 3"),
+            (["-tp", "0"], "--tensor-parallel-size must be >= 1"),
+            (["-tp", "2", "--device", "cuda"], "-dp 1 -tp 2 needs 2 GPUs"),
+            (["-tp", "2", "--device", "cpu", "--backend", "flashinfer"],
+             "backend 'flashinfer' cannot run here"),
+            (["-tp", "2", "--ray", "local"], "-tp is for local runs")]:
+        t0 = time.perf_counter()
+        res = runner.invoke(app, ["generate", str(src), *args])
+        assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output
+        assert "Traceback" not in res.output
+        assert time.perf_counter() - t0 < 5  # no worker was started and waited for
+    assert not (tmp_path / "p.completions.jsonl").exists()
+
+
+def barrier_or_fail(inbox):
+    from pagedgen.runtime import parallel
+    import torch.distributed as dist
+
+    if parallel.current().rank == 1:
+        raise RuntimeError("rank 1 fails")
+    yield "waiting"
+    dist.barrier()  # rank 0 would wait here forever
+    yield "never"
+
+
+def test_a_failing_rank_stops_the_others():
+    t0 = time.perf_counter()
+    seen = []
+    with pytest.raises(WorkerError, match=r"worker 0 \(tensor-parallel rank 1\): "
+                                          r"RuntimeError: rank 1 fails"):
+        with Workers(barrier_or_fail, [()], [None], tp=2) as w:
+            for _, msg in w.messages():
+                seen.append(msg)
+    assert "never" not in seen
+    assert all(not p.is_alive() for p in w.procs)
+    assert time.perf_counter() - t0 < 60
+
+
+def test_verify_and_profile_take_tp(tmp_path):
+    res = runner.invoke(app, ["verify", "--backend", "sdpa", "--device", "cpu", "--cases", "1",
+                              "--steps", "4", "-tp", "2"])
+    assert res.exit_code == 0, res.output
+    assert "tensor parallel 2" in res.output and "FAIL" not in res.output
+    res = runner.invoke(app, ["profile", "--device", "cpu", "-tp", "2", "--batch-sizes", "2",
+                              "--output-len", "6", "--measured-steps", "2",
+                              "--output-dir", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    result = json.loads((tmp_path / "profile.json").read_text())["results"][0]
+    assert result["tensor_parallel_size"] == 2
+    assert result["phases"]["decode"]["groups_us"]["all-reduce"] > 0
