@@ -202,7 +202,9 @@ def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_
         raise PagedgenError(f"under torchrun the {size} processes are one model's "
                             f"tensor-parallel ranks: give -tp {size} or no -tp, no -dp or --ray")
     engine_cfg.tensor_parallel_size = size
-    return parallel.init_from_env()
+    import torch
+
+    return parallel.init_from_env(engine_cfg.device != "cpu" and torch.cuda.is_available())
 
 
 def _lead_todo(ranks, rf, todo):

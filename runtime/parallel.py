@@ -11,7 +11,7 @@ every rank and rank 0's sampled tokens are broadcast, so the ranks' schedules ne
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -36,6 +36,8 @@ class TensorParallel:
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     one_shot: torch.Tensor | None = None  # the symmetric-memory buffer, once enabled
     all_reduce_kind: str = "nccl"
+    # buffers by dtype: one per process, kept alive (captured CUDA graphs point into them)
+    _buffers: dict = field(default_factory=dict, repr=False)
 
     def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> None:
         """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (each GPU reads
@@ -45,6 +47,9 @@ class TensorParallel:
             return
         if os.environ.get(ENV_ALL_REDUCE, "auto") == "nccl":
             self.all_reduce_kind = f"nccl ({ENV_ALL_REDUCE}=nccl)"
+            return
+        if dtype in self._buffers:  # another engine in this process: same buffer
+            self.one_shot = self._buffers[dtype]
             return
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -56,7 +61,8 @@ class TensorParallel:
         except Exception as e:  # noqa: BLE001 - no peer access, an older torch: keep NCCL
             self.all_reduce_kind = f"nccl (symmetric memory unavailable: {type(e).__name__})"
             return
-        self.one_shot, self.all_reduce_kind = buf, "one-shot (symmetric memory)"
+        self.one_shot = self._buffers[dtype] = buf
+        self.all_reduce_kind = "one-shot (symmetric memory)"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
@@ -136,13 +142,14 @@ def init(rank: int, size: int, init_method: str, device_index: int | None) -> Te
     return _CURRENT
 
 
-def init_from_env() -> TensorParallel | None:
+def init_from_env(on_gpu: bool) -> TensorParallel | None:
     """Join the group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the
-    rendezvous in ``MASTER_ADDR``/``MASTER_PORT``), or None when not started by it."""
+    rendezvous in ``MASTER_ADDR``/``MASTER_PORT``; GPU ``LOCAL_RANK`` when ``on_gpu``), or None
+    when not started by it."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size == 1 or "RANK" not in os.environ:
         return None
-    device = int(os.environ.get("LOCAL_RANK", "0")) if torch.cuda.is_available() else None
+    device = int(os.environ.get("LOCAL_RANK", "0")) if on_gpu else None
     return init(int(os.environ["RANK"]), size, "env://", device)
 
 
