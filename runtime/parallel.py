@@ -2,8 +2,9 @@
 sharded model needs (all-reduce of partial sums, all-gather of vocabulary shards, broadcast of
 sampled tokens, the minimum of the ranks' KV-cache sizes).
 
-Over ``torch.distributed``: NCCL between GPUs (its all-reduces are captured by CUDA graphs like
-any kernel) and gloo on the CPU, so the same code runs in CI. Every rank runs the same engine on
+Over ``torch.distributed``: NCCL between GPUs and gloo on the CPU, so the same code runs in CI.
+Small all-reduces (decode steps) take one peer-to-peer kernel over PyTorch's symmetric memory
+instead (``enable_one_shot``); CUDA graphs capture both kinds. Every rank runs the same engine on
 the same requests (SPMD): the scheduler is deterministic, the logits are gathered in full on
 every rank and rank 0's sampled tokens are broadcast, so the ranks' schedules never diverge.
 """

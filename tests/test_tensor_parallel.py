@@ -4,6 +4,8 @@ from the checkpoint as they are read, and the command line starts and stops its 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -110,26 +112,51 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
         assert len(whole) == sum(t.dim() == 1 for t in ckpt.values())
 
 
-def test_generate_tp2_writes_the_tp1_file_and_resumes(tmp_path):
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
     src = tmp_path / "p.jsonl"
-    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i + 1),
-                                       "max_tokens": 3 + i % 4}) + "\n" for i in range(10)))
+    src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i % 7 + 1),
+                                       "max_tokens": 8 + i % 5}) + "\n" for i in range(24)))
     common = ["generate", str(src), "--device", "cpu", "--temperature", "0",
               "--max-num-seqs", "4"]
     assert runner.invoke(app, [*common, "-o", str(tmp_path / "one.jsonl")]).exit_code == 0
-    out = tmp_path / "tp.jsonl"
-    res = runner.invoke(app, [*common, "-o", str(out), "-tp", "2", "--json"])
-    assert res.exit_code == 0, res.output
-    summary = json.loads(res.stdout[res.stdout.index("{"):])
-    assert summary["tensor_parallel_size"] == 2 and summary["requests"] == 10
-    assert summary["kv_cache_blocks"] > 0 and summary["startup_s"] > 0  # the engine's summary
     want = (tmp_path / "one.jsonl").read_text()
-    assert out.read_text() == want
-    lines = want.splitlines()
-    out.write_text("\n".join(lines[:4]) + "\n" + lines[4][:15])  # killed mid-line
+    out = tmp_path / "tp.jsonl"
+    script = str(Path(sys.executable).with_name("pagedgen"))
+    proc = subprocess.Popen([sys.executable, script, *common, "-o", str(out), "-tp", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group, as a terminal's
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        workers |= set(_children(proc.pid))
+        if out.exists() and out.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group, workers included
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err and "--resume" in err and "Traceback" not in err
+    assert len(workers) >= 2
+    for _ in range(100):  # every rank is gone
+        if not any(Path(f"/proc/{w}").exists() for w in workers):
+            break
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{w}").exists() for w in workers)
+    done = out.read_text().count("\n")
+    assert 2 <= done < 24
     res = runner.invoke(app, [*common, "-o", str(out), "-tp", "2", "--resume", "--json"])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout[res.stdout.index("{"):])["skipped_resumed"] == 4
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    assert summary["skipped_resumed"] == done and summary["requests"] == 24 - done
+    assert summary["tensor_parallel_size"] == 2  # the engine's own summary
+    assert summary["kv_cache_blocks"] > 0 and summary["startup_s"] > 0
     assert out.read_text() == want
 
 
