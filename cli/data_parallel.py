@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 from pagedgen.cli.replica import Replica
@@ -29,18 +30,19 @@ def check(replicas: int, engine_config: EngineConfig) -> list[list[int] | None]:
 
     from pagedgen.attention.registry import backend_names, unavailable_reason
     from pagedgen.runtime.models.llama import tensor_parallel_error
-    from pagedgen.runtime.models.loader import resolve_model
+    from pagedgen.runtime.models.loader import config_fields
 
     tp = engine_config.tensor_parallel_size
     if replicas < 1:
         raise PagedgenError("--data-parallel-size must be >= 1")
     if tp < 1:
         raise PagedgenError("--tensor-parallel-size must be >= 1")
-    if tp > 1:
-        src = resolve_model(engine_config.model)
-        why = tensor_parallel_error(src.hf_config, tp)
+    if tp > 1:  # the config's own fields: transformers is not imported before the spawn
+        model = engine_config.model
+        why = tensor_parallel_error(config_fields(model), tp)
         if why:
-            raise PagedgenError(f"-tp {tp}: {src.name}: {why}")
+            name = Path(model).stem if model.endswith((".yaml", ".yml")) else model
+            raise PagedgenError(f"-tp {tp}: {name}: {why}")
     if engine_config.device not in ("auto", "cuda", "cpu"):
         raise PagedgenError("-dp/-tp place their ranks on GPUs 0, 1, ...: use --device auto, "
                             "cuda or cpu")

@@ -180,11 +180,13 @@ def test_generate_under_torchrun(tmp_path):
     assert outs[0] == outs[1]
 
 
-def test_bad_tp_options_fail_before_anything_starts(tmp_path):
+def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
     src = tmp_path / "p.jsonl"
     src.write_text('{"prompt": "a"}\n')
     for args, message in [
             (["-tp", "3"], "-tp 3: tiny: 4 attention heads cannot be split over 3"),
+            (["-tp", "3", "--model", checkpoints[0]],  # its config.json, read as it is
+             "llama-kv2: 4 attention heads cannot be split over 3"),
             (["-tp", "0"], "--tensor-parallel-size must be >= 1"),
             (["-tp", "2", "--device", "cuda"], "-dp 1 -tp 2 needs 2 GPUs"),
             (["-tp", "2", "--device", "cpu", "--backend", "flashinfer"],
@@ -234,3 +236,20 @@ def test_verify_and_profile_take_tp(tmp_path):
     result = json.loads((tmp_path / "profile.json").read_text())["results"][0]
     assert result["tensor_parallel_size"] == 2
     assert result["phases"]["decode"]["groups_us"]["all-reduce"] > 0
+
+
+def test_shapes_that_cannot_be_sharded_say_which():
+    from types import SimpleNamespace
+
+    from pagedgen.runtime.models.llama import tensor_parallel_error
+
+    def cfg(heads=8, kv=4, inter=64):
+        return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv,
+                               intermediate_size=inter)
+
+    assert tensor_parallel_error(cfg(), 2) is None
+    assert tensor_parallel_error(cfg(kv=1), 4) is None  # one KV head, replicated on 4 ranks
+    assert tensor_parallel_error(cfg(kv=2), 4) is None  # 2 KV heads, each on 2 ranks
+    assert "6 KV heads" in tensor_parallel_error(cfg(heads=12, kv=6), 4)
+    assert "intermediate_size 66" in tensor_parallel_error(cfg(inter=66), 4)
+    assert "8 attention heads" in tensor_parallel_error(cfg(), 3)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -65,6 +67,24 @@ def resolve_model(name: str) -> ModelSource:
     _check_type(cfg, profile["_path"])
     return ModelSource(model.get("name", Path(profile["_path"]).stem), cfg, None,
                        model.get("tokenizer", "byte"))
+
+
+def config_fields(name: str) -> Any:
+    """The model config's own fields (``config.json``, or a preset's ``model.config``) as
+    attributes, read without importing transformers: enough to check shapes before anything
+    heavy starts. Anything it cannot read goes through ``resolve_model`` (and its errors)."""
+    path = Path(name).expanduser()
+    try:
+        if path.is_dir():
+            return SimpleNamespace(**json.loads((path / "config.json").read_text()))
+        model = load_profile(name).get("model") or {}
+        if isinstance(model, dict) and isinstance(model.get("config"), dict):
+            return SimpleNamespace(**model["config"])
+        if isinstance(model, dict) and model.get("name"):
+            return config_fields(model["name"])
+    except (OSError, ValueError, PagedgenError):
+        pass
+    return resolve_model(name).hf_config
 
 
 def presets() -> list[str]:
