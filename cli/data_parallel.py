@@ -94,6 +94,20 @@ def deal(requests: list[Request], n: int, defaults: SamplingParams) -> list[list
     return [sorted(p, key=lambda r: r.index) for p in parts]
 
 
+def run_on_ranks(target, args: tuple, engine_config: EngineConfig) -> Any:
+    """``target(*args, inbox)`` on every rank of one tensor-parallel group (GPUs 0..N-1, or
+    gloo on the CPU; ``check`` first); the last message rank 0 yields."""
+    gpus = check(1, engine_config)
+    last = None
+    try:
+        with Workers(target, [args], gpus, engine_config.tensor_parallel_size) as w:
+            for _, last in w.messages():
+                pass
+    except WorkerError as e:
+        raise PagedgenError(f"tensor parallel: {e}")
+    return last
+
+
 def replica_main(engine_config: EngineConfig, defaults: SamplingParams,
                  served_model_name: str | None, inbox) -> Iterator[tuple]:
     """A worker (every rank of a tensor-parallel group runs it; rank 0's messages are read):
@@ -158,7 +172,7 @@ class DataParallel:
                 what = "data parallel" if self.replicas > 1 else "tensor parallel"
                 raise PagedgenError(f"{what}: {e}")
 
-        start, wall = stream_output(rf, writer, len(todo), run, quiet)
+        _, wall = stream_output(rf, writer, len(todo), run, quiet)
         tp = self.engine_config.tensor_parallel_size
         if self.replicas == 1 and per[0]["summary"]:  # -tp alone: the engine's own summary
             return one_replica_summary(per[0], extra)
@@ -170,13 +184,9 @@ class DataParallel:
 def one_replica_summary(rep: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     """A single worker's engine summary (its wall time runs from its first request, as a
     local run's does after its load), with this command's start-up."""
-    from pagedgen.cli.generate import process_age
+    from pagedgen.cli.summary import startup
 
-    out = {**rep["summary"], **extra}
-    age = process_age()
-    if age is not None and rep["first_step"] is not None:
-        out["startup_s"] = age - (time.time() - rep["first_step"])
-    return out
+    return {**rep["summary"], **extra, **startup(rep["first_step"])}
 
 
 def replicas_summary(engine_config: EngineConfig, how: dict[str, Any],
@@ -188,7 +198,7 @@ def replicas_summary(engine_config: EngineConfig, how: dict[str, Any],
     return {"model": engine_config.model, "backend": engine_config.backend, **how,
             "requests": requests, "output_tokens": output_tokens, "wall_time_s": wall,
             "output_tokens_per_s": output_tokens / wall if wall else 0.0,
-            # from the replicas' first steps to the last one's end: their start-up apart
+            # the busiest replica's time from receiving its requests: start-ups apart
             "output_tokens_per_s_while_busy": output_tokens / busy if busy else 0.0, **extra,
             **_replica_lines(per)}
 

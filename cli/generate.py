@@ -12,7 +12,6 @@ streamed into the same writer; with ``-dp N``, on N worker processes of this hos
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,7 +26,7 @@ from pagedgen.cli.output import OutputWriter, ShardWriter, check_output_path
 from pagedgen.cli.prompts import check_requests, input_files, read_requests, tokenize_requests
 from pagedgen.cli.replica import Replica
 from pagedgen.cli.request import InputOptions
-from pagedgen.cli.summary import summarize, summary_table
+from pagedgen.cli.summary import startup, summarize, summary_table
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine import check_request
 
@@ -195,9 +194,9 @@ def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_
     this command as one rank; the engine is sharded over all of them), else None."""
     from pagedgen.runtime import parallel
 
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    size = parallel.torchrun_size()
+    if size == 1:
         return None
-    size = int(os.environ["WORLD_SIZE"])
     if tensor_parallel_size not in (None, size) or data_parallel_size != 1 or ray is not None:
         raise PagedgenError(f"under torchrun the {size} processes are one model's "
                             f"tensor-parallel ranks: give -tp {size} or no -tp, no -dp or --ray")
@@ -244,22 +243,8 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
                  engine.stats.output_tokens)
 
     start, wall = stream_output(rf, writer, len(todo), run, quiet)
-    startup = {}
-    age = process_age()
-    if age is not None and engine.stats.first_step_wall_time is not None:
-        startup["startup_s"] = age - (time.time() - engine.stats.first_step_wall_time)
-    return summarize(engine, wall, start, {**extra, "load_time_s": load_s, **startup})
-
-
-def process_age() -> float | None:
-    """Seconds since this process started, from ``/proc`` (Linux; else None), so that a
-    command's start-up includes the interpreter's and the imports' time."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
+    return summarize(engine, wall, start, {**extra, "load_time_s": load_s,
+                                           **startup(engine.stats.first_step_wall_time)})
 
 
 def stream_output(rf, writer: OutputWriter | ShardWriter, total: int, run, quiet: bool

@@ -445,15 +445,8 @@ def _run_sharded(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, 
     """``run_backend`` on every rank of a tensor-parallel group (worker processes on GPUs
     0..N-1, or gloo on the CPU); rank 0's result."""
     from pagedgen.cli import data_parallel
-    from pagedgen.runtime.launch import WorkerError, Workers
 
-    gpus = data_parallel.check(1, cfg)
-    try:
-        with Workers(_profile_worker, [(cfg, wl, out_dir, seed, limits)], gpus,
-                     cfg.tensor_parallel_size) as w:
-            return next(msg for _, msg in w.messages())
-    except WorkerError as e:
-        raise PagedgenError(f"tensor parallel: {e}")
+    return data_parallel.run_on_ranks(_profile_worker, (cfg, wl, out_dir, seed, limits), cfg)
 
 
 def _profile_worker(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float],

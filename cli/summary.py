@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 from rich.table import Table
@@ -58,6 +60,25 @@ def summarize(engine: Engine, wall: float, start: float,
         out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
     return out
+
+
+def startup(first_step_wall_time: float | None) -> dict[str, float]:
+    """``{"startup_s": ...}``: from this process's start (interpreter and imports included) to
+    the first step (``time.time()`` then); empty where either is unknown."""
+    age = process_age()
+    if age is None or first_step_wall_time is None:
+        return {}
+    return {"startup_s": age - (time.time() - first_step_wall_time)}
+
+
+def process_age() -> float | None:
+    """Seconds since this process started, from ``/proc`` (Linux; else None)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def format_value(key: str, value: Any) -> str:

@@ -201,20 +201,12 @@ def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: tor
     """The model sharded over ``tp`` ranks (worker processes, NCCL on GPUs 0..tp-1 or gloo on
     the CPU) with the backend, against one process running eager attention."""
     from pagedgen.runtime.engine import Engine
-    from pagedgen.runtime.launch import WorkerError, Workers
 
     prompts = _model_prompts(seed)
+    cfg = _model_config(backend_name, model, dtype, device, seed, graphs, tp)
+    got = data_parallel.run_on_ranks(trace_worker, (cfg, prompts, steps), cfg)
     ref_engine = Engine(_model_config("eager", model, dtype, device, seed, False))
     ref = trace(ref_engine, prompts, steps)
-    cfg = _model_config(backend_name, model, dtype, device, seed, graphs, tp)
-    gpus = data_parallel.check(1, cfg)  # the model divides over tp ranks; enough GPUs
-    got = None
-    try:
-        with Workers(trace_worker, [(cfg, prompts, steps)], gpus, tp) as w:
-            for _, got in w.messages():
-                pass
-    except WorkerError as e:
-        raise PagedgenError(f"tensor parallel: {e}")
     label = f"tensor parallel {tp} ({ref_engine.src.name}, CUDA graphs " \
             f"{'on' if graphs else 'off'}) vs 1 rank eager"
     return compare(ref, got, MODEL_TOL[ref_engine.runner.dtype], label)

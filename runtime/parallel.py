@@ -69,31 +69,38 @@ class TensorParallel:
         """Sum ``x`` over the ranks, in place."""
         if self.size == 1:
             return x
+        part = self._one_shot_part(x.numel(), x.dtype) if x.is_contiguous() else None
         with scope("all_reduce"):
-            buf = self.one_shot
-            if buf is not None and x.dtype == buf.dtype and x.numel() <= buf.numel() \
-                    and x.is_contiguous():
-                part = buf[:x.numel()]
-                part.copy_(x.view(-1))
-                torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group.group_name,
-                                                          x.view(-1))
-            else:
+            if part is None:
                 dist.all_reduce(x, group=self.group)
+            else:
+                part.copy_(x.view(-1))
+                self._one_shot_into(part, x.view(-1))
         return x
 
     def linear_all_reduce(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``x @ weight.T`` summed over the ranks: with symmetric memory, the GEMM writes
         straight into the buffer the peers read (no copy kernel)."""
-        buf = self.one_shot
         rows, cols = x.shape[0], weight.shape[0]
-        if buf is None or x.dim() != 2 or x.dtype != buf.dtype or rows * cols > buf.numel():
+        part = self._one_shot_part(rows * cols, x.dtype) if x.dim() == 2 else None
+        if part is None:
             return self.all_reduce(F.linear(x, weight))
-        part = buf[:rows * cols].view(rows, cols)
-        torch.mm(x, weight.t(), out=part)
-        out = torch.empty_like(part)
+        torch.mm(x, weight.t(), out=part.view(rows, cols))
+        out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
         with scope("all_reduce"):
-            torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group.group_name, out)
+            self._one_shot_into(part, out.view(-1))
         return out
+
+    def _one_shot_part(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The first ``numel`` elements of the symmetric buffer, when a one-shot all-reduce
+        can take a tensor of that size and dtype."""
+        buf = self.one_shot
+        if buf is None or dtype != buf.dtype or numel > buf.numel():
+            return None
+        return buf[:numel]
+
+    def _one_shot_into(self, part: torch.Tensor, out: torch.Tensor) -> None:
+        torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group.group_name, out)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` side by side along the last dimension, in rank order."""
@@ -143,12 +150,17 @@ def init(rank: int, size: int, init_method: str, device_index: int | None) -> Te
     return _CURRENT
 
 
+def torchrun_size() -> int:
+    """How many processes ``torchrun`` started with this one (1 when it did not start it)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
 def init_from_env(on_gpu: bool) -> TensorParallel | None:
     """Join the group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the
     rendezvous in ``MASTER_ADDR``/``MASTER_PORT``; GPU ``LOCAL_RANK`` when ``on_gpu``), or None
     when not started by it."""
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    if size == 1 or "RANK" not in os.environ:
+    size = torchrun_size()
+    if size == 1:
         return None
     device = int(os.environ.get("LOCAL_RANK", "0")) if on_gpu else None
     return init(int(os.environ["RANK"]), size, "env://", device)

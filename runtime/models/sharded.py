@@ -82,8 +82,7 @@ class RowParallelLinear(nn.Linear):
         self.shards = {"weight": (1, [seg])}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.linear_all_reduce(x, self.weight) if self.tp.size > 1 \
-            else F.linear(x, self.weight)
+        y = self.tp.linear_all_reduce(x, self.weight)
         return y + self.bias if self.bias is not None else y
 
 
@@ -108,10 +107,10 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
         return self.tp.all_reduce(x)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        """Float32 logits over the whole vocabulary: this rank's slice (of ``weight``, default
-        this table) computed here, the others gathered."""
-        local = F.linear(hidden, self.weight if weight is None else weight).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits over the whole vocabulary: this rank's slice computed here, the
+        others gathered."""
+        local = F.linear(hidden, self.weight).float()
         return self.tp.all_gather(local)[..., :self.vocab_size]
 
 
@@ -128,28 +127,30 @@ def full_shape(param: torch.Tensor, shard: Shard | None) -> torch.Size:
 def copy_shard(param: torch.Tensor, shard: Shard, full: torch.Tensor) -> None:
     """Fill ``param`` with this rank's part of the unsharded ``full`` (``full_shape``)."""
     dim, segs = shard
-    param.zero_()  # rows no segment covers (vocabulary padding) stay zero
     base = 0
     for s in segs:
         param.narrow(dim, s.offset, s.size).copy_(full.narrow(dim, base + s.start, s.size))
         base += s.full
+    _zero_padding(param, shard)
 
 
 def load_segment(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> None:
     """Copy this rank's rows of checkpoint tensor ``tensor`` (a torch tensor, or a safetensors
     slice read lazily: only those rows leave the file) into ``param``'s segment ``key``."""
     if shard is None:
-        param.copy_(_read(tensor, None, 0, 0))
+        param.copy_(tensor[:])
         return
     dim, segs = shard
     seg = next(s for s in segs if s.key == key)
     if seg.size:
-        part = _read(tensor, dim, seg.start, seg.size)
-        param.narrow(dim, seg.offset, seg.size).copy_(part)
+        rows = (slice(None),) * dim + (slice(seg.start, seg.start + seg.size),)
+        param.narrow(dim, seg.offset, seg.size).copy_(tensor[rows])
+    _zero_padding(param, shard)
 
 
-def _read(tensor, dim: int | None, start: int, size: int) -> torch.Tensor:
-    if dim is None:
-        return tensor[:]
-    index = (slice(None),) * dim + (slice(start, start + size),)
-    return tensor[index]
+def _zero_padding(param: torch.Tensor, shard: Shard) -> None:
+    """Zero the rows after the last segment (the last rank's vocabulary padding)."""
+    dim, segs = shard
+    end = segs[-1].offset + segs[-1].size
+    if end < param.shape[dim]:
+        param.narrow(dim, end, param.shape[dim] - end).zero_()
