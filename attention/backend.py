@@ -23,7 +23,7 @@ import torch
 
 from pagedgen.attention import kv_cache as kv_ops
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.transfer import to_device
+from pagedgen.runtime.transfer import to_device, upload
 
 
 class AttentionType(str, enum.Enum):
@@ -46,6 +46,9 @@ class AttentionMetadata:
     * ``seq_lens`` [num_seqs] int32: cached + new tokens per sequence after this step.
     * ``context_lens`` [num_seqs] int32: tokens already cached before this step.
     * ``block_tables`` [num_seqs, max_blocks] int32: physical block of each logical block (0-padded).
+
+    ``cascade_blocks`` (decode-only steps): the leading block-table entries every sequence
+    shares, to be attended once for the batch (attention/cascade.py); 0: no cascade.
     """
 
     num_prefills: int
@@ -59,6 +62,7 @@ class AttentionMetadata:
     block_size: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
+    cascade_blocks: int = 0
     # Backend-private data set by ``AttentionState.begin_forward`` (planned wrappers, buffers).
     plan: Any = None
     _prefill: AttentionMetadata | None = field(default=None, repr=False)
@@ -117,6 +121,7 @@ class AttentionMetadata:
             block_size=self.block_size,
             seq_lens_cpu=self.seq_lens_cpu[s0:s1],
             query_lens_cpu=self.query_lens_cpu[s0:s1],
+            cascade_blocks=0 if is_prefill else self.cascade_blocks,
             plan=self.plan,
         )
 
@@ -131,11 +136,15 @@ class ScheduledSeq:
 
 
 class AttentionMetadataBuilder:
-    """Builds :class:`AttentionMetadata` for a step from its scheduled sequences (CPU → device)."""
+    """Builds :class:`AttentionMetadata` for a step from its scheduled sequences (CPU → device).
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    ``cascade``: find the pages every decode of a decode-only step shares (``cascade_blocks``).
+    """
+
+    def __init__(self, block_size: int, device: torch.device, cascade: bool = False) -> None:
         self.block_size = block_size
         self.device = device
+        self.cascade = cascade
 
     def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
               ) -> AttentionMetadata:
@@ -156,6 +165,11 @@ class AttentionMetadataBuilder:
             return to_device(x, dtype, dev)
 
         num_prefill_tokens = sum(s.num_new for s in prefills)
+        tables_cpu = torch.tensor(tables, dtype=torch.int32).reshape(len(seqs), max_blocks)
+        shared = 0
+        if self.cascade and not prefills:
+            from pagedgen.attention.cascade import common_prefix_blocks
+            shared = common_prefix_blocks(tables_cpu, min(seq_lens, default=0), bs)
         return AttentionMetadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,
@@ -164,10 +178,11 @@ class AttentionMetadataBuilder:
             query_start_loc=t(qsl, torch.int32),
             seq_lens=t(seq_lens, torch.int32),
             context_lens=t([s.num_context for s in seqs], torch.int32),
-            block_tables=t(tables, torch.int32).reshape(len(seqs), max_blocks),
+            block_tables=upload(tables_cpu, dev),
             block_size=bs,
             seq_lens_cpu=seq_lens,
             query_lens_cpu=[s.num_new for s in seqs],
+            cascade_blocks=shared,
         )
 
 
@@ -215,6 +230,8 @@ class AttentionState:
         self.dtype = dtype  # the model's (query) dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
+        # Whether forward can run a step with ``metadata.cascade_blocks`` (attention/cascade.py).
+        self.supports_cascade = False
         # FP8 caches store value / scale; readers multiply back.
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -235,10 +252,12 @@ class AttentionState:
         """Warm-up figures for the run summary (e.g. compile seconds, variants compiled)."""
         return {}
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+                        ) -> None:
         """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
         ``supports_cuda_graphs``). ``max_num_pages``: the most page-table entries such a step
-        can hold (more than the cache's blocks when sequences share prefix blocks)."""
+        can hold (more than the cache's blocks when sequences share prefix blocks).
+        ``cascade``: the graph's steps attend shared pages once (``cascade_blocks`` > 0)."""
         raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 

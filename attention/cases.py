@@ -2,7 +2,8 @@
 
 A case is a batch of sequences with random cached context (block tables scattered over the cache)
 and random new tokens: prefills (some with prior context, some of a single token, some ending
-exactly on a page boundary) followed by decodes.
+exactly on a page boundary) followed by decodes. A shared-prefix case is decodes only, whose
+block tables begin with the same pages (what cascade attention reads once for the batch).
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ class PagedBatch:
     prefills: list[ScheduledSeq]
     decodes: list[ScheduledSeq]
     block_size: int
+    cascade: bool = False  # build metadata that marks the pages every decode shares
 
     def metadata(self, device=None):
-        return AttentionMetadataBuilder(self.block_size, torch.device(device or self.q.device)
-                                        ).build(self.prefills, self.decodes)
+        return AttentionMetadataBuilder(self.block_size, torch.device(device or self.q.device),
+                                        cascade=self.cascade).build(self.prefills, self.decodes)
 
 
 def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
@@ -72,6 +74,32 @@ def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, bl
                      sliding_window=sliding_window, logits_soft_cap=soft_cap)
     return PagedBatch(spec, kv_cache, q, k, v, sched[:num_prefills], sched[num_prefills:],
                       block_size)
+
+
+def make_shared_prefix_batch(seed: int, *, shared_pages: int, num_decodes: int, num_heads=4,
+                             num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
+                             device="cpu", max_suffix=40, soft_cap=None) -> PagedBatch:
+    """``num_decodes`` decodes whose block tables start with the same ``shared_pages`` pages,
+    each followed by 0 to ``max_suffix`` tokens of its own context (pages of its own) and its
+    new token; ``cascade`` is set."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    shared = shared_pages * block_size
+    ctxs = [shared + rng.randint(0, max_suffix) for _ in range(num_decodes)]
+    own = [-(-(c + 1) // block_size) - shared_pages for c in ctxs]
+    total = shared_pages + sum(own) + 3
+    perm = torch.randperm(total, generator=gen).tolist()
+    prefix, start, sched = perm[:shared_pages], shared_pages, []
+    for c, n in zip(ctxs, own):
+        sched.append(ScheduledSeq(prefix + perm[start:start + n], c, 1))
+        start += n
+    kv = torch.randn(total, 2, block_size, num_kv_heads, head_size, generator=gen)
+    q, k, v = (torch.randn(num_decodes, h, head_size, generator=gen).to(dtype).to(device)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
+                     logits_soft_cap=soft_cap)
+    return PagedBatch(spec, kv.to(dtype).to(device), q, k, v, [], sched, block_size,
+                      cascade=True)
 
 
 def backend_cache(backend: type[AttentionBackend], blocks: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
+from pagedgen.attention.cascade import MIN_SEQS, CascadeInputs, merge
 from pagedgen.attention.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.profiling import scope
@@ -110,9 +111,10 @@ def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
     return None, notes
 
 
-# ---- the kernel calls, one pair per flavour ---------------------------------------------------
-# Each takes q [T, Hq, D] of one kind of sequence, the K and V caches and that part's metadata,
-# and returns [T, Hq, D]. Causal masks are aligned bottom-right (queries are the last tokens).
+# ---- the kernel calls, per flavour ------------------------------------------------------------
+# Prefill and decode take q [T, Hq, D] of one kind of sequence, the K and V caches and that
+# part's metadata, and return [T, Hq, D]. Causal masks are aligned bottom-right (queries are the
+# last tokens). FA4 also has a cascade decode (attention/cascade.py); the others return None.
 
 def _common(spec: LayerSpec, no_window: tuple) -> dict:
     """The keywords every flavour's calls share; ``no_window``: how the flavour spells "no
@@ -122,7 +124,7 @@ def _common(spec: LayerSpec, no_window: tuple) -> dict:
                 softcap=spec.logits_soft_cap or 0.0)
 
 
-def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
+def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable, Callable]:
     fn = mod.flash_attn_varlen_func
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
 
@@ -138,7 +140,19 @@ def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
                   page_table=md.block_tables, num_splits=num_splits,
                   **_common(spec, (None, None)))[0].squeeze(1)
 
-    return prefill, decode
+    def cascade(q, k_cache, v_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
+        # the B decode queries as one non-causal sequence over the shared pages, read once
+        common = _common(spec, (None, None))
+        pre, pre_lse = fn(q.unsqueeze(0), k_cache, v_cache, seqused_k=x.prefix_lens,
+                          page_table=x.prefix_table, return_lse=True,
+                          **{**common, "causal": False})[:2]
+        suf, suf_lse = fn(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
+                          page_table=x.suffix_tables, num_splits=num_splits, return_lse=True,
+                          **common)[:2]
+        # lse: [1, H, B] and [B, H, 1] (natural log)
+        return merge(pre[0], pre_lse[0].t(), suf[:, 0], suf_lse[:, :, 0])
+
+    return prefill, decode, cascade
 
 
 def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
@@ -153,7 +167,7 @@ def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
         return fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
                   page_table=md.block_tables, num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
-    return prefill, decode
+    return prefill, decode, None
 
 
 def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
@@ -169,7 +183,7 @@ def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
                                            cache_seqlens=md.seq_lens, block_table=md.block_tables,
                                            num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
-    return prefill, decode
+    return prefill, decode, None
 
 
 _CALLS = {"fa4": _fa4_calls, "fa3": _fa3_calls, "fa2": _fa2_calls}
@@ -194,13 +208,30 @@ class FlashAttnState(AttentionState):
         self.module = importlib.import_module(self.flavour.module)
         # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
-        self.prefill, self.decode = _CALLS[self.flavour.name](self.module, split_kv)
+        self.prefill, self.decode, self.cascade = _CALLS[self.flavour.name](self.module, split_kv)
+        # A window would cut into the shared prefix differently per sequence.
+        self.supports_cascade = self.cascade is not None and not any(
+            s.sliding_window for s in layer_specs)
+        self.cascade_buffers: dict[int, CascadeInputs] = {}  # by CUDA-graph batch size
         self.warmup_s = 0.0
         self.compiled_at_warmup = 0
         self._compiled_before = _compiled_variants(self.module)
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
-        """Nothing to allocate: graphs capture the runner's block tables and lengths."""
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+                        ) -> None:
+        """Plain graphs capture the runner's block tables and lengths; cascade graphs also
+        their own prefix and suffix buffers."""
+        if cascade:
+            self.cascade_buffers[batch_size] = CascadeInputs.static(
+                batch_size, max_num_pages // batch_size, self.device)
+
+    def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
+                      ) -> None:
+        """Cascade steps only: split the block tables into the shared prefix and suffixes."""
+        md = metadata
+        if md.cascade_blocks:
+            md.plan = (CascadeInputs.for_step(md) if graph_batch_size is None
+                       else self.cascade_buffers[graph_batch_size].fill(md))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -226,6 +257,12 @@ class FlashAttnState(AttentionState):
                     q = torch.zeros(n * q_len, spec.num_heads, spec.head_size, dtype=self.dtype,
                                     device=self.device)
                     run(q, cache[0], cache[1], self._scratch_metadata(n, q_len, width), spec)
+            for n in sorted({MIN_SEQS, max_num_seqs}) if self.supports_cascade else ():
+                md = self._scratch_metadata(n, 1, max(wide, 2))  # a suffix page too
+                md.cascade_blocks = 1
+                q = torch.zeros(n, spec.num_heads, spec.head_size, dtype=self.dtype,
+                                device=self.device)
+                self.cascade(q, cache[0], cache[1], CascadeInputs.for_step(md), spec)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -272,6 +309,8 @@ class FlashAttnImpl(AttentionImpl):
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv_split(k_cache, v_cache, k, v, metadata.slot_mapping)
+        if metadata.cascade_blocks:  # decode-only
+            return st.cascade(q, k_cache, v_cache, metadata.plan, spec)
         outs = []
         if metadata.num_prefills:
             outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,

@@ -4,6 +4,11 @@ Needs no FlashInfer or flash-attn: any GPU Triton supports, and CPU tensors unde
 ``TRITON_INTERPRET=1`` (how CI tests the kernels). ``begin_forward`` plans once per step: the
 prefill tiles (longest first) and the number of KV splits for decode. CUDA graphs: the decode
 grid depends only on the batch size, so a captured graph stays valid as contexts grow.
+
+Cascade decode (attention/cascade.py): the suffixes run as the split-KV decode's splits, the
+shared prefix as one more "split" computed by the prefill kernel (the B queries as one
+non-causal sequence, so each K/V tile is read once for the batch), and ``merge_kernel`` merges
+them all by their log-sum-exp.
 """
 
 from __future__ import annotations
@@ -17,8 +22,8 @@ import torch
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
+from pagedgen.attention.cascade import CascadeInputs
 from pagedgen.attention.kv_cache import write_kv_triton
-from pagedgen.runtime.profiling import scope
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
 MAX_SPLITS = 32
@@ -33,6 +38,10 @@ class TritonPlan:
     tile_seq: torch.Tensor | None = None  # prefill tiles: sequence index
     tile_qstart: torch.Tensor | None = None  # prefill tiles: first new token of the tile
     num_splits: int = 1
+    cascade: CascadeInputs | None = None
+    # cascade: the prefix's tiles over the B queries, as one sequence: (query_start_loc
+    # [0, B], tile_seq, tile_qstart)
+    prefix_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 def _pow2(n: int) -> int:
@@ -56,6 +65,10 @@ class TritonState(AttentionState):
         # On CPU (the interpreter) pretend to have 64 SMs, so that tests exercise split-KV.
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
             if device.type == "cuda" else 64
+        # A window would cut into the shared prefix differently per sequence.
+        self.supports_cascade = not any(x.sliding_window for x in layer_specs)
+        self.cascade_buffers: dict[int, CascadeInputs] = {}  # by CUDA-graph batch size
+        self._prefix_tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def num_splits(self, batch: int, max_seq_len: int | None) -> int:
         """KV splits per (sequence, KV head): enough programs to fill the GPU twice over."""
@@ -65,8 +78,24 @@ class TritonState(AttentionState):
             splits = max(1, min(splits, math.ceil(max_seq_len / (2 * self.decode_block_n))))
         return splits
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int) -> None:
-        """Nothing to allocate: the decode grid depends on the batch size only."""
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+                        ) -> None:
+        """The decode grid depends on the batch size only; cascade graphs also capture their
+        prefix and suffix buffers."""
+        if cascade:
+            self.cascade_buffers[batch_size] = CascadeInputs.static(
+                batch_size, max_num_pages // batch_size, self.device)
+
+    def prefix_tiles(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Cascade: the prefill kernel's tiles over ``batch`` decode queries as one sequence
+        (the same tensors for every step of that batch size, so graphs can hold them)."""
+        if batch not in self._prefix_tiles:
+            i32, dev = torch.int32, self.device
+            starts = torch.arange(0, batch, self.block_m // self.g_tile, dtype=i32)
+            self._prefix_tiles[batch] = (
+                torch.tensor([0, batch], dtype=i32, device=dev),
+                torch.zeros(len(starts), dtype=i32, device=dev), starts.to(dev))
+        return self._prefix_tiles[batch]
 
     def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
                       ) -> None:
@@ -82,7 +111,13 @@ class TritonState(AttentionState):
             arr = torch.tensor([[t[1], t[2]] for t in tiles], dtype=torch.int32)
             arr = arr.to(self.device, non_blocking=True)
             plan.tile_seq, plan.tile_qstart = arr[:, 0].contiguous(), arr[:, 1].contiguous()
-        if md.num_decodes:
+        if md.cascade_blocks:  # decode-only
+            plan.cascade = (CascadeInputs.for_step(md) if graph_batch_size is None
+                            else self.cascade_buffers[graph_batch_size].fill(md))
+            plan.prefix_tiles = self.prefix_tiles(md.num_decodes)
+            plan.num_splits = self.num_splits(
+                md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
+        elif md.num_decodes:
             plan.num_splits = self.num_splits(
                 md.num_decodes, None if graph_batch_size else max(md.seq_lens_cpu[md.num_prefills:]))
         md.plan = plan
@@ -96,53 +131,92 @@ class TritonImpl(AttentionImpl):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        md, st, spec, tk = metadata, self.state, self.spec, self.tk
+        md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
         write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, md.slot_mapping)
-        cs = kv_cache.stride()
-        window = spec.sliding_window or 0
-        cap = spec.logits_soft_cap or 0.0
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        group = spec.num_heads // spec.num_kv_heads
+        if md.cascade_blocks:  # decode-only
+            return self._cascade(q, kv_cache, out, md.plan)
         if md.num_prefills:
             plan = md.plan
             grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
-            tk.prefill_kernel[grid](
-                q, kv_cache, out, md.block_tables, md.query_start_loc, md.context_lens,
-                plan.tile_seq, plan.tile_qstart, q.stride(0), q.stride(1), out.stride(0),
-                out.stride(1), cs[0], cs[1], cs[2], cs[3], md.block_tables.stride(0),
-                spec.scale, cap, window, group, st.g_tile, md.block_size, D=spec.head_size,
-                BLOCK_M=st.block_m, BLOCK_N=st.block_n,
-                USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=precision,
-                **({} if _interpreting() else {"num_warps": 8 if st.block_m >= 128 else 4,
-                                              "num_stages": 2}))
+            self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
+                          md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
         if md.num_decodes:
             t0, b = md.num_prefill_tokens, md.num_decodes
             dq, dout = q[t0:], out[t0:]
             dec = md.decode_metadata
             splits = md.plan.num_splits
-            part = lse = dout  # unused placeholders when writing directly
-            if splits > 1:
-                part = torch.empty((splits, b, spec.num_heads, spec.head_size),
-                                   dtype=torch.float32, device=q.device)
-                lse = torch.empty((splits, b, spec.num_heads), dtype=torch.float32,
-                                  device=q.device)
-            tk.decode_kernel[(b, spec.num_kv_heads, splits)](
-                dq, kv_cache, dout, part, lse, dec.block_tables, dec.seq_lens,
-                dq.stride(0), dq.stride(1), dout.stride(0), dout.stride(1),
-                cs[0], cs[1], cs[2], cs[3], dec.block_tables.stride(0),
-                part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-                spec.scale, cap, window, splits, group, md.block_size,
-                GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=st.decode_block_n,
-                USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=splits == 1,
-                PRECISION=precision,
-                **({} if _interpreting() else {"num_warps": 4, "num_stages": 2}))
-            if splits > 1:
-                tk.merge_kernel[(b, spec.num_heads)](
-                    dout, part, lse, dout.stride(0), dout.stride(1), part.stride(0),
-                    part.stride(1), part.stride(2), lse.stride(0), lse.stride(1), splits,
-                    D=spec.head_size, SP=_pow2(splits))
+            if splits == 1:  # straight into the output
+                self._decode(dq, kv_cache, dout, dout, dout, dec.block_tables, dec.seq_lens, 1)
+            else:
+                part, lse = self._partials(splits, b, q.device)
+                self._decode(dq, kv_cache, dout, part, lse, dec.block_tables, dec.seq_lens,
+                             splits)
+                self._merge(dout, part, lse, splits)
         return out
+
+    def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
+                 plan: TritonPlan) -> torch.Tensor:
+        """Suffixes as splits 0..S-1 of the decode kernel, the shared prefix as split S."""
+        x, b, splits = plan.cascade, q.shape[0], plan.num_splits
+        part, lse = self._partials(splits + 1, b, q.device)
+        self._decode(q, kv_cache, out, part, lse, x.suffix_tables, x.suffix_lens, splits)
+        qsl, tile_seq, tile_qstart = plan.prefix_tiles
+        grid = (tile_seq.shape[0], self.spec.num_heads // self.state.g_tile)
+        self._prefill(grid, q, kv_cache, part[splits], lse[splits], x.prefix_table, qsl,
+                      x.prefix_lens, tile_seq, tile_qstart, causal=False)
+        self._merge(out, part, lse, splits + 1)
+        return out
+
+    def _partials(self, splits: int, b: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 partial outputs [splits, b, H, D] and their log-sum-exps [splits, b, H]."""
+        h, d = self.spec.num_heads, self.spec.head_size
+        return (torch.empty((splits, b, h, d), dtype=torch.float32, device=device),
+                torch.empty((splits, b, h), dtype=torch.float32, device=device))
+
+    def _prefill(self, grid, q, kv_cache, out, lse, block_tables, query_start_loc, context_lens,
+                 tile_seq, tile_qstart, causal: bool) -> None:
+        st, spec, cs = self.state, self.spec, kv_cache.stride()
+        cap = spec.logits_soft_cap or 0.0
+        window = spec.sliding_window or 0
+        self.tk.prefill_kernel[grid](
+            q, kv_cache, out, lse, block_tables, query_start_loc, context_lens, tile_seq,
+            tile_qstart, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            lse.stride(0), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0), spec.scale, cap,
+            window, spec.num_heads // spec.num_kv_heads, st.g_tile, st.block_size,
+            D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
+            USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
+            CAUSAL=causal, WRITE_LSE=not causal,
+            **({} if _interpreting() else {"num_warps": 8 if st.block_m >= 128 else 4,
+                                          "num_stages": 2}))
+
+    def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
+        """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""
+        st, spec, cs = self.state, self.spec, kv_cache.stride()
+        cap = spec.logits_soft_cap or 0.0
+        window = spec.sliding_window or 0
+        group = spec.num_heads // spec.num_kv_heads
+        self.tk.decode_kernel[(q.shape[0], spec.num_kv_heads, splits)](
+            q, kv_cache, out, part, lse, block_tables, seq_lens,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
+            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            spec.scale, cap, window, splits, group, st.block_size,
+            GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=st.decode_block_n,
+            USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=part is out,
+            PRECISION=_precision(q),
+            **({} if _interpreting() else {"num_warps": 4, "num_stages": 2}))
+
+    def _merge(self, out, part, lse, splits: int) -> None:
+        self.tk.merge_kernel[(out.shape[0], self.spec.num_heads)](
+            out, part, lse, out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+            part.stride(2), lse.stride(0), lse.stride(1), splits, D=self.spec.head_size,
+            SP=_pow2(splits))
+
+
+def _precision(q: torch.Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
 class TritonBackend(AttentionBackend):

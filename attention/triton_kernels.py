@@ -8,6 +8,8 @@
 * ``decode_kernel``: one query token per sequence; the G query heads of a KV head form the rows
   of a [G, D] x [D, BLOCK_N] product. Long contexts are split across programs (split-KV /
   flash-decoding) and ``merge_kernel`` combines the partial results by their log-sum-exp.
+* ``merge_two_kernel``: the same merge for two attentions of one query over disjoint key sets
+  (a shared prefix and each sequence's own suffix: cascade attention, attention/cascade.py).
 
 All accumulate in float32. Sliding window: keys ``pos - window < j <= pos``. Soft-cap:
 ``cap * tanh(s / cap)``. Kernels run compiled on CUDA GPUs and, for tests, under
@@ -44,12 +46,16 @@ def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt
 
 
 @triton.jit
-def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, TileQStart,
-                   stride_qt, stride_qh, stride_ot, stride_oh,
+def prefill_kernel(Q, Cache, Out, Lse, BlockTables, QStartLoc, ContextLens, TileSeq, TileQStart,
+                   stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                    stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                    scale, soft_cap, window, G, G_TILE, PAGE,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr):
+                   USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+                   CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False):
+    # CAUSAL=False: every query sees exactly the ``ctx`` cached keys and none of the new tokens
+    # (cascade: the batch's decode queries over their shared prefix). WRITE_LSE: also store
+    # each row's natural-log log-sum-exp at Lse[token, head].
     tile = tl.program_id(0)
     hp = tl.program_id(1)
     kvh = hp // (G // G_TILE)
@@ -68,7 +74,9 @@ def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, 
     d = tl.arange(0, D)
     q = tl.load(Q + (q_off + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
-    hi = ctx + tl.minimum(qs + block_q, q_len)  # keys [lo, hi) can be seen by this tile
+    hi = ctx  # keys [lo, hi) can be seen by this tile
+    if CAUSAL:
+        hi = ctx + tl.minimum(qs + block_q, q_len)
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(ctx + qs - window + 1, 0) // BLOCK_N * BLOCK_N
@@ -86,6 +94,8 @@ def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, 
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
         ok = (offs[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+        if not CAUSAL:
+            ok = kv_ok[None, :] & row_ok[:, None]
         if USE_WINDOW:
             ok = ok & (offs[None, :] > q_pos[:, None] - window)
         s = tl.where(ok, s, float("-inf"))
@@ -100,6 +110,9 @@ def prefill_kernel(Q, Cache, Out, BlockTables, QStartLoc, ContextLens, TileSeq, 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_off + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if WRITE_LSE:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(Lse + (q_off + tok) * stride_lt + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -178,3 +191,23 @@ def merge_kernel(Out, OutPart, LsePart, stride_ot, stride_oh, stride_ps, stride_
                    mask=s_ok[:, None], other=0.0)
     out = tl.sum(part * w[:, None], 0)
     tl.store(Out + seq * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+@triton.jit
+def merge_two_kernel(Out, A, LseA, B, LseB, stride_ot, stride_oh, stride_at, stride_ah,
+                     stride_lat, stride_lah, stride_bt, stride_bh, stride_lbt, stride_lbh,
+                     D: tl.constexpr):
+    """Out[t, h] = the softmax-weighted union of two attentions of query (t, h) over disjoint
+    key sets, given each one's output and natural-log log-sum-exp (cascade attention)."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    la = tl.load(LseA + t * stride_lat + h * stride_lah)
+    lb = tl.load(LseB + t * stride_lbt + h * stride_lbh)
+    m = tl.maximum(la, lb)
+    wa = tl.where(la > float("-inf"), tl.exp(la - m), 0.0)
+    wb = tl.where(lb > float("-inf"), tl.exp(lb - m), 0.0)
+    d = tl.arange(0, D)
+    a = tl.load(A + t * stride_at + h * stride_ah + d).to(tl.float32)
+    b = tl.load(B + t * stride_bt + h * stride_bh + d).to(tl.float32)
+    out = (a * wa + b * wb) / (wa + wb)
+    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))

@@ -68,6 +68,7 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
         engine.stats = StepStats()
         r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
         r.host_steps = dict.fromkeys(r.host_steps, 0)
+        r.cascade_steps = 0
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, per_request)]
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -3,8 +3,9 @@ without reuse, and against vLLM.
 
 Parts (``--parts``, workloads in workloads.py):
   d  shared prefix: 512 x (1,536 shared + 128 unique) tokens x 128 out; pagedgen per backend
-     with prefix caching on (``--repeats``) and off (``--off-repeats``); vLLM with its prefix
-     caching on (``--vllm``)
+     with prefix caching on (``--repeats``), on without cascade decode
+     (``--no-cascade-repeats``) and off (``--off-repeats``); vLLM with its prefix caching on
+     (``--vllm``)
   p  parallel sampling: 128 x 1,024 tokens, n = 8, 256 out, temperature 1; against the same
      1,024 samples sent as independent requests (each with its sample's derived seed), with
      prefix caching off and on. Output tok/s and the most KV blocks in use
@@ -41,7 +42,7 @@ from pagedgen.runtime.sampler import derive_seed  # noqa: E402
 
 KEYS = ("wall_time_s", "output_tokens", "output_tokens_per_s", "prefix_cache_hit_rate",
         "prefix_cache_hit_tokens", "prefill_tokens_per_s", "peak_kv_blocks_used", "preemptions",
-        "kv_cache_blocks", "block_size")
+        "kv_cache_blocks", "block_size", "cascade_decode_steps", "decode_steps")
 
 
 def row(part: str, system: str, runs: list[dict[str, Any]], **extra) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def engine_for(profile: str, backend: str) -> tuple[Engine, float]:
     return build_engine(profile_configs(profile, backend=backend)[0])
 
 
-def part_d(backend: str, repeats: int, off_repeats: int) -> list[dict]:
+def part_d(backend: str, repeats: int, off_repeats: int, no_cascade_repeats: int) -> list[dict]:
     wl = workload("d")
     eng, load_s = engine_for(wl.profile, backend)
     prompts, outs = wl.requests(eng.src.hf_config.vocab_size)
@@ -66,6 +67,13 @@ def part_d(backend: str, repeats: int, off_repeats: int) -> list[dict]:
     params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
     on = timed_runs(eng, prompts, params, repeats=repeats, load_s=load_s, prefix_caching=True)
     rows = [row("d", f"pagedgen {backend}, prefix caching on", on, load_time_s=load_s)]
+    if no_cascade_repeats:
+        was, eng.runner.builder.cascade = eng.runner.builder.cascade, False
+        plain = timed_runs(eng, prompts, params, repeats=no_cascade_repeats, prefix_caching=True)
+        eng.runner.builder.cascade = was
+        same = len({r["outputs_digest"] for r in on + plain}) == 1
+        rows.append(row("d", f"pagedgen {backend}, prefix caching on, cascade decode off", plain,
+                        same_tokens_as_on=same))
     if off_repeats:
         off = timed_runs(eng, prompts, params, repeats=off_repeats, prefix_caching=False)
         same = len({r["outputs_digest"] for r in on + off}) == 1
@@ -138,6 +146,7 @@ def main() -> None:
                     help="comma list; empty: vLLM alone (with --vllm)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--off-repeats", type=int, default=1)
+    ap.add_argument("--no-cascade-repeats", type=int, default=1)
     ap.add_argument("--vllm", action="store_true", help="vLLM on part d too")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -150,7 +159,7 @@ def main() -> None:
     backends = [b for b in args.backends.split(",") if b]
     for backend in backends:
         if "d" in parts:
-            rows += part_d(backend, args.repeats, args.off_repeats)
+            rows += part_d(backend, args.repeats, args.off_repeats, args.no_cascade_repeats)
         if "a" in parts:
             rows += part_a(backend, args.repeats)
         if args.json:

@@ -70,6 +70,10 @@ def generate(
     prefix_caching: Optional[bool] = typer.Option(
         None, "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV cache of prompt prefixes computed before (default: on)."),
+    cascade_attention: Optional[bool] = typer.Option(
+        None, "--cascade-attention/--no-cascade-attention",
+        help="Decode steps attend the KV pages all their sequences share once for the batch "
+             "(default: on, where the backend can: flash-attn FA4, flashinfer, triton)."),
     logprobs: Optional[int] = typer.Option(
         None, help="Default log-probabilities per output token, with this many top "
                    "alternatives (0-20)."),
@@ -106,7 +110,8 @@ def generate(
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
-             prefix_caching=prefix_caching, tensor_parallel_size=tensor_parallel_size),
+             prefix_caching=prefix_caching, cascade_attention=cascade_attention,
+             tensor_parallel_size=tensor_parallel_size),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              ignore_eos=ignore_eos, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
     try:

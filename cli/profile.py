@@ -395,6 +395,9 @@ def profile(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
     prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
+    cascade_attention: Optional[bool] = typer.Option(
+        None, "--cascade-attention/--no-cascade-attention",
+        help="Decode batches sharing prefix pages attend them once (default: on)."),
     tensor_parallel_size: Optional[int] = typer.Option(
         None, "--tensor-parallel-size", "-tp",
         help="Shard the model over this many GPUs (rank 0's kernels are reported)."),
@@ -406,6 +409,7 @@ def profile(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   block_size=block_size, seed=seed,
                                   fused_kernels=fused_kernels, prefix_caching=prefix_caching,
+                                  cascade_attention=cascade_attention,
                                   tensor_parallel_size=tensor_parallel_size), {})
     wl = _workload(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
                               shared_prefix_len=shared_prefix_len,

@@ -50,6 +50,8 @@ def summarize(engine: Engine, wall: float, start: float,
         "peak_memory_bytes": engine.peak_memory_bytes(),
         "cuda_graphs": engine.runner.graphs is not None,
         "fused_kernels": engine.runner.fused_kernels,
+        "cascade_attention": engine.runner.builder.cascade,
+        "cascade_decode_steps": engine.runner.cascade_steps,
     }
     runner = engine.runner
     if runner.graphs is not None:
@@ -115,6 +117,8 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "decode_host_ms_per_step": "host time per decode step",
            "block_size": "KV page size (tokens)",
            "fused_kernels": "fused norm/rotary/SwiGLU kernels",
+           "cascade_attention": "cascade decode (shared prefix attended once)",
+           "cascade_decode_steps": "decode steps that cascaded",
            "attention_warmup_s": "attention warm-up (compile) time",
            "attention_kernels_compiled_at_warmup": "attention kernel variants ready after warm-up",
            "attention_kernels_compiled_later": "attention kernels compiled after warm-up",

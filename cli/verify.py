@@ -19,7 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from pagedgen.attention.backend import AttentionBackend
-from pagedgen.attention.cases import make_paged_batch, run_backend
+from pagedgen.attention import cascade
+from pagedgen.attention.cases import make_paged_batch, make_shared_prefix_batch, run_backend
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import backend_names, backend_status, get_backend
 from pagedgen.cli import data_parallel
@@ -114,7 +115,36 @@ def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: 
         ok = worst_abs <= tol and bad_cache == 0
         detail = f"{bad_cache} case(s) wrote the KV cache differently" if bad_cache else ""
         rows.append(Row("kernel", label, cases, worst_abs, worst_rel, tol, ok, detail))
-    return rows
+    row = check_cascade(backend, device, cases, seed, sizes, pages)
+    return rows + ([row] if row else [])
+
+
+def check_cascade(backend: type[AttentionBackend], device: torch.device, cases: int, seed: int,
+                  sizes: list[int], pages: list[int]) -> Row | None:
+    """Cascade decode (decodes sharing their first pages: the prefix attended once for the
+    batch) against eager attention; None when the backend's state has no cascade."""
+    dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32)
+                 if d in backend.supported_dtypes)
+    worst_abs = worst_rel = 0.0
+    for i in range(cases):
+        gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
+        page = pages[(i // len(GQA_RATIOS)) % len(pages)]
+        b = make_shared_prefix_batch(
+            seed * 100_003 + i, shared_pages=-(-cascade.MIN_TOKENS // page) + i % 3,
+            num_decodes=cascade.MIN_SEQS + i % 5, num_heads=2 * gqa, num_kv_heads=2,
+            head_size=sizes[i % len(sizes)], block_size=page, dtype=dtype, device=device,
+            max_suffix=2 * page + 5)
+        state = backend.get_state_cls()(backend, [b.spec], page, dtype, dtype, device)
+        if not state.supports_cascade:
+            return None
+        ref, _ = run_backend(EagerBackend, b)
+        out, _ = run_backend(backend, b, state)
+        err = (out.float() - ref.float()).abs().max().item()
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
+    tol = KERNEL_TOL[dtype]
+    return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (shared prefix)",
+               cases, worst_abs, worst_rel, tol, worst_abs <= tol)
 
 
 def _model_config(backend_name: str, model: str, dtype: str, device: torch.device, seed: int,

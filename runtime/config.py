@@ -88,6 +88,7 @@ class EngineConfig:
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    cascade_attention: bool = True  # decodes attend the pages they all share once per step
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
 
     def context_limit(self, hf_config: Any) -> int:

@@ -6,6 +6,9 @@ positions, slot mapping, sequence lengths, block tables) and the backend's graph
 (``AttentionState.make_graph_plan``). A decode-only step is padded to the next bucket (padding
 rows write their K/V into a reserved scratch block), the backend re-plans into the captured
 buffers, the inputs are copied in, and the graph is replayed.
+
+A step whose decodes share prefix pages (``cascade_blocks`` > 0, attention/cascade.py) replays
+the bucket's cascade graph instead, captured the first time a step of that bucket cascades.
 """
 
 from __future__ import annotations
@@ -46,43 +49,60 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
                                        dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # by cascade (False / True), then bucket
+        self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {False: {}, True: {}}
+        self.outputs: dict[bool, dict[int, torch.Tensor]] = {False: {}, True: {}}
+        self.pool = None  # one memory pool for every graph (they never replay at once)
         self.capture_time_s = 0.0
         self.memory_bytes = 0
 
-    def _metadata(self, bs: int, seq_lens: list[int]) -> AttentionMetadata:
+    def _metadata(self, bs: int, seq_lens: list[int], cascade_blocks: int = 0
+                  ) -> AttentionMetadata:
         """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
         return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=bs,
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], block_size=self.block_size,
-            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs)
+            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade_blocks=cascade_blocks)
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every bucket's plain decode graph (at start-up)."""
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
+            self._capture(bs, cascade=False)
+
+    def _capture(self, bs: int, cascade: bool) -> None:
+        """Capture bucket ``bs``'s graph over padding rows (scratch block only): a capture in
+        the middle of a run must not write into any sequence's blocks."""
         r = self.runner
         torch.cuda.synchronize(r.device)
         free_before = torch.cuda.mem_get_info(r.device)[0]
         t0 = time.perf_counter()
-        pool = None
-        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
-            # page-table entries, not physical blocks: sequences share cached blocks
-            r.attn_state.make_graph_plan(bs, bs * self.max_blocks)
-            md = self._metadata(bs, [1] * bs)
-            r.attn_state.begin_forward(md, graph_batch_size=bs)
-            args = (self.input_ids[:bs], self.positions[:bs], r.kv_caches, md)
-            r.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
-            torch.cuda.synchronize(r.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = r.model(*args)
-            pool = graph.pool()
-            self.graphs[bs] = graph
+        self._pad(0, bs)
+        # page-table entries, not physical blocks: sequences share cached blocks
+        r.attn_state.make_graph_plan(bs, bs * self.max_blocks, cascade)
+        md = self._metadata(bs, [1] * bs, cascade_blocks=int(cascade))
+        r.attn_state.begin_forward(md, graph_batch_size=bs)
+        args = (self.input_ids[:bs], self.positions[:bs], r.kv_caches, md)
+        r.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
         torch.cuda.synchronize(r.device)
-        self.capture_time_s = time.perf_counter() - t0
-        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[cascade][bs] = r.model(*args)
+        self.pool = graph.pool()
+        self.graphs[cascade][bs] = graph
+        torch.cuda.synchronize(r.device)
+        self.capture_time_s += time.perf_counter() - t0
+        self.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(r.device)[0])
+
+    def _pad(self, start: int, end: int) -> None:
+        """Make rows ``start:end`` padding: one token in the scratch block."""
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
+        self.seq_lens[start:end].fill_(1)
+        self.block_tables[start:end].fill_(self.scratch_block)
 
     def can_run(self, md: AttentionMetadata) -> bool:
         return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
@@ -93,6 +113,10 @@ class CudaGraphRunner:
         the backend into that bucket's buffers. Returns the bucket."""
         n = md.num_decodes
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
+        cascade = md.cascade_blocks > 0
+        if bs not in self.graphs[cascade]:
+            with torch.inference_mode():
+                self._capture(bs, cascade)
         width = md.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -101,17 +125,14 @@ class CudaGraphRunner:
         self.context_lens[:n].copy_(md.context_lens)
         self.block_tables[:n, :width].copy_(md.block_tables)
         pad = bs - n
-        if pad:  # padding rows: one token in the scratch block
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-            self.slot_mapping[n:bs].fill_(self.scratch_block * self.block_size)
-            self.seq_lens[n:bs].fill_(1)
-            self.block_tables[n:bs].fill_(self.scratch_block)
-        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad)
+        if pad:
+            self._pad(n, bs)
+        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade_blocks)
         self.runner.attn_state.begin_forward(graph_md, graph_batch_size=bs)
         return bs
 
-    def replay(self, bs: int, n: int) -> torch.Tensor:
-        """Run bucket ``bs``'s graph; hidden states [n, hidden] of the real rows."""
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+    def replay(self, bs: int, n: int, cascade: bool = False) -> torch.Tensor:
+        """Run bucket ``bs``'s graph (its cascade graph with ``cascade``); hidden states
+        [n, hidden] of the real rows."""
+        self.graphs[cascade][bs].replay()
+        return self.outputs[cascade][bs][:n]

@@ -110,7 +110,11 @@ class ModelRunner:
         # Kernels that compile at first use compile now, before memory profiling and capture.
         self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
                                self.max_model_len)
-        self.builder = AttentionMetadataBuilder(self.block_size, self.device)
+        # Decode steps whose sequences share prefix pages attend them once (cascade attention).
+        self.builder = AttentionMetadataBuilder(
+            self.block_size, self.device,
+            cascade=config.cascade_attention and self.attn_state.supports_cascade)
+        self.cascade_steps = 0
         self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
         if self.num_blocks < 2:
             raise PagedgenError("the KV cache needs at least 2 blocks")
@@ -237,6 +241,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
+        self.cascade_steps += md.cascade_blocks > 0
         graph_bs = None
         if self.graphs is not None and self.graphs.can_run(md):
             graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
@@ -246,7 +251,7 @@ class ModelRunner:
         self.host_steps[kind] += 1
         with scope("forward"):
             if graph_bs is not None:
-                hidden = self.graphs.replay(graph_bs, md.num_decodes)
+                hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_blocks > 0)
             else:
                 hidden = self.model(ids, pos, self.kv_caches, md)
         if batch.block_copies:  # forked samples' copies of the last prompt block, now written

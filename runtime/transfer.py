@@ -11,3 +11,10 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     would undo async scheduling."""
     pin = device.type == "cuda"
     return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=pin)
+
+
+def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU ``tensor`` on ``device``, through pinned memory and non-blocking as ``to_device``."""
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

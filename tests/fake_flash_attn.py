@@ -15,13 +15,14 @@ import torch
 
 def paged_reference(q: torch.Tensor, cu_q: list[int], k_cache, v_cache, seq_lens: torch.Tensor,
                     page_table: torch.Tensor, scale: float, window_left: int | None,
-                    softcap: float) -> torch.Tensor:
+                    softcap: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each sequence's queries (the last tokens of the sequence: bottom-right
-    causal) over its first ``seq_lens[i]`` cached tokens, read through ``page_table``."""
+    causal, or every query over every key) over its first ``seq_lens[i]`` cached tokens, read
+    through ``page_table``; and the log-sum-exp [H, total_q] (natural log)."""
     assert page_table.dtype == torch.int32 and seq_lens.dtype == torch.int32
     assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape
     page = k_cache.shape[1]
-    outs = []
+    outs, lses = [], []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i]:cu_q[i + 1]].double()
         n, L = qi.shape[0], int(seq_lens[i])
@@ -35,11 +36,13 @@ def paged_reference(q: torch.Tensor, cu_q: list[int], k_cache, v_cache, seq_lens
             s = softcap * torch.tanh(s / softcap)
         qpos = torch.arange(L - n, L)[:, None]
         kpos = torch.arange(L)[None, :]
-        ok = kpos <= qpos
+        ok = kpos <= qpos if causal else torch.ones(n, L, dtype=torch.bool)
         if window_left is not None and window_left >= 0:
             ok &= kpos >= qpos - window_left
-        outs.append(torch.einsum("hqk,khd->qhd", s.masked_fill(~ok, float("-inf")).softmax(-1), v))
-    return torch.cat(outs).to(q.dtype)
+        s = s.masked_fill(~ok, float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+        lses.append(s.logsumexp(-1))
+    return torch.cat(outs).to(q.dtype), torch.cat(lses, 1).float()
 
 
 def _dense_q(q):
@@ -48,16 +51,22 @@ def _dense_q(q):
     return q.reshape(b * sq, *q.shape[2:]), list(range(0, b * sq + 1, sq)), (b, sq)
 
 
-def _run(q, cu_seqlens_q, k, v, seq_lens, page_table, scale, causal, window_left, softcap):
-    assert causal
+def _run(q, cu_seqlens_q, k, v, seq_lens, page_table, scale, causal, window_left, softcap,
+         with_lse=False):
+    """The output ([T, H, D], or [B, Sq, H, D] for dense q) and, ``with_lse``, also FA4's
+    log-sum-exp layout: [H, T] for varlen q, [B, H, Sq] for dense q."""
     shape = None
     if cu_seqlens_q is None:
         q, cu, shape = _dense_q(q)
     else:
         assert cu_seqlens_q.dtype == torch.int32
         cu = cu_seqlens_q.tolist()
-    out = paged_reference(q, cu, k, v, seq_lens, page_table, scale, window_left, softcap)
-    return out if shape is None else out.reshape(*shape, *out.shape[1:])
+    out, lse = paged_reference(q, cu, k, v, seq_lens, page_table, scale, window_left, softcap,
+                               causal)
+    if shape is not None:
+        out = out.reshape(*shape, *out.shape[1:])
+        lse = lse.reshape(lse.shape[0], *shape).permute(1, 0, 2)
+    return (out, lse) if with_lse else out
 
 
 # ---- FlashAttention-4: flash_attn.cute ----------------------------------------------------------
@@ -77,9 +86,9 @@ def fa4_flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k
     if cu_seqlens_q is not None:
         assert isinstance(max_seqlen_q, int) and max_seqlen_q >= 1
     assert window_size[1] in (None, 0)
-    out = _run(q, cu_seqlens_q, k, v, seqused_k, page_table, softmax_scale, causal,
-               window_size[0], softcap)
-    return out, None
+    out, lse = _run(q, cu_seqlens_q, k, v, seqused_k, page_table, softmax_scale, causal,
+                    window_size[0], softcap, with_lse=True)
+    return out, lse if return_lse else None
 
 
 # ---- FlashAttention-3: flash_attn_interface -----------------------------------------------------

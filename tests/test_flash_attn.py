@@ -51,6 +51,23 @@ def test_decode_only_and_prefill_only_steps(monkeypatch):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("page", [16, 128])
+def test_fa4_cascade_decode_matches_eager(monkeypatch, page):
+    """FA4's cascade calls: the batch over the shared pages (one non-causal sequence), each
+    suffix, merged by log-sum-exp (the merge kernel in Triton's interpreter)."""
+    from pagedgen.attention.cases import make_shared_prefix_batch
+    fake_flash_attn.install(monkeypatch, "fa4")
+    for seed in range(2):
+        b = make_shared_prefix_batch(seed, shared_pages=-(-256 // page) + seed, num_decodes=9,
+                                     num_heads=8, num_kv_heads=2, block_size=page,
+                                     max_suffix=page + 5)
+        st = _state(b, "fa4")
+        assert st.supports_cascade
+        ref, _ = run_backend(EagerBackend, b)
+        out, _ = run_backend(FlashAttnBackend, b, state=st)
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_separate_k_and_v_caches_and_block_ops():
     shape = FlashAttnBackend.get_kv_cache_shape(6, 16, 2, 64)
     assert shape == (2, 6, 16, 2, 64)

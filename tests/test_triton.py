@@ -84,3 +84,48 @@ def test_engine_with_triton_matches_sdpa():
                                   max_num_batched_tokens=128))
         outs.append([s.output_token_ids for s in eng.generate(prompts, params)])
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)])
+def test_cascade_decode_matches_eager(block_size, heads):
+    """Decodes sharing their first pages: the prefix attended once for the batch (as one more
+    split), merged with each suffix, equals plain attention."""
+    from pagedgen.attention.cases import make_shared_prefix_batch
+    for seed in range(2):
+        b = make_shared_prefix_batch(seed, shared_pages=256 // block_size + seed, num_decodes=9,
+                                     num_heads=heads[0], num_kv_heads=heads[1],
+                                     block_size=block_size, dtype=DTYPES[-1], device=DEVICE)
+        md = b.metadata()
+        assert md.cascade_blocks == 256 // block_size + seed
+        st = backend().get_state_cls()(backend(), [b.spec], block_size, b.q.dtype, b.q.dtype,
+                                       b.q.device)
+        st.begin_forward(md)
+        assert md.plan.cascade.prefix_tokens == md.cascade_blocks * block_size
+        check(b)
+
+
+def test_engine_cascade_decode_matches_plain(monkeypatch):
+    """Prompts behind one shared prefix: with cascade decode on, the decode steps cascade, and
+    the greedy tokens equal cascade off (fp32). The thresholds are lowered to keep the
+    interpreter's work small."""
+    from pagedgen.attention import cascade
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine import Engine
+    monkeypatch.setattr(cascade, "MIN_TOKENS", 32)
+    monkeypatch.setattr(cascade, "MIN_SEQS", 4)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 256, (40,), generator=g).tolist()  # 2.5 pages: 2 shared
+    prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist()
+               for n in (1, 5, 16, 17, 9)]
+    outs, steps = [], []
+    for on in (True, False):
+        eng = Engine(EngineConfig(backend="triton", device=DEVICE, block_size=16,
+                                  dtype="float32" if DEVICE == "cpu" else "float16",
+                                  num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256,
+                                  cascade_attention=on))
+        outs.append([s.output_token_ids for s in eng.generate(prompts, params)])
+        steps.append(eng.runner.cascade_steps)
+    assert outs[0] == outs[1]
+    assert steps[0] >= 3 and steps[1] == 0
