@@ -23,7 +23,7 @@ import torch
 
 from pagedgen.attention import kv_cache as kv_ops
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.transfer import to_device, upload
+from pagedgen.runtime.transfer import host_tensor, to_device, upload
 
 
 class AttentionType(str, enum.Enum):
@@ -165,7 +165,7 @@ class AttentionMetadataBuilder:
             return to_device(x, dtype, dev)
 
         num_prefill_tokens = sum(s.num_new for s in prefills)
-        tables_cpu = torch.tensor(tables, dtype=torch.int32).reshape(len(seqs), max_blocks)
+        tables_cpu = host_tensor(tables, torch.int32, dev).reshape(len(seqs), max_blocks)
         shared = 0
         if self.cascade and not prefills:
             from pagedgen.attention.cascade import common_prefix_blocks

@@ -54,17 +54,12 @@ class CascadeInputs:
     suffix_tables: torch.Tensor
     suffix_lens: torch.Tensor
     suffix_lens_cpu: list[int]
-    prefix_tokens: int = 0
 
     @classmethod
     def for_step(cls, md: AttentionMetadata) -> CascadeInputs:
         """Fresh tensors for an eager decode step with ``md.cascade_blocks`` shared pages."""
-        p = md.cascade_blocks
-        tokens = p * md.block_size
-        return cls(md.block_tables[:1, :p].contiguous(),
-                   torch.full((1,), tokens, dtype=torch.int32, device=md.seq_lens.device),
-                   md.block_tables[:, p:].contiguous(), (md.seq_lens - tokens).clamp_(min=1),
-                   [max(1, n - tokens) for n in md.seq_lens_cpu], tokens)
+        rows, width = md.block_tables.shape
+        return cls.static(rows, width, md.block_tables.device).fill(md)
 
     @classmethod
     def static(cls, batch_size: int, width: int, device: torch.device) -> CascadeInputs:
@@ -76,7 +71,7 @@ class CascadeInputs:
                    torch.ones(batch_size, dtype=i32, device=device), [1] * batch_size)
 
     def fill(self, md: AttentionMetadata) -> CascadeInputs:
-        """Copy a step's halves into these static buffers (outside the graph); returns self."""
+        """Copy a step's halves into these buffers (outside any graph); returns self."""
         p, width = md.cascade_blocks, md.block_tables.shape[1]
         tokens = p * md.block_size
         self.prefix_table[:, :p].copy_(md.block_tables[:1, :p])
@@ -84,8 +79,27 @@ class CascadeInputs:
         self.suffix_tables[:, :width - p].copy_(md.block_tables[:, p:])
         torch.sub(md.seq_lens, tokens, out=self.suffix_lens).clamp_(min=1)
         self.suffix_lens_cpu = [max(1, n - tokens) for n in md.seq_lens_cpu]
-        self.prefix_tokens = tokens
         return self
+
+
+class CascadeBuffers:
+    """A backend state's cascade inputs: static ones per CUDA-graph batch size, fresh ones for
+    eager steps."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.by_batch: dict[int, CascadeInputs] = {}
+
+    def allocate(self, batch_size: int, max_num_pages: int) -> None:
+        """For a cascade graph of ``batch_size`` decodes (``make_graph_plan``)."""
+        self.by_batch[batch_size] = CascadeInputs.static(batch_size, max_num_pages // batch_size,
+                                                         self.device)
+
+    def inputs(self, md: AttentionMetadata, graph_batch_size: int | None) -> CascadeInputs:
+        """The step's halves: into the graph's buffers, or fresh for an eager step."""
+        if graph_batch_size is None:
+            return CascadeInputs.for_step(md)
+        return self.by_batch[graph_batch_size].fill(md)
 
 
 def merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Tensor

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
-from pagedgen.attention.cascade import MIN_SEQS, CascadeInputs, merge
+from pagedgen.attention.cascade import MIN_SEQS, CascadeBuffers, CascadeInputs, merge
 from pagedgen.attention.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.profiling import scope
@@ -212,7 +212,7 @@ class FlashAttnState(AttentionState):
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = self.cascade is not None and not any(
             s.sliding_window for s in layer_specs)
-        self.cascade_buffers: dict[int, CascadeInputs] = {}  # by CUDA-graph batch size
+        self.cascade_buffers = CascadeBuffers(device)
         self.warmup_s = 0.0
         self.compiled_at_warmup = 0
         self._compiled_before = _compiled_variants(self.module)
@@ -222,16 +222,14 @@ class FlashAttnState(AttentionState):
         """Plain graphs capture the runner's block tables and lengths; cascade graphs also
         their own prefix and suffix buffers."""
         if cascade:
-            self.cascade_buffers[batch_size] = CascadeInputs.static(
-                batch_size, max_num_pages // batch_size, self.device)
+            self.cascade_buffers.allocate(batch_size, max_num_pages)
 
     def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
                       ) -> None:
         """Cascade steps only: split the block tables into the shared prefix and suffixes."""
         md = metadata
         if md.cascade_blocks:
-            md.plan = (CascadeInputs.for_step(md) if graph_batch_size is None
-                       else self.cascade_buffers[graph_batch_size].fill(md))
+            md.plan = self.cascade_buffers.inputs(md, graph_batch_size)
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:

@@ -156,8 +156,8 @@ class FlashInferState(AttentionState):
             kv_indptr = torch.tensor([0, pages], dtype=torch.int32)
             kv_last = torch.tensor([md.block_size], dtype=torch.int32)
             for (window_left, cap), w in plan.prefix.items():
-                w.plan(qo, kv_indptr, x.prefix_table[0], kv_last, s.num_heads, s.num_kv_heads,
-                       s.head_size, md.block_size, causal=False, sm_scale=s.scale,
+                w.plan(qo, kv_indptr, x.prefix_table[0, :pages], kv_last, s.num_heads,
+                       s.num_kv_heads, s.head_size, md.block_size, causal=False, sm_scale=s.scale,
                        logits_soft_cap=cap or None, **common)
             indptr, indices, last = paged_kv_arrays(x.suffix_lens_cpu, x.suffix_lens,
                                                     x.suffix_tables, md.block_size)

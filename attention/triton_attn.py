@@ -22,7 +22,7 @@ import torch
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
-from pagedgen.attention.cascade import CascadeInputs
+from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs
 from pagedgen.attention.kv_cache import write_kv_triton
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
@@ -67,7 +67,7 @@ class TritonState(AttentionState):
             if device.type == "cuda" else 64
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(x.sliding_window for x in layer_specs)
-        self.cascade_buffers: dict[int, CascadeInputs] = {}  # by CUDA-graph batch size
+        self.cascade_buffers = CascadeBuffers(device)
         self._prefix_tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def num_splits(self, batch: int, max_seq_len: int | None) -> int:
@@ -83,8 +83,7 @@ class TritonState(AttentionState):
         """The decode grid depends on the batch size only; cascade graphs also capture their
         prefix and suffix buffers."""
         if cascade:
-            self.cascade_buffers[batch_size] = CascadeInputs.static(
-                batch_size, max_num_pages // batch_size, self.device)
+            self.cascade_buffers.allocate(batch_size, max_num_pages)
 
     def prefix_tiles(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Cascade: the prefill kernel's tiles over ``batch`` decode queries as one sequence
@@ -112,8 +111,7 @@ class TritonState(AttentionState):
             arr = arr.to(self.device, non_blocking=True)
             plan.tile_seq, plan.tile_qstart = arr[:, 0].contiguous(), arr[:, 1].contiguous()
         if md.cascade_blocks:  # decode-only
-            plan.cascade = (CascadeInputs.for_step(md) if graph_batch_size is None
-                            else self.cascade_buffers[graph_batch_size].fill(md))
+            plan.cascade = self.cascade_buffers.inputs(md, graph_batch_size)
             plan.prefix_tiles = self.prefix_tiles(md.num_decodes)
             plan.num_splits = self.num_splits(
                 md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
