@@ -19,8 +19,12 @@ _BACKENDS: dict[str, str] = {
     "sdpa": "pagedgen.attention.sdpa:SdpaBackend",
     "eager": "pagedgen.attention.eager:EagerBackend",
 }
-# `auto` takes the first available backend in this order.
-_AUTO_ORDER = {"cuda": ["flashinfer", "flash-attn", "triton", "sdpa", "eager"], "cpu": ["sdpa", "eager"]}
+# `auto` takes the first available backend in this order (measured on the H100: README,
+# "Backends"). flash-attn leads only with FA4 or FA3, whose page sizes are free; FA2's paged
+# kernels need pages of 256 tokens, where flashinfer is the better default.
+_AUTO_ORDER = {"cuda": ["flash-attn", "flashinfer", "triton", "sdpa", "eager"],
+               "cpu": ["sdpa", "eager"]}
+_AUTO_FLAVOURS = {"flash-attn": ("fa4", "fa3")}
 
 
 def register_backend(name: str, target: str) -> None:
@@ -67,6 +71,12 @@ def unavailable_reason(name: str, device: torch.device) -> str | None:
         return f"failed to load: {type(e).__name__}: {e}"
 
 
+def _auto_flavour_ok(name: str, device: torch.device) -> bool:
+    """Whether ``auto`` may take backend ``name`` for the flavour it would run here."""
+    flavours = _AUTO_FLAVOURS.get(name)
+    return flavours is None or _load(name).flavour(device).name in flavours
+
+
 def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend called ``name`` (or the best for ``device`` when ``auto``).
 
@@ -76,7 +86,7 @@ def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     available = [s.name for s in status.values() if s.available]
     if name == "auto":
         for cand in _AUTO_ORDER.get(device.type, ["eager"]):
-            if cand in status and status[cand].available:
+            if cand in status and status[cand].available and _auto_flavour_ok(cand, device):
                 return _load(cand)
         raise PagedgenError(f"no attention backend runs on {device}")
     if name not in status:

@@ -1,13 +1,17 @@
 """Attention kernel throughput per backend on fixed shapes (issues 6 and 7).
 
-32 query / 8 KV heads, head_dim 128, bf16, page sizes ``--page-sizes`` (default 16), NHD cache:
-  decode 64 x 4096 and 1 x 32768 (GB/s of K/V read), prefill 8 x 4096 causal (TFLOP/s).
+``--heads`` query/KV heads (default 32/8, Llama-3-8B's), head_dim 128, bf16, page sizes
+``--page-sizes`` (default 16, and each backend's own with 0), NHD cache; ``--shapes`` (default:
+decode 64 x 4096 and 1 x 32768, in GB/s of K/V read; prefill 8 x 4096 causal, in TFLOP/s).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two CUDA events (decode: replayed from a CUDA graph when the backend
 supports graphs, so host launch overhead is not counted); the forward includes writing the new
 tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
 
-    python benchmarks/attention_kernels.py --backends flashinfer,triton,flash-attn --page-sizes 16,128
+    python benchmarks/attention_kernels.py --backends flashinfer,triton,flash-attn \
+        --page-sizes 16,128
+    python benchmarks/attention_kernels.py --backends flash-attn,flashinfer --page-sizes 0 \
+        --heads 16/8 --shapes decode:256x1100,decode:64x1100
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import torch
 from pagedgen.attention.backend import AttentionMetadataBuilder, LayerSpec, ScheduledSeq
 from pagedgen.attention.registry import get_backend
 
-HQ, HKV, D = 32, 8, 128
+D = 128
+DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
 
 
-def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: int) -> dict:
+def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: int,
+          HQ: int = 32, HKV: int = 8) -> dict:
     dev = torch.device("cuda")
     backend = get_backend(backend_name, dev)
+    page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
     n_new = 1 if kind == "decode" else ctx
     pages_per_seq = -(-ctx // page)
@@ -68,7 +75,7 @@ def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: 
     torch.cuda.synchronize()
     s = a.elapsed_time(b) / 1000 / iters
     res = {"backend": backend_name, "kind": kind, "batch": batch, "context": ctx, "page": page,
-           "cuda_graph": graphed, "ms": s * 1000}
+           "heads": f"{HQ}/{HKV}", "cuda_graph": graphed, "ms": s * 1000}
     if kind == "decode":
         res["GB_s"] = batch * ctx * HKV * D * 2 * 2 / s / 1e9
     else:
@@ -82,15 +89,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backends", default="flashinfer,triton")
     ap.add_argument("--page-sizes", default="16")
+    ap.add_argument("--heads", default="32/8", help="query/KV heads")
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kind:batchxcontext, ...")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    hq, hkv = map(int, args.heads.split("/"))
+    shapes = [(kind, *map(int, bc.split("x"))) for kind, bc in
+              (sh.split(":") for sh in args.shapes.split(","))]
     rows = []
     for name in args.backends.split(","):
         for page in map(int, args.page_sizes.split(",")):
-            for kind, batch, ctx in (("decode", 64, 4096), ("decode", 1, 32768),
-                                     ("prefill", 8, 4096)):
-                r = bench(name, kind, batch, ctx, page, args.iters)
+            for kind, batch, ctx in shapes:
+                r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv)
                 rows.append(r)
                 print(json.dumps(r), flush=True)
     if args.json:

@@ -179,7 +179,9 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
-                                "graph_capture_s", "load_time_s") if k in res})
+                                "graph_capture_s", "load_time_s", "startup_breakdown_s",
+                                "prefill_tokens_per_s", "decode_tokens_per_s", "steps",
+                                "decode_steps") if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
         res = run_vllm(name, None, src.hf_config, same_limits(cfg), repeats=repeats)

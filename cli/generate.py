@@ -249,7 +249,8 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
 
     start, wall = stream_output(rf, writer, len(todo), run, quiet)
     return summarize(engine, wall, start, {**extra, "load_time_s": load_s,
-                                           **startup(engine.stats.first_step_wall_time)})
+                                           **startup(engine.stats.first_step_wall_time,
+                                                   engine.runner.startup_phases)})
 
 
 def stream_output(rf, writer: OutputWriter | ShardWriter, total: int, run, quiet: bool

@@ -58,19 +58,28 @@ def summarize(engine: Engine, wall: float, start: float,
         out["graph_capture_s"] = runner.graphs.capture_time_s
         out["graph_memory_bytes"] = runner.graphs.memory_bytes
     out.update(runner.attn_state.compile_stats())
+    out["startup_breakdown_s"] = dict(runner.startup_phases)
     if runner.host_steps["decode"]:
         out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
     return out
 
 
-def startup(first_step_wall_time: float | None) -> dict[str, float]:
+def startup(first_step_wall_time: float | None, phases: dict[str, float] | None = None
+            ) -> dict[str, Any]:
     """``{"startup_s": ...}``: from this process's start (interpreter and imports included) to
-    the first step (``time.time()`` then); empty where either is unknown."""
+    the first step (``time.time()`` then); empty where either is unknown. With the runner's
+    start-up ``phases``, also their breakdown, led by what came before them (interpreter,
+    imports, reading and tokenizing the input)."""
     age = process_age()
     if age is None or first_step_wall_time is None:
         return {}
-    return {"startup_s": age - (time.time() - first_step_wall_time)}
+    total = age - (time.time() - first_step_wall_time)
+    out: dict[str, Any] = {"startup_s": total}
+    if phases:
+        out["startup_breakdown_s"] = {"imports_and_input": total - sum(phases.values()),
+                                      **phases}
+    return out
 
 
 def process_age() -> float | None:
@@ -85,6 +94,10 @@ def process_age() -> float | None:
 
 def format_value(key: str, value: Any) -> str:
     """A summary value as tables show it (the unit comes from the key's suffix)."""
+    if isinstance(value, dict):  # named parts in the key's unit
+        unit = key[key.rfind("_"):]
+        return ", ".join(f"{k.replace('_', ' ')} {format_value(unit, v)}"
+                         for k, v in value.items())
     if isinstance(value, bool):
         return "on" if value else "off"
     if key.endswith("_ms_per_step"):
@@ -105,14 +118,16 @@ def format_value(key: str, value: Any) -> str:
 _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token",
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
            "load_time_s": "model load time",
-           "startup_s": "start-up (command to first step)", "skipped_resumed": "skipped (already done)",
+           "startup_s": "start-up (command to first step)",
+           "startup_breakdown_s": "start-up breakdown", "skipped_resumed": "skipped (already done)",
            "input_time_s": "input read, validated and tokenized in",
            "samples": "samples (n per request)",
            "prefix_cache_hit_rate": "prefix-cache hit rate (admitted tokens)",
            "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
            "prefix_cache_evicted_blocks": "cached blocks evicted",
            "kv_cache_blocks": "KV-cache blocks",
-           "peak_kv_blocks_used": "most KV-cache blocks in use", "graph_capture_s": "CUDA-graph capture time",
+           "peak_kv_blocks_used": "most KV-cache blocks in use",
+           "graph_capture_s": "CUDA-graph capture time",
            "graph_memory_bytes": "CUDA-graph memory",
            "decode_host_ms_per_step": "host time per decode step",
            "block_size": "KV page size (tokens)",

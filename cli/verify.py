@@ -6,16 +6,23 @@ Tolerances live in ``KERNEL_TOL`` and ``MODEL_TOL`` below; docs/VERIFY.md explai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import multiprocessing as mp
+import os
 import time
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                           TimeElapsedColumn)
 from rich.table import Table
 
 from pagedgen.attention.backend import AttentionBackend
@@ -89,47 +96,81 @@ def page_sizes(backend: type[AttentionBackend]) -> list[int]:
     return sorted(pages | {backend.resolve_block_size(None)})
 
 
-def check_kernels(backend: type[AttentionBackend], device: torch.device, cases: int, seed: int
-                  ) -> list[Row]:
-    sizes = [h for h in HEAD_SIZES if h in backend.get_supported_head_sizes()]
-    pages = page_sizes(backend)
-    rows = []
-    for label, dtype, opts in kernel_groups(backend, device):
-        worst_abs = worst_rel = 0.0
-        bad_cache = 0
-        for i in range(cases):
-            gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
-            head = sizes[(i // len(GQA_RATIOS)) % len(sizes)]
-            page = pages[(i // (len(GQA_RATIOS) * len(sizes))) % len(pages)]
-            b = make_paged_batch(seed * 100_003 + i, num_heads=2 * gqa, num_kv_heads=2,
-                                 head_size=head, block_size=page, dtype=dtype, device=device,
-                                 num_prefills=1 + i % 3, num_decodes=1 + (i * 7) % 6,
-                                 max_context=3 * page + 5, max_new=2 * page + 3, **opts)
-            ref, ref_cache = run_backend(EagerBackend, b)
-            out, cache = run_backend(backend, b)
-            err = (out.float() - ref.float()).abs().max().item()
-            worst_abs = max(worst_abs, err)
-            worst_rel = max(worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
-            bad_cache += not torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
-        tol = FP8_KV_TOL if "cache_dtype" in opts else KERNEL_TOL[dtype]
-        ok = worst_abs <= tol and bad_cache == 0
-        detail = f"{bad_cache} case(s) wrote the KV cache differently" if bad_cache else ""
-        rows.append(Row("kernel", label, cases, worst_abs, worst_rel, tol, ok, detail))
-    row = check_cascade(backend, device, cases, seed, sizes, pages)
-    return rows + ([row] if row else [])
+@dataclass
+class Partial:
+    """Worst errors over some of a kernel check group's cases (the group's row is the
+    combination of its parts, which may run in different processes)."""
+
+    cases: int = 0
+    worst_abs: float = 0.0
+    worst_rel: float = 0.0
+    bad_cache: int = 0
+
+    def add(self, out: torch.Tensor, ref: torch.Tensor, same_cache: bool = True) -> None:
+        err = (out.float() - ref.float()).abs().max().item()
+        self.cases += 1
+        self.worst_abs = max(self.worst_abs, err)
+        self.worst_rel = max(self.worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
+        self.bad_cache += not same_cache
+
+    @staticmethod
+    def combine(parts: list["Partial"]) -> "Partial":
+        return Partial(sum(p.cases for p in parts), max(p.worst_abs for p in parts),
+                       max(p.worst_rel for p in parts), sum(p.bad_cache for p in parts))
 
 
-def check_cascade(backend: type[AttentionBackend], device: torch.device, cases: int, seed: int,
-                  sizes: list[int], pages: list[int]) -> Row | None:
+def _shapes(backend: type[AttentionBackend]) -> tuple[list[int], list[int]]:
+    """The head sizes and page sizes checked for ``backend``."""
+    return [h for h in HEAD_SIZES if h in backend.get_supported_head_sizes()], page_sizes(backend)
+
+
+def kernel_cases(name: str, device: torch.device, dtype: torch.dtype, opts: dict,
+                 case_ids: list[int], seed: int) -> Partial:
+    """Cases ``case_ids`` of one kernel group: random mixed prefill/decode batches through
+    backend ``name`` and through eager, outputs and written caches compared. Case ``i`` cycles
+    through the GQA ratios, then head sizes, then page sizes."""
+    backend = get_backend(name, device)
+    sizes, pages = _shapes(backend)
+    part = Partial()
+    for i in case_ids:
+        gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
+        head = sizes[(i // len(GQA_RATIOS)) % len(sizes)]
+        page = pages[(i // (len(GQA_RATIOS) * len(sizes))) % len(pages)]
+        b = make_paged_batch(seed * 100_003 + i, num_heads=2 * gqa, num_kv_heads=2,
+                             head_size=head, block_size=page, dtype=dtype, device=device,
+                             num_prefills=1 + i % 3, num_decodes=1 + (i * 7) % 6,
+                             max_context=3 * page + 5, max_new=2 * page + 3, **opts)
+        ref, ref_cache = run_backend(EagerBackend, b)
+        out, cache = run_backend(backend, b)
+        part.add(out, ref, torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)))
+    return part
+
+
+def kernel_row(label: str, dtype: torch.dtype, opts: dict, parts: list[Partial]) -> Row:
+    p = Partial.combine(parts)
+    tol = FP8_KV_TOL if "cache_dtype" in opts else KERNEL_TOL[dtype]
+    detail = f"{p.bad_cache} case(s) wrote the KV cache differently" if p.bad_cache else ""
+    return Row("kernel", label, p.cases, p.worst_abs, p.worst_rel, tol,
+               p.worst_abs <= tol and p.bad_cache == 0, detail)
+
+
+def cascade_dtype(backend: type[AttentionBackend]) -> torch.dtype:
+    return next(d for d in (torch.bfloat16, torch.float16, torch.float32)
+                if d in backend.supported_dtypes)
+
+
+def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: int
+                  ) -> Partial | None:
     """Cascade decode (decodes sharing their first pages: the prefix attended once for the
     batch) against eager attention; None when the backend's state has no cascade. One head
     size (128 where supported): the split and merge do not depend on it, and each shape is one
     more kernel variant to compile (FA4)."""
+    backend = get_backend(name, device)
+    sizes, pages = _shapes(backend)
     sizes = [128] if 128 in sizes else sizes
-    dtype = next(d for d in (torch.bfloat16, torch.float16, torch.float32)
-                 if d in backend.supported_dtypes)
-    worst_abs = worst_rel = 0.0
-    for i in range(cases):
+    dtype = cascade_dtype(backend)
+    part = Partial()
+    for i in case_ids:
         gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
         page = pages[(i // len(GQA_RATIOS)) % len(pages)]
         b = make_shared_prefix_batch(
@@ -142,12 +183,17 @@ def check_cascade(backend: type[AttentionBackend], device: torch.device, cases: 
             return None
         ref, _ = run_backend(EagerBackend, b)
         out, _ = run_backend(backend, b, state)
-        err = (out.float() - ref.float()).abs().max().item()
-        worst_abs = max(worst_abs, err)
-        worst_rel = max(worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
+        part.add(out, ref)
+    return part
+
+
+def cascade_row(dtype: torch.dtype, parts: list[Partial | None]) -> Row | None:
+    if any(p is None for p in parts):
+        return None
+    p = Partial.combine(parts)
     tol = KERNEL_TOL[dtype]
     return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (shared prefix)",
-               cases, worst_abs, worst_rel, tol, worst_abs <= tol)
+               p.cases, p.worst_abs, p.worst_rel, tol, p.worst_abs <= tol)
 
 
 def _model_config(backend_name: str, model: str, dtype: str, device: torch.device, seed: int,
@@ -284,27 +330,122 @@ def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.
                         f"{same}/{b.num_output_tokens}")
 
 
-def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
-                   steps: int, seed: int, tp: int = 1) -> BackendReport:
+CHUNK = 6  # kernel cases per task: each task's compiles stay short against the whole run
+
+Task = tuple[Callable[..., Any], tuple]  # a module-level function and its arguments
+
+
+@dataclass
+class Check:
+    """One report row: the tasks that compute it (run here or in worker processes) and how
+    their results make the row (None: no row, e.g. a backend without cascade)."""
+
+    tasks: list[Task]
+    finish: Callable[[list[Any]], Row | None]
+
+
+def _single(results: list[Row]) -> Row:
+    return results[0]
+
+
+def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
+                 steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
+    """The report for backend ``name`` (skipped or the reference: final) and its checks."""
     if name == "eager":
         return BackendReport(name, "reference", "the reference itself (tested against a dense "
-                                                "float64 computation in the test suite)")
+                                                "float64 computation in the test suite)"), []
     status = {s.name: s for s in backend_status(device)}[name]
     if not status.available:
-        return BackendReport(name, "skipped", status.reason)
+        return BackendReport(name, "skipped", status.reason), []
     backend = get_backend(name, device)
-    report = BackendReport(name, "checked")
-    report.rows += check_kernels(backend, device, cases, seed)
-    graph_modes = [False] + ([True] if backend.supports_cuda_graphs and device.type == "cuda"
-                             else [])
-    for graphs in graph_modes:
-        report.rows.append(check_model(name, model, dtype, device, steps, seed, graphs))
+    chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
+    checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
+                    functools.partial(kernel_row, label, dt, opts))
+              for label, dt, opts in kernel_groups(backend, device)]
+    checks.append(Check([(cascade_cases, (name, device, c, seed)) for c in chunks],
+                        functools.partial(cascade_row, cascade_dtype(backend))))
+    for graphs in graph_modes(backend, device):
+        checks.append(Check([(check_model, (name, model, dtype, device, steps, seed, graphs))],
+                            _single))
     for page in page_sizes(backend):
-        report.rows.append(check_prefix_cache(name, model, dtype, device, steps, seed, page))
-    if tp > 1:
-        report.rows.append(check_tensor_parallel(name, model, dtype, device, steps, seed, tp,
-                                                 graph_modes[-1]))
-    return report
+        checks.append(Check([(check_prefix_cache,
+                              (name, model, dtype, device, steps, seed, page))], _single))
+    return BackendReport(name, "checked"), checks
+
+
+def graph_modes(backend: type[AttentionBackend], device: torch.device) -> list[bool]:
+    """Model checks run eagerly, and with CUDA graphs where the backend captures them."""
+    return [False] + ([True] if backend.supports_cuda_graphs and device.type == "cuda" else [])
+
+
+def default_jobs(device: torch.device) -> int:
+    """Worker processes for the checks: one per core (up to 16) on a GPU, where the time goes
+    into single-threaded kernel compiles; none on the CPU, where the checks share the cores."""
+    return min(16, os.cpu_count() or 1) if device.type == "cuda" else 1
+
+
+def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
+                   steps: int, seed: int, jobs: int = 1) -> BackendReport:
+    """Backend ``name``'s report, printing nothing."""
+    return run_plans([plan_backend(name, device, model, dtype, cases, steps, seed)], jobs)[0]
+
+
+class _Deferred:
+    """A task run when its result is asked for (``jobs`` 1: in order, in this process)."""
+
+    def __init__(self, fn: Callable[..., Any], args: tuple) -> None:
+        self.fn, self.args = fn, args
+
+    def result(self) -> Any:
+        return self.fn(*self.args)
+
+
+def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
+              out: Console | None = None,
+              sharded: Callable[[str], Row | None] = lambda name: None) -> list[BackendReport]:
+    """Run every check's tasks (in ``jobs`` worker processes, or here in order for 1); with
+    ``out``, show progress and print each backend's table as soon as its rows are in.
+    ``sharded`` adds the tensor-parallel row (run here: it starts its own rank processes)."""
+    tasks = [t for _, checks in plans for c in checks for t in c.tasks]
+    shown = out is not None and (out.is_terminal or console.is_terminal)
+    progress = Progress(TextColumn("[bold]verifying"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=out if out and out.is_terminal else console,
+                        transient=True, disable=not shown)
+    pool = None
+    if jobs > 1 and len(tasks) > 1:
+        pool = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=mp.get_context("spawn"))
+    try:
+        with progress:
+            bar = progress.add_task("checks", total=len(tasks))
+            pending = iter([pool.submit(fn, *args) if pool else _Deferred(fn, args)
+                            for fn, args in tasks])
+            for report, checks in plans:
+                for c in checks:
+                    results = []
+                    for _ in c.tasks:
+                        results.append(_result(next(pending)))
+                        progress.advance(bar)
+                    row = c.finish(results)
+                    if row is not None:
+                        report.rows.append(row)
+                if report.status == "checked":
+                    row = sharded(report.backend)
+                    if row is not None:
+                        report.rows.append(row)
+                if out is not None:
+                    render([report], out)
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+    return [r for r, _ in plans]
+
+
+def _result(task: Future | _Deferred) -> Any:
+    try:
+        return task.result()
+    except BrokenProcessPool as e:
+        raise PagedgenError(f"a verify worker process died ({e}); rerun with --jobs 1 to see "
+                            f"where")
 
 
 def render(reports: list[BackendReport], console: Console) -> None:
@@ -336,6 +477,9 @@ def verify(
         help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "
              "against one rank's eager run."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
+    jobs: int = typer.Option(
+        0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
+                       "where kernel compiles dominate; 1 on the CPU)."),
 ) -> None:
     """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
     from pagedgen.runtime.config import EngineConfig
@@ -349,11 +493,13 @@ def verify(
         dev = EngineConfig(device=device or "auto").torch_device()
         t0 = time.perf_counter()
         out = out_console()
-        reports = []
-        for n in (names if backend == "all" else [backend]):
-            reports.append(verify_backend(n, dev, model, dtype, cases, steps, seed,
-                                          tensor_parallel_size))
-            render(reports[-1:], out)  # as each backend finishes
+        plans = [plan_backend(n, dev, model, dtype, cases, steps, seed)
+                 for n in (names if backend == "all" else [backend])]
+        reports = run_plans(plans, jobs or default_jobs(dev), out,
+                            lambda name: check_tensor_parallel(
+                                name, model, dtype, dev, steps, seed, tensor_parallel_size,
+                                graph_modes(get_backend(name, dev), dev)[-1])
+                            if tensor_parallel_size > 1 else None)
     except PagedgenError as e:
         console.print(f"[bold red]error:[/] {escape(str(e))}")
         raise typer.Exit(2)

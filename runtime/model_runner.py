@@ -95,13 +95,18 @@ class ModelRunner:
         if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
             raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
         self.max_model_len = config.context_limit(hf)
+        # Seconds each start-up phase took (the summary's start-up breakdown).
+        self.startup_phases: dict[str, float] = {}
+        t = time.perf_counter()
         self.tp.enable_one_shot(self.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
                                  self.tp)
         self.model.setup_rotary(self.max_model_len, self.device)
-        self.fused_kernels = config.fused_kernels and fused_ops.unavailable_reason(self.device) is None
+        t = self._phase("model", t)
+        self.fused_kernels = (config.fused_kernels
+                              and fused_ops.unavailable_reason(self.device) is None)
         self.model.use_fused_kernels(self.fused_kernels)
         self.attn_state = self.backend.get_state_cls()(
             self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
@@ -110,18 +115,21 @@ class ModelRunner:
         # Kernels that compile at first use compile now, before memory profiling and capture.
         self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
                                self.max_model_len)
+        t = self._phase("attention", t)
         # Decode steps whose sequences share prefix pages attend them once (cascade attention).
         self.builder = AttentionMetadataBuilder(
             self.block_size, self.device,
             cascade=config.cascade_attention and self.attn_state.supports_cascade)
         self.cascade_steps = 0
         self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
+        t = self._phase("memory_profile", t)
         if self.num_blocks < 2:
             raise PagedgenError("the KV cache needs at least 2 blocks")
         # The last block is never handed out: CUDA-graph padding rows write into it.
         self.scratch_block = self.num_blocks - 1
         self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        t = self._phase("kv_cache", t)
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
         self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
@@ -131,6 +139,16 @@ class ModelRunner:
                 and not config.enforce_eager:
             self.graphs = CudaGraphRunner(self)
             self.graphs.capture()
+            self._phase("cuda_graphs", t)
+
+    def _phase(self, name: str, since: float) -> float:
+        """Record start-up phase ``name`` as ending now (after the device is idle); returns
+        now, the next phase's start."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.startup_phases[name] = now - since
+        return now
 
     def host_ms_per_step(self, kind: str = "decode") -> float:
         """Mean host time (metadata preparation + planning) per step of ``kind``, in ms."""

@@ -109,3 +109,25 @@ def test_flashinfer_paged_kv_arrays_from_block_tables():
     assert indptr.tolist() == [0, 3, 4, 5]
     assert indices.tolist() == [5, 6, 7, 1, 9]
     assert last.tolist() == [1, 16, 1]
+
+
+@pytest.mark.parametrize("flavour,expected", [("fa4", "flash-attn"), ("fa3", "flash-attn"),
+                                              ("fa2", "flashinfer")])
+def test_auto_prefers_flash_attn_with_fa4_or_fa3(monkeypatch, flavour, expected):
+    """On a GPU, auto takes flash-attn when it runs FA4 or FA3 (fastest in our measurements),
+    flashinfer when flash-attn could only run FA2 (pages of 256)."""
+    from types import SimpleNamespace
+
+    from pagedgen.attention import registry
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def flavour(self, device):
+            return SimpleNamespace(name=flavour)
+
+    monkeypatch.setattr(registry, "backend_status", lambda device: [
+        registry.BackendStatus(n, True, "") for n in ("flashinfer", "flash-attn", "triton")])
+    monkeypatch.setattr(registry, "_load", Stub)
+    assert registry.get_backend("auto", torch.device("cuda")).name == expected

@@ -91,10 +91,10 @@ def test_cascade_kernels_match_eager(name):
     """`verify`'s cascade group: decodes sharing their first pages, against eager attention."""
     if name == "none":
         pytest.skip("needs a CUDA GPU")
-    from pagedgen.cli.verify import check_cascade, page_sizes
-    backend = get_backend(name, torch.device("cuda"))
-    sizes = [h for h in (64, 128, 256) if h in backend.get_supported_head_sizes()]
-    row = check_cascade(backend, torch.device("cuda"), 8, 0, sizes, page_sizes(backend))
+    from pagedgen.cli.verify import cascade_cases, cascade_dtype, cascade_row
+    dev = torch.device("cuda")
+    row = cascade_row(cascade_dtype(get_backend(name, dev)),
+                      [cascade_cases(name, dev, list(range(8)), 0)])
     if row is None:
         pytest.skip(f"{name} has no cascade decode")
     print(f"{name}: {row.group} worst abs {row.worst_abs:.2e} (tol {row.tol})")

@@ -69,6 +69,33 @@ def test_verify_passes_sdpa_and_writes_json(tmp_path):
     assert all(r["worst_abs"] <= r["tol"] for r in rep["rows"] if r["kind"] == "kernel")
 
 
+def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
+    """--jobs 2 splits kernel groups into tasks run by 2 processes; the rows (worst errors
+    over the same cases) equal a run in this process."""
+    import pagedgen.cli.verify as verify_mod
+
+    submitted = []
+
+    class CountingPool(verify_mod.ProcessPoolExecutor):
+        def submit(self, fn, *args):
+            submitted.append(fn.__name__)
+            return super().submit(fn, *args)
+
+    monkeypatch.setattr(verify_mod, "ProcessPoolExecutor", CountingPool)
+    rows = {}
+    for jobs in (1, 2):
+        res = invoke("--backend", "sdpa", "--device", "cpu", "--cases", 8, "--steps", 2,
+                     "--jobs", jobs, "--json", tmp_path / f"{jobs}.json")
+        assert res.exit_code == 0, res.output
+        rows[jobs] = json.loads((tmp_path / f"{jobs}.json").read_text())["backends"][0]["rows"]
+    assert rows[1] == rows[2]
+    kernel_rows = [r for r in rows[2] if r["kind"] == "kernel"]
+    assert kernel_rows and all(r["cases"] == 8 for r in kernel_rows)
+    # every kernel group in two tasks (6 + 2 cases), plus the model-level checks
+    assert submitted.count("kernel_cases") == 2 * len(kernel_rows)
+    assert "check_model" in submitted
+
+
 def test_verify_all_lists_gpu_only_backends_as_skipped_on_cpu():
     res = invoke("--backend", "all", *FAST)
     assert res.exit_code == 0, res.output
