@@ -78,20 +78,23 @@ def _auto_flavour_ok(name: str, device: torch.device) -> bool:
 
 
 def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """The backend called ``name`` (or the best for ``device`` when ``auto``).
+    """The backend called ``name`` (or the best for ``device`` when ``auto``). Loads only the
+    backends it considers (a named one; for ``auto``, candidates up to the first that runs),
+    so choosing one never pays for importing the others' libraries.
 
     Raises PagedgenError with a one-line reason when it is unknown or cannot run here.
     """
-    status = {s.name: s for s in backend_status(device)}
-    available = [s.name for s in status.values() if s.available]
     if name == "auto":
         for cand in _AUTO_ORDER.get(device.type, ["eager"]):
-            if cand in status and status[cand].available and _auto_flavour_ok(cand, device):
+            if cand in _BACKENDS and unavailable_reason(cand, device) is None \
+                    and _auto_flavour_ok(cand, device):
                 return _load(cand)
         raise PagedgenError(f"no attention backend runs on {device}")
-    if name not in status:
+    why = unavailable_reason(name, device) if name in _BACKENDS else None
+    if name in _BACKENDS and why is None:
+        return _load(name)
+    available = [s.name for s in backend_status(device) if s.available]
+    if name not in _BACKENDS:
         raise PagedgenError(f"unknown backend '{name}'; available here: {', '.join(available)}")
-    if not status[name].available:
-        raise PagedgenError(f"backend '{name}' is unavailable on {device}: {status[name].reason}; "
-                            f"available here: {', '.join(available)}")
-    return _load(name)
+    raise PagedgenError(f"backend '{name}' is unavailable on {device}: {why}; "
+                        f"available here: {', '.join(available)}")

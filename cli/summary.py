@@ -62,6 +62,7 @@ def summarize(engine: Engine, wall: float, start: float,
     if runner.host_steps["decode"]:
         out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
+    out["startup_breakdown_s"] = out.pop("startup_breakdown_s")  # after the total, if given
     return out
 
 

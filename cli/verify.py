@@ -378,10 +378,20 @@ def graph_modes(backend: type[AttentionBackend], device: torch.device) -> list[b
     return [False] + ([True] if backend.supports_cuda_graphs and device.type == "cuda" else [])
 
 
+WORKER_HOST_BYTES = 4 << 30  # a worker's host memory, with torch and the GPU libraries loaded
+
+
 def default_jobs(device: torch.device) -> int:
-    """Worker processes for the checks: one per core (up to 16) on a GPU, where the time goes
-    into single-threaded kernel compiles; none on the CPU, where the checks share the cores."""
-    return min(16, os.cpu_count() or 1) if device.type == "cuda" else 1
+    """Worker processes for the checks: one per core (up to 16, and as many as free host
+    memory holds) on a GPU, where the time goes into single-threaded kernel compiles; none on
+    the CPU, where the checks share the cores."""
+    if device.type != "cuda":
+        return 1
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        free = 16 * WORKER_HOST_BYTES
+    return max(1, min(16, os.cpu_count() or 1, free // WORKER_HOST_BYTES))
 
 
 def verify_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,

@@ -111,23 +111,44 @@ def test_flashinfer_paged_kv_arrays_from_block_tables():
     assert last.tolist() == [1, 16, 1]
 
 
-@pytest.mark.parametrize("flavour,expected", [("fa4", "flash-attn"), ("fa3", "flash-attn"),
-                                              ("fa2", "flashinfer")])
-def test_auto_prefers_flash_attn_with_fa4_or_fa3(monkeypatch, flavour, expected):
+@pytest.mark.parametrize("flavour,expected,loaded", [
+    ("fa4", "flash-attn", ["flash-attn"]), ("fa3", "flash-attn", ["flash-attn"]),
+    ("fa2", "flashinfer", ["flash-attn", "flashinfer"])])
+def test_auto_prefers_flash_attn_with_fa4_or_fa3(monkeypatch, flavour, expected, loaded):
     """On a GPU, auto takes flash-attn when it runs FA4 or FA3 (fastest in our measurements),
-    flashinfer when flash-attn could only run FA2 (pages of 256)."""
+    flashinfer when flash-attn could only run FA2 (pages of 256); it loads no backend past
+    the one it takes."""
     from types import SimpleNamespace
 
     from pagedgen.attention import registry
+
+    seen = []
 
     class Stub:
         def __init__(self, name):
             self.name = name
 
+        def unavailable_reason(self, device):
+            return None
+
         def flavour(self, device):
             return SimpleNamespace(name=flavour)
 
-    monkeypatch.setattr(registry, "backend_status", lambda device: [
-        registry.BackendStatus(n, True, "") for n in ("flashinfer", "flash-attn", "triton")])
-    monkeypatch.setattr(registry, "_load", Stub)
+    def load(name):
+        seen.append(name)
+        return Stub(name)
+
+    monkeypatch.setattr(registry, "_load", load)
     assert registry.get_backend("auto", torch.device("cuda")).name == expected
+    assert sorted(set(seen)) == sorted(loaded)
+
+
+def test_a_named_backend_loads_only_itself(monkeypatch):
+    """`--backend X` imports X's module only (start-up: flashinfer's import alone is ~2 s)."""
+    from pagedgen.attention import registry
+
+    seen = []
+    real = registry._load
+    monkeypatch.setattr(registry, "_load", lambda name: seen.append(name) or real(name))
+    assert get_backend("sdpa", torch.device("cpu")) is SdpaBackend
+    assert set(seen) == {"sdpa"}

@@ -203,3 +203,9 @@ def test_summary_reports_startup_from_the_command(tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["load_time_s"] < summary["startup_s"] < whole
+    # the breakdown: what came before the engine, then the runner's phases; it adds up
+    parts = summary["startup_breakdown_s"]
+    assert list(parts) == ["imports_and_input", "model", "attention", "memory_profile",
+                           "kv_cache"]  # no CUDA graphs on the CPU
+    assert all(v >= 0 for v in parts.values()) and parts["imports_and_input"] > 0
+    assert abs(sum(parts.values()) - summary["startup_s"]) < 1e-6
