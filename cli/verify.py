@@ -423,7 +423,9 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
                         transient=True, disable=not shown)
     pool = None
     if jobs > 1 and len(tasks) > 1:
-        pool = ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=mp.get_context("spawn"))
+        jobs = min(jobs, len(tasks))
+        pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
+                                   initializer=_share_cores, initargs=(jobs,))
     try:
         with progress:
             bar = progress.add_task("checks", total=len(tasks))
@@ -448,6 +450,16 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return [r for r, _ in plans]
+
+
+def _share_cores(jobs: int) -> None:
+    """In a worker: its share of the cores for build tools and torch, so ``jobs`` workers
+    compiling at once do not start ``jobs`` x cores compilers (FlashInfer's JIT runs ninja
+    with ``MAX_JOBS`` jobs, else one per core, each nvcc taking GBs of host memory)."""
+    cores = int(os.environ.get("MAX_JOBS", "0")) or os.cpu_count() or 1
+    share = max(1, cores // jobs)
+    os.environ["MAX_JOBS"] = str(share)
+    torch.set_num_threads(share)
 
 
 def _result(task: Future | _Deferred) -> Any:

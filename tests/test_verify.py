@@ -88,8 +88,14 @@ def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
                      "--jobs", jobs, "--json", tmp_path / f"{jobs}.json")
         assert res.exit_code == 0, res.output
         rows[jobs] = json.loads((tmp_path / f"{jobs}.json").read_text())["backends"][0]["rows"]
-    assert rows[1] == rows[2]
     kernel_rows = [r for r in rows[2] if r["kind"] == "kernel"]
+    assert kernel_rows == [r for r in rows[1] if r["kind"] == "kernel"]
+    # model rows: the same checks; float32 CPU matmuls round differently with the workers'
+    # share of the threads, so their errors agree only to rounding
+    for a, b in zip(rows[1], rows[2], strict=True):
+        assert (a["group"], a["cases"], a["passed"], a["detail"]) == \
+            (b["group"], b["cases"], b["passed"], b["detail"])
+        assert abs(a["worst_abs"] - b["worst_abs"]) < 1e-5
     assert kernel_rows and all(r["cases"] == 8 for r in kernel_rows)
     # every kernel group in two tasks (6 + 2 cases), plus the model-level checks
     assert submitted.count("kernel_cases") == 2 * len(kernel_rows)
@@ -131,6 +137,7 @@ def test_prefix_cache_check_fails_a_prefill_that_ignores_cached_context(tmp_path
     prefix = [r for r in rows if r["group"].startswith("prefix-cached prefill")]
     assert len(prefix) == 2 and not any(r["passed"] for r in prefix)
     good = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "s.json")
+    assert good.exit_code == 0, good.output
     rows = json.loads((tmp_path / "s.json").read_text())["backends"][0]["rows"]
     assert [r["passed"] for r in rows if r["group"].startswith("prefix-cached")] == [True, True]
 
@@ -138,3 +145,23 @@ def test_prefix_cache_check_fails_a_prefill_that_ignores_cached_context(tmp_path
 def test_verify_usage_error_exits_2():
     assert invoke("--backend", "nope", "--device", "cpu").exit_code == 2
     assert invoke("--cases", "0").exit_code == 2
+
+
+def test_verify_workers_share_the_cores(monkeypatch):
+    """Each of N workers gets cores/N build jobs (FlashInfer's ninja reads MAX_JOBS) and torch
+    threads, so N workers compiling at once do not oversubscribe the machine."""
+    import os
+
+    import torch
+
+    from pagedgen.cli.verify import _share_cores
+
+    threads = torch.get_num_threads()
+    monkeypatch.setenv("MAX_JOBS", "16")
+    try:
+        _share_cores(5)
+        assert os.environ["MAX_JOBS"] == "3" and torch.get_num_threads() == 3
+        _share_cores(32)
+        assert os.environ["MAX_JOBS"] == "1"
+    finally:
+        torch.set_num_threads(threads)
