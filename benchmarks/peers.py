@@ -17,7 +17,8 @@ Workloads (``--workloads a,b,c``; workloads.py):
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
 are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
 matmul FLOP/s + for each decode step of an ideal schedule (every request decoding at once),
-max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s).
+max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s); a shared prefix (d) is
+prefilled once and its K/V read once per decode step, as prefix caching and cascade decode do.
 
     python benchmarks/peers.py --json benchmarks/results/h100-peers.json
 """
@@ -47,8 +48,10 @@ from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
 # ---- the roofline estimate ----------------------------------------------------------------------
 
 def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: float,
-               bw: float) -> float:
-    """Lower bound on the workload's time on this GPU (see the module docstring)."""
+               bw: float, shared: int = 0) -> float:
+    """Lower bound on the workload's time on this GPU (see the module docstring). With
+    ``shared``, every prompt starts with the same ``shared`` tokens, and the ideal reuses them:
+    their prefill runs once, and each decode step reads their K/V once for the whole batch."""
     c = hf_config
     layers, hidden = c.num_hidden_layers, c.hidden_size
     head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
@@ -58,13 +61,16 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
     head = hidden * c.vocab_size
     weight_bytes = 2 * (linear + head)  # the embedding table: only the batch's rows are read
     kv_per_token = 2 * layers * kv_dim * 2
-    t = 0.0
-    for p in prompts:  # prefill: linear layers + causal attention, logits for the last token
-        n = len(p)
-        t += (2 * linear * n + 2 * head + 2 * layers * q_dim * n * n) / flops
+    # prefill: linear layers + causal attention (each new token over its context), logits for
+    # the last token; the shared prefix once
+    t = (2 * linear * shared + 2 * layers * q_dim * shared * shared) / flops
+    for p in prompts:
+        n = len(p) - shared
+        t += (2 * linear * n + 2 * head + 4 * layers * q_dim * n * shared
+              + 2 * layers * q_dim * n * n) / flops
     for step in range(1, max(outs)):  # decode: token `step` of every request still running
-        active = [(len(p), o) for p, o in zip(prompts, outs) if o > step]
-        kv = sum(n + step for n, _ in active) * kv_per_token
+        active = [(len(p) - shared, o) for p, o in zip(prompts, outs) if o > step]
+        kv = (shared + sum(n + step for n, _ in active)) * kv_per_token
         compute = 2 * (linear + head) * len(active) / flops
         t += max((weight_bytes + kv) / bw, compute)
     return t
@@ -148,7 +154,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), sum(outs)
-    bound = roofline_s(src.hf_config, prompts, outs, flops, bw)
+    bound = roofline_s(src.hf_config, prompts, outs, flops, bw, wl.shared_prefix_len)
     print(f"workload {name}: {wl}; {in_tok:,} prompt + {out_tok:,} output tokens; roofline "
           f"estimate {bound:.2f} s", flush=True)
     first = len(rows)
@@ -198,7 +204,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     if hf_peers:
         model = hf_model(src.hf_config)
         for peer in hf_peers:
-            if peer == "hf-continuous" and not hasattr(model, "continuous_batching_context_manager"):
+            if peer == "hf-continuous" and not hasattr(model,
+                                                       "continuous_batching_context_manager"):
                 print("transformers has no continuous batching here; skipped", flush=True)
                 continue
 

@@ -18,7 +18,8 @@ import peers  # noqa: E402
 def test_run_engine_repeats_on_one_engine():
     cfg, sampling = common.profile_configs("tiny", device="cpu", backend="sdpa")
     prompts = common.random_prompts(4, 5, 30, vocab=256)
-    params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in (3, 5, 7, 9)]
+    params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True)
+              for n in (3, 5, 7, 9)]
     runs = common.run_engine(cfg, prompts, params, copy_bw=1e11, repeats=2)
     assert len(runs) == 2
     for r in runs:
@@ -46,6 +47,27 @@ def test_roofline_estimate_by_hand():
     kv_token = 2 * 2 * 4 * 2
     step = max((weights + 4 * kv_token) / bw, 2 * (linear + 80) / flops)
     assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+
+
+def test_roofline_estimate_with_a_shared_prefix_by_hand():
+    """(d): the shared prefix is prefilled once and its K/V read once per decode step."""
+    c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
+                        tie_word_embeddings=True)
+    flops, bw = 1e3, 1e2
+    linear = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)
+    prompts, outs = [[9, 9, 1], [9, 9, 2, 3]], [1, 2]
+    # attention: 4 FLOPs per query-key pair per query feature and layer (QK and PV); a causal
+    # block of n tokens has about n^2 / 2 pairs, n new tokens over the prefix n x 2
+    attn = 4 * 2 * 8
+    prefill = (2 * linear * 2 + attn * 2 * 2 / 2  # the prefix, once
+               + 2 * linear * 1 + 2 * 80 + attn * 1 * 2 + attn * 1 * 1 / 2  # 1 new token
+               + 2 * linear * 2 + 2 * 80 + attn * 2 * 2 + attn * 2 * 2 / 2) / flops  # 2 new
+    kv_token = 2 * 2 * 4 * 2
+    step = max((2 * (linear + 80) + (2 + 3) * kv_token) / bw, 2 * (linear + 80) / flops)
+    got = peers.roofline_s(c, prompts, outs, flops, bw, shared=2)
+    assert got == pytest.approx(prefill + step)
+    assert got < peers.roofline_s(c, prompts, outs, flops, bw)  # no reuse costs more
 
 
 def test_transformers_peers_run_the_requested_lengths():
