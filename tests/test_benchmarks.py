@@ -35,12 +35,16 @@ def test_workload_requests_are_fixed_and_in_range():
     assert all(100 <= len(p) <= 1024 for p in a) and all(100 <= n <= 1024 for n in outs)
 
 
+# 2 layers, hidden 8, 2 query heads and 1 KV head of 4, MLP 16, vocabulary 10 (tied)
+ROOFLINE_CONFIG = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
+                                  num_key_value_heads=1, head_dim=4, intermediate_size=16,
+                                  vocab_size=10, tie_word_embeddings=True)
+ROOFLINE_LINEAR = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)  # matmul weights a token meets
+
+
 def test_roofline_estimate_by_hand():
-    c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
-                        tie_word_embeddings=True)
+    c, linear = ROOFLINE_CONFIG, ROOFLINE_LINEAR
     flops, bw = 1e3, 1e2
-    linear = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)
     prefill = (2 * linear * 3 + 2 * 80 + 2 * 2 * 8 * 9) / flops
     assert peers.roofline_s(c, [[1, 2, 3]], [1], flops, bw) == pytest.approx(prefill)
     weights = 2 * (linear + 80)
@@ -51,11 +55,8 @@ def test_roofline_estimate_by_hand():
 
 def test_roofline_estimate_with_a_shared_prefix_by_hand():
     """(d): the shared prefix is prefilled once and its K/V read once per decode step."""
-    c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
-                        num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
-                        tie_word_embeddings=True)
+    c, linear = ROOFLINE_CONFIG, ROOFLINE_LINEAR
     flops, bw = 1e3, 1e2
-    linear = 2 * (8 * (8 + 2 * 4) + 8 * 8 + 3 * 8 * 16)
     prompts, outs = [[9, 9, 1], [9, 9, 2, 3]], [1, 2]
     # attention: 4 FLOPs per query-key pair per query feature and layer (QK and PV); a causal
     # block of n tokens has about n^2 / 2 pairs, n new tokens over the prefix n x 2
