@@ -29,7 +29,7 @@ from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention import cascade
 from pagedgen.attention.cases import make_paged_batch, make_shared_prefix_batch, run_backend
 from pagedgen.attention.eager import EagerBackend
-from pagedgen.attention.registry import backend_names, backend_status, get_backend
+from pagedgen.attention.registry import backend_names, get_backend, unavailable_reason
 from pagedgen.cli import data_parallel
 from pagedgen.cli.common import console, out_console
 from pagedgen.errors import PagedgenError
@@ -354,9 +354,9 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
     if name == "eager":
         return BackendReport(name, "reference", "the reference itself (tested against a dense "
                                                 "float64 computation in the test suite)"), []
-    status = {s.name: s for s in backend_status(device)}[name]
-    if not status.available:
-        return BackendReport(name, "skipped", status.reason), []
+    why = unavailable_reason(name, device)  # this backend only, not every backend's status
+    if why is not None:
+        return BackendReport(name, "skipped", why), []
     backend = get_backend(name, device)
     chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
     checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
