@@ -23,7 +23,7 @@ import importlib.util
 import os
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Callable
 
 import torch
@@ -38,6 +38,7 @@ from pagedgen.runtime.profiling import scope
 
 INSTALL_HINT = "pip install 'pagedgen[flash-attn]'"
 ENV_FLAVOUR = "PAGEDGEN_FLASH_ATTN"
+ENV_DECODE_TILE = "PAGEDGEN_FA4_DECODE_TILE"
 
 
 @dataclass(frozen=True)
@@ -124,9 +125,31 @@ def _common(spec: LayerSpec, no_window: tuple) -> dict:
                 softcap=spec.logits_soft_cap or 0.0)
 
 
-def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable, Callable]:
+def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
+    """The tile (query rows, keys) FA4's decode kernels run with for head sizes up to 128:
+    ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else None (FA4's
+    own choice)."""
+    want = os.environ.get(ENV_DECODE_TILE, "fa4")
+    if want == "fa4":
+        return None
+    try:
+        m, n = (int(x) for x in want.split("x"))
+    except ValueError:
+        m = n = 0
+    if m <= 0 or m % 64 or n <= 0 or n % 16:
+        raise PagedgenError(f"{ENV_DECODE_TILE}={want}: expected 'fa4' or ROWSxKEYS, rows a "
+                            "multiple of 64 and keys of 16 (e.g. 64x128)")
+    return m, n
+
+
+def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
+               ) -> tuple[Callable, Callable, Callable]:
     fn = mod.flash_attn_varlen_func
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
+    tiled = fn if decode_tile is None else _fa4_with_tile(mod, decode_tile)
+
+    def dec(q, *args, **kw):  # the tile is for head sizes up to 128 (FA4's own beyond)
+        return (tiled if q.shape[-1] <= 128 else fn)(q, *args, **kw)
 
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         return fn(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
@@ -136,9 +159,9 @@ def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable, Callable]:
     def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
         # q as [B, 1, H, D] (no cu_seqlens): shapes fixed by the batch, so CUDA graphs can hold
         # it. With split_kv the KV is split when the batch alone cannot fill the GPU.
-        return fn(q.unsqueeze(1), k_cache, v_cache, seqused_k=md.seq_lens,
-                  page_table=md.block_tables, num_splits=num_splits,
-                  **_common(spec, (None, None)))[0].squeeze(1)
+        return dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=md.seq_lens,
+                   page_table=md.block_tables, num_splits=num_splits,
+                   **_common(spec, (None, None)))[0].squeeze(1)
 
     def cascade(q, k_cache, v_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
         # the B decode queries as one non-causal sequence over the shared pages, read once
@@ -146,13 +169,24 @@ def _fa4_calls(mod, split_kv: bool) -> tuple[Callable, Callable, Callable]:
         pre, pre_lse = fn(q.unsqueeze(0), k_cache, v_cache, seqused_k=x.prefix_lens,
                           page_table=x.prefix_table, return_lse=True,
                           **{**common, "causal": False})[:2]
-        suf, suf_lse = fn(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
-                          page_table=x.suffix_tables, num_splits=num_splits, return_lse=True,
-                          **common)[:2]
+        suf, suf_lse = dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
+                           page_table=x.suffix_tables, num_splits=num_splits, return_lse=True,
+                           **common)[:2]
         # lse: [1, H, B] and [B, H, 1] (natural log)
         return merge(pre[0], pre_lse[0].t(), suf[:, 0], suf_lse[:, :, 0])
 
     return prefill, decode, cascade
+
+
+def _fa4_with_tile(mod, tile: tuple[int, int]) -> Callable:
+    """FA4's forward with a given tile: ``flash_attn_varlen_func``'s keywords, calling the
+    function behind it (which alone takes ``tile_mn``; inference needs no autograd)."""
+    fwd = mod.interface._flash_attn_fwd
+
+    def call(q, k, v, *, window_size, softcap, **kw):
+        return fwd(q, k, v, window_size_left=window_size[0], window_size_right=window_size[1],
+                   softcap=softcap or None, tile_mn=tile, **kw)
+    return call
 
 
 def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
@@ -208,7 +242,11 @@ class FlashAttnState(AttentionState):
         self.module = importlib.import_module(self.flavour.module)
         # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
-        self.prefill, self.decode, self.cascade = _CALLS[self.flavour.name](self.module, split_kv)
+        calls, self.decode_tile = _CALLS[self.flavour.name], None
+        if self.flavour.name == "fa4":
+            self.decode_tile = fa4_decode_tile(device)
+            calls = partial(calls, decode_tile=self.decode_tile)
+        self.prefill, self.decode, self.cascade = calls(self.module, split_kv)
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = self.cascade is not None and not any(
             s.sliding_window for s in layer_specs)

@@ -2,7 +2,10 @@
 
 ``--heads`` query/KV heads (default 32/8, Llama-3-8B's), head_dim 128, bf16, page sizes
 ``--page-sizes`` (default 16, and each backend's own with 0), NHD cache; ``--shapes`` (default:
-decode 64 x 4096 and 1 x 32768, in GB/s of K/V read; prefill 8 x 4096 causal, in TFLOP/s).
+decode 64 x 4096 and 1 x 32768, in GB/s of K/V read; prefill 8 x 4096 causal, in TFLOP/s; a
+context ``LO-HI`` draws each sequence's length uniformly from it, seeded).
+``--fa4-decode-tiles`` runs flash-attn once per FA4 decode tile (``fa4``: FA4's own choice;
+``64x128``: 64 query rows x 128 keys), as ``$PAGEDGEN_FA4_DECODE_TILE`` would.
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two CUDA events (decode: replayed from a CUDA graph when the backend
 supports graphs, so host launch overhead is not counted); the forward includes writing the new
@@ -12,12 +15,16 @@ tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
         --page-sizes 16,128
     python benchmarks/attention_kernels.py --backends flash-attn,flashinfer --page-sizes 0 \
         --heads 16/8 --shapes decode:256x1100,decode:64x1100
+    python benchmarks/attention_kernels.py --backends flash-attn --page-sizes 128,64 \
+        --fa4-decode-tiles fa4,64x128,64x64 --shapes decode:256x129-1280
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -29,20 +36,24 @@ D = 128
 DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
 
 
-def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: int,
-          HQ: int = 32, HKV: int = 8) -> dict:
-    dev = torch.device("cuda")
+def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: int,
+          iters: int, HQ: int = 32, HKV: int = 8, dev: torch.device = torch.device("cuda")
+          ) -> dict:
     backend = get_backend(backend_name, dev)
     page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
-    n_new = 1 if kind == "decode" else ctx
-    pages_per_seq = -(-ctx // page)
-    num_blocks = batch * pages_per_seq + 1
+    n_new = 1 if kind == "decode" else ctx[0]
+    torch.manual_seed(0)  # the same cache and queries for every variant of a layout
+    g = torch.Generator().manual_seed(0)
+    ctxs = torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=g).tolist()
+    pages = [-(-c // page) for c in ctxs]
+    num_blocks = sum(pages) + 1
     shape = backend.get_kv_cache_shape(num_blocks, page, HKV, D)
     cache = torch.randn(shape, dtype=torch.bfloat16, device=dev)
     perm = torch.randperm(num_blocks - 1).tolist()
-    seqs = [ScheduledSeq(perm[i * pages_per_seq:(i + 1) * pages_per_seq], ctx - n_new, n_new)
-            for i in range(batch)]
+    starts = [sum(pages[:i]) for i in range(batch)]
+    seqs = [ScheduledSeq(perm[s:s + p], c - n_new, n_new)
+            for s, p, c in zip(starts, pages, ctxs)]
     builder = AttentionMetadataBuilder(page, dev)
     md = builder.build(seqs, []) if kind == "prefill" else builder.build([], seqs)
     state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, torch.bfloat16, dev)
@@ -52,7 +63,8 @@ def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: 
     k = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
     v = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
     run = lambda: impl.forward(q, k, v, cache, md)  # noqa: E731
-    graphed = kind == "decode" and backend.supports_cuda_graphs
+    cuda = dev.type == "cuda"
+    graphed = cuda and kind == "decode" and backend.supports_cuda_graphs
     if graphed:
         state.make_graph_plan(batch, num_blocks)
         state.begin_forward(md, graph_batch_size=batch)
@@ -60,28 +72,30 @@ def bench(backend_name: str, kind: str, batch: int, ctx: int, page: int, iters: 
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            run()
+            out = run()
         run = graph.replay  # noqa: E731
     else:
         state.begin_forward(md)
+        out = run()
     for _ in range(3):
         run()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
     for _ in range(iters):
         run()
-    b.record()
-    torch.cuda.synchronize()
-    s = a.elapsed_time(b) / 1000 / iters
-    res = {"backend": backend_name, "kind": kind, "batch": batch, "context": ctx, "page": page,
+    sync()
+    s = (time.perf_counter() - t0) / iters  # graph replays or a backend's own launches
+    res = {"backend": backend_name, "kind": kind, "batch": batch,
+           "context": ctx[0] if ctx[0] == ctx[1] else f"{ctx[0]}-{ctx[1]}", "page": page,
            "heads": f"{HQ}/{HKV}", "cuda_graph": graphed, "ms": s * 1000}
+    if getattr(state, "decode_tile", None) is not None:
+        res["fa4_decode_tile"] = "x".join(map(str, state.decode_tile))
     if kind == "decode":
-        res["GB_s"] = batch * ctx * HKV * D * 2 * 2 / s / 1e9
+        res["GB_s"] = sum(ctxs) * HKV * D * 2 * 2 / s / 1e9
     else:
-        res["TFLOP_s"] = batch * 4 * HQ * D * ctx * (ctx + 1) / 2 / s / 1e12
-    del cache
-    torch.cuda.empty_cache()
+        res["TFLOP_s"] = sum(4 * HQ * D * c * (c + 1) / 2 for c in ctxs) / s / 1e12
+    res["checksum"] = float(out.float().abs().mean())  # equal across variants of one shape
     return res
 
 
@@ -91,21 +105,34 @@ def main() -> None:
     ap.add_argument("--page-sizes", default="16")
     ap.add_argument("--heads", default="32/8", help="query/KV heads")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kind:batchxcontext, ...")
+    ap.add_argument("--fa4-decode-tiles", default="",
+                    help="flash-attn: one run per FA4 decode tile, e.g. fa4,64x128")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     hq, hkv = map(int, args.heads.split("/"))
-    shapes = [(kind, *map(int, bc.split("x"))) for kind, bc in
-              (sh.split(":") for sh in args.shapes.split(","))]
+    shapes = []
+    for kind, bc in (sh.split(":") for sh in args.shapes.split(",")):
+        batch, ctx = bc.split("x")
+        lo, _, hi = ctx.partition("-")
+        shapes.append((kind, int(batch), (int(lo), int(hi or lo))))
     rows = []
     for name in args.backends.split(","):
-        for page in map(int, args.page_sizes.split(",")):
-            for kind, batch, ctx in shapes:
-                r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv)
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
+        tiles = [t for t in args.fa4_decode_tiles.split(",") if t] if name == "flash-attn" else []
+        for tile in tiles or [None]:
+            if tile:
+                os.environ["PAGEDGEN_FA4_DECODE_TILE"] = tile
+            for page in map(int, args.page_sizes.split(",")):
+                for kind, batch, ctx in shapes:
+                    r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
+                              torch.device(args.device))
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()  # the cache and graph of that shape are gone
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    if args.json:  # after every row: a time limit keeps what was measured
+                        args.json.write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@
 # Steps: startup (pagedgen generate on $MODEL, default the 8B preset, with $BACKEND, default
 # flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
 # gpu; PYTEST_K selects), "peers W" (peers.py on workloads W with vLLM), attention (decode
-# kernels on (a)'s and (c)'s shapes).
+# kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes on (a)-(c)'s
+# decode shapes), profile ((a)'s decode under torch.profiler). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
+# PEERS_LIMIT from the environment.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -41,10 +43,44 @@ print(sys.argv[2], round(d['startup_s'], 1), parts)" "$S/startup-$run.log" "$run
       tail -3 "$S/gpu-tests.log" ;;
     peers\ *)
       w=${step#peers }
-      timed "peers-${w//,/}" 580 python3 benchmarks/peers.py --workloads "$w" \
-        --backends flash-attn,flashinfer --peers vllm --repeats 3 \
-        --json "$S/h100-peers-vllm-${w//,/}.json"
-      grep -E "^│" "$S/peers-${w//,/}.log" | cut -c1-120 ;;
+      tag=${w//,/}${PEERS_TAG:-}
+      timed "peers-$tag" "${PEERS_LIMIT:-580}" python3 benchmarks/peers.py --workloads "$w" \
+        --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
+        --repeats 3 --fa4-decode-tiles "${FA4_TILES:-}" --json "$S/h100-peers-$tag.json"
+      grep -E "^│" "$S/peers-$tag.log" | cut -c1-150 ;;
+    tiles)
+      # FA4 decode tiles x page sizes against flashinfer and triton, on (a)/(b)'s and (c)'s
+      # decode shapes with varied context lengths
+      for h in "32/8 decode:256x129-1280,decode:64x2049-2176" "16/8 decode:256x100-2048,decode:64x100-2048"; do
+        heads=${h% *} shapes=${h#* } n=${heads//\//-}
+        timed "tiles-fa-$n" 200 python3 benchmarks/attention_kernels.py --backends flash-attn \
+          --page-sizes 128,64 --fa4-decode-tiles fa4,64x128,64x64,128x64 --heads "$heads" \
+          --shapes "$shapes" --json "$S/tiles-fa-$n.json"
+        timed "tiles-ref-$n" 120 python3 benchmarks/attention_kernels.py \
+          --backends flashinfer,triton --page-sizes 0 --heads "$heads" --shapes "$shapes" \
+          --json "$S/tiles-ref-$n.json"
+      done
+      python3 -c "import json, glob
+for f in sorted(glob.glob('$S/tiles-*.json')):
+    for r in json.load(open(f)):
+        print(r['heads'], r['batch'], r['context'], r['backend'], r['page'],
+              r.get('fa4_decode_tile', '-'), f\"{r['ms']:.4f} ms {r['GB_s']:.0f} GB/s\",
+              f\"{r['checksum']:.5f}\")" ;;
+    profile)
+      # decode at (a)'s batch and mean decode context (576 prompt + 128), flash-attn
+      timed profile-a 240 pagedgen profile --backend flash-attn --model llama-3-8b \
+        --batch-sizes 256 --prompt-len 704 --output-len 16 --measured-steps 8 \
+        --output-dir "$S/profile-a"
+      rm -f "$S"/profile-a/trace-*.json
+      python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+for r in d['results']:
+    for b in r['batches']:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in b.items()})
+    for ph, v in r['phases'].items():
+        g = {k: round(us / 1000, 2) for k, us in sorted(v['groups_us'].items(), key=lambda x: -x[1])}
+        t = v.get('gpu_time_us', v.get('cpu_time_us', 0))
+        print(ph, round(t / 1000, 2), 'ms:', g)" "$S/profile-a/profile.json" \
+        || tail -5 "$S/profile-a.log" ;;
     attention)
       timed attention-a 120 python3 benchmarks/attention_kernels.py --page-sizes 0 \
         --backends flash-attn,flashinfer,triton --heads 32/8 \

@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -40,6 +42,7 @@ from common import free_gpu, median_run, print_table, profile_configs, run_engin
 from vllm_peer import run_vllm, same_limits  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
+from pagedgen.attention.flash_attn import ENV_DECODE_TILE  # noqa: E402
 from pagedgen.attention.registry import backend_status  # noqa: E402
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops  # noqa: E402
 from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
@@ -149,8 +152,9 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int]) -> float:
 
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
-                 rows: list[dict], save: Callable[[], None]) -> None:
-    """Measure every system on workload ``name``, appending a row (and saving) after each."""
+                 rows: list[dict], save: Callable[[], None], fa4_tiles: list[str]) -> None:
+    """Measure every system on workload ``name``, appending a row (and saving) after each;
+    flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured)."""
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), sum(outs)
@@ -174,14 +178,17 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         add_ratios()
         save()
 
-    for b in backends:
+    variants = [(b, t) for b in backends for t in (fa4_tiles if b == "flash-attn" else [])
+                or [None]]
+    for b, tile in variants:
         cfg, sampling = profile_configs(wl.profile, backend=b)
         params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
-        runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
+        with decode_tile_env(tile):
+            runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
         free_gpu()
         res = median_run(runs)
-        row(f"pagedgen {b}", res["wall_time_s"], {
+        row(f"pagedgen {b}" + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
@@ -226,6 +233,21 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         free_gpu()
 
 
+@contextmanager
+def decode_tile_env(tile: str | None) -> Iterator[None]:
+    """``$PAGEDGEN_FA4_DECODE_TILE`` = ``tile`` inside (unchanged when None)."""
+    before = os.environ.get(ENV_DECODE_TILE)
+    if tile:
+        os.environ[ENV_DECODE_TILE] = tile
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_DECODE_TILE, None)
+        else:
+            os.environ[ENV_DECODE_TILE] = before
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,6 +257,9 @@ def main() -> None:
                          "backend but sdpa/eager")
     ap.add_argument("--peers", default="vllm,hf-generate,hf-continuous",
                     help="comma list of vllm, hf-generate, hf-continuous; empty for none")
+    ap.add_argument("--fa4-decode-tiles", default="",
+                    help="flash-attn once per FA4 decode tile, e.g. fa4,64x128 "
+                         "($PAGEDGEN_FA4_DECODE_TILE)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -261,7 +286,8 @@ def main() -> None:
 
     for name in args.workloads.split(","):
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
-                     args.hf_batch, flops, bw, rows, save)
+                     args.hf_batch, flops, bw, rows, save,
+                     [t for t in args.fa4_decode_tiles.split(",") if t])
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

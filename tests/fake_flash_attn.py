@@ -91,6 +91,26 @@ def fa4_flash_attn_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k
     return out, lse if return_lse else None
 
 
+def fa4_flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                      seqused_k=None, max_seqlen_q=None, max_seqlen_k=None, min_seqlen_k=None,
+                      page_table=None, softmax_scale=None, causal=False, softcap=None,
+                      window_size_left=None, window_size_right=None, learnable_sink=None,
+                      tile_mn=None, mma_pv_is_rs=None, intra_wg_overlap=None, num_threads=384,
+                      num_splits=1, pack_gqa=None, _arch=None, score_mod=None, mask_mod=None,
+                      block_sparse_tensors=None, return_lse=False, out=None, lse=None,
+                      aux_tensors=None, aux_scalars=None, q_descale=None, k_descale=None,
+                      v_descale=None, gather_kv_indices=None, scheduler_metadata=None,
+                      seqlen_k_per_split=None, disable_scheduler_metadata=False,
+                      gather_bwd_recompute_p=False):
+    """``flash_attn.cute.interface._flash_attn_fwd``: (out, lse, p, row_max, o_lo)."""
+    assert tile_mn is None or (len(tile_mn) == 2 and tile_mn[0] % 64 == 0)
+    assert softcap is None or softcap > 0  # 0.0 means none: the public function maps it
+    assert window_size_right in (None, 0)
+    out_, lse_ = _run(q, cu_seqlens_q, k, v, seqused_k, page_table, softmax_scale, causal,
+                      window_size_left, softcap or 0.0, with_lse=True)
+    return out_, lse_ if return_lse else None, None, None, None
+
+
 # ---- FlashAttention-3: flash_attn_interface -----------------------------------------------------
 
 def fa3_flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None,
@@ -144,9 +164,12 @@ def install(monkeypatch, flavour: str) -> None:
     import sys
 
     if flavour == "fa4":
-        cute = _module("flash_attn.cute", flash_attn_varlen_func=fa4_flash_attn_varlen_func)
+        interface = _module("flash_attn.cute.interface", _flash_attn_fwd=fa4_flash_attn_fwd)
+        cute = _module("flash_attn.cute", flash_attn_varlen_func=fa4_flash_attn_varlen_func,
+                       interface=interface)
         monkeypatch.setitem(sys.modules, "flash_attn", _module("flash_attn", cute=cute))
         monkeypatch.setitem(sys.modules, "flash_attn.cute", cute)
+        monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     elif flavour == "fa3":
         monkeypatch.setitem(sys.modules, "flash_attn_interface", _module(
             "flash_attn_interface", flash_attn_with_kvcache=fa3_flash_attn_with_kvcache))

@@ -41,6 +41,31 @@ def test_flavour_calls_match_eager(monkeypatch, flavour, page, opts):
         assert torch.equal(cache, ref_cache)  # K/V written to the same slots
 
 
+@pytest.mark.parametrize("opts", [{}, {"sliding_window": 19}, {"soft_cap": 20.0}],
+                         ids=["plain", "window", "softcap"])
+def test_fa4_decode_tile_calls_match_eager(monkeypatch, opts):
+    """``$PAGEDGEN_FA4_DECODE_TILE`` routes decodes (and cascade suffixes) through FA4's
+    ``_flash_attn_fwd`` with ``tile_mn``; the same keywords mean the same attention."""
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_DECODE_TILE, "64x128")
+    b = make_paged_batch(4, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                         num_prefills=2, num_decodes=5, max_context=45, max_new=30, **opts)
+    st = _state(b, "fa4")
+    assert st.decode_tile == (64, 128)
+    ref, _ = run_backend(EagerBackend, b)
+    out, _ = run_backend(FlashAttnBackend, b, state=st)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])
+def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_DECODE_TILE, value)
+    b = make_paged_batch(0, num_heads=4, num_kv_heads=4, block_size=16)
+    with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_DECODE_TILE"):
+        _state(b, "fa4")
+
+
 def test_decode_only_and_prefill_only_steps(monkeypatch):
     fake_flash_attn.install(monkeypatch, "fa4")
     for p, d in ((0, 5), (3, 0)):
@@ -51,12 +76,14 @@ def test_decode_only_and_prefill_only_steps(monkeypatch):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page", [16, 128])
-def test_fa4_cascade_decode_matches_eager(monkeypatch, page):
+@pytest.mark.parametrize("page,tile", [(16, "fa4"), (128, "fa4"), (128, "64x128")])
+def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile):
     """FA4's cascade calls: the batch over the shared pages (one non-causal sequence), each
-    suffix, merged by log-sum-exp (the merge kernel in Triton's interpreter)."""
+    suffix (with the decode tile), merged by log-sum-exp (the merge kernel in Triton's
+    interpreter)."""
     from pagedgen.attention.cases import make_shared_prefix_batch
     fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_DECODE_TILE, tile)
     for seed in range(2):
         b = make_shared_prefix_batch(seed, shared_pages=-(-256 // page) + seed, num_decodes=9,
                                      num_heads=8, num_kv_heads=2, block_size=page,
