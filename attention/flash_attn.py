@@ -127,9 +127,11 @@ def _common(spec: LayerSpec, no_window: tuple) -> dict:
 
 def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
     """The tile (query rows, keys) FA4's decode kernels run with for head sizes up to 128:
-    ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else None (FA4's
-    own choice)."""
-    want = os.environ.get(ENV_DECODE_TILE, "fa4")
+    ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on
+    SM90, where FA4's own 128 x 128 holds 2-4 valid query rows of a GQA decode (6.7% longer
+    on (a)'s decode shape, BENCHMARKS.md), and FA4's own elsewhere (None)."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    want = os.environ.get(ENV_DECODE_TILE) or ("64x64" if sm90 else "fa4")
     if want == "fa4":
         return None
     try:

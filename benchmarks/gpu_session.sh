@@ -10,7 +10,8 @@
 # flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
 # gpu; PYTEST_K selects), "peers W" (peers.py on workloads W with vLLM), attention (decode
 # kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes on (a)-(c)'s
-# decode shapes), profile ((a)'s decode under torch.profiler). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
+# decode shapes), profile ((a)'s decode under torch.profiler), imports (startup under
+# python -X importtime). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT from the environment.
 set -u
 S=${OUT:-/tmp/out}/session
@@ -32,6 +33,26 @@ for step in "$@"; do
 parts = {k: round(v, 2) for k, v in d['startup_breakdown_s'].items()}
 print(sys.argv[2], round(d['startup_s'], 1), parts)" "$S/startup-$run.log" "$run" \
           || tail -3 "$S/startup-$run.log"
+      done ;;
+    imports)
+      # the startup step under python -X importtime: where "imports and input" goes
+      for run in cold warm; do
+        timed "imports-$run" 240 python3 -X importtime -m pagedgen.cli.main generate \
+          samples/prompts.jsonl --model "${MODEL:-llama-3-8b}" --backend "${BACKEND:-flash-attn}" \
+          --json -o "/tmp/imports-$run.jsonl"
+        python3 - "$S/imports-$run.log" "$run" <<'PY'
+import json, re, sys
+text = open(sys.argv[1]).read()
+top, nested = [], []
+for m in re.finditer(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", text):
+    row = (int(m[2]) / 1e6, m[4])
+    (top if len(m[3]) == 1 else nested).append(row)
+d = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
+print(sys.argv[2], "startup", round(d["startup_s"], 2),
+      {k: round(v, 2) for k, v in d["startup_breakdown_s"].items()})
+print("  top-level imports (s):", [(round(t, 2), n) for t, n in sorted(top, reverse=True)[:12]])
+print("  heaviest nested:", [(round(t, 2), n) for t, n in sorted(nested, reverse=True)[:10]])
+PY
       done ;;
     verify)
       for run in cold warm; do

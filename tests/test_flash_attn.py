@@ -57,6 +57,18 @@ def test_fa4_decode_tile_calls_match_eager(monkeypatch, opts):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("cc,env,tile", [((9, 0), None, (64, 64)), ((10, 0), None, None),
+                                         ((9, 0), "fa4", None), ((10, 0), "64x128", (64, 128))])
+def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    if env:
+        monkeypatch.setenv(fa.ENV_DECODE_TILE, env)
+    else:
+        monkeypatch.delenv(fa.ENV_DECODE_TILE, raising=False)
+    assert fa.fa4_decode_tile(torch.device("cuda")) == tile
+    assert fa.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
+
+
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])
 def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
     fake_flash_attn.install(monkeypatch, "fa4")
