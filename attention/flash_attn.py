@@ -421,4 +421,12 @@ class FlashAttnBackend(AttentionBackend):
     @classmethod
     def describe(cls, device: torch.device) -> str:
         f, notes = select_flavour(device)
-        return f"runs {f.name} {_version(f)}, page size {f.default_block_size} ({notes})"
+        tile = ""
+        if f.name == "fa4":
+            try:
+                t = fa4_decode_tile(device)
+                tile = f", decode tile {'x'.join(map(str, t)) if t else 'FA4 own'}"
+            except PagedgenError as e:
+                tile = f", {e}"
+        return (f"runs {f.name} {_version(f)}, page size {f.default_block_size}{tile} "
+                f"({notes})")

@@ -67,6 +67,10 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
         monkeypatch.delenv(fa.ENV_DECODE_TILE, raising=False)
     assert fa.fa4_decode_tile(torch.device("cuda")) == tile
     assert fa.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    shown = "x".join(map(str, tile)) if tile else "FA4 own"
+    assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])
@@ -76,6 +80,8 @@ def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
     b = make_paged_batch(0, num_heads=4, num_kv_heads=4, block_size=16)
     with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_DECODE_TILE"):
         _state(b, "fa4")
+    _pretend_gpu(monkeypatch)  # `pagedgen backends` shows the error instead of failing
+    assert f"PAGEDGEN_FA4_DECODE_TILE={value}" in FlashAttnBackend.describe(torch.device("cuda"))
 
 
 def test_decode_only_and_prefill_only_steps(monkeypatch):
