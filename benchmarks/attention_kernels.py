@@ -7,9 +7,9 @@ context ``LO-HI`` draws each sequence's length uniformly from it, seeded).
 ``--fa4-decode-tiles`` runs flash-attn once per FA4 decode tile (``fa4``: FA4's own choice;
 ``64x128``: 64 query rows x 128 keys), as ``$PAGEDGEN_FA4_DECODE_TILE`` would.
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
-times back to back between two CUDA events (decode: replayed from a CUDA graph when the backend
-supports graphs, so host launch overhead is not counted); the forward includes writing the new
-tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
+times back to back between two device synchronizations (decode: replayed from a CUDA graph when
+the backend supports graphs, so host launch overhead is not counted); the forward includes
+writing the new tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
 
     python benchmarks/attention_kernels.py --backends flashinfer,triton,flash-attn \
         --page-sizes 16,128
@@ -23,14 +23,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from pagedgen.attention.backend import AttentionMetadataBuilder, LayerSpec, ScheduledSeq
-from pagedgen.attention.registry import get_backend
+sys.path.insert(0, str(Path(__file__).parent))
+from common import decode_tile_env  # noqa: E402
+
+from pagedgen.attention.backend import (AttentionMetadataBuilder, LayerSpec,  # noqa: E402
+                                        ScheduledSeq)
+from pagedgen.attention.registry import get_backend  # noqa: E402
 
 D = 128
 DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
@@ -121,12 +125,11 @@ def main() -> None:
     for name in args.backends.split(","):
         tiles = [t for t in args.fa4_decode_tiles.split(",") if t] if name == "flash-attn" else []
         for tile in tiles or [None]:
-            if tile:
-                os.environ["PAGEDGEN_FA4_DECODE_TILE"] = tile
             for page in map(int, args.page_sizes.split(",")):
                 for kind, batch, ctx in shapes:
-                    r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
-                              torch.device(args.device))
+                    with decode_tile_env(tile):
+                        r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
+                                  torch.device(args.device))
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()  # the cache and graph of that shape are gone
                     rows.append(r)

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
+from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
+from pagedgen.attention.flash_attn import ENV_DECODE_TILE
 from pagedgen.cli.summary import format_value, summarize
 from pagedgen.runtime.config import EngineConfig, SamplingParams, configs_from_profile, load_profile
 from pagedgen.runtime.engine import Engine, StepStats
@@ -35,6 +38,21 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
     del engine
     free_gpu()
     return runs
+
+
+@contextmanager
+def decode_tile_env(tile: str | None) -> Iterator[None]:
+    """``$PAGEDGEN_FA4_DECODE_TILE`` = ``tile`` inside (unchanged when None)."""
+    before = os.environ.get(ENV_DECODE_TILE)
+    if tile:
+        os.environ[ENV_DECODE_TILE] = tile
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_DECODE_TILE, None)
+        else:
+            os.environ[ENV_DECODE_TILE] = before
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, float]:

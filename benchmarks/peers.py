@@ -27,22 +27,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import free_gpu, median_run, print_table, profile_configs, run_engine  # noqa: E402
+from common import (decode_tile_env, free_gpu, median_run, print_table,  # noqa: E402
+                    profile_configs, run_engine)
 from vllm_peer import run_vllm, same_limits  # noqa: E402
 from workloads import WORKLOADS, Workload  # noqa: E402
 
-from pagedgen.attention.flash_attn import ENV_DECODE_TILE  # noqa: E402
 from pagedgen.attention.registry import backend_status  # noqa: E402
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops  # noqa: E402
 from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
@@ -231,21 +229,6 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 k: res[k] for k in ("runs_output_tokens_per_s", "peak_memory_bytes")})
         del model
         free_gpu()
-
-
-@contextmanager
-def decode_tile_env(tile: str | None) -> Iterator[None]:
-    """``$PAGEDGEN_FA4_DECODE_TILE`` = ``tile`` inside (unchanged when None)."""
-    before = os.environ.get(ENV_DECODE_TILE)
-    if tile:
-        os.environ[ENV_DECODE_TILE] = tile
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_DECODE_TILE, None)
-        else:
-            os.environ[ENV_DECODE_TILE] = before
 
 
 def main() -> None:
