@@ -90,11 +90,11 @@ def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
                     and _auto_flavour_ok(cand, device):
                 return _load(cand)
         raise PagedgenError(f"no attention backend runs on {device}")
-    why = unavailable_reason(name, device) if name in _BACKENDS else None
-    if name in _BACKENDS and why is None:
+    why = unavailable_reason(name, device) if name in _BACKENDS else "unknown"
+    if why is None:
         return _load(name)
-    available = [s.name for s in backend_status(device) if s.available]
+    available = ", ".join(s.name for s in backend_status(device) if s.available)
     if name not in _BACKENDS:
-        raise PagedgenError(f"unknown backend '{name}'; available here: {', '.join(available)}")
+        raise PagedgenError(f"unknown backend '{name}'; available here: {available}")
     raise PagedgenError(f"backend '{name}' is unavailable on {device}: {why}; "
-                        f"available here: {', '.join(available)}")
+                        f"available here: {available}")

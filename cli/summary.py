@@ -58,11 +58,11 @@ def summarize(engine: Engine, wall: float, start: float,
         out["graph_capture_s"] = runner.graphs.capture_time_s
         out["graph_memory_bytes"] = runner.graphs.memory_bytes
     out.update(runner.attn_state.compile_stats())
-    out["startup_breakdown_s"] = dict(runner.startup_phases)
     if runner.host_steps["decode"]:
         out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
     out.update(extra or {})
-    out["startup_breakdown_s"] = out.pop("startup_breakdown_s")  # after the total, if given
+    # the runner's phases, unless ``extra`` brought them with the total (``startup``)
+    out.setdefault("startup_breakdown_s", dict(runner.startup_phases))
     return out
 
 
