@@ -60,7 +60,7 @@ def test_fa4_decode_tile_calls_match_eager(monkeypatch, opts):
 @pytest.mark.parametrize("cc,env,tile", [((9, 0), None, (64, 64)), ((10, 0), None, None),
                                          ((9, 0), "fa4", None), ((10, 0), "64x128", (64, 128))])
 def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cc)
+    _pretend_gpu(monkeypatch, cc)
     if env:
         monkeypatch.setenv(fa.ENV_DECODE_TILE, env)
     else:
@@ -68,7 +68,6 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
     assert fa.fa4_decode_tile(torch.device("cuda")) == tile
     assert fa.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     shown = "x".join(map(str, tile)) if tile else "FA4 own"
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
 
