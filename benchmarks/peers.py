@@ -88,7 +88,7 @@ def hf_model(hf_config, device: str = "cuda"):
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16,
+        model = AutoModelForCausalLM.from_config(hf_config.to_transformers(), dtype=torch.bfloat16,
                                                  attn_implementation="sdpa")
     return model.eval()
 

@@ -52,7 +52,7 @@ def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dic
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         model.mkdir()
-        cfg = hf_config.to_dict()
+        cfg = hf_config.to_transformers().to_dict()
         cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
         (model / "config.json").write_text(json.dumps(cfg))
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,

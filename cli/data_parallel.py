@@ -30,16 +30,16 @@ def check(replicas: int, engine_config: EngineConfig) -> list[list[int] | None]:
 
     from pagedgen.attention.registry import backend_names, unavailable_reason
     from pagedgen.runtime.models.llama import tensor_parallel_error
-    from pagedgen.runtime.models.loader import config_fields
+    from pagedgen.runtime.models.loader import resolve_model
 
     tp = engine_config.tensor_parallel_size
     if replicas < 1:
         raise PagedgenError("--data-parallel-size must be >= 1")
     if tp < 1:
         raise PagedgenError("--tensor-parallel-size must be >= 1")
-    if tp > 1:  # the config's own fields: transformers is not imported before the spawn
+    if tp > 1:
         model = engine_config.model
-        why = tensor_parallel_error(config_fields(model), tp)
+        why = tensor_parallel_error(resolve_model(model).hf_config, tp)
         if why:
             name = Path(model).stem if model.endswith((".yaml", ".yml")) else model
             raise PagedgenError(f"-tp {tp}: {name}: {why}")

@@ -15,13 +15,13 @@ from torch import nn
 from pagedgen.attention.backend import (AttentionImpl, AttentionMetadata, AttentionType,
                                         LayerSpec)
 from pagedgen.runtime.models import fused_ops
+from pagedgen.runtime.models.hf_config import SUPPORTED_MODEL_TYPES
+from pagedgen.runtime.models.rope import rope_frequencies
 from pagedgen.runtime.models.sharded import (ColumnParallelLinear, RowParallelLinear, Segment,
                                              VocabParallelEmbedding, load_segment, shard_map,
                                              split)
 from pagedgen.runtime.parallel import TensorParallel
 from pagedgen.runtime.profiling import scope
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 class RMSNorm(nn.Module):
@@ -40,20 +40,17 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """Neox-style rotary embedding with cos/sin tables from transformers' own rope init
-    (so rope_scaling types such as Llama 3's are computed exactly as Hugging Face does)."""
+    """Neox-style rotary embedding: cos/sin tables of the config's rope type (Llama 3's,
+    YaRN, ...) computed as transformers computes them."""
 
     def __init__(self, config, head_dim: int, max_positions: int, device: torch.device) -> None:
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-        rope = LlamaRotaryEmbedding(config)
-        inv_freq = rope.inv_freq.to(device, torch.float32)
+        inv_freq, scaling = rope_frequencies(config.rope_parameters, head_dim,
+                                             config.max_position_embeddings)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
+        freqs = torch.outer(t, inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos() * rope.attention_scaling  # [max_positions, head_dim]
-        self.sin = emb.sin() * rope.attention_scaling
-        assert self.cos.shape[-1] == head_dim, "partial rotary is not supported"
+        self.cos = emb.cos() * scaling  # [max_positions, head_dim]
+        self.sin = emb.sin() * scaling
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] for a step's positions (looked up once, used by every layer)."""

@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
 import torch
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import list_profiles, load_profile
-from pagedgen.runtime.models.llama import SUPPORTED_MODEL_TYPES, LlamaForCausalLM
+from pagedgen.runtime.models.hf_config import ModelConfig, model_config
+from pagedgen.runtime.models.llama import LlamaForCausalLM
 from pagedgen.runtime.models.sharded import copy_shard, full_shape, shard_map
 from pagedgen.runtime.parallel import TensorParallel
 from pagedgen.runtime.tokenizer import ByteTokenizer, HFTokenizer, MissingTokenizer, Tokenizer
@@ -26,26 +25,25 @@ from pagedgen.runtime.tokenizer import ByteTokenizer, HFTokenizer, MissingTokeni
 @dataclass
 class ModelSource:
     name: str
-    hf_config: object  # a transformers PretrainedConfig
+    hf_config: ModelConfig  # the Hugging Face config's fields, family defaults filled in
     checkpoint: Path | None  # None for presets (dummy weights only)
     tokenizer_kind: str  # "hf" | "byte"
 
 
 def resolve_model(name: str) -> ModelSource:
     """A checkpoint directory, a preset name, or a profile file with a model config."""
-    from transformers import AutoConfig
-
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
+        file = path / "config.json"
+        if not file.is_file():
             raise PagedgenError(f"model directory {path} has no config.json")
         try:
-            cfg = AutoConfig.from_pretrained(str(path))
-        except Exception as e:
-            raise PagedgenError(f"{path / 'config.json'}: cannot read the config: "
-                                f"{str(e).splitlines()[0]}")
-        _check_type(cfg, str(path))
-        return ModelSource(str(path), cfg, path, "hf")
+            fields = json.loads(file.read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise PagedgenError(f"{file}: cannot read the config: {str(e).splitlines()[0]}")
+        if not isinstance(fields, dict):
+            raise PagedgenError(f"{file}: cannot read the config: not a JSON object")
+        return ModelSource(str(path), model_config(fields, str(file)), path, "hf")
     if path.suffix not in (".yaml", ".yml") and ("/" in name or name.startswith(".")):
         raise PagedgenError(f"model directory {path} does not exist")
     try:
@@ -58,33 +56,11 @@ def resolve_model(name: str) -> ModelSource:
         if isinstance(model, dict) and model.get("name"):
             return resolve_model(model["name"])
         raise PagedgenError(f"{profile['_path']}: has no model config to use as a preset")
-    cfg_dict = dict(model["config"])
-    model_type = cfg_dict.pop("model_type", "llama")
-    try:
-        cfg = AutoConfig.for_model(model_type, **cfg_dict)
-    except Exception as e:
-        raise PagedgenError(f"{profile['_path']}: bad model config: {e}")
-    _check_type(cfg, profile["_path"])
+    if not isinstance(model["config"], dict):
+        raise PagedgenError(f"{profile['_path']}: model.config must be a mapping")
+    cfg = model_config({"model_type": "llama", **model["config"]}, profile["_path"])
     return ModelSource(model.get("name", Path(profile["_path"]).stem), cfg, None,
                        model.get("tokenizer", "byte"))
-
-
-def config_fields(name: str) -> Any:
-    """The model config's own fields (``config.json``, or a preset's ``model.config``) as
-    attributes, read without importing transformers: enough to check shapes before anything
-    heavy starts. Anything it cannot read goes through ``resolve_model`` (and its errors)."""
-    path = Path(name).expanduser()
-    try:
-        if path.is_dir():
-            return SimpleNamespace(**json.loads((path / "config.json").read_text()))
-        model = load_profile(name).get("model") or {}
-        if isinstance(model, dict) and isinstance(model.get("config"), dict):
-            return SimpleNamespace(**model["config"])
-        if isinstance(model, dict) and model.get("name"):
-            return config_fields(model["name"])
-    except (OSError, ValueError, PagedgenError):
-        pass
-    return resolve_model(name).hf_config
 
 
 def presets() -> list[str]:
@@ -94,12 +70,6 @@ def presets() -> list[str]:
         if isinstance(model, dict) and "config" in model:
             out.append(p)
     return out
-
-
-def _check_type(cfg, where: str) -> None:
-    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
-        raise PagedgenError(f"{where}: model_type '{cfg.model_type}' is not supported "
-                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 
 
 def load_tokenizer(src: ModelSource) -> Tokenizer:

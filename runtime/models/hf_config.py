@@ -1,0 +1,139 @@
+"""A model's Hugging Face config (``config.json``, or a preset's ``model.config``) as attributes,
+with the defaults each family's transformers config class fills in, and rope parameters in
+transformers' standardized form.
+
+Read without transformers: its model config modules import torchvision and scikit-learn
+wherever those are installed (about 6 s of a 20 s start-up on the GPU machine, for packages
+pagedgen never uses). ``tests/test_hf_config.py`` checks every field here against transformers'
+own config classes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.models.rope import ROPE_TYPES
+
+# The fields the model reads, as transformers' LlamaConfig, MistralConfig, Qwen2Config and
+# Qwen3Config default them.
+_COMMON = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=None,
+               hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
+               attention_bias=False, mlp_bias=False)
+_QWEN = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+             max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
+             max_window_layers=28, bos_token_id=None, eos_token_id=None)
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(vocab_size=32000, intermediate_size=11008, num_key_value_heads=None,
+                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+    "mistral": dict(vocab_size=32000, intermediate_size=14336, num_key_value_heads=8,
+                    max_position_embeddings=131072, sliding_window=4096, bos_token_id=1,
+                    eos_token_id=2),
+    "qwen2": _QWEN,
+    "qwen3": {**_QWEN, "head_dim": 128},
+}
+SUPPORTED_MODEL_TYPES = tuple(DEFAULTS)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+          "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class ModelConfig(SimpleNamespace):
+    """Config fields as attributes, like the transformers config class would hold them."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def to_transformers(self) -> Any:
+        """The same config as transformers' own config class (for the benchmarks' peers, and
+        the tests that compare the two); rope as ``rope_theta`` + ``rope_scaling``, which
+        transformers 4.x and 5.x both read."""
+        from transformers import AutoConfig
+
+        fields = self.to_dict()
+        rope = dict(fields.pop("rope_parameters"))
+        fields["rope_theta"] = rope.pop("rope_theta")
+        fields["rope_scaling"] = rope if rope["rope_type"] != "default" else None
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
+    """The complete config of a supported family from a config's own fields; ``where`` (a file)
+    starts every error message."""
+    model_type = fields.get("model_type")
+    if model_type not in DEFAULTS:
+        raise PagedgenError(f"{where}: model_type '{model_type}' is not supported "
+                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    f = {**_COMMON, **DEFAULTS[model_type], **fields}
+    for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+        _check_size(f, key, where)
+    if f["num_key_value_heads"] is None:
+        f["num_key_value_heads"] = f["num_attention_heads"]
+    if f["head_dim"] is None:
+        f["head_dim"] = f["hidden_size"] // f["num_attention_heads"]
+    for key in _SIZES:
+        _check_size(f, key, where)
+    if f["hidden_act"] != "silu":
+        raise PagedgenError(f"{where}: hidden_act '{f['hidden_act']}' is not supported (silu)")
+    if not isinstance(f["rms_norm_eps"], (int, float)) or f["rms_norm_eps"] <= 0:
+        raise PagedgenError(f"{where}: rms_norm_eps must be a positive number")
+    f["rope_parameters"] = _rope_parameters(f, where)
+    _attention_windows(f, model_type, where)
+    return ModelConfig(**f)
+
+
+def _check_size(f: dict[str, Any], key: str, where: str) -> None:
+    value = f[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise PagedgenError(f"{where}: {key} must be a positive integer, not {value!r}")
+
+
+def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
+    """transformers' standardization: ``rope_scaling`` (older files) or ``rope_parameters``,
+    with ``rope_type`` and ``rope_theta`` always present."""
+    rope = f.pop("rope_scaling", None) or f.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise PagedgenError(f"{where}: rope_parameters must be a mapping, not {rope!r}")
+    rope = dict(rope)
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))
+    f.pop("rope_theta", None)
+    if rope["rope_type"] in ("llama3", "yarn"):
+        rope.setdefault("original_max_position_embeddings", f.get(
+            "original_max_position_embeddings", f["max_position_embeddings"]))
+    if rope["rope_type"] not in ROPE_TYPES:
+        raise PagedgenError(f"{where}: rope type '{rope['rope_type']}' is not supported "
+                            f"(supported: {', '.join(ROPE_TYPES)})")
+    partial = rope.get("partial_rotary_factor", f.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise PagedgenError(f"{where}: partial rotary embeddings (partial_rotary_factor "
+                            f"{partial}) are not supported")
+    return rope
+
+
+def _attention_windows(f: dict[str, Any], model_type: str, where: str) -> None:
+    """Sliding windows as each family's modeling code applies them: none for Llama, one for
+    every layer for Mistral, per ``layer_types`` for Qwen2/Qwen3."""
+    if model_type == "llama":
+        f.pop("sliding_window", None)
+        f.pop("layer_types", None)
+    elif model_type == "mistral":
+        f.pop("layer_types", None)
+    else:
+        f["sliding_window"] = f["sliding_window"] if f["use_sliding_window"] else None
+        if f.get("layer_types") is None:
+            f["layer_types"] = [
+                "sliding_attention" if f["sliding_window"] is not None
+                and i >= f["max_window_layers"] else "full_attention"
+                for i in range(f["num_hidden_layers"])]
+        types = f["layer_types"]
+        if (not isinstance(types, list) or len(types) != f["num_hidden_layers"]
+                or any(t not in _LAYER_TYPES for t in types)):
+            raise PagedgenError(f"{where}: layer_types must list one of {', '.join(_LAYER_TYPES)} "
+                                f"for each of the {f['num_hidden_layers']} layers")
+    window = f.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise PagedgenError(f"{where}: sliding_window must be a positive integer or null, "
+                            f"not {window!r}")
