@@ -142,9 +142,10 @@ def test_llama_ignores_a_sliding_window_field_as_transformers_llama_does():
     assert _windows(cfg) == [None] * 3 and getattr(cfg, "sliding_window", None) is None
 
 
-def test_a_preset_run_never_imports_transformers(tmp_path):
+def test_a_preset_run_imports_neither_transformers_nor_sympy(tmp_path):
     """Start-up: transformers' model config modules import torchvision and scikit-learn where
-    installed (seconds); a preset with the byte tokenizer needs none of transformers."""
+    installed, and torch's meta-tensor helpers import sympy (seconds each); a preset with the
+    byte tokenizer needs none of them."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "hello"}\n')
     code = ("import sys\n"
@@ -153,7 +154,8 @@ def test_a_preset_run_never_imports_transformers(tmp_path):
             f"res = CliRunner().invoke(app, ['generate', {str(prompts)!r}, '--model', 'tiny', "
             "'--device', 'cpu', '--max-tokens', '2'])\n"
             "assert res.exit_code == 0, res.output\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', "
+            "'sympy')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"

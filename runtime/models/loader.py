@@ -104,7 +104,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         raise PagedgenError(f"{src.name}: {e}")
     finally:
         torch.set_default_dtype(default_dtype)
-    model = model.to_empty(device=device)
+    _allocate(model, device)
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
@@ -113,6 +113,23 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         except ValueError as e:
             raise PagedgenError(f"{src.checkpoint}: {e}")
     return model.eval()
+
+
+def _allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized memory on ``device``. Not
+    ``Module.to_empty``: its ``empty_like`` of a meta tensor runs torch's Python reference,
+    which imports sympy (2.5 s of start-up on the GPU machine)."""
+    new: dict[int, torch.Tensor] = {}  # a tensor shared by two modules stays shared
+    for module in model.modules():
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is None:
+                continue
+            if id(t) not in new:
+                data = torch.empty(t.shape, dtype=t.dtype, device=device)
+                new[id(t)] = torch.nn.Parameter(data, t.requires_grad) \
+                    if isinstance(t, torch.nn.Parameter) else data
+            (module._parameters if name in module._parameters else module._buffers)[name] = \
+                new[id(t)]
 
 
 def _init_dummy(model: torch.nn.Module, seed: int) -> None:
