@@ -11,11 +11,17 @@
 # gpu; PYTEST_K selects), "peers W" (peers.py on workloads W with vLLM), attention (decode
 # kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes on (a)-(c)'s
 # decode shapes), profile ((a)'s decode under torch.profiler), imports (startup under
-# python -X importtime). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
+# python -X importtime), save-caches (FlashInfer's and FA4's kernel caches to $OUT). verify
+# takes VERIFY_LIMIT (seconds per run, default 400). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT from the environment.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
+FA4_CACHE=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/$(whoami)/flash_attention_cute_dsl_cache}
+caches() {  # how many kernels FA4's disk cache holds, and FlashInfer's JIT cache size
+  echo "FA4 $(find "$FA4_CACHE" -name '*.o' 2>/dev/null | wc -l) kernels," \
+    "FlashInfer $(du -sm /tmp/fiws/.cache 2>/dev/null | cut -f1) MB"
+}
 timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log; prints seconds
   local name=$1 limit=$2 t0=$EPOCHREALTIME rc; shift 2
   timeout "$limit" "$@" > "$S/$name.log" 2>&1; rc=$?
@@ -55,10 +61,27 @@ print("  heaviest nested:", [(round(t, 2), n) for t, n in sorted(nested, reverse
 PY
       done ;;
     verify)
+      # each row's seconds are in the JSON (and the tables); the kernel caches' sizes say how
+      # much each run compiled
       for run in cold warm; do
-        timed "verify-$run" 400 pagedgen verify --backend all --json "$S/verify-$run.json"
+        echo "before $run: $(caches)"
+        timed "verify-$run" "${VERIFY_LIMIT:-400}" pagedgen verify --backend all \
+          --json "$S/verify-$run.json"
         tail -1 "$S/verify-$run.log"
-      done ;;
+        python3 -c "import json, sys
+for b in json.load(open(sys.argv[1]))['backends']:
+    rows = sorted(b['rows'], key=lambda r: -r['seconds'])
+    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's:',
+          [(r['group'], round(r['seconds'])) for r in rows[:4]])" "$S/verify-$run.json" \
+          2>/dev/null
+      done
+      echo "after: $(caches)" ;;
+    save-caches)
+      # FlashInfer's JIT cache and FA4's kernel cache, for the next machine (copy the files to
+      # .whl/ and carry them with the last part)
+      tar czf "${OUT:-/tmp/out}/flashinfer-cache.tgz" -C /tmp/fiws .cache
+      tar czf "${OUT:-/tmp/out}/fa4-cache.tgz" -C "$FA4_CACHE" .
+      echo "$(caches); saved: $(du -sh "${OUT:-/tmp/out}"/*-cache.tgz | tr '\n' ' ')" ;;
     tests)
       timed gpu-tests 550 python3 -m pytest -m gpu -q ${PYTEST_K:+-k "$PYTEST_K"}
       tail -3 "$S/gpu-tests.log" ;;

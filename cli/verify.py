@@ -56,6 +56,7 @@ class Row:
     tol: float
     passed: bool
     detail: str = ""
+    seconds: float = 0.0  # its tasks' time in the processes that ran them, compiles included
 
 
 @dataclass
@@ -429,20 +430,24 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
     try:
         with progress:
             bar = progress.add_task("checks", total=len(tasks))
-            pending = iter([pool.submit(fn, *args) if pool else _Deferred(fn, args)
-                            for fn, args in tasks])
+            pending = iter([pool.submit(_timed, fn, args) if pool
+                            else _Deferred(_timed, (fn, args)) for fn, args in tasks])
             for report, checks in plans:
                 for c in checks:
-                    results = []
+                    results, seconds = [], 0.0
                     for _ in c.tasks:
-                        results.append(_result(next(pending)))
+                        result, s = _result(next(pending))
+                        results.append(result)
+                        seconds += s
                         progress.advance(bar)
                     row = c.finish(results)
                     if row is not None:
+                        row.seconds = seconds
                         report.rows.append(row)
                 if report.status == "checked":
-                    row = sharded(report.backend)
+                    row, seconds = _timed(sharded, (report.backend,))
                     if row is not None:
+                        row.seconds = seconds
                         report.rows.append(row)
                 if out is not None:
                     render([report], out)
@@ -450,6 +455,13 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     return [r for r, _ in plans]
+
+
+def _timed(fn: Callable[..., Any], args: tuple) -> tuple[Any, float]:
+    """A task's result and its seconds in the process that ran it (kernel compiles included:
+    where a cold run's time goes)."""
+    t = time.perf_counter()
+    return fn(*args), time.perf_counter() - t
 
 
 def _share_cores(jobs: int) -> None:
@@ -477,12 +489,13 @@ def render(reports: list[BackendReport], console: Console) -> None:
             continue
         t = Table(title=f"{rep.backend} vs eager", title_justify="left")
         for col in ("check", "cases", "worst abs err", "worst rel err", "tolerance", "result",
-                    "notes"):
+                    "time", "notes"):
             t.add_column(col, justify="left" if col in ("check", "notes") else "right")
         for r in rep.rows:
             t.add_row(r.group, str(r.cases), f"{r.worst_abs:.2e}", f"{r.worst_rel:.2e}",
                       f"{r.tol:.0e}{' rel' if r.kind == 'model' else ''}",
-                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]", escape(r.detail))
+                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
+                      f"{r.seconds:.1f} s", escape(r.detail))
         console.print(t)
 
 

@@ -77,8 +77,8 @@ def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
     submitted = []
 
     class CountingPool(verify_mod.ProcessPoolExecutor):
-        def submit(self, fn, *args):
-            submitted.append(fn.__name__)
+        def submit(self, fn, *args):  # fn: the timing wrapper; args[0]: the task's function
+            submitted.append(args[0].__name__)
             return super().submit(fn, *args)
 
     monkeypatch.setattr(verify_mod, "ProcessPoolExecutor", CountingPool)
@@ -88,6 +88,7 @@ def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
                      "--jobs", jobs, "--json", tmp_path / f"{jobs}.json")
         assert res.exit_code == 0, res.output
         rows[jobs] = json.loads((tmp_path / f"{jobs}.json").read_text())["backends"][0]["rows"]
+        assert all(r.pop("seconds") > 0 for r in rows[jobs])  # each row's tasks, timed
     kernel_rows = [r for r in rows[2] if r["kind"] == "kernel"]
     assert kernel_rows == [r for r in rows[1] if r["kind"] == "kernel"]
     # model rows: the same checks; float32 CPU matmuls round differently with the workers'
