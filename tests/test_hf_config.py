@@ -110,6 +110,7 @@ def test_a_saved_checkpoint_reads_as_transformers_wrote_it(tmp_path):
 
 @pytest.mark.parametrize("fields,message", [
     ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported"),
+    ({"hidden_size": 64}, "has no model_type"),
     ({"model_type": "llama", "hidden_size": "big"}, "hidden_size must be a positive integer"),
     ({"model_type": "llama", "num_hidden_layers": 0}, "num_hidden_layers must be a positive"),
     ({"model_type": "qwen2", "num_key_value_heads": 2.5}, "num_key_value_heads must be"),

@@ -62,6 +62,9 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     """The complete config of a supported family from a config's own fields; ``where`` (a file)
     starts every error message."""
     model_type = fields.get("model_type")
+    if model_type is None:
+        raise PagedgenError(f"{where}: has no model_type (supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)})")
     if model_type not in DEFAULTS:
         raise PagedgenError(f"{where}: model_type '{model_type}' is not supported "
                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
