@@ -96,12 +96,11 @@ def test_rope_frequencies_equal_transformers(model_type, fields):
 
 def test_a_saved_checkpoint_reads_as_transformers_wrote_it(tmp_path):
     from hf_models import make_checkpoint
+    from transformers import AutoConfig
 
     for kind in SUPPORTED_MODEL_TYPES:
         path = make_checkpoint(kind, tmp_path / kind)
         ours = resolve_model(str(path)).hf_config
-        from transformers import AutoConfig
-
         ref = AutoConfig.from_pretrained(str(path))
         for f in FIELDS:
             assert getattr(ours, f) == getattr(ref, f), (kind, f)

@@ -100,8 +100,7 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
         raise PagedgenError(f"{where}: rope_parameters must be a mapping, not {rope!r}")
     rope = dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
-    rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))
-    f.pop("rope_theta", None)
+    rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))  # popped either way
     if rope["rope_type"] in ("llama3", "yarn"):
         rope.setdefault("original_max_position_embeddings", f.get(
             "original_max_position_embeddings", f["max_position_embeddings"]))
