@@ -12,15 +12,17 @@
 # kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes on (a)-(c)'s
 # decode shapes), profile ((a)'s decode under torch.profiler), imports (startup under
 # python -X importtime), save-caches (FlashInfer's and FA4's kernel caches to $OUT). verify
-# takes VERIFY_LIMIT (seconds per run, default 400). peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
-# PEERS_LIMIT from the environment.
+# takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold warm");
+# peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG, PEERS_LIMIT from
+# the environment.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
 FA4_CACHE=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/$(whoami)/flash_attention_cute_dsl_cache}
-caches() {  # how many kernels FA4's disk cache holds, and FlashInfer's JIT cache size
+caches() {  # how many kernels FA4's disk cache holds, and FlashInfer's JIT modules
   echo "FA4 $(find "$FA4_CACHE" -name '*.o' 2>/dev/null | wc -l) kernels," \
-    "FlashInfer $(du -sm /tmp/fiws/.cache 2>/dev/null | cut -f1) MB"
+    "FlashInfer $(find /tmp/fiws/.cache -name '*.so' 2>/dev/null | wc -l) modules" \
+    "($(du -sm /tmp/fiws/.cache 2>/dev/null | cut -f1) MB)"
 }
 timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log; prints seconds
   local name=$1 limit=$2 t0=$EPOCHREALTIME rc; shift 2
@@ -63,7 +65,7 @@ PY
     verify)
       # each row's seconds are in the JSON (and the tables); the kernel caches' sizes say how
       # much each run compiled
-      for run in cold warm; do
+      for run in ${VERIFY_RUNS:-cold warm}; do
         echo "before $run: $(caches)"
         timed "verify-$run" "${VERIFY_LIMIT:-400}" pagedgen verify --backend all \
           --json "$S/verify-$run.json"
@@ -71,7 +73,8 @@ PY
         python3 -c "import json, sys
 for b in json.load(open(sys.argv[1]))['backends']:
     rows = sorted(b['rows'], key=lambda r: -r['seconds'])
-    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's:',
+    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's in tasks,',
+          round(b.get('precompile_s', 0), 1), 's compiling ahead', b.get('precompile_error', ''),
           [(r['group'], round(r['seconds'])) for r in rows[:4]])" "$S/verify-$run.json" \
           2>/dev/null
       done

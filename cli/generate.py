@@ -11,6 +11,7 @@ streamed into the same writer; with ``-dp N``, on N worker processes of this hos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -164,7 +165,8 @@ def generate(
 
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
             todo = _lead_todo(ranks, rf, None)
-            rep = Replica(engine_cfg, defaults, rf.format, served_model_name, src, tokenizer)
+            rep = Replica(fit_seats(engine_cfg, todo, defaults), defaults, rf.format,
+                          served_model_name, src, tokenizer)
             for _ in rep.stream(todo):
                 pass
             return
@@ -182,8 +184,9 @@ def generate(
         elif dp is not None:
             summary = dp.generate(rf, todo, writer, extra, quiet=json_summary)
         else:
-            summary = _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_s,
-                                     served_model_name, extra, quiet=json_summary)
+            summary = _generate_here(rf, todo, writer, fit_seats(engine_cfg, todo, defaults),
+                                     defaults, src, tokenizer, load_s, served_model_name, extra,
+                                     quiet=json_summary)
     finally:
         if dp is not None:
             dp.stop()
@@ -191,6 +194,16 @@ def generate(
         print(json.dumps(summary, indent=2))
     else:
         out_console().print(summary_table(summary))
+
+
+def fit_seats(engine_cfg, todo, defaults):
+    """``engine_cfg`` with ``max_num_seqs`` cut to the sequences of ``todo`` (each request's
+    ``n``) when they are fewer: a short run then captures CUDA graphs, and sizes buffers, only
+    for batches it can form (the 16 sample prompts: 5 decode graphs, not 23 for 256 seats)."""
+    seqs = sum(r.sampling(defaults).n for r in todo)
+    if 0 < seqs < engine_cfg.max_num_seqs:
+        return dataclasses.replace(engine_cfg, max_num_seqs=seqs)
+    return engine_cfg
 
 
 def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_size: int,
@@ -236,7 +249,7 @@ def _generate_here(rf, todo, writer, engine_cfg, defaults, src, tokenizer, load_
             # the KV cache holds less than the model's context
             check_requests(rf, lambda r: check_request(
                 r.prompt_token_ids, r.sampling(defaults), engine.max_model_len,
-                src.hf_config.vocab_size, engine_cfg.max_num_seqs))
+                src.hf_config.vocab_size, engine_cfg.max_num_seqs), todo)
     except BaseException:
         _close_quietly(writer)
         raise

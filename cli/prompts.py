@@ -152,9 +152,11 @@ def tokenize_requests(rf: RequestFile, tokenizer,
                 progress(done)
 
 
-def check_requests(rf: RequestFile, check: Callable[[Request], None]) -> None:
-    """``check`` every request; its ValueError becomes a ``file:line:`` error."""
-    for r in rf.requests:
+def check_requests(rf: RequestFile, check: Callable[[Request], None],
+                   requests: list[Request] | None = None) -> None:
+    """``check`` every request (or ``requests`` of ``rf``); its ValueError becomes a
+    ``file:line:`` error."""
+    for r in rf.requests if requests is None else requests:
         try:
             check(r)
         except ValueError as e:

@@ -209,3 +209,27 @@ def test_summary_reports_startup_from_the_command(tmp_path):
                            "kv_cache"]  # no CUDA graphs on the CPU
     assert all(v >= 0 for v in parts.values()) and parts["imports_and_input"] > 0
     assert abs(sum(parts.values()) - summary["startup_s"]) < 1e-6
+
+
+def test_engine_seats_fit_the_runs_sequences(tmp_path, monkeypatch):
+    """max_num_seqs is cut to the run's sequences (n per request; after --resume, the ones
+    left), so a short run captures no CUDA graphs for batches it cannot form."""
+    import pagedgen.cli.generate as gen
+
+    seats = []
+
+    class Recording(gen.Replica):
+        def __init__(self, cfg, *args, **kw):
+            seats.append(cfg.max_num_seqs)
+            super().__init__(cfg, *args, **kw)
+
+    monkeypatch.setattr(gen, "Replica", Recording)
+    src = write(tmp_path / "p.jsonl", [{"id": 0, "prompt": "a", "n": 3}, {"id": 1, "prompt": "b"}])
+    for extra in ([], ["--max-num-seqs", "3"]):
+        res = invoke("generate", src, *FAST, "-o", tmp_path / f"o{len(extra)}.jsonl", *extra)
+        assert res.exit_code == 0, res.output
+    assert seats == [4, 3]  # 3 + 1 sequences of the profile's 32 seats; 3 seats stay 3
+    out = tmp_path / "o0.jsonl"
+    out.write_text(out.read_text().splitlines()[0] + "\n")  # request 0 done
+    assert invoke("generate", src, *FAST, "-o", out, "--resume").exit_code == 0
+    assert seats[-1] == 1

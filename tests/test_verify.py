@@ -166,3 +166,80 @@ def test_verify_workers_share_the_cores(monkeypatch):
         assert os.environ["MAX_JOBS"] == "1"
     finally:
         torch.set_num_threads(threads)
+
+
+class PrecompilingBackend(SdpaBackend):
+    """SDPA that records what it is asked to compile ahead, and when (against its forwards)."""
+
+    name = "precompiling"
+    events: list = []
+
+    @classmethod
+    def precompile(cls, variants, device):
+        cls.events.append(("precompile", variants))
+
+    @staticmethod
+    def get_impl_cls():
+        class RecordingImpl(SdpaImpl):
+            def forward(self, *args):
+                PrecompilingBackend.events.append(("forward", None))
+                return super().forward(*args)
+        return RecordingImpl
+
+
+def test_verify_compiles_every_variant_ahead_before_the_checks(tmp_path):
+    PrecompilingBackend.events.clear()
+    res = verify_planted("precompiling", "test_verify:PrecompilingBackend", "--jobs", 1,
+                         "--json", tmp_path / "v.json")
+    assert res.exit_code == 0, res.output
+    events = PrecompilingBackend.events
+    assert events[0][0] == "precompile" and [e for e, _ in events].count("precompile") == 1
+    assert any(e == "forward" for e, _ in events[1:])
+    got = {(s.head_size, s.sliding_window, s.logits_soft_cap, dt, kv) for s, dt, kv in events[0][1]}
+    f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+    for head in (64, 128, 256):  # every kernel group at every checked head size
+        for dt in (f32, f16, bf16):
+            assert {(head, None, None, dt, dt), (head, 19, None, dt, dt)} <= got
+    assert (64, None, None, f32, f32) in got  # the tiny model's layers, float32 on the CPU
+    rep = json.loads((tmp_path / "v.json").read_text())["backends"][0]
+    assert rep["precompile_s"] > 0 and rep["precompile_error"] == ""
+
+
+def test_verify_reports_a_failed_precompile_and_still_checks(monkeypatch):
+    def broken(cls, variants, device):
+        raise RuntimeError("nvcc exploded\nsecond line")
+
+    monkeypatch.setattr(PrecompilingBackend, "precompile", classmethod(broken))
+    res = verify_planted("precompiling", "test_verify:PrecompilingBackend", "--jobs", 1)
+    assert res.exit_code == 0, res.output
+    assert "compiling ahead failed (RuntimeError: nvcc exploded)" in res.output
+
+
+def test_worker_tasks_of_a_precompiled_plan_start_after_its_build(tmp_path):
+    """With worker processes, a plan's tasks are queued once its precompile is done, and the
+    workers start at once on plans without one (here the precompile waits for such a task)."""
+    import os
+    import time
+    from pathlib import Path
+
+    from pagedgen.cli.verify import BackendReport, Check, Plan, Row, run_plans
+
+    other, built = tmp_path / "other-ran", tmp_path / "built"
+
+    def build(other: Path, built: Path) -> None:
+        t = time.monotonic()
+        while not other.exists():  # a worker ran the other plan's task meanwhile
+            assert time.monotonic() - t < 120, "no worker started while compiling"
+            time.sleep(0.05)
+        built.touch()
+
+    def row(results):
+        return Row("kernel", "g", len(results), 0.0, 0.0, 0.0, all(results))
+
+    plans = [Plan(BackendReport("compiled", "checked"),
+                  [Check([(os.path.exists, (str(built),))] * 3, row)], (build, (other, built))),
+             Plan(BackendReport("plain", "checked"),
+                  [Check([(Path.touch, (other,))], lambda r: None)])]
+    compiled, plain = run_plans(plans, jobs=2)
+    assert [r.passed for r in compiled.rows] == [True]  # every task saw the build's output
+    assert compiled.precompile_s > 0 and plain.precompile_s == 0
