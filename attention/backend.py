@@ -199,10 +199,6 @@ class LayerSpec:
     attn_type: AttentionType = AttentionType.DECODER
 
 
-# A kernel to compile: a layer's shape, the query dtype and the KV-cache dtype.
-KernelVariant = tuple[LayerSpec, torch.dtype, torch.dtype]
-
-
 class AttentionImpl(ABC):
     """One layer's attention computation over the paged cache."""
 
@@ -341,12 +337,6 @@ class AttentionBackend(ABC):
         if spec.logits_soft_cap is not None and not cls.supports_soft_cap:
             return "logits soft-cap not supported"
         return None
-
-    @classmethod
-    def precompile(cls, variants: Sequence[KernelVariant], device: torch.device) -> None:
-        """Compile the kernels ``variants`` will run, all in one parallel build, before their
-        first use (for backends whose kernels compile at first use, one by one). Default:
-        nothing to compile ahead."""
 
     @classmethod
     def swap_blocks(cls, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:

@@ -11,11 +11,7 @@ hold their own wrappers (prefill in CUDA-graph mode over fixed buffers).
 
 The prefill kernel is FlashInfer's ``fa2`` by default (first JIT compile about 30 s on an H100);
 ``PAGEDGEN_FLASHINFER_PREFILL=fa3`` picks the Hopper kernel (about 1.6x faster prefill at 4k,
-first JIT compile about 110 s). The tensor-core decode runs the ``fa2`` prefill module. Each
-(dtype, KV dtype, head size, window or not, soft-cap or not) is one module of ten nvcc
-compiles; ``FlashInferBackend.precompile`` builds a run's modules in one ninja build over every
-core, where first use would build them one after another. Compiled modules are cached in
-FlashInfer's JIT cache.
+first JIT compile about 110 s). Compiled kernels are cached in FlashInfer's JIT cache.
 """
 
 from __future__ import annotations
@@ -28,17 +24,12 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                        AttentionState, KernelVariant, LayerSpec)
+                                        AttentionState, LayerSpec)
 from pagedgen.attention.cascade import CascadeInputs
 from pagedgen.attention.kv_cache import write_kv
 
 WORKSPACE_BYTES = 256 << 20
 INSTALL_HINT = "pip install 'pagedgen[flashinfer]'"
-
-
-def prefill_backend() -> str:
-    """FlashInfer's prefill kernel family: fa2, or fa3 (Hopper) by PAGEDGEN_FLASHINFER_PREFILL."""
-    return os.environ.get("PAGEDGEN_FLASHINFER_PREFILL", "fa2")
 
 
 def _key(spec: LayerSpec) -> tuple[int, float]:
@@ -81,7 +72,7 @@ class FlashInferState(AttentionState):
         import flashinfer
 
         self.fi = flashinfer
-        self.prefill_backend = prefill_backend()
+        self.prefill_backend = os.environ.get("PAGEDGEN_FLASHINFER_PREFILL", "fa2")
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.keys = sorted({_key(s) for s in layer_specs})
         self.spec = layer_specs[0]
@@ -134,10 +125,7 @@ class FlashInferState(AttentionState):
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
-        """Build the layers' modules (one parallel build), and compile ``merge_state`` now, not
-        in the first cascade step."""
-        self.backend.precompile([(s, self.dtype, self.kv_cache_dtype) for s in self.layer_specs],
-                                self.device)
+        """Compile (JIT) ``merge_state`` now, not in the first cascade step."""
         if self.supports_cascade and self.device.type == "cuda":
             v = torch.zeros(1, 1, self.spec.head_size, dtype=self.dtype, device=self.device)
             s = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
@@ -230,25 +218,6 @@ class FlashInferBackend(AttentionBackend):
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
         return [64, 128, 256]
-
-    @classmethod
-    def precompile(cls, variants: list[KernelVariant], device: torch.device) -> None:
-        """The JIT modules of ``variants`` (prefill, the fa2 module the tensor-core decode runs,
-        and the cascade merge) in one ninja build, as FlashInfer's own AOT build does
-        (``build_jit_specs``; modules already built are up to date, a no-op)."""
-        if device.type != "cuda" or not variants:
-            return
-        from flashinfer.jit import build_jit_specs, gen_batch_prefill_module
-        from flashinfer.jit.cascade import gen_cascade_module
-
-        specs = {s.name: s for s in [gen_cascade_module()]}
-        for spec, dtype, kv_dtype in variants:
-            for family in {prefill_backend(), "fa2"}:
-                s = gen_batch_prefill_module(
-                    family, dtype, kv_dtype, dtype, torch.int32, spec.head_size, spec.head_size,
-                    0, spec.sliding_window is not None, bool(spec.logits_soft_cap), False)
-                specs[s.name] = s
-        build_jit_specs(list(specs.values()))
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

@@ -73,8 +73,7 @@ PY
         python3 -c "import json, sys
 for b in json.load(open(sys.argv[1]))['backends']:
     rows = sorted(b['rows'], key=lambda r: -r['seconds'])
-    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's in tasks,',
-          round(b.get('precompile_s', 0), 1), 's compiling ahead', b.get('precompile_error', ''),
+    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's in tasks:',
           [(r['group'], round(r['seconds'])) for r in rows[:4]])" "$S/verify-$run.json" \
           2>/dev/null
       done

@@ -11,7 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import time
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +25,7 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn)
 from rich.table import Table
 
-from pagedgen.attention.backend import AttentionBackend, KernelVariant, LayerSpec
+from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention import cascade
 from pagedgen.attention.cases import make_paged_batch, make_shared_prefix_batch, run_backend
 from pagedgen.attention.eager import EagerBackend
@@ -65,8 +65,6 @@ class BackendReport:
     status: str  # "checked" | "skipped" | "reference"
     reason: str = ""
     rows: list[Row] = field(default_factory=list)
-    precompile_s: float = 0.0  # the parallel build of its kernels before the checks
-    precompile_error: str = ""  # why that build failed (the checks then compile at first use)
 
     @property
     def passed(self) -> bool:
@@ -351,26 +349,15 @@ def _single(results: list[Row]) -> Row:
     return results[0]
 
 
-@dataclass
-class Plan:
-    """A backend's report (final when skipped or the reference), its checks, and what to
-    compile before they run (one parallel build of every kernel variant they use)."""
-
-    report: BackendReport
-    checks: list[Check] = field(default_factory=list)
-    precompile: Task | None = None
-
-
 def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
-                 steps: int, seed: int) -> Plan:
-    """Backend ``name``'s checks."""
+                 steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
+    """The report for backend ``name`` (skipped or the reference: final) and its checks."""
     if name == "eager":
-        return Plan(BackendReport(name, "reference", "the reference itself (tested against a "
-                                                     "dense float64 computation in the test "
-                                                     "suite)"))
+        return BackendReport(name, "reference", "the reference itself (tested against a dense "
+                                                "float64 computation in the test suite)"), []
     why = unavailable_reason(name, device)  # this backend only, not every backend's status
     if why is not None:
-        return Plan(BackendReport(name, "skipped", why))
+        return BackendReport(name, "skipped", why), []
     backend = get_backend(name, device)
     chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
     checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
@@ -384,33 +371,7 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
     for page in page_sizes(backend):
         checks.append(Check([(check_prefix_cache,
                               (name, model, dtype, device, steps, seed, page))], _single))
-    ahead = backend.precompile.__func__ is not AttentionBackend.precompile.__func__
-    return Plan(BackendReport(name, "checked"), checks,
-                (backend.precompile, (kernel_variants(backend, device, model, dtype), device))
-                if ahead else None)
-
-
-def kernel_variants(backend: type[AttentionBackend], device: torch.device, model: str,
-                    dtype: str) -> list[KernelVariant]:
-    """Every (layer shape, dtype, KV-cache dtype) the checks run on ``backend``: the kernel
-    groups at each head size, the cascade cases, and the model's layers."""
-    sizes, _ = _shapes(backend)
-    variants = [(LayerSpec(2, 2, head, head ** -0.5, opts.get("sliding_window"),
-                           opts.get("soft_cap")), dt, opts.get("cache_dtype", dt))
-                for _, dt, opts in kernel_groups(backend, device) for head in sizes]
-    cdt = cascade_dtype(backend)
-    variants += [(LayerSpec(2, 2, h, h ** -0.5), cdt, cdt) for h in ([128] if 128 in sizes
-                                                                      else sizes)]
-    try:
-        from pagedgen.runtime.config import EngineConfig
-        from pagedgen.runtime.models.llama import layer_specs
-        from pagedgen.runtime.models.loader import resolve_model
-
-        mdt = EngineConfig(dtype=dtype).torch_dtype(device)
-        variants += [(s, mdt, mdt) for s in layer_specs(resolve_model(model).hf_config)]
-    except (PagedgenError, ValueError):
-        pass  # the model check reports it
-    return variants
+    return BackendReport(name, "checked"), checks
 
 
 def graph_modes(backend: type[AttentionBackend], device: torch.device) -> list[bool]:
@@ -450,52 +411,29 @@ class _Deferred:
         return self.fn(*self.args)
 
 
-def run_plans(plans: list[Plan], jobs: int, out: Console | None = None,
+def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
+              out: Console | None = None,
               sharded: Callable[[str], Row | None] = lambda name: None) -> list[BackendReport]:
     """Run every check's tasks (in ``jobs`` worker processes, or here in order for 1); with
     ``out``, show progress and print each backend's table as soon as its rows are in.
-
-    A plan's precompile runs here first (in a thread, while the workers start on the plans
-    without one), its tasks once it is done. ``sharded`` adds the tensor-parallel row (run
-    here: it starts its own rank processes)."""
-    n_tasks = sum(len(c.tasks) for p in plans for c in p.checks)
+    ``sharded`` adds the tensor-parallel row (run here: it starts its own rank processes)."""
+    tasks = [t for _, checks in plans for c in checks for t in c.tasks]
     shown = out is not None and (out.is_terminal or console.is_terminal)
-    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
-                        MofNCompleteColumn(), TimeElapsedColumn(),
-                        console=out if out and out.is_terminal else console,
+    progress = Progress(TextColumn("[bold]verifying"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), console=out if out and out.is_terminal else console,
                         transient=True, disable=not shown)
-    pool = builder = None
-    if jobs > 1 and n_tasks > 1:
-        pool = ProcessPoolExecutor(min(jobs, n_tasks), mp_context=mp.get_context("spawn"),
-                                   initializer=_share_cores, initargs=(min(jobs, n_tasks),))
-        builder = ThreadPoolExecutor(1)
-
-    def submit(plan: Plan) -> list[Future | _Deferred]:
-        if plan.precompile:
-            bar = progress.add_task(f"compiling {plan.report.backend}'s kernels", total=1)
-            fn, args = plan.precompile
-            t = time.perf_counter()
-            try:
-                fn(*args)
-            except Exception as e:  # first use compiles them instead (and reports a failure)
-                plan.report.precompile_error = f"{type(e).__name__}: {e}".splitlines()[0]
-            plan.report.precompile_s = time.perf_counter() - t
-            progress.update(bar, completed=1, visible=False)
-        return [pool.submit(_timed, fn, args) if pool else _Deferred(_timed, (fn, args))
-                for c in plan.checks for fn, args in c.tasks]
-
+    pool = None
+    if jobs > 1 and len(tasks) > 1:
+        jobs = min(jobs, len(tasks))
+        pool = ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn"),
+                                   initializer=_share_cores, initargs=(jobs,))
     try:
         with progress:
-            bar = progress.add_task("verifying", total=n_tasks)
-            # plans without a precompile are queued first, so workers start on them at once
-            queued = {i: _Deferred(submit, (p,)) for i, p in enumerate(plans)}
-            if pool:
-                for i, p in sorted(enumerate(plans), key=lambda ip: ip[1].precompile is not None):
-                    queued[i] = builder.submit(submit, p)
-            for i, plan in enumerate(plans):
-                pending = iter(_result(queued[i]))
-                report = plan.report
-                for c in plan.checks:
+            bar = progress.add_task("checks", total=len(tasks))
+            pending = iter([pool.submit(_timed, fn, args) if pool
+                            else _Deferred(_timed, (fn, args)) for fn, args in tasks])
+            for report, checks in plans:
+                for c in checks:
                     results, seconds = [], 0.0
                     for _ in c.tasks:
                         result, s = _result(next(pending))
@@ -514,11 +452,9 @@ def run_plans(plans: list[Plan], jobs: int, out: Console | None = None,
                 if out is not None:
                     render([report], out)
     finally:
-        if builder is not None:
-            builder.shutdown(cancel_futures=True)
         if pool is not None:
             pool.shutdown(cancel_futures=True)
-    return [p.report for p in plans]
+    return [r for r, _ in plans]
 
 
 def _timed(fn: Callable[..., Any], args: tuple) -> tuple[Any, float]:
@@ -551,12 +487,7 @@ def render(reports: list[BackendReport], console: Console) -> None:
         if rep.status != "checked":
             console.print(f"[bold]{rep.backend}[/]: {rep.status} — {escape(rep.reason)}")
             continue
-        caption = (f"compiling ahead failed ({rep.precompile_error}); kernels compiled at "
-                   f"first use" if rep.precompile_error else
-                   f"kernels compiled ahead in {rep.precompile_s:.1f} s"
-                   if rep.precompile_s >= 0.05 else None)
-        t = Table(title=f"{rep.backend} vs eager", title_justify="left", caption=caption,
-                  caption_justify="left")
+        t = Table(title=f"{rep.backend} vs eager", title_justify="left")
         for col in ("check", "cases", "worst abs err", "worst rel err", "tolerance", "result",
                     "time", "notes"):
             t.add_column(col, justify="left" if col in ("check", "notes") else "right")

@@ -36,31 +36,6 @@ def compare(batch, tol):
     return err
 
 
-def test_precompile_builds_the_modules_first_use_loads():
-    """One parallel build of this file's variants; running them afterwards builds nothing more
-    (the module names precompile builds are the ones FlashInfer's wrappers load)."""
-    from flashinfer.jit import env as jit_env
-    from pagedgen.attention.backend import LayerSpec
-
-    bf16, f16, fp8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
-    variants = [(LayerSpec(8, 8, h, h ** -0.5), dt, dt)
-                for h in (64, 128, 256) for dt in (bf16, f16)]
-    variants += [(LayerSpec(16, 4, 128, 128 ** -0.5, w, c), bf16, bf16)
-                 for w, c in [(24, None), (None, 20.0), (40, 30.0)]]
-    variants.append((LayerSpec(16, 4, 128, 128 ** -0.5), bf16, fp8))
-    flashinfer_backend().precompile(variants, torch.device("cuda"))
-    built = set(jit_env.FLASHINFER_JIT_DIR.rglob("*.so"))
-    for spec, dtype, kv in variants:
-        b = make_paged_batch(1, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                             head_size=spec.head_size, dtype=dtype, device="cuda",
-                             num_prefills=2, num_decodes=3, sliding_window=spec.sliding_window,
-                             soft_cap=spec.logits_soft_cap,
-                             cache_dtype=kv if kv != dtype else None)
-        run_backend(flashinfer_backend(), b)
-    torch.cuda.synchronize()
-    assert set(jit_env.FLASHINFER_JIT_DIR.rglob("*.so")) == built
-
-
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_size", [64, 128, 256])
