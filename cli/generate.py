@@ -200,10 +200,12 @@ def fit_seats(engine_cfg, todo, defaults):
     """``engine_cfg`` with ``max_num_seqs`` cut to the sequences of ``todo`` (each request's
     ``n``) when they are fewer: a short run then captures CUDA graphs, and sizes buffers, only
     for batches it can form (the 16 sample prompts: 5 decode graphs, not 23 for 256 seats)."""
-    seqs = sum(r.sampling(defaults).n for r in todo)
-    if 0 < seqs < engine_cfg.max_num_seqs:
-        return dataclasses.replace(engine_cfg, max_num_seqs=seqs)
-    return engine_cfg
+    seqs = 0
+    for r in todo:  # stops at the seats: a long file costs nothing here
+        seqs += r.sampling(defaults).n
+        if seqs >= engine_cfg.max_num_seqs:
+            return engine_cfg
+    return dataclasses.replace(engine_cfg, max_num_seqs=seqs) if seqs else engine_cfg
 
 
 def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_size: int,
