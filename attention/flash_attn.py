@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
                                         AttentionState, LayerSpec)
 from pagedgen.attention.cascade import MIN_SEQS, CascadeBuffers, CascadeInputs, merge
+from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.profiling import scope
@@ -241,6 +242,7 @@ class FlashAttnState(AttentionState):
         self.flavour = flavour or FlashAttnBackend.flavour(device)
         if self.flavour.name == "fa4":  # keep compiled kernels for the next run
             os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+            import_quack_lean()  # without torch._dynamo (see fa4_import)
         self.module = importlib.import_module(self.flavour.module)
         # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10

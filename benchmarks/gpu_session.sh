@@ -8,13 +8,13 @@
 #
 # Steps: startup (pagedgen generate on $MODEL, default the 8B preset, with $BACKEND, default
 # flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
-# gpu; PYTEST_K selects), "peers W" (peers.py on workloads W with vLLM), attention (decode
-# kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes on (a)-(c)'s
-# decode shapes), profile ((a)'s decode under torch.profiler), imports (startup under
-# python -X importtime), save-caches (FlashInfer's and FA4's kernel caches to $OUT). verify
-# takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold warm");
-# peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG, PEERS_LIMIT from
-# the environment.
+# gpu; PYTEST_K selects, TESTS_LIMIT seconds), "peers W" (peers.py on workloads W with vLLM),
+# attention (decode kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes
+# on (a)-(c)'s decode shapes), profile and profile-c ((a)'s and (c)'s decode under
+# torch.profiler), imports (startup under python -X importtime), save-caches (FlashInfer's and
+# FA4's kernel caches to $OUT). verify takes VERIFY_LIMIT (seconds per run, default 400) and
+# VERIFY_RUNS (default "cold warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none),
+# FA4_TILES, PEERS_TAG, PEERS_LIMIT from the environment.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -85,7 +85,7 @@ for b in json.load(open(sys.argv[1]))['backends']:
       tar czf "${OUT:-/tmp/out}/fa4-cache.tgz" -C "$FA4_CACHE" .
       echo "$(caches); saved: $(du -sh "${OUT:-/tmp/out}"/*-cache.tgz | tr '\n' ' ')" ;;
     tests)
-      timed gpu-tests 550 python3 -m pytest -m gpu -q ${PYTEST_K:+-k "$PYTEST_K"}
+      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q ${PYTEST_K:+-k "$PYTEST_K"}
       tail -3 "$S/gpu-tests.log" ;;
     peers\ *)
       w=${step#peers }
@@ -112,12 +112,18 @@ for f in sorted(glob.glob('$S/tiles-*.json')):
         print(r['heads'], r['batch'], r['context'], r['backend'], r['page'],
               r.get('fa4_decode_tile', '-'), f\"{r['ms']:.4f} ms {r['GB_s']:.0f} GB/s\",
               f\"{r['checksum']:.5f}\")" ;;
-    profile)
-      # decode at (a)'s batch and mean decode context (576 prompt + 128), flash-attn
-      timed profile-a 240 pagedgen profile --backend flash-attn --model llama-3-8b \
-        --batch-sizes 256 --prompt-len 704 --output-len 16 --measured-steps 8 \
-        --output-dir "$S/profile-a"
-      rm -f "$S"/profile-a/trace-*.json
+    profile|profile-c)
+      # a decode step under torch.profiler at the workload's batch and mean decode context:
+      # (a) Llama-3-8B at 256 x 704 (576 prompt + 128); profile-c: (c) Qwen3-0.6B at 256 and
+      # 64 x 1100 (562 prompt + 281 output on average, long ones last)
+      if [ "$step" = profile ]; then
+        name=profile-a args=(--model llama-3-8b --batch-sizes 256 --prompt-len 704)
+      else
+        name=profile-c args=(--model qwen3-0.6b --batch-sizes 64,256 --prompt-len 1100)
+      fi
+      timed "$name" 240 pagedgen profile --backend flash-attn "${args[@]}" --output-len 16 \
+        --measured-steps 8 --output-dir "$S/$name"
+      rm -f "$S/$name"/trace-*.json
       python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
 for r in d['results']:
     for b in r['batches']:
@@ -125,8 +131,8 @@ for r in d['results']:
     for ph, v in r['phases'].items():
         g = {k: round(us / 1000, 2) for k, us in sorted(v['groups_us'].items(), key=lambda x: -x[1])}
         t = v.get('gpu_time_us', v.get('cpu_time_us', 0))
-        print(ph, round(t / 1000, 2), 'ms:', g)" "$S/profile-a/profile.json" \
-        || tail -5 "$S/profile-a.log" ;;
+        print(ph, round(t / 1000, 2), 'ms:', g)" "$S/$name/profile.json" \
+        || tail -5 "$S/$name.log" ;;
     attention)
       timed attention-a 120 python3 benchmarks/attention_kernels.py --page-sizes 0 \
         --backends flash-attn,flashinfer,triton --heads 32/8 \

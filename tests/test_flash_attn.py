@@ -3,6 +3,10 @@ flash-attn APIs (tests/fake_flash_attn.py); cache layout, page sizes, flavour se
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -172,3 +176,68 @@ def test_warmup_runs_every_shape(monkeypatch):
     stats = st.compile_stats()
     assert stats["attention_warmup_s"] > 0
     assert stats["attention_kernels_compiled_later"] == 0
+
+
+FAKE_QUACK_INIT = "raise AssertionError('quack.__init__ ran')\n"
+FAKE_QUACK = {
+    "quack/__init__.py": FAKE_QUACK_INIT,
+    "quack/dsl/__init__.py": "import builtins\nbuiltins.quack_dsl_patched = True\n",
+    "quack/rmsnorm.py": "import heavy_autotuner\ndef rmsnorm(x):\n    return x\n",
+    "quack/softmax.py": "def softmax(x):\n    return x\n",
+    "quack/cross_entropy.py": "def cross_entropy(x):\n    return x\n",
+    "quack/rounding.py": "RoundingMode = 'enum'\n",
+    "quack/layout_utils.py": "import quack\nVERSION = quack.__version__\n",
+    "heavy_autotuner.py": "",
+}
+
+
+def _fake_quack(tmp_path, version: str):
+    for rel, text in FAKE_QUACK.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    info = tmp_path / f"quack_kernels-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: quack-kernels\n"
+                                   f"Version: {version}\n")
+
+
+def _run(tmp_path, code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_quack_imports_lean_for_fa4(tmp_path):
+    """FA4's quack import runs quack.dsl (its CuTe patches) but not the kernels that pull in
+    torch._dynamo; those resolve at first access, as quack's own attributes."""
+    _fake_quack(tmp_path, "0.6.5")
+    done = _run(tmp_path, """
+import sys
+from pagedgen.attention.fa4_import import import_quack_lean
+assert import_quack_lean()
+import builtins, quack
+from quack import layout_utils
+assert builtins.quack_dsl_patched and layout_utils.VERSION == '0.6.5'
+assert 'heavy_autotuner' not in sys.modules and 'quack.rmsnorm' not in sys.modules
+from quack import rmsnorm, RoundingMode
+assert rmsnorm(3) == 3 and quack.rmsnorm is rmsnorm and RoundingMode == 'enum'
+assert 'heavy_autotuner' in sys.modules and quack.softmax(2) == 2
+assert not import_quack_lean()  # already imported
+try:
+    quack.nothing
+except AttributeError as e:
+    print(e)
+""")
+    assert done.returncode == 0, done.stderr
+    assert "no attribute 'nothing'" in done.stdout
+
+
+def test_other_quack_versions_import_as_they_are(tmp_path):
+    _fake_quack(tmp_path, "0.7.0")
+    done = _run(tmp_path, """
+from pagedgen.attention.fa4_import import import_quack_lean
+assert not import_quack_lean()
+import quack
+""")
+    assert "quack.__init__ ran" in done.stderr  # the real __init__, unchanged

@@ -1,4 +1,4 @@
-"""flash-attn (FA4 on an H100) against the eager oracle, at kernel and model level, with CUDA graphs.
+"""flash-attn (FA4 on an H100) against the eager oracle, at kernel and model level, with graphs.
 
 Marked `gpu`: skipped without CUDA or without a flash-attn flavour. Every FA4 kernel variant
 compiles at first use (seconds each), so the matrix pairs GQA ratios with head sizes rather
@@ -8,6 +8,8 @@ than crossing every axis; dtypes and page sizes alternate across it.
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +111,25 @@ def test_cuda_graphs_give_the_same_tokens_and_logits_as_eager():
     print(f"flash-attn graphs vs eager: worst logit diff {worst:.5f}, capture "
           f"{g.runner.graphs.capture_time_s:.2f} s, page size {g.runner.block_size}")
     assert worst < 1e-2
+
+
+def test_fa4_state_imports_no_dynamo():
+    """The FA4 state imports quack lean (attention/fa4_import.py): building it and running a
+    compiled kernel import no torch._dynamo; quack's kernels still resolve on access."""
+    from pagedgen.attention.flash_attn import FlashAttnBackend
+    if FlashAttnBackend.flavour(torch.device("cuda")).name != "fa4":
+        pytest.skip("the flavour here is not FA4")
+    code = """
+import sys, torch
+from pagedgen.attention.cases import make_paged_batch, run_backend
+from pagedgen.attention.flash_attn import FlashAttnBackend
+run_backend(FlashAttnBackend, make_paged_batch(0, num_heads=8, num_kv_heads=8, head_size=128,
+            dtype=torch.bfloat16, device="cuda", block_size=128, num_prefills=3,
+            num_decodes=6, max_context=389, max_new=259))
+assert "torch._dynamo" not in sys.modules, "torch._dynamo was imported"
+from quack import rmsnorm
+assert callable(rmsnorm)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
