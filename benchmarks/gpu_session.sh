@@ -85,8 +85,8 @@ for b in json.load(open(sys.argv[1]))['backends']:
       tar czf "${OUT:-/tmp/out}/fa4-cache.tgz" -C "$FA4_CACHE" .
       echo "$(caches); saved: $(du -sh "${OUT:-/tmp/out}"/*-cache.tgz | tr '\n' ' ')" ;;
     tests)
-      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q ${PYTEST_K:+-k "$PYTEST_K"}
-      tail -3 "$S/gpu-tests.log" ;;
+      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
+      tail -12 "$S/gpu-tests.log" ;;
     peers\ *)
       w=${step#peers }
       tag=${w//,/}${PEERS_TAG:-}
