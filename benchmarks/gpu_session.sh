@@ -12,9 +12,10 @@
 # attention (decode kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes
 # on (a)-(c)'s decode shapes), profile and profile-c ((a)'s and (c)'s decode under
 # torch.profiler), imports (startup under python -X importtime), save-caches (FlashInfer's and
-# FA4's kernel caches to $OUT). verify takes VERIFY_LIMIT (seconds per run, default 400) and
-# VERIFY_RUNS (default "cold warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none),
-# FA4_TILES, PEERS_TAG, PEERS_LIMIT from the environment.
+# FA4's kernel caches to $OUT, in pieces), load-caches (those pieces, carried as .whl/caches).
+# verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
+# warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
+# PEERS_LIMIT from the environment.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -79,11 +80,23 @@ for b in json.load(open(sys.argv[1]))['backends']:
       done
       echo "after: $(caches)" ;;
     save-caches)
-      # FlashInfer's JIT cache and FA4's kernel cache, for the next machine (copy the files to
-      # .whl/ and carry them with the last part)
-      tar czf "${OUT:-/tmp/out}/flashinfer-cache.tgz" -C /tmp/fiws .cache
-      tar czf "${OUT:-/tmp/out}/fa4-cache.tgz" -C "$FA4_CACHE" .
-      echo "$(caches); saved: $(du -sh "${OUT:-/tmp/out}"/*-cache.tgz | tr '\n' ' ')" ;;
+      # FlashInfer's JIT cache and FA4's kernel cache for the next machine, in pieces of 15 MiB
+      # (a file over 16 MiB does not come back; at most 8 files do). Here: copy the pieces to
+      # .whl/caches/ and carry that folder alone, before the last part: load-caches unpacks it.
+      o=${OUT:-/tmp/out}
+      tar czf - -C /tmp/fiws .cache | split -b 15m - "$o/fi-cache.tgz."
+      tar czf - -C "$FA4_CACHE" . | split -b 15m - "$o/fa4-cache.tgz."
+      echo "$(caches); saved: $(cd "$o" && du -shc ./*-cache.tgz.* | tail -1 | cut -f1) in" \
+        "$(ls "$o" | grep -c -- '-cache.tgz.') pieces" ;;
+    load-caches)
+      # the pieces save-caches wrote, carried as .whl/caches: FlashInfer's cache into /tmp/fiws
+      # (the last part's setup then keeps it) and FA4's into its cache folder
+      mkdir -p /tmp/fiws "$FA4_CACHE"
+      ls .whl/caches/fi-cache.tgz.* > /dev/null 2>&1 \
+        && cat .whl/caches/fi-cache.tgz.* | tar xzf - -C /tmp/fiws
+      ls .whl/caches/fa4-cache.tgz.* > /dev/null 2>&1 \
+        && cat .whl/caches/fa4-cache.tgz.* | tar xzf - -C "$FA4_CACHE"
+      echo "loaded: $(caches)" ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
       tail -12 "$S/gpu-tests.log" ;;
