@@ -81,8 +81,9 @@ for b in json.load(open(sys.argv[1]))['backends']:
       echo "after: $(caches)" ;;
     save-caches)
       # FlashInfer's JIT cache and FA4's kernel cache for the next machine, in pieces of 15 MiB
-      # (a file over 16 MiB does not come back; at most 8 files do). Here: copy the pieces to
-      # .whl/caches/ and carry that folder alone, before the last part: load-caches unpacks it.
+      # (a file over 16 MiB does not come back; at most 8 files do, the session folder's logs
+      # included: run it with few other steps). Here: copy the pieces to .whl/caches/ and carry
+      # that folder alone, before the last part: load-caches unpacks it.
       o=${OUT:-/tmp/out}
       tar czf - -C /tmp/fiws .cache | split -b 15m - "$o/fi-cache.tgz."
       tar czf - -C "$FA4_CACHE" . | split -b 15m - "$o/fa4-cache.tgz."
