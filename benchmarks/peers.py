@@ -117,13 +117,21 @@ def hf_padded(model, prompts: list[list[int]], outs: list[int], batch_size: int)
     return time.perf_counter() - t0
 
 
-def hf_continuous(model, prompts: list[list[int]], outs: list[int]) -> float:
+def hf_continuous(model, prompts: list[list[int]], outs: list[int],
+                  cache_blocks: int | None = None) -> float:
     """transformers' continuous batching (paged KV cache), each request with its own output
-    length. Its warm-up (CUDA-graph capture) is excluded, as pagedgen's is. Returns seconds."""
+    length. Its warm-up (CUDA-graph capture) is excluded, as pagedgen's is. Returns seconds.
+    ``cache_blocks``: its KV cache's size in pages (default: sized from free memory, which on
+    a CPU is the host's RAM: gigabytes)."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(max_new_tokens=max(outs), do_sample=False, eos_token_id=-1)
     kw: dict[str, Any] = {}
+    if cache_blocks is not None:
+        from transformers import ContinuousBatchingConfig
+
+        kw["continuous_batching_config"] = ContinuousBatchingConfig(
+            num_blocks=cache_blocks, max_batch_tokens=256)
     try:
         from transformers.generation.continuous_batching.utils import WorkloadHints
         kw["workload_hints"] = WorkloadHints(max(map(len, prompts)), max(outs), len(prompts))

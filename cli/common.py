@@ -9,19 +9,22 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, Terminated
 
 console = Console(stderr=True)
 
 
 def out_console() -> Console:
-    """Console for results on stdout; wide when piped so tables stay readable in logs."""
+    """Console for results on stdout; 160 columns when piped, so that wide tables (verify,
+    profile) stay readable in logs (the generate summary is 100 wide on its own)."""
     c = Console()
     return c if c.is_terminal else Console(width=160)
 
 
 def cli_errors(fn: Callable) -> Callable:
-    """Turn PagedgenError into a one-line message and exit code 1 (no traceback)."""
+    """Turn PagedgenError into a one-line message and exit code 1 (no traceback); Ctrl-C and
+    SIGTERM into one line and exit codes 130 and 143 (a command that writes files says what
+    it kept before this)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -31,13 +34,21 @@ def cli_errors(fn: Callable) -> Callable:
             console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False,
                           soft_wrap=True)
             raise typer.Exit(1)
+        except KeyboardInterrupt:
+            console.print("[yellow]interrupted[/]", soft_wrap=True)
+            raise typer.Exit(130)
+        except Terminated:
+            console.print("[yellow]terminated (SIGTERM)[/]")
+            raise typer.Exit(143)
 
     return wrapper
 
 
 def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
                         sampling_overrides: dict):
-    """Profile (explicit, or implied by a preset --model, or the default) + command-line options."""
+    """Profile (explicit, or implied by a preset --model, or the default) + command-line
+    options, every value checked (types, ranges, names) before anything loads."""
+    from pagedgen.attention.registry import backend_names
     from pagedgen.runtime.config import DEFAULT_MODEL, apply_fields, configs_from_profile, \
         list_profiles, load_profile
 
@@ -45,11 +56,20 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
     if name is None and (model is None or model in list_profiles()):
         name = model or DEFAULT_MODEL
     prof = load_profile(name) if name else None
-    engine, sampling = configs_from_profile(prof)
+    engine, sampling = configs_from_profile(prof)  # checks the profile's own values
     if model is not None:
         engine.model = model
     engine = apply_fields(engine, {k: v for k, v in engine_overrides.items() if v is not None},
                           "options")
     sampling = apply_fields(sampling, {k: v for k, v in sampling_overrides.items()
                                        if v is not None}, "options")
+    engine.validate()
+    if engine.backend != "auto" and engine.backend not in backend_names():
+        raise PagedgenError(f"unknown backend '{engine.backend}'; choose auto or one of "
+                            f"{', '.join(backend_names())} (`pagedgen backends` says which "
+                            "run here)")
+    try:
+        sampling.validate()
+    except ValueError as e:
+        raise PagedgenError(f"options: {e}")
     return engine, sampling, prof

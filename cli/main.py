@@ -1,48 +1,41 @@
-"""`pagedgen` command line: generate, backends (and the commands registered from other modules)."""
+"""The `pagedgen` console script: signals first, then the app.
+
+SIGTERM becomes ``Terminated`` in the main thread (as SIGINT becomes KeyboardInterrupt), so a
+run ends the same way on either: output kept and resumable, one line, exit code 130 / 143. This
+module imports nothing heavy before the handlers are in place, and holds both signals during
+the app's imports (torch: seconds), so Ctrl-C then is one line too, once the imports are done.
+"""
 
 from __future__ import annotations
 
+import signal
 import sys
-from typing import Optional
 
-import typer
-from rich.markup import escape
-from rich.table import Table
-
-from pagedgen.cli.common import cli_errors, out_console
-from pagedgen.cli.generate import generate
-from pagedgen.cli.profile import profile
-from pagedgen.cli.verify import verify
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="Offline batch LLM generation and attention profiling over a paged KV cache.")
+from pagedgen.errors import Terminated
 
 
-@app.command()
-@cli_errors
-def backends(device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N.")) -> None:
-    """List the attention backends and whether each runs here (and why not)."""
-    from pagedgen.attention.registry import backend_status, get_backend
-    from pagedgen.runtime.config import EngineConfig
-
-    dev = EngineConfig(device=device or "auto").torch_device()
-    table = Table(title=f"attention backends on {dev}", title_justify="left")
-    for col in ("backend", "available", "notes"):
-        table.add_column(col)
-    for s in backend_status(dev):
-        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", escape(s.reason))
-    out = out_console()
-    out.print(table)
-    out.print(f"auto → {get_backend('auto', dev).name}")
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
-app.command()(generate)
-app.command()(verify)
-app.command("profile")(profile)
-
-
-def main() -> None:
+def main() -> int:
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        # Held during the imports (some library's bare ``except`` would swallow the
+        # KeyboardInterrupt); one that came is delivered when they are done, and ends here.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        try:
+            from pagedgen.cli.app import app
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
+    except Terminated:
+        print("terminated (SIGTERM): nothing was written", file=sys.stderr)
+        return 143
     app()
+    return 0
 
 
 if __name__ == "__main__":

@@ -175,6 +175,16 @@ def record(engine, samples: list[Sequence], model: str) -> dict[str, Any]:
     return line
 
 
+def is_complete(obj: dict[str, Any]) -> bool:
+    """Whether a parsed output line is a whole batch output record (``--resume`` keeps those)."""
+    response = obj.get("response")
+    body = response.get("body") if isinstance(response, dict) else None
+    return (isinstance(obj.get("custom_id"), str) and obj.get("error") is None
+            and isinstance(body, dict) and isinstance(body.get("choices"), list)
+            and bool(body["choices"]) and all(isinstance(c, dict) and c.get("finish_reason")
+                                              in ("stop", "length") for c in body["choices"]))
+
+
 def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
     logprobs = None
     if seq.logprobs is not None:

@@ -332,6 +332,7 @@ def charts(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     paths = []
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -344,7 +345,8 @@ def charts(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                 ax.bar(names, vals, bottom=bottom, label=grp)
                 bottom = [b + v for b, v in zip(bottom, vals)]
         ax.set_title(f"{phase}: time by kernel group (batch {results[0]['kernel_batch']})")
-        ax.set_ylabel("ms")
+        ax.set_ylabel("ms per step (kernel groups stacked: the bar is their sum)")
+        ax.set_ylim(bottom=0)
     axes[1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     paths.append(out_dir / "kernel_groups.png")
@@ -358,8 +360,10 @@ def charts(results: list[dict[str, Any]], out_dir: Path) -> list[Path]:
             ax.plot([b["batch"] for b in r["batches"]],
                     [b["decode_roofline_ms"] for b in r["batches"]], ls="--", color="gray",
                     label=f"{name} memory roofline")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("decode step p50 (ms)")
+    ax.set_xlabel("batch size (sequences decoding)")
+    ax.set_ylabel("decode step p50 (ms, whole step: every kernel)")
+    ax.set_ylim(bottom=0)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"decode step time vs batch size ({results[0]['model']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -376,31 +380,44 @@ def profile(
     profile_name: Optional[str] = typer.Option(None, "--profile",
                                                help="Run profile: name or YAML [default: tiny]."),
     backend: Optional[str] = typer.Option(None, help="Backend name, auto, or all (every "
-                                                     "available backend but eager)."),
-    model: Optional[str] = typer.Option(None, help="Checkpoint directory or preset."),
-    device: Optional[str] = typer.Option(None),
-    dtype: Optional[str] = typer.Option(None),
-    kv_cache_dtype: Optional[str] = typer.Option(None),
-    block_size: Optional[int] = typer.Option(None),
-    batch_sizes: Optional[str] = typer.Option(None, help="Comma-separated, e.g. 1,8,64."),
-    prompt_len: Optional[int] = typer.Option(None),
+                                                     "available backend but eager) "
+                                                     "[default: auto]."),
+    model: Optional[str] = typer.Option(
+        None, help="Checkpoint directory or preset [default: the profile's]."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+    dtype: Optional[str] = typer.Option(
+        None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU]."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8 [default: auto]."),
+    block_size: Optional[int] = typer.Option(
+        None, help="Tokens per KV page [default: the backend's]."),
+    batch_sizes: Optional[str] = typer.Option(
+        None, help="Comma-separated, e.g. 1,8,64 [default: the profile's workload, else 1,4,16]."),
+    prompt_len: Optional[int] = typer.Option(
+        None, help="Prompt tokens [default: the profile's workload, else 64]."),
     shared_prefix_len: Optional[int] = typer.Option(
-        None, help="Leading tokens every prompt of a batch shares (shows prefix caching)."),
-    output_len: Optional[int] = typer.Option(None),
-    prompts: Optional[str] = typer.Option(None, help="JSONL prompt file instead of random."),
-    warmup_steps: Optional[int] = typer.Option(None),
-    measured_steps: Optional[int] = typer.Option(None),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs"),
+        None, help="Leading tokens every prompt of a batch shares (shows prefix caching) "
+                   "[default: 0]."),
+    output_len: Optional[int] = typer.Option(
+        None, help="Decode steps per batch size at most [default: the profile's workload, "
+                   "else 16]."),
+    prompts: Optional[str] = typer.Option(
+        None, help="JSONL prompt file instead of random prompts [default: random]."),
+    warmup_steps: Optional[int] = typer.Option(None, help="[default: 2]"),
+    measured_steps: Optional[int] = typer.Option(None, help="[default: 8]"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                               help="[default: on]"),
     fused_kernels: Optional[bool] = typer.Option(
         None, "--fused-kernels/--no-fused-kernels",
-        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA (default: on)."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching"),
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA [default: on]."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                                  help="[default: on]"),
     cascade_attention: Optional[bool] = typer.Option(
         None, "--cascade-attention/--no-cascade-attention",
-        help="Decode batches sharing prefix pages attend them once (default: on)."),
+        help="Decode batches sharing prefix pages attend them once [default: on]."),
     tensor_parallel_size: Optional[int] = typer.Option(
         None, "--tensor-parallel-size", "-tp",
-        help="Shard the model over this many GPUs (rank 0's kernels are reported)."),
+        help="Shard the model over this many GPUs (rank 0's kernels are reported) "
+             "[default: 1]."),
     output_dir: Path = typer.Option(Path("pagedgen-profile"), help="Trace, JSON and charts."),
     seed: int = typer.Option(0),
 ) -> None:
@@ -461,7 +478,11 @@ def _profile_worker(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[st
 def _workload(profile: dict | None, overrides: dict[str, Any]) -> Workload:
     from pagedgen.runtime.config import apply_fields
 
-    wl = apply_fields(Workload(), (profile or {}).get("workload") or {}, "profile [workload]")
+    profile = profile or {}
+    lines = {k[len("workload."):]: v for k, v in (profile.get("_lines") or {}).items()
+             if k.startswith("workload.")}
+    wl = apply_fields(Workload(), profile.get("workload") or {},
+                      profile.get("_path", "profile"), lines)
     given = {k: v for k, v in overrides.items() if v is not None}
     if isinstance(given.get("batch_sizes"), str):
         try:

@@ -7,11 +7,17 @@ batches (one call into the fast tokenizer per batch).
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
 import json
+import os
+import stat
+import sys
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable, ContextManager
 
 from pagedgen.cli import openai_batch
 from pagedgen.cli.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
@@ -19,108 +25,203 @@ from pagedgen.cli.request import (SAMPLING_FIELDS, InputOptions, Request, check_
 from pagedgen.errors import PagedgenError
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
+MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """One input to read: a file, a pipe, or standard input (``-``)."""
+
+    name: str  # as errors show it: the path, or "<stdin>"
+    path: Path | None  # None: standard input
+    size: int | None  # bytes, where known (progress)
+    identity: tuple[int, int] | None  # (device, inode) of what is read: never the output
+
+    def open(self) -> ContextManager[BinaryIO]:
+        if self.path is None:
+            return contextlib.nullcontext(sys.stdin.buffer)  # not closed after reading
+        return self.path.open("rb")
+
+    @classmethod
+    def of_path(cls, path: Path) -> InputSource:
+        st = path.stat()
+        return cls(str(path), path, st.st_size if stat.S_ISREG(st.st_mode) else None,
+                   (st.st_dev, st.st_ino))
+
+    @classmethod
+    def stdin(cls) -> InputSource:
+        if sys.stdin is None or not hasattr(sys.stdin, "buffer"):
+            raise PagedgenError("-: there is no standard input to read")
+        try:
+            st = os.fstat(sys.stdin.fileno())
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return cls("<stdin>", None, None, None)  # not a file descriptor (a test's stream)
+        return cls("<stdin>", None, st.st_size if stat.S_ISREG(st.st_mode) else None,
+                   (st.st_dev, st.st_ino))
 
 
 @dataclass
 class RequestFile:
     """Validated prompt files: their requests in input order, and each id's index."""
 
-    paths: list[Path]
+    names: list[str]  # each input's name, for errors
     requests: list[Request]
     index_of: dict[Any, int]  # request id (str or int) -> index
     format: str = "pagedgen"  # or "openai" (OpenAI batch lines; ids are their custom_id)
+    sources: list[InputSource] = field(default_factory=list)
+    fingerprint: str = ""  # sha256 of every input byte, in order (ties an output to its input)
 
     def __len__(self) -> int:
         return len(self.requests)
 
     def where(self, r: Request) -> str:
         """``file:line`` of a request, for errors."""
-        return f"{self.paths[r.source]}:{r.line}"
+        return f"{self.names[r.source]}:{r.line}"
 
 
-def input_files(spec: str) -> list[Path]:
-    """The JSONL files of ``spec``: a file, a directory (its ``*.jsonl``, sorted) or a glob
-    pattern (its matches, sorted)."""
+def input_files(spec: str) -> list[InputSource]:
+    """The inputs of ``spec``: ``-`` (standard input), a file (or a pipe such as
+    ``/dev/stdin``), a directory (its ``*.jsonl``, sorted) or a glob pattern (its matches,
+    sorted)."""
+    if spec == "-":
+        return [InputSource.stdin()]
     path = Path(spec)
     if any(c in spec for c in "*?["):
         files = sorted(p for p in Path(path.anchor or ".").glob(
             str(path.relative_to(path.anchor)) if path.anchor else spec) if p.is_file())
         if not files:
             raise PagedgenError(f"{spec}: no file matches")
-        return files
+        return [InputSource.of_path(p) for p in files]
     if path.is_dir():
         files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
         if not files:
             raise PagedgenError(f"{spec}: a directory without .jsonl files")
-        return files
-    if not path.is_file():
+        return [InputSource.of_path(p) for p in files]
+    if not path.exists():
         raise PagedgenError(f"{spec}: no such file")
-    return [path]
-
-
-def read_requests(paths: Path | list[Path], progress: Callable[[int], None] | None = None,
-                  options: InputOptions = InputOptions()) -> RequestFile:
-    """Parse and validate every line of ``paths`` (in order) up front, so bad input fails
-    before any work is done. The first line decides the format: an OpenAI batch line
-    (``custom_id``, ``body``) or pagedgen's own. ``progress(bytes_read)`` is called every few
-    thousand lines."""
-    paths = [paths] if isinstance(paths, Path) else paths
-    for path in paths:
-        if not path.is_file():
-            raise PagedgenError(f"{path}: no such file")
-    requests: list[Request] = []
-    index_of: dict[Any, int] = {}  # ids are str or int (never bool), so 1 and "1" differ
-    nbytes = 0
-    fmt = None
-    parse = parse_line
-    for source, path in enumerate(paths):
-        nbytes, fmt, parse = _read_file(paths, source, requests, index_of, nbytes, fmt, parse,
-                                        progress, options)
-    if progress is not None:
-        progress(nbytes)
-    if not requests:
-        raise PagedgenError(f"{paths[0] if len(paths) == 1 else 'the input'}: no requests "
-                            "(the file is empty)")
-    return RequestFile(paths, requests, index_of, fmt)
-
-
-def _read_file(paths: list[Path], source: int, requests: list[Request],
-               index_of: dict[Any, int], nbytes: int, fmt: str | None, parse, progress,
-               options: InputOptions):
-    """Append the requests of ``paths[source]``; returns the running byte count, the format
-    and the line parser (both set by the input's first line)."""
-    path = paths[source]
-    lineno = 0
     try:
-        with path.open(encoding="utf-8") as f:
-            for lineno, raw in enumerate(f, start=1):
-                nbytes += len(raw)
-                if progress is not None and lineno % 4096 == 0:
-                    progress(nbytes)
-                if not raw.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                try:
-                    obj = json.loads(raw)
-                except json.JSONDecodeError as e:
-                    raise PagedgenError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
-                if fmt is None:
-                    fmt = "openai" if openai_batch.is_batch_line(obj) else "pagedgen"
-                    if fmt == "openai":
-                        parse = openai_batch.parse_line
-                        _check_openai_options(options)
-                req = parse(obj, len(requests), lineno, where, options)
-                req.source = source
-                first = index_of.setdefault(req.id, req.index)
-                if first != req.index:
-                    prev = requests[first]
-                    at = f"line {prev.line}" if prev.source == source \
-                        else f"{paths[prev.source]}:{prev.line}"
-                    raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on {at})")
-                requests.append(req)
-    except UnicodeDecodeError as e:
-        raise PagedgenError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason})")
-    return nbytes, fmt, parse
+        return [InputSource.of_path(path)]
+    except OSError as e:
+        raise PagedgenError(f"{spec}: cannot read: {e.strerror or e}")
+
+
+def read_requests(inputs: Path | list[Path] | list[InputSource],
+                  progress: Callable[[int], None] | None = None,
+                  options: InputOptions = InputOptions()) -> RequestFile:
+    """Parse and validate every line of ``inputs`` (in order) up front, so bad input fails
+    before any work is done. The first line decides the format: an OpenAI batch line
+    (``custom_id``, ``body``) or pagedgen's own; a later line of the other format is an error.
+    ``progress(bytes_read)`` is called every few thousand lines."""
+    inputs = [inputs] if isinstance(inputs, Path) else inputs
+    sources = [s if isinstance(s, InputSource) else _source(s) for s in inputs]
+    rf = RequestFile([s.name for s in sources], [], {}, sources=sources)
+    digest = hashlib.sha256()
+    reader = _Reader(rf, options, digest, progress)
+    for source, src in enumerate(sources):
+        reader.read(source, src)
+    if progress is not None:
+        progress(reader.nbytes)
+    if not rf.requests:
+        raise PagedgenError(f"{rf.names[0] if len(rf.names) == 1 else 'the input'}: no "
+                            "requests (the file is empty)")
+    rf.format = reader.fmt or "pagedgen"
+    rf.fingerprint = digest.hexdigest()
+    return rf
+
+
+def _source(path: Path) -> InputSource:
+    if not path.exists() or path.is_dir():
+        raise PagedgenError(f"{path}: no such file")
+    return InputSource.of_path(path)
+
+
+class _Reader:
+    """Appends the requests of one input after another to ``rf``; the first line of the
+    first input sets the format."""
+
+    def __init__(self, rf: RequestFile, options: InputOptions, digest, progress) -> None:
+        self.rf, self.options, self.digest, self.progress = rf, options, digest, progress
+        self.nbytes = 0
+        self.fmt: str | None = None
+        self.first_where = ""
+
+    def read(self, source: int, src: InputSource) -> None:
+        lineno = 0
+        try:
+            with src.open() as f:
+                for lineno, raw in enumerate(f, start=1):
+                    self.digest.update(raw)
+                    self.nbytes += len(raw)
+                    if self.progress is not None and lineno % 4096 == 0:
+                        self.progress(self.nbytes)
+                    self._line(source, lineno, raw)
+        except OSError as e:
+            raise PagedgenError(f"{src.name}: cannot read: {e.strerror or e}")
+
+    def _line(self, source: int, lineno: int, raw: bytes) -> None:
+        rf = self.rf
+        where = f"{rf.names[source]}:{lineno}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PagedgenError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1} "
+                                "of the line)")
+        if not text.strip():
+            return
+        obj = parse_json(text, where)
+        batch_line = openai_batch.is_batch_line(obj)
+        if self.fmt is None:
+            self.fmt = "openai" if batch_line else "pagedgen"
+            self.first_where = where
+            if batch_line:
+                _check_openai_options(self.options)
+        elif batch_line != (self.fmt == "openai"):
+            this, first = ("an OpenAI batch line", "pagedgen's") if batch_line \
+                else ("not an OpenAI batch line", "an OpenAI batch")
+            raise PagedgenError(f"{where}: {this}, but the input's first line "
+                                f"({self.first_where}) is {first} format; one input holds one "
+                                "format")
+        parse = openai_batch.parse_line if self.fmt == "openai" else parse_line
+        req = parse(obj, len(rf.requests), lineno, where, self.options)
+        req.source = source
+        first = rf.index_of.setdefault(req.id, req.index)
+        if first != req.index:
+            prev = rf.requests[first]
+            at = f"line {prev.line}" if prev.source == source \
+                else f"{rf.names[prev.source]}:{prev.line}"
+            raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on {at})")
+        rf.requests.append(req)
+
+
+def parse_json(text: str, where: str) -> Any:
+    """One line's JSON value; NaN and infinities (which Python's json accepts and JSON does
+    not), nesting deeper than ``MAX_DEPTH`` and over-long numbers are ``where:`` errors."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise PagedgenError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        raise PagedgenError(f"{where}: invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    except ValueError as e:  # _no_constant, or an integer of thousands of digits
+        raise PagedgenError(f"{where}: invalid JSON: {e}")
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
+        raise PagedgenError(f"{where}: invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (use a number or null)")
+
+
+def _depth(obj: Any) -> int:
+    """How deep lists and objects nest in ``obj`` (iteratively: no recursion limit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
 
 
 def _check_openai_options(options: InputOptions) -> None:

@@ -53,6 +53,18 @@ def choice(engine, seq: Sequence) -> dict[str, Any]:
     return out
 
 
+def is_complete(obj: dict[str, Any]) -> bool:
+    """Whether a parsed output line is a whole pagedgen record (``--resume`` keeps those)."""
+    if "id" not in obj or not isinstance(obj.get("prompt"), str) \
+            or not isinstance(obj.get("num_prompt_tokens"), int):
+        return False
+    choices = obj["choices"] if "choices" in obj else [obj]
+    return isinstance(choices, list) and bool(choices) and all(
+        isinstance(c, dict) and isinstance(c.get("text"), str)
+        and isinstance(c.get("token_ids"), list) and c.get("finish_reason") in ("stop", "length")
+        for c in choices)
+
+
 def entries(token_ids: list[int], logprobs: list) -> list[dict[str, Any]]:
     """``{"token_id", "logprob", "top": [[id, logprob], ...]}`` per token."""
     return [{"token_id": t, "logprob": lp, "top": top}

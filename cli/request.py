@@ -93,15 +93,16 @@ def token_ids(value: Any, where: str, label: str) -> array:
 
 
 def set_sampling(req: Request, name: str, value: Any, where: str, label: str | None = None) -> None:
-    """Type-check one sampling field (``name`` as in ``SAMPLING_FIELDS``); null leaves it unset."""
+    """Type-check one sampling field (``name`` as in ``SAMPLING_FIELDS``); null leaves it unset.
+    Ranges are checked with the line's other fields (``check_sampling``)."""
     if value is None:
         return
     types, desc = SAMPLING_FIELDS[name]
     label = label or f"'{name}'"
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise PagedgenError(f"{where}: {label} must be {desc}")
-    if name == "stop" and isinstance(value, list) and not all(
-            isinstance(s, str) and s for s in value):
+    if name == "stop" and not (isinstance(value, str) or all(isinstance(s, str)
+                                                               for s in value)):
         raise PagedgenError(f"{where}: {label} must be a string or a list of strings")
     if req.overrides is None:
         req.overrides = {}

@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+from rich.markup import escape
 from rich.table import Table
 
 from pagedgen.runtime.engine import Engine
@@ -118,34 +119,65 @@ def format_value(key: str, value: Any) -> str:
 
 _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token",
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
-           "load_time_s": "model load time",
-           "startup_s": "start-up (command to first step)",
-           "startup_breakdown_s": "start-up breakdown", "skipped_resumed": "skipped (already done)",
-           "input_time_s": "input read, validated and tokenized in",
-           "samples": "samples (n per request)",
+           "load_time_s": "model load", "startup_s": "command to first step",
+           "skipped_resumed": "skipped (already in the output)",
+           "input_time_s": "input read, checked, tokenized",
+           "samples": "samples (all n of each request)",
+           "prefix_caching": "prefix caching",
            "prefix_cache_hit_rate": "prefix-cache hit rate (admitted tokens)",
-           "prefix_cache_hit_tokens": "prompt tokens served from the prefix cache",
+           "prefix_cache_hit_tokens": "prompt tokens from the prefix cache",
            "prefix_cache_evicted_blocks": "cached blocks evicted",
-           "kv_cache_blocks": "KV-cache blocks",
-           "peak_kv_blocks_used": "most KV-cache blocks in use",
-           "graph_capture_s": "CUDA-graph capture time",
-           "graph_memory_bytes": "CUDA-graph memory",
+           "kv_cache_blocks": "KV-cache blocks", "peak_kv_blocks_used": "most blocks in use",
+           "graph_capture_s": "CUDA-graph capture", "graph_memory_bytes": "CUDA-graph memory",
            "decode_host_ms_per_step": "host time per decode step",
-           "block_size": "KV page size (tokens)",
-           "fused_kernels": "fused norm/rotary/SwiGLU kernels",
-           "cascade_attention": "cascade decode (shared prefix attended once)",
-           "cascade_decode_steps": "decode steps that cascaded",
-           "attention_warmup_s": "attention warm-up (compile) time",
-           "attention_kernels_compiled_at_warmup": "attention kernel variants ready after warm-up",
-           "attention_kernels_compiled_later": "attention kernels compiled after warm-up",
-           "steps_launched_ahead": "steps launched before the last one's tokens were read"}
+           "block_size": "page size (tokens)", "fused_kernels": "fused norm/rotary/SwiGLU",
+           "cascade_attention": "cascade decode", "cascade_decode_steps": "steps that cascaded",
+           "attention_warmup_s": "attention warm-up (compiles)",
+           "attention_kernels_compiled_at_warmup": "kernel variants ready at warm-up",
+           "attention_kernels_compiled_later": "kernels compiled after warm-up",
+           "steps_launched_ahead": "steps launched ahead", "startup_breakdown_s": "of which"}
+
+# The table's groups, each the summary keys it shows (keys in no group go to "run").
+_GROUPS: dict[str, tuple[str, ...]] = {
+    "throughput (tokens/s)": ("output_tokens_per_s", "total_tokens_per_s",
+                              "prefill_tokens_per_s", "decode_tokens_per_s",
+                              "output_tokens_per_s_while_busy"),
+    "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s", "decode_host_ms_per_step"),
+    "steps": ("steps", "steps_launched_ahead", "preemptions", "cascade_decode_steps",
+              "cuda_graphs", "fused_kernels", "cascade_attention"),
+    "KV cache and prefix cache": ("kv_cache_blocks", "block_size", "peak_kv_blocks_used",
+                                  "prefix_caching", "prefix_cache_hit_rate",
+                                  "prefix_cache_hit_tokens", "prefix_cache_evicted_blocks"),
+    "memory": ("peak_memory_bytes", "graph_memory_bytes"),
+    "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
+                 "graph_capture_s", "attention_warmup_s", "attention_kernels_compiled_at_warmup",
+                 "attention_kernels_compiled_later"),
+}
+TABLE_WIDTH = 100
 
 
 def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> Table:
-    table = Table(title=title, show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    for key, value in summary.items():
-        label = _LABELS.get(key) or key.replace("_per_s", "/s").replace("_", " ")
-        table.add_row(label, format_value(key, value))
+    """The summary as a two-column table in groups (run, throughput, latency, steps, KV cache,
+    memory, start-up), at most ``TABLE_WIDTH`` columns wide; a dict value (a breakdown) is
+    one row per part."""
+    grouped = {k for keys in _GROUPS.values() for k in keys}
+    sections = {"run": [k for k in summary if k not in grouped]}
+    sections.update({name: [k for k in keys if k in summary] for name, keys in _GROUPS.items()})
+    table = Table(title=title, show_header=False, title_justify="left", width=TABLE_WIDTH)
+    table.add_column(ratio=1, overflow="fold")
+    table.add_column(justify="right", ratio=1, overflow="fold")
+    for name, keys in sections.items():
+        if not keys:
+            continue
+        table.add_row(f"[bold]{name}[/]", "")
+        for key in keys:
+            value = summary[key]
+            label = _LABELS.get(key) or key.replace("_per_s", "").replace("_", " ")
+            if isinstance(value, dict):
+                unit = key[key.rfind("_"):]
+                for part, v in value.items():
+                    table.add_row(f"  {label}: {part.replace('_', ' ')}",
+                                  escape(format_value(unit, v)))
+            else:
+                table.add_row(f"  {escape(label)}", escape(format_value(key, value)))
     return table

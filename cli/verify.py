@@ -506,7 +506,7 @@ def verify(
     cases: int = typer.Option(24, min=1, help="Random cases per kernel check group."),
     steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),
     seed: int = typer.Option(0),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
     tensor_parallel_size: int = typer.Option(
         1, "--tensor-parallel-size", "-tp", min=1,
         help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "

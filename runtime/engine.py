@@ -102,8 +102,7 @@ class Engine:
         ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
         """
         params.validate()
-        check_request(prompt_token_ids, params, self.max_model_len,
-                      self.src.hf_config.vocab_size, self.config.max_num_seqs)
+        self.check_request(prompt_token_ids, params)
         index = self._next_id if index is None else index
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         ids = list(prompt_token_ids)
@@ -120,6 +119,19 @@ class Engine:
                 s.samples = samples
         self.scheduler.add(seq)
         return seq
+
+    def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
+        """``check_request`` against this engine: its context, which the KV cache may cut
+        (then the error says how much cache there is and how to get more)."""
+        r = self.runner
+        memory = None
+        if r.max_model_len < r.context_len:
+            memory = (f"the KV cache holds {r.max_model_len:,} tokens of a sequence "
+                      f"({r.num_blocks - 1} blocks of {r.block_size}, "
+                      f"{r.num_blocks * r.block_bytes() / 2**30:.2f} GiB); give more "
+                      "--kv-cache-memory or --num-blocks")
+        check_request(prompt_token_ids, params, self.max_model_len,
+                      self.src.hf_config.vocab_size, self.config.max_num_seqs, memory)
 
     def add_requests(self, items: Iterable[RequestItem]) -> None:
         """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
@@ -339,15 +351,16 @@ class Engine:
 
 
 def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
-                  vocab_size: int, max_num_seqs: int) -> None:
+                  vocab_size: int, max_num_seqs: int, memory: str | None = None) -> None:
     """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
     has no room for an output token within ``max_model_len`` or holds an id outside the
-    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``."""
+    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``. ``memory``: why
+    ``max_model_len`` is below the model's context, when the KV cache cut it."""
     if not len(prompt_token_ids):
         raise ValueError("the prompt is empty")
     if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the model's context"
-                         f" is {max_model_len} tokens")
+        raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; " + (
+            memory or f"the model's context is {max_model_len:,} tokens"))
     lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops, not a Python scan
     if lo < 0 or hi >= vocab_size:
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)

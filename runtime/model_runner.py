@@ -94,7 +94,8 @@ class ModelRunner:
                 raise PagedgenError(f"backend '{self.backend.name}' cannot run {src.name}: {why}")
         if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
             raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
-        self.max_model_len = config.context_limit(hf)
+        self.context_len = config.context_limit(hf)  # the model's (or --max-model-len)
+        self.max_model_len = self.context_len  # lowered below to what the KV cache holds
         # Seconds each start-up phase took (the summary's start-up breakdown).
         self.startup_phases: dict[str, float] = {}
         t = time.perf_counter()
@@ -124,7 +125,10 @@ class ModelRunner:
         self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
         t = self._phase("memory_profile", t)
         if self.num_blocks < 2:
-            raise PagedgenError("the KV cache needs at least 2 blocks")
+            raise PagedgenError(
+                f"the KV cache has room for {self.num_blocks} block(s) of {self.block_size} "
+                f"tokens ({self.block_bytes() / 2**20:.1f} MiB each) and needs at least 2: "
+                "give --kv-cache-memory or --num-blocks, or free device memory")
         # The last block is never handed out: CUDA-graph padding rows write into it.
         self.scratch_block = self.num_blocks - 1
         self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
@@ -170,13 +174,11 @@ class ModelRunner:
             n = parse_bytes(cfg.kv_cache_memory) // self.block_bytes()
         elif self.device.type == "cuda":
             n = self._profile_free_memory() // self.block_bytes()
-        else:  # CPU: what the batch could use, at most 1 GiB
-            want = cfg.max_num_seqs * math.ceil(self.max_model_len / self.block_size)
-            n = min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes())
-        if n < 1:
-            raise PagedgenError("no memory left for the KV cache (lower --max-num-batched-tokens,"
-                                " or set --num-blocks / --kv-cache-memory)")
-        return int(n)
+        else:  # CPU: what the batch could use, at most 1 GiB, at least one whole sequence
+            per_seq = math.ceil(self.max_model_len / self.block_size)
+            want = cfg.max_num_seqs * per_seq + 1  # +1: the scratch block
+            n = max(min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes()), per_seq + 1)
+        return max(0, int(n))
 
     def _profile_free_memory(self) -> int:
         """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from hf_models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -92,7 +92,7 @@ def test_profile_and_options_apply(tmp_path):
     ([{"prompt": 5}], r"p.jsonl:1: 'prompt' must be a non-empty string"),
     ([{"prompt": "a", "max_tokens": "ten"}], r"p.jsonl:1: 'max_tokens' must be an integer"),
     ([{"prompt": "a", "top_p": 2}], r"p.jsonl:1: top_p must be in"),
-    ([{"prompt": "a"}, {"prompt": "x" * 5000}], r"p.jsonl:2: the prompt has 5001 tokens"),
+    ([{"prompt": "a"}, {"prompt": "x" * 5000}], r"p.jsonl:2: the prompt has 5,001 tokens"),
     ([{"prompt": "a", "prompt_token_ids": [1]}], r"p.jsonl:1: need exactly one of"),
     (["[1, 2]"], r"p.jsonl:1: expected a JSON object"),
     ([{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}], r"p.jsonl:2: duplicate id 1"),
@@ -116,7 +116,7 @@ def test_bad_input_gives_one_line_error(tmp_path, lines, message):
 @pytest.mark.parametrize("args,message", [
     (["--model", "/no/such/dir"], "model directory /no/such/dir does not exist"),
     (["--model", "nosuchpreset"], "neither a checkpoint directory nor a preset"),
-    (["--backend", "nope"], "unknown backend 'nope'; available here:"),
+    (["--backend", "nope"], "unknown backend 'nope'; choose auto or one of"),
     (["--dtype", "float8"], "unknown dtype"),
     (["--profile", "nope"], "profile 'nope' not found"),
 ])

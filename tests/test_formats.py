@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from pagedgen.cli.request import near_miss
 
 runner = CliRunner()
@@ -90,6 +90,8 @@ def test_openai_served_model_name_and_resume(tmp_path):
     text = out.read_text().splitlines()
     out.write_text(text[0] + "\n" + text[1][:25])  # a crash after one line and a half
     res = run(src, *FAST, "-o", out, "--resume", "--json")
+    assert res.exit_code == 1 and "was made with served_model_name" in res.output
+    res = run(src, *FAST, "-o", out, "--resume", "--json", "--served-model-name", "my-model")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout[res.stdout.index("{"):])["skipped_resumed"] == 1
     again = read(out)

@@ -150,7 +150,7 @@ def test_a_preset_run_imports_neither_transformers_nor_sympy(tmp_path):
     prompts.write_text('{"prompt": "hello"}\n')
     code = ("import sys\n"
             "from typer.testing import CliRunner\n"
-            "from pagedgen.cli.main import app\n"
+            "from pagedgen.cli.app import app\n"
             f"res = CliRunner().invoke(app, ['generate', {str(prompts)!r}, '--model', 'tiny', "
             "'--device', 'cpu', '--max-tokens', '2'])\n"
             "assert res.exit_code == 0, res.output\n"

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hf_models import make_checkpoint
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from pagedgen.runtime.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import Engine

@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from pagedgen.runtime import kernel_stats as ks
 
 runner = CliRunner()

@@ -9,7 +9,7 @@ import os
 import pytest
 from typer.testing import CliRunner
 
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 
 ray = pytest.importorskip("ray")  # in the test extra; CI installs it
 

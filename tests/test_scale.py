@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from pagedgen.cli.output import OutputWriter
+from pagedgen.cli.output_claim import OutputClaim
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import Engine
 from pagedgen.runtime.sequence import Sequence
@@ -133,24 +134,28 @@ def test_writer_reorders_linearly_and_only_when_needed(tmp_path):
     index_of = {f"r{i}": i for i in range(6)}
     path = tmp_path / "o.jsonl"
 
+    def claim(resume: bool) -> OutputClaim:
+        return OutputClaim(path, [], "sha", {}, resume=resume, overwrite=False)
+
     class Writer(OutputWriter):  # records in, as the engine's lines come
         def write(self, records):
             self.write_lines([(index_of[r["id"]], json.dumps(r)) for r in records])
 
-    w = Writer(path, index_of, resume=False)
+    w = Writer(claim(False), index_of, lambda obj: True)
     w.write([{"id": "r0"}, {"id": "r1"}])
     w.write([{"id": "r2"}])
     inode = path.stat().st_ino
     w.close()
     assert path.stat().st_ino == inode  # already in order: not rewritten
-    w = Writer(path, index_of, resume=True)
+    w = Writer(claim(True), index_of, lambda obj: True)
     assert w.num_done == 3 and w.is_done(2) and not w.is_done(3)
     w.write([{"id": "r5", "x": 1}, {"id": "r3"}])
     w.close()
     assert ids_in(path) == ["r0", "r1", "r2", "r3", "r5"]
-    # a line of an id this input does not have stays, after the input's lines
+    # a line of an id this input does not have, or one that is not a whole record, is dropped
     path.write_text(path.read_text() + json.dumps({"id": "other"}) + "\n")
-    w = Writer(path, index_of, resume=True)
-    w.write([{"id": "r4"}])
+    w = Writer(claim(True), index_of, lambda obj: "x" not in obj)
+    assert w.num_done == 4 and w.num_dropped == 2 and not w.is_done(5)
+    w.write([{"id": "r4"}, {"id": "r5"}])
     w.close()
-    assert ids_in(path) == ["r0", "r1", "r2", "r3", "r4", "r5", "other"]
+    assert ids_in(path) == ["r0", "r1", "r2", "r3", "r4", "r5"]

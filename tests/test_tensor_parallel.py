@@ -16,7 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from hf_models import make_checkpoint
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 from pagedgen.cli.verify import compare, trace
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine import Engine
@@ -75,6 +75,9 @@ class RecordingSlice:
         self.reads.append(index)
         return self.tensor[index]
 
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
 
 def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
     from safetensors.torch import load_file
@@ -86,7 +89,7 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
         reads: list = []
         weights = [(n, RecordingSlice(t, reads)) for n, t in ckpt.items()]
         monkeypatch.setattr("pagedgen.runtime.models.loader._iter_safetensors",
-                            lambda p: iter(weights))
+                            lambda *a: iter(weights))
         model = build_model(src, "safetensors", torch.float32, torch.device("cpu"),
                             tp=TensorParallel(rank, 2))
         p = dict(model.named_parameters())
@@ -187,8 +190,9 @@ def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
             (["-tp", "3"], "-tp 3: tiny: 4 attention heads cannot be split over 3"),
             (["-tp", "3", "--model", checkpoints[0]],  # its config.json, read as it is
              "llama-kv2: 4 attention heads cannot be split over 3"),
-            (["-tp", "0"], "--tensor-parallel-size must be >= 1"),
-            (["-tp", "2", "--device", "cuda"], "-dp 1 -tp 2 needs 2 GPUs"),
+            (["-tp", "0"], "--tensor-parallel-size must be in 1.."),
+            (["-tp", "2", "--device", "cuda"], "-dp 1 -tp 2 needs 2 GPUs"
+             if torch.cuda.device_count() == 1 else "CUDA is not available here"),
             (["-tp", "2", "--device", "cpu", "--backend", "flashinfer"],
              "backend 'flashinfer' cannot run here"),
             (["-tp", "2", "--ray", "local"], "-tp is for local runs")]:

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from pagedgen.attention.registry import _BACKENDS, register_backend
 from pagedgen.attention.sdpa import SdpaBackend, SdpaImpl
-from pagedgen.cli.main import app
+from pagedgen.cli.app import app
 
 runner = CliRunner()
 FAST = ["--device", "cpu", "--cases", "6", "--steps", "4"]

@@ -22,7 +22,6 @@ import json
 import os
 import pickle
 import zlib
-from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
@@ -69,7 +68,7 @@ class Generator:
             if not (r.overrides and "seed" in r.overrides):
                 key = json.dumps(row.get("id", row), sort_keys=True, default=str)
                 r.overrides = {**(r.overrides or {}), "seed": zlib.crc32(key.encode()) >> 1}
-        rf = RequestFile([Path("batch row")], reqs, {r.id: r.index for r in reqs})
+        rf = RequestFile(["batch row"], reqs, {r.id: r.index for r in reqs})
         eng = self.replica.engine
         tokenize_requests(rf, eng.tokenizer)
         check_requests(rf, lambda r: check_request(

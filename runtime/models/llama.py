@@ -18,8 +18,8 @@ from pagedgen.runtime.models import fused_ops
 from pagedgen.runtime.models.hf_config import SUPPORTED_MODEL_TYPES
 from pagedgen.runtime.models.rope import rope_frequencies
 from pagedgen.runtime.models.sharded import (ColumnParallelLinear, RowParallelLinear, Segment,
-                                             VocabParallelEmbedding, load_segment, shard_map,
-                                             split)
+                                             VocabParallelEmbedding, checkpoint_shape,
+                                             load_segment, shard_map, split)
 from pagedgen.runtime.parallel import TensorParallel
 from pagedgen.runtime.profiling import scope
 
@@ -245,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Copy checkpoint tensors (torch tensors or lazy safetensors slices, of which only this
-        rank's rows are read) into our (partly fused, maybe sharded) parameters; fail on
-        missing ones."""
+        rank's rows are read) into our (partly fused, maybe sharded) parameters. Each tensor's
+        name and shape is checked against the config's model first: an unexpected, misshapen
+        or missing tensor is a ValueError naming it (a loader prefixes the file)."""
         params = dict(self.named_parameters())
         shards = shard_map(self)
         loaded: set[str] = set()
@@ -261,7 +262,13 @@ class LlamaForCausalLM(nn.Module):
                     target, shard = name.replace(ckpt, fused), shard_id
                     break
             if target not in params:
-                raise ValueError(f"unexpected weight '{name}' in checkpoint")
+                raise ValueError(f"unexpected tensor '{name}' (not in a {self.config.model_type} "
+                                 "model of this config)")
+            want = checkpoint_shape(params[target], shards.get(target), shard)
+            have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+            if have != want:
+                raise ValueError(f"tensor '{name}' has shape {list(have)}; the config makes it "
+                                 f"{list(want)}")
             with torch.no_grad():
                 load_segment(params[target].data, shards.get(target), shard, tensor)
             loaded.add(f"{target}:{shard}")
@@ -271,4 +278,8 @@ class LlamaForCausalLM(nn.Module):
             expected |= {f"{pname}:{s}" for s in fused} if fused else {f"{pname}:None"}
         missing = sorted(expected - loaded)
         if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} weight(s), e.g. {missing[0]}")
+            pname, shard_id = missing[0].rsplit(":", 1)
+            ckpt = next((c for c, (f, s) in self.STACKED.items()
+                         if f".{f}." in pname and str(s) == shard_id), None)
+            first = pname.replace(self.STACKED[ckpt][0], ckpt) if ckpt else pname
+            raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{first}'")

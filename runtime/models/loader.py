@@ -85,16 +85,25 @@ def load_tokenizer(src: ModelSource) -> Tokenizer:
     return HFTokenizer(src.checkpoint, eos)
 
 
-def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, tp: TensorParallel | None = None) -> LlamaForCausalLM:
-    """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
-    ``dtype`` and fill them from safetensors or at random."""
+def weights_format(src: ModelSource, load_format: str) -> str:
+    """"safetensors" or "dummy" for ``load_format`` (auto: safetensors for a checkpoint);
+    fails now (before tokenizing and loading) when a checkpoint has no weight files."""
     if load_format == "auto":
         load_format = "safetensors" if src.checkpoint is not None else "dummy"
     if load_format not in ("safetensors", "dummy"):
         raise PagedgenError(f"unknown load format '{load_format}'; use auto, safetensors or dummy")
     if load_format == "safetensors" and src.checkpoint is None:
         raise PagedgenError(f"preset '{src.name}' has no weights; use --load-format dummy")
+    if load_format == "safetensors":
+        _safetensors_files(src.checkpoint)
+    return load_format
+
+
+def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
+                seed: int = 0, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+    """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
+    ``dtype`` and fill them from safetensors or at random."""
+    load_format = weights_format(src, load_format)
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device in the target dtype, then allocate once on the device
         torch.set_default_dtype(dtype)
@@ -108,10 +117,12 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     if load_format == "dummy":
         _init_dummy(model, seed)
     else:
+        files = _safetensors_files(src.checkpoint)
+        where = [src.checkpoint]  # the file being read, for errors
         try:
-            model.load_weights(_iter_safetensors(src.checkpoint))
+            model.load_weights(_iter_safetensors(files, where))
         except ValueError as e:
-            raise PagedgenError(f"{src.checkpoint}: {e}")
+            raise PagedgenError(f"{where[0]}: {e}")
     return model.eval()
 
 
@@ -155,18 +166,39 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                     del full
 
 
-def _iter_safetensors(path: Path):
-    """(name, lazy slice) of every checkpoint tensor: the model reads the rows it holds."""
-    from safetensors import safe_open
-
+def _safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names, else every ``*.safetensors``."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PagedgenError(f"{index}: cannot read the weight index: {e}")
+        files = [path / n for n in names]
+        absent = [f.name for f in files if not f.is_file()]
+        if absent:
+            raise PagedgenError(f"{index}: names {len(absent)} file(s) that are not there, "
+                                f"e.g. {absent[0]}")
+        return files
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise PagedgenError(f"model directory {path} has no *.safetensors weights")
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        files = [path / n for n in names]
+    return files
+
+
+def _iter_safetensors(files: list[Path], where: list[Path]):
+    """(name, lazy slice) of every checkpoint tensor: the model reads the rows it holds.
+    ``where[0]`` is kept at the file being read; a file safetensors cannot read (truncated,
+    not safetensors) is a PagedgenError naming it."""
+    from safetensors import SafetensorError, safe_open
+
     for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as st:
-            for name in st.keys():
-                yield name, st.get_slice(name)
+        where[0] = f
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    yield name, st.get_slice(name)
+        except (SafetensorError, OSError) as e:
+            raise PagedgenError(f"{f}: cannot read the weights: {str(e).splitlines()[0]} "
+                                "(truncated or not a safetensors file?)")

@@ -134,6 +134,16 @@ def copy_shard(param: torch.Tensor, shard: Shard, full: torch.Tensor) -> None:
     _zero_padding(param, shard)
 
 
+def checkpoint_shape(param: torch.Tensor, shard: Shard | None, key: Any) -> tuple[int, ...]:
+    """The shape the checkpoint tensor ``key`` of ``param`` must have (unsharded, unfused)."""
+    if shard is None:
+        return tuple(param.shape)
+    dim, segs = shard
+    shape = list(param.shape)
+    shape[dim] = next(s for s in segs if s.key == key).full
+    return tuple(shape)
+
+
 def load_segment(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> None:
     """Copy this rank's rows of checkpoint tensor ``tensor`` (a torch tensor, or a safetensors
     slice read lazily: only those rows leave the file) into ``param``'s segment ``key``."""

@@ -1,0 +1,43 @@
+"""The `pagedgen` Typer app: generate, backends, verify, profile (``cli/main.py`` runs it)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from pagedgen.cli.common import cli_errors, out_console
+from pagedgen.cli.generate import generate
+from pagedgen.cli.profile import profile
+from pagedgen.cli.verify import verify
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  rich_markup_mode=None,
+                  help="Offline batch LLM generation and attention profiling over a paged KV "
+                       "cache.")
+
+
+@app.command()
+@cli_errors
+def backends(device: Optional[str] = typer.Option(
+        None, help="auto, cpu, cuda or cuda:N [default: auto].")) -> None:
+    """List the attention backends and whether each runs here (and why not)."""
+    from pagedgen.attention.registry import backend_status, get_backend
+    from pagedgen.runtime.config import EngineConfig
+
+    dev = EngineConfig(device=device or "auto").torch_device()
+    table = Table(title=f"attention backends on {dev}", title_justify="left")
+    for col in ("backend", "available", "notes"):
+        table.add_column(col)
+    for s in backend_status(dev):
+        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", escape(s.reason))
+    out = out_console()
+    out.print(table)
+    out.print(f"auto → {get_backend('auto', dev).name}")
+
+
+app.command()(generate)
+app.command()(verify)
+app.command("profile")(profile)

@@ -1,0 +1,229 @@
+"""Claiming the output file before a run: never an input, never replaced silently, one writer
+at a time, and resumed only from the same input and settings.
+
+``OutputClaim`` runs its checks when the input has been read, before the tokenizer and the
+model load, and touches nothing the user owns: it reads the output and its resume record, and
+holds an exclusive lock (``flock``) on a hidden lock file beside the output (``.NAME.lock``,
+holding the writer's process id; removed when the run ends). The output itself is created or
+truncated by the writer at its first write, once every check that can fail before the first
+step has passed.
+
+The resume record (``NAME.resume.json``, written when the output is first opened) ties the
+output to its input (a SHA-256 of every input byte) and to the settings that choose the results
+(model, weights, dtypes, seed, sampling defaults, input options); ``--resume`` with another
+input or other settings is a one-line error saying what differs. Settings that change only
+speed (backend, batch limits, page size, CUDA graphs, -tp/-dp) may change between runs.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedgen.errors import PagedgenError
+
+RECORD_VERSION = 1
+
+
+def record_path(output: Path) -> Path:
+    return output.with_name(output.name + ".resume.json")
+
+
+def lock_path(output: Path) -> Path:
+    return output.with_name(f".{output.name}.lock")
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of what ``path`` names, symlinks followed; None when it does not exist."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class OutputLock:
+    """An exclusive ``flock`` on ``.NAME.lock`` beside the output, held for the whole run. A
+    second writer fails at once, naming the process that holds it. A process killed with -9
+    leaves the file but not the lock (the kernel drops it), so a later run takes it over."""
+
+    def __init__(self, output: Path) -> None:
+        self.output = output
+        self.path = lock_path(output)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock (needs the output's folder to exist); PagedgenError when another
+        process holds it."""
+        if self._fd is not None:
+            return
+        for _ in range(10):  # the holder may remove the file between our open and flock
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise PagedgenError(f"{self.output}: cannot lock ({self.path.name}): "
+                                    f"{e.strerror or e}")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise PagedgenError(f"{self.output}: another pagedgen run is writing it "
+                                    f"({holder}); wait for it to end, or give another --output")
+            if _identity(self.path) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                break
+            os.close(fd)  # locked a file its holder had just removed: take the new one
+        else:
+            raise PagedgenError(f"{self.output}: cannot lock ({self.path.name} keeps changing)")
+        info = (f"process {os.getpid()} on {socket.gethostname()}, started "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(sys.argv[:3])}")
+        os.ftruncate(fd, 0)
+        os.write(fd, info.encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        text = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+    except OSError:
+        text = ""
+    return text or "a process that has not said which"
+
+
+class OutputClaim:
+    """The checks on an output path that must pass before any work: see the module's text.
+
+    ``inputs``: (device, inode) of every input; ``fingerprint``: the inputs' SHA-256;
+    ``settings``: what chooses the results (compared on ``--resume``)."""
+
+    def __init__(self, path: Path, inputs: list[tuple[int, int] | None], fingerprint: str,
+                 settings: dict[str, Any], resume: bool, overwrite: bool) -> None:
+        if resume and overwrite:
+            raise PagedgenError("--resume keeps the output's lines and --overwrite replaces "
+                                "them: give one")
+        self.path, self.resume, self.overwrite = path, resume, overwrite
+        self.record = {"version": RECORD_VERSION, "inputs_sha256": fingerprint,
+                       "settings": settings}
+        self.lock = OutputLock(path)
+        self._check_path(inputs)
+        try:
+            if self.path.parent.is_dir():
+                self.lock.acquire()  # else at the first write, which makes the folders
+            self._check_existing()
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _check_path(self, inputs: list[tuple[int, int] | None]) -> None:
+        path = self.path
+        if path.is_dir():
+            raise PagedgenError(f"{path}: is a directory; --output needs a file path")
+        me = _identity(path)
+        if me is not None and me in inputs:
+            raise PagedgenError(f"{path}: is the prompts file (the same file, by a link or "
+                                "another path); give another --output")
+        if me is not None:
+            if not os.access(path, os.W_OK):
+                raise PagedgenError(f"{path}: not writable")
+            return
+        parent = path.parent
+        while not parent.exists():  # the writer creates the missing folders
+            parent = parent.parent
+        if not parent.is_dir():
+            raise PagedgenError(f"{path}: cannot be created ({parent} is not a directory)")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise PagedgenError(f"{path}: cannot be created ({parent} is not writable)")
+
+    def _has_lines(self) -> bool:
+        try:
+            return self.path.stat().st_size > 0
+        except OSError:
+            return False
+
+    def _check_existing(self) -> None:
+        """An output with lines is kept (``--resume``, same input and settings) or replaced
+        (``--overwrite``), never silently either."""
+        if not self._has_lines() or self.overwrite:
+            return
+        if not self.resume:
+            raise PagedgenError(f"{self.path}: already holds completions; --resume finishes "
+                                "it, --overwrite replaces it")
+        rec_path = record_path(self.path)
+        try:
+            old = json.loads(rec_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PagedgenError(f"{self.path}: has no resume record ({rec_path.name}), so it "
+                                "cannot be matched to this input; --overwrite replaces it")
+        except (OSError, ValueError) as e:
+            raise PagedgenError(f"{rec_path}: unreadable resume record ({e}); --overwrite "
+                                "replaces the output")
+        why = _difference(old, self.record)
+        if why:
+            raise PagedgenError(f"--resume: {self.path} was made {why}; run with what made "
+                                "it, or --overwrite to start over")
+
+    def fresh(self) -> bool:
+        """Whether the writer starts an empty file (else it appends to resumed lines)."""
+        return not (self.resume and self._has_lines())
+
+    def open(self) -> None:
+        """At the first write: the folders, the lock (if not taken yet) and, for a fresh
+        output, the resume record (after the output is emptied, so a record never describes
+        lines it did not make)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise PagedgenError(f"{self.path}: cannot write: {e.strerror or e}")
+        if not self.lock.held:
+            self.lock.acquire()
+            self._check_existing()  # another run may have written it since our checks
+
+    def write_record(self) -> None:
+        rec = record_path(self.path)
+        tmp = rec.with_name(f".{rec.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.record, indent=1) + "\n", encoding="utf-8")
+            os.replace(tmp, rec)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PagedgenError(f"{rec}: cannot write the resume record: {e.strerror or e}")
+
+    def release(self) -> None:
+        self.lock.release()
+
+
+def _difference(old: Any, new: dict[str, Any]) -> str | None:
+    """What makes record ``old`` differ from ``new``, in words; None when they match."""
+    if not isinstance(old, dict) or old.get("version") != RECORD_VERSION:
+        return "by another version of pagedgen"
+    if old.get("inputs_sha256") != new["inputs_sha256"]:
+        return "from another input (its content differs)"
+    was, now = old.get("settings") or {}, new["settings"]
+    for key in sorted(set(was) | set(now)):
+        if was.get(key) != now.get(key):
+            return f"with {key} = {_show(was.get(key))}, this run has {_show(now.get(key))}"
+    return None
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is None else json.dumps(value)
