@@ -8,9 +8,10 @@ non-causal sequence. The shared prefix is whole pages: the leading block-table e
 every row (prefix caching and parallel sampling make sequences share them), short of each
 sequence's newest token.
 
-This module holds what every cascade-capable backend shares: when a step cascades
-(:func:`common_prefix_blocks`), the prefix and suffix inputs (:class:`CascadeInputs`, fresh
-per eager step or static for a CUDA graph), and the merge (:func:`merge`).
+This module holds what every cascade-capable backend shares: the prefix and suffix inputs
+(:class:`CascadeInputs`, fresh per eager step or static for a CUDA graph) and the merge
+(:func:`merge`). When a step cascades is the metadata builder's call
+(``metadata.common_prefix_blocks``).
 """
 
 from __future__ import annotations
@@ -19,24 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.attention.backend import AttentionMetadata
-
-MIN_SEQS = 8  # fewer decodes than this gain too little from reading the prefix once
-MIN_TOKENS = 256  # nor does a shorter shared prefix
-
-
-def common_prefix_blocks(tables: torch.Tensor, min_seq_len: int, block_size: int) -> int:
-    """Leading columns of ``tables`` ([rows, width] int, CPU) equal in every row, worth a
-    cascade (at least ``MIN_SEQS`` rows and ``MIN_TOKENS`` tokens), else 0. Only pages wholly
-    before every row's newest token count (``min_seq_len``: the shortest row's length)."""
-    rows, width = tables.shape
-    limit = min((min_seq_len - 1) // block_size, width)
-    if rows < MIN_SEQS or limit * block_size < MIN_TOKENS:
-        return 0
-    same = (tables[:, :limit] == tables[:1, :limit]).all(0)
-    n = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-    return n if n * block_size >= MIN_TOKENS else 0
-
+from pagedgen.attention.metadata import AttentionMetadata
 
 @dataclass
 class CascadeInputs:
@@ -106,7 +90,7 @@ def merge(a: torch.Tensor, lse_a: torch.Tensor, b: torch.Tensor, lse_b: torch.Te
           ) -> torch.Tensor:
     """Attention over the union of two disjoint key sets, from each part's output [T, H, D]
     and natural-log log-sum-exp [T, H] (any strides)."""
-    from pagedgen.attention import triton_kernels as tk
+    from pagedgen.attention.ops import triton_kernels as tk
 
     out = torch.empty_like(a)
     t, h, d = a.shape

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionMetadataBuilder, LayerSpec,
-                                        ScheduledSeq)
+from pagedgen.attention.backend import AttentionBackend, LayerSpec
+from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 
 
 @dataclass
@@ -118,8 +118,7 @@ def run_backend(backend: type[AttentionBackend], batch: PagedBatch, state=None
     state = state or backend.get_state_cls()(backend, [batch.spec], batch.block_size,
                                              batch.q.dtype, batch.kv_cache.dtype, batch.q.device)
     impl = backend.get_impl_cls()(batch.spec, state)
-    md = batch.metadata()
-    state.begin_forward(md)
+    md = state.build(batch.metadata())
     cache = backend_cache(backend, batch.kv_cache)
     out = impl.forward(batch.q, batch.k, batch.v, cache, md)
     return out, backend.blocks_view(cache).contiguous()

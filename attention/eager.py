@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                        AttentionType, LayerSpec)
-from pagedgen.attention.kv_cache import gather_kv, write_kv
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionType, LayerSpec
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.ops.kv_cache import gather_kv, write_kv
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: LayerSpec) -> torch.Tensor:

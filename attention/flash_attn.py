@@ -29,13 +29,13 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                        AttentionState, LayerSpec)
-from pagedgen.attention.cascade import MIN_SEQS, CascadeBuffers, CascadeInputs, merge
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
+from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
+from pagedgen.attention.metadata import MIN_SEQS, AttentionMetadata
 from pagedgen.attention.fa4_import import import_quack_lean
-from pagedgen.attention.kv_cache import triton_writes, write_kv_triton
+from pagedgen.attention.ops.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.profiling import scope
+from pagedgen.attention.ops.profiling import scope
 
 INSTALL_HINT = "pip install 'pagedgen[flash-attn]'"
 ENV_FLAVOUR = "PAGEDGEN_FLASH_ATTN"
@@ -232,6 +232,13 @@ def _compiled_variants(mod) -> int:
     return len(getattr(getattr(fwd, "compile_cache", None), "cache", {}))
 
 
+@dataclass
+class FlashAttnCascadeMetadata(AttentionMetadata):
+    """A cascade step's metadata: its shared prefix and suffixes, split from the block tables."""
+
+    cascade: CascadeInputs | None = None
+
+
 class FlashAttnState(AttentionState):
     """Holds the chosen flavour's kernel calls; plans nothing (the kernels read the metadata's
     device tensors directly), so CUDA graphs need no buffers of their own."""
@@ -266,12 +273,14 @@ class FlashAttnState(AttentionState):
         if cascade:
             self.cascade_buffers.allocate(batch_size, max_num_pages)
 
-    def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
-                      ) -> None:
+    def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
+              ) -> AttentionMetadata:
         """Cascade steps only: split the block tables into the shared prefix and suffixes."""
         md = metadata
-        if md.cascade_blocks:
-            md.plan = self.cascade_buffers.inputs(md, graph_batch_size)
+        if not md.cascade_blocks:
+            return md
+        return md.extend(FlashAttnCascadeMetadata,
+                         cascade=self.cascade_buffers.inputs(md, graph_batch_size))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -350,7 +359,7 @@ class FlashAttnImpl(AttentionImpl):
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv_split(k_cache, v_cache, k, v, metadata.slot_mapping)
         if metadata.cascade_blocks:  # decode-only
-            return st.cascade(q, k_cache, v_cache, metadata.plan, spec)
+            return st.cascade(q, k_cache, v_cache, metadata.cascade, spec)
         outs = []
         if metadata.num_prefills:
             outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,

@@ -1,8 +1,8 @@
 """The FlashInfer backend (after vLLM's): one workspace, a paged prefill wrapper for the prefill
 part of a step and a tensor-core paged decode wrapper for the decode part, planned once per step
-by ``FlashInferState.begin_forward`` and run by every layer. CUDA-graph decode uses one decode
-wrapper per captured batch size over fixed indptr/indices/last-page buffers, re-planned before
-each replay.
+by ``FlashInferState.build`` (into ``FlashInferMetadata.plan``) and run by every layer.
+CUDA-graph decode uses one decode wrapper per captured batch size over fixed
+indptr/indices/last-page buffers, re-planned before each replay.
 
 Cascade decode (attention/cascade.py): a paged prefill wrapper attends the B decode queries as
 one non-causal sequence over the shared pages, the decode wrapper each sequence's suffix, and
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                        AttentionState, LayerSpec)
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
 from pagedgen.attention.cascade import CascadeInputs
-from pagedgen.attention.kv_cache import write_kv
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.ops.kv_cache import write_kv
 
 WORKSPACE_BYTES = 256 << 20
 INSTALL_HINT = "pip install 'pagedgen[flashinfer]'"
@@ -45,6 +45,13 @@ class FlashInferPlan:
     prefill: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
     prefix: dict = field(default_factory=dict)
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """A step's metadata with the wrappers planned for it."""
+
+    plan: FlashInferPlan = field(default_factory=FlashInferPlan)
 
 
 def paged_kv_arrays(seq_lens: list[int], seq_lens_dev: torch.Tensor,
@@ -133,8 +140,8 @@ class FlashInferState(AttentionState):
 
     # ---- per step -----------------------------------------------------------------------------
 
-    def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
-                      ) -> None:
+    def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
+              ) -> FlashInferMetadata:
         s, md = self.spec, metadata
         common = dict(q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype)
         plan = self.plan if graph_batch_size is None else \
@@ -170,7 +177,7 @@ class FlashInferState(AttentionState):
                 w.plan(indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_size,
                        md.block_size, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
-        md.plan = plan
+        return md.extend(FlashInferMetadata, plan=plan)
 
 
 class FlashInferImpl(AttentionImpl):
@@ -179,7 +186,7 @@ class FlashInferImpl(AttentionImpl):
         self.key = _key(spec)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: FlashInferMetadata) -> torch.Tensor:
         st = self.state
         write_kv(kv_cache, k, v, metadata.slot_mapping, st.k_scale, st.v_scale)
         out = torch.empty_like(q)

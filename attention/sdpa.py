@@ -11,9 +11,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadata
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl
+from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.eager import attention_mask
-from pagedgen.attention.kv_cache import gather_kv, gather_kv_batch, write_kv
+from pagedgen.attention.ops.kv_cache import gather_kv, gather_kv_batch, write_kv
 
 
 class SdpaImpl(AttentionImpl):

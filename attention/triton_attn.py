@@ -1,7 +1,7 @@
-"""The triton backend: pagedgen's own paged-attention kernels (attention/triton_kernels.py).
+"""The triton backend: pagedgen's own paged-attention kernels (attention/ops/triton_kernels.py).
 
 Needs no FlashInfer or flash-attn: any GPU Triton supports, and CPU tensors under
-``TRITON_INTERPRET=1`` (how CI tests the kernels). ``begin_forward`` plans once per step: the
+``TRITON_INTERPRET=1`` (how CI tests the kernels). ``build`` plans once per step: the
 prefill tiles (longest first) and the number of KV splits for decode. CUDA graphs: the decode
 grid depends only on the batch size, so a captured graph stays valid as contexts grow.
 
@@ -16,14 +16,14 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata,
-                                        AttentionState, LayerSpec)
+from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
 from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs
-from pagedgen.attention.kv_cache import write_kv_triton
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.ops.kv_cache import write_kv_triton
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
 MAX_SPLITS = 32
@@ -42,6 +42,13 @@ class TritonPlan:
     # cascade: the prefix's tiles over the B queries, as one sequence: (query_start_loc
     # [0, B], tile_seq, tile_qstart)
     prefix_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    """A step's metadata with its kernels' plan."""
+
+    plan: TritonPlan = field(default_factory=TritonPlan)
 
 
 def _pow2(n: int) -> int:
@@ -96,8 +103,8 @@ class TritonState(AttentionState):
                 torch.zeros(len(starts), dtype=i32, device=dev), starts.to(dev))
         return self._prefix_tiles[batch]
 
-    def begin_forward(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
-                      ) -> None:
+    def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
+              ) -> TritonMetadata:
         md, plan = metadata, TritonPlan()
         if md.num_prefills:
             block_q = self.block_m // self.g_tile
@@ -117,18 +124,19 @@ class TritonState(AttentionState):
                 md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
         elif md.num_decodes:
             plan.num_splits = self.num_splits(
-                md.num_decodes, None if graph_batch_size else max(md.seq_lens_cpu[md.num_prefills:]))
-        md.plan = plan
+                md.num_decodes,
+                None if graph_batch_size else max(md.seq_lens_cpu[md.num_prefills:]))
+        return md.extend(TritonMetadata, plan=plan)
 
 
 class TritonImpl(AttentionImpl):
     def __init__(self, spec: LayerSpec, state: TritonState) -> None:
         super().__init__(spec, state)
-        from pagedgen.attention import triton_kernels as tk
+        from pagedgen.attention.ops import triton_kernels as tk
         self.tk = tk
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
         write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, md.slot_mapping)

@@ -11,11 +11,11 @@ times back to back between two device synchronizations (decode: replayed from a 
 the backend supports graphs, so host launch overhead is not counted); the forward includes
 writing the new tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
 
-    python benchmarks/attention_kernels.py --backends flashinfer,triton,flash-attn \
+    python -m benchmarks.attention_kernels --backends flashinfer,triton,flash-attn \
         --page-sizes 16,128
-    python benchmarks/attention_kernels.py --backends flash-attn,flashinfer --page-sizes 0 \
+    python -m benchmarks.attention_kernels --backends flash-attn,flashinfer --page-sizes 0 \
         --heads 16/8 --shapes decode:256x1100,decode:64x1100
-    python benchmarks/attention_kernels.py --backends flash-attn --page-sizes 128,64 \
+    python -m benchmarks.attention_kernels --backends flash-attn --page-sizes 128,64 \
         --fa4-decode-tiles fa4,64x128,64x64 --shapes decode:256x129-1280
 """
 
@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import decode_tile_env  # noqa: E402
+from benchmarks.common import decode_tile_env
 
-from pagedgen.attention.backend import (AttentionMetadataBuilder, LayerSpec,  # noqa: E402
-                                        ScheduledSeq)
-from pagedgen.attention.registry import get_backend  # noqa: E402
+from pagedgen.attention.backend import LayerSpec
+from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
+from pagedgen.attention.registry import get_backend
 
 D = 128
 DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
@@ -66,12 +64,13 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     q = torch.randn(t, HQ, D, dtype=torch.bfloat16, device=dev)
     k = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
     v = torch.randn(t, HKV, D, dtype=torch.bfloat16, device=dev)
-    run = lambda: impl.forward(q, k, v, cache, md)  # noqa: E731
     cuda = dev.type == "cuda"
     graphed = cuda and kind == "decode" and backend.supports_cuda_graphs
     if graphed:
         state.make_graph_plan(batch, num_blocks)
-        state.begin_forward(md, graph_batch_size=batch)
+    md = state.build(md, graph_batch_size=batch if graphed else None)
+    run = lambda: impl.forward(q, k, v, cache, md)  # noqa: E731
+    if graphed:
         run()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -79,7 +78,6 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
             out = run()
         run = graph.replay  # noqa: E731
     else:
-        state.begin_forward(md)
         out = run()
     for _ in range(3):
         run()

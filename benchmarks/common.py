@@ -12,9 +12,11 @@ from typing import Any, Iterator
 import torch
 
 from pagedgen.attention.flash_attn import ENV_DECODE_TILE
-from pagedgen.cli.summary import format_value, summarize
-from pagedgen.runtime.config import EngineConfig, SamplingParams, configs_from_profile, load_profile
-from pagedgen.runtime.engine import Engine, StepStats
+from pagedgen.cli.summary import format_value
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.profiles import configs_from_profile, load_profile
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.engine.stats import StepStats
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -94,7 +96,7 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
         start = time.perf_counter()
         engine.run()
         wall = time.perf_counter() - start
-        res = summarize(engine, wall, start, {
+        res = engine.summary(wall, start, {
             "load_time_s": load_s, "advance_on_device": engine.config.advance_decode_on_device})
         st = engine.stats
         res["decode_steps"] = st.decode_steps

@@ -5,7 +5,7 @@ step reads every weight once plus every sequence's K/V, so its lower bound is
 (weight bytes + KV bytes) / measured copy bandwidth. Prints measured step time and the fraction
 of that bound reached.
 
-    python benchmarks/decode_roofline.py --batch 64 --context 2048
+    python -m benchmarks.decode_roofline --batch 64 --context 2048
 """
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import profile_configs, random_prompts  # noqa: E402
+from benchmarks.common import profile_configs, random_prompts
 
-from pagedgen.runtime.engine import Engine  # noqa: E402
-from pagedgen.runtime.hardware import copy_bandwidth  # noqa: E402
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.hardware import copy_bandwidth
 
 
 def main() -> None:

@@ -3,19 +3,17 @@
 Default workload: the Llama-3-8B-shaped dummy model (profiles/llama-3-8b.yaml), 256 prompts of
 random lengths 128-1024 tokens, 256 output tokens each (EOS ignored, greedy):
 
-    python benchmarks/generate_throughput.py --json out.json
+    python -m benchmarks.generate_throughput --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table, profile_configs, random_prompts, run_engine  # noqa: E402
+from benchmarks.common import print_table, profile_configs, random_prompts, run_engine
 
 CONFIGS = {
     "flashinfer+graphs": dict(backend="flashinfer"),

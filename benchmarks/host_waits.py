@@ -5,24 +5,21 @@ then profiles ``--steps`` decode steps with torch.profiler: prints the host call
 the device (synchronizations, blocking copies, ``.item()``), the busiest host operators, and
 the fraction of the wall time the GPU ran kernels.
 
-    python benchmarks/host_waits.py --backend triton --batch 64 --context 2048
+    python -m benchmarks.host_waits --backend triton --batch 64 --context 2048
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import profile_configs, random_prompts  # noqa: E402
+from benchmarks.common import profile_configs, random_prompts
 
-from pagedgen.runtime.engine import Engine  # noqa: E402
+from pagedgen.runtime.engine.engine import Engine
 
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",
          "cudaMemcpy", "aten::_local_scalar_dense", "cudaHostAlloc")

@@ -14,7 +14,7 @@ Parts (``--parts``, workloads in workloads.py):
 Every pagedgen figure comes from one engine per backend (start-up apart); each run starts with
 a cold prefix cache. Greedy runs check that caching does not change a token.
 
-    python benchmarks/kv_reuse.py --parts d,p,a --backends flash-attn --json out.json
+    python -m benchmarks.kv_reuse --parts d,p,a --backends flash-attn --json out.json
 """
 
 from __future__ import annotations
@@ -30,15 +30,14 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import (build_engine, free_gpu, median_run, print_table, profile_configs,  # noqa: E402
-                    timed_runs)
-from vllm_peer import run_vllm, same_limits  # noqa: E402
-from workloads import workload  # noqa: E402
+from benchmarks.common import (build_engine, free_gpu, median_run, print_table, profile_configs,
+                               timed_runs)
+from benchmarks.vllm_peer import run_vllm, same_limits
+from benchmarks.workloads import workload
 
-from pagedgen.runtime.engine import Engine  # noqa: E402
-from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
-from pagedgen.runtime.sampler import derive_seed  # noqa: E402
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.models.loader import resolve_model
+from pagedgen.runtime.sampling.sampler import derive_seed
 
 KEYS = ("wall_time_s", "output_tokens", "output_tokens_per_s", "prefix_cache_hit_rate",
         "prefix_cache_hit_tokens", "prefill_tokens_per_s", "peak_kv_blocks_used", "preemptions",

@@ -4,20 +4,18 @@
 Runs are interleaved over ``--repeats`` rounds (median reported), greedy with EOS ignored; the
 greedy tokens must not change when log-probabilities are asked for.
 
-    python benchmarks/logprobs_cost.py --backend flash-attn --json out.json
+    python -m benchmarks.logprobs_cost --backend flash-attn --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import build_engine, median_run, print_table, profile_configs, timed_runs  # noqa: E402
-from workloads import workload  # noqa: E402
+from benchmarks.common import build_engine, median_run, print_table, profile_configs, timed_runs
+from benchmarks.workloads import workload
 
 KEYS = ("wall_time_s", "output_tokens_per_s", "prefill_tokens_per_s", "total_tokens_per_s",
         "prompt_tokens", "output_tokens")

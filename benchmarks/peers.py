@@ -20,7 +20,7 @@ matmul FLOP/s + for each decode step of an ideal schedule (every request decodin
 max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s); a shared prefix (d) is
 prefilled once and its K/V read once per decode step, as prefix caching and cascade decode do.
 
-    python benchmarks/peers.py --json benchmarks/results/h100-peers.json
+    python -m benchmarks.peers --json benchmarks/results/h100-peers.json
 """
 
 from __future__ import annotations
@@ -35,15 +35,14 @@ from typing import Any, Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import (decode_tile_env, free_gpu, median_run, print_table,  # noqa: E402
-                    profile_configs, run_engine)
-from vllm_peer import run_vllm, same_limits  # noqa: E402
-from workloads import WORKLOADS, Workload  # noqa: E402
+from benchmarks.common import (decode_tile_env, free_gpu, median_run, print_table,
+                               profile_configs, run_engine)
+from benchmarks.vllm_peer import run_vllm, same_limits
+from benchmarks.workloads import WORKLOADS, Workload
 
-from pagedgen.attention.registry import backend_status  # noqa: E402
-from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops  # noqa: E402
-from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
+from pagedgen.attention.registry import backend_status
+from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops
+from pagedgen.runtime.models.loader import resolve_model
 
 
 # ---- the roofline estimate ----------------------------------------------------------------------

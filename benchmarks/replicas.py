@@ -2,7 +2,7 @@
 workloads.py, each as the whole command a user runs (start-up included), and how many output
 lines agree with the one-GPU run.
 
-    python benchmarks/ray_replicas.py --workload a --backend triton --replicas 2 --json out.json
+    python -m benchmarks.ray_replicas --workload a --backend triton --replicas 2 --json out.json
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from workloads import workload  # noqa: E402
+from benchmarks.workloads import workload
 
-from pagedgen.runtime.models.loader import resolve_model  # noqa: E402
+from pagedgen.runtime.models.loader import resolve_model
 
 
 def write_workload(name: str, path: Path, profile: str, num: int | None,

@@ -5,8 +5,9 @@ one-token requests (tiny preset by default), so per-request host cost (reading, 
 scheduling, writing) is what the figure shows; the model's work per request is the same at
 every size. A loop whose cost grows with the queue shows as a falling ratio.
 
-    python benchmarks/request_scaling.py --sizes 1000,10000,100000,1000000 --device cpu
-    python benchmarks/request_scaling.py --device cuda --json benchmarks/results/h100-request-scaling.json
+    python -m benchmarks.request_scaling --sizes 1000,10000,100000,1000000 --device cpu
+    python -m benchmarks.request_scaling --device cuda \
+        --json benchmarks/results/h100-request-scaling.json
 
 Columns: requests/s over the generation phase (the summary's wall time), the ratio to the
 smallest size, start-up (reading + validating + tokenizing the file; model load), the whole
@@ -30,8 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import print_table  # noqa: E402
+from benchmarks.common import print_table
 
 
 def write_prompts(path: Path, n: int, max_tokens: int) -> None:
@@ -173,7 +173,8 @@ def main() -> None:
                    "wall_time_s": s["wall_time_s"], "command_s": res["command_s"],
                    "peak_rss_bytes": res["usage"].ru_maxrss * 1024, "steps": s["steps"],
                    "device": s["device"]}
-            row["vs_smallest"] = row["requests_per_s"] / (rows[0] if rows else row)["requests_per_s"]
+            first = rows[0] if rows else row
+            row["vs_smallest"] = row["requests_per_s"] / first["requests_per_s"]
             print(json.dumps(row), flush=True)
             rows.append(row)
             prompts.unlink()

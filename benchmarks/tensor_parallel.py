@@ -7,7 +7,7 @@ tensor-parallel size asked for:
   scheduling: decode-only steps' time per step);
 - workload (a) of workloads.py (`pagedgen generate`, whole command timed).
 
-    python benchmarks/tensor_parallel.py --backend flash-attn --runs llama-3-8b:1,llama-3-8b:2 \
+    python -m benchmarks.tensor_parallel --backend flash-attn --runs llama-3-8b:1,llama-3-8b:2 \
         --json out.json
 """
 
@@ -21,8 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from replicas import run, write_workload  # noqa: E402
+from benchmarks.replicas import run, write_workload
 
 
 def profile(model: str, tp: int, backend: str, out: Path, batches: str) -> dict:
@@ -75,7 +74,8 @@ def main() -> None:
     ap.add_argument("--workload", default="a")
     ap.add_argument("--all-reduce", default=None, choices=["nccl"],
                     help="every all-reduce through NCCL (sets PAGEDGEN_ALL_REDUCE)")
-    ap.add_argument("--skip", default="", help="any of 'profile', 'decode', 'generate' to leave out")
+    ap.add_argument("--skip", default="",
+                    help="any of 'profile', 'decode', 'generate' to leave out")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/tp-bench"))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

@@ -62,9 +62,10 @@ def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dic
                "HF_HUB_OFFLINE": "1"}
         if site:
             env["PYTHONPATH"] = site
-        res = subprocess.run([sys.executable, str(Path(__file__)), str(Path(tmp) / "spec.json"),
-                              str(Path(tmp) / "out.json")], env=env, timeout=timeout,
-                             capture_output=True, text=True)
+        res = subprocess.run([sys.executable, "-m", "benchmarks.vllm_peer",
+                              str(Path(tmp) / "spec.json"), str(Path(tmp) / "out.json")],
+                             env=env, timeout=timeout, capture_output=True, text=True,
+                             cwd=HERE.parent)  # the repository: benchmarks is its package
         if res.returncode != 0:
             return {"skipped": f"vLLM failed: {res.stderr.strip().splitlines()[-1:]}",
                     "log": res.stderr[-4000:]}
@@ -72,11 +73,11 @@ def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dic
 
 
 def _worker(spec_path: str, out_path: str) -> None:
-    sys.path.insert(0, str(HERE))
     t0 = time.perf_counter()
     import vllm
     from vllm.inputs import TokensPrompt
-    from workloads import workload
+
+    from benchmarks.workloads import workload  # vLLM's process: no pagedgen imports
 
     spec = json.loads(Path(spec_path).read_text())
     wl = workload(spec["workload"], spec["num_prompts"])

@@ -9,9 +9,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from pagedgen.cli.common import cli_errors, out_console
-from pagedgen.cli.generate import generate
-from pagedgen.cli.profile import profile
-from pagedgen.cli.verify import verify
+from pagedgen.cli.generate.command import generate
+from pagedgen.cli.profile.command import profile
+from pagedgen.cli.verify.command import verify
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   rich_markup_mode=None,

@@ -49,8 +49,9 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
     options, every value checked (types, ranges, names) before anything loads."""
     from pagedgen.attention.registry import backend_names
-    from pagedgen.runtime.config import DEFAULT_MODEL, apply_fields, configs_from_profile, \
-        list_profiles, load_profile
+    from pagedgen.runtime.config import DEFAULT_MODEL
+    from pagedgen.runtime.profiles import (apply_fields, configs_from_profile, list_profiles,
+                                           load_profile)
 
     name = profile
     if name is None and (model is None or model in list_profiles()):

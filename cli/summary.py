@@ -1,97 +1,11 @@
-"""The end-of-run summary: throughput, latency and memory, as a Rich table or JSON."""
+"""The end-of-run summary as a Rich table (its figures: ``runtime/engine/stats.py``)."""
 
 from __future__ import annotations
 
-import os
-import time
 from typing import Any
 
 from rich.markup import escape
 from rich.table import Table
-
-from pagedgen.runtime.engine import Engine
-
-
-def summarize(engine: Engine, wall: float, start: float,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The run's figures from the engine's counters (requests finished since ``start``, the
-    ``time.perf_counter()`` at which the run began)."""
-    st = engine.stats
-    prompt_tokens, output_tokens = st.prompt_tokens, st.output_tokens
-    out = {
-        "model": engine.src.name,
-        "backend": engine.runner.backend.name,
-        "device": str(engine.runner.device),
-        **({"tensor_parallel_size": engine.runner.tp.size,
-            "all_reduce": engine.runner.tp.all_reduce_kind} if engine.runner.tp.size > 1 else {}),
-        "dtype": str(engine.runner.dtype).removeprefix("torch."),
-        "requests": st.requests_finished,
-        "samples": st.samples_finished,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "wall_time_s": wall,
-        "prefill_tokens_per_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
-        "decode_tokens_per_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
-        "output_tokens_per_s": output_tokens / wall if wall else 0.0,
-        "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
-        "mean_ttft_s": (st.first_token_time_sum / st.requests_with_first_token - start
-                        if st.requests_with_first_token else 0.0),
-        "mean_tpot_s": st.tpot_sum / st.requests_with_tpot if st.requests_with_tpot else 0.0,
-        "steps": st.num_steps,
-        "steps_launched_ahead": st.overlapped_steps,
-        "preemptions": st.num_preemptions,
-        "prefix_caching": engine.block_manager.prefix_caching,
-        "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
-                                  if st.prefix_queried_tokens else 0.0),
-        "prefix_cache_hit_tokens": st.prefix_hit_tokens,
-        "prefix_cache_evicted_blocks": st.evicted_blocks,
-        "kv_cache_blocks": engine.runner.num_blocks,
-        "peak_kv_blocks_used": st.peak_blocks_used,
-        "block_size": engine.runner.block_size,
-        "peak_memory_bytes": engine.peak_memory_bytes(),
-        "cuda_graphs": engine.runner.graphs is not None,
-        "fused_kernels": engine.runner.fused_kernels,
-        "cascade_attention": engine.runner.builder.cascade,
-        "cascade_decode_steps": engine.runner.cascade_steps,
-    }
-    runner = engine.runner
-    if runner.graphs is not None:
-        out["graph_capture_s"] = runner.graphs.capture_time_s
-        out["graph_memory_bytes"] = runner.graphs.memory_bytes
-    out.update(runner.attn_state.compile_stats())
-    if runner.host_steps["decode"]:
-        out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
-    out.update(extra or {})
-    # the runner's phases, unless ``extra`` brought them with the total (``startup``)
-    out.setdefault("startup_breakdown_s", dict(runner.startup_phases))
-    return out
-
-
-def startup(first_step_wall_time: float | None, phases: dict[str, float] | None = None
-            ) -> dict[str, Any]:
-    """``{"startup_s": ...}``: from this process's start (interpreter and imports included) to
-    the first step (``time.time()`` then); empty where either is unknown. With the runner's
-    start-up ``phases``, also their breakdown, led by what came before them (interpreter,
-    imports, reading and tokenizing the input)."""
-    age = process_age()
-    if age is None or first_step_wall_time is None:
-        return {}
-    total = age - (time.time() - first_step_wall_time)
-    out: dict[str, Any] = {"startup_s": total}
-    if phases:
-        out["startup_breakdown_s"] = {"imports_and_input": total - sum(phases.values()),
-                                      **phases}
-    return out
-
-
-def process_age() -> float | None:
-    """Seconds since this process started, from ``/proc`` (Linux; else None)."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
 
 
 def format_value(key: str, value: Any) -> str:

@@ -1,1 +1,2 @@
-"""The engine: sequences, block manager, scheduler, model runner, sampler, models."""
+"""Below the command line: run settings and profiles, model layers, quantization, model
+families, sampling, the engine and runs over several processes."""

@@ -24,7 +24,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     t = _time_cuda(lambda: dst.copy_(src), iters)
-    del src, dst
+    src = dst = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return 2 * nbytes / t
 
@@ -34,6 +34,6 @@ def matmul_flops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, iters: int 
     a = torch.randn(n, n, dtype=dtype, device="cuda")
     b = torch.randn(n, n, dtype=dtype, device="cuda")
     t = _time_cuda(lambda: a @ b, iters)
-    del a, b
+    a = b = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return 2 * n ** 3 / t

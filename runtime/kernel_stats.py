@@ -1,10 +1,10 @@
 """Attribute every GPU kernel of a torch.profiler trace to a phase and a group.
 
-A kernel's phase is the ``pagedgen.<phase>`` range around the step that launched it; its group is
-the innermost ``pg:<group>`` scope around its launch (runtime/profiling.py), else a group learned
-from an eager reference forward for kernels replayed from a CUDA graph (whose launches carry no
-scope: the replay's kernels are matched position by position with the reference, or by name),
-else a guess from the kernel's name.
+A kernel's phase is the ``pagedgen.<phase>`` range around the step that launched it; its group
+is the innermost ``pg:<group>`` scope around its launch (attention/ops/profiling.py), else a
+group learned from an eager reference forward for kernels replayed from a CUDA graph (whose
+launches carry no scope: the replay's kernels are matched position by position with the
+reference, or by name), else a guess from the kernel's name.
 """
 
 from __future__ import annotations
@@ -17,17 +17,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedgen.runtime.profiling import PREFIX
+from pagedgen.attention.ops.profiling import PREFIX
 
 GROUPS = ("attention", "GEMM", "normalization", "activation", "rotary", "sampling",
           "KV-cache write", "all-reduce", "memory copy", "other")
 _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "activation": "activation", "rotary": "rotary", "sampling": "sampling",
-                "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce"}
+                "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce",
+                "logits_processors": "sampling"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
     ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
-    ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel", re.I)),
+    ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel",
+                             re.I)),
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|\bmm\b|splitk|Kernel2", re.I)),
     ("sampling", re.compile(r"argmax|sort|topk|exponential|multinomial|gumbel", re.I)),
     ("activation", re.compile(r"silu|gelu|swiglu|act_and_mul", re.I)),

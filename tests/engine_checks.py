@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.engine.engine import Engine
 
 
 def engine(**kw) -> Engine:

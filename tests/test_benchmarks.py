@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-import common  # noqa: E402
-import peers  # noqa: E402
+from benchmarks import common, peers  # the repository's root is on pytest's path
 
 
 def test_run_engine_repeats_on_one_engine():
@@ -86,7 +82,7 @@ def test_transformers_peers_run_the_requested_lengths():
 def test_step_weight_bytes_skips_an_untied_embedding_table(tied):
     """A decode step reads its tokens' rows of the embedding table, not the table: rooflines
     count it only when it doubles as the LM head."""
-    from pagedgen.runtime.models.llama import LlamaForCausalLM
+    from pagedgen.runtime.models.families.llama import LlamaForCausalLM
     from pagedgen.runtime.models.loader import resolve_model
 
     cfg = resolve_model("tiny").hf_config
@@ -106,7 +102,7 @@ def test_step_weight_bytes_skips_an_untied_embedding_table(tied):
 
 
 def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
-    import vllm_peer
+    from benchmarks import vllm_peer
     from pagedgen.runtime.models.loader import resolve_model
 
     cfg, _ = common.profile_configs("llama-3-8b")

@@ -1,12 +1,12 @@
-"""Cascade decode: which pages a decode batch shares (attention/cascade.py), on the CPU.
+"""Cascade decode: which pages a decode batch shares (attention/metadata.py), on the CPU.
 The kernels are checked in test_triton.py (CPU interpreter) and the GPU tests."""
 
 from __future__ import annotations
 
 import torch
 
-from pagedgen.attention.backend import AttentionMetadataBuilder, ScheduledSeq
-from pagedgen.attention.cascade import MIN_SEQS, MIN_TOKENS, common_prefix_blocks
+from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
+from pagedgen.attention.metadata import MIN_SEQS, MIN_TOKENS, common_prefix_blocks
 
 PAGE = 16
 SHARED = MIN_TOKENS // PAGE  # pages

@@ -8,9 +8,9 @@ from array import array
 import torch
 from typer.testing import CliRunner
 
-from pagedgen.cli.data_parallel import PREFIX_TOKENS, deal
+from pagedgen.runtime.distributed.data_parallel import PREFIX_TOKENS, deal
 from pagedgen.cli.app import app
-from pagedgen.cli.request import Request
+from pagedgen.cli.formats.request import Request
 from pagedgen.runtime.config import SamplingParams
 
 runner = CliRunner()
@@ -31,7 +31,7 @@ def test_dp2_writes_the_dp1_file_and_resumes(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     assert summary["data_parallel_size"] == 2 and summary["requests"] == 24
-    assert all(f" 0 requests" not in summary[f"replica_{i}"] for i in range(2))
+    assert all(" 0 requests" not in summary[f"replica_{i}"] for i in range(2))
     want = (tmp_path / "one.jsonl").read_text()
     assert out.read_text() == want
     lines = want.splitlines()

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from pagedgen.runtime.block_manager import BlockManager
+from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine
-from pagedgen.runtime.scheduler import Scheduler
-from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.engine.scheduler import Scheduler
+from pagedgen.runtime.engine.sequence import Sequence
 
 
 def tiny(**kw) -> Engine:

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from pagedgen.cli.request import near_miss
+from pagedgen.cli.formats.request import near_miss
 
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
@@ -67,14 +67,16 @@ def test_openai_batch_file_round_trips_through_openai_types(tmp_path):
         assert parsed.usage.completion_tokens == sum(
             len(c.logprobs.content if kind is ChatCompletion else c.logprobs.tokens)
             if c.logprobs else 0 for c in parsed.choices) or not parsed.choices[0].logprobs
-        assert parsed.usage.total_tokens == parsed.usage.prompt_tokens + parsed.usage.completion_tokens
+        usage = parsed.usage
+        assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
     c1 = ChatCompletion.model_validate(lines[0]["response"]["body"])
     assert c1.usage.completion_tokens == 6
     for c in c1.choices:
         assert len(c.logprobs.content) == 3
         assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in c.logprobs.content)
     t1 = Completion.model_validate(lines[1]["response"]["body"]).choices[0]
-    assert len(t1.logprobs.tokens) == len(t1.logprobs.token_logprobs) == len(t1.logprobs.text_offset)
+    lp = t1.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset)
     assert t1.logprobs.text_offset[0] == 0
     assert lines[3]["response"]["body"]["usage"]["prompt_tokens"] == 3
 
@@ -196,7 +198,7 @@ def test_byte_level_bpe_token_bytes(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from pagedgen.runtime.tokenizer import HFTokenizer
+    from pagedgen.runtime.models.tokenizer import HFTokenizer
 
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

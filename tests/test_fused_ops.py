@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from pagedgen.runtime.models import fused_ops
+from pagedgen.runtime.layers import fused_ops
 
 pytestmark = pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="triton is not installed")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pagedgen.attention.registry import backend_status
-from pagedgen.cli.verify import verify_backend
+from pagedgen.cli.verify.runner import verify_backend
 
 pytestmark = pytest.mark.gpu
 

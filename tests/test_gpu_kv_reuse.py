@@ -73,7 +73,7 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
 
 def cascade_prompts(page: int) -> list[list[int]]:
     """Twelve prompts behind one prefix of at least MIN_TOKENS whole pages (and half a page)."""
-    from pagedgen.attention.cascade import MIN_TOKENS
+    from pagedgen.attention.metadata import MIN_TOKENS
     g = torch.Generator().manual_seed(11)
     n = -(-MIN_TOKENS // page) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()
@@ -91,7 +91,7 @@ def test_cascade_kernels_match_eager(name):
     """`verify`'s cascade group: decodes sharing their first pages, against eager attention."""
     if name == "none":
         pytest.skip("needs a CUDA GPU")
-    from pagedgen.cli.verify import cascade_cases, cascade_dtype, cascade_row
+    from pagedgen.cli.verify.kernel_checks import cascade_cases, cascade_dtype, cascade_row
     dev = torch.device("cuda")
     row = cascade_row(cascade_dtype(get_backend(name, dev)),
                       [cascade_cases(name, dev, list(range(8)), 0)])

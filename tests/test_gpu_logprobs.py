@@ -4,7 +4,6 @@ prefill (pytest -m gpu): the decode steps' figures against the same tokens score
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine_checks import byte_prompts, engine
 from pagedgen.runtime.config import SamplingParams

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedgen.attention.registry import backend_status
-from pagedgen.cli.verify import MODEL_TOL, check_tensor_parallel
+from pagedgen.cli.verify.model_checks import MODEL_TOL, check_tensor_parallel
 
 pytestmark = pytest.mark.gpu
 

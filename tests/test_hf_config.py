@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.models.hf_config import SUPPORTED_MODEL_TYPES, model_config
+from pagedgen.runtime.models.hf_config import model_config
+from pagedgen.runtime.models.registry import supported_model_types
+
+SUPPORTED_MODEL_TYPES = supported_model_types()
 from pagedgen.runtime.models.loader import resolve_model
-from pagedgen.runtime.models.rope import rope_frequencies
+from pagedgen.runtime.layers.rotary import rope_frequencies
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine
-from pagedgen.runtime.models import fused_ops
-from pagedgen.runtime.scheduler import ScheduledBatch
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from hf_models import make_checkpoint
 
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -42,7 +42,7 @@ def prefill_logits(eng: Engine, ids: list[int], chunk: int) -> torch.Tensor:
         n = min(chunk, len(ids) - start)
         eng.block_manager.allocate(seq, start + n)
         ids_t, pos_t, md = runner.prepare(ScheduledBatch(prefills=[(seq, n)]))
-        runner.attn_state.begin_forward(md)
+        md = runner.attn_state.build(md)
         with torch.inference_mode():
             h = runner.model(ids_t, pos_t, runner.kv_caches, md)
             out.append(runner.model.compute_logits(h))

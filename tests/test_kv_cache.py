@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from pagedgen.attention.kv_cache import (HAVE_TRITON, copy_blocks, gather_kv, swap_blocks,
+from pagedgen.attention.ops.kv_cache import (HAVE_TRITON, copy_blocks, gather_kv, swap_blocks,
                                          write_kv, write_kv_triton)
-from pagedgen.runtime.block_manager import BlockManager
+from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import SamplingParams
-from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.engine.sequence import Sequence
 
 
 def test_write_then_gather_roundtrip():

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from pagedgen.runtime import logprobs as logprobs_mod
+from pagedgen.runtime.sampling import logprobs as logprobs_mod
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine
+from pagedgen.runtime.engine.engine import Engine
 
 K = 5
 

@@ -20,7 +20,9 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pagedgen"}, tops
     for must in ("pagedgen/cli/main.py", "pagedgen/attention/backend.py",
-                 "pagedgen/runtime/engine.py", "pagedgen/profiles/tiny.yaml"):
+                 "pagedgen/runtime/engine/engine.py",
+                 "pagedgen/runtime/models/families/llama.py", "pagedgen/ray/generator.py",
+                 "pagedgen/profiles/tiny.yaml"):
         assert must in names
     assert not any("/tests/" in n or n.startswith("tests/") for n in names)
     # a fresh venv that borrows torch & co. from this interpreter (itself perhaps a venv, whose
@@ -28,7 +30,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     py = env_dir / "bin" / "python"
-    env_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+    env_site = subprocess.run([str(py), "-c",
+                               "import sysconfig; print(sysconfig.get_path('purelib'))"],
                               capture_output=True, text=True, check=True).stdout.strip()
     ours = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
     Path(env_site, "borrowed.pth").write_text("".join(f"{p}\n" for p in sorted(ours)))
@@ -40,3 +43,9 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     res = subprocess.run([str(env_dir / "bin" / "pagedgen"), "--help"], capture_output=True,
                          text=True, cwd=tmp_path)
     assert res.returncode == 0 and "generate" in res.stdout
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    res = subprocess.run([str(env_dir / "bin" / "pagedgen"), "generate", str(prompts), "--device",
+                          "cpu", "--max-tokens", "2", "--json"], capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr  # every module the run needs is in the wheel

@@ -258,7 +258,7 @@ def test_resume_redoes_a_line_damaged_in_the_middle(tmp_path):
 def test_interrupts_in_process_keep_the_output_resumable(tmp_path, monkeypatch):
     """Ctrl-C while the model loads, and SIGTERM mid-run (as ``Terminated``): one line, exit
     codes 130 and 143, the output as it was or with whole lines only; --resume finishes it."""
-    import pagedgen.cli.generate as gen
+    import pagedgen.cli.generate.runs as gen
     from pagedgen.errors import Terminated
 
     src = write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"p{i}", "max_tokens": 2 + i % 5}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.runtime.sampler import SamplingBatch, sample, uniform_noise
+from pagedgen.runtime.sampling.sampler import SamplingBatch, sample, uniform_noise
 
 
 def batch(n, temp=1.0, top_k=0, top_p=1.0, seeds=None, steps=None):

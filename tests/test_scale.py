@@ -11,11 +11,11 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from pagedgen.cli.output import OutputWriter
-from pagedgen.cli.output_claim import OutputClaim
+from pagedgen.cli.formats.output import OutputWriter
+from pagedgen.cli.formats.output_claim import OutputClaim
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import Engine
-from pagedgen.runtime.sequence import Sequence
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.engine.sequence import Sequence
 
 runner = CliRunner()
 

@@ -17,12 +17,12 @@ from typer.testing import CliRunner
 
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
-from pagedgen.cli.verify import compare, trace
+from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.config import EngineConfig
-from pagedgen.runtime.engine import Engine
-from pagedgen.runtime.launch import WorkerError, Workers, free_port
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.distributed.launch import WorkerError, Workers, free_port
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from pagedgen.runtime.parallel import TensorParallel
+from pagedgen.runtime.distributed.parallel import TensorParallel
 
 runner = CliRunner()
 PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
@@ -205,7 +205,7 @@ def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
 
 
 def barrier_or_fail(inbox):
-    from pagedgen.runtime import parallel
+    from pagedgen.runtime.distributed import parallel
     import torch.distributed as dist
 
     if parallel.current().rank == 1:
@@ -245,7 +245,9 @@ def test_verify_and_profile_take_tp(tmp_path):
 def test_shapes_that_cannot_be_sharded_say_which():
     from types import SimpleNamespace
 
-    from pagedgen.runtime.models.llama import tensor_parallel_error
+    from pagedgen.runtime.models.families.llama import LlamaForCausalLM
+
+    tensor_parallel_error = LlamaForCausalLM.tensor_parallel_error
 
     def cfg(heads=8, kv=4, inter=64):
         return SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv,

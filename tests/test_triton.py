@@ -66,15 +66,14 @@ def test_split_kv_decode_over_long_contexts():
         s.num_context = 600
         s.block_table.extend(s.block_table[-1:] * (-(-extra // b.block_size) + 1))
     st = TritonState(backend(), [b.spec], b.block_size, b.q.dtype, b.kv_cache.dtype, b.q.device)
-    md = b.metadata()
-    st.begin_forward(md)
+    md = st.build(b.metadata())
     assert md.plan.num_splits > 2
     check(b)
 
 
 def test_engine_with_triton_matches_sdpa():
     from pagedgen.runtime.config import EngineConfig, SamplingParams
-    from pagedgen.runtime.engine import Engine
+    from pagedgen.runtime.engine.engine import Engine
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     prompts = [[256, 1, 2, 3], list(range(40)), [256] * 17]
     outs = []
@@ -100,7 +99,7 @@ def test_cascade_decode_matches_eager(block_size, heads):
         assert md.cascade_blocks == 256 // block_size + seed
         st = backend().get_state_cls()(backend(), [b.spec], block_size, b.q.dtype, b.q.dtype,
                                        b.q.device)
-        st.begin_forward(md)
+        md = st.build(md)
         assert int(md.plan.cascade.prefix_lens[0]) == md.cascade_blocks * block_size
         check(b)
 
@@ -109,11 +108,11 @@ def test_engine_cascade_decode_matches_plain(monkeypatch):
     """Prompts behind one shared prefix: with cascade decode on, the decode steps cascade, and
     the greedy tokens equal cascade off (fp32). The thresholds are lowered to keep the
     interpreter's work small."""
-    from pagedgen.attention import cascade
+    from pagedgen.attention import metadata
     from pagedgen.runtime.config import EngineConfig, SamplingParams
-    from pagedgen.runtime.engine import Engine
-    monkeypatch.setattr(cascade, "MIN_TOKENS", 32)
-    monkeypatch.setattr(cascade, "MIN_SEQS", 4)
+    from pagedgen.runtime.engine.engine import Engine
+    monkeypatch.setattr(metadata, "MIN_TOKENS", 32)
+    monkeypatch.setattr(metadata, "MIN_SEQS", 4)
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(3, 256, (40,), generator=g).tolist()  # 2.5 pages: 2 shared

@@ -38,7 +38,7 @@ class WrongCausalOffsetImpl(SdpaImpl):
         qsl = md.query_start_loc.tolist()
         for i, seq_len in enumerate(md.seq_lens_cpu):
             n = qsl[i + 1] - qsl[i]
-            from pagedgen.attention.kv_cache import gather_kv
+            from pagedgen.attention.ops.kv_cache import gather_kv
             k, v = gather_kv(kv_cache, md.block_tables[i], seq_len)
             o = self._sdpa(q[qsl[i]:qsl[i + 1]].transpose(0, 1), k.transpose(0, 1),
                            v.transpose(0, 1), None, n > 1)  # top-left causal: wrong with context
@@ -72,7 +72,7 @@ def test_verify_passes_sdpa_and_writes_json(tmp_path):
 def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
     """--jobs 2 splits kernel groups into tasks run by 2 processes; the rows (worst errors
     over the same cases) equal a run in this process."""
-    import pagedgen.cli.verify as verify_mod
+    import pagedgen.cli.verify.runner as verify_mod
 
     submitted = []
 
@@ -155,7 +155,7 @@ def test_verify_workers_share_the_cores(monkeypatch):
 
     import torch
 
-    from pagedgen.cli.verify import _share_cores
+    from pagedgen.cli.verify.runner import _share_cores
 
     threads = torch.get_num_threads()
     monkeypatch.setenv("MAX_JOBS", "16")

@@ -1,1 +1,2 @@
-"""Decoder models and their weight loading."""
+"""Models: the family registry (``registry``), each family (``families/``), configs read
+without transformers (``hf_config``), tokenizers, and loading (``loader``)."""

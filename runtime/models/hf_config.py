@@ -14,29 +14,16 @@ from types import SimpleNamespace
 from typing import Any
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.models.rope import ROPE_TYPES
+from pagedgen.runtime.layers.rotary import ROPE_TYPES
+from pagedgen.runtime.models import registry
 
-# The fields the model reads, as transformers' LlamaConfig, MistralConfig, Qwen2Config and
-# Qwen3Config default them.
+# The fields every family reads, as transformers' config classes default them; each family
+# adds its own defaults (``registry.ModelFamily.model_types``).
 _COMMON = dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, head_dim=None,
                hidden_act="silu", rms_norm_eps=1e-6, tie_word_embeddings=False,
                attention_bias=False, mlp_bias=False)
-_QWEN = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
-             max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
-             max_window_layers=28, bos_token_id=None, eos_token_id=None)
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, intermediate_size=11008, num_key_value_heads=None,
-                  max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
-    "mistral": dict(vocab_size=32000, intermediate_size=14336, num_key_value_heads=8,
-                    max_position_embeddings=131072, sliding_window=4096, bos_token_id=1,
-                    eos_token_id=2),
-    "qwen2": _QWEN,
-    "qwen3": {**_QWEN, "head_dim": 128},
-}
-SUPPORTED_MODEL_TYPES = tuple(DEFAULTS)
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ModelConfig(SimpleNamespace):
@@ -62,13 +49,14 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     """The complete config of a supported family from a config's own fields; ``where`` (a file)
     starts every error message."""
     model_type = fields.get("model_type")
+    supported = ", ".join(registry.supported_model_types())
     if model_type is None:
-        raise PagedgenError(f"{where}: has no model_type (supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)})")
-    if model_type not in DEFAULTS:
+        raise PagedgenError(f"{where}: has no model_type (supported: {supported})")
+    fam = registry.family(model_type) if isinstance(model_type, str) else None
+    if fam is None:
         raise PagedgenError(f"{where}: model_type '{model_type}' is not supported "
-                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    f = {**_COMMON, **DEFAULTS[model_type], **fields}
+                            f"(supported: {supported})")
+    f = {**_COMMON, **fam.model_types[model_type], **fields}
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
         _check_size(f, key, where)
     if f["num_key_value_heads"] is None:
@@ -82,7 +70,7 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     if not isinstance(f["rms_norm_eps"], (int, float)) or f["rms_norm_eps"] <= 0:
         raise PagedgenError(f"{where}: rms_norm_eps must be a positive number")
     f["rope_parameters"] = _rope_parameters(f, where)
-    _attention_windows(f, model_type, where)
+    fam.normalize(f, model_type, where)
     return ModelConfig(**f)
 
 
@@ -112,30 +100,3 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
         raise PagedgenError(f"{where}: partial rotary embeddings (partial_rotary_factor "
                             f"{partial}) are not supported")
     return rope
-
-
-def _attention_windows(f: dict[str, Any], model_type: str, where: str) -> None:
-    """Sliding windows as each family's modeling code applies them: none for Llama, one for
-    every layer for Mistral, per ``layer_types`` for Qwen2/Qwen3."""
-    if model_type == "llama":
-        f.pop("sliding_window", None)
-        f.pop("layer_types", None)
-    elif model_type == "mistral":
-        f.pop("layer_types", None)
-    else:
-        f["sliding_window"] = f["sliding_window"] if f["use_sliding_window"] else None
-        if f.get("layer_types") is None:
-            f["layer_types"] = [
-                "sliding_attention" if f["sliding_window"] is not None
-                and i >= f["max_window_layers"] else "full_attention"
-                for i in range(f["num_hidden_layers"])]
-        types = f["layer_types"]
-        if (not isinstance(types, list) or len(types) != f["num_hidden_layers"]
-                or any(t not in _LAYER_TYPES for t in types)):
-            raise PagedgenError(f"{where}: layer_types must list one of {', '.join(_LAYER_TYPES)} "
-                                f"for each of the {f['num_hidden_layers']} layers")
-    window = f.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window <= 0):
-        raise PagedgenError(f"{where}: sliding_window must be a positive integer or null, "
-                            f"not {window!r}")

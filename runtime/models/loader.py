@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import list_profiles, load_profile
+from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, model_config
-from pagedgen.runtime.models.llama import LlamaForCausalLM
-from pagedgen.runtime.models.sharded import copy_shard, full_shape, shard_map
-from pagedgen.runtime.parallel import TensorParallel
-from pagedgen.runtime.tokenizer import ByteTokenizer, HFTokenizer, MissingTokenizer, Tokenizer
+from pagedgen.runtime.models import registry
+from pagedgen.runtime.layers.sharding import copy_shard, full_shape, shard_map
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
+                                               Tokenizer)
 
 
 @dataclass
@@ -100,7 +101,7 @@ def weights_format(src: ModelSource, load_format: str) -> str:
 
 
 def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, tp: TensorParallel | None = None) -> LlamaForCausalLM:
+                seed: int = 0, tp: TensorParallel | None = None) -> registry.CausalLM:
     """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
     ``dtype`` and fill them from safetensors or at random."""
     load_format = weights_format(src, load_format)
@@ -108,7 +109,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     try:  # build on the meta device in the target dtype, then allocate once on the device
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
-            model = LlamaForCausalLM(src.hf_config, tp)
+            model = registry.model_class(src.hf_config)(src.hf_config, tp)
     except ValueError as e:  # a shape the tensor-parallel size does not divide
         raise PagedgenError(f"{src.name}: {e}")
     finally:
@@ -123,6 +124,10 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
             model.load_weights(_iter_safetensors(files, where))
         except ValueError as e:
             raise PagedgenError(f"{where[0]}: {e}")
+    for module in model.modules():  # each linear layer's weights into its method's form
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()
 
 

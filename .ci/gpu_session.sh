@@ -1,0 +1,161 @@
+# Issue 14's measurements on the GPU machine, in one call: each step writes its logs and JSON
+# under $OUT/session/ (packed into $OUT/session.tgz at the end: the device tool brings back only
+# a few files) and prints its key lines; a step that fails or runs out of time does not stop
+# the next.
+#
+#   source .whl/p3/setup-device.sh && bash .ci/gpu_session.sh startup verify tests
+#   bash .ci/gpu_session.sh "peers a,b" "attention"
+#
+# Steps: startup (pagedgen generate on $MODEL, default the 8B preset, with $BACKEND, default
+# flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
+# gpu; PYTEST_K selects, TESTS_LIMIT seconds), "peers W" (peers.py on workloads W with vLLM),
+# attention (decode kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes
+# on (a)-(c)'s decode shapes), profile and profile-c ((a)'s and (c)'s decode under
+# torch.profiler), imports (startup under python -X importtime), save-caches (FlashInfer's and
+# FA4's kernel caches to $OUT, in pieces), load-caches (those pieces, carried as .whl/caches).
+# verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
+# warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
+# PEERS_LIMIT from the environment.
+set -u
+S=${OUT:-/tmp/out}/session
+mkdir -p "$S"
+FA4_CACHE=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/$(whoami)/flash_attention_cute_dsl_cache}
+caches() {  # how many kernels FA4's disk cache holds, and FlashInfer's JIT modules
+  echo "FA4 $(find "$FA4_CACHE" -name '*.o' 2>/dev/null | wc -l) kernels," \
+    "FlashInfer $(find /tmp/fiws/.cache -name '*.so' 2>/dev/null | wc -l) modules" \
+    "($(du -sm /tmp/fiws/.cache 2>/dev/null | cut -f1) MB)"
+}
+timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log; prints seconds
+  local name=$1 limit=$2 t0=$EPOCHREALTIME rc; shift 2
+  timeout "$limit" "$@" > "$S/$name.log" 2>&1; rc=$?
+  echo "$name: $(python3 -c "print(f'{$EPOCHREALTIME - $t0:.1f}')") s, exit $rc"
+}
+
+for step in "$@"; do
+  case $step in
+    startup)
+      for run in cold warm; do
+        timed "startup-$run" 240 pagedgen generate samples/prompts.jsonl \
+          --model "${MODEL:-llama-3-8b}" --backend "${BACKEND:-flash-attn}" --json \
+          -o "/tmp/startup-$run.jsonl"
+        python3 -c "import json, sys; t = open(sys.argv[1]).read(); d = json.loads(t[t.index('{'):])
+parts = {k: round(v, 2) for k, v in d['startup_breakdown_s'].items()}
+print(sys.argv[2], round(d['startup_s'], 1), parts)" "$S/startup-$run.log" "$run" \
+          || tail -3 "$S/startup-$run.log"
+      done ;;
+    imports)
+      # the startup step under python -X importtime: where "imports and input" goes
+      for run in cold warm; do
+        timed "imports-$run" 240 python3 -X importtime -m pagedgen.cli.main generate \
+          samples/prompts.jsonl --model "${MODEL:-llama-3-8b}" --backend "${BACKEND:-flash-attn}" \
+          --json -o "/tmp/imports-$run.jsonl"
+        python3 - "$S/imports-$run.log" "$run" <<'PY'
+import json, re, sys
+text = open(sys.argv[1]).read()
+top, nested = [], []
+for m in re.finditer(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)", text):
+    row = (int(m[2]) / 1e6, m[4])
+    (top if len(m[3]) == 1 else nested).append(row)
+d = json.loads(text[text.index("\n{") + 1:text.rindex("}") + 1])
+print(sys.argv[2], "startup", round(d["startup_s"], 2),
+      {k: round(v, 2) for k, v in d["startup_breakdown_s"].items()})
+print("  top-level imports (s):", [(round(t, 2), n) for t, n in sorted(top, reverse=True)[:12]])
+print("  heaviest nested:", [(round(t, 2), n) for t, n in sorted(nested, reverse=True)[:10]])
+PY
+      done ;;
+    verify)
+      # each row's seconds are in the JSON (and the tables); the kernel caches' sizes say how
+      # much each run compiled
+      for run in ${VERIFY_RUNS:-cold warm}; do
+        echo "before $run: $(caches)"
+        timed "verify-$run" "${VERIFY_LIMIT:-400}" pagedgen verify --backend all \
+          --json "$S/verify-$run.json"
+        tail -1 "$S/verify-$run.log"
+        python3 -c "import json, sys
+for b in json.load(open(sys.argv[1]))['backends']:
+    rows = sorted(b['rows'], key=lambda r: -r['seconds'])
+    print(b['backend'], round(sum(r['seconds'] for r in rows)), 's in tasks:',
+          [(r['group'], round(r['seconds'])) for r in rows[:4]])" "$S/verify-$run.json" \
+          2>/dev/null
+      done
+      echo "after: $(caches)" ;;
+    save-caches)
+      # FlashInfer's JIT cache and FA4's kernel cache for the next machine, in pieces of 15 MiB
+      # (a file over 16 MiB does not come back; at most 8 files do, the session folder's logs
+      # included: run it with few other steps). Here: copy the pieces to .whl/caches/ and carry
+      # that folder alone, before the last part: load-caches unpacks it.
+      o=${OUT:-/tmp/out}
+      tar czf - -C /tmp/fiws .cache | split -b 15m - "$o/fi-cache.tgz."
+      tar czf - -C "$FA4_CACHE" . | split -b 15m - "$o/fa4-cache.tgz."
+      echo "$(caches); saved: $(cd "$o" && du -shc ./*-cache.tgz.* | tail -1 | cut -f1) in" \
+        "$(ls "$o" | grep -c -- '-cache.tgz.') pieces" ;;
+    load-caches)
+      # the pieces save-caches wrote, carried as .whl/caches: FlashInfer's cache into /tmp/fiws
+      # (the last part's setup then keeps it) and FA4's into its cache folder
+      mkdir -p /tmp/fiws "$FA4_CACHE"
+      ls .whl/caches/fi-cache.tgz.* > /dev/null 2>&1 \
+        && cat .whl/caches/fi-cache.tgz.* | tar xzf - -C /tmp/fiws
+      ls .whl/caches/fa4-cache.tgz.* > /dev/null 2>&1 \
+        && cat .whl/caches/fa4-cache.tgz.* | tar xzf - -C "$FA4_CACHE"
+      echo "loaded: $(caches)" ;;
+    tests)
+      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
+      tail -12 "$S/gpu-tests.log" ;;
+    peers\ *)
+      w=${step#peers }
+      tag=${w//,/}${PEERS_TAG:-}
+      timed "peers-$tag" "${PEERS_LIMIT:-580}" python3 -m benchmarks.peers --workloads "$w" \
+        --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
+        --repeats 3 --fa4-decode-tiles "${FA4_TILES:-}" --json "$S/h100-peers-$tag.json"
+      grep -E "^│" "$S/peers-$tag.log" | cut -c1-150 ;;
+    tiles)
+      # FA4 decode tiles x page sizes against flashinfer and triton, on (a)/(b)'s and (c)'s
+      # decode shapes with varied context lengths
+      for h in "32/8 decode:256x129-1280,decode:64x2049-2176" "16/8 decode:256x100-2048,decode:64x100-2048"; do
+        heads=${h% *} shapes=${h#* } n=${heads//\//-}
+        timed "tiles-fa-$n" 200 python3 -m benchmarks.attention_kernels --backends flash-attn \
+          --page-sizes 128,64 --fa4-decode-tiles fa4,64x128,64x64,128x64 --heads "$heads" \
+          --shapes "$shapes" --json "$S/tiles-fa-$n.json"
+        timed "tiles-ref-$n" 120 python3 -m benchmarks.attention_kernels \
+          --backends flashinfer,triton --page-sizes 0 --heads "$heads" --shapes "$shapes" \
+          --json "$S/tiles-ref-$n.json"
+      done
+      python3 -c "import json, glob
+for f in sorted(glob.glob('$S/tiles-*.json')):
+    for r in json.load(open(f)):
+        print(r['heads'], r['batch'], r['context'], r['backend'], r['page'],
+              r.get('fa4_decode_tile', '-'), f\"{r['ms']:.4f} ms {r['GB_s']:.0f} GB/s\",
+              f\"{r['checksum']:.5f}\")" ;;
+    profile|profile-c)
+      # a decode step under torch.profiler at the workload's batch and mean decode context:
+      # (a) Llama-3-8B at 256 x 704 (576 prompt + 128); profile-c: (c) Qwen3-0.6B at 256 and
+      # 64 x 1100 (562 prompt + 281 output on average, long ones last)
+      if [ "$step" = profile ]; then
+        name=profile-a args=(--model llama-3-8b --batch-sizes 256 --prompt-len 704)
+      else
+        name=profile-c args=(--model qwen3-0.6b --batch-sizes 64,256 --prompt-len 1100)
+      fi
+      timed "$name" 240 pagedgen profile --backend flash-attn "${args[@]}" --output-len 16 \
+        --measured-steps 8 --output-dir "$S/$name"
+      rm -f "$S/$name"/trace-*.json
+      python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+for r in d['results']:
+    for b in r['batches']:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in b.items()})
+    for ph, v in r['phases'].items():
+        g = {k: round(us / 1000, 2) for k, us in sorted(v['groups_us'].items(), key=lambda x: -x[1])}
+        t = v.get('gpu_time_us', v.get('cpu_time_us', 0))
+        print(ph, round(t / 1000, 2), 'ms:', g)" "$S/$name/profile.json" \
+        || tail -5 "$S/$name.log" ;;
+    attention)
+      timed attention-a 120 python3 -m benchmarks.attention_kernels --page-sizes 0 \
+        --backends flash-attn,flashinfer,triton --heads 32/8 \
+        --shapes decode:256x704,decode:64x704 --json "$S/attention-a.json"
+      timed attention-c 120 python3 -m benchmarks.attention_kernels --page-sizes 0 \
+        --backends flash-attn,flashinfer,triton --heads 16/8 \
+        --shapes decode:256x1100,decode:64x1100 --json "$S/attention-c.json"
+      grep -h '^{' "$S"/attention-*.log | cut -c1-150 ;;
+    *) echo "unknown step '$step'" ;;
+  esac
+done
+tar czf "${OUT:-/tmp/out}/session.tgz" -C "$S" . && echo "logs: session.tgz"

@@ -1,0 +1,196 @@
+"""The metadata of one step over the paged KV cache, common to every backend, and its builder.
+
+A step is a flat batch of tokens: the prefills' tokens first (one or more new tokens each,
+possibly with tokens already cached), then the decodes' (one new token each). The builder makes
+the device tensors from the scheduled sequences once per step; each backend's state then turns
+this common metadata into its own (``AttentionState.build``: a subclass with a typed plan).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from pagedgen.attention.ops.transfer import host_tensor, to_device, upload
+
+# Cascade decode (attention/cascade.py) pays when at least this many decodes share at least
+# this many tokens of leading pages.
+MIN_SEQS = 8  # fewer decodes than this gain too little from reading the prefix once
+MIN_TOKENS = 256  # nor does a shorter shared prefix
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step description of a flat token batch over the paged KV cache.
+
+    Sequences ``0 .. num_prefills-1`` are prefills (one or more new tokens, possibly with
+    ``context_lens`` tokens already cached); the rest are decodes (exactly one new token).
+    Device tensors:
+
+    * ``slot_mapping`` [num_tokens] int64: cache slot (block * block_size + offset) of each new
+      token.
+    * ``query_start_loc`` [num_seqs + 1] int32: where each sequence's new tokens start.
+    * ``seq_lens`` [num_seqs] int32: cached + new tokens per sequence after this step.
+    * ``context_lens`` [num_seqs] int32: tokens already cached before this step.
+    * ``block_tables`` [num_seqs, max_blocks] int32: physical block of each logical block
+      (0-padded).
+
+    ``cascade_blocks`` (decode-only steps): the leading block-table entries every sequence
+    shares, to be attended once for the batch (attention/cascade.py); 0: no cascade.
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    block_size: int
+    seq_lens_cpu: list[int]
+    query_lens_cpu: list[int]
+    cascade_blocks: int = 0
+    _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    @property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """A view of the prefill sequences only (None when there are none)."""
+        if self.num_prefills == 0:
+            return None
+        if self._prefill is None:
+            self._prefill = self._slice(0, self.num_prefills, 0, self.num_prefill_tokens)
+        return self._prefill
+
+    @property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """A view of the decode sequences only (None when there are none)."""
+        if self.num_decodes == 0:
+            return None
+        if self._decode is None:
+            self._decode = self._slice(self.num_prefills, self.num_seqs,
+                                       self.num_prefill_tokens, self.num_tokens)
+        return self._decode
+
+    def _slice(self, s0: int, s1: int, t0: int, t1: int) -> AttentionMetadata:
+        """Sequences ``s0:s1`` (tokens ``t0:t1``), as this metadata's own class (a backend's
+        typed fields, such as its plan, carried along)."""
+        is_prefill = s0 == 0 and self.num_prefills > 0
+        return dataclasses.replace(
+            self,
+            num_prefills=s1 - s0 if is_prefill else 0,
+            num_prefill_tokens=t1 - t0 if is_prefill else 0,
+            num_decode_tokens=0 if is_prefill else t1 - t0,
+            slot_mapping=self.slot_mapping[t0:t1],
+            query_start_loc=self.query_start_loc[s0:s1 + 1] - t0,
+            seq_lens=self.seq_lens[s0:s1],
+            context_lens=self.context_lens[s0:s1],
+            block_tables=self.block_tables[s0:s1],
+            seq_lens_cpu=self.seq_lens_cpu[s0:s1],
+            query_lens_cpu=self.query_lens_cpu[s0:s1],
+            cascade_blocks=0 if is_prefill else self.cascade_blocks,
+            _prefill=None, _decode=None,
+        )
+
+    def extend(self, cls: type[AttentionMetadata], **fields) -> AttentionMetadata:
+        """This metadata as ``cls`` (a backend's subclass), with ``fields`` set."""
+        common = {f.name: getattr(self, f.name) for f in dataclasses.fields(AttentionMetadata)
+                  if f.init and not f.name.startswith("_")}
+        return cls(**common, **fields)
+
+
+@dataclass
+class ScheduledSeq:
+    """What the builder needs to know about one sequence in a step."""
+
+    block_table: Sequence[int]
+    num_context: int  # tokens already in the cache
+    num_new: int  # tokens computed this step
+
+
+class AttentionMetadataBuilder:
+    """Builds :class:`AttentionMetadata` for a step from its scheduled sequences (CPU → device).
+
+    ``cascade``: find the pages every decode of a decode-only step shares (``cascade_blocks``).
+    """
+
+    def __init__(self, block_size: int, device: torch.device, cascade: bool = False) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.cascade = cascade
+
+    def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
+              ) -> AttentionMetadata:
+        seqs = list(prefills) + list(decodes)
+        bs = self.block_size
+        slots: list[int] = []
+        qsl = [0]
+        for s in seqs:
+            for pos in range(s.num_context, s.num_context + s.num_new):
+                slots.append(s.block_table[pos // bs] * bs + pos % bs)
+            qsl.append(qsl[-1] + s.num_new)
+        max_blocks = max((len(s.block_table) for s in seqs), default=0)
+        tables = [list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        seq_lens = [s.num_context + s.num_new for s in seqs]
+        dev = self.device
+
+        def t(x: list, dtype: torch.dtype) -> torch.Tensor:
+            return to_device(x, dtype, dev)
+
+        num_prefill_tokens = sum(s.num_new for s in prefills)
+        tables_cpu = host_tensor(tables, torch.int32, dev).reshape(len(seqs), max_blocks)
+        shared = 0
+        if self.cascade and not prefills:
+            shared = common_prefix_blocks(tables_cpu, min(seq_lens, default=0), bs)
+        return AttentionMetadata(
+            num_prefills=len(prefills),
+            num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=qsl[-1] - num_prefill_tokens,
+            slot_mapping=t(slots, torch.int64),
+            query_start_loc=t(qsl, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            context_lens=t([s.num_context for s in seqs], torch.int32),
+            block_tables=upload(tables_cpu, dev),
+            block_size=bs,
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=[s.num_new for s in seqs],
+            cascade_blocks=shared,
+        )
+
+
+
+def common_prefix_blocks(tables: torch.Tensor, min_seq_len: int, block_size: int) -> int:
+    """Leading columns of ``tables`` ([rows, width] int, CPU) equal in every row, worth a
+    cascade (at least ``MIN_SEQS`` rows and ``MIN_TOKENS`` tokens), else 0. Only pages wholly
+    before every row's newest token count (``min_seq_len``: the shortest row's length)."""
+    rows, width = tables.shape
+    limit = min((min_seq_len - 1) // block_size, width)
+    if rows < MIN_SEQS or limit * block_size < MIN_TOKENS:
+        return 0
+    same = (tables[:, :limit] == tables[:1, :limit]).all(0)
+    n = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
+    return n if n * block_size >= MIN_TOKENS else 0

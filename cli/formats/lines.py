@@ -1,0 +1,24 @@
+"""The output lines of each input format: how a finished request becomes one, and how
+``--resume`` recognizes a whole one."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from pagedgen.cli.formats import openai_batch, records
+
+
+def line_maker(fmt: str, served_model_name: str | None = None) -> Callable[..., dict[str, Any]]:
+    """``record(engine, samples)`` for input format ``fmt`` ("pagedgen" or "openai"); a
+    module-level function or a partial of one, so that worker processes can take it."""
+    if fmt == "openai":
+        return functools.partial(openai_batch.record, model=served_model_name)
+    return records.record
+
+
+def line_check(fmt: str) -> tuple[Callable[[dict[str, Any]], bool], str]:
+    """(whether a parsed line is a whole record, the field holding its request's id)."""
+    if fmt == "openai":
+        return openai_batch.is_complete, "custom_id"
+    return records.is_complete, "id"

@@ -1,0 +1,224 @@
+"""OpenAI Batch API files: request lines in, batch output lines out.
+
+An input line is ``{"custom_id", "method": "POST", "url", "body"}`` with ``url``
+``/v1/chat/completions`` (``body.messages``) or ``/v1/completions`` (``body.prompt``). Its
+output line is ``{"custom_id", "id", "response": {"status_code": 200, "request_id", "body"},
+"error": null}`` with a ``chat.completion`` or ``text_completion`` body, as OpenAI writes it
+(``custom_id`` first, so ``--resume`` reads it without parsing the line). Every line is
+validated before the run starts, so error lines are never written.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedgen.cli.formats.records import entries
+from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
+                                          set_prompt, set_sampling, token_ids, user_fields)
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.engine.sequence import Sequence
+
+ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}
+# body field -> our sampling field (top_k, ignore_eos and prompt_logprobs as vLLM takes them)
+_SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
+             "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
+             "seed": "seed", "top_k": "top_k", "ignore_eos": "ignore_eos",
+             "prompt_logprobs": "prompt_logprobs"}
+_IGNORED = {"model", "user", "store", "metadata", "service_tier"}  # nothing to do with them here
+_DEFAULT_ONLY = {"stream": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
+                 "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": ("",),
+                 "stream_options": ()}  # accepted at these values (or null) only
+_BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs"},
+                "completions": {"prompt", "logprobs"}}
+
+
+def is_batch_line(obj: Any) -> bool:
+    """Whether a file's first line is an OpenAI batch line."""
+    return isinstance(obj, dict) and "custom_id" in obj and ("body" in obj or "url" in obj)
+
+
+def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:
+    if not isinstance(obj, dict):
+        raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        raise PagedgenError(f"{where}: 'custom_id' must be a non-empty string")
+    if obj.get("method", "POST") != "POST":
+        raise PagedgenError(f"{where}: 'method' must be \"POST\"")
+    endpoint = ENDPOINTS.get(obj.get("url"))
+    if endpoint is None:
+        raise PagedgenError(f"{where}: 'url' must be one of {', '.join(ENDPOINTS)} "
+                            f"(got {obj.get('url')!r})")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise PagedgenError(f"{where}: 'body' must be an object")
+    req = Request(index=index, line=lineno, id=cid, endpoint=endpoint)
+    req.metadata = user_fields(obj, _LINE_FIELDS, where, opts)
+    _check_body_fields(body, endpoint, where)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise PagedgenError(f"{where}: body 'model' must be a string")
+    if opts.served_model_name is not None and model != opts.served_model_name:
+        raise PagedgenError(f"{where}: body 'model' is {model!r}; this run serves "
+                            f"{opts.served_model_name!r} (--served-model-name)")
+    req.model = model
+    if endpoint == "chat":
+        set_prompt(req, "messages", _messages(body.get("messages"), where), where,
+                   "body 'messages'")
+    else:
+        _set_completion_prompt(req, body.get("prompt"), where)
+    if "max_tokens" in body and "max_completion_tokens" in body \
+            and body["max_tokens"] != body["max_completion_tokens"]:
+        raise PagedgenError(f"{where}: body 'max_tokens' and 'max_completion_tokens' differ")
+    for name, ours in _SAMPLING.items():
+        if name in body:
+            set_sampling(req, ours, body[name], where, f"body '{name}'")
+    _set_logprobs(req, body, endpoint, where)
+    check_sampling(req, where)
+    return req
+
+
+def _check_body_fields(body: dict, endpoint: str, where: str) -> None:
+    known = {*_SAMPLING, *_IGNORED, *_DEFAULT_ONLY, *_BODY_FIELDS[endpoint]}
+    for name, value in body.items():
+        if name in _DEFAULT_ONLY and value is not None and value not in _DEFAULT_ONLY[name]:
+            raise PagedgenError(f"{where}: body '{name}' = {value!r} is not supported")
+        if name in known:
+            continue
+        other = next((url for url, e in ENDPOINTS.items() if name in _BODY_FIELDS[e]), None)
+        if other is not None:
+            raise PagedgenError(f"{where}: body '{name}' belongs to {other} requests")
+        hint = near_miss(name, known)
+        raise PagedgenError(f"{where}: body '{name}' " + (
+            f"is unknown (did you mean '{hint}'?)" if hint else "is not supported by pagedgen"))
+
+
+def _messages(value: Any, where: str) -> Any:
+    """Chat messages as ``{"role", "content": str}`` for the chat template: text parts joined,
+    the ``developer`` role as ``system``."""
+    if not isinstance(value, list):
+        return value  # set_prompt names the problem
+    out = []
+    for m in value:
+        if not isinstance(m, dict):
+            return value
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text"
+                       and isinstance(p.get("text"), str) for p in content):
+                raise PagedgenError(f"{where}: body 'messages': only text content parts are "
+                                    "supported")
+            content = "\n".join(p["text"] for p in content)
+        role = m.get("role")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _set_completion_prompt(req: Request, prompt: Any, where: str) -> None:
+    """A text prompt or a list of token ids (a one-element list of either also works; more
+    prompts per line do not: write one line each)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        raise PagedgenError(f"{where}: body 'prompt' holds {len(prompt)} prompts; write one "
+                            "line per prompt")
+    if isinstance(prompt, list):
+        req.prompt_token_ids = token_ids(prompt, where, "body 'prompt'")
+    else:
+        set_prompt(req, "prompt", prompt, where, "body 'prompt'")
+
+
+def _set_logprobs(req: Request, body: dict, endpoint: str, where: str) -> None:
+    """Chat: ``logprobs`` true with ``top_logprobs`` alternatives; completions: ``logprobs`` is
+    the number of alternatives."""
+    lp = body.get("logprobs")
+    if endpoint == "completions":
+        set_sampling(req, "logprobs", lp, where, "body 'logprobs'")
+        return
+    top = body.get("top_logprobs")
+    if lp is not None and not isinstance(lp, bool):
+        raise PagedgenError(f"{where}: body 'logprobs' must be true or false")
+    if top is not None and not lp:
+        raise PagedgenError(f"{where}: body 'top_logprobs' needs 'logprobs': true")
+    if lp:
+        set_sampling(req, "logprobs", 0 if top is None else top, where, "body 'top_logprobs'")
+
+
+# ---- output ---------------------------------------------------------------------------------
+
+def record(engine, samples: list[Sequence], model: str | None = None) -> dict[str, Any]:
+    """The batch output line for one request (all its samples finished); ``model``: the name
+    to report when the request's body named none (default: the engine's model)."""
+    first = samples[0]
+    req = first.request
+    num_out = sum(s.num_output_tokens for s in samples)
+    chat = req.endpoint == "chat"
+    body: dict[str, Any] = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{req.index}",
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": req.model or model or engine.src.name,
+        "choices": [_chat_choice(engine, s) if chat else _completion_choice(engine, s)
+                    for s in samples],
+        "usage": {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": num_out,
+                  "total_tokens": first.num_prompt_tokens + num_out}}
+    if first.prompt_logprobs is not None:  # vLLM's extension
+        body["prompt_logprobs"] = [None] + entries(first.prompt_token_ids[1:],
+                                                   first.prompt_logprobs)
+    line = {"custom_id": req.id, "id": f"batch_req_{req.index}",
+            "response": {"status_code": 200, "request_id": f"req_{req.index}", "body": body},
+            "error": None}
+    if req.metadata is not None:
+        line["metadata"] = req.metadata
+    return line
+
+
+def is_complete(obj: dict[str, Any]) -> bool:
+    """Whether a parsed output line is a whole batch output record (``--resume`` keeps those)."""
+    response = obj.get("response")
+    body = response.get("body") if isinstance(response, dict) else None
+    return (isinstance(obj.get("custom_id"), str) and obj.get("error") is None
+            and isinstance(body, dict) and isinstance(body.get("choices"), list)
+            and bool(body["choices"]) and all(isinstance(c, dict) and c.get("finish_reason")
+                                              in ("stop", "length") for c in body["choices"]))
+
+
+def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
+    logprobs = None
+    if seq.logprobs is not None:
+        def item(t: int, lp: float) -> dict[str, Any]:
+            b = engine.tokenizer.token_bytes(t)
+            return {"token": _text(b), "logprob": lp, "bytes": list(b)}
+
+        logprobs = {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]}
+                                for t, (lp, top) in zip(seq.output_token_ids, seq.logprobs)],
+                    "refusal": None}
+    return {"index": seq.sample_index,
+            "message": {"role": "assistant", "content": engine.output_text(seq)},
+            "logprobs": logprobs, "finish_reason": seq.finish_reason}
+
+
+def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
+    text = engine.output_text(seq)
+    logprobs = None
+    if seq.logprobs is not None:
+        def dec(t: int) -> str:
+            return _text(engine.tokenizer.token_bytes(t))
+
+        tokens = [dec(t) for t in seq.output_token_ids]
+        offsets, pos = [], 0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        logprobs = {"tokens": tokens, "token_logprobs": [lp for lp, _ in seq.logprobs],
+                    "top_logprobs": [{dec(i): l for i, l in top} for _, top in seq.logprobs],
+                    "text_offset": offsets}
+    return {"index": seq.sample_index, "text": text, "logprobs": logprobs,
+            "finish_reason": seq.finish_reason}
+
+
+def _text(token_bytes: bytes) -> str:
+    """A token's text: its bytes as UTF-8, U+FFFD for a part of a character."""
+    return token_bytes.decode("utf-8", errors="replace")

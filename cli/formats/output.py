@@ -1,0 +1,248 @@
+"""The completions file: lines appended as requests finish, put in input order at the end.
+
+The file is created (or emptied, with ``--overwrite``) at the first write, after every check
+(``output_claim.py``). Each step's finished lines go out in one ``os.write`` with SIGINT and
+SIGTERM held (a crash or Ctrl-C loses nothing finished and cuts no line). The writer remembers
+the byte offset of every request's line (8 bytes a request), so the final reorder is one linear
+pass that copies lines in input order, never holding them in memory, and is skipped when the
+file is already in order. ``--resume`` parses every line once: a whole record of this input is
+kept; a damaged, foreign or repeated line anywhere, or a last line a crash cut short, is dropped
+and its request run again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+from array import array
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from pagedgen.cli.formats.output_claim import OutputClaim, OutputLock
+from pagedgen.errors import PagedgenError
+
+
+class OutputWriter:
+    """Lines appended as requests finish, into the output ``claim`` checked (its lock held).
+    The file is opened at the first write, so a run that fails before its first line leaves
+    an existing output as it was."""
+
+    def __init__(self, claim: OutputClaim, index_of: Mapping[Any, int],
+                 is_complete: Callable[[Any], bool], key: str = "id") -> None:
+        """``index_of``: each request id's position in the input (the final order);
+        ``is_complete(obj)``: whether a parsed line is a whole output record (``--resume``
+        keeps only those); ``key``: the field of a line that holds its request's id (its
+        first field)."""
+        self.claim = claim
+        self.path = claim.path
+        self.index_of = index_of
+        self.key = key
+        self.is_complete = is_complete
+        self.offsets = array("q", [-1]) * len(index_of)  # input index -> line offset
+        self.num_done = 0
+        self.num_dropped = 0  # resumed lines that were damaged or not of this input
+        self.failed = False
+        self._dirty = False  # the file holds lines the reorder must drop
+        self._fd: int | None = None
+        self._closed = False
+        self._end = 0  # where the resumed file's last whole line ends
+        if not claim.fresh():
+            try:
+                self._end = self._scan()
+            except OSError as e:
+                claim.release()
+                raise PagedgenError(f"{self.path}: cannot read: {e.strerror or e}")
+            except BaseException:
+                claim.release()
+                raise
+        self._pos = self._end
+
+    def _scan(self) -> int:
+        """Record the offsets of the whole, valid lines already in the file; returns where
+        its last line that ends in a newline ends."""
+        pos = 0
+        with self.path.open("rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # a partial last line from an interrupted run
+                index = self._valid_index(raw)
+                if index is None or self.offsets[index] >= 0:
+                    self._dirty = True  # damaged, foreign or repeated: the reorder drops it
+                    self.num_dropped += 1
+                else:
+                    self.offsets[index] = pos
+                    self.num_done += 1
+                pos += len(raw)
+        return pos
+
+    def _valid_index(self, raw: bytes) -> int | None:
+        """The input index of a whole output record of this input, else None."""
+        try:
+            obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (ValueError, RecursionError):  # JSON, UTF-8 and constant errors
+            return None
+        if not isinstance(obj, dict) or not self.is_complete(obj):
+            return None
+        rid = obj.get(self.key)
+        if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+            return None
+        return self.index_of.get(rid)
+
+    def is_done(self, index: int) -> bool:
+        return self.offsets[index] >= 0
+
+    def _open(self) -> None:
+        """Create or append: the claim's folders and lock, then the file (emptied unless
+        resumed; a resumed file loses a cut-short last line), then the resume record."""
+        self.claim.open()
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.ftruncate(self._fd, self._end)
+            os.lseek(self._fd, self._end, os.SEEK_SET)
+        except OSError as e:
+            raise PagedgenError(f"{self.path}: cannot write: {e.strerror or e}")
+        if not self._end:
+            self.claim.write_record()
+
+    def write_lines(self, lines: list[tuple[int, str]]) -> None:
+        """Append finished requests' (input index, JSON text) lines in one write, with
+        SIGINT and SIGTERM held until it is done (never half a line from a signal). A failed
+        write (disk full, ...) is a one-line error; the lines before it stay."""
+        if not lines:
+            return
+        encoded = [(text + "\n").encode() for _, text in lines]
+        data = b"".join(encoded)
+        with _signals_held():
+            if self._fd is None:
+                self._open()
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self._fd, view):]
+            except OSError as e:
+                self.failed = True
+                raise PagedgenError(
+                    f"{self.path}: cannot write: {e.strerror or e}; the {self.num_done} lines "
+                    "written before are kept (run again with --resume to finish)")
+        for (index, _), line in zip(lines, encoded):
+            self.offsets[index] = self._pos
+            self._pos += len(line)
+        self.num_done += len(lines)
+
+    def close(self, reorder: bool = True) -> None:
+        """Close the file and put its lines in input order, dropping damaged ones (skipped
+        after a failed write, or with ``reorder`` False, as after Ctrl-C: the file then keeps
+        its lines in completion order, which ``--resume`` reads as well); release the lock."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._fd is None and self._dirty and reorder and not self.failed:
+                self._open()  # a resumed file with lines to drop and nothing new to add
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+                if reorder and not self.failed and (
+                        self._dirty or not _increasing(self._order())):
+                    self._reorder()
+        finally:
+            self.claim.release()
+
+    def _reorder(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        try:
+            with self.path.open("rb") as src, tmp.open("wb") as dst:
+                for off in self._order():
+                    src.seek(off)
+                    dst.write(src.readline())
+            os.replace(tmp, self.path)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PagedgenError(f"{self.path}: cannot put the lines in input order: "
+                                f"{e.strerror or e}; every line is there, in completion order")
+
+    def _order(self) -> Iterator[int]:
+        """Line offsets in input order."""
+        return (o for o in self.offsets if o >= 0)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM delivered after the block, not inside it (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(name)
+
+
+def _increasing(xs: Iterable[int]) -> bool:
+    prev = -1
+    for x in xs:
+        if x <= prev:
+            return False
+        prev = x
+    return True
+
+
+class ShardWriter:
+    """An output directory of shards (``--ray`` with ``--output DIR/``): each write is one
+    file ``part-NNNNN.jsonl``, lines in completion order, written under a temporary name and
+    renamed when complete (a crash leaves whole shards only). The directory is made at the
+    first write; a lock beside it (``.DIR.lock``) keeps a second run out."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.num_done = 0
+        self._next = 0
+        self.lock = OutputLock(path)
+        if path.exists() and not path.is_dir():
+            raise PagedgenError(f"{path}/: is a file; give a directory for shards")
+        self._check_empty()
+        if path.parent.is_dir():
+            self.lock.acquire()
+
+    def _check_empty(self) -> None:
+        if self.path.is_dir() and any(self.path.glob("part-*.jsonl")):
+            raise PagedgenError(f"{self.path}/: already holds shards; give an empty directory")
+
+    def is_done(self, index: int) -> bool:
+        return False
+
+    def write_lines(self, lines: list[tuple[int, str]]) -> None:
+        if not lines:
+            return
+        if not self._next:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise PagedgenError(f"{self.path}/: cannot write: {e.strerror or e}")
+            if not self.lock.held:
+                self.lock.acquire()
+                self._check_empty()
+        shard = self.path / f"part-{self._next:05d}.jsonl"
+        tmp = shard.with_name("." + shard.name + ".tmp")
+        try:
+            with _signals_held():
+                tmp.write_text("".join(text + "\n" for _, text in lines), encoding="utf-8")
+                os.replace(tmp, shard)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise PagedgenError(f"{shard}: cannot write: {e.strerror or e}; the {self.num_done}"
+                                " lines written before are kept")
+        self._next += 1
+        self.num_done += len(lines)
+
+    def close(self, reorder: bool = True) -> None:
+        self.lock.release()

@@ -1,0 +1,290 @@
+"""Reading the prompt JSONL file: one request per line, every error named by file and line.
+
+Built for files of millions of lines: the file is streamed, a request keeps its token ids as
+an ``array('i')`` (4 bytes a token, not a Python int object each), and prompts are tokenized in
+batches (one call into the fast tokenizer per batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import stat
+import sys
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, ContextManager
+
+from pagedgen.cli.formats import openai_batch
+from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
+                                  set_prompt, set_sampling, user_fields)
+from pagedgen.errors import PagedgenError
+
+TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
+MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
+
+
+@dataclass(frozen=True)
+class InputSource:
+    """One input to read: a file, a pipe, or standard input (``-``)."""
+
+    name: str  # as errors show it: the path, or "<stdin>"
+    path: Path | None  # None: standard input
+    size: int | None  # bytes, where known (progress)
+    identity: tuple[int, int] | None  # (device, inode) of what is read: never the output
+
+    def open(self) -> ContextManager[BinaryIO]:
+        if self.path is None:
+            return contextlib.nullcontext(sys.stdin.buffer)  # not closed after reading
+        return self.path.open("rb")
+
+    @classmethod
+    def of_path(cls, path: Path) -> InputSource:
+        st = path.stat()
+        return cls(str(path), path, st.st_size if stat.S_ISREG(st.st_mode) else None,
+                   (st.st_dev, st.st_ino))
+
+    @classmethod
+    def stdin(cls) -> InputSource:
+        if sys.stdin is None or not hasattr(sys.stdin, "buffer"):
+            raise PagedgenError("-: there is no standard input to read")
+        try:
+            st = os.fstat(sys.stdin.fileno())
+        except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+            return cls("<stdin>", None, None, None)  # not a file descriptor (a test's stream)
+        return cls("<stdin>", None, st.st_size if stat.S_ISREG(st.st_mode) else None,
+                   (st.st_dev, st.st_ino))
+
+
+@dataclass
+class RequestFile:
+    """Validated prompt files: their requests in input order, and each id's index."""
+
+    names: list[str]  # each input's name, for errors
+    requests: list[Request]
+    index_of: dict[Any, int]  # request id (str or int) -> index
+    format: str = "pagedgen"  # or "openai" (OpenAI batch lines; ids are their custom_id)
+    sources: list[InputSource] = field(default_factory=list)
+    fingerprint: str = ""  # sha256 of every input byte, in order (ties an output to its input)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def where(self, r: Request) -> str:
+        """``file:line`` of a request, for errors."""
+        return f"{self.names[r.source]}:{r.line}"
+
+
+def input_files(spec: str) -> list[InputSource]:
+    """The inputs of ``spec``: ``-`` (standard input), a file (or a pipe such as
+    ``/dev/stdin``), a directory (its ``*.jsonl``, sorted) or a glob pattern (its matches,
+    sorted)."""
+    if spec == "-":
+        return [InputSource.stdin()]
+    path = Path(spec)
+    if any(c in spec for c in "*?["):
+        files = sorted(p for p in Path(path.anchor or ".").glob(
+            str(path.relative_to(path.anchor)) if path.anchor else spec) if p.is_file())
+        if not files:
+            raise PagedgenError(f"{spec}: no file matches")
+        return [InputSource.of_path(p) for p in files]
+    if path.is_dir():
+        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        if not files:
+            raise PagedgenError(f"{spec}: a directory without .jsonl files")
+        return [InputSource.of_path(p) for p in files]
+    if not path.exists():
+        raise PagedgenError(f"{spec}: no such file")
+    try:
+        return [InputSource.of_path(path)]
+    except OSError as e:
+        raise PagedgenError(f"{spec}: cannot read: {e.strerror or e}")
+
+
+def read_requests(inputs: Path | list[Path] | list[InputSource],
+                  progress: Callable[[int], None] | None = None,
+                  options: InputOptions = InputOptions()) -> RequestFile:
+    """Parse and validate every line of ``inputs`` (in order) up front, so bad input fails
+    before any work is done. The first line decides the format: an OpenAI batch line
+    (``custom_id``, ``body``) or pagedgen's own; a later line of the other format is an error.
+    ``progress(bytes_read)`` is called every few thousand lines."""
+    inputs = [inputs] if isinstance(inputs, Path) else inputs
+    sources = [s if isinstance(s, InputSource) else _source(s) for s in inputs]
+    rf = RequestFile([s.name for s in sources], [], {}, sources=sources)
+    digest = hashlib.sha256()
+    reader = _Reader(rf, options, digest, progress)
+    for source, src in enumerate(sources):
+        reader.read(source, src)
+    if progress is not None:
+        progress(reader.nbytes)
+    if not rf.requests:
+        raise PagedgenError(f"{rf.names[0] if len(rf.names) == 1 else 'the input'}: no "
+                            "requests (the file is empty)")
+    rf.format = reader.fmt or "pagedgen"
+    rf.fingerprint = digest.hexdigest()
+    return rf
+
+
+def _source(path: Path) -> InputSource:
+    if not path.exists() or path.is_dir():
+        raise PagedgenError(f"{path}: no such file")
+    return InputSource.of_path(path)
+
+
+class _Reader:
+    """Appends the requests of one input after another to ``rf``; the first line of the
+    first input sets the format."""
+
+    def __init__(self, rf: RequestFile, options: InputOptions, digest, progress) -> None:
+        self.rf, self.options, self.digest, self.progress = rf, options, digest, progress
+        self.nbytes = 0
+        self.fmt: str | None = None
+        self.first_where = ""
+
+    def read(self, source: int, src: InputSource) -> None:
+        lineno = 0
+        try:
+            with src.open() as f:
+                for lineno, raw in enumerate(f, start=1):
+                    self.digest.update(raw)
+                    self.nbytes += len(raw)
+                    if self.progress is not None and lineno % 4096 == 0:
+                        self.progress(self.nbytes)
+                    self._line(source, lineno, raw)
+        except OSError as e:
+            raise PagedgenError(f"{src.name}: cannot read: {e.strerror or e}")
+
+    def _line(self, source: int, lineno: int, raw: bytes) -> None:
+        rf = self.rf
+        where = f"{rf.names[source]}:{lineno}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PagedgenError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1} "
+                                "of the line)")
+        if not text.strip():
+            return
+        obj = parse_json(text, where)
+        batch_line = openai_batch.is_batch_line(obj)
+        if self.fmt is None:
+            self.fmt = "openai" if batch_line else "pagedgen"
+            self.first_where = where
+            if batch_line:
+                _check_openai_options(self.options)
+        elif batch_line != (self.fmt == "openai"):
+            this, first = ("an OpenAI batch line", "pagedgen's") if batch_line \
+                else ("not an OpenAI batch line", "an OpenAI batch")
+            raise PagedgenError(f"{where}: {this}, but the input's first line "
+                                f"({self.first_where}) is {first} format; one input holds one "
+                                "format")
+        parse = openai_batch.parse_line if self.fmt == "openai" else parse_line
+        req = parse(obj, len(rf.requests), lineno, where, self.options)
+        req.source = source
+        first = rf.index_of.setdefault(req.id, req.index)
+        if first != req.index:
+            prev = rf.requests[first]
+            at = f"line {prev.line}" if prev.source == source \
+                else f"{rf.names[prev.source]}:{prev.line}"
+            raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on {at})")
+        rf.requests.append(req)
+
+
+def parse_json(text: str, where: str) -> Any:
+    """One line's JSON value; NaN and infinities (which Python's json accepts and JSON does
+    not), nesting deeper than ``MAX_DEPTH`` and over-long numbers are ``where:`` errors."""
+    try:
+        obj = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise PagedgenError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        raise PagedgenError(f"{where}: invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    except ValueError as e:  # _no_constant, or an integer of thousands of digits
+        raise PagedgenError(f"{where}: invalid JSON: {e}")
+    if text.count("[") + text.count("{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
+        raise PagedgenError(f"{where}: invalid JSON: nested deeper than {MAX_DEPTH} levels")
+    return obj
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (use a number or null)")
+
+
+def _depth(obj: Any) -> int:
+    """How deep lists and objects nest in ``obj`` (iteratively: no recursion limit)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def _check_openai_options(options: InputOptions) -> None:
+    if options.prompt_field != "prompt" or options.messages_field != "messages":
+        raise PagedgenError("--prompt-field and --messages-field do not apply to OpenAI batch "
+                            "files (their prompt is in \"body\")")
+
+
+def tokenize_requests(rf: RequestFile, tokenizer,
+                      progress: Callable[[int], None] | None = None) -> None:
+    """Give every request its prompt's token ids (``array('i')``), tokenizing text and chat
+    prompts in batches of ``TOKENIZE_BATCH``; ``progress(requests_done)`` after each."""
+    done = sum(r.prompt is None and r.messages is None for r in rf.requests)
+    for kind in ("prompt", "messages"):
+        reqs = [r for r in rf.requests if getattr(r, kind) is not None]
+        for i in range(0, len(reqs), TOKENIZE_BATCH):
+            batch = reqs[i:i + TOKENIZE_BATCH]
+            try:
+                if kind == "prompt":
+                    out = tokenizer.encode_batch([r.prompt for r in batch])
+                else:
+                    out = tokenizer.apply_chat_template_batch([r.messages for r in batch])
+            except (ValueError, PagedgenError) as e:
+                raise PagedgenError(f"{rf.where(batch[0])}: {e}")
+            for r, ids in zip(batch, out):
+                r.prompt_token_ids = array("i", ids)
+            done += len(batch)
+            if progress is not None:
+                progress(done)
+
+
+def check_requests(rf: RequestFile, check: Callable[[Request], None],
+                   requests: list[Request] | None = None) -> None:
+    """``check`` every request (or ``requests`` of ``rf``); its ValueError becomes a
+    ``file:line:`` error."""
+    for r in rf.requests if requests is None else requests:
+        try:
+            check(r)
+        except ValueError as e:
+            raise PagedgenError(f"{rf.where(r)}: {e}")
+
+
+def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:
+    """A pagedgen line: one prompt field, optional ``id`` and sampling fields; other fields
+    become the output's ``metadata``."""
+    if not isinstance(obj, dict):
+        raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    kinds = {opts.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
+             opts.messages_field: "messages"}
+    known = {*kinds, *SAMPLING_FIELDS, "id", "metadata"}
+    given = [k for k in kinds if k in obj]
+    if len(given) != 1:
+        raise PagedgenError(f"{where}: need exactly one of "
+                            f"{', '.join(repr(k) for k in kinds)} "
+                            f"(got {', '.join(given) or 'none'})")
+    rid = obj.get("id", index)
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise PagedgenError(f"{where}: 'id' must be a string or an integer")
+    req = Request(index=index, line=lineno, id=rid)
+    req.metadata = user_fields(obj, known, where, opts)
+    set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
+    for name in SAMPLING_FIELDS:
+        if name in obj:
+            set_sampling(req, name, obj[name], where)
+    check_sampling(req, where)
+    return req

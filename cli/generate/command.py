@@ -1,0 +1,144 @@
+"""`pagedgen generate`: its options, and the summary it prints (the run: ``runs.py``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
+from pagedgen.cli.formats.request import InputOptions
+from pagedgen.cli.generate.runs import Job, run
+from pagedgen.cli.summary import summary_table
+
+
+@cli_errors
+def generate(
+    prompts: str = typer.Argument(..., help="JSONL file (one {\"prompt\"|\"prompt_token_ids\"|"
+                                            "\"messages\": ...} per line, or an OpenAI batch "
+                                            "input file), or a directory or glob of them."),
+    output: Optional[str] = typer.Option(
+        None, "--output", "-o", help="Output JSONL [default: PROMPTS.completions.jsonl; needed "
+                                     "for stdin or a glob]; with --ray, a path ending in / is "
+                                     "a directory of shards."),
+    resume: bool = typer.Option(
+        False, help="Finish an output file an earlier run of the same input and settings "
+                    "began: its whole lines are kept, the rest run."),
+    overwrite: bool = typer.Option(
+        False, help="Replace an output file that already holds completions (at the first "
+                    "new line; until then it stays as it was)."),
+    model: Optional[str] = typer.Option(
+        None, help="Checkpoint directory or preset [default: the profile's, else tiny]."),
+    profile: Optional[str] = typer.Option(
+        None, help="Run profile: a name in profiles/ or a YAML file [default: the preset's, "
+                   "else none]."),
+    backend: Optional[str] = typer.Option(
+        None, help="Attention backend: auto, flashinfer, flash-attn, triton, sdpa or eager "
+                   "[default: auto: the fastest that runs here]."),
+    device: Optional[str] = typer.Option(
+        None, help="auto, cpu, cuda or cuda:N [default: auto: cuda where there is one]."),
+    dtype: Optional[str] = typer.Option(
+        None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU, "
+                   "float32 on a CPU]."),
+    kv_cache_dtype: Optional[str] = typer.Option(
+        None, help="auto (the model's dtype) or fp8 [default: auto]."),
+    load_format: Optional[str] = typer.Option(
+        None, help="auto, safetensors or dummy (random weights) [default: auto: safetensors "
+                   "for a checkpoint, dummy for a preset]."),
+    max_tokens: Optional[int] = typer.Option(
+        None, help="Output tokens per request, where a line sets none [default: the "
+                   "profile's, else 64]."),
+    temperature: Optional[float] = typer.Option(
+        None, help="Sampling temperature, 0 = greedy [default: the profile's, else 1.0]."),
+    top_p: Optional[float] = typer.Option(
+        None, help="Sample from the smallest set of tokens whose probability reaches this, "
+                   "in (0, 1] [default: the profile's, else 1.0: off]."),
+    top_k: Optional[int] = typer.Option(
+        None, help="Sample from the k most likely tokens [default: the profile's, else 0: "
+                   "off]."),
+    seed: Optional[int] = typer.Option(
+        None, help="Run seed; a request without one samples with a seed derived from it and "
+                   "its position [default: 0]."),
+    ignore_eos: Optional[bool] = typer.Option(
+        None, "--ignore-eos/--no-ignore-eos",
+        help="Keep generating past the end-of-sequence token [default: no]."),
+    n: Optional[int] = typer.Option(None, "--n", help="Samples per request (1-128); they "
+                                    "share the prompt's KV cache [default: 1]."),
+    block_size: Optional[int] = typer.Option(
+        None, help="Tokens per KV page [default: the backend's]."),
+    num_blocks: Optional[int] = typer.Option(
+        None, help="KV-cache pages [default: sized from memory, see --kv-cache-memory]."),
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, help="KV-cache size, e.g. 4GiB [default: what the GPU has left at 90% use "
+                   "after the model; on a CPU up to 1 GiB, at least one whole sequence]."),
+    max_num_seqs: Optional[int] = typer.Option(
+        None, help="Most sequences in a step [default: the profile's, else 128; cut to the "
+                   "run's sequences]."),
+    max_num_batched_tokens: Optional[int] = typer.Option(
+        None, help="Most tokens in a step; longer prompts prefill in chunks [default: the "
+                   "profile's, else 8192]."),
+    max_model_len: Optional[int] = typer.Option(
+        None, help="Longest sequence, prompt and output [default: the model's context]."),
+    enforce_eager: Optional[bool] = typer.Option(
+        None, "--enforce-eager/--cuda-graphs", help="Turn CUDA graphs off [default: on, "
+                                                    "where the backend has them]."),
+    fused_kernels: Optional[bool] = typer.Option(
+        None, "--fused-kernels/--no-fused-kernels",
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA [default: on]."),
+    prefix_caching: Optional[bool] = typer.Option(
+        None, "--prefix-caching/--no-prefix-caching",
+        help="Reuse the KV cache of prompt prefixes computed before [default: on]."),
+    cascade_attention: Optional[bool] = typer.Option(
+        None, "--cascade-attention/--no-cascade-attention",
+        help="Decode steps attend the KV pages all their sequences share once for the batch "
+             "[default: on, where the backend can: flash-attn FA4, flashinfer, triton]."),
+    logprobs: Optional[int] = typer.Option(
+        None, help="Log-probabilities per output token, with this many top alternatives "
+                   "(0-20), where a line sets none [default: none]."),
+    prompt_logprobs: Optional[int] = typer.Option(
+        None, help="Log-probabilities per prompt token, with this many top alternatives "
+                   "(0-20), where a line sets none [default: none]."),
+    prompt_field: str = typer.Option("prompt", help="The field that holds a text prompt."),
+    messages_field: str = typer.Option("messages", help="The field that holds chat messages."),
+    strict_fields: bool = typer.Option(
+        False, "--strict-fields", help="Unknown fields are errors [default: they are copied "
+                                      "into the output line's \"metadata\"]."),
+    served_model_name: Optional[str] = typer.Option(
+        None, help="OpenAI batch files: the model name their lines' body \"model\" must "
+                   "have, and the name reported."),
+    ray: Optional[str] = typer.Option(
+        None, "--ray", help="Run on Ray Data: 'local' (a Ray instance started here) or a "
+                            "cluster address; needs pagedgen[ray]."),
+    replicas: int = typer.Option(1, help="With --ray: engine replicas (actors), one GPU each."),
+    data_parallel_size: int = typer.Option(
+        1, "--data-parallel-size", "-dp", help="Engine replicas on this host, each on "
+                                                "--tensor-parallel-size GPUs (worker processes)."),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", "-tp", help="GPUs one model is sharded over (worker "
+                                                     "processes joined by NCCL; gloo on CPU) "
+                                                     "[default: 1]."),
+    json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Generate completions for every line of PROMPTS and print a throughput summary."""
+    engine_cfg, defaults, _ = engine_and_sampling(
+        profile, model,
+        dict(backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+             load_format=load_format, seed=seed, block_size=block_size, num_blocks=num_blocks,
+             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+             enforce_eager=enforce_eager, fused_kernels=fused_kernels,
+             prefix_caching=prefix_caching, cascade_attention=cascade_attention,
+             tensor_parallel_size=tensor_parallel_size),
+        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+             ignore_eos=ignore_eos, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+    job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
+              InputOptions(prompt_field, messages_field, strict_fields, served_model_name),
+              tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)
+    summary = run(job)
+    if summary is None:  # a torchrun rank other than 0: rank 0 reports
+        return
+    if json_summary:
+        print(json.dumps(summary, indent=2))
+    else:
+        out_console().print(summary_table(summary))

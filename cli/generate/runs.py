@@ -1,0 +1,233 @@
+"""`pagedgen generate`, the run: every error a user can cause shows before the slow parts.
+
+Options (checked by the command) → read and validate the input → claim the output (it may
+refuse the run) → tokenize every prompt (the model's tokenizer, before its weights load) →
+load the engine → stream the requests into it lazily, appending each finished line as it comes
+→ put the file in input order → summary. The requests run on an engine in this process, on
+``-dp``/``-tp`` worker processes (``runtime/distributed/data_parallel.py``), on Ray Data
+replicas (``--ray``: ``runtime/distributed/ray_data.py``), or as one rank of ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.markup import escape
+
+from pagedgen.cli.common import console
+from pagedgen.cli.formats.lines import line_check, line_maker
+from pagedgen.cli.formats.output import OutputWriter, ShardWriter
+from pagedgen.cli.formats.output_claim import OutputClaim
+from pagedgen.cli.formats.reader import (InputSource, RequestFile, check_requests, input_files,
+                                         read_requests, tokenize_requests)
+from pagedgen.cli.formats.request import InputOptions, Request
+from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
+                                          stream_output)
+from pagedgen.errors import PagedgenError, Terminated
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.distributed import data_parallel, parallel, ray_data
+from pagedgen.runtime.distributed.replica import Replica
+from pagedgen.runtime.engine.engine import check_request
+from pagedgen.runtime.engine.stats import startup
+from pagedgen.runtime.models.loader import load_tokenizer, resolve_model, weights_format
+
+
+@dataclass
+class Job:
+    """What the command was asked (options already checked)."""
+
+    prompts: str
+    output: str | None
+    resume: bool
+    overwrite: bool
+    engine_cfg: EngineConfig
+    defaults: SamplingParams
+    opts: InputOptions
+    tensor_parallel_size: int | None  # as given (None: not given)
+    data_parallel_size: int
+    ray: str | None
+    replicas: int
+    quiet: bool  # --json: no transient bars
+
+
+def run(job: Job) -> dict[str, Any] | None:
+    """Run ``job``; its summary (None on a torchrun rank other than 0)."""
+    cfg = job.engine_cfg
+    ranks = _torchrun_ranks(cfg, job.tensor_parallel_size, job.data_parallel_size, job.ray)
+    lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
+    if job.ray is not None:
+        ray_data.check(job.replicas)
+        if job.data_parallel_size != 1:
+            raise PagedgenError("--ray and -dp are two ways to run replicas: give one")
+        if cfg.tensor_parallel_size != 1:
+            raise PagedgenError("--ray runs one GPU per replica: -tp is for local runs")
+    workers = ranks is None and (job.data_parallel_size != 1 or cfg.tensor_parallel_size != 1)
+    dp_gpus = data_parallel.check(job.data_parallel_size, cfg) if workers else None
+    sources = input_files(job.prompts)
+    shards = job.output is not None and job.output.endswith("/")
+    out_path = _output_path(job.prompts, sources, job.output)
+    if shards and (job.ray is None or job.resume or job.overwrite):
+        raise PagedgenError("an output directory (--output ending in /) needs --ray and "
+                            "cannot --resume or --overwrite; give a file to resume")
+
+    # -dp workers start now: their imports and model loads overlap reading the input
+    dp = data_parallel.DataParallel(cfg, job.defaults, job.data_parallel_size, dp_gpus) \
+        if dp_gpus is not None else None
+    writer: OutputWriter | ShardWriter | None = None
+    rf: RequestFile | None = None
+    try:
+        t_read = time.perf_counter()
+        with startup_progress(job.quiet or not lead) as progress:
+            task = progress.add_task("reading", total=sum(s.size or 0 for s in sources) or None)
+            rf = read_requests(sources, lambda n: progress.update(task, completed=n), job.opts)
+            if lead:  # the output is claimed before anything slow: it may refuse this run
+                writer = ShardWriter(out_path) if shards else OutputWriter(
+                    OutputClaim(out_path, [s.identity for s in sources], rf.fingerprint,
+                                result_settings(cfg, job.defaults, job.opts), job.resume,
+                                job.overwrite),
+                    rf.index_of, *line_check(rf.format))
+            input_s = time.perf_counter() - t_read
+            t_load = time.perf_counter()
+            src = resolve_model(cfg.model)
+            weights_format(src, cfg.load_format)  # no weight files: fail now
+            tokenizer = load_tokenizer(src)
+            load_s = time.perf_counter() - t_load
+            limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
+            t_tok = time.perf_counter()
+            task = progress.add_task("tokenizing", total=len(rf))
+            tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+            check_requests(rf, lambda r: check_request(r.prompt_token_ids,
+                                                       r.sampling(job.defaults), limit, vocab,
+                                                       cfg.max_num_seqs))
+            input_s += time.perf_counter() - t_tok
+
+        record = line_maker(rf.format, job.opts.served_model_name)
+        if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
+            todo = _lead_todo(ranks, rf, None)
+            rep = Replica(fit_seats(cfg, todo, job.defaults), job.defaults, record, src,
+                          tokenizer)
+            for _ in rep.stream(todo):
+                pass
+            return None
+        todo = [r for r in rf.requests if not writer.is_done(r.index)]
+        if getattr(writer, "num_dropped", 0):
+            console.print(f"[yellow]{escape(str(out_path))}:[/] {writer.num_dropped} damaged or "
+                          "repeated line(s) are dropped; their requests run again",
+                          highlight=False, soft_wrap=True)
+        if ranks is not None:
+            _lead_todo(ranks, rf, todo)
+        extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
+                 "output": str(out_path) + ("/" if shards else "")}
+        if job.ray is not None or dp is not None:
+            replicas = dp or ray_data.RayReplicas(cfg, job.defaults, job.ray, job.replicas)
+            _, wall = stream_output(writer, len(todo), replicas.run(todo, record), job.quiet)
+            return replicas.summary(len(todo), wall, extra)
+        return _run_here(rf, todo, writer, fit_seats(cfg, todo, job.defaults), job.defaults,
+                         record, src, tokenizer, load_s, extra, job.quiet)
+    except (KeyboardInterrupt, Terminated) as e:
+        interrupted(e, writer, len(rf) if rf is not None else 0)
+    finally:
+        if writer is not None:
+            close_quietly(writer)  # after an error; a finished run closed it already
+        if dp is not None:
+            dp.stop()
+
+
+def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineConfig,
+              defaults: SamplingParams, record, src, tokenizer, load_s: float,
+              extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
+    """Run the requests on an engine in this process; returns the summary."""
+    t_load = time.perf_counter()
+    with console.status(f"loading {engine_cfg.model} ..."):
+        rep = Replica(engine_cfg, defaults, record, src, tokenizer)
+    engine = rep.engine
+    if engine.max_model_len < engine_cfg.context_limit(src.hf_config):
+        # the KV cache holds less than the model's context: the error names the memory
+        check_requests(rf, lambda r: engine.check_request(r.prompt_token_ids,
+                                                          r.sampling(defaults)), todo)
+    load_s += time.perf_counter() - t_load
+    batches = (([(i, json.dumps(line, ensure_ascii=False)) for i, line, _ in step],
+                engine.stats.output_tokens) for step in rep.stream(todo))
+    start, wall = stream_output(writer, len(todo), batches, quiet)
+    return engine.summary(wall, start, {**extra, "load_time_s": load_s,
+                                        **startup(engine.stats.first_step_wall_time,
+                                                  engine.runner.startup_phases)})
+
+
+def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: InputOptions
+                    ) -> dict[str, Any]:
+    """The settings that choose a run's results, as its resume record keeps them: a resumed
+    run must have the same (speed settings such as the backend or batch limits may differ)."""
+    model = engine_cfg.model
+    if Path(model).expanduser().exists():
+        model = str(Path(model).expanduser().resolve())
+    dtype = engine_cfg.torch_dtype(engine_cfg.torch_device())
+    return {"model": model, "load_format": engine_cfg.load_format,
+            "dtype": str(dtype).removeprefix("torch."),
+            "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
+            "seed": engine_cfg.seed, "max_model_len": engine_cfg.max_model_len,
+            **dataclasses.asdict(defaults), "prompt_field": opts.prompt_field,
+            "messages_field": opts.messages_field, "strict_fields": opts.strict_fields,
+            "served_model_name": opts.served_model_name}
+
+
+def fit_seats(engine_cfg, todo, defaults):
+    """``engine_cfg`` with ``max_num_seqs`` cut to the sequences of ``todo`` (each request's
+    ``n``) when they are fewer: a short run then captures CUDA graphs, and sizes buffers, only
+    for batches it can form (the 16 sample prompts: 5 decode graphs, not 23 for 256 seats)."""
+    seqs = 0
+    for r in todo:  # stops at the seats: a long file costs nothing here
+        seqs += r.sampling(defaults).n
+        if seqs >= engine_cfg.max_num_seqs:
+            return engine_cfg
+    return dataclasses.replace(engine_cfg, max_num_seqs=seqs) if seqs else engine_cfg
+
+
+def _torchrun_ranks(engine_cfg, tensor_parallel_size: int | None, data_parallel_size: int,
+                    ray: str | None):
+    """This process's tensor-parallel group when ``torchrun`` started it (every process runs
+    this command as one rank; the engine is sharded over all of them), else None."""
+    size = parallel.torchrun_size()
+    if size == 1:
+        return None
+    if tensor_parallel_size not in (None, size) or data_parallel_size != 1 or ray is not None:
+        raise PagedgenError(f"under torchrun the {size} processes are one model's "
+                            f"tensor-parallel ranks: give -tp {size} or no -tp, no -dp or --ray")
+    engine_cfg.tensor_parallel_size = size
+    import torch
+
+    return parallel.init_from_env(engine_cfg.device != "cpu" and torch.cuda.is_available())
+
+
+def _lead_todo(ranks, rf, todo):
+    """The requests still to run, as rank 0 found them in its output file (``todo`` there),
+    on every rank."""
+    import torch.distributed as dist
+
+    box = [None if todo is None else [r.index for r in todo]]
+    dist.broadcast_object_list(box, src=0, group=ranks.group)
+    if todo is not None:
+        return todo
+    by_index = {r.index: r for r in rf.requests}
+    return [by_index[i] for i in box[0]]
+
+
+def _output_path(spec: str, sources: list[InputSource], output: str | None) -> Path:
+    """``--output``, or beside a single input file (or a directory) as
+    ``NAME.completions.jsonl`` (``OutputClaim`` makes sure it is none of the inputs)."""
+    if output is not None:
+        return Path(output)
+    if spec == "-" or (len(sources) == 1 and not Path(spec).is_file()
+                       and not Path(spec).is_dir()):
+        raise PagedgenError(f"{spec}: reading from a pipe or standard input: give --output")
+    if len(sources) == 1 and Path(spec).is_file():
+        path = sources[0].path
+        return path.with_name(path.stem + ".completions.jsonl")
+    if Path(spec).is_dir():
+        return Path(spec.rstrip("/") + ".completions.jsonl")
+    raise PagedgenError(f"{spec}: give --output for a glob of input files")

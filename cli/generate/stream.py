@@ -1,0 +1,77 @@
+"""Lines into the output file as they finish, with progress bars; what an interrupted run says."""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import typer
+from rich.markup import escape
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
+                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+
+from pagedgen.cli.common import console
+from pagedgen.cli.formats.output import OutputWriter, ShardWriter
+from pagedgen.errors import PagedgenError
+
+# Each batch of finished requests: their (input index, JSON text) lines and the output tokens
+# of the run so far.
+Batches = Iterable[tuple[list[tuple[int, str]], int]]
+
+
+def stream_output(writer: OutputWriter | ShardWriter, total: int, batches: Batches,
+                  quiet: bool) -> tuple[float, float]:
+    """Write each batch of ``batches`` as it comes (one write each), with a progress bar (live
+    tok/s) on a terminal. Ctrl-C or an error keeps what was written. Returns (start, wall
+    seconds)."""
+    start = time.perf_counter()
+    progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[tokens]:,} tokens out, "
+                                   "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
+                        TimeRemainingColumn(), console=console, transient=quiet,
+                        disable=not console.is_terminal)  # a log gets the summary
+    try:
+        with progress:
+            task = progress.add_task("gen", total=total, tokens=0, rate=0.0)
+            for lines, tokens in batches:
+                writer.write_lines(lines)
+                progress.update(task, advance=len(lines), tokens=tokens,
+                                rate=tokens / max(time.perf_counter() - start, 1e-9))
+    except BaseException:
+        close_quietly(writer)  # Ctrl-C or an error: keep what was written
+        raise
+    wall = time.perf_counter() - start
+    writer.close()
+    return start, wall
+
+
+def startup_progress(quiet: bool) -> Progress:
+    """Bars for reading and tokenizing the input (gone when done; a terminal only)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
+                    TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=True,
+                    disable=quiet or not console.is_terminal)
+
+
+def close_quietly(writer: OutputWriter | ShardWriter) -> None:
+    """Close after an error or a signal, lines left in completion order (``--resume`` puts
+    them in order); the error in flight is the one to show."""
+    try:
+        writer.close(reorder=False)
+    except PagedgenError:
+        pass
+
+
+def interrupted(e: BaseException, writer: OutputWriter | ShardWriter | None,
+                total: int) -> None:
+    """Ctrl-C (exit code 130) or SIGTERM (143) at any phase: one line saying what is kept."""
+    what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated (SIGTERM)"
+    code = 130 if isinstance(e, KeyboardInterrupt) else 143
+    if writer is None or writer.num_done == 0:
+        console.print(f"[yellow]{what}:[/] no completions were written", highlight=False,
+                      soft_wrap=True)
+    else:
+        close_quietly(writer)
+        console.print(f"[yellow]{what}:[/] {writer.num_done} of {total} requests are in "
+                      f"{escape(str(writer.path))}; run again with --resume to finish",
+                      highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

@@ -1,0 +1,1 @@
+"""`pagedgen profile` (``command.py``): its workload, measurement and report."""

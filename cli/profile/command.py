@@ -1,0 +1,104 @@
+"""`pagedgen profile`: where the time goes, per kernel group and phase, against the hardware
+(the workload: ``workload.py``; measuring it: ``measure.py``; the tables and charts:
+``report.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pagedgen.attention.registry import backend_status, get_backend
+from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
+from pagedgen.cli.profile.measure import run_sharded, run_backend
+from pagedgen.cli.profile.report import charts, render
+from pagedgen.cli.profile.workload import workload_from
+
+
+@cli_errors
+def profile(
+    profile_name: Optional[str] = typer.Option(None, "--profile",
+                                               help="Run profile: name or YAML [default: tiny]."),
+    backend: Optional[str] = typer.Option(None, help="Backend name, auto, or all (every "
+                                                     "available backend but eager) "
+                                                     "[default: auto]."),
+    model: Optional[str] = typer.Option(
+        None, help="Checkpoint directory or preset [default: the profile's]."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+    dtype: Optional[str] = typer.Option(
+        None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU]."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8 [default: auto]."),
+    block_size: Optional[int] = typer.Option(
+        None, help="Tokens per KV page [default: the backend's]."),
+    batch_sizes: Optional[str] = typer.Option(
+        None, help="Comma-separated, e.g. 1,8,64 [default: the profile's workload, else 1,4,16]."),
+    prompt_len: Optional[int] = typer.Option(
+        None, help="Prompt tokens [default: the profile's workload, else 64]."),
+    shared_prefix_len: Optional[int] = typer.Option(
+        None, help="Leading tokens every prompt of a batch shares (shows prefix caching) "
+                   "[default: 0]."),
+    output_len: Optional[int] = typer.Option(
+        None, help="Decode steps per batch size at most [default: the profile's workload, "
+                   "else 16]."),
+    prompts: Optional[str] = typer.Option(
+        None, help="JSONL prompt file instead of random prompts [default: random]."),
+    warmup_steps: Optional[int] = typer.Option(None, help="[default: 2]"),
+    measured_steps: Optional[int] = typer.Option(None, help="[default: 8]"),
+    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+                                               help="[default: on]"),
+    fused_kernels: Optional[bool] = typer.Option(
+        None, "--fused-kernels/--no-fused-kernels",
+        help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA [default: on]."),
+    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+                                                  help="[default: on]"),
+    cascade_attention: Optional[bool] = typer.Option(
+        None, "--cascade-attention/--no-cascade-attention",
+        help="Decode batches sharing prefix pages attend them once [default: on]."),
+    tensor_parallel_size: Optional[int] = typer.Option(
+        None, "--tensor-parallel-size", "-tp",
+        help="Shard the model over this many GPUs (rank 0's kernels are reported) "
+             "[default: 1]."),
+    output_dir: Path = typer.Option(Path("pagedgen-profile"), help="Trace, JSON and charts."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
+    engine_cfg, _, prof = engine_and_sampling(
+        profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                  block_size=block_size, seed=seed,
+                                  fused_kernels=fused_kernels, prefix_caching=prefix_caching,
+                                  cascade_attention=cascade_attention,
+                                  tensor_parallel_size=tensor_parallel_size), {})
+    wl = workload_from(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
+                              shared_prefix_len=shared_prefix_len,
+                              output_len=output_len, prompts=prompts,
+                              warmup_steps=warmup_steps, measured_steps=measured_steps,
+                              cuda_graphs=cuda_graphs))
+    dev = engine_cfg.torch_device()
+    if backend == "all":  # every fast path; eager is the reference, not a contender
+        names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
+    else:
+        names = [get_backend(backend or engine_cfg.backend, dev).name]
+    output_dir.mkdir(parents=True, exist_ok=True)
+    limits: dict[str, float] = {}
+    console = out_console()
+    if dev.type == "cuda":
+        from pagedgen.runtime import hardware
+        limits = {"copy_bw": hardware.copy_bandwidth(), "matmul": hardware.matmul_flops()}
+    results = []
+    for name in names:
+        console.print(f"[bold]profiling {name}[/] ...")
+        cfg = dataclasses.replace(engine_cfg, backend=name)
+        if cfg.tensor_parallel_size > 1:
+            results.append(run_sharded(cfg, wl, output_dir, seed, limits))
+        else:
+            results.append(run_backend(cfg, wl, output_dir, seed, limits))
+    render(results, console)
+    pngs = charts(results, output_dir)
+    summary = output_dir / "profile.json"
+    summary.write_text(json.dumps({"workload": dataclasses.asdict(wl), "limits": limits,
+                                   "results": results}, indent=2))
+    console.print(f"wrote {summary}, {', '.join(str(p) for p in pngs)} and "
+                  f"{', '.join(r['trace'] for r in results)} (open in Perfetto)")

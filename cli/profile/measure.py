@@ -1,0 +1,215 @@
+"""Measuring one backend on the workload: for each batch size, batched prefill, then
+``warmup_steps`` decode steps, then ``measured_steps`` timed ones; the largest batch size under
+torch.profiler, its kernels attributed to phases and groups (runtime/kernel_stats.py, CUDA-graph
+replays included), against the hardware's rooflines."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedgen.attention.ops import profiling
+from pagedgen.cli.profile.workload import Workload, prompts_for
+from pagedgen.runtime import kernel_stats
+
+
+def _percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else 0.0
+
+
+def _step(engine, phase: str) -> float:
+    """One engine step inside a ``pagedgen.<phase>`` range; seconds (synchronized)."""
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    with torch.profiler.record_function(f"pagedgen.{phase}"):
+        engine.step()
+    sync()
+    return time.perf_counter() - t0
+
+
+def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float]
+                ) -> dict[str, Any]:
+    from pagedgen.runtime.config import SamplingParams
+    from pagedgen.runtime.engine.engine import Engine
+
+    # synchronous steps: each step's latency and kernels are its own
+    engine = Engine(dataclasses.replace(cfg, max_num_seqs=max(wl.batch_sizes),
+                                        async_scheduling=False,
+                                        enforce_eager=cfg.enforce_eager or not wl.cuda_graphs))
+    r = engine.runner
+    name = r.backend.name
+    kernel_batch = max(wl.batch_sizes)
+    decode_steps = max(1, min(wl.measured_steps, wl.output_len - wl.warmup_steps - 2))
+    per_batch = []
+    prof = None
+    for batch in wl.batch_sizes:
+        prompts = prompts_for(engine, wl, batch, seed)
+        # sequences admitted early also decode during the later prefill chunks: leave room
+        chunks = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens) + 1
+        params = SamplingParams(max_tokens=chunks + wl.warmup_steps + decode_steps + 2,
+                                temperature=0.0, ignore_eos=True)
+        engine.reset_prefix_cache()  # each batch size starts cold (its prompts repeat)
+        hits_before = engine.stats.prefix_hit_tokens
+        seqs = [engine.add_request(p, params) for p in prompts]
+        if batch == kernel_batch:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if r.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            prof = torch.profiler.profile(activities=acts)
+            prof.start()
+        try:
+            timings = _measure(engine, seqs, wl, decode_steps, batch == kernel_batch)
+        finally:
+            if batch == kernel_batch:
+                prof.stop()
+        prefill_s, prefill_tokens, times = (timings["prefill_s"], timings["prefill_tokens"],
+                                            timings["times"])
+        hits = engine.stats.prefix_hit_tokens - hits_before
+        while engine.has_unfinished():
+            engine.step()
+        ctx = timings["mean_context"]
+        p50 = _percentile(times, 50)
+        row = {"batch": batch, "prefill_tokens": prefill_tokens, "prefix_hit_tokens": hits,
+               "prefill_tok_s": prefill_tokens / prefill_s if prefill_s else 0.0,
+               "decode_tok_s": batch / p50 if p50 else 0.0,
+               "step_ms_p50": 1000 * p50, "step_ms_p90": 1000 * _percentile(times, 90),
+               "step_ms_p99": 1000 * _percentile(times, 99), "mean_context": ctx}
+        if "copy_bw" in limits:
+            weights = r.model.step_weight_bytes()
+            kv = batch * ctx * r.block_bytes() / r.block_size
+            row["decode_roofline_ms"] = 1000 * (weights + kv) / limits["copy_bw"]
+            row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
+        per_batch.append(row)
+    result: dict[str, Any] = {"backend": name, "cuda_graphs": r.graphs is not None,
+                              "fused_kernels": r.fused_kernels,
+                              "device": str(r.device), "model": engine.src.name,
+                              "dtype": str(r.dtype).removeprefix("torch."),
+                              "tensor_parallel_size": r.tp.size,
+                              "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
+                              "batches": per_batch, "kernel_batch": kernel_batch,
+                              "decode_steps": decode_steps}
+    rank = f"-rank{r.tp.rank}" if r.tp.size > 1 else ""  # every rank writes its own
+    trace = out_dir / f"trace-{name}{rank}.json"
+    prof.export_chrome_trace(str(trace))
+    result["trace"] = str(trace)
+    if r.device.type == "cuda":
+        kernels = kernel_stats.load_kernels(trace)
+        ref = [k for k in kernels if k.phase == "reference" and k.in_forward]
+        result["graph_replays_matched"] = kernel_stats.attribute_graph_kernels(kernels, ref)
+        result["phases"] = kernel_stats.summarize(kernels)
+        result["roofline"] = _roofline(engine, result, per_batch[-1], limits)
+    else:
+        result["phases"] = _cpu_summary(prof)
+        result["not_measured"] = ("no GPU here: the kernel table shows CPU operator self-times "
+                                  "by group; GPU kernel times and rooflines need a GPU")
+    del engine, r, prof
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> dict[str, Any]:
+    """Prefill the batch, warm up, then time ``decode_steps`` decode steps."""
+    r = engine.runner
+    with profiling.enabled() if profiled else contextlib.nullcontext():
+        prefill_s, prefill_tokens = 0.0, 0
+        while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in seqs):
+            before = engine.stats.prefill_tokens
+            prefill_s += _step(engine, "prefill")
+            prefill_tokens += engine.stats.prefill_tokens - before
+        for _ in range(wl.warmup_steps):
+            _step(engine, "warmup")
+        ctx0 = statistics.fmean(s.num_tokens for s in seqs)
+        times = [_step(engine, "decode") for _ in range(decode_steps)]
+        mean_context = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
+        if profiled and r.graphs is not None:  # one eager forward as the attribution reference
+            graphs, r.graphs = r.graphs, None
+            try:
+                _step(engine, "reference")
+            finally:
+                r.graphs = graphs
+    return dict(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times,
+                mean_context=mean_context)
+
+
+def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict[str, Any]:
+    """Decode attention bandwidth, prefill attention and GEMM FLOP/s, against measured limits."""
+    r = engine.runner
+    hf = engine.src.hf_config
+    spec = r.specs[0]
+    layers = len(r.specs)
+    out: dict[str, Any] = {"copy_bw_tb_s": limits["copy_bw"] / 1e12,
+                           "matmul_tflop_s": limits["matmul"] / 1e12}
+    dec, pre = result["phases"]["decode"], result["phases"]["prefill"]
+    steps, batch = result["decode_steps"], row["batch"]
+    kv_bytes = batch * row["mean_context"] * r.block_bytes() / r.block_size
+    attn_s = dec["groups_us"]["attention"] / 1e6 / steps
+    if attn_s:
+        out["decode_attention_tb_s"] = kv_bytes / attn_s / 1e12
+        out["decode_attention_bw_fraction"] = kv_bytes / attn_s / limits["copy_bw"]
+    linear = sum(m.weight.numel() for n, m in r.model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+    lm_head = hf.vocab_size * hf.hidden_size / r.tp.size  # this rank's slice of the vocabulary
+    gemm_dec_s = dec["groups_us"]["GEMM"] / 1e6 / steps
+    if gemm_dec_s:
+        out["decode_gemm_tflop_s"] = 2 * batch * (linear + lm_head) / gemm_dec_s / 1e12
+    n_tok = row["prefill_tokens"]
+    n_seq_len = n_tok / batch
+    attn_flops = 4 * spec.num_heads * spec.head_size * layers * batch * n_seq_len * (
+        n_seq_len + 1) / 2
+    if pre["groups_us"]["attention"]:
+        t = pre["groups_us"]["attention"] / 1e6
+        out["prefill_attention_tflop_s"] = attn_flops / t / 1e12
+        out["prefill_attention_peak_fraction"] = attn_flops / t / limits["matmul"]
+    if pre["groups_us"]["GEMM"]:
+        t = pre["groups_us"]["GEMM"] / 1e6
+        flops = 2 * n_tok * linear + 2 * batch * lm_head
+        out["prefill_gemm_tflop_s"] = flops / t / 1e12
+        out["prefill_gemm_peak_fraction"] = flops / t / limits["matmul"]
+    out["decode_step_roofline_fraction"] = row.get("decode_roofline_fraction")
+    return out
+
+
+def _cpu_summary(prof) -> dict[str, Any]:
+    """On CPU: operator self-times by phase and group (the innermost pg: scope, else the name)."""
+    ops = []
+    for evt in prof.events():
+        if evt.name.startswith(("pagedgen.", profiling.PREFIX)):
+            continue
+        phase, group, p = None, None, evt.cpu_parent
+        while p is not None:
+            if group is None and p.name.startswith(profiling.PREFIX):
+                group = kernel_stats._SCOPE_GROUP.get(p.name[len(profiling.PREFIX):])
+            if p.name.startswith("pagedgen."):
+                phase = p.name.split(".", 1)[1]
+                break
+            p = p.cpu_parent
+        group = group or ("GEMM" if evt.name in ("aten::mm", "aten::addmm", "aten::bmm")
+                          else kernel_stats.group_from_name(evt.name))
+        ops.append(kernel_stats.Kernel(evt.name, evt.time_range.start,
+                                       evt.self_cpu_time_total, phase, group, None))
+    return kernel_stats.summarize(ops, time_key="cpu_time_us")
+
+
+def run_sharded(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float]
+                 ) -> dict[str, Any]:
+    """``run_backend`` on every rank of a tensor-parallel group (worker processes on GPUs
+    0..N-1, or gloo on the CPU); rank 0's result."""
+    from pagedgen.runtime.distributed import data_parallel
+
+    return data_parallel.run_on_ranks(_profile_worker, (cfg, wl, out_dir, seed, limits), cfg)
+
+
+def _profile_worker(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float],
+                    inbox):
+    yield run_backend(cfg, wl, out_dir, seed, limits)

@@ -1,0 +1,1 @@
+"""`pagedgen verify` (``command.py``): its checks, how they run, and their report."""

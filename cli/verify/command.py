@@ -1,0 +1,77 @@
+"""`pagedgen verify`: every backend checked against the eager reference, kernel and model
+level (checks: ``kernel_checks.py``, ``model_checks.py``; running them: ``runner.py``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from pagedgen.attention.registry import backend_names, get_backend
+from pagedgen.cli.common import cli_errors, console, out_console
+from pagedgen.cli.verify.model_checks import check_tensor_parallel
+from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
+from pagedgen.errors import PagedgenError
+
+
+@cli_errors  # Ctrl-C and SIGTERM: one line (bad options exit with 2 below)
+def verify(
+    backend: str = typer.Option("all", help="A backend name, or all."),
+    model: str = typer.Option("tiny", help="Model for the model-level check (dummy weights)."),
+    dtype: str = typer.Option("auto", help="Model dtype for the model-level check."),
+    cases: int = typer.Option(24, min=1, help="Random cases per kernel check group."),
+    steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),
+    seed: int = typer.Option(0),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size", "-tp", min=1,
+        help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "
+             "against one rank's eager run."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
+    jobs: int = typer.Option(
+        0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
+                       "where kernel compiles dominate; 1 on the CPU)."),
+) -> None:
+    """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
+    from pagedgen.runtime.config import EngineConfig
+
+    names = backend_names()
+    if backend != "all" and backend not in names:
+        console.print(f"[bold red]error:[/] unknown backend '{backend}'; known: "
+                      f"{', '.join(names)}")
+        raise typer.Exit(2)
+    try:
+        dev = EngineConfig(device=device or "auto").torch_device()
+        t0 = time.perf_counter()
+        out = out_console()
+        plans = [plan_backend(n, dev, model, dtype, cases, steps, seed)
+                 for n in (names if backend == "all" else [backend])]
+        reports = run_plans(plans, jobs or default_jobs(dev), out,
+                            lambda name: check_tensor_parallel(
+                                name, model, dtype, dev, steps, seed, tensor_parallel_size,
+                                graph_modes(get_backend(name, dev), dev)[-1])
+                            if tensor_parallel_size > 1 else None)
+    except PagedgenError as e:
+        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2)
+    checked = [r for r in reports if r.status == "checked"]
+    failed = [r.backend for r in checked if not r.passed]
+    n_rows = sum(len(r.rows) for r in checked)
+    n_bad = sum(not row.passed for r in checked for row in r.rows)
+    skipped = [r.backend for r in reports if r.status == "skipped"]
+    out.print(f"{'[bold red]FAIL' if failed else '[bold green]PASS'}[/]: {n_rows - n_bad}/{n_rows}"
+              f" checks passed on {dev} for {', '.join(r.backend for r in checked) or 'nothing'}"
+              + (f"; failing: {', '.join(failed)}" if failed else "")
+              + (f"; skipped: {', '.join(skipped)}" if skipped else "")
+              + f" ({time.perf_counter() - t0:.1f} s)")
+    if json_path:
+        json_path.write_text(json.dumps({"device": str(dev), "passed": not failed,
+                                         "backends": [dataclasses.asdict(r) for r in reports]},
+                                        indent=2))
+    if failed:
+        raise typer.Exit(1)

@@ -1,0 +1,51 @@
+"""`pagedgen verify`'s results: a row per check, a report per backend, and their table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+@dataclass
+class Row:
+    kind: str  # "kernel" | "model"
+    group: str
+    cases: int
+    worst_abs: float
+    worst_rel: float
+    tol: float
+    passed: bool
+    detail: str = ""
+    seconds: float = 0.0  # its tasks' time in the processes that ran them, compiles included
+
+
+@dataclass
+class BackendReport:
+    backend: str
+    status: str  # "checked" | "skipped" | "reference"
+    reason: str = ""
+    rows: list[Row] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+
+def render(reports: list[BackendReport], console: Console) -> None:
+    for rep in reports:
+        if rep.status != "checked":
+            console.print(f"[bold]{rep.backend}[/]: {rep.status} — {escape(rep.reason)}")
+            continue
+        t = Table(title=f"{rep.backend} vs eager", title_justify="left")
+        for col in ("check", "cases", "worst abs err", "worst rel err", "tolerance", "result",
+                    "time", "notes"):
+            t.add_column(col, justify="left" if col in ("check", "notes") else "right")
+        for r in rep.rows:
+            t.add_row(r.group, str(r.cases), f"{r.worst_abs:.2e}", f"{r.worst_rel:.2e}",
+                      f"{r.tol:.0e}{' rel' if r.kind == 'model' else ''}",
+                      "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
+                      f"{r.seconds:.1f} s", escape(r.detail))
+        console.print(t)

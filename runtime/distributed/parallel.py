@@ -1,0 +1,174 @@
+"""Tensor parallelism's process group: this process's rank in it, and the few collectives the
+sharded model needs (all-reduce of partial sums, all-gather of vocabulary shards, broadcast of
+sampled tokens, the minimum of the ranks' KV-cache sizes).
+
+Over ``torch.distributed``: NCCL between GPUs and gloo on the CPU, so the same code runs in CI.
+Small all-reduces (decode steps) take one peer-to-peer kernel over PyTorch's symmetric memory
+instead (``enable_one_shot``); CUDA graphs capture both kinds. Every rank runs the same engine on
+the same requests (SPMD): the scheduler is deterministic, the logits are gathered in full on
+every rank and rank 0's sampled tokens are broadcast, so the ranks' schedules never diverge.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from pagedgen.attention.ops.profiling import scope
+
+# All-reduces up to this size (every decode step's; prefill chunks of up to a few hundred
+# tokens) run as one peer-to-peer kernel over symmetric memory instead of NCCL's ring;
+# PAGEDGEN_ALL_REDUCE=nccl sends them all to NCCL.
+ONE_SHOT_MAX_BYTES = 8 << 20
+ENV_ALL_REDUCE = "PAGEDGEN_ALL_REDUCE"
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in its tensor-parallel group (rank 0 of 1 when there is none)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    one_shot: torch.Tensor | None = None  # the symmetric-memory buffer, once enabled
+    all_reduce_kind: str = "nccl"
+    # buffers by dtype: one per process, kept alive (captured CUDA graphs point into them)
+    _buffers: dict = field(default_factory=dict, repr=False)
+
+    def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (each GPU reads
+        its peers' buffers over NVLink: one kernel, no ring), where it works; NCCL otherwise
+        (and always on the CPU). A collective: every rank calls it."""
+        if self.size == 1 or device.type != "cuda":
+            return
+        if os.environ.get(ENV_ALL_REDUCE, "auto") == "nccl":
+            self.all_reduce_kind = f"nccl ({ENV_ALL_REDUCE}=nccl)"
+            return
+        if dtype in self._buffers:  # another engine in this process: same buffer
+            self.one_shot = self._buffers[dtype]
+            return
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+
+            buf = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype,
+                                 device=device)
+            symm_mem.rendezvous(buf, self.group.group_name)
+            torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018 - present in this build
+        except Exception as e:  # noqa: BLE001 - no peer access, an older torch: keep NCCL
+            self.all_reduce_kind = f"nccl (symmetric memory unavailable: {type(e).__name__})"
+            return
+        self.one_shot = self._buffers[dtype] = buf
+        self.all_reduce_kind = "one-shot (symmetric memory)"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place."""
+        if self.size == 1:
+            return x
+        part = self._one_shot_part(x.numel(), x.dtype) if x.is_contiguous() else None
+        with scope("all_reduce"):
+            if part is None:
+                dist.all_reduce(x, group=self.group)
+            else:
+                part.copy_(x.view(-1))
+                self._one_shot_into(part, x.view(-1))
+        return x
+
+    def all_reduce_output(self, x: torch.Tensor, cols: int,
+                          compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """A GEMM's output summed over the ranks: ``compute(out)`` writes ``x``'s rows × ``cols``
+        into ``out``, with symmetric memory a view of the buffer the peers read (no copy
+        kernel), else None (it returns its result, all-reduced in place)."""
+        rows = x.shape[0]
+        part = self._one_shot_part(rows * cols, x.dtype) if x.dim() == 2 else None
+        if part is None:
+            return self.all_reduce(compute(None))
+        compute(part.view(rows, cols))
+        out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        with scope("all_reduce"):
+            self._one_shot_into(part, out.view(-1))
+        return out
+
+    def _one_shot_part(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """The first ``numel`` elements of the symmetric buffer, when a one-shot all-reduce
+        can take a tensor of that size and dtype."""
+        buf = self.one_shot
+        if buf is None or dtype != buf.dtype or numel > buf.numel():
+            return None
+        return buf[:numel]
+
+    def _one_shot_into(self, part: torch.Tensor, out: torch.Tensor) -> None:
+        torch.ops.symm_mem.one_shot_all_reduce_out(part, "sum", self.group.group_name, out)
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` side by side along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        with scope("all_reduce"):
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``x`` on every rank, in place."""
+        if self.size > 1:
+            with scope("all_reduce"):
+                dist.broadcast(x, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return x
+
+    def min(self, value: int, device: torch.device) -> int:
+        """The smallest of the ranks' ``value``."""
+        if self.size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
+
+_CURRENT = TensorParallel()
+
+
+def current() -> TensorParallel:
+    """The group this process joined with ``init`` (a group of one otherwise)."""
+    return _CURRENT
+
+
+def init(rank: int, size: int, init_method: str, device_index: int | None) -> TensorParallel:
+    """Join a tensor-parallel group of ``size`` ranks: NCCL on GPU ``device_index`` (made the
+    current device), gloo on the CPU (``device_index`` None)."""
+    global _CURRENT
+    if size > 1:
+        if device_index is not None:
+            torch.cuda.set_device(device_index)
+        else:  # ranks on one CPU: share its cores instead of each taking all of them
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        dist.init_process_group("nccl" if device_index is not None else "gloo",
+                                init_method=init_method, rank=rank, world_size=size)
+        _CURRENT = TensorParallel(rank, size, dist.group.WORLD)
+    return _CURRENT
+
+
+def torchrun_size() -> int:
+    """How many processes ``torchrun`` started with this one (1 when it did not start it)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) if "RANK" in os.environ else 1
+
+
+def init_from_env(on_gpu: bool) -> TensorParallel | None:
+    """Join the group ``torchrun`` describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the
+    rendezvous in ``MASTER_ADDR``/``MASTER_PORT``; GPU ``LOCAL_RANK`` when ``on_gpu``), or None
+    when not started by it."""
+    size = torchrun_size()
+    if size == 1:
+        return None
+    device = int(os.environ.get("LOCAL_RANK", "0")) if on_gpu else None
+    return init(int(os.environ["RANK"]), size, "env://", device)
+
+
+def shutdown() -> None:
+    global _CURRENT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = TensorParallel()

@@ -1,0 +1,145 @@
+"""CUDA graphs of decode steps: capture one per batch-size bucket, pad, re-plan, replay.
+
+At start-up, for each bucket (1, 2, 4, 8, then steps of 8 to 64 and of 16 beyond, up to
+``max_num_seqs``) the model's decode forward is captured over static buffers (input ids,
+positions, slot mapping, sequence lengths, block tables) and the backend's graph buffers
+(``AttentionState.make_graph_plan``). A decode-only step is padded to the next bucket (padding
+rows write their K/V into a reserved scratch block), the backend re-plans into the captured
+buffers (``AttentionState.build`` with the bucket), the inputs are copied in, and the graph is
+replayed. The model runner decides which steps replay; the graphs capture the model's forward
+only (sampling and logits processors run after, eagerly).
+
+A step whose decodes share prefix pages (``cascade_blocks`` > 0, attention/cascade.py) replays
+the bucket's cascade graph instead, captured the first time a step of that bucket cascades.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+import torch
+from torch import nn
+
+from pagedgen.attention.backend import AttentionState
+from pagedgen.attention.metadata import AttentionMetadata
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, max_num_seqs + 16, 16))
+    out = sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})
+    return out
+
+
+class CudaGraphRunner:
+    """Graphs of ``model``'s decode forward over ``kv_caches``, planned by ``attn_state``, for
+    up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens in pages of
+    ``block_size``; padding rows write into page ``scratch_block``."""
+
+    def __init__(self, model: nn.Module, attn_state: AttentionState,
+                 kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
+                 block_size: int, scratch_block: int, device: torch.device) -> None:
+        self.model, self.attn_state, self.kv_caches = model, attn_state, kv_caches
+        self.device = device
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_bs = self.buckets[-1]
+        self.block_size = block_size
+        self.max_blocks = -(-max_model_len // self.block_size)
+        self.scratch_block = scratch_block
+        dev, n = device, self.max_bs
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size,
+                                       dtype=torch.long, device=dev)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
+                                       dtype=torch.int32, device=dev)
+        # by cascade (False / True), then bucket
+        self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {False: {}, True: {}}
+        self.outputs: dict[bool, dict[int, torch.Tensor]] = {False: {}, True: {}}
+        self.pool = None  # one memory pool for every graph (they never replay at once)
+        self.capture_time_s = 0.0
+        self.memory_bytes = 0
+
+    def _metadata(self, bs: int, seq_lens: list[int], cascade_blocks: int = 0
+                  ) -> AttentionMetadata:
+        """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
+        return AttentionMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=bs,
+            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
+            block_tables=self.block_tables[:bs], block_size=self.block_size,
+            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade_blocks=cascade_blocks)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket's plain decode graph (at start-up)."""
+        for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
+            self._capture(bs, cascade=False)
+
+    def _capture(self, bs: int, cascade: bool) -> None:
+        """Capture bucket ``bs``'s graph over padding rows (scratch block only): a capture in
+        the middle of a run must not write into any sequence's blocks."""
+        dev = self.device
+        torch.cuda.synchronize(dev)
+        free_before = torch.cuda.mem_get_info(dev)[0]
+        t0 = time.perf_counter()
+        self._pad(0, bs)
+        # page-table entries, not physical blocks: sequences share cached blocks
+        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, cascade)
+        md = self.attn_state.build(self._metadata(bs, [1] * bs, cascade_blocks=int(cascade)),
+                                   graph_batch_size=bs)
+        args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
+        self.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
+        torch.cuda.synchronize(dev)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[cascade][bs] = self.model(*args)
+        self.pool = graph.pool()
+        self.graphs[cascade][bs] = graph
+        torch.cuda.synchronize(dev)
+        self.capture_time_s += time.perf_counter() - t0
+        self.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(dev)[0])
+
+    def _pad(self, start: int, end: int) -> None:
+        """Make rows ``start:end`` padding: one token in the scratch block."""
+        self.input_ids[start:end].zero_()
+        self.positions[start:end].zero_()
+        self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
+        self.seq_lens[start:end].fill_(1)
+        self.block_tables[start:end].fill_(self.scratch_block)
+
+    def can_run(self, md: AttentionMetadata) -> bool:
+        return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
+
+    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
+                ) -> int:
+        """Copy a decode-only step into the static buffers of the next bucket, padded, and plan
+        the backend into that bucket's buffers. Returns the bucket."""
+        n = md.num_decodes
+        bs = self.buckets[bisect.bisect_left(self.buckets, n)]
+        cascade = md.cascade_blocks > 0
+        if bs not in self.graphs[cascade]:
+            with torch.inference_mode():
+                self._capture(bs, cascade)
+        width = md.block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(md.slot_mapping)
+        self.seq_lens[:n].copy_(md.seq_lens)
+        self.context_lens[:n].copy_(md.context_lens)
+        self.block_tables[:n, :width].copy_(md.block_tables)
+        pad = bs - n
+        if pad:
+            self._pad(n, bs)
+        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade_blocks)
+        self.attn_state.build(graph_md, graph_batch_size=bs)  # plans into the captured buffers
+        return bs
+
+    def replay(self, bs: int, n: int, cascade: bool = False) -> torch.Tensor:
+        """Run bucket ``bs``'s graph (its cascade graph with ``cascade``); hidden states
+        [n, hidden] of the real rows."""
+        self.graphs[cascade][bs].replay()
+        return self.outputs[cascade][bs][:n]

@@ -1,0 +1,397 @@
+"""The engine: requests in, finished sequences out, one scheduled step at a time."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.engine.block_manager import BlockManager
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.engine.model_runner import ModelRunner
+from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
+from pagedgen.runtime.engine.scheduler import Scheduler
+from pagedgen.runtime.sampling.processors import ProcessorFactory
+from pagedgen.runtime.sampling.sampler import derive_seed
+from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
+from pagedgen.runtime.engine.stats import StepStats
+from pagedgen.runtime.models.tokenizer import Tokenizer
+
+
+# What ``Engine.add_requests`` takes: (prompt token ids, sampling, caller's handle, index).
+RequestItem = tuple[Any, SamplingParams, Any, int | None]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, src: ModelSource | None = None,
+                 tokenizer: Tokenizer | None = None,
+                 processor_factory: ProcessorFactory | None = None) -> None:
+        """``processor_factory(request, params, sample_index)``: the logits processors of each
+        sample (``runtime/sampling/processors.py``); None: no request has any."""
+        if config.max_num_batched_tokens < config.max_num_seqs:
+            raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
+        if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
+            raise PagedgenError("--block-size and --max-num-seqs must be positive")
+        self.config = config
+        self.src = src or resolve_model(config.model)
+        self.tokenizer = tokenizer or load_tokenizer(self.src)
+        self.runner = ModelRunner(config, self.src)
+        self.processor_factory = processor_factory
+        self.runner.processors_enabled = processor_factory is not None
+        self.block_manager = BlockManager(self.runner.num_blocks - 1,  # -1: the scratch block
+                                          self.runner.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.stats = StepStats()
+        self._next_id = 0
+        self._pending = None  # (StepHandle, placeholder indices) of the step in flight
+        self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
+        # Sequences made ahead of admission: enough to fill every seat of the next step.
+        self._lookahead = config.max_num_seqs
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request: Any = None, index: int | None = None) -> Sequence:
+        """Queue a request. Raises ValueError for a prompt the model cannot take.
+
+        Without a seed in ``params`` the request's seed is derived from the run seed and
+        ``index`` (its position in the input; default: arrival order), so reruns repeat it.
+        With ``params.n`` > 1 the returned sequence is sample 0; ``seq.samples`` lists all
+        ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
+        """
+        params.validate()
+        self.check_request(prompt_token_ids, params)
+        index = self._next_id if index is None else index
+        seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
+        ids = list(prompt_token_ids)
+        now = time.perf_counter()
+        samples = []
+        for i in range(params.n):
+            samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
+                                    arrival_time=now, sample_index=i))
+            if self.processor_factory is not None:
+                samples[-1].logits_processors = self.processor_factory(request, params, i)
+            self._next_id += 1
+        seq = samples[0]
+        if params.n > 1:
+            seq.forks = samples[1:]
+            for s in samples:
+                s.samples = samples
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
+        """``check_request`` against this engine: its context, which the KV cache may cut
+        (then the error says how much cache there is and how to get more)."""
+        r = self.runner
+        memory = None
+        if r.max_model_len < r.context_len:
+            memory = (f"the KV cache holds {r.max_model_len:,} tokens of a sequence "
+                      f"({r.num_blocks - 1} blocks of {r.block_size}, "
+                      f"{r.num_blocks * r.block_bytes() / 2**30:.2f} GiB); give more "
+                      "--kv-cache-memory or --num-blocks")
+        check_request(prompt_token_ids, params, self.max_model_len,
+                      self.src.hf_config.vocab_size, self.config.max_num_seqs, memory)
+
+    def add_requests(self, items: Iterable[RequestItem]) -> None:
+        """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
+        scheduler's waiting queue runs short, so a million queued requests cost no more per
+        step than a hundred, and hold no per-sequence state until they are near admission.
+        Items must already have passed ``check_request``."""
+        self._sources.append(iter(items))
+
+    def _top_up(self) -> None:
+        waiting = self.scheduler.waiting
+        while self._sources and len(waiting) < self._lookahead:
+            item = next(self._sources[0], None)
+            if item is None:
+                self._sources.pop(0)
+                continue
+            ids, params, request, index = item
+            self.add_request(ids, params, request=request, index=index)
+
+    def has_unfinished(self) -> bool:
+        self._top_up()
+        return self.scheduler.has_unfinished() or self._pending is not None
+
+    def step(self) -> list[Sequence]:
+        """Schedule and run one step; returns the sequences that finished in it.
+
+        With async scheduling (the default when decode inputs advance on the device), a decode
+        step that continues the previous one is launched before the previous step's tokens
+        reach the host: the host's bookkeeping for step N overlaps the GPU running step N+1.
+        Sampled tokens enter as placeholders; sequences finish when their tokens are known.
+        """
+        self._top_up()
+        if self.config.async_scheduling and self.runner.advancer is not None:
+            return self._step_async()
+        if not self.scheduler.has_unfinished():
+            return []
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        handle = self.runner.launch(batch)
+        self._computed(batch)
+        placed = self._place(handle)
+        finished = self._resolve(handle, placed)
+        self._account(batch, t0)
+        return finished
+
+    def _step_async(self) -> list[Sequence]:
+        pending, self._pending = self._pending, None
+        if not self.scheduler.has_unfinished():  # only the step in flight is left
+            return self._resolve(*pending) if pending else []
+        t0 = time.perf_counter()
+        batch = self._schedule()
+        finished = []
+        if pending and (batch.prefills or not self.runner.can_advance(batch.decodes)
+                        or self._waits_for_tokens(batch.decodes)):
+            # the next step's inputs are built on the host, or a logits processor reads the
+            # tokens: they need the real tokens first
+            finished = self._resolve(*pending)
+            pending = None
+            batch.decodes = [s for s in batch.decodes if not s.is_finished]
+            batch.prefills = [(s, n) for s, n in batch.prefills if not s.is_finished]
+            if batch.is_empty:
+                return finished
+        handle = self.runner.launch(batch)
+        self._computed(batch)
+        self._pending = (handle, self._place(handle))
+        if pending:
+            self.stats.overlapped_steps += 1
+            finished += self._resolve(*pending)
+        self._account(batch, t0)
+        return finished
+
+    def _waits_for_tokens(self, decodes: list[Sequence]) -> bool:
+        """Whether a sequence of these decodes has a processor that reads its tokens."""
+        return self.processor_factory is not None and any(
+            p.needs_tokens for s in decodes for p in s.logits_processors)
+
+    def _schedule(self):
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            raise RuntimeError("scheduler produced an empty step with requests pending")
+        return batch
+
+    def _computed(self, batch) -> None:
+        """The launched step's tokens count as computed; full blocks among them that the
+        scheduler did not cache yet (decodes, and chunks of sequences that waited on a token)
+        join the prefix cache now that their step is launched."""
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+            self._cache_blocks(seq)
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+            self._cache_blocks(seq)
+
+    def _cache_blocks(self, seq: Sequence) -> None:
+        bm = self.block_manager
+        if bm.prefix_caching and seq.num_computed_tokens // bm.block_size > seq.num_cached_blocks:
+            bm.cache_blocks(seq, min(seq.num_computed_tokens, seq.num_known_tokens))
+
+    def _account(self, batch, t0: float) -> None:
+        now = time.perf_counter()
+        st = self.stats
+        if not st.num_steps:
+            st.first_step_wall_time = time.time() - (now - t0)
+        st.num_steps += 1
+        st.num_preemptions += len(batch.preempted)
+        st.prefix_queried_tokens += batch.prefix_queried_tokens
+        st.prefix_hit_tokens += batch.prefix_hit_tokens
+        st.evicted_blocks += batch.evicted_blocks
+        bm = self.block_manager
+        st.peak_blocks_used = max(st.peak_blocks_used, bm.num_blocks - bm.num_free_blocks)
+        if batch.prefills:
+            st.prefill_tokens += batch.num_prefill_tokens
+            st.prefill_time += now - t0
+        else:
+            st.decode_time += now - t0
+            st.decode_steps += 1
+            st.decode_kv_tokens += sum(seq.num_tokens for seq in batch.decodes)
+        st.decode_tokens += len(batch.decodes)
+
+    def _place(self, handle) -> list[int]:
+        """Append a placeholder token for each sequence the launched step samples; a sequence
+        that reaches its length limit with it leaves the scheduler now (its token is still to
+        come). Returns each placeholder's index in its sequence's output."""
+        for seq in handle.scored:  # prompts scored without sampling (max_tokens 0): done
+            self.scheduler.finish(seq)
+        placed = []
+        for seq in handle.sampling:
+            seq.append_token(PENDING_TOKEN)
+            placed.append(seq.num_output_tokens - 1)
+            if self._at_length_limit(seq, seq.num_output_tokens):
+                self.scheduler.finish(seq)
+        return placed
+
+    def _resolve(self, handle, placed: list[int]) -> list[Sequence]:
+        """Fill a launched step's placeholders with its tokens (and log-probabilities) and
+        apply the stop rules."""
+        results = handle.result()
+        now = time.perf_counter()
+        finished = []
+        for seq, entries in handle.prompt_results():
+            seq.prompt_logprobs += entries
+        for (seq, token, entry), i in zip(results, placed):
+            if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
+                continue  # dropped: the sequence stopped at an earlier token
+            seq.output_token_ids[i] = token
+            seq.token_ids[seq.num_prompt_tokens + i] = token
+            if entry is not None:  # entries come in output order, as the tokens do
+                seq.logprobs.append(entry)
+            self._cache_blocks(seq)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            if seq.finish_reason is None and self._check_stop(seq, token, i + 1):
+                extra = seq.num_output_tokens - (i + 1)  # placeholders of later steps
+                if extra:
+                    del seq.output_token_ids[i + 1:], seq.token_ids[-extra:]
+                self.scheduler.finish(seq)
+            if seq.is_finished and i + 1 == seq.num_output_tokens:
+                seq.finish_reason = seq.finish_reason or "length"
+                seq.finish_time = now
+                self.stats.record_finished(seq)
+                finished.append(seq)
+        for seq in handle.scored:
+            seq.finish_reason, seq.finish_time = "length", now
+            self.stats.record_finished(seq)
+            finished.append(seq)
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:
+        """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``."""
+        p = seq.params
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif p.stop and (hit := self._find_stop(seq, n_out)) is not None:
+            seq.finish_reason, seq.stop_text_end = "stop", hit
+        elif self._at_length_limit(seq, n_out):
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _at_length_limit(self, seq: Sequence, n_out: int) -> bool:
+        """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
+        return n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len
+
+    def _find_stop(self, seq: Sequence, n_out: int) -> int | None:
+        text = self.tokenizer.decode(seq.output_token_ids[:n_out])
+        hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
+        return min(hits) if hits else None
+
+    def output_text(self, seq: Sequence) -> str:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+
+    def run(self, on_finish: Callable[[Sequence], None] | None = None,
+            on_step: Callable[[list[Sequence]], None] | None = None) -> None:
+        """Step until every queued request has finished."""
+        while self.has_unfinished():
+            finished = self.step()
+            for seq in finished:
+                if on_finish:
+                    on_finish(seq)
+            if on_step:
+                on_step(finished)
+
+    def generate(self, prompts: Iterable[list[int]], params: SamplingParams) -> list[Sequence]:
+        """Convenience: run token-id prompts to completion; returns sequences in input order."""
+        seqs = [self.add_request(p, params) for p in prompts]
+        self.run()
+        return seqs
+
+    def reset_prefix_cache(self, enabled: bool | None = None) -> None:
+        """Forget every cached block (between benchmark repeats: a rerun of the same prompts
+        must not hit the last run's cache), and turn caching on or off when ``enabled`` says.
+        Only when no request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("reset_prefix_cache with requests in flight")
+        self.block_manager.reset_prefix_cache()
+        if enabled is not None:
+            self.block_manager.prefix_caching = enabled
+
+    def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+        """The run's figures from the engine's counters (requests finished since ``start``, the
+        ``time.perf_counter()`` at which the run began)."""
+        st = self.stats
+        prompt_tokens, output_tokens = st.prompt_tokens, st.output_tokens
+        out = {
+            "model": self.src.name,
+            "backend": self.runner.backend.name,
+            "device": str(self.runner.device),
+            **({"tensor_parallel_size": self.runner.tp.size,
+                "all_reduce": self.runner.tp.all_reduce_kind}
+               if self.runner.tp.size > 1 else {}),
+            "dtype": str(self.runner.dtype).removeprefix("torch."),
+            "requests": st.requests_finished,
+            "samples": st.samples_finished,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "wall_time_s": wall,
+            "prefill_tokens_per_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
+            "decode_tokens_per_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
+            "output_tokens_per_s": output_tokens / wall if wall else 0.0,
+            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
+            "mean_ttft_s": (st.first_token_time_sum / st.requests_with_first_token - start
+                            if st.requests_with_first_token else 0.0),
+            "mean_tpot_s": st.tpot_sum / st.requests_with_tpot if st.requests_with_tpot else 0.0,
+            "steps": st.num_steps,
+            "steps_launched_ahead": st.overlapped_steps,
+            "preemptions": st.num_preemptions,
+            "prefix_caching": self.block_manager.prefix_caching,
+            "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
+                                      if st.prefix_queried_tokens else 0.0),
+            "prefix_cache_hit_tokens": st.prefix_hit_tokens,
+            "prefix_cache_evicted_blocks": st.evicted_blocks,
+            "kv_cache_blocks": self.runner.num_blocks,
+            "peak_kv_blocks_used": st.peak_blocks_used,
+            "block_size": self.runner.block_size,
+            "peak_memory_bytes": self.peak_memory_bytes(),
+            "cuda_graphs": self.runner.graphs is not None,
+            "fused_kernels": self.runner.fused_kernels,
+            "cascade_attention": self.runner.builder.cascade,
+            "cascade_decode_steps": self.runner.cascade_steps,
+        }
+        runner = self.runner
+        if runner.graphs is not None:
+            out["graph_capture_s"] = runner.graphs.capture_time_s
+            out["graph_memory_bytes"] = runner.graphs.memory_bytes
+        out.update(runner.attn_state.compile_stats())
+        if runner.host_steps["decode"]:
+            out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
+        out.update(extra or {})
+        # the runner's phases, unless ``extra`` brought them with the total (``startup``)
+        out.setdefault("startup_breakdown_s", dict(runner.startup_phases))
+        return out
+
+    def peak_memory_bytes(self) -> int:
+        dev = self.runner.device
+        if dev.type == "cuda":
+            return torch.cuda.max_memory_allocated(dev)
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
+                  vocab_size: int, max_num_seqs: int, memory: str | None = None) -> None:
+    """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
+    has no room for an output token within ``max_model_len`` or holds an id outside the
+    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``. ``memory``: why
+    ``max_model_len`` is below the model's context, when the KV cache cut it."""
+    if not len(prompt_token_ids):
+        raise ValueError("the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; " + (
+            memory or f"the model's context is {max_model_len:,} tokens"))
+    lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops, not a Python scan
+    if lo < 0 or hi >= vocab_size:
+        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    if params.n > max_num_seqs:
+        raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
+                         f"{max_num_seqs}")

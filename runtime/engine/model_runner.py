@@ -1,0 +1,303 @@
+"""The model runner: owns the model, the KV cache and the attention backend; runs one step.
+
+Per step it builds input ids, positions and attention metadata (prefill tokens first, then
+decode tokens), lets the backend plan once (its typed metadata), runs the model (or replays a
+CUDA graph), lets the sequences' logits processors change their rows, and samples the
+sequences whose last token was computed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from pagedgen.attention.backend import AttentionBackend
+from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.attention.ops.transfer import to_device
+from pagedgen.attention.registry import get_backend
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig, parse_bytes
+from pagedgen.runtime.distributed import parallel
+from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
+from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
+from pagedgen.runtime.engine.scheduler import ScheduledBatch
+from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.engine.step import StepHandle
+from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.models import registry
+from pagedgen.runtime.models.loader import ModelSource, build_model
+from pagedgen.runtime.sampling import logprobs
+from pagedgen.runtime.sampling.logprobs import Logprobs
+from pagedgen.runtime.sampling.step import sample_step
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, src: ModelSource) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(self.device)
+        self.kv_dtype = config.cache_dtype(self.dtype)
+        self.backend: type[AttentionBackend] = get_backend(config.backend, self.device)
+        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
+        hf = src.hf_config
+        self.tp = parallel.current()
+        if self.tp.size != config.tensor_parallel_size:
+            raise PagedgenError(f"tensor_parallel_size is {config.tensor_parallel_size} but this "
+                                f"process is one of {self.tp.size} ranks (-tp N starts its own "
+                                f"workers)")
+        try:
+            self.specs = registry.model_class(hf).layer_specs(hf, self.tp.size)
+        except ValueError as e:  # a size the model's heads do not divide
+            raise PagedgenError(f"{src.name}: {e}")
+        for spec in self.specs:
+            why = self.backend.check_layer(spec, self.dtype)
+            if why:
+                raise PagedgenError(f"backend '{self.backend.name}' cannot run {src.name}: {why}")
+        if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
+            raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
+        self.context_len = config.context_limit(hf)  # the model's (or --max-model-len)
+        self.max_model_len = self.context_len  # lowered below to what the KV cache holds
+        # Seconds each start-up phase took (the summary's start-up breakdown).
+        self.startup_phases: dict[str, float] = {}
+        t = time.perf_counter()
+        self.tp.enable_one_shot(self.dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
+                                 self.tp)
+        self.model.setup_rotary(self.max_model_len, self.device)
+        t = self._phase("model", t)
+        self.fused_kernels = (config.fused_kernels
+                              and fused_ops.unavailable_reason(self.device) is None)
+        self.model.use_fused_kernels(self.fused_kernels)
+        self.attn_state = self.backend.get_state_cls()(
+            self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
+        impl_cls = self.backend.get_impl_cls()
+        self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
+        # Kernels that compile at first use compile now, before memory profiling and capture.
+        self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
+                               self.max_model_len)
+        t = self._phase("attention", t)
+        # Decode steps whose sequences share prefix pages attend them once (cascade attention).
+        self.builder = AttentionMetadataBuilder(
+            self.block_size, self.device,
+            cascade=config.cascade_attention and self.attn_state.supports_cascade)
+        self.cascade_steps = 0
+        self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
+        t = self._phase("memory_profile", t)
+        if self.num_blocks < 2:
+            raise PagedgenError(
+                f"the KV cache has room for {self.num_blocks} block(s) of {self.block_size} "
+                f"tokens ({self.block_bytes() / 2**20:.1f} MiB each) and needs at least 2: "
+                "give --kv-cache-memory or --num-blocks, or free device memory")
+        # The last block is never handed out: CUDA-graph padding rows write into it.
+        self.scratch_block = self.num_blocks - 1
+        self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
+        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        t = self._phase("kv_cache", t)
+        self.processors_enabled = False  # the engine makes sequences with logits processors
+        self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
+        self.host_steps = {"decode": 0, "prefill": 0}
+        self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
+            if config.advance_decode_on_device else None
+        self.graphs: CudaGraphRunner | None = None
+        if self.backend.supports_cuda_graphs and self.device.type == "cuda" \
+                and not config.enforce_eager:
+            self.graphs = CudaGraphRunner(
+                self.model, self.attn_state, self.kv_caches, config.max_num_seqs,
+                self.max_model_len, self.block_size, self.scratch_block, self.device)
+            self.graphs.capture()
+            self._phase("cuda_graphs", t)
+
+    def _phase(self, name: str, since: float) -> float:
+        """Record start-up phase ``name`` as ending now (after the device is idle); returns
+        now, the next phase's start."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.startup_phases[name] = now - since
+        return now
+
+    def host_ms_per_step(self, kind: str = "decode") -> float:
+        """Mean host time (metadata preparation + planning) per step of ``kind``, in ms."""
+        return 1000 * self.host_time_s[kind] / max(1, self.host_steps[kind])
+
+    # ---- KV cache ---------------------------------------------------------------------------
+
+    def block_bytes(self) -> int:
+        """Bytes one block takes across all layers."""
+        return sum(math.prod(self.backend.get_kv_cache_shape(
+            1, self.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
+        ) * self.kv_dtype.itemsize
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            n = cfg.num_blocks
+        elif cfg.kv_cache_memory is not None:
+            n = parse_bytes(cfg.kv_cache_memory) // self.block_bytes()
+        elif self.device.type == "cuda":
+            n = self._profile_free_memory() // self.block_bytes()
+        else:  # CPU: what the batch could use, at most 1 GiB, at least one whole sequence
+            per_seq = math.ceil(self.max_model_len / self.block_size)
+            want = cfg.max_num_seqs * per_seq + 1  # +1: the scratch block
+            n = max(min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes()), per_seq + 1)
+        return max(0, int(n))
+
+    def _profile_free_memory(self) -> int:
+        """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
+        cfg = self.config
+        bs = self.block_size
+        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        seq_len = min(self.max_model_len, tokens)
+        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+        blocks = sum(math.ceil(n / bs) for n in lens)
+        caches = self._allocate_kv_caches(blocks)
+        table, start, seqs = list(range(blocks)), 0, []
+        for n in lens:
+            nb = math.ceil(n / bs)
+            seqs.append(ScheduledSeq(table[start:start + nb], 0, n))
+            start += nb
+        md = self.attn_state.build(self.builder.build(seqs, []))
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        with torch.inference_mode():
+            h = self.model(ids, pos, caches, md)
+            self.model.compute_logits(h[:cfg.max_num_seqs])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del caches, h
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        used_elsewhere = total - torch.cuda.mem_get_info(self.device)[0] \
+            - torch.cuda.memory_reserved(self.device)
+        return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        return [torch.zeros(self.backend.get_kv_cache_shape(
+            num_blocks, self.block_size, s.num_kv_heads, s.head_size),
+            dtype=self.kv_dtype, device=self.device) for s in self.specs]
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                      AttentionMetadata]:
+        """Input ids, positions and attention metadata for a step (prefills first)."""
+        if self.advancer is not None and not batch.prefills:
+            advanced = self.advancer.advance(batch.decodes)
+            if advanced is not None:
+                return advanced
+        ids_t, pos_t, md = self._build(batch)
+        if self.advancer is not None:
+            if batch.prefills:
+                self.advancer.forget()
+            else:
+                self.advancer.remember(batch.decodes, pos_t, md)
+        return ids_t, pos_t, md
+
+    def _build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                     AttentionMetadata]:
+        """Everything from the sequences' CPU state."""
+        ids: list[int] = []
+        pos: list[int] = []
+        prefills, decodes = [], []
+        for seq, n in batch.prefills:
+            start = seq.num_computed_tokens
+            ids += seq.token_ids[start:start + n]
+            pos += range(start, start + n)
+            prefills.append(ScheduledSeq(seq.block_table, start, n))
+        for seq in batch.decodes:
+            ids.append(seq.token_ids[-1])
+            pos.append(seq.num_tokens - 1)
+            decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1))
+        md = self.builder.build(prefills, decodes)
+        return to_device(ids, torch.long, self.device), to_device(pos, torch.long, self.device), md
+
+    def can_advance(self, decodes: list[Sequence]) -> bool:
+        """Whether a decode step of ``decodes`` can take its inputs from the device (so it may
+        launch before the previous step's tokens reach the host)."""
+        return self.advancer is not None and self.advancer.can_advance(decodes)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue one step on the device; the handle's ``result()`` waits for its tokens."""
+        t0 = time.perf_counter()
+        ids, pos, md = self.prepare(batch)
+        kind = "prefill" if batch.prefills else "decode"
+        self.cascade_steps += md.cascade_blocks > 0
+        graph_bs = None
+        if self.graphs is not None and self.graphs.can_run(md):
+            graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
+        else:
+            md = self.attn_state.build(md)
+        self.host_time_s[kind] += time.perf_counter() - t0
+        self.host_steps[kind] += 1
+        with scope("forward"):
+            if graph_bs is not None:
+                hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_blocks > 0)
+            else:
+                hidden = self.model(ids, pos, self.kv_caches, md)
+        if batch.block_copies:  # forked samples' copies of the last prompt block, now written
+            self.backend.copy_blocks(self.kv_caches, to_device(batch.block_copies, torch.int64,
+                                                               self.device))
+        # the last token of every sequence whose uncomputed tokens all ran this step (and of
+        # the samples forked from it: the same row)
+        rows, sampling, scored, prompt_lps = [], [], [], []
+        qsl = 0
+        for seq, n in batch.prefills:
+            if seq.prompt_logprobs is not None:
+                lp = self._prompt_logprobs(seq, n, hidden[qsl:qsl + n])
+                if lp is not None:
+                    prompt_lps.append((seq, lp))
+            qsl += n
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                if seq.params.max_tokens == 0:
+                    scored.append(seq)
+                    continue
+                for s in (seq, *batch.forked.get(seq, ())):
+                    rows.append(qsl - 1)
+                    sampling.append(s)
+        rows += range(qsl, qsl + len(batch.decodes))
+        sampling += batch.decodes
+        handle = StepHandle(sampling, None, None, prompt_logprobs=prompt_lps, scored=scored)
+        if sampling:
+            if rows == list(range(rows[0], rows[0] + len(rows))):
+                picked = hidden[rows[0]:rows[0] + len(rows)]
+            else:
+                picked = hidden[to_device(rows, torch.long, self.device)]
+            logits = self.model.compute_logits(picked)
+            out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled)
+            self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
+            handle.tokens, handle.logprobs = out.tokens, out.logprobs
+            handle.logprob_rows = out.logprob_rows
+            if self.advancer is not None and not batch.prefills:
+                self.advancer.sampled(handle.tokens)
+        if self.device.type != "cuda":
+            return handle
+        if handle.tokens is not None:
+            handle.tokens = handle.tokens.to("cpu", non_blocking=True)  # into pinned memory
+        if handle.logprobs is not None:
+            handle.logprobs = handle.logprobs.to_host()
+        handle.prompt_logprobs = [(seq, lp.to_host()) for seq, lp in prompt_lps]
+        handle.event = torch.cuda.Event()
+        handle.event.record()
+        return handle
+
+    def _prompt_logprobs(self, seq: Sequence, n: int, hidden: torch.Tensor) -> Logprobs | None:
+        """Log-probabilities of the prompt tokens this chunk predicts (position ``p`` predicts
+        token ``p + 1``), skipping those recorded before (a sequence recomputed after a
+        preemption); ``hidden`` holds the chunk's rows."""
+        start = seq.num_computed_tokens
+        first = max(start, len(seq.prompt_logprobs))
+        end = min(start + n, seq.num_prompt_tokens - 1)
+        if first >= end:
+            return None
+        targets = to_device(seq.token_ids[first + 1:end + 1], torch.long, self.device)
+        with scope("logprobs"):
+            return logprobs.of_hidden(hidden[first - start:end - start], targets,
+                                      seq.params.prompt_logprobs, self.model.compute_logits)

@@ -1,0 +1,191 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step first keeps the running decodes going (one token each), preempting the most recently
+admitted sequences when the cache is full (their blocks are freed and their tokens recomputed
+later), then fills the remaining token budget with prefills: unfinished chunks first, then
+waiting sequences in arrival order. A prompt larger than the budget is prefilled in chunks.
+
+A sequence admitted with no blocks starts on the longest run of its leading full blocks that the
+prefix cache holds (at least one token is always computed, so the step has logits to sample);
+the blocks a prefill chunk fills are cached as it is scheduled, so prompts admitted later in the
+same step already share them.
+A request with ``n`` samples is admitted as one sequence holding seats for all of them; the step
+that completes its prompt forks the others from it (shared full blocks, a copy of the last).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pagedgen.runtime.engine.block_manager import BlockManager
+from pagedgen.runtime.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, tokens this step)
+    decodes: list[Sequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    # samples forked from a prefill that completes this step (sampled from its last row), and
+    # the (src, dst) block copies to make once the step's K/V are written
+    forked: dict[Sequence, list[Sequence]] = field(default_factory=dict)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # prefix cache: tokens of the sequences admitted (from scratch) this step, how many of them
+    # the cache held, and cached blocks evicted for new contents
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    evicted_blocks: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.prefills and not self.decodes
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(n for _, n in self.prefills)
+
+
+class Scheduler:
+    """Queues whose cost per step and per finished sequence does not grow with their length:
+    ``running`` is an insertion-ordered dict used as a set (admission order, O(1) removal),
+    ``waiting`` a deque (preempted sequences go back to its front)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[Sequence, None] = {}  # in admission order
+        self.reserved_seats = 0  # held for samples still to fork from a running sequence
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        evicted = self.bm.num_evicted
+        budget = self.max_num_batched_tokens
+        # 1. decodes, preempting from the back when a block is missing
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                break  # preempted below: so is everything admitted after it
+            if seq.num_uncomputed != 1:
+                continue
+            while not self.bm.can_allocate(seq, seq.num_tokens):
+                victim = next(reversed(self.running))
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING or budget == 0:
+                break
+            self.bm.allocate(seq, seq.num_tokens)
+            batch.decodes.append(seq)
+            budget -= 1
+        # 2. unfinished prefill chunks of running sequences
+        for seq in list(self.running):
+            if seq.num_uncomputed > 1 and budget > 0:
+                n = self._admit_chunk(seq, budget, batch)
+                if n == 0:
+                    break
+                budget -= n
+                self._fork_if_complete(seq, n, batch)
+        # 3. waiting sequences, in order, while seats, tokens and blocks last
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + self.reserved_seats + 1 + len(seq.forks) > self.max_num_seqs:
+                break
+            n = self._admit_chunk(seq, budget, batch)
+            if n == 0:
+                break
+            budget -= n
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running[seq] = None
+            self.reserved_seats += len(seq.forks)
+            self._fork_if_complete(seq, n, batch)
+        batch.evicted_blocks = self.bm.num_evicted - evicted
+        return batch
+
+    def _admit_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
+        """Schedule up to ``budget`` of ``seq``'s uncomputed tokens; returns how many. A
+        sequence holding no blocks first takes its cached prefix."""
+        bm, bs = self.bm, self.bm.block_size
+        fresh = not seq.block_table
+        hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else []
+        computed = len(hits) * bs if fresh else seq.num_computed_tokens
+        have = len(hits) if fresh else len(seq.block_table)
+        free = bm.num_free_blocks - bm.num_free_among(hits)
+        fork_copies = len(seq.forks) if seq.num_tokens % bs else 0
+
+        def short(n: int) -> bool:  # more blocks than are free?
+            need = -(-(computed + n) // bs) - have
+            return need + (fork_copies if computed + n == seq.num_tokens else 0) > free
+
+        n = min(seq.num_tokens - computed, budget)
+        if short(n):  # leave the cache to the running decodes: admit only what fits now
+            n = min(n, (free + have) * bs - computed)
+            if short(n):  # it completes the prompt, but the samples' block copies do not fit
+                n -= 1
+        if n <= 0:
+            return 0
+        if fresh:
+            bm.take_prefix(seq, hits)
+            batch.prefix_queried_tokens += seq.num_tokens
+            batch.prefix_hit_tokens += computed
+        bm.allocate(seq, computed + n)
+        batch.prefills.append((seq, n))
+        if seq.num_known_tokens == seq.num_tokens:
+            # Its full blocks can serve admissions later in this very step: each layer writes
+            # every new token's K/V before it attends. A sequence waiting on a token of the
+            # step in flight registers after launch instead (the engine), as it may be dropped
+            # from this step when that token turns out to stop it.
+            bm.cache_blocks(seq, computed + n)
+        return n
+
+    @staticmethod
+    def _cacheable(seq: Sequence) -> int:
+        """How many leading tokens of ``seq`` may come from the prefix cache: all but the last
+        (it gives the logits to sample from), known ones only, and none whose prompt
+        log-probabilities are still to be computed (they need the model's output there)."""
+        n = min(seq.num_tokens - 1, seq.num_known_tokens)
+        return n if seq.prompt_logprobs is None else min(n, len(seq.prompt_logprobs))
+
+    def _fork_if_complete(self, parent: Sequence, n: int, batch: ScheduledBatch) -> None:
+        """When this step's ``n`` tokens complete the parent's prompt, its other samples join
+        the running set (after it) with its K/V, sampled from its last row as it is."""
+        if not parent.forks or parent.num_computed_tokens + n != parent.num_tokens:
+            return
+        children, parent.forks = parent.forks, []
+        for child in children:
+            batch.block_copies += self.bm.fork(parent, child, parent.num_tokens)
+            child.status = SequenceStatus.RUNNING
+            self.running[child] = None
+        self.reserved_seats -= len(children)
+        batch.forked[parent] = children
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Free ``seq``'s blocks and put it first in line; its K/V will be recomputed."""
+        del self.running[seq]
+        self.reserved_seats -= len(seq.forks)  # held again when it is readmitted
+        self.bm.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished sequence's blocks (O(1) for a running sequence)."""
+        if seq.status == SequenceStatus.RUNNING:
+            del self.running[seq]
+        elif seq.status == SequenceStatus.WAITING:
+            # preempted while its last token was still on the device: rare, and the waiting
+            # queue holds at most a window of sequences (the engine admits requests lazily)
+            self.waiting = deque(s for s in self.waiting if s is not seq)
+        seq.status = SequenceStatus.FINISHED
+        self.bm.free(seq)

@@ -1,0 +1,82 @@
+"""A run's figures: counters the engine keeps per step and per finished sequence
+(``StepStats``; ``Engine.summary`` reports them), and the command's start-up (``startup``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pagedgen.runtime.engine.sequence import Sequence
+
+
+@dataclass
+class StepStats:
+    """Aggregated over a run: tokens and wall time per kind of step."""
+
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    prefill_time: float = 0.0  # steps with any prefill tokens (mixed steps count here)
+    decode_time: float = 0.0  # decode-only steps
+    decode_steps: int = 0
+    decode_kv_tokens: int = 0  # cached tokens read by decode-only steps (for rooflines)
+    overlapped_steps: int = 0  # launched before the previous step's tokens were read
+    num_steps: int = 0
+    first_step_wall_time: float | None = None  # time.time() when the first step was launched
+    num_preemptions: int = 0
+    prefix_queried_tokens: int = 0  # tokens of sequences admitted from scratch
+    prefix_hit_tokens: int = 0  # of which the prefix cache held the K/V
+    evicted_blocks: int = 0  # cached blocks evicted for new contents
+    peak_blocks_used: int = 0  # most KV blocks referenced by sequences at once
+    # finished requests (and samples), counted as they finish (nothing kept per request)
+    requests_finished: int = 0  # a request counts when its first sample finishes
+    samples_finished: int = 0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    first_token_time_sum: float = 0.0  # over the requests that got a token
+    requests_with_first_token: int = 0
+    tpot_sum: float = 0.0  # time per output token after the first, over requests with >1
+    requests_with_tpot: int = 0
+
+    def record_finished(self, seq: Sequence) -> None:
+        self.samples_finished += 1
+        if seq.sample_index == 0:
+            self.requests_finished += 1
+            self.prompt_tokens += seq.num_prompt_tokens
+        self.output_tokens += seq.num_output_tokens
+        if seq.first_token_time is not None:
+            self.first_token_time_sum += seq.first_token_time
+            self.requests_with_first_token += 1
+            if seq.finish_time is not None and seq.num_output_tokens > 1:
+                self.tpot_sum += (seq.finish_time - seq.first_token_time) / (
+                    seq.num_output_tokens - 1)
+                self.requests_with_tpot += 1
+
+
+
+def startup(first_step_wall_time: float | None, phases: dict[str, float] | None = None
+            ) -> dict[str, Any]:
+    """``{"startup_s": ...}``: from this process's start (interpreter and imports included) to
+    the first step (``time.time()`` then); empty where either is unknown. With the runner's
+    start-up ``phases``, also their breakdown, led by what came before them (interpreter,
+    imports, reading and tokenizing the input)."""
+    age = process_age()
+    if age is None or first_step_wall_time is None:
+        return {}
+    total = age - (time.time() - first_step_wall_time)
+    out: dict[str, Any] = {"startup_s": total}
+    if phases:
+        out["startup_breakdown_s"] = {"imports_and_input": total - sum(phases.values()),
+                                      **phases}
+    return out
+
+
+def process_age() -> float | None:
+    """Seconds since this process started, from ``/proc`` (Linux; else None)."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None

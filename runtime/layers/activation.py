@@ -1,0 +1,23 @@
+"""SwiGLU's activation: SiLU of the gate times the up projection (one fused Triton kernel on
+CUDA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.layers import fused_ops
+
+
+class SiluAndMul(nn.Module):
+    """``[gate | up]`` [T, 2I] → ``silu(gate) * up`` [T, I]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False  # ``use_fused_kernels``
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        op = fused_ops.silu_and_mul_fused if self.fused else fused_ops.silu_and_mul_ref
+        with scope("activation"):
+            return op(gate_up)

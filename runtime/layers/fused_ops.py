@@ -1,0 +1,189 @@
+"""The decoder layer's elementwise work, each as one fused Triton kernel with a torch reference.
+
+* ``rms_norm(x, w, eps, residual)``: (residual add +) RMSNorm: one read of ``x`` (and the
+  residual), one write of the output (and the new residual).
+* ``rotary(q, k, cos, sin, q_norm, k_norm)``: Neox rotary embedding of every query and key head
+  of a token in one program, optionally after a per-head RMSNorm (Qwen3's q/k norm); writes
+  contiguous q and k (the inputs may be strided views of the fused qkv projection).
+* ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
+
+Unfused, these are chains of small torch kernels (casts, reductions, multiplies, a cat for the
+rotation): about 35 launches per layer, each a full pass over memory. The kernels round where
+the torch ops round (float32 math, the activation dtype at the same points), so both paths agree
+to within float32 reassociation (a unit in the last place of the output at most). The model uses
+the kernels on CUDA when Triton is installed and ``EngineConfig.fused_kernels`` is on; the torch
+path runs everywhere else (CPU, and as the reference in the tests, which also run the kernels on
+CPU under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, N, eps,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(Out.dtype.element_ty)
+            tl.store(ROut + row * stride_ro + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        y = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rotate_heads(X, W, Out, stride_h, H, cos, sin, eps,
+                      HP: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+        """All H heads of one token: [HP, HALF] halves x1 | x2 → x1·cos − x2·sin |
+        x2·cos + x1·sin."""
+        h = tl.arange(0, HP)[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        mask = h < H
+        x1 = tl.load(X + h * stride_h + d, mask=mask, other=0.0)
+        x2 = tl.load(X + h * stride_h + HALF + d, mask=mask, other=0.0)
+        if NORM:
+            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+            ms = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
+            rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
+            w1 = tl.load(W + d).to(tl.float32)
+            w2 = tl.load(W + HALF + d).to(tl.float32)
+            x1 = ((f1 * rstd).to(X.dtype.element_ty).to(tl.float32) * w1).to(X.dtype.element_ty)
+            x2 = ((f2 * rstd).to(X.dtype.element_ty).to(tl.float32) * w2).to(X.dtype.element_ty)
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        o = Out + h * (2 * HALF) + d
+        tl.store(o, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
+        tl.store(o + HALF, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def rotary_kernel(Q, K, Cos, Sin, QW, KW, QOut, KOut, stride_qt, stride_qh, stride_kt,
+                      stride_kh, H, HK, eps, HP: tl.constexpr, HKP: tl.constexpr,
+                      HALF: tl.constexpr, NORM: tl.constexpr):
+        t = tl.program_id(0)
+        d = tl.arange(0, HALF)[None, :]
+        cos = tl.load(Cos + t * 2 * HALF + d)
+        sin = tl.load(Sin + t * 2 * HALF + d)
+        _rotate_heads(Q + t * stride_qt, QW, QOut + t * H * 2 * HALF, stride_qh, H, cos, sin,
+                      eps, HP, HALF, NORM)
+        _rotate_heads(K + t * stride_kt, KW, KOut + t * HK * 2 * HALF, stride_kh, HK, cos, sin,
+                      eps, HKP, HALF, NORM)
+
+    @triton.jit
+    def silu_and_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(X + t * stride_x + N + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+        tl.store(Out + t * stride_o + cols, (s * u).to(Out.dtype.element_ty), mask=mask)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the fused kernels cannot run on ``device`` (None: they can)."""
+    if not HAVE_TRITON:
+        return "triton is not installed"
+    if device.type != "cuda":
+        return "the fused kernels run on CUDA (on CPU only under TRITON_INTERPRET=1, for tests)"
+    return None
+
+
+# ---- RMSNorm -----------------------------------------------------------------------------------
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None):
+    """Hugging Face's RMSNorm (float32 statistics, weight applied in the activation dtype); with
+    ``residual``: ``residual = x + residual`` first, returning (normed, residual)."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return y if residual is None else (y, x)
+
+
+def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None):
+    """``rms_norm_ref`` in one kernel: one program per row."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    out = torch.empty_like(x2)
+    res_out = torch.empty_like(x2) if residual is not None else out
+    r2 = residual.reshape(-1, n) if residual is not None else x2
+    if x2.shape[0]:
+        block = triton.next_power_of_2(n)
+        rms_norm_kernel[(x2.shape[0],)](
+            x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+            res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)))
+    if residual is None:
+        return out.view(x.shape)
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+# ---- rotary embedding (with Qwen3's per-head q/k norm) -------------------------------------------
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+               eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, D], k [T, HK, D]; cos, sin [T, D] float32 (Neox layout: both halves equal)."""
+    if q_norm is not None:
+        q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
+    return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+
+
+def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rotary_ref`` in one kernel: one program per token, every q and k head."""
+    t, h, d = q.shape
+    hk = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and d % 2 == 0
+    q_out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
+    if t:
+        norm = q_norm is not None
+        rotary_kernel[(t,)](
+            q, k, cos, sin, q_norm if norm else cos, k_norm if norm else cos, q_out, k_out,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), h, hk, eps,
+            HP=triton.next_power_of_2(h), HKP=triton.next_power_of_2(hk), HALF=d // 2,
+            NORM=norm, num_warps=4)
+    return q_out, k_out
+
+
+# ---- SwiGLU activation ---------------------------------------------------------------------------
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
+    """``silu_and_mul_ref`` in one kernel over [rows, 1024-column blocks]."""
+    n = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * n)
+    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = min(1024, triton.next_power_of_2(n))
+        silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+            x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
+    return out.view(*x.shape[:-1], n)

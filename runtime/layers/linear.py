@@ -1,0 +1,68 @@
+"""Linear layers, Megatron-style under tensor parallelism, with a quantization method plugged in.
+
+The layer owns the sharding (which rows or columns of the checkpoint tensors this rank holds);
+its ``quant_method`` (``runtime/quantization``) owns the weight's form and the GEMM:
+``create_weights`` registers the parameters, ``apply`` computes ``x W^T``.
+
+- ``ColumnParallelLinear``: each rank holds some output features (rows of the weight); fused
+  projections (q/k/v, gate/up) take their rows from each part separately.
+- ``RowParallelLinear``: each rank holds some input features; partial sums are all-reduced
+  (with symmetric memory, the GEMM writes straight into the buffer the peers read) and the bias
+  is added once after.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.quantization import QuantizationMethod, get_method
+
+
+class LinearBase(nn.Module):
+    """``in_features`` → ``out_features`` (this rank's share), parameters by ``quant_method``
+    (default: dense weights in the model's dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool,
+                 quant_method: QuantizationMethod | None = None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.quant_method = quant_method or get_method(None)
+        self.quant_method.create_weights(self, in_features, out_features, bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """``y = x W^T + b`` for this rank's output features: ``parts`` are the (key, this rank's
+    segment of the full tensor) of each fused checkpoint tensor, in order."""
+
+    def __init__(self, in_features: int, parts: list[tuple[Any, Segment]], bias: bool,
+                 quant_method: QuantizationMethod | None = None) -> None:
+        segs, offset = [], 0
+        for key, s in parts:
+            segs.append(Segment(key, s.full, s.start, s.size, offset))
+            offset += s.size
+        super().__init__(in_features, offset, bias, quant_method)
+        self.shards = {"weight": (0, segs), **({"bias": (0, segs)} if bias else {})}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
+
+class RowParallelLinear(LinearBase):
+    """``y = all_reduce(x_rank W_rank^T) + b`` over this rank's input features."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel,
+                 quant_method: QuantizationMethod | None = None) -> None:
+        seg = split(in_features, tp, "a row-parallel layer's input features")
+        super().__init__(seg.size, out_features, bias, quant_method)
+        self.tp = tp
+        self.shards = {"weight": (1, [seg])}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce_output(
+            x, self.out_features, lambda out: self.quant_method.apply(self, x, None, out))
+        return y + self.bias if self.bias is not None else y

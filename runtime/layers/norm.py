@@ -1,0 +1,24 @@
+"""RMSNorm, with the residual add folded in (one fused Triton kernel on CUDA)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.layers import fused_ops
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; with ``residual``, adds it first and returns (normed, new residual)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.fused = False  # one Triton kernel instead of torch ops (``use_fused_kernels``)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        op = fused_ops.rms_norm_fused if self.fused else fused_ops.rms_norm_ref
+        with scope("normalization"):
+            return op(x, self.weight, self.eps, residual)

@@ -1,0 +1,125 @@
+"""Rotary position embedding: cos/sin tables (``RotaryEmbedding``, looked up once per step) and
+the rotation of q and k (``ApplyRotary``: one fused Triton kernel on CUDA, with Qwen3's q/k
+norm), neox-style.
+
+The inverse frequencies of each rope type are computed the way transformers'
+``modeling_rope_utils`` computes them when a model is built; written out rather than imported:
+transformers' rope code takes its own config classes, whose import costs seconds of start-up
+(see ``models/hf_config``). ``tests/test_hf_config.py`` checks every type here against
+transformers' ``LlamaRotaryEmbedding``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.layers import fused_ops
+
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+def rope_frequencies(rope: dict, head_dim: int,
+                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies ``[head_dim // 2]`` float32 on the CPU, attention scaling) for
+    standardized rope parameters (``rope_type``, ``rope_theta`` and the type's own keys)."""
+    kind, base, dim = rope["rope_type"], rope["rope_theta"], head_dim
+    if kind == "dynamic":  # dynamic NTK at build time: sequence length = the model's maximum
+        factor = rope["factor"]
+        seq_len = max_position_embeddings
+        base = base * ((factor * seq_len / max_position_embeddings) - (factor - 1)) ** (
+            dim / (dim - 2))
+    if kind == "yarn":
+        return _yarn(rope, base, dim, max_position_embeddings)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "linear":
+        inv_freq /= rope["factor"]
+    elif kind == "llama3":
+        inv_freq = _llama3(rope, inv_freq)
+    return inv_freq, 1.0
+
+
+def _llama3(rope: dict, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1's smooth interpolation between scaled low and unscaled high frequencies."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(rope: dict, base: float, dim: int,
+          max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolated low frequencies, extrapolated high ones, a linear ramp between, and an
+    attention scaling of cos/sin."""
+    factor = rope.get("factor")
+    old_len = rope["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_position_embeddings / old_len
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = rope.get("attention_factor")
+    if attention is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all \
+            else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low = correction_dim(rope.get("beta_fast") or 32)
+    high = correction_dim(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp  # the share of each frequency kept as trained
+    interpolated, extrapolated = 1.0 / (factor * pos_freqs), 1.0 / pos_freqs
+    inv_freq = interpolated * (1 - extrapolation) + extrapolated * extrapolation
+    return inv_freq, attention
+
+
+class RotaryEmbedding:
+    """cos/sin tables of the config's rope type (Llama 3's, YaRN, ...) up to ``max_positions``."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device) -> None:
+        inv_freq, scaling = rope_frequencies(config.rope_parameters, head_dim,
+                                             config.max_position_embeddings)
+        t = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(device))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos() * scaling  # [max_positions, head_dim]
+        self.sin = emb.sin() * scaling
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for a step's positions (looked up once, used by every layer)."""
+        with scope("rotary"):
+            return self.cos[positions], self.sin[positions]
+
+
+class ApplyRotary(nn.Module):
+    """q [T, Hq, D], k [T, Hkv, D] rotated by a step's cos/sin; with ``norms`` (q weight, k
+    weight, eps), each head RMS-normed first (Qwen3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fused = False  # ``use_fused_kernels``
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], norms: tuple = ()
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        op = fused_ops.rotary_fused if self.fused else fused_ops.rotary_ref
+        with scope("rotary"):
+            return op(q, k, *cos_sin, *norms)

@@ -1,0 +1,2 @@
+"""Model families, one module each; importing a module registers its families
+(``runtime/models/registry.py`` imports every module here)."""

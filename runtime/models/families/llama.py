@@ -1,0 +1,297 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) over a flat token batch.
+
+Module and parameter names follow Hugging Face's, except that q/k/v and gate/up projections are
+fused (``qkv_proj``, ``gate_up_proj``) as in vLLM; ``load_weights`` maps checkpoint names onto them.
+Registered for model types llama, mistral, qwen2 and qwen3, with the defaults of transformers'
+config classes and each one's sliding-window rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from pagedgen.attention.backend import AttentionImpl, AttentionType, LayerSpec
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.layers.activation import SiluAndMul
+from pagedgen.runtime.layers.attention import PagedAttention
+from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
+from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedgen.runtime.layers.norm import RMSNorm
+from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagedgen.runtime.layers.sharding import (Segment, checkpoint_shape, load_segment, shard_map,
+                                              split)
+from pagedgen.runtime.models.registry import ModelFamily, register
+
+
+def num_kv_heads(config) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        self.spec = spec
+        h, d = config.hidden_size, spec.head_size
+        self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias or config.model_type == "qwen2"
+        kv_full = num_kv_heads(config) * d
+        q = split(config.num_attention_heads * d, tp, "query features")
+        # this rank's KV heads, or the one it replicates when there are fewer than ranks
+        kv_first = (tp.rank * num_kv_heads(config) // tp.size) * d
+        kv = Segment(None, kv_full, kv_first, self.kv_size, 0)
+        self.qkv_proj = ColumnParallelLinear(h, [("q", q), ("k", kv), ("v", kv)], qkv_bias)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h,
+                                        bias and config.model_type != "qwen2", tp)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:  # per-head RMSNorm of q and k before rotary (applied by the rotary op)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.rotary = ApplyRotary()
+        self.attn = PagedAttention(spec)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        s = self.spec
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(-1, s.num_heads, s.head_size)
+        k = k.reshape(-1, s.num_kv_heads, s.head_size)
+        v = v.reshape(-1, s.num_kv_heads, s.head_size)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else ()
+        q, k = self.rotary(q, k, cos_sin, norms)
+        o = self.attn(q, k, v, kv_cache, metadata)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = split(config.intermediate_size, tp, "intermediate_size")
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(0, inter), (1, inter)],
+                                                 bias)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, spec, tp)
+        self.mlp = MLP(config, tp)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, cos_sin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache,
+                metadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's MLP output, the residual stream before it); the next layer's input norm
+        adds the two (so each residual add shares a kernel with a norm)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(cos_sin, h, kv_cache, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Model(nn.Module):
+    def __init__(self, config, tp: TensorParallel) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, s, tp)
+                                    for s in LlamaForCausalLM.layer_specs(config, tp.size))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → float32 logits.
+    With a tensor-parallel group of more than one rank, this is one rank's shard
+    (runtime/layers/sharding.py); logits are gathered in full on every rank."""
+
+    # checkpoint name → (our fused parameter, shard id)
+    STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
+               "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
+               "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.tp = tp or TensorParallel()
+        self.model = Model(config, self.tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:  # the same vocabulary split as the embedding
+            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
+        self.rotary: RotaryEmbedding | None = None
+
+    @classmethod
+    def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
+        """Why the model cannot be sharded over ``tp_size`` ranks, or None."""
+        heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
+        if heads % tp_size:
+            return f"{heads} attention heads cannot be split over {tp_size} tensor-parallel ranks"
+        if kv_heads % tp_size and tp_size % kv_heads:
+            return (f"{kv_heads} KV heads cannot be split over (or replicated on) {tp_size} "
+                    f"tensor-parallel ranks")
+        if config.intermediate_size % tp_size:
+            return (f"intermediate_size {config.intermediate_size} cannot be split over "
+                    f"{tp_size} tensor-parallel ranks")
+        return None
+
+    @classmethod
+    def layer_specs(cls, config, tp_size: int = 1) -> list[LayerSpec]:
+        """The attention shape of every layer on one of ``tp_size`` tensor-parallel ranks (its
+        share of the query heads; of the KV heads, or one replicated KV head when there are
+        fewer KV heads than ranks), including per-layer sliding windows."""
+        why = cls.tensor_parallel_error(config, tp_size)
+        if why:
+            raise ValueError(why)
+        head_dim = getattr(config, "head_dim", None) \
+            or config.hidden_size // config.num_attention_heads
+        heads, kv_heads = config.num_attention_heads, num_kv_heads(config)
+        layer_types = getattr(config, "layer_types", None)
+        specs = []
+        for i in range(config.num_hidden_layers):
+            if layer_types:
+                window = config.sliding_window if layer_types[i] == "sliding_attention" else None
+            else:  # Mistral: one window for every layer
+                window = getattr(config, "sliding_window", None)
+            specs.append(LayerSpec(
+                num_heads=heads // tp_size, num_kv_heads=max(1, kv_heads // tp_size),
+                head_size=head_dim, scale=head_dim ** -0.5, sliding_window=window,
+                logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
+                attn_type=AttentionType.DECODER))
+        return specs
+
+    def use_fused_kernels(self, enabled: bool) -> None:
+        """Norms, rotary and activation as fused Triton kernels (True) or torch ops (False)."""
+        for m in self.modules():
+            if hasattr(m, "fused"):
+                m.fused = enabled
+
+    def setup_rotary(self, max_positions: int, device: torch.device) -> None:
+        spec = self.model.layers[0].self_attn.spec
+        self.rotary = RotaryEmbedding(self.config, spec.head_size, max_positions, device)
+
+    def bind_attention(self, impls: list[AttentionImpl]) -> None:
+        for layer, impl in zip(self.model.layers, impls, strict=True):
+            layer.self_attn.attn.impl = impl
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions)
+        residual = None
+        for layer, cache in zip(self.model.layers, kv_caches):
+            x, residual = layer(cos_sin, x, residual, cache, metadata)
+        return self.model.norm(x, residual)[0]
+
+    def step_weight_bytes(self) -> int:
+        """Weight bytes one forward reads in full: every parameter but the embedding table, of
+        which a step reads only its tokens' rows (a tied table is read in full as the LM head)."""
+        skip = None if self.tie_word_embeddings else self.model.embed_tokens.weight
+        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return head.logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Copy checkpoint tensors (torch tensors or lazy safetensors slices, of which only this
+        rank's rows are read) into our (partly fused, maybe sharded) parameters. Each tensor's
+        name and shape is checked against the config's model first: an unexpected, misshapen
+        or missing tensor is a ValueError naming it (a loader prefixes the file)."""
+        params = dict(self.named_parameters())
+        shards = shard_map(self)
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            target, shard = name, None
+            for ckpt, (fused, shard_id) in self.STACKED.items():
+                if f".{ckpt}." in name:
+                    target, shard = name.replace(ckpt, fused), shard_id
+                    break
+            if target not in params:
+                raise ValueError(f"unexpected tensor '{name}' (not in a {self.config.model_type} "
+                                 "model of this config)")
+            want = checkpoint_shape(params[target], shards.get(target), shard)
+            have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+            if have != want:
+                raise ValueError(f"tensor '{name}' has shape {list(have)}; the config makes it "
+                                 f"{list(want)}")
+            with torch.no_grad():
+                load_segment(params[target].data, shards.get(target), shard, tensor)
+            loaded.add(f"{target}:{shard}")
+        expected = set()
+        for pname in params:
+            fused = [s for c, (f, s) in self.STACKED.items() if f".{f}." in pname]
+            expected |= {f"{pname}:{s}" for s in fused} if fused else {f"{pname}:None"}
+        missing = sorted(expected - loaded)
+        if missing:
+            pname, shard_id = missing[0].rsplit(":", 1)
+            ckpt = next((c for c, (f, s) in self.STACKED.items()
+                         if f".{f}." in pname and str(s) == shard_id), None)
+            first = pname.replace(self.STACKED[ckpt][0], ckpt) if ckpt else pname
+            raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{first}'")
+
+
+# ---- registration: config defaults (as transformers' config classes give them) and rules ----
+
+_QWEN = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32,
+             max_position_embeddings=32768, use_sliding_window=False, sliding_window=4096,
+             max_window_layers=28, bos_token_id=None, eos_token_id=None)
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _windows(f: dict[str, Any], model_type: str, where: str) -> None:
+    """Sliding windows as each model type's modeling code applies them: none for Llama, one
+    for every layer for Mistral, per ``layer_types`` for Qwen2/Qwen3."""
+    if model_type == "llama":
+        f.pop("sliding_window", None)
+        f.pop("layer_types", None)
+    elif model_type == "mistral":
+        f.pop("layer_types", None)
+    else:
+        f["sliding_window"] = f["sliding_window"] if f["use_sliding_window"] else None
+        if f.get("layer_types") is None:
+            f["layer_types"] = [
+                "sliding_attention" if f["sliding_window"] is not None
+                and i >= f["max_window_layers"] else "full_attention"
+                for i in range(f["num_hidden_layers"])]
+        types = f["layer_types"]
+        if (not isinstance(types, list) or len(types) != f["num_hidden_layers"]
+                or any(t not in _LAYER_TYPES for t in types)):
+            raise PagedgenError(f"{where}: layer_types must list one of "
+                                f"{', '.join(_LAYER_TYPES)} for each of the "
+                                f"{f['num_hidden_layers']} layers")
+    window = f.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise PagedgenError(f"{where}: sliding_window must be a positive integer or null, "
+                            f"not {window!r}")
+
+
+register(ModelFamily(
+    name="llama",
+    model_types={
+        "llama": dict(vocab_size=32000, intermediate_size=11008, num_key_value_heads=None,
+                      max_position_embeddings=2048, bos_token_id=1, eos_token_id=2),
+        "mistral": dict(vocab_size=32000, intermediate_size=14336, num_key_value_heads=8,
+                        max_position_embeddings=131072, sliding_window=4096, bos_token_id=1,
+                        eos_token_id=2),
+        "qwen2": _QWEN,
+        "qwen3": {**_QWEN, "head_dim": 128},
+    },
+    model_cls=LlamaForCausalLM,
+    normalize=_windows))

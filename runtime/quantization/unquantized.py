@@ -1,0 +1,25 @@
+"""Dense weights in the model's dtype: a plain GEMM."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.runtime.quantization.base import QuantizationMethod
+
+
+class Unquantized(QuantizationMethod):
+    name = "none"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features))
+        layer.register_parameter("bias", nn.Parameter(torch.empty(out_features))
+                                 if bias else None)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        if out is None:
+            return F.linear(x, layer.weight, bias)
+        return torch.mm(x, layer.weight.t(), out=out)

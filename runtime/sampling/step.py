@@ -1,0 +1,57 @@
+"""One step's sampling, from the logits of the rows that sample to their tokens: the rows'
+logits processors, the seeded sampler (rank 0's tokens on every rank under -tp), and the
+log-probabilities of the rows that ask for them. Sequences are read for their ``params``,
+``seed``, ``num_output_tokens``, ``output_token_ids`` and ``logits_processors``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.attention.ops.transfer import to_device
+from pagedgen.runtime.sampling import logprobs, processors
+from pagedgen.runtime.sampling.logprobs import Logprobs
+from pagedgen.runtime.sampling.sampler import SamplingBatch, sample
+
+
+@dataclass
+class Sampled:
+    tokens: torch.Tensor  # [rows] on the device
+    logprobs: Logprobs | None = None  # of the rows at ``logprob_rows``
+    logprob_rows: list[int] = field(default_factory=list)
+
+
+def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
+                with_processors: bool) -> Sampled:
+    """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
+    whose rank 0 decides; ``with_processors``: whether any sequence may have processors."""
+    if with_processors:
+        rows = [(i, s.logits_processors, s.output_token_ids)
+                for i, s in enumerate(seqs) if s.logits_processors]
+        if rows:
+            with scope("logits_processors"):
+                processors.apply(logits, rows)
+    with scope("sampling"):
+        # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
+        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device))))
+    out.logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if out.logprob_rows:
+        with scope("logprobs"):
+            rows = out.logprob_rows
+            k = max(seqs[r].params.logprobs for r in rows)
+            if len(rows) == len(seqs):
+                out.logprobs = logprobs.compute(logits, out.tokens, k)
+            else:
+                idx = to_device(rows, torch.long, device)
+                out.logprobs = logprobs.compute(logits[idx], out.tokens[idx], k)
+    return out
+
+
+def sampling_batch(seqs: Sequence[Any], device: torch.device) -> SamplingBatch:
+    p = [s.params for s in seqs]
+    return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
+                               [x.top_p for x in p], [s.seed for s in seqs],
+                               [s.num_output_tokens for s in seqs], device)

@@ -1,0 +1,116 @@
+"""The house rules, read from the source: imports point down (errors < attention < runtime <
+cli < benchmarks), no module imports itself back through others (function-local imports
+included), no module over 500 lines, and every package folder is in the wheel."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS = {"pagedgen": 0, "pagedgen.errors": 0, "pagedgen.attention": 1, "pagedgen.runtime": 2,
+          "pagedgen.cli": 3, "pagedgen.ray": 3, "benchmarks": 4}
+FOLDERS = {"attention": "pagedgen.attention", "runtime": "pagedgen.runtime",
+           "cli/ray": "pagedgen.ray", "cli": "pagedgen.cli", "benchmarks": "benchmarks"}
+MAX_LINES = 500
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    text = rel.as_posix()
+    for folder, package in FOLDERS.items():
+        if text == folder or text.startswith(folder + "/"):
+            name = package + text[len(folder):].replace("/", ".")
+            return name.removesuffix(".__init__")
+    return "pagedgen" if text == "__init__" else f"pagedgen.{text}"
+
+
+def sources() -> dict[str, Path]:
+    files = [ROOT / "__init__.py", ROOT / "errors.py"]
+    for folder in ("attention", "runtime", "cli", "benchmarks"):
+        files += sorted((ROOT / folder).rglob("*.py"))
+    return {module_name(f): f for f in files}
+
+
+def layer(module: str) -> int:
+    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")), key=len)
+    return LAYERS[best]
+
+
+def imports(path: Path, known: set[str]) -> list[tuple[str, int]]:
+    """(pagedgen or benchmarks module, line) of every import in the file, function-local ones
+    included, those under ``if TYPE_CHECKING:`` too; ``from pkg import sub`` names the
+    submodule when there is one."""
+    tree = ast.parse(path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                out.append((sub if sub in known else node.module, node.lineno))
+    return [(m, line) for m, line in out if m.split(".")[0] in ("pagedgen", "benchmarks")]
+
+
+SOURCES = sources()
+GRAPH = {m: imports(p, set(SOURCES)) for m, p in SOURCES.items()}
+
+
+def test_every_import_points_down():
+    up = [f"{SOURCES[m].relative_to(ROOT)}:{line} imports {target}"
+          for m, deps in GRAPH.items() for target, line in deps if layer(target) > layer(m)]
+    assert not up, "\n".join(up)
+
+
+def test_no_module_imports_itself_back():
+    edges = {m: {t for t, _ in deps if t in GRAPH and t != m} for m, deps in GRAPH.items()}
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(p.relative_to(ROOT)): n for p in SOURCES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+def test_the_wheel_lists_every_package_folder():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {module_name(p) for p in SOURCES.values()
+               if p.name == "__init__.py" and not module_name(p).startswith("benchmarks")}
+    assert folders <= listed, folders - listed
+
+
+@pytest.mark.parametrize("planted", ["up", "cycle"])
+def test_the_checks_catch_a_planted_breach(planted, monkeypatch):
+    """An upward import (attention → runtime) and a circle (runtime.config ↔ runtime.profiles)
+    planted in the graph fail the checks above."""
+    graph = {m: list(deps) for m, deps in GRAPH.items()}
+    if planted == "up":
+        graph["pagedgen.attention.backend"].append(("pagedgen.runtime.config", 1))
+        check = test_every_import_points_down
+    else:
+        graph["pagedgen.runtime.config"].append(("pagedgen.runtime.profiles", 1))
+        check = test_no_module_imports_itself_back
+    monkeypatch.setitem(globals(), "GRAPH", graph)
+    with pytest.raises(AssertionError):
+        check()
