@@ -6,6 +6,7 @@ options override profile fields, which override the defaults below.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -41,8 +42,9 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (NaN and infinities
-        included; integers bounded before they reach torch)."""
-        check_types(self)
+        included; integers bounded before they reach torch). Types are checked where values
+        come in (``apply_fields`` for profiles and options, the request readers for lines):
+        this runs once per request."""
         if self.max_tokens < 0 or (self.max_tokens == 0 and self.prompt_logprobs is None):
             raise ValueError("max_tokens must be >= 1 (0 only with prompt_logprobs: scoring)")
         if self.max_tokens > MAX_INT32:
@@ -217,6 +219,7 @@ def _is(kind: str, value: Any) -> bool:
     return True  # a type this check does not know: left to the field's own checks
 
 
+@functools.lru_cache(maxsize=None)
 def _field_types(cls: type) -> dict[str, Any]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
 

@@ -81,7 +81,7 @@ class OutputWriter:
     def _valid_index(self, raw: bytes) -> int | None:
         """The input index of a whole output record of this input, else None."""
         try:
-            obj = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            obj = _DECODER.decode(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # JSON, UTF-8 and constant errors
             return None
         if not isinstance(obj, dict) or not self.is_complete(obj):
@@ -187,6 +187,9 @@ def _no_constant(name: str) -> Any:
     raise ValueError(name)
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+
+
 def _increasing(xs: Iterable[int]) -> bool:
     prev = -1
     for x in xs:
@@ -205,6 +208,7 @@ class ShardWriter:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.num_done = 0
+        self.num_dropped = 0  # never resumed: nothing to drop
         self._next = 0
         self.lock = OutputLock(path)
         if path.exists() and not path.is_dir():

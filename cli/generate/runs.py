@@ -115,7 +115,7 @@ def run(job: Job) -> dict[str, Any] | None:
                 pass
             return None
         todo = [r for r in rf.requests if not writer.is_done(r.index)]
-        if getattr(writer, "num_dropped", 0):
+        if writer.num_dropped:
             console.print(f"[yellow]{escape(str(out_path))}:[/] {writer.num_dropped} damaged or "
                           "repeated line(s) are dropped; their requests run again",
                           highlight=False, soft_wrap=True)
