@@ -17,7 +17,7 @@ import torch
 from pagedgen.errors import PagedgenError
 
 DEFAULT_MODEL = "tiny"
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_SAMPLES = 128  # the largest `n` (parallel samples of one request)
 MAX_LOGPROBS = 20  # the most top alternatives per token (`logprobs`, `prompt_logprobs`)
 MAX_INT32 = 2**31 - 1
@@ -74,7 +74,7 @@ class EngineConfig:
     """How the engine runs: model, backend, device, KV cache and batching limits."""
 
     model: str = DEFAULT_MODEL  # checkpoint directory or preset (a profile with a model config)
-    load_format: str = "auto"  # auto | safetensors | dummy
+    load_format: str = "auto"  # auto | safetensors | gguf | dummy
     backend: str = "auto"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | float16 | bfloat16

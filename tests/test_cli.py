@@ -115,7 +115,7 @@ def test_bad_input_gives_one_line_error(tmp_path, lines, message):
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "/no/such/dir"], "model directory /no/such/dir does not exist"),
-    (["--model", "nosuchpreset"], "neither a checkpoint directory nor a preset"),
+    (["--model", "nosuchpreset"], "neither a checkpoint directory, a .gguf file nor a preset"),
     (["--backend", "nope"], "unknown backend 'nope'; choose auto or one of"),
     (["--dtype", "float8"], "unknown dtype"),
     (["--profile", "nope"], "profile 'nope' not found"),

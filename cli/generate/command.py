@@ -29,7 +29,8 @@ def generate(
         False, help="Replace an output file that already holds completions (at the first "
                     "new line; until then it stays as it was)."),
     model: Optional[str] = typer.Option(
-        None, help="Checkpoint directory or preset [default: the profile's, else tiny]."),
+        None, help="Checkpoint directory, .gguf file or preset (smollm2-135m: a real model "
+                   "from pip) [default: the profile's, else tiny]."),
     profile: Optional[str] = typer.Option(
         None, help="Run profile: a name in profiles/ or a YAML file [default: the preset's, "
                    "else none]."),
@@ -44,8 +45,8 @@ def generate(
     kv_cache_dtype: Optional[str] = typer.Option(
         None, help="auto (the model's dtype) or fp8 [default: auto]."),
     load_format: Optional[str] = typer.Option(
-        None, help="auto, safetensors or dummy (random weights) [default: auto: safetensors "
-                   "for a checkpoint, dummy for a preset]."),
+        None, help="auto, safetensors, gguf or dummy (random weights) [default: auto: the "
+                   "checkpoint's own, dummy for a preset]."),
     max_tokens: Optional[int] = typer.Option(
         None, help="Output tokens per request, where a line sets none [default: the "
                    "profile's, else 64]."),

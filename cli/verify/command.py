@@ -22,7 +22,8 @@ from pagedgen.errors import PagedgenError
 @cli_errors  # Ctrl-C and SIGTERM: one line (bad options exit with 2 below)
 def verify(
     backend: str = typer.Option("all", help="A backend name, or all."),
-    model: str = typer.Option("tiny", help="Model for the model-level check (dummy weights)."),
+    model: str = typer.Option("tiny", help="Model for the model-level check (its own weights; "
+                                           "dummy ones for a preset)."),
     dtype: str = typer.Option("auto", help="Model dtype for the model-level check."),
     cases: int = typer.Option(24, min=1, help="Random cases per kernel check group."),
     steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),

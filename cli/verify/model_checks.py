@@ -23,7 +23,7 @@ def _model_config(backend_name: str, model: str, dtype: str, device: torch.devic
                   graphs: bool, tp: int = 1):
     from pagedgen.runtime.config import EngineConfig
 
-    return EngineConfig(model=model, device=str(device), dtype=dtype, load_format="dummy",
+    return EngineConfig(model=model, device=str(device), dtype=dtype, load_format="auto",
                         seed=seed, num_blocks=1024, max_num_seqs=8, max_num_batched_tokens=1024,
                         max_model_len=512, async_scheduling=False, backend=backend_name,
                         enforce_eager=not graphs, tensor_parallel_size=tp)

@@ -33,6 +33,7 @@ class Replica:
                  tokenizer: Tokenizer | None = None) -> None:
         t0 = time.perf_counter()
         self.engine = Engine(engine_config, src, tokenizer)
+        self.engine.tokenizer  # noqa: B018 - loaded now, with the model: lines need it
         self.load_s = time.perf_counter() - t0
         self.defaults = defaults
         self.record = record  # set before ``stream`` when the format is known later

@@ -36,7 +36,7 @@ class Engine:
             raise PagedgenError("--block-size and --max-num-seqs must be positive")
         self.config = config
         self.src = src or resolve_model(config.model)
-        self.tokenizer = tokenizer or load_tokenizer(self.src)
+        self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
         self.runner = ModelRunner(config, self.src)
         self.processor_factory = processor_factory
         self.runner.processors_enabled = processor_factory is not None
@@ -50,6 +50,12 @@ class Engine:
         self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
         # Sequences made ahead of admission: enough to fill every seat of the next step.
         self._lookahead = config.max_num_seqs
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.src)
+        return self._tokenizer
 
     @property
     def max_model_len(self) -> int:

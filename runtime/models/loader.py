@@ -1,8 +1,10 @@
 """From a model name to a ready model: resolve the source, build the modules, load weights.
 
-A model is either a local Hugging Face checkpoint directory (config.json + *.safetensors +
-tokenizer files) or a preset: a run profile in profiles/ whose ``model.config`` holds a
-Hugging Face config (real shapes, dummy weights).
+A model is a local Hugging Face checkpoint directory (config.json + *.safetensors + tokenizer
+files), a GGUF file (llama.cpp's format: config, tokenizer and weights in one file,
+``gguf_file.py``), a model shipped in a Python package (``gguf_file.PACKAGED``), or a preset: a
+run profile in profiles/ whose ``model.config`` holds a Hugging Face config (real shapes, dummy
+weights).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, model_config
-from pagedgen.runtime.models import registry
+from pagedgen.runtime.models import gguf_file, registry
 from pagedgen.runtime.layers.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
@@ -27,13 +29,19 @@ from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, Missi
 class ModelSource:
     name: str
     hf_config: ModelConfig  # the Hugging Face config's fields, family defaults filled in
-    checkpoint: Path | None  # None for presets (dummy weights only)
-    tokenizer_kind: str  # "hf" | "byte"
+    checkpoint: Path | None  # a directory, a .gguf file, or None for presets (dummy weights)
+    tokenizer_kind: str  # "hf" | "gguf" | "byte" | "none" (a GGUF file without one)
 
 
 def resolve_model(name: str) -> ModelSource:
-    """A checkpoint directory, a preset name, or a profile file with a model config."""
+    """A checkpoint directory, a GGUF file, a packaged model's name, a preset name, or a
+    profile file with a model config."""
     path = Path(name).expanduser()
+    packaged = gguf_file.packaged_path(name)
+    if packaged is not None or (path.suffix == ".gguf" and path.is_file()):
+        return _gguf_source(packaged or path, name)
+    if path.suffix == ".gguf":
+        raise PagedgenError(f"{path}: no such GGUF file")
     if path.is_dir():
         file = path / "config.json"
         if not file.is_file():
@@ -50,8 +58,9 @@ def resolve_model(name: str) -> ModelSource:
     try:
         profile = load_profile(name)
     except PagedgenError:
-        raise PagedgenError(f"model '{name}' is neither a checkpoint directory nor a preset "
-                            f"(presets: {', '.join(presets())})") from None
+        raise PagedgenError(f"model '{name}' is neither a checkpoint directory, a .gguf file "
+                            f"nor a preset (presets: "
+                            f"{', '.join(presets() + list(gguf_file.PACKAGED))})") from None
     model = profile.get("model") or {}
     if not isinstance(model, dict) or "config" not in model:
         if isinstance(model, dict) and model.get("name"):
@@ -62,6 +71,12 @@ def resolve_model(name: str) -> ModelSource:
     cfg = model_config({"model_type": "llama", **model["config"]}, profile["_path"])
     return ModelSource(model.get("name", Path(profile["_path"]).stem), cfg, None,
                        model.get("tokenizer", "byte"))
+
+
+def _gguf_source(path: Path, name: str) -> ModelSource:
+    reader = gguf_file.open_reader(path)
+    cfg = model_config(gguf_file.config_fields(reader, path), str(path))
+    return ModelSource(name, cfg, path, "gguf" if gguf_file.has_tokenizer(reader) else "none")
 
 
 def presets() -> list[str]:
@@ -80,21 +95,28 @@ def load_tokenizer(src: ModelSource) -> Tokenizer:
                                 f"< {ByteTokenizer.vocab_size} needed by the byte tokenizer")
         return ByteTokenizer()
     eos = getattr(src.hf_config, "eos_token_id", None)
+    if src.tokenizer_kind == "gguf":
+        return HFTokenizer(src.checkpoint.parent, eos, gguf_file=src.checkpoint.name)
     files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not any((src.checkpoint / f).is_file() for f in files):
+    if src.tokenizer_kind == "none" or not any((src.checkpoint / f).is_file() for f in files):
         return MissingTokenizer(src.checkpoint, eos)
     return HFTokenizer(src.checkpoint, eos)
 
 
 def weights_format(src: ModelSource, load_format: str) -> str:
-    """"safetensors" or "dummy" for ``load_format`` (auto: safetensors for a checkpoint);
+    """"safetensors", "gguf" or "dummy" for ``load_format`` (auto: the checkpoint's own);
     fails now (before tokenizing and loading) when a checkpoint has no weight files."""
+    gguf = src.checkpoint is not None and src.checkpoint.suffix == ".gguf"
     if load_format == "auto":
-        load_format = "safetensors" if src.checkpoint is not None else "dummy"
-    if load_format not in ("safetensors", "dummy"):
-        raise PagedgenError(f"unknown load format '{load_format}'; use auto, safetensors or dummy")
-    if load_format == "safetensors" and src.checkpoint is None:
+        load_format = "dummy" if src.checkpoint is None else "gguf" if gguf else "safetensors"
+    if load_format not in ("safetensors", "gguf", "dummy"):
+        raise PagedgenError(f"unknown load format '{load_format}'; use auto, safetensors, gguf "
+                            "or dummy")
+    if load_format != "dummy" and src.checkpoint is None:
         raise PagedgenError(f"preset '{src.name}' has no weights; use --load-format dummy")
+    if load_format != "dummy" and (load_format == "gguf") != gguf:
+        raise PagedgenError(f"{src.checkpoint}: is not a {load_format} checkpoint; use "
+                            "--load-format auto")
     if load_format == "safetensors":
         _safetensors_files(src.checkpoint)
     return load_format
@@ -117,6 +139,11 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     _allocate(model, device)
     if load_format == "dummy":
         _init_dummy(model, seed)
+    elif load_format == "gguf":
+        try:
+            model.load_weights(gguf_file.iter_tensors(src.checkpoint, src.hf_config))
+        except ValueError as e:
+            raise PagedgenError(f"{src.checkpoint}: {e}")
     else:
         files = _safetensors_files(src.checkpoint)
         where = [src.checkpoint]  # the file being read, for errors

@@ -55,13 +55,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """transformers' AutoTokenizer, with its chat template."""
+    """transformers' AutoTokenizer, with its chat template (from a checkpoint's files, or
+    converted from a GGUF file's metadata)."""
 
-    def __init__(self, path: Path, eos_token_id: int | list[int] | None) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, path: Path, eos_token_id: int | list[int] | None,
+                 gguf_file: str | None = None) -> None:
+        """``gguf_file``: a GGUF file in ``path`` whose metadata holds the tokenizer."""
         try:
-            self.tok = AutoTokenizer.from_pretrained(str(path))
+            self.tok = _auto_tokenizer(str(path), gguf_file)
         except Exception as e:
             raise PagedgenError(f"cannot load the tokenizer from {path}: {type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}")
@@ -129,6 +130,15 @@ class HFTokenizer:
         return [list(ids) for ids in out]
 
 
+@functools.lru_cache(maxsize=4)
+def _auto_tokenizer(path: str, gguf_file: str | None):
+    """transformers' tokenizer of a checkpoint (kept: converting a GGUF file's takes seconds,
+    and verify or the tests build several engines of one model)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+
+
 class MissingTokenizer:
     """For a checkpoint without tokenizer files: token-id prompts work, text ones do not."""
 
@@ -138,7 +148,8 @@ class MissingTokenizer:
         self.eos_token_ids = {i for i in ids if i is not None}
 
     def encode(self, text: str) -> list[int]:
-        raise ValueError(f"{self.path} has no tokenizer files; use 'prompt_token_ids'")
+        raise ValueError(f"{self.path} has no tokenizer (no tokenizer files, or none in the "
+                         "GGUF metadata); use 'prompt_token_ids'")
 
     def decode(self, ids: list[int]) -> str:
         return ""
