@@ -13,7 +13,6 @@ and its request run again.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from pagedgen.cli.formats.output_claim import OutputClaim, OutputLock
+from pagedgen.cli.formats.reader import STRICT_JSON
 from pagedgen.errors import PagedgenError
 
 
@@ -81,7 +81,7 @@ class OutputWriter:
     def _valid_index(self, raw: bytes) -> int | None:
         """The input index of a whole output record of this input, else None."""
         try:
-            obj = _DECODER.decode(raw.decode("utf-8"))
+            obj = STRICT_JSON.decode(raw.decode("utf-8"))
         except (ValueError, RecursionError):  # JSON, UTF-8 and constant errors
             return None
         if not isinstance(obj, dict) or not self.is_complete(obj):
@@ -181,13 +181,6 @@ def _signals_held():
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(name)
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _increasing(xs: Iterable[int]) -> bool:

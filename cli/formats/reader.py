@@ -197,7 +197,7 @@ def parse_json(text: str, where: str) -> Any:
     """One line's JSON value; NaN and infinities (which Python's json accepts and JSON does
     not), nesting deeper than ``MAX_DEPTH`` and over-long numbers are ``where:`` errors."""
     try:
-        obj = _DECODER.decode(text)
+        obj = STRICT_JSON.decode(text)
     except json.JSONDecodeError as e:
         raise PagedgenError(f"{where}: invalid JSON: {e.msg} (column {e.colno})")
     except RecursionError:
@@ -213,7 +213,8 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number (use a number or null)")
 
 
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)  # one for every line (C scanner)
+# JSON as the standard has it (no NaN, no Infinity): one decoder for every line (C scanner)
+STRICT_JSON = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _depth(obj: Any) -> int:

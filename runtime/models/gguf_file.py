@@ -75,10 +75,7 @@ def open_reader(path: Path):
 
 def _field(reader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
+    return default if f is None else f.contents()
 
 
 def config_fields(reader, path: Path) -> dict[str, Any]:
