@@ -15,7 +15,9 @@
 # FA4's kernel caches to $OUT, in pieces), load-caches (those pieces, carried as .whl/caches).
 # verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
-# PEERS_LIMIT from the environment.
+# PEERS_LIMIT, PEERS_REPEATS and PEERS_QUANT (fp8: both systems quantize) from the environment.
+# fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
+# batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -98,6 +100,27 @@ for b in json.load(open(sys.argv[1]))['backends']:
       ls .whl/caches/fa4-cache.tgz.* > /dev/null 2>&1 \
         && cat .whl/caches/fa4-cache.tgz.* | tar xzf - -C "$FA4_CACHE"
       echo "loaded: $(caches)" ;;
+    fp8)
+      timed fp8-gemm 200 python3 -m benchmarks.fp8_gemm --json "$S/fp8-gemm.json"
+      grep -E "^│" "$S/fp8-gemm.log" | cut -c1-250
+      timed fp8-verify 300 pagedgen verify --backend flash-attn -q fp8 --json "$S/fp8-verify.json"
+      grep -E "fp8|PASS|FAIL" "$S/fp8-verify.log" | cut -c1-200
+      for q in fp8 none; do
+        timed "fp8-profile-$q" 200 pagedgen profile --model llama-3-8b --backend flash-attn \
+          --batch-sizes 1,64,256 --prompt-len 512 --output-len 24 \
+          $([ "$q" = fp8 ] && echo "-q fp8") \
+          --output-dir "$S/profile-$q"
+        python3 - "$S/profile-$q/profile.json" "$q" <<'PY' || tail -3 "$S/fp8-profile-$q.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    for b in r["batches"]:
+        print(sys.argv[2], "batch", b["batch"], "step ms", round(b["step_ms_p50"], 3),
+              "roofline ms", round(b.get("decode_roofline_ms", 0), 3),
+              "of roofline", round(b.get("decode_roofline_fraction", 0), 2))
+    print(sys.argv[2], {k: round(v, 2) if isinstance(v, float) else v
+                        for k, v in r.get("roofline", {}).items()})
+PY
+      done ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
       tail -12 "$S/gpu-tests.log" ;;
@@ -106,7 +129,8 @@ for b in json.load(open(sys.argv[1]))['backends']:
       tag=${w//,/}${PEERS_TAG:-}
       timed "peers-$tag" "${PEERS_LIMIT:-580}" python3 -m benchmarks.peers --workloads "$w" \
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
-        --repeats 3 --fa4-decode-tiles "${FA4_TILES:-}" --json "$S/h100-peers-$tag.json"
+        --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
+        ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150 ;;
     tiles)
       # FA4 decode tiles x page sizes against flashinfer and triton, on (a)/(b)'s and (c)'s

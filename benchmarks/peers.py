@@ -48,10 +48,12 @@ from pagedgen.runtime.models.loader import resolve_model
 # ---- the roofline estimate ----------------------------------------------------------------------
 
 def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: float,
-               bw: float, shared: int = 0) -> float:
+               bw: float, shared: int = 0, fp8_flops: float | None = None) -> float:
     """Lower bound on the workload's time on this GPU (see the module docstring). With
     ``shared``, every prompt starts with the same ``shared`` tokens, and the ideal reuses them:
-    their prefill runs once, and each decode step reads their K/V once for the whole batch."""
+    their prefill runs once, and each decode step reads their K/V once for the whole batch.
+    With ``fp8_flops``, the linear layers' weights are FP8: one byte each, multiplied at that
+    peak (the LM head stays in bf16)."""
     c = hf_config
     layers, hidden = c.num_hidden_layers, c.hidden_size
     head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
@@ -59,19 +61,21 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
     per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size
     linear = layers * per_layer  # matmul weights a token passes through (no embedding, no head)
     head = hidden * c.vocab_size
-    weight_bytes = 2 * (linear + head)  # the embedding table: only the batch's rows are read
+    linear_bytes = 1 if fp8_flops else 2
+    weight_bytes = linear_bytes * linear + 2 * head  # the embedding: only the batch's rows
+    lin_flops = fp8_flops or flops
     kv_per_token = 2 * layers * kv_dim * 2
     # prefill: linear layers + causal attention (each new token over its context), logits for
     # the last token; the shared prefix once
-    t = (2 * linear * shared + 2 * layers * q_dim * shared * shared) / flops
+    t = 2 * linear * shared / lin_flops + 2 * layers * q_dim * shared * shared / flops
     for p in prompts:
         n = len(p) - shared
-        t += (2 * linear * n + 2 * head + 4 * layers * q_dim * n * shared
-              + 2 * layers * q_dim * n * n) / flops
+        t += 2 * linear * n / lin_flops + (2 * head + 4 * layers * q_dim * n * shared
+                                           + 2 * layers * q_dim * n * n) / flops
     for step in range(1, max(outs)):  # decode: token `step` of every request still running
         active = [(len(p) - shared, o) for p, o in zip(prompts, outs) if o > step]
         kv = (shared + sum(n + step for n, _ in active)) * kv_per_token
-        compute = 2 * (linear + head) * len(active) / flops
+        compute = 2 * len(active) * (linear / lin_flops + head / flops)
         t += max((weight_bytes + kv) / bw, compute)
     return t
 
@@ -157,13 +161,19 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
-                 rows: list[dict], save: Callable[[], None], fa4_tiles: list[str]) -> None:
+                 rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
+                 quantization: str | None = None) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
-    flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured)."""
+    flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
+    ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load."""
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), sum(outs)
-    bound = roofline_s(src.hf_config, prompts, outs, flops, bw, wl.shared_prefix_len)
+    fp8_flops = None
+    if quantization:
+        from pagedgen.runtime.hardware import fp8_matmul_flops
+        fp8_flops = fp8_matmul_flops()
+    bound = roofline_s(src.hf_config, prompts, outs, flops, bw, wl.shared_prefix_len, fp8_flops)
     print(f"workload {name}: {wl}; {in_tok:,} prompt + {out_tok:,} output tokens; roofline "
           f"estimate {bound:.2f} s", flush=True)
     first = len(rows)
@@ -186,14 +196,15 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     variants = [(b, t) for b in backends for t in (fa4_tiles if b == "flash-attn" else [])
                 or [None]]
     for b, tile in variants:
-        cfg, sampling = profile_configs(wl.profile, backend=b)
+        cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
         params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
         with decode_tile_env(tile):
             runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
         free_gpu()
         res = median_run(runs)
-        row(f"pagedgen {b}" + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
+        label = f"pagedgen {b}" + (f" {quantization}" if quantization else "")
+        row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
@@ -202,14 +213,16 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "decode_steps") if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
-        res = run_vllm(name, None, src.hf_config, same_limits(cfg), repeats=repeats)
+        engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
+        res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
         if "skipped" in res:
             print(f"vLLM: {res['skipped']}", flush=True)
         else:
             assert all(r["output_tokens"] == out_tok for r in res["runs"]), \
                 "vLLM output length differs"
             mid = median_run(res["runs"])
-            row(f"vLLM {res['vllm']}", mid["wall_time_s"], {
+            row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else ""),
+                mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
                 "startup_s": res["startup_s"]})
     hf_peers = [p for p in peers if p != "vllm"]
@@ -250,6 +263,8 @@ def main() -> None:
     ap.add_argument("--fa4-decode-tiles", default="",
                     help="flash-attn once per FA4 decode tile, e.g. fa4,64x128 "
                          "($PAGEDGEN_FA4_DECODE_TILE)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None,
+                    help="pagedgen --quantization fp8 against vLLM quantization='fp8'")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -277,7 +292,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
-                     [t for t in args.fa4_decode_tiles.split(",") if t])
+                     [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization)
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

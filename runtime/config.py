@@ -79,6 +79,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | float16 | bfloat16
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3)
+    quantization: str | None = None  # None: the checkpoint's own (if any) | fp8 (at load)
     block_size: int | None = None  # tokens per KV page; None: the backend's default
     num_blocks: int | None = None
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
@@ -104,6 +105,9 @@ class EngineConfig:
         if self.load_format not in LOAD_FORMATS:
             raise PagedgenError(f"unknown load format '{self.load_format}'; use "
                                 f"{', '.join(LOAD_FORMATS)}")
+        if self.quantization not in (None, "fp8"):
+            raise PagedgenError(f"unknown quantization '{self.quantization}'; use fp8 (or "
+                                "none: the checkpoint's own)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         self.cache_dtype(torch.float32)  # names the choices when unknown

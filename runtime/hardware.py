@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def _time_cuda(fn, iters: int) -> float:
+def time_cuda(fn, iters: int) -> float:
     """Median seconds of ``fn`` over ``iters`` runs after two warm-ups (CUDA events)."""
     times = []
     for i in range(iters + 2):
@@ -23,7 +23,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     """Device-to-device copy bandwidth, bytes/s counting bytes read and written."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    t = _time_cuda(lambda: dst.copy_(src), iters)
+    t = time_cuda(lambda: dst.copy_(src), iters)
     src = dst = None  # freed before the cache is emptied
     torch.cuda.empty_cache()
     return 2 * nbytes / t
@@ -33,7 +33,23 @@ def matmul_flops(n: int = 8192, dtype: torch.dtype = torch.bfloat16, iters: int 
     """Dense matmul throughput, FLOP/s, on random data (the practical peak)."""
     a = torch.randn(n, n, dtype=dtype, device="cuda")
     b = torch.randn(n, n, dtype=dtype, device="cuda")
-    t = _time_cuda(lambda: a @ b, iters)
+    t = time_cuda(lambda: a @ b, iters)
     a = b = None  # freed before the cache is emptied
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / t
+
+
+def fp8_matmul_flops(n: int = 8192, iters: int = 10) -> float | None:
+    """FP8 (e4m3, row-wise scaled) matmul throughput, FLOP/s; None where this GPU has no FP8
+    tensor cores (before compute capability 8.9)."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        return None
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa = torch.ones(n, 1, device="cuda")
+    sb = torch.ones(1, n, device="cuda")
+    t = time_cuda(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb,
+                                           out_dtype=torch.bfloat16), iters)
+    a = b = None
     torch.cuda.empty_cache()
     return 2 * n ** 3 / t

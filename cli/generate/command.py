@@ -44,6 +44,10 @@ def generate(
                    "float32 on a CPU]."),
     kv_cache_dtype: Optional[str] = typer.Option(
         None, help="auto (the model's dtype) or fp8 [default: auto]."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", "-q",
+        help="fp8: weights quantized to FP8 (e4m3, per-channel scales) at load, activations "
+             "per token [default: the checkpoint's own, else none]."),
     load_format: Optional[str] = typer.Option(
         None, help="auto, safetensors, gguf or dummy (random weights) [default: auto: the "
                    "checkpoint's own, dummy for a preset]."),
@@ -125,7 +129,8 @@ def generate(
     engine_cfg, defaults, _ = engine_and_sampling(
         profile, model,
         dict(backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-             load_format=load_format, seed=seed, block_size=block_size, num_blocks=num_blocks,
+             quantization=quantization, load_format=load_format, seed=seed,
+             block_size=block_size, num_blocks=num_blocks,
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,

@@ -34,7 +34,8 @@ from pagedgen.runtime.distributed import data_parallel, parallel, ray_data
 from pagedgen.runtime.distributed.replica import Replica
 from pagedgen.runtime.engine.engine import check_request
 from pagedgen.runtime.engine.stats import startup
-from pagedgen.runtime.models.loader import load_tokenizer, resolve_model, weights_format
+from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
+                                            weights_format)
 
 
 @dataclass
@@ -95,6 +96,7 @@ def run(job: Job) -> dict[str, Any] | None:
             t_load = time.perf_counter()
             src = resolve_model(cfg.model)
             weights_format(src, cfg.load_format)  # no weight files: fail now
+            model_quantization(src, cfg.quantization)  # nor an unknown quantization
             tokenizer = load_tokenizer(src)
             load_s = time.perf_counter() - t_load
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
@@ -170,6 +172,7 @@ def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: In
     return {"model": model, "load_format": engine_cfg.load_format,
             "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
+            "quantization": engine_cfg.quantization,
             "seed": engine_cfg.seed, "max_model_len": engine_cfg.max_model_len,
             **dataclasses.asdict(defaults), "prompt_field": opts.prompt_field,
             "messages_field": opts.messages_field, "strict_fields": opts.strict_fields,

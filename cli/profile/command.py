@@ -31,6 +31,9 @@ def profile(
     dtype: Optional[str] = typer.Option(
         None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU]."),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8 [default: auto]."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", "-q",
+        help="fp8: FP8 weights quantized at load [default: the checkpoint's own, else none]."),
     block_size: Optional[int] = typer.Option(
         None, help="Tokens per KV page [default: the backend's]."),
     batch_sizes: Optional[str] = typer.Option(
@@ -67,6 +70,7 @@ def profile(
     """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
     engine_cfg, _, prof = engine_and_sampling(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                                  quantization=quantization,
                                   block_size=block_size, seed=seed,
                                   fused_kernels=fused_kernels, prefix_caching=prefix_caching,
                                   cascade_attention=cascade_attention,
@@ -87,6 +91,9 @@ def profile(
     if dev.type == "cuda":
         from pagedgen.runtime import hardware
         limits = {"copy_bw": hardware.copy_bandwidth(), "matmul": hardware.matmul_flops()}
+        fp8_peak = hardware.fp8_matmul_flops() if engine_cfg.quantization else None
+        if fp8_peak:
+            limits["matmul_fp8"] = fp8_peak
     results = []
     for name in names:
         console.print(f"[bold]profiling {name}[/] ...")

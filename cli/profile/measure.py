@@ -95,6 +95,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                               "dtype": str(r.dtype).removeprefix("torch."),
                               "tensor_parallel_size": r.tp.size,
                               "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
+                              "quantization": r.quant.describe() if r.quant else None,
                               "batches": per_batch, "kernel_batch": kernel_batch,
                               "decode_steps": decode_steps}
     rank = f"-rank{r.tp.rank}" if r.tp.size > 1 else ""  # every rank writes its own
@@ -157,12 +158,25 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
     if attn_s:
         out["decode_attention_tb_s"] = kv_bytes / attn_s / 1e12
         out["decode_attention_bw_fraction"] = kv_bytes / attn_s / limits["copy_bw"]
-    linear = sum(m.weight.numel() for n, m in r.model.named_modules()
-                 if isinstance(m, torch.nn.Linear) and "lm_head" not in n)
+    # this rank's linear layers (FP8 ones in their own kernel group, against the FP8 peak)
+    linear = sum(m.weight.numel() for m in r.model.modules() if hasattr(m, "quant_method"))
+    fp8 = r.quant is not None and "matmul_fp8" in limits
+    linear_group, linear_peak = ("FP8 GEMM", limits["matmul_fp8"]) if fp8 \
+        else ("GEMM", limits["matmul"])
+    if fp8:
+        out["fp8_matmul_tflop_s"] = limits["matmul_fp8"] / 1e12
     lm_head = hf.vocab_size * hf.hidden_size / r.tp.size  # this rank's slice of the vocabulary
-    gemm_dec_s = dec["groups_us"]["GEMM"] / 1e6 / steps
-    if gemm_dec_s:
-        out["decode_gemm_tflop_s"] = 2 * batch * (linear + lm_head) / gemm_dec_s / 1e12
+    lin_dec_s = dec["groups_us"][linear_group] / 1e6 / steps
+    head_dec_s = dec["groups_us"]["GEMM"] / 1e6 / steps
+    if fp8 and lin_dec_s:
+        out["decode_fp8_gemm_tflop_s"] = 2 * batch * linear / lin_dec_s / 1e12
+        fp8_bytes = sum(m.weight.numel() + 4 * m.weight_scale.numel()
+                        for m in r.model.modules() if hasattr(m, "weight_scale"))
+        out["decode_fp8_gemm_tb_s"] = fp8_bytes / lin_dec_s / 1e12
+        out["decode_fp8_gemm_bw_fraction"] = fp8_bytes / lin_dec_s / limits["copy_bw"]
+    if head_dec_s:
+        flops = 2 * batch * (lm_head + (0 if fp8 else linear))
+        out["decode_gemm_tflop_s"] = flops / head_dec_s / 1e12
     n_tok = row["prefill_tokens"]
     n_seq_len = n_tok / batch
     attn_flops = 4 * spec.num_heads * spec.head_size * layers * batch * n_seq_len * (
@@ -171,11 +185,11 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
         t = pre["groups_us"]["attention"] / 1e6
         out["prefill_attention_tflop_s"] = attn_flops / t / 1e12
         out["prefill_attention_peak_fraction"] = attn_flops / t / limits["matmul"]
-    if pre["groups_us"]["GEMM"]:
-        t = pre["groups_us"]["GEMM"] / 1e6
-        flops = 2 * n_tok * linear + 2 * batch * lm_head
+    if pre["groups_us"][linear_group]:
+        t = pre["groups_us"][linear_group] / 1e6
+        flops = 2 * n_tok * linear + (0 if fp8 else 2 * batch * lm_head)
         out["prefill_gemm_tflop_s"] = flops / t / 1e12
-        out["prefill_gemm_peak_fraction"] = flops / t / limits["matmul"]
+        out["prefill_gemm_peak_fraction"] = flops / t / linear_peak
     out["decode_step_roofline_fraction"] = row.get("decode_roofline_fraction")
     return out
 

@@ -69,9 +69,17 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
             if "prefill_attention_tflop_s" in rf:
                 parts.append(f"prefill attention {rf['prefill_attention_tflop_s']:.0f} TFLOP/s "
                              f"= {100 * rf['prefill_attention_peak_fraction']:.0f}% of peak")
+            if "fp8_matmul_tflop_s" in rf:
+                parts.append(f"FP8 matmul peak {rf['fp8_matmul_tflop_s']:.0f} TFLOP/s "
+                             "(measured)")
             if "prefill_gemm_tflop_s" in rf:
-                parts.append(f"prefill GEMMs {rf['prefill_gemm_tflop_s']:.0f} TFLOP/s = "
-                             f"{100 * rf['prefill_gemm_peak_fraction']:.0f}% of peak")
+                kind = "FP8 " if "fp8_matmul_tflop_s" in rf else ""
+                parts.append(f"prefill {kind}GEMMs {rf['prefill_gemm_tflop_s']:.0f} TFLOP/s = "
+                             f"{100 * rf['prefill_gemm_peak_fraction']:.0f}% of {kind}peak")
+            if "decode_fp8_gemm_tb_s" in rf:
+                parts.append(f"decode FP8 GEMMs read weights at {rf['decode_fp8_gemm_tb_s']:.2f}"
+                             f" TB/s = {100 * rf['decode_fp8_gemm_bw_fraction']:.0f}% of copy "
+                             "bandwidth")
             if rf.get("decode_step_roofline_fraction"):
                 parts.append(f"whole decode step at batch {res['kernel_batch']}: "
                              f"{100 * rf['decode_step_roofline_fraction']:.0f}% of the memory "

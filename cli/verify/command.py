@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from pagedgen.attention.registry import backend_names, get_backend
 from pagedgen.cli.common import cli_errors, console, out_console
+from pagedgen.cli.verify.fp8_checks import plan_fp8
 from pagedgen.cli.verify.model_checks import check_tensor_parallel
 from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
 from pagedgen.errors import PagedgenError
@@ -33,6 +34,10 @@ def verify(
         1, "--tensor-parallel-size", "-tp", min=1,
         help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "
              "against one rank's eager run."),
+    quantization: Optional[str] = typer.Option(
+        None, "--quantization", "-q",
+        help="fp8: also check the FP8 GEMMs and the model with FP8 weights against their "
+             "dequantized reference."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
@@ -46,12 +51,18 @@ def verify(
         console.print(f"[bold red]error:[/] unknown backend '{backend}'; known: "
                       f"{', '.join(names)}")
         raise typer.Exit(2)
+    if quantization not in (None, "fp8"):
+        console.print(f"[bold red]error:[/] unknown quantization '{escape(quantization)}'; "
+                      "use fp8")
+        raise typer.Exit(2)
     try:
         dev = EngineConfig(device=device or "auto").torch_device()
         t0 = time.perf_counter()
         out = out_console()
         plans = [plan_backend(n, dev, model, dtype, cases, steps, seed)
                  for n in (names if backend == "all" else [backend])]
+        if quantization == "fp8":
+            plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
         reports = run_plans(plans, jobs or default_jobs(dev), out,
                             lambda name: check_tensor_parallel(
                                 name, model, dtype, dev, steps, seed, tensor_parallel_size,

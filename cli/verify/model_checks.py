@@ -19,7 +19,7 @@ from pagedgen.runtime.distributed import data_parallel
 MODEL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 
 
-def _model_config(backend_name: str, model: str, dtype: str, device: torch.device, seed: int,
+def model_config(backend_name: str, model: str, dtype: str, device: torch.device, seed: int,
                   graphs: bool, tp: int = 1):
     from pagedgen.runtime.config import EngineConfig
 
@@ -29,7 +29,7 @@ def _model_config(backend_name: str, model: str, dtype: str, device: torch.devic
                         enforce_eager=not graphs, tensor_parallel_size=tp)
 
 
-def _model_prompts(seed: int) -> list[list[int]]:
+def model_prompts(seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1, 15, 16, 17, 40, 100]  # around page boundaries, and a single token
     return [torch.randint(0, 256, (n,), generator=g).tolist() for n in lengths]
@@ -90,9 +90,9 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
     """The same prompts through the model with the backend and with eager."""
     from pagedgen.runtime.engine.engine import Engine
 
-    prompts = _model_prompts(seed)
-    ref = trace(Engine(_model_config("eager", model, dtype, device, seed, False)), prompts, steps)
-    eng = Engine(_model_config(backend_name, model, dtype, device, seed, graphs))
+    prompts = model_prompts(seed)
+    ref = trace(Engine(model_config("eager", model, dtype, device, seed, False)), prompts, steps)
+    eng = Engine(model_config(backend_name, model, dtype, device, seed, graphs))
     label = f"model {eng.src.name} {str(eng.runner.dtype).removeprefix('torch.')}, " \
             f"CUDA graphs {'on' if graphs else 'off'}"
     return compare(ref, trace(eng, prompts, steps), MODEL_TOL[eng.runner.dtype], label)
@@ -104,10 +104,10 @@ def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: tor
     the CPU) with the backend, against one process running eager attention."""
     from pagedgen.runtime.engine.engine import Engine
 
-    prompts = _model_prompts(seed)
-    cfg = _model_config(backend_name, model, dtype, device, seed, graphs, tp)
+    prompts = model_prompts(seed)
+    cfg = model_config(backend_name, model, dtype, device, seed, graphs, tp)
     got = data_parallel.run_on_ranks(trace_worker, (cfg, prompts, steps), cfg)
-    ref_engine = Engine(_model_config("eager", model, dtype, device, seed, False))
+    ref_engine = Engine(model_config("eager", model, dtype, device, seed, False))
     ref = trace(ref_engine, prompts, steps)
     label = f"tensor parallel {tp} ({ref_engine.src.name}, CUDA graphs " \
             f"{'on' if graphs else 'off'}) vs 1 rank eager"

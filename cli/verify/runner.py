@@ -42,7 +42,7 @@ class Check:
     finish: Callable[[list[Any]], Row | None]
 
 
-def _single(results: list[Row]) -> Row:
+def single(results: list[Row]) -> Row:
     return results[0]
 
 
@@ -64,10 +64,10 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
                         functools.partial(cascade_row, cascade_dtype(backend))))
     for graphs in graph_modes(backend, device):
         checks.append(Check([(check_model, (name, model, dtype, device, steps, seed, graphs))],
-                            _single))
+                            single))
     for page in page_sizes(backend):
         checks.append(Check([(check_prefix_cache,
-                              (name, model, dtype, device, steps, seed, page))], _single))
+                              (name, model, dtype, device, steps, seed, page))], single))
     return BackendReport(name, "checked"), checks
 
 

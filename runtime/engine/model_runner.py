@@ -28,7 +28,7 @@ from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.engine.step import StepHandle
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.models import registry
-from pagedgen.runtime.models.loader import ModelSource, build_model
+from pagedgen.runtime.models.loader import ModelSource, build_model, model_quantization
 from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.step import sample_step
@@ -68,8 +68,9 @@ class ModelRunner:
         self.tp.enable_one_shot(self.dtype, self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+        self.quant = model_quantization(src, config.quantization)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
-                                 self.tp)
+                                 self.tp, self.quant)
         self.model.setup_rotary(self.max_model_len, self.device)
         t = self._phase("model", t)
         self.fused_kernels = (config.fused_kernels

@@ -92,6 +92,21 @@ def load_segment(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> 
     _zero_padding(param, shard)
 
 
+def take_segment(param: torch.Tensor, shard: Shard, key: Any, tensor) -> tuple[Segment,
+                                                                                 torch.Tensor]:
+    """The segment ``key`` of ``param`` and this rank's rows (or columns) of checkpoint tensor
+    ``tensor`` for it (read from a lazy slice: only those leave the file); ValueError when the
+    tensor's shape does not fit."""
+    dim, segs = shard
+    want = checkpoint_shape(param, shard, key)
+    have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+    if have != want:
+        raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
+    seg = next(s for s in segs if s.key == key)
+    rows = (slice(None),) * dim + (slice(seg.start, seg.start + seg.size),)
+    return seg, tensor[rows]
+
+
 def _zero_padding(param: torch.Tensor, shard: Shard) -> None:
     """Zero the rows after the last segment (the last rank's vocabulary padding)."""
     dim, segs = shard

@@ -21,6 +21,8 @@ from pagedgen.runtime.models.hf_config import ModelConfig, model_config
 from pagedgen.runtime.models import gguf_file, registry
 from pagedgen.runtime.layers.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
+from pagedgen.runtime.quantization.unquantized import Unquantized
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
                                                Tokenizer)
 
@@ -123,22 +125,25 @@ def weights_format(src: ModelSource, load_format: str) -> str:
 
 
 def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
-                seed: int = 0, tp: TensorParallel | None = None) -> registry.CausalLM:
+                seed: int = 0, tp: TensorParallel | None = None,
+                quant: QuantConfig | None = None) -> registry.CausalLM:
     """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
-    ``dtype`` and fill them from safetensors or at random."""
+    ``dtype`` (linear layers as ``quant`` says: ``model_quantization``) and fill them from the
+    checkpoint or at random."""
     load_format = weights_format(src, load_format)
+    check_device(quant, device)
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device in the target dtype, then allocate once on the device
         torch.set_default_dtype(dtype)
         with torch.device("meta"):
-            model = registry.model_class(src.hf_config)(src.hf_config, tp)
+            model = registry.model_class(src.hf_config)(src.hf_config, tp, quant)
     except ValueError as e:  # a shape the tensor-parallel size does not divide
         raise PagedgenError(f"{src.name}: {e}")
     finally:
         torch.set_default_dtype(default_dtype)
     _allocate(model, device)
     if load_format == "dummy":
-        _init_dummy(model, seed)
+        _init_dummy(model, seed, dtype)
     elif load_format == "gguf":
         try:
             model.load_weights(gguf_file.iter_tensors(src.checkpoint, src.hf_config))
@@ -154,8 +159,18 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     for module in model.modules():  # each linear layer's weights into its method's form
         method = getattr(module, "quant_method", None)
         if method is not None:
-            method.process_weights_after_loading(module)
+            try:
+                method.process_weights_after_loading(module)
+            except ValueError as e:
+                raise PagedgenError(str(e))
     return model.eval()
+
+
+def model_quantization(src: ModelSource, requested: str | None) -> QuantConfig | None:
+    """The model's quantization (the checkpoint's, or ``requested`` applied at load)."""
+    where = str(src.checkpoint / "config.json") if src.checkpoint is not None \
+        and src.checkpoint.is_dir() else src.name
+    return quant_config(src.hf_config, requested, where)
 
 
 def _allocate(model: torch.nn.Module, device: torch.device) -> None:
@@ -175,15 +190,28 @@ def _allocate(model: torch.nn.Module, device: torch.device) -> None:
                 new[id(t)]
 
 
-def _init_dummy(model: torch.nn.Module, seed: int) -> None:
+def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
     """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed.
     A sharded parameter takes its part of the tensor the unsharded model would draw, so every
-    tensor-parallel size runs the same model."""
+    tensor-parallel size runs the same model; a quantized layer gets the tensor the dense model
+    would draw (in ``dtype``), quantized as a checkpoint's would be."""
     gens: dict[torch.device, torch.Generator] = {}
     shards = shard_map(model)
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            prefix, _, attr = name.rpartition(".")
+            layer = modules[prefix]
+            method = getattr(layer, "quant_method", None)
+            if method is not None and not isinstance(method, Unquantized):
+                if attr == "weight":
+                    gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
+                    full = torch.empty(full_shape(p, shards.get(name)), dtype=dtype,
+                                       device=p.device).normal_(0.0, 0.02, generator=gen)
+                    _load_parts(layer, full)
+                elif attr == "bias":
+                    p.zero_()
+            elif "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
@@ -196,6 +224,18 @@ def _init_dummy(model: torch.nn.Module, seed: int) -> None:
                     full = torch.empty(shape, dtype=p.dtype, device=p.device)
                     copy_shard(p, shards[name], full.normal_(0.0, 0.02, generator=gen))
                     del full
+
+
+def _load_parts(layer: torch.nn.Module, full: torch.Tensor) -> None:
+    """A drawn unsharded (fused) weight into ``layer``, part by part, through its method."""
+    dim, segs = layer.shards["weight"]
+    if dim == 1:
+        layer.quant_method.load(layer, "weight", segs[0].key, full)
+        return
+    base = 0
+    for s in segs:
+        layer.quant_method.load(layer, "weight", s.key, full.narrow(0, base, s.full))
+        base += s.full
 
 
 def _safetensors_files(path: Path) -> list[Path]:

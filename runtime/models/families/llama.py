@@ -23,9 +23,10 @@ from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
-from pagedgen.runtime.layers.sharding import (Segment, checkpoint_shape, load_segment, shard_map,
-                                              split)
+from pagedgen.runtime.layers.sharding import Segment, split
 from pagedgen.runtime.models.registry import ModelFamily, register
+from pagedgen.runtime.models.weights import load_checkpoint
+from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
 
 def num_kv_heads(config) -> int:
@@ -33,7 +34,8 @@ def num_kv_heads(config) -> int:
 
 
 class Attention(nn.Module):
-    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.spec = spec
         h, d = config.hidden_size, spec.head_size
@@ -45,9 +47,12 @@ class Attention(nn.Module):
         # this rank's KV heads, or the one it replicates when there are fewer than ranks
         kv_first = (tp.rank * num_kv_heads(config) // tp.size) * d
         kv = Segment(None, kv_full, kv_first, self.kv_size, 0)
-        self.qkv_proj = ColumnParallelLinear(h, [("q", q), ("k", kv), ("v", kv)], qkv_bias)
+        self.qkv_proj = ColumnParallelLinear(
+            h, [("q", q), ("k", kv), ("v", kv)], qkv_bias,
+            linear_method(quant, prefix, ["q_proj", "k_proj", "v_proj"]))
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, h,
-                                        bias and config.model_type != "qwen2", tp)
+                                        bias and config.model_type != "qwen2", tp,
+                                        linear_method(quant, prefix, ["o_proj"]))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:  # per-head RMSNorm of q and k before rotary (applied by the rotary op)
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -69,13 +74,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config, tp: TensorParallel) -> None:
+    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = split(config.intermediate_size, tp, "intermediate_size")
-        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [(0, inter), (1, inter)],
-                                                 bias)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [(0, inter), (1, inter)], bias,
+            linear_method(quant, prefix, ["gate_proj", "up_proj"]))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp,
+                                           linear_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,10 +91,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, spec: LayerSpec, tp: TensorParallel) -> None:
+    def __init__(self, config, spec: LayerSpec, tp: TensorParallel,
+                 quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = Attention(config, spec, tp)
-        self.mlp = MLP(config, tp)
+        self.self_attn = Attention(config, spec, tp, quant, f"{prefix}.self_attn")
+        self.mlp = MLP(config, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -104,11 +113,12 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config, tp: TensorParallel) -> None:
+    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(config, s, tp)
-                                    for s in LlamaForCausalLM.layer_specs(config, tp.size))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, s, tp, quant, f"model.layers.{i}")
+            for i, s in enumerate(LlamaForCausalLM.layer_specs(config, tp.size)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -122,11 +132,12 @@ class LlamaForCausalLM(nn.Module):
                "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
                "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, tp: TensorParallel | None = None) -> None:
+    def __init__(self, config, tp: TensorParallel | None = None,
+                 quant: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
-        self.model = Model(config, self.tp)
+        self.model = Model(config, self.tp, quant)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:  # the same vocabulary split as the embedding
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
@@ -205,45 +216,10 @@ class LlamaForCausalLM(nn.Module):
         return head.logits(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        """Copy checkpoint tensors (torch tensors or lazy safetensors slices, of which only this
-        rank's rows are read) into our (partly fused, maybe sharded) parameters. Each tensor's
-        name and shape is checked against the config's model first: an unexpected, misshapen
-        or missing tensor is a ValueError naming it (a loader prefixes the file)."""
-        params = dict(self.named_parameters())
-        shards = shard_map(self)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            target, shard = name, None
-            for ckpt, (fused, shard_id) in self.STACKED.items():
-                if f".{ckpt}." in name:
-                    target, shard = name.replace(ckpt, fused), shard_id
-                    break
-            if target not in params:
-                raise ValueError(f"unexpected tensor '{name}' (not in a {self.config.model_type} "
-                                 "model of this config)")
-            want = checkpoint_shape(params[target], shards.get(target), shard)
-            have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-            if have != want:
-                raise ValueError(f"tensor '{name}' has shape {list(have)}; the config makes it "
-                                 f"{list(want)}")
-            with torch.no_grad():
-                load_segment(params[target].data, shards.get(target), shard, tensor)
-            loaded.add(f"{target}:{shard}")
-        expected = set()
-        for pname in params:
-            fused = [s for c, (f, s) in self.STACKED.items() if f".{f}." in pname]
-            expected |= {f"{pname}:{s}" for s in fused} if fused else {f"{pname}:None"}
-        missing = sorted(expected - loaded)
-        if missing:
-            pname, shard_id = missing[0].rsplit(":", 1)
-            ckpt = next((c for c, (f, s) in self.STACKED.items()
-                         if f".{f}." in pname and str(s) == shard_id), None)
-            first = pname.replace(self.STACKED[ckpt][0], ckpt) if ckpt else pname
-            raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{first}'")
+        """Checkpoint tensors into our parameters (``weights.load_checkpoint``)."""
+        tied = self.tie_word_embeddings
+        load_checkpoint(self, weights, self.STACKED, lambda name: "rotary_emb" in name
+                        or (tied and name == "lm_head.weight"))
 
 
 # ---- registration: config defaults (as transformers' config classes give them) and rules ----

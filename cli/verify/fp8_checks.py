@@ -1,0 +1,107 @@
+"""`pagedgen verify --quantization fp8`: the FP8 GEMMs against their dequantized reference
+(random shapes, every M regime), and the model with FP8 weights against the same FP8 weights
+dequantized (the reference's linear layers multiply in the model's dtype; the checked ones
+quantize activations as they run)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from pagedgen.cli.verify.report import BackendReport, Row
+from pagedgen.cli.verify.runner import Check, single
+
+# Max |difference| relative to the largest reference value. A GEMM: e4m3 activations (3
+# mantissa bits) and a bf16 result; the model: the same error through every layer.
+GEMM_TOL = 3e-2
+MODEL_TOL = 0.15
+NAME = "fp8-linear"
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return ("FP8 GEMMs run on CUDA GPUs with FP8 tensor cores; the CPU multiplies "
+                "dequantized weights (checked in the test suite)")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return "this GPU has no FP8 tensor cores (compute capability 8.9+ needed)"
+    return None
+
+
+def plan_fp8(device: torch.device, model: str, dtype: str, cases: int, steps: int,
+             seed: int) -> tuple[BackendReport, list]:
+    """The FP8 report: a row per GEMM kernel and the model row (runner.Check tasks)."""
+    why = fp8_unavailable(device)
+    if why:
+        return BackendReport(NAME, "skipped", why), []
+    checks = [Check([(gemm_row, (gemm, device, cases, seed))], single)
+              for gemm in ("rowwise", "triton_w8a16", "triton_w8a8")]
+    checks.append(Check([(model_row, (model, dtype, device, steps, seed))], single))
+    return BackendReport(NAME, "checked"), checks
+
+
+def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
+    """``cases`` random layers (M from 1 to 700, per-channel or 128-block scales as the
+    kernel takes) through ``gemm`` against ``scaled_gemm_ref`` on the same FP8 operands."""
+    from pagedgen.runtime.quantization import fp8_kernels as k
+    from pagedgen.runtime.quantization.fp8 import run_gemm
+
+    g = torch.Generator().manual_seed(seed)
+    block = 128 if gemm == "triton_w8a8" else None
+    worst_abs = worst_rel = 0.0
+    for i in range(cases):
+        m = [1, 3, 16, 64, 100, 256, 700][i % 7]
+        n = 16 * int(torch.randint(1, 40, (1,), generator=g))
+        kk = 128 * int(torch.randint(1, 12, (1,), generator=g)) + (0 if block else 16 * (i % 3))
+        w = torch.randn(n, kk, generator=g).to(device)
+        x = torch.randn(m, kk, generator=g).to(device, torch.bfloat16)
+        layer = torch.nn.Module()
+        layer.weight, layer.weight_scale = k.quantize_weight(w, block)
+        layer.input_scale = None
+        got = run_gemm(gemm, layer, x, block).float()
+        if gemm == "triton_w8a16":
+            ref = k.scaled_gemm_ref(x, None, layer.weight, layer.weight_scale, torch.float32,
+                                    block)
+        else:
+            xq, xs = k.quantize_activations_ref(x, block)
+            ref = k.scaled_gemm_ref(xq, xs, layer.weight, layer.weight_scale, torch.float32,
+                                    block)
+        err = (got - ref).abs().max().item()
+        worst_abs = max(worst_abs, err)
+        worst_rel = max(worst_rel, err / max(ref.abs().max().item(), 1e-6))
+    return Row("kernel", f"fp8 GEMM {gemm}", cases, worst_abs, worst_rel, GEMM_TOL,
+               worst_rel <= GEMM_TOL, "vs float32 on the same FP8 operands")
+
+
+@contextlib.contextmanager
+def _forced_gemm(name: str):
+    from pagedgen.runtime.quantization.fp8 import ENV_GEMM
+
+    before = os.environ.get(ENV_GEMM)
+    os.environ[ENV_GEMM] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(ENV_GEMM, None)
+        else:
+            os.environ[ENV_GEMM] = before
+
+
+def model_row(model: str, dtype: str, device: torch.device, steps: int, seed: int) -> Row:
+    """The model with ``--quantization fp8`` (the GEMMs picked by measurement, CUDA graphs on)
+    against the same FP8 weights dequantized, eager."""
+    import dataclasses
+
+    from pagedgen.cli.verify.model_checks import model_config, model_prompts, compare, trace
+    from pagedgen.runtime.engine.engine import Engine
+
+    prompts = model_prompts(seed)
+    cfg = dataclasses.replace(model_config("auto", model, dtype, device, seed, True),
+                              quantization="fp8")
+    got = trace(Engine(cfg), prompts, steps)
+    with _forced_gemm("dequantize"):
+        ref = trace(Engine(dataclasses.replace(cfg, enforce_eager=True)), prompts, steps)
+    return compare(ref, got, MODEL_TOL, f"model {model} fp8 (GEMMs by measurement, CUDA graphs)"
+                   " vs its weights dequantized")

@@ -1,0 +1,97 @@
+"""Checkpoint tensors into a model's (partly fused, maybe sharded, maybe quantized) parameters:
+the loading every family shares.
+
+A checkpoint name maps to a module and a parameter of ours (fused projections through the
+family's ``stacked`` table: ``q_proj`` → ``qkv_proj``, part ``"q"``). A linear layer's tensors go
+to its quantization method (``load``: the dense copy, or FP8 weights and scales), every other
+parameter is copied as it is; each tensor's shape is checked first, and every tensor the model
+needs must come: a misshapen, unexpected or missing one is a ValueError naming it (the caller
+names the file).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from pagedgen.runtime.layers.sharding import checkpoint_shape, load_segment, shard_map
+
+Stacked = dict[str, tuple[str, Any]]  # checkpoint module name → (our fused module, part key)
+
+
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacked: Stacked,
+                    skip: Callable[[str], bool] = lambda name: False) -> None:
+    """Copy ``weights`` ((name, tensor or lazy slice)) into ``model``; ``skip(name)``: tensors
+    the model does not use (rotary caches, a tied LM head)."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    shards = shard_map(model)
+    loaded: set[tuple[str, Any]] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, key = name, None
+        for ckpt, (fused, part) in stacked.items():
+            if f".{ckpt}." in name:
+                target, key = name.replace(f".{ckpt}.", f".{fused}."), part
+                break
+        prefix, _, attr = target.rpartition(".")
+        method = getattr(modules.get(prefix), "quant_method", None)
+        try:
+            if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
+                with torch.no_grad():
+                    method.load(modules[prefix], attr, key, tensor)
+            elif target in params and key is None:
+                _load_plain(params[target], shards.get(target), tensor)
+            else:
+                raise KeyError
+        except KeyError:
+            raise ValueError(f"unexpected tensor '{name}' (not in a "
+                             f"{getattr(model.config, 'model_type', '')} model of this config)"
+                             ) from None
+        except ValueError as e:
+            raise ValueError(f"tensor '{name}' {e}") from None
+        loaded.add((target, key))
+    missing = _missing(model, stacked, loaded)
+    if missing:
+        raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{missing[0]}'")
+
+
+def _load_plain(param: torch.Tensor, shard, tensor: Any) -> None:
+    want = checkpoint_shape(param, shard, None)
+    have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+    if have != want:
+        raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
+    with torch.no_grad():
+        load_segment(param.data, shard, None, tensor)
+
+
+def expected_tensors(model: nn.Module, stacked: Stacked) -> dict[tuple[str, Any], str]:
+    """(our parameter, part key) → the checkpoint name, for every tensor the model needs."""
+    unfuse = {(fused, part): ckpt for ckpt, (fused, part) in stacked.items()}
+    out: dict[tuple[str, Any], str] = {}
+    covered: set[str] = set()
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        dim, segs = module.shards["weight"]
+        keys = [s.key for s in segs] if dim == 0 else [None]
+        owner, _, leaf = prefix.rpartition(".")
+        for attr in method.checkpoint_tensors(module):
+            covered.add(f"{prefix}.{attr}")
+            for key in keys:
+                ckpt = unfuse.get((leaf, key), leaf) if key is not None else leaf
+                out[(f"{prefix}.{attr}", key)] = f"{owner}.{ckpt}.{attr}".lstrip(".")
+        covered |= {f"{prefix}.{n}" for n, _ in module.named_parameters(recurse=False)}
+    for name, _ in model.named_parameters():
+        if name not in covered:
+            out[(name, None)] = name
+    return out
+
+
+def _missing(model: nn.Module, stacked: Stacked, loaded: set[tuple[str, Any]]) -> list[str]:
+    need = expected_tensors(model, stacked)
+    return [need[k] for k in sorted(set(need) - loaded, key=str)]

@@ -1,0 +1,283 @@
+"""FP8 (e4m3) linear layers: weights in e4m3 with float32 scales, activations quantized as the
+GEMM needs them (``fp8_kernels.py`` holds the arithmetic).
+
+Three ways in, one form on the layer (``weight`` [out, in] e4m3, ``weight_scale`` [out,
+K_groups] float32, ``input_scale`` [1] when static):
+* online (``--quantization fp8`` on a bf16/fp16/fp32 checkpoint, GGUF or dummy weights): each
+  checkpoint tensor is quantized as it is read, per output channel (never the whole model in
+  its dtype on the device);
+* per-channel or per-tensor FP8 checkpoints (compressed-tensors ``float-quantized``; a
+  per-tensor scale becomes its rows' scale, so fused q/k/v keep their own);
+* block-scaled checkpoints (Hugging Face ``quant_method: fp8`` with ``weight_block_size``;
+  ``weight_scale_inv`` per 128 x 128 block, its rows expanded, so partial edge blocks, fused
+  parts and tensor-parallel shards need no special case beyond K blocks staying whole).
+
+On CUDA each GEMM runs the kernel measured fastest for its M on this GPU (chosen once per
+weight shape at load; ``$PAGEDGEN_FP8_GEMM`` forces one), without dequantizing; elsewhere (CPU)
+the weight is dequantized and multiplied in the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.layers.sharding import take_segment
+from pagedgen.runtime.quantization import fp8_kernels as k
+from pagedgen.runtime.quantization.base import QuantizationMethod
+
+ENV_GEMM = "PAGEDGEN_FP8_GEMM"
+GEMMS = ("rowwise", "triton_w8a8", "triton_w8a16", "dequantize")  # the last: a reference
+_M_BUCKETS = (1, 8, 32, 64, 128, 256, 1024)  # the M values each shape's kernels are timed at
+
+
+@dataclass(frozen=True)
+class Fp8Scheme:
+    """How a layer's FP8 weights come: ``serialized`` (e4m3 in the checkpoint, with scales
+    named ``scale_name``) or quantized at load; ``block`` (rows, cols) of one weight scale, or
+    None for per-channel (``per_tensor``: the checkpoint gives one scale per tensor);
+    ``static_input``: the checkpoint gives a per-tensor ``input_scale``."""
+
+    serialized: bool = False
+    block: tuple[int, int] | None = None
+    per_tensor: bool = False
+    static_input: bool = False
+    scale_name: str = "weight_scale"
+
+    def describe(self) -> str:
+        w = (f"{self.block[0]}x{self.block[1]}-block" if self.block else
+             "per-tensor" if self.per_tensor else "per-channel")
+        a = "static per-tensor" if self.static_input else (
+            f"dynamic per-token-group ({self.block[1]})" if self.block else "dynamic per-token")
+        return (f"{w} weights ({'checkpoint' if self.serialized else 'quantized at load'}), "
+                f"{a} activations")
+
+
+ONLINE = Fp8Scheme()
+
+
+class Fp8(QuantizationMethod):
+    name: ClassVar[str] = "fp8"
+
+    def __init__(self, scheme: Fp8Scheme = ONLINE) -> None:
+        self.scheme = scheme
+        self.group_k: int | None = scheme.block[1] if scheme.block else None
+        self._input_parts: set[Any] = set()  # fused parts whose input scale has arrived
+
+    # ---- parameters ----
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       bias: bool) -> None:
+        groups = 1 if self.group_k is None else math.ceil(in_features / self.group_k)
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=k.E4M3),
+                                    requires_grad=False)
+        layer.weight_scale = nn.Parameter(torch.empty(out_features, groups,
+                                                      dtype=torch.float32), requires_grad=False)
+        layer.register_parameter("input_scale", nn.Parameter(
+            torch.empty(1, dtype=torch.float32), requires_grad=False)
+            if self.scheme.static_input else None)
+        layer.register_parameter("bias", nn.Parameter(torch.empty(out_features))
+                                 if bias else None)
+        layer.gemm_plan = None
+        layer.act_dtype = torch.get_default_dtype()  # the model's dtype while it is built
+
+    def checkpoint_tensors(self, layer: nn.Module) -> tuple[str, ...]:
+        names = ["weight"] + (["bias"] if layer.bias is not None else [])
+        if self.scheme.serialized:
+            names.append(self.scheme.scale_name)
+        if self.scheme.static_input:
+            names.append("input_scale")
+        return tuple(names)
+
+    # ---- loading ----
+
+    def load(self, layer: nn.Module, name: str, key: Any, tensor: Any) -> None:
+        if name == "weight":
+            self._load_weight(layer, key, tensor)
+        elif name == self.scheme.scale_name and self.scheme.serialized:
+            self._load_scale(layer, key, tensor)
+        elif name == "input_scale" and self.scheme.static_input:
+            value = _read(tensor).float()
+            if value.numel() != 1:
+                raise ValueError(f"has shape {list(value.shape)}; a per-tensor input scale "
+                                 "has one value")
+            seen = self._input_parts
+            v = value.reshape(1).to(layer.input_scale.device)
+            # fused parts share their input: the largest scale covers every part's range
+            layer.input_scale.data.copy_(torch.maximum(layer.input_scale.data, v) if seen else v)
+            seen.add(key)
+        else:
+            super().load(layer, name, key, tensor)
+
+    def _load_weight(self, layer: nn.Module, key: Any, tensor: Any) -> None:
+        dim, _ = layer.shards["weight"]
+        seg, part = take_segment(layer.weight, layer.shards["weight"], key, tensor)
+        dest = layer.weight.data.narrow(dim, seg.offset, seg.size)
+        if part.dtype == k.E4M3:
+            if not self.scheme.serialized:
+                raise ValueError("is FP8 but the checkpoint's config names no FP8 "
+                                 "quantization")
+            dest.copy_(part)
+            return
+        q, scale = k.quantize_weight(part.to(dest.device), self.group_k)
+        dest.copy_(q)
+        scales = layer.weight_scale.data
+        if dim == 0:
+            scales[seg.offset:seg.offset + seg.size].copy_(scale)
+        else:
+            scales.copy_(scale)
+
+    def _load_scale(self, layer: nn.Module, key: Any, tensor: Any) -> None:
+        """A checkpoint scale (per tensor, per channel or per block) into this rank's rows of
+        ``weight_scale``, rows expanded."""
+        dim, segs = layer.shards["weight"]
+        seg = next(s for s in segs if s.key == key)
+        rows = seg.full if dim == 0 else layer.out_features
+        cols = layer.in_features if dim == 0 else seg.full
+        s = _read(tensor).float()
+        block = self.scheme.block
+        if block is None:
+            want = "one value" if self.scheme.per_tensor else f"[{rows}] or [{rows}, 1]"
+            ok = s.numel() == 1 if self.scheme.per_tensor else \
+                tuple(s.shape) in ((rows,), (rows, 1))
+            if not ok:
+                raise ValueError(f"has shape {list(s.shape)}; a "
+                                 f"{'per-tensor' if self.scheme.per_tensor else 'per-channel'}"
+                                 f" scale of a [{rows}, {cols}] weight has {want}")
+            full = s.reshape(-1, 1).expand(rows, 1)
+        else:
+            br, bc = block
+            shape = (math.ceil(rows / br), math.ceil(cols / bc))
+            if tuple(s.shape) != shape:
+                raise ValueError(f"has shape {list(s.shape)}; {br}x{bc} blocks of a "
+                                 f"[{rows}, {cols}] weight make it {list(shape)}")
+            full = s.repeat_interleave(br, dim=0)[:rows]
+            if dim == 1:  # this rank's K blocks
+                if seg.start % bc:
+                    raise ValueError(f"cannot be split over tensor-parallel ranks: a rank's "
+                                     f"input features start at {seg.start}, inside a block "
+                                     f"of {bc}")
+                full = full[:, seg.start // bc: math.ceil((seg.start + seg.size) / bc)]
+        dest = layer.weight_scale.data
+        if dim == 0:
+            dest[seg.offset:seg.offset + seg.size].copy_(full[seg.start:seg.start + seg.size])
+        else:
+            dest.copy_(full)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if layer.weight.device.type == "cuda":
+            layer.gemm_plan = plan_gemm(layer, self.group_k)
+
+    # ---- compute ----
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        plan = layer.gemm_plan  # None: CPU, where the weights are dequantized
+        gemm = plan.choose(x2.shape[0]) if plan is not None else "dequantize"
+        with scope("fp8_gemm"):
+            y = run_gemm(gemm, layer, x2.contiguous(), self.group_k)
+        if bias is not None:
+            y = y + bias
+        if out is not None:
+            return out.copy_(y)
+        return y.reshape(*shape[:-1], y.shape[-1])
+
+
+def _read(tensor: Any) -> torch.Tensor:
+    return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
+
+
+# ---- choosing the GEMM by measurement ----------------------------------------------------------
+
+@dataclass
+class GemmPlan:
+    """The kernel for each M: ``choices`` [(largest M, gemm)] in increasing M."""
+
+    choices: list[tuple[float, str]]
+
+    def choose(self, m: int) -> str:
+        return next((g for bound, g in self.choices if m <= bound), self.choices[-1][1])
+
+
+_PLANS: dict[tuple, GemmPlan] = {}  # by (device, N, K, K groups, static input, forced)
+
+
+def candidates(layer: nn.Module, group_k: int | None) -> list[str]:
+    """The GEMMs that can run this layer's weight on this device."""
+    n, kk = layer.weight.shape
+    if layer.weight.device.type != "cuda":
+        return ["dequantize"]
+    out = ["triton_w8a16"] if k.HAVE_TRITON else []
+    if group_k is None and n % 16 == 0 and kk % 16 == 0:
+        out.append("rowwise")
+    if k.HAVE_TRITON and group_k is not None and group_k % 16 == 0:
+        out.append("triton_w8a8")
+    return out
+
+
+def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
+    """Time each candidate GEMM at every M bucket on this layer's weight (once per shape)."""
+    forced = os.environ.get(ENV_GEMM) or None
+    cands = candidates(layer, group_k)
+    if forced is not None:
+        if forced not in GEMMS:
+            raise ValueError(f"${ENV_GEMM}={forced}: use one of {', '.join(GEMMS)}")
+        if forced not in cands and forced != "dequantize":
+            raise ValueError(f"${ENV_GEMM}={forced} cannot run a {list(layer.weight.shape)} "
+                             f"weight here (can: {', '.join(cands)})")
+        return GemmPlan([(math.inf, forced)])
+    if not cands:
+        raise ValueError("no FP8 GEMM can run here (Triton is not installed)")
+    key = (layer.weight.device, *layer.weight.shape, layer.weight_scale.shape[1],
+           layer.input_scale is not None)
+    if key not in _PLANS:
+        choices = []
+        for m in _M_BUCKETS:
+            x = torch.randn(m, layer.weight.shape[1], device=layer.weight.device,
+                            dtype=layer.act_dtype)
+            times = {g: graph_time(lambda g=g: run_gemm(g, layer, x, group_k)) for g in cands}
+            choices.append((m, min(times, key=times.get)))
+        _PLANS[key] = GemmPlan(choices)
+    return _PLANS[key]
+
+
+def graph_time(fn, calls: int = 10, replays: int = 5) -> float:
+    """Median seconds of one ``fn`` call, replayed from a CUDA graph as the model runs it (no
+    launch overhead: small-M kernels would otherwise be timed by their launches)."""
+    from pagedgen.runtime.hardware import time_cuda
+
+    fn()  # compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    t = time_cuda(graph.replay, replays) / calls
+    del graph
+    return t
+
+
+def run_gemm(gemm: str, layer: nn.Module, x: torch.Tensor, group_k: int | None) -> torch.Tensor:
+    """``x W^T`` with FP8 ``layer.weight`` by the kernel named ``gemm`` (``fp8_kernels``;
+    "dequantize": the weight dequantized to ``x``'s dtype, a plain GEMM)."""
+    if gemm == "dequantize":
+        return F.linear(x, k.dequantize(layer.weight, layer.weight_scale, x.dtype, group_k))
+    if gemm == "triton_w8a16":
+        return k.scaled_gemm(x, None, layer.weight, layer.weight_scale, x.dtype, group_k)
+    xq, xs = k.quantize_activations(x, group_k, layer.input_scale)
+    if gemm == "rowwise":
+        return k.rowwise_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
+    return k.scaled_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype, group_k)

@@ -1,0 +1,210 @@
+"""FP8 (e4m3) arithmetic: quantizing weights and activations, and the GEMMs over them.
+
+Scales follow one layout everywhere: a weight ``[N, K]`` in e4m3 has float32 scales
+``[N, K_groups]`` (one row of scales per output feature; ``K_groups`` = 1 for per-channel
+scales, ``ceil(K / group_k)`` for block scales, whose blocks' rows are expanded to single rows so
+that fused and sharded weights concatenate), and ``W ≈ q * scale`` group by group. Activations
+are quantized per token (``[M, 1]`` scales) or per token and group of ``group_k`` columns
+(``[M, K_groups]``), dynamically, or with one static scale.
+
+GEMMs (``x`` ``[M, K]`` in bf16/fp16, the result in ``x``'s dtype):
+* ``rowwise``: per-token activation quantization (a Triton kernel) then ``torch._scaled_mm``
+  with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores); per-channel weights only.
+* ``triton_w8a8``: activations quantized per token-group, then ``scaled_gemm`` below, which
+  multiplies e4m3 tiles on the tensor cores and applies both scales per K group (block weights).
+* ``triton_w8a16``: ``scaled_gemm`` with ``x`` as it is and each e4m3 weight tile converted in
+  registers (no activation quantization: for small M, where the GEMM is weight-bandwidth-bound).
+The torch references (``*_ref``) define the math; the tests run the kernels against them on the
+CPU under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
+MIN_SCALE = 1e-12  # an all-zero group still gets a positive scale
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+# Triton's interpreter (CPU tests) casts to e4m3 without carrying a rounded-up mantissa into the
+# exponent (31.5 -> 16); there the kernels round to the e4m3 grid themselves first.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ---- references (torch ops) ---------------------------------------------------------------------
+
+def quantize_weight(w: torch.Tensor, group_k: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 ``q`` and float32 scales ``[N, K_groups]`` of ``w`` ``[N, K]``: one scale per row
+    (``group_k`` None) or per row and group of ``group_k`` columns; ``amax / 448`` each."""
+    n, k = w.shape
+    g = k if group_k is None else group_k
+    groups = math.ceil(k / g)
+    wf = torch.nn.functional.pad(w.float(), (0, groups * g - k)).view(n, groups, g)
+    scale = (wf.abs().amax(dim=-1) / E4M3_MAX).clamp(min=MIN_SCALE)
+    q = (wf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).view(n, groups * g)
+    return q[:, :k].contiguous(), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+               group_k: int | None = None) -> torch.Tensor:
+    """``q * scale`` in ``dtype`` (scales ``[N, K_groups]`` over groups of ``group_k``
+    columns; None: one scale per row)."""
+    k = q.shape[1]
+    s = scale if group_k is None else scale.repeat_interleave(group_k, dim=1)[:, :k]
+    return (q.float() * s).to(dtype)
+
+
+def quantize_activations_ref(x: torch.Tensor, group_k: int | None = None,
+                             static_scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (or per token-group) dynamic quantization of ``x`` [M, K]; with
+    ``static_scale`` (one float32 value), that scale for every token."""
+    if static_scale is not None:
+        s = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+        return (x.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s.contiguous()
+    return quantize_weight(x, group_k)
+
+
+def scaled_gemm_ref(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+                    w_scale: torch.Tensor, out_dtype: torch.dtype,
+                    group_k: int | None = None) -> torch.Tensor:
+    """``dequant(a) @ dequant(w)^T`` in float32, rounded to ``out_dtype``."""
+    a_group = group_k if a_scale is not None and a_scale.shape[1] > 1 else None
+    af = a.float() if a_scale is None else dequantize(a, a_scale, torch.float32, a_group)
+    return (af @ dequantize(w, w_scale, torch.float32, group_k).t()).to(out_dtype)
+
+
+# ---- Triton kernels -----------------------------------------------------------------------------
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _round_to_e4m3_grid(v):
+        """``v`` (float32, within ±448) rounded to the nearest e4m3 value, ties to even."""
+        exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        step = tl.exp2((tl.maximum(exp, -6) - 3).to(tl.float32))
+        magic = 12582912.0  # 1.5 * 2^23: adding and removing it rounds to an integer
+        return ((v / step + magic) - magic) * step
+
+    @triton.jit
+    def _quant_kernel(X, Q, S, Static, stride_x, stride_q, K, num_groups,
+                      GROUP: tl.constexpr, BLOCK: tl.constexpr, STATIC: tl.constexpr,
+                      ROUND: tl.constexpr):
+        """One program per (token, group): amax → scale → e4m3 values."""
+        row = tl.program_id(0)
+        g = tl.program_id(1)
+        cols = g * GROUP + tl.arange(0, BLOCK)
+        mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            s = tl.load(Static)
+        else:
+            s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
+        q = tl.clamp(x / s, -448.0, 448.0)
+        if ROUND:
+            q = _round_to_e4m3_grid(q)
+        tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + row * num_groups + g, s)
+
+    @triton.jit
+    def _scaled_gemm_kernel(A, AS, W, WS, C, M, N, K, group_k, num_groups, a_groups,
+                            stride_am, stride_wn, stride_cm,
+                            A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """C[M, N] = sum over K groups of (A·W^T)_group × a_scale × w_scale. BLOCK_K divides
+        ``group_k`` so a K tile lies in one group."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = (k0 + rk) < K
+            a = tl.load(A + rm[:, None] * stride_am + (k0 + rk)[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + rn[None, :] * stride_wn + (k0 + rk)[:, None],
+                        mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            g = k0 // group_k
+            ws = tl.load(WS + rn * num_groups + g, mask=n_ok, other=0.0)
+            if A_QUANT:
+                asc = tl.load(AS + rm * a_groups + g % a_groups, mask=m_ok, other=0.0)
+                part = tl.dot(a, w, out_dtype=tl.float32)
+                acc += part * asc[:, None] * ws[None, :]
+            else:
+                part = tl.dot(a, w.to(a.dtype), out_dtype=tl.float32)
+                acc += part * ws[None, :]
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+def quantize_activations(x: torch.Tensor, group_k: int | None = None,
+                         static_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_activations_ref`` as one Triton kernel launch (x: 2-D, last dim contiguous)."""
+    m, k = x.shape
+    group = k if group_k is None or static_scale is not None else group_k
+    groups = math.ceil(k / group)
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m:
+        _quant_kernel[(m, groups)](
+            x, q, s, static_scale if static_scale is not None else s, x.stride(0), q.stride(0),
+            k, groups, GROUP=group, BLOCK=triton.next_power_of_2(group),
+            STATIC=static_scale is not None, ROUND=INTERPRETED, num_warps=8 if group >= 4096 else 4)
+    return q, s
+
+
+# Tile configs by M (M ≤ bound → (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)); small M: narrow N
+# tiles so that many programs stream the weight.
+_TILES = ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (math.inf, (128, 128, 128, 8, 3)))
+
+
+def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+                w_scale: torch.Tensor, out_dtype: torch.dtype,
+                group_k: int | None = None) -> torch.Tensor:
+    """``scaled_gemm_ref`` as a Triton kernel. ``a``: e4m3 with ``a_scale`` [M, K_groups] (or
+    [M, 1]), or bf16/fp16 with ``a_scale`` None; ``w`` [N, K] e4m3 with ``w_scale`` [N,
+    K_groups] over groups of ``group_k`` columns (None: per row)."""
+    m, k = a.shape
+    n = w.shape[0]
+    groups = w_scale.shape[1]
+    if a_scale is not None and a_scale.shape[1] not in (1, groups):
+        raise ValueError(f"activation scales {list(a_scale.shape)} do not match the weight's "
+                         f"{groups} K groups")
+    bm, bn, bk, warps, stages = next(t for bound, t in _TILES if m <= bound)
+    if group_k is None:
+        group_k = k
+    else:
+        bk = min(bk, group_k)
+    if group_k != k and group_k % bk:
+        raise ValueError(f"K group {group_k} is not a multiple of the kernel's K tile {bk}")
+    if m and bk < 16:
+        raise ValueError(f"K tile {bk} is below the tensor cores' 16")
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m:
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        _scaled_gemm_kernel[grid](
+            a, a_scale if a_scale is not None else w_scale, w, w_scale, c, m, n, k,
+            group_k, groups, a_scale.shape[1] if a_scale is not None else 1,
+            a.stride(0), w.stride(0), c.stride(0),
+            A_QUANT=a_scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            num_warps=warps, num_stages=stages)
+    return c
+
+
+def rowwise_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
+                 w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` with per-token ``x_scale`` [M, 1] and per-channel ``w_scale``
+    [N, 1] (CUDA, FP8 tensor cores)."""
+    return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
+                            out_dtype=out_dtype)

@@ -1,0 +1,237 @@
+"""FP8 weights: the kernels against their references (Triton interpreter on the CPU), FP8
+checkpoints in every published format against the same weights dequantized, online
+quantization's error, tensor parallelism, the command line, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from fp8_checkpoints import FORMATS, write_fp8
+from hf_models import make_checkpoint
+from pagedgen.cli.app import app
+from pagedgen.cli.verify.model_checks import compare, trace
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.quantization import fp8_kernels as k
+from pagedgen.runtime.quantization.config import check_device, quant_config
+
+runner = CliRunner()
+PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not k.HAVE_TRITON,
+                                 reason="Triton kernels run on CPU tensors only when interpreted")
+
+
+def config(model: str, **kw) -> EngineConfig:
+    base = dict(model=model, device="cpu", dtype="float32", load_format="auto", num_blocks=64,
+                block_size=16, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                async_scheduling=False)
+    return EngineConfig(**{**base, **kw})
+
+
+# ---- arithmetic ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("group", [None, 32])
+def test_weight_quantization_error_is_bounded_per_element(group):
+    w = torch.randn(40, 100) * torch.logspace(-3, 1, 40)[:, None]  # rows of every magnitude
+    q, s = k.quantize_weight(w, group)
+    assert q.dtype == k.E4M3 and s.shape == (40, 1 if group is None else math.ceil(100 / group))
+    err = (k.dequantize(q, s, torch.float32, group) - w).abs()
+    # e4m3 keeps 3 mantissa bits: half a step is 1/16 of the value; below the normal range
+    # the step is the group's scale x 2^-9
+    s_el = s.repeat_interleave(group or 100, dim=1)[:, :100]
+    assert (err <= w.abs() / 16 + s_el * 2 ** -10 + 1e-12).all()
+
+
+@INTERPRETED
+@pytest.mark.parametrize("group,static", [(None, False), (64, False), (None, True)])
+def test_activation_quantization_kernel_equals_reference(group, static):
+    x = torch.randn(7, 200) * 3
+    scale = torch.tensor([0.02]) if static else None
+    q, s = k.quantize_activations(x, group, scale)
+    rq, rs = k.quantize_activations_ref(x, group, scale)
+    torch.testing.assert_close(s, rs)
+    assert torch.equal(q.float(), rq.float())
+
+
+@INTERPRETED
+@pytest.mark.parametrize("m,n,kk,group,a_quant", [
+    (5, 48, 300, None, False),  # per-channel, partial K tile, W8A16
+    (5, 48, 300, None, True),  # per-channel, per-token activations
+    (20, 40, 256, 128, True),  # block scales, per-token-group activations
+    (3, 40, 300, 128, True),  # partial last K group
+    (70, 24, 192, 64, False),  # block scales, W8A16, the large-M tile
+])
+def test_scaled_gemm_kernel_equals_reference(m, n, kk, group, a_quant):
+    x = torch.randn(m, kk)
+    w = torch.randn(n, kk) * 0.1
+    wq, ws = k.quantize_weight(w, group)
+    if a_quant:
+        a, a_s = k.quantize_activations_ref(x, group)
+    else:
+        a, a_s = x, None
+    got = k.scaled_gemm(a, a_s, wq, ws, torch.float32, group)
+    want = k.scaled_gemm_ref(a, a_s, wq, ws, torch.float32, group)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """A random Llama checkpoint whose every linear shape has partial 128 x 128 edge blocks."""
+    base = tmp_path_factory.mktemp("fp8")
+    return make_checkpoint("llama", base / "dense", hidden_size=200, intermediate_size=300)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_fp8_checkpoint_equals_its_weights_dequantized(dense, fmt):
+    ckpt = write_fp8(dense, dense.with_name(fmt), fmt)
+    eng = Engine(config(str(ckpt)))
+    layer = eng.runner.model.model.layers[0].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.float8_e4m3fn  # stored in FP8 with its scales
+    got = trace(eng, PROMPTS, 6)
+    ref = trace(Engine(config(str(ckpt) + "-dequantized")), PROMPTS, 6)
+    row = compare(ref, got, 1e-5, fmt)
+    assert row.worst_abs < 1e-4 and got[1] == ref[1], row
+    assert eng.summary(1.0, 0.0)["quantization"] == "fp8"
+
+
+def test_block_scales_follow_their_rows_through_fused_layers(dense, tmp_path):
+    """q, k and v have their own block scales: a fused layer keeps each part's, row by row."""
+    ckpt = write_fp8(dense, tmp_path / "b", "hf-block")
+    layer = Engine(config(str(ckpt))).runner.model.model.layers[1].self_attn.qkv_proj
+    from safetensors.torch import load_file
+    t = load_file(str(ckpt / "model.safetensors"))
+    for part, rows in (("q", slice(0, 128)), ("k", slice(128, 192)), ("v", slice(192, 256))):
+        s = t[f"model.layers.1.self_attn.{part}_proj.weight_scale_inv"]
+        want = s.repeat_interleave(128, 0)[:rows.stop - rows.start]
+        assert torch.equal(layer.weight_scale[rows], want), part
+
+
+def test_online_fp8_error_is_bounded_per_layer_and_logits_stay_close(dense):
+    dense_eng = Engine(config(str(dense)))
+    fp8_eng = Engine(config(str(dense), quantization="fp8"))
+    ref = dict(dense_eng.runner.model.named_parameters())
+    checked = 0
+    for name, m in fp8_eng.runner.model.named_modules():
+        if getattr(m, "weight_scale", None) is None:
+            continue
+        assert m.weight.dtype == torch.float8_e4m3fn
+        w = ref[f"{name}.weight"].float()
+        deq = k.dequantize(m.weight, m.weight_scale, torch.float32)  # per channel
+        # per output channel: error at most 1/16 of each row's largest value
+        assert ((deq - w).abs().amax(1) <= w.abs().amax(1) / 16).all(), name
+        checked += 1
+    assert checked == 2 * 4  # qkv, o, gate_up, down per layer
+    assert fp8_eng.runner.model.lm_head.weight.dtype == torch.float32  # left dense
+    row = compare(trace(dense_eng, PROMPTS, 6), trace(fp8_eng, PROMPTS, 6), 0.1, "online")
+    assert row.passed, row
+
+
+def test_dummy_fp8_weights_are_the_dense_dummy_weights_quantized():
+    dense = Engine(config("tiny", load_format="dummy")).runner.model
+    fp8 = Engine(config("tiny", load_format="dummy", quantization="fp8")).runner.model
+    a, b = dense.model.layers[0].mlp.gate_up_proj, fp8.model.layers[0].mlp.gate_up_proj
+    q, s = k.quantize_weight(a.weight.float())
+    assert torch.equal(b.weight.float(), q.float()) and torch.equal(b.weight_scale, s)
+
+
+def test_tp2_fp8_checkpoint_equals_tp1(dense, tmp_path):
+    from pagedgen.runtime.distributed.launch import Workers
+    from pagedgen.cli.verify.model_checks import trace_worker
+
+    even = make_checkpoint("llama", tmp_path / "even", hidden_size=256, intermediate_size=256)
+    for fmt, block in (("ct-channel", (128, 128)), ("hf-block", (32, 32))):
+        ckpt = str(write_fp8(even, tmp_path / fmt, fmt, block=block))
+        with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, 5)],
+                     [None], tp=2) as w:
+            sharded = [msg for _, msg in w.messages()][0]
+        ref = trace(Engine(config(ckpt)), PROMPTS, 5)
+        row = compare(ref, sharded, 1e-5, fmt)
+        assert row.worst_abs < 1e-4 and sharded[1] == ref[1], (fmt, row)
+
+
+# ---- command line and bad input -----------------------------------------------------------------
+
+def test_generate_with_quantization_fp8_on_cpu(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"hello {i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(prompts), "-o", str(out), "--model", "tiny",
+                              "--quantization", "fp8", "--max-tokens", "4", "--json",
+                              "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.output[res.output.index("{"):])
+    assert summary["quantization"] == "fp8"
+    assert "per-channel weights (quantized at load)" in summary["quantization_scheme"]
+    assert len(out.read_text().splitlines()) == 3
+
+
+def _fields(**q):
+    from types import SimpleNamespace
+    return SimpleNamespace(quantization_config=q) if q else SimpleNamespace()
+
+
+@pytest.mark.parametrize("q,msg", [
+    (dict(quant_method="awq"), "quant_method 'awq' is not supported"),
+    (dict(quant_method="fp8", weight_block_size=[128]), "weight_block_size must be two"),
+    (dict(quant_method="fp8", activation_scheme="sometimes"), "activation_scheme 'sometimes'"),
+    (dict(quant_method="compressed-tensors", format="pack-quantized"), "format 'pack-quant"),
+    (dict(quant_method="compressed-tensors", config_groups={"g": {"weights": {
+        "type": "int", "num_bits": 4, "strategy": "group"}}}), "must be type float, num_bits 8"),
+    (dict(quant_method="compressed-tensors", config_groups={"g": {"weights": {
+        "type": "float", "num_bits": 8, "strategy": "group"}}}), "strategy 'group' is not"),
+])
+def test_unsupported_quantization_configs_are_one_line_errors(q, msg):
+    with pytest.raises(PagedgenError, match=msg):
+        quant_config(_fields(**q), None, "config.json")
+
+
+def test_quantization_flag_against_the_checkpoint():
+    with pytest.raises(PagedgenError, match="unknown quantization 'int4'"):
+        quant_config(_fields(), "int4", "x")
+    assert quant_config(_fields(), None, "x") is None
+    cfg = quant_config(_fields(quant_method="fp8", weight_block_size=[128, 128]), "fp8", "x")
+    assert cfg.scheme.block == (128, 128) and cfg.scheme.scale_name == "weight_scale_inv"
+
+
+def test_misfit_scales_name_the_tensor(dense, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    ckpt = write_fp8(dense, tmp_path / "bad", "hf-block")
+    t = load_file(str(ckpt / "model.safetensors"))
+    t["model.layers.0.mlp.down_proj.weight_scale_inv"] = torch.ones(2, 2)
+    save_file(t, str(ckpt / "model.safetensors"))
+    with pytest.raises(PagedgenError, match=r"down_proj.weight_scale_inv' has shape \[2, 2\]; "
+                                            r"128x128 blocks of a \[200, 300\] weight make it "
+                                            r"\[2, 3\]"):
+        Engine(config(str(ckpt)))
+    del t["model.layers.0.mlp.down_proj.weight_scale_inv"]
+    save_file(t, str(ckpt / "model.safetensors"))
+    with pytest.raises(PagedgenError, match="missing 1 tensor.*down_proj.weight_scale_inv"):
+        Engine(config(str(ckpt)))
+
+
+def test_fp8_without_fp8_tensor_cores_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    cfg = quant_config(_fields(), "fp8", "x")
+    with pytest.raises(PagedgenError, match="FP8 tensor cores.*A100 is 8.0"):
+        check_device(cfg, torch.device("cuda"))
+    check_device(cfg, torch.device("cpu"))  # the CPU computes dequantized
+
+
+def test_cli_refuses_an_unknown_quantization(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "x"}\n')
+    res = runner.invoke(app, ["generate", str(prompts), "-o", str(tmp_path / "o.jsonl"),
+                              "--quantization", "int3"])
+    assert res.exit_code != 0 and "unknown quantization 'int3'" in res.output
+    assert "Traceback" not in res.output and not (tmp_path / "o.jsonl").exists()
