@@ -81,6 +81,59 @@ def test_scaled_gemm_kernel_equals_reference(m, n, kk, group, a_quant):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@INTERPRETED
+@pytest.mark.parametrize("tile", list(k.TILES))
+@pytest.mark.parametrize("group,a_quant", [(None, True), (None, False), (64, True)])
+def test_every_tile_computes_the_same_gemm(tile, group, a_quant):
+    x = torch.randn(19, 192)
+    wq, ws = k.quantize_weight(torch.randn(40, 192) * 0.1, group)
+    a, a_s = k.quantize_activations_ref(x, group) if a_quant else (x, None)
+    got = k.scaled_gemm(a, a_s, wq, ws, torch.float32, group, tile)
+    torch.testing.assert_close(got, k.scaled_gemm_ref(a, a_s, wq, ws, torch.float32, group),
+                               rtol=1e-4, atol=1e-4)
+
+
+@INTERPRETED
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(residual):
+    from pagedgen.runtime.layers import fused_ops as f
+
+    x = torch.randn(6, 300, dtype=torch.bfloat16) * 4
+    w = torch.randn(300, dtype=torch.bfloat16)
+    r = torch.randn_like(x) if residual else None
+    got = f.rms_norm_fused(x, w, 1e-6, r, quantize=True)
+    plain = f.rms_norm_fused(x, w, 1e-6, r)
+    if residual:
+        (got, got_r), (plain, plain_r) = got, plain
+        assert torch.equal(got_r, plain_r)
+    # exactly what the unfused kernels write: the norm, then the quantization kernel
+    q, s = k.quantize_activations(plain)
+    assert torch.equal(got.q.float(), q.float()) and torch.equal(got.scale, s)
+    deq = got.q.float() * got.scale  # within FP8's error of the values (test_fused_ops.py
+    ref = plain.float()  # compares those with torch's)
+    assert ((deq - ref).abs() <= ref.abs() / 16 + got.scale * 2 ** -9).all()
+    gate_up = torch.randn(5, 2 * 2500, dtype=torch.bfloat16) * 3  # rows cross its 2048 block
+    got = f.silu_and_mul_fused(gate_up, quantize=True)
+    plain = f.silu_and_mul_fused(gate_up)
+    q, s = k.quantize_activations(plain)
+    assert torch.equal(got.q.float(), q.float()) and torch.equal(got.scale, s)
+    ref = plain.float()
+    deq = got.q.float() * got.scale
+    assert ((deq - ref).abs() <= ref.abs() / 16 + got.scale * 2 ** -9).all()
+
+
+def test_gemm_plans_pick_by_m_and_forced_names_are_checked(monkeypatch):
+    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM, GemmPlan, check_forced
+
+    plan = GemmPlan([(1, "triton_w8a16/16x32x256"), (64, "rowwise"), (1024, "triton_w8a8")])
+    assert [plan.choose(m) for m in (1, 2, 64, 65, 5000)] == [
+        "triton_w8a16/16x32x256", "rowwise", "rowwise", "triton_w8a8", "triton_w8a8"]
+    check_forced("triton_w8a8/64x64x128")
+    for bad in ("cublas", "rowwise/16x32x256", "triton_w8a8/7x7x7"):
+        with pytest.raises(ValueError, match=ENV_GEMM):
+            check_forced(bad)
+
+
 # ---- checkpoints --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

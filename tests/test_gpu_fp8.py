@@ -35,7 +35,7 @@ def config(model: str, **kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("gemm", ["rowwise", "triton_w8a16", "triton_w8a8"])
+@pytest.mark.parametrize("gemm", ["rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8"])
 def test_each_fp8_gemm_equals_its_reference(gemm):
     row = gemm_row(gemm, torch.device("cuda"), 21, seed=0)
     print(f"{gemm}: worst rel {row.worst_rel:.2e} over {row.cases} layers")
@@ -89,6 +89,21 @@ def test_graphs_and_eager_agree_with_fp8_weights(checkpoints):
     e = trace(Engine(config(str(dense), quantization="fp8", enforce_eager=True)), PROMPTS, 8)
     row = compare(e, g, 5e-2, "graphs vs eager")
     assert row.passed, row
+
+
+def test_quantizing_in_the_norm_and_swiglu_kernels_changes_nothing(checkpoints, monkeypatch):
+    from pagedgen.runtime.quantization.fp8 import ENV_FUSED_INPUT
+
+    dense, _ = checkpoints
+    fused_eng = Engine(config(str(dense), quantization="fp8"))
+    layer = fused_eng.runner.model.model.layers[0]
+    assert any(layer.mlp.down_proj.quant_method.takes_quantized_input(layer.mlp.down_proj, m)
+               for m in (1, 16, 64, 256))
+    fused = trace(fused_eng, PROMPTS, 8)
+    monkeypatch.setenv(ENV_FUSED_INPUT, "0")
+    plain = trace(Engine(config(str(dense), quantization="fp8")), PROMPTS, 8)
+    row = compare(plain, fused, 1e-3, "fused quantization")
+    assert row.passed and fused[1] == plain[1], row
 
 
 def test_verify_fp8_model_row_passes():

@@ -36,16 +36,16 @@ def plan_fp8(device: torch.device, model: str, dtype: str, cases: int, steps: in
     if why:
         return BackendReport(NAME, "skipped", why), []
     checks = [Check([(gemm_row, (gemm, device, cases, seed))], single)
-              for gemm in ("rowwise", "triton_w8a16", "triton_w8a8")]
+              for gemm in ("rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8")]
     checks.append(Check([(model_row, (model, dtype, device, steps, seed))], single))
-    return BackendReport(NAME, "checked"), checks
+    return BackendReport(NAME, "checked", reference="its dequantized reference"), checks
 
 
 def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
     """``cases`` random layers (M from 1 to 700, per-channel or 128-block scales as the
     kernel takes) through ``gemm`` against ``scaled_gemm_ref`` on the same FP8 operands."""
     from pagedgen.runtime.quantization import fp8_kernels as k
-    from pagedgen.runtime.quantization.fp8 import run_gemm
+    from pagedgen.runtime.quantization.fp8_gemm import run_gemm
 
     g = torch.Generator().manual_seed(seed)
     block = 128 if gemm == "triton_w8a8" else None
@@ -76,7 +76,7 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
 
 @contextlib.contextmanager
 def _forced_gemm(name: str):
-    from pagedgen.runtime.quantization.fp8 import ENV_GEMM
+    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM
 
     before = os.environ.get(ENV_GEMM)
     os.environ[ENV_GEMM] = name

@@ -28,6 +28,7 @@ class BackendReport:
     status: str  # "checked" | "skipped" | "reference"
     reason: str = ""
     rows: list[Row] = field(default_factory=list)
+    reference: str = "eager"  # what the rows are checked against (the table's title)
 
     @property
     def passed(self) -> bool:
@@ -39,7 +40,7 @@ def render(reports: list[BackendReport], console: Console) -> None:
         if rep.status != "checked":
             console.print(f"[bold]{rep.backend}[/]: {rep.status} — {escape(rep.reason)}")
             continue
-        t = Table(title=f"{rep.backend} vs eager", title_justify="left")
+        t = Table(title=f"{rep.backend} vs {rep.reference}", title_justify="left")
         for col in ("check", "cases", "worst abs err", "worst rel err", "tolerance", "result",
                     "time", "notes"):
             t.add_column(col, justify="left" if col in ("check", "notes") else "right")

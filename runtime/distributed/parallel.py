@@ -77,17 +77,16 @@ class TensorParallel:
                 self._one_shot_into(part, x.view(-1))
         return x
 
-    def all_reduce_output(self, x: torch.Tensor, cols: int,
+    def all_reduce_output(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
                           compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """A GEMM's output summed over the ranks: ``compute(out)`` writes ``x``'s rows × ``cols``
-        into ``out``, with symmetric memory a view of the buffer the peers read (no copy
-        kernel), else None (it returns its result, all-reduced in place)."""
-        rows = x.shape[0]
-        part = self._one_shot_part(rows * cols, x.dtype) if x.dim() == 2 else None
+        """A GEMM's [rows, cols] output in ``dtype`` summed over the ranks: ``compute(out)``
+        writes it into ``out``, with symmetric memory a view of the buffer the peers read (no
+        copy kernel), else None (it returns its result, all-reduced in place)."""
+        part = self._one_shot_part(rows * cols, dtype)
         if part is None:
             return self.all_reduce(compute(None))
         compute(part.view(rows, cols))
-        out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+        out = torch.empty((rows, cols), dtype=dtype, device=device)
         with scope("all_reduce"):
             self._one_shot_into(part, out.view(-1))
         return out

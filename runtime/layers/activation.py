@@ -17,7 +17,9 @@ class SiluAndMul(nn.Module):
         super().__init__()
         self.fused = False  # ``use_fused_kernels``
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor, quantize: bool = False):
+        """``quantize``: quantized to FP8 per token in the same kernel
+        (``QuantizedActivations``)."""
         op = fused_ops.silu_and_mul_fused if self.fused else fused_ops.silu_and_mul_ref
         with scope("activation"):
-            return op(gate_up)
+            return op(gate_up, quantize)

@@ -23,28 +23,49 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.quantization.fp8_kernels import (E4M3, INTERPRETED, QuantizedActivations,
+                                                       quantize_activations_ref)
+
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 
 if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedgen.runtime.quantization.fp8_kernels import round_to_e4m3_grid
+
     @triton.jit
-    def rms_norm_kernel(X, R, W, Out, ROut, stride_x, stride_r, stride_o, stride_ro, N, eps,
-                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _store_e4m3_row(Q, S, v, mask, ROUND: tl.constexpr):
+        """Per-token FP8 quantization of a whole row ``v`` (float32), as
+        ``fp8_kernels.quantize_activations`` does it."""
+        s = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0) / 448.0, 1e-12)
+        q = tl.clamp(v / s, -448.0, 448.0)
+        if ROUND:
+            q = round_to_e4m3_grid(q)
+        tl.store(Q, q.to(Q.dtype.element_ty), mask=mask)
+        tl.store(S, s)
+
+    @triton.jit
+    def rms_norm_kernel(X, R, W, Out, ROut, S, stride_x, stride_r, stride_o, stride_ro, N, eps,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr,
+                        ROUND: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(Out.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(ROut + row * stride_ro + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-        y = (xf * rstd).to(Out.dtype.element_ty).to(tl.float32)
+        y = (xf * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
+        if QUANT:  # the normed row in the activation dtype, then e4m3 with its own scale
+            _store_e4m3_row(Out + row * stride_o + cols, S + row,
+                            (y * w).to(X.dtype.element_ty).to(tl.float32), mask, ROUND)
+        else:
+            tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _rotate_heads(X, W, Out, stride_h, H, cos, sin, eps,
@@ -93,6 +114,35 @@ if HAVE_TRITON:
         tl.store(Out + t * stride_o + cols, (s * u).to(Out.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def silu_and_mul_quant_kernel(X, Q, S, stride_x, stride_q, N, BLOCK: tl.constexpr,
+                                  ROUND: tl.constexpr):
+        """One program per row: ``silu(gate) * up`` in the activation dtype, quantized per
+        token (two passes over the row: its largest value, then the values)."""
+        t = tl.program_id(0)
+        amax = 0.0
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            v = _silu_mul(X + t * stride_x, cols, N)
+            amax = tl.maximum(amax, tl.max(tl.abs(v), axis=0))
+        s = tl.maximum(amax / 448.0, 1e-12)
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            q = tl.clamp(_silu_mul(X + t * stride_x, cols, N) / s, -448.0, 448.0)
+            if ROUND:
+                q = round_to_e4m3_grid(q)
+            tl.store(Q + t * stride_q + cols, q.to(Q.dtype.element_ty), mask=cols < N)
+        tl.store(S + t, s)
+
+    @triton.jit
+    def _silu_mul(X, cols, N):
+        mask = cols < N
+        g = tl.load(X + cols, mask=mask, other=0.0)
+        u = tl.load(X + N + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (g.to(tl.float32) / (1.0 + tl.exp(-g.to(tl.float32)))).to(g.dtype).to(tl.float32)
+        return (s * u).to(g.dtype).to(tl.float32)
+
+
 def unavailable_reason(device: torch.device) -> str | None:
     """Why the fused kernels cannot run on ``device`` (None: they can)."""
     if not HAVE_TRITON:
@@ -105,33 +155,39 @@ def unavailable_reason(device: torch.device) -> str | None:
 # ---- RMSNorm -----------------------------------------------------------------------------------
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None):
+                 residual: torch.Tensor | None = None, quantize: bool = False):
     """Hugging Face's RMSNorm (float32 statistics, weight applied in the activation dtype); with
-    ``residual``: ``residual = x + residual`` first, returning (normed, residual)."""
+    ``residual``: ``residual = x + residual`` first, returning (normed, residual). ``quantize``:
+    the normed rows as ``QuantizedActivations`` (FP8 per token, for an FP8 linear layer)."""
     if residual is not None:
         x = x + residual
     xf = x.float()
     y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if quantize:
+        y = QuantizedActivations(*quantize_activations_ref(y.reshape(-1, y.shape[-1])))
     return y if residual is None else (y, x)
 
 
 def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None):
+                   residual: torch.Tensor | None = None, quantize: bool = False):
     """``rms_norm_ref`` in one kernel: one program per row."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
-    out = torch.empty_like(x2)
+    out = torch.empty(x2.shape, dtype=E4M3 if quantize else x.dtype, device=x.device)
+    scale = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device) if quantize \
+        else out
     res_out = torch.empty_like(x2) if residual is not None else out
     r2 = residual.reshape(-1, n) if residual is not None else x2
     if x2.shape[0]:
         block = triton.next_power_of_2(n)
         rms_norm_kernel[(x2.shape[0],)](
-            x2, r2, weight, out, res_out, x2.stride(0), r2.stride(0), out.stride(0),
+            x2, r2, weight, out, res_out, scale, x2.stride(0), r2.stride(0), out.stride(0),
             res_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)))
+            QUANT=quantize, ROUND=INTERPRETED, num_warps=min(16, max(1, block // 256)))
+    y = QuantizedActivations(out, scale) if quantize else out.view(x.shape)
     if residual is None:
-        return out.view(x.shape)
-    return out.view(x.shape), res_out.view(x.shape)
+        return y
+    return y, res_out.view(x.shape)
 
 
 # ---- rotary embedding (with Qwen3's per-head q/k norm) -------------------------------------------
@@ -172,15 +228,27 @@ def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 
 # ---- SwiGLU activation ---------------------------------------------------------------------------
 
-def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_ref(x: torch.Tensor, quantize: bool = False):
+    """``silu(gate) * up``; ``quantize``: as ``QuantizedActivations`` (FP8 per token)."""
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    y = F.silu(gate) * up
+    return QuantizedActivations(*quantize_activations_ref(y.reshape(-1, y.shape[-1]))) \
+        if quantize else y
 
 
-def silu_and_mul_fused(x: torch.Tensor) -> torch.Tensor:
-    """``silu_and_mul_ref`` in one kernel over [rows, 1024-column blocks]."""
+def silu_and_mul_fused(x: torch.Tensor, quantize: bool = False):
+    """``silu_and_mul_ref`` in one kernel over [rows, 1024-column blocks] (quantized: one
+    program per row)."""
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n)
+    if quantize:
+        q = torch.empty(x2.shape[0], n, dtype=E4M3, device=x.device)
+        s = torch.empty(x2.shape[0], 1, dtype=torch.float32, device=x.device)
+        if x2.shape[0]:
+            silu_and_mul_quant_kernel[(x2.shape[0],)](
+                x2, q, s, x2.stride(0), q.stride(0), n, BLOCK=min(2048, triton.next_power_of_2(n)),
+                ROUND=INTERPRETED, num_warps=8)
+        return QuantizedActivations(q, s)
     out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = min(1024, triton.next_power_of_2(n))

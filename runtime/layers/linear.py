@@ -21,6 +21,7 @@ from torch import nn
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.layers.sharding import Segment, split
 from pagedgen.runtime.quantization import QuantizationMethod, get_method
+from pagedgen.runtime.quantization.fp8_kernels import QuantizedActivations
 
 
 class LinearBase(nn.Module):
@@ -48,7 +49,7 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(in_features, offset, bias, quant_method)
         self.shards = {"weight": (0, segs), **({"bias": (0, segs)} if bias else {})}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
 
@@ -62,7 +63,16 @@ class RowParallelLinear(LinearBase):
         self.tp = tp
         self.shards = {"weight": (1, [seg])}
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce_output(
-            x, self.out_features, lambda out: self.quant_method.apply(self, x, None, out))
+    def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
+        """``x``: this rank's input features (2-D: the output may go straight into the
+        symmetric-memory buffer), or an FP8 layer's ``QuantizedActivations``."""
+        if isinstance(x, QuantizedActivations):
+            rows, dtype, device = x.q.shape[0], self.quant_method.output_dtype(self), x.q.device
+        else:
+            rows, dtype, device = x.shape[0], x.dtype, x.device
+        if isinstance(x, torch.Tensor) and x.dim() != 2:  # no symmetric-memory output
+            y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+        else:
+            y = self.tp.all_reduce_output(rows, self.out_features, dtype, device,
+                                          lambda out: self.quant_method.apply(self, x, None, out))
         return y + self.bias if self.bias is not None else y

@@ -1,4 +1,5 @@
-"""RMSNorm, with the residual add folded in (one fused Triton kernel on CUDA)."""
+"""RMSNorm, with the residual add folded in, and optionally FP8 quantization of its output
+(one fused Triton kernel on CUDA)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = False  # one Triton kernel instead of torch ops (``use_fused_kernels``)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                quantize: bool = False):
+        """``quantize``: the normed rows quantized to FP8 per token in the same kernel
+        (``QuantizedActivations``, for an FP8 linear layer that takes them)."""
         op = fused_ops.rms_norm_fused if self.fused else fused_ops.rms_norm_ref
         with scope("normalization"):
-            return op(x, self.weight, self.eps, residual)
+            return op(x, self.weight, self.eps, residual, quantize)

@@ -47,5 +47,14 @@ class QuantizationMethod(ABC):
             raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
         load_segment(param.data, shard, key, tensor)
 
+    def output_dtype(self, layer: nn.Module) -> torch.dtype:
+        """The dtype ``apply`` returns (the activations')."""
+        return layer.weight.dtype
+
+    def takes_quantized_input(self, layer: nn.Module, m: int) -> bool:
+        """Whether ``apply`` at ``m`` rows wants its input as FP8 ``QuantizedActivations``
+        (per token, quantized by the kernel that made it) instead of a tensor."""
+        return False
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn loaded checkpoint weights into the method's form, pick kernels."""

@@ -12,9 +12,11 @@ K_groups] float32, ``input_scale`` [1] when static):
   ``weight_scale_inv`` per 128 x 128 block, its rows expanded, so partial edge blocks, fused
   parts and tensor-parallel shards need no special case beyond K blocks staying whole).
 
-On CUDA each GEMM runs the kernel measured fastest for its M on this GPU (chosen once per
-weight shape at load; ``$PAGEDGEN_FP8_GEMM`` forces one), without dequantizing; elsewhere (CPU)
-the weight is dequantized and multiplied in the activations' dtype.
+On CUDA each GEMM runs the kernel measured fastest for its M on this GPU (``fp8_gemm.py``),
+without dequantizing; where that kernel quantizes activations per token, the RMSNorm or SwiGLU
+kernel before it writes them quantized (``takes_quantized_input``; the same values a separate
+quantization kernel would write). Elsewhere (CPU) the weight is dequantized and multiplied in
+the activations' dtype.
 """
 
 from __future__ import annotations
@@ -25,17 +27,15 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.attention.ops.profiling import scope
 from pagedgen.runtime.layers.sharding import take_segment
 from pagedgen.runtime.quantization import fp8_kernels as k
 from pagedgen.runtime.quantization.base import QuantizationMethod
+from pagedgen.runtime.quantization.fp8_gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
+                                                    run_quantized)
 
-ENV_GEMM = "PAGEDGEN_FP8_GEMM"
-GEMMS = ("rowwise", "triton_w8a8", "triton_w8a16", "dequantize")  # the last: a reference
-_M_BUCKETS = (1, 8, 32, 64, 128, 256, 1024)  # the M values each shape's kernels are timed at
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Fp8Scheme:
 
 
 ONLINE = Fp8Scheme()
+ENV_FUSED_INPUT = "PAGEDGEN_FP8_FUSED_INPUT"  # 0: norms and SwiGLU never quantize for the GEMM
 
 
 class Fp8(QuantizationMethod):
@@ -174,11 +175,28 @@ class Fp8(QuantizationMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.device.type == "cuda":
             layer.gemm_plan = plan_gemm(layer, self.group_k)
+            layer.fused_input = os.environ.get(ENV_FUSED_INPUT, "1") != "0"
 
     # ---- compute ----
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+    def output_dtype(self, layer: nn.Module) -> torch.dtype:
+        return layer.act_dtype
+
+    def takes_quantized_input(self, layer: nn.Module, m: int) -> bool:
+        """Per-token dynamic activations into a kernel that quantizes them: the norm or
+        activation before may deliver them quantized (saving a kernel and a pass)."""
+        plan = layer.gemm_plan
+        return (plan is not None and layer.fused_input and self.group_k is None
+                and not self.scheme.static_input
+                and plan.choose(m).split("/")[0] in QUANTIZED_INPUT)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor | k.QuantizedActivations,
+              bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(x, k.QuantizedActivations):
+            with scope("fp8_gemm"):
+                y = run_quantized(layer.gemm_plan.choose(x.q.shape[0]), layer, x)
+            y = y + bias if bias is not None else y
+            return out.copy_(y) if out is not None else y
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         plan = layer.gemm_plan  # None: CPU, where the weights are dequantized
@@ -194,90 +212,3 @@ class Fp8(QuantizationMethod):
 
 def _read(tensor: Any) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor[:]
-
-
-# ---- choosing the GEMM by measurement ----------------------------------------------------------
-
-@dataclass
-class GemmPlan:
-    """The kernel for each M: ``choices`` [(largest M, gemm)] in increasing M."""
-
-    choices: list[tuple[float, str]]
-
-    def choose(self, m: int) -> str:
-        return next((g for bound, g in self.choices if m <= bound), self.choices[-1][1])
-
-
-_PLANS: dict[tuple, GemmPlan] = {}  # by (device, N, K, K groups, static input, forced)
-
-
-def candidates(layer: nn.Module, group_k: int | None) -> list[str]:
-    """The GEMMs that can run this layer's weight on this device."""
-    n, kk = layer.weight.shape
-    if layer.weight.device.type != "cuda":
-        return ["dequantize"]
-    out = ["triton_w8a16"] if k.HAVE_TRITON else []
-    if group_k is None and n % 16 == 0 and kk % 16 == 0:
-        out.append("rowwise")
-    if k.HAVE_TRITON and group_k is not None and group_k % 16 == 0:
-        out.append("triton_w8a8")
-    return out
-
-
-def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
-    """Time each candidate GEMM at every M bucket on this layer's weight (once per shape)."""
-    forced = os.environ.get(ENV_GEMM) or None
-    cands = candidates(layer, group_k)
-    if forced is not None:
-        if forced not in GEMMS:
-            raise ValueError(f"${ENV_GEMM}={forced}: use one of {', '.join(GEMMS)}")
-        if forced not in cands and forced != "dequantize":
-            raise ValueError(f"${ENV_GEMM}={forced} cannot run a {list(layer.weight.shape)} "
-                             f"weight here (can: {', '.join(cands)})")
-        return GemmPlan([(math.inf, forced)])
-    if not cands:
-        raise ValueError("no FP8 GEMM can run here (Triton is not installed)")
-    key = (layer.weight.device, *layer.weight.shape, layer.weight_scale.shape[1],
-           layer.input_scale is not None)
-    if key not in _PLANS:
-        choices = []
-        for m in _M_BUCKETS:
-            x = torch.randn(m, layer.weight.shape[1], device=layer.weight.device,
-                            dtype=layer.act_dtype)
-            times = {g: graph_time(lambda g=g: run_gemm(g, layer, x, group_k)) for g in cands}
-            choices.append((m, min(times, key=times.get)))
-        _PLANS[key] = GemmPlan(choices)
-    return _PLANS[key]
-
-
-def graph_time(fn, calls: int = 10, replays: int = 5) -> float:
-    """Median seconds of one ``fn`` call, replayed from a CUDA graph as the model runs it (no
-    launch overhead: small-M kernels would otherwise be timed by their launches)."""
-    from pagedgen.runtime.hardware import time_cuda
-
-    fn()  # compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    t = time_cuda(graph.replay, replays) / calls
-    del graph
-    return t
-
-
-def run_gemm(gemm: str, layer: nn.Module, x: torch.Tensor, group_k: int | None) -> torch.Tensor:
-    """``x W^T`` with FP8 ``layer.weight`` by the kernel named ``gemm`` (``fp8_kernels``;
-    "dequantize": the weight dequantized to ``x``'s dtype, a plain GEMM)."""
-    if gemm == "dequantize":
-        return F.linear(x, k.dequantize(layer.weight, layer.weight_scale, x.dtype, group_k))
-    if gemm == "triton_w8a16":
-        return k.scaled_gemm(x, None, layer.weight, layer.weight_scale, x.dtype, group_k)
-    xq, xs = k.quantize_activations(x, group_k, layer.input_scale)
-    if gemm == "rowwise":
-        return k.rowwise_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype)
-    return k.scaled_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype, group_k)

@@ -9,7 +9,8 @@ are quantized per token (``[M, 1]`` scales) or per token and group of ``group_k`
 
 GEMMs (``x`` ``[M, K]`` in bf16/fp16, the result in ``x``'s dtype):
 * ``rowwise``: per-token activation quantization (a Triton kernel) then ``torch._scaled_mm``
-  with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores); per-channel weights only.
+  with row-wise scales (cuBLASLt/CUTLASS FP8 tensor cores); per-channel weights only;
+  ``rowwise_fast`` the same with fast accumulation.
 * ``triton_w8a8``: activations quantized per token-group, then ``scaled_gemm`` below, which
   multiplies e4m3 tiles on the tensor cores and applies both scales per K group (block weights).
 * ``triton_w8a16``: ``scaled_gemm`` with ``x`` as it is and each e4m3 weight tile converted in
@@ -23,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -33,6 +35,14 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 # Triton's interpreter (CPU tests) casts to e4m3 without carrying a rounded-up mantissa into the
 # exponent (31.5 -> 16); there the kernels round to the e4m3 grid themselves first.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class QuantizedActivations(NamedTuple):
+    """Activations already quantized per token (by the kernel that made them: a fused RMSNorm
+    or SwiGLU), for an FP8 linear layer: ``q`` [M, K] e4m3, ``scale`` [M, 1] float32."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
 
 
 # ---- references (torch ops) ---------------------------------------------------------------------
@@ -86,7 +96,7 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _round_to_e4m3_grid(v):
+    def round_to_e4m3_grid(v):
         """``v`` (float32, within ±448) rounded to the nearest e4m3 value, ties to even."""
         exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         step = tl.exp2((tl.maximum(exp, -6) - 3).to(tl.float32))
@@ -109,17 +119,18 @@ if HAVE_TRITON:
             s = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1e-12)
         q = tl.clamp(x / s, -448.0, 448.0)
         if ROUND:
-            q = _round_to_e4m3_grid(q)
+            q = round_to_e4m3_grid(q)
         tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
         tl.store(S + row * num_groups + g, s)
 
     @triton.jit
     def _scaled_gemm_kernel(A, AS, W, WS, C, M, N, K, group_k, num_groups, a_groups,
                             stride_am, stride_wn, stride_cm,
-                            A_QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
+                            A_QUANT: tl.constexpr, PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """C[M, N] = sum over K groups of (A·W^T)_group × a_scale × w_scale. BLOCK_K divides
-        ``group_k`` so a K tile lies in one group."""
+        """C[M, N] = sum over K groups of (A·W^T)_group × a_scale × w_scale (``PER_ROW``: one
+        group, scaled once at the end). BLOCK_K divides ``group_k``: a K tile lies in one
+        group."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,15 +145,24 @@ if HAVE_TRITON:
                         mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(W + rn[None, :] * stride_wn + (k0 + rk)[:, None],
                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            g = k0 // group_k
-            ws = tl.load(WS + rn * num_groups + g, mask=n_ok, other=0.0)
             if A_QUANT:
-                asc = tl.load(AS + rm * a_groups + g % a_groups, mask=m_ok, other=0.0)
                 part = tl.dot(a, w, out_dtype=tl.float32)
-                acc += part * asc[:, None] * ws[None, :]
             else:
                 part = tl.dot(a, w.to(a.dtype), out_dtype=tl.float32)
-                acc += part * ws[None, :]
+            if PER_ROW:
+                acc += part
+            else:
+                g = k0 // group_k
+                ws = tl.load(WS + rn * num_groups + g, mask=n_ok, other=0.0)
+                if A_QUANT:
+                    asc = tl.load(AS + rm * a_groups + g % a_groups, mask=m_ok, other=0.0)
+                    acc += part * asc[:, None] * ws[None, :]
+                else:
+                    acc += part * ws[None, :]
+        if PER_ROW:
+            acc = acc * tl.load(WS + rn, mask=n_ok, other=0.0)[None, :]
+            if A_QUANT:
+                acc = acc * tl.load(AS + rm, mask=m_ok, other=0.0)[:, None]
         tl.store(C + rm[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
@@ -164,24 +184,31 @@ def quantize_activations(x: torch.Tensor, group_k: int | None = None,
     return q, s
 
 
-# Tile configs by M (M ≤ bound → (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)); small M: narrow N
-# tiles so that many programs stream the weight.
-_TILES = ((16, (16, 64, 128, 4, 4)), (64, (64, 64, 128, 4, 4)), (math.inf, (128, 128, 128, 8, 3)))
+# The GEMM kernel's tiles, "BMxBNxBK": (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages). Small M:
+# narrow N tiles, so that many programs stream the weight; large M: wide tiles for reuse.
+TILES = {"16x32x256": (16, 32, 256, 4, 4), "16x64x128": (16, 64, 128, 4, 4),
+         "32x64x128": (32, 64, 128, 4, 4), "64x64x128": (64, 64, 128, 4, 4),
+         "64x128x128": (64, 128, 128, 4, 3), "128x128x128": (128, 128, 128, 8, 3)}
+
+
+def default_tile(m: int) -> str:
+    return "16x64x128" if m <= 16 else "64x64x128" if m <= 64 else "128x128x128"
 
 
 def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                 w_scale: torch.Tensor, out_dtype: torch.dtype,
-                group_k: int | None = None) -> torch.Tensor:
+                group_k: int | None = None, tile: str | None = None) -> torch.Tensor:
     """``scaled_gemm_ref`` as a Triton kernel. ``a``: e4m3 with ``a_scale`` [M, K_groups] (or
     [M, 1]), or bf16/fp16 with ``a_scale`` None; ``w`` [N, K] e4m3 with ``w_scale`` [N,
-    K_groups] over groups of ``group_k`` columns (None: per row)."""
+    K_groups] over groups of ``group_k`` columns (None: per row); ``tile``: a ``TILES`` name
+    (None: by M)."""
     m, k = a.shape
     n = w.shape[0]
     groups = w_scale.shape[1]
     if a_scale is not None and a_scale.shape[1] not in (1, groups):
         raise ValueError(f"activation scales {list(a_scale.shape)} do not match the weight's "
                          f"{groups} K groups")
-    bm, bn, bk, warps, stages = next(t for bound, t in _TILES if m <= bound)
+    bm, bn, bk, warps, stages = TILES[tile or default_tile(m)]
     if group_k is None:
         group_k = k
     else:
@@ -191,20 +218,22 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
     if m and bk < 16:
         raise ValueError(f"K tile {bk} is below the tensor cores' 16")
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    a_groups = a_scale.shape[1] if a_scale is not None else 1
     if m:
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         _scaled_gemm_kernel[grid](
             a, a_scale if a_scale is not None else w_scale, w, w_scale, c, m, n, k,
-            group_k, groups, a_scale.shape[1] if a_scale is not None else 1,
-            a.stride(0), w.stride(0), c.stride(0),
-            A_QUANT=a_scale is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, num_stages=stages)
+            group_k, groups, a_groups, a.stride(0), w.stride(0), c.stride(0),
+            A_QUANT=a_scale is not None, PER_ROW=groups == 1 and a_groups == 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return c
 
 
 def rowwise_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor,
-                 w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                 w_scale: torch.Tensor, out_dtype: torch.dtype,
+                 fast_accum: bool = False) -> torch.Tensor:
     """``torch._scaled_mm`` with per-token ``x_scale`` [M, 1] and per-channel ``w_scale``
-    [N, 1] (CUDA, FP8 tensor cores)."""
+    [N, 1] (CUDA, FP8 tensor cores); ``fast_accum``: Hopper's faster FP8 accumulation, which
+    skips the periodic promotion of partial sums to float32 (as vLLM's CUTLASS kernels do)."""
     return torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1),
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=fast_accum)

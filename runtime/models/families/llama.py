@@ -86,8 +86,11 @@ class MLP(nn.Module):
                                            linear_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        down = self.down_proj
+        quant = self.act.fused and down.quant_method.takes_quantized_input(down, gate_up.shape[0])
+        return down(self.act(gate_up, quant))
 
 
 class DecoderLayer(nn.Module):
@@ -103,12 +106,17 @@ class DecoderLayer(nn.Module):
                 metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next layer's input norm
         adds the two (so each residual add shares a kernel with a norm)."""
+        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        quant = self.input_layernorm.fused and qkv.quant_method.takes_quantized_input(
+            qkv, x.shape[0])  # the norm's output quantized for an FP8 layer, in its kernel
         if residual is None:
-            h, residual = self.input_layernorm(x), x
+            h, residual = self.input_layernorm(x, None, quant), x
         else:
-            h, residual = self.input_layernorm(x, residual)
+            h, residual = self.input_layernorm(x, residual, quant)
         h = self.self_attn(cos_sin, h, kv_cache, metadata)
-        h, residual = self.post_attention_layernorm(h, residual)
+        quant = self.post_attention_layernorm.fused and \
+            gate_up.quant_method.takes_quantized_input(gate_up, h.shape[0])
+        h, residual = self.post_attention_layernorm(h, residual, quant)
         return self.mlp(h), residual
 
 

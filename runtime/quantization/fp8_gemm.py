@@ -1,0 +1,182 @@
+"""Which FP8 GEMM kernel runs each layer at each M, chosen by measurement on this GPU.
+
+Candidates (``fp8_kernels.py``): ``rowwise`` and ``rowwise_fast`` (torch._scaled_mm, with
+fast accumulation; per-channel weights),
+``triton_w8a8/<tile>`` (activations quantized, FP8 tensor cores) and ``triton_w8a16/<tile>``
+(activations as they are, weights converted in registers; small M only), each Triton kernel in
+the tiles that suit the M. At load, each distinct weight shape times every candidate at a few M
+values from CUDA-graph replays (as the model runs them: small-M kernels would otherwise be timed
+by their launches) and keeps the fastest per M. Plans are kept on disk per GPU and library
+versions (``$XDG_CACHE_HOME/pagedgen/fp8-gemm-plans.json``), so only the first start on a
+machine pays for the timing. ``$PAGEDGEN_FP8_GEMM`` forces one kernel (``dequantize``: the
+weight dequantized, a dense GEMM: the reference).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedgen.runtime.quantization import fp8_kernels as k
+
+ENV_GEMM = "PAGEDGEN_FP8_GEMM"
+KINDS = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_w8a16", "dequantize")
+M_BUCKETS = (1, 16, 64, 256, 1024)  # the M values each shape's kernels are timed at
+QUANTIZED_INPUT = ("rowwise", "rowwise_fast", "triton_w8a8")  # kinds that quantize per token
+
+
+@dataclass
+class GemmPlan:
+    """The kernel for each M: ``choices`` [(largest M, gemm)] in increasing M."""
+
+    choices: list[tuple[float, str]]
+
+    def choose(self, m: int) -> str:
+        return next((g for bound, g in self.choices if m <= bound), self.choices[-1][1])
+
+
+def candidates(layer: nn.Module, group_k: int | None, m: int) -> list[str]:
+    """The GEMMs that can run this layer's weight on this device at M = ``m``."""
+    n, kk = layer.weight.shape
+    if layer.weight.device.type != "cuda":
+        return ["dequantize"]
+    out = []
+    if group_k is None and n % 16 == 0 and kk % 16 == 0:
+        out += ["rowwise", "rowwise_fast"]
+    if k.HAVE_TRITON and (group_k is None or group_k % 16 == 0):
+        for name, (bm, *_) in k.TILES.items():
+            if bm <= max(16, m):  # no tile mostly padding rows
+                out.append(f"triton_w8a8/{name}")
+                if m <= 64:
+                    out.append(f"triton_w8a16/{name}")
+    return out
+
+
+def check_forced(name: str) -> None:
+    kind, _, tile = name.partition("/")
+    if kind not in KINDS or (tile and tile not in k.TILES) or (tile and not
+                                                               kind.startswith("triton")):
+        raise ValueError(f"${ENV_GEMM}={name}: use one of {', '.join(KINDS)} (the Triton ones "
+                         f"optionally /TILE, TILE one of {', '.join(k.TILES)})")
+
+
+_PLANS: dict[str, GemmPlan] = {}
+
+
+def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
+    """The kernel for each M on this layer's weight (timed once per shape and machine)."""
+    forced = os.environ.get(ENV_GEMM) or None
+    if forced is not None:
+        check_forced(forced)
+        if forced.startswith("rowwise") and group_k is not None:
+            raise ValueError(f"${ENV_GEMM}=rowwise cannot run block-scaled weights")
+        return GemmPlan([(math.inf, forced)])
+    key = _key(layer)
+    if key not in _PLANS:
+        disk = _load_disk()
+        if key in disk:
+            _PLANS[key] = GemmPlan([(m, g) for m, g in disk[key]])
+        else:
+            _PLANS[key] = _measure(layer, group_k)
+            _save_disk(key, _PLANS[key])
+    return _PLANS[key]
+
+
+def _measure(layer: nn.Module, group_k: int | None) -> GemmPlan:
+    choices = []
+    for m in M_BUCKETS:
+        cands = candidates(layer, group_k, m)
+        if not cands:
+            raise ValueError("no FP8 GEMM can run here (Triton is not installed)")
+        x = torch.randn(m, layer.weight.shape[1], device=layer.weight.device,
+                        dtype=layer.act_dtype)
+        times = {g: graph_time(lambda g=g: run_gemm(g, layer, x, group_k)) for g in cands}
+        choices.append((m, min(times, key=times.get)))
+    return GemmPlan(choices)
+
+
+def _key(layer: nn.Module) -> str:
+    import triton
+
+    dev = layer.weight.device
+    return "|".join(map(str, (torch.cuda.get_device_name(dev), torch.__version__,
+                              triton.__version__, *layer.weight.shape,
+                              layer.weight_scale.shape[1], layer.input_scale is not None,
+                              layer.act_dtype)))
+
+
+def _cache_file() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedgen" / "fp8-gemm-plans.json"
+
+
+def _load_disk() -> dict:
+    try:
+        data = json.loads(_cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_disk(key: str, plan: GemmPlan) -> None:
+    """Add ``plan`` to the cache file (written whole to a temporary file, then renamed)."""
+    path = _cache_file()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {**_load_disk(), key: plan.choices}
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+
+
+def graph_time(fn, calls: int = 5, replays: int = 3) -> float:
+    """Median seconds of one ``fn`` call, replayed from a CUDA graph as the model runs it."""
+    from pagedgen.runtime.hardware import time_cuda
+
+    fn()  # compiles
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    t = time_cuda(graph.replay, replays) / calls
+    del graph
+    return t
+
+
+def run_quantized(gemm: str, layer: nn.Module, x: k.QuantizedActivations) -> torch.Tensor:
+    """``run_gemm`` on activations quantized per token already (per-channel weights)."""
+    kind, _, tile = gemm.partition("/")
+    if kind.startswith("rowwise"):
+        return k.rowwise_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype,
+                              kind == "rowwise_fast")
+    return k.scaled_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype, None,
+                         tile or None)
+
+
+def run_gemm(gemm: str, layer: nn.Module, x: torch.Tensor, group_k: int | None) -> torch.Tensor:
+    """``x W^T`` with FP8 ``layer.weight`` by the kernel named ``gemm`` (``candidates``)."""
+    kind, _, tile = gemm.partition("/")
+    if kind == "dequantize":
+        return F.linear(x, k.dequantize(layer.weight, layer.weight_scale, x.dtype, group_k))
+    if kind == "triton_w8a16":
+        return k.scaled_gemm(x, None, layer.weight, layer.weight_scale, x.dtype, group_k,
+                             tile or None)
+    xq, xs = k.quantize_activations(x, group_k, layer.input_scale)
+    if kind.startswith("rowwise"):
+        return k.rowwise_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype,
+                              kind == "rowwise_fast")
+    return k.scaled_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype, group_k, tile or None)
