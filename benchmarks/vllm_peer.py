@@ -6,6 +6,9 @@ the worker regenerates the workload's token ids with ``workloads.py`` (the same 
 runs), builds ``vllm.LLM`` once (start-up timed apart), then times ``LLM.generate`` over every
 request in one call, ``repeats`` times, resetting its prefix cache before each run.
 
+``engine`` may carry ``quantization="fp8"`` (``peers.py --quantization fp8``): vLLM then
+quantizes the dummy weights at load, as ``pagedgen --quantization fp8`` does.
+
 Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_VLLM_SITE``
 (default ``/tmp/site-vllm``, where ``../shared/gpu/stage-wheels.sh vllm`` installs it).
 """

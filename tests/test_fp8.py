@@ -122,6 +122,36 @@ def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(res
     assert ((deq - ref).abs() <= ref.abs() / 16 + got.scale * 2 ** -9).all()
 
 
+@INTERPRETED
+@pytest.mark.parametrize("gemm", ["triton_w8a8", "triton_w8a16", "dequantize"])
+def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm):
+    """What the GPU runs, on the CPU: a row- and a column-parallel FP8 layer with a plan, fed
+    a tensor or (where the kernel quantizes per token) ``QuantizedActivations``."""
+    from pagedgen.runtime.distributed.parallel import TensorParallel
+    from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from pagedgen.runtime.layers.sharding import Segment
+    from pagedgen.runtime.quantization.fp8 import Fp8
+    from pagedgen.runtime.quantization.fp8_gemm import GemmPlan
+
+    w = torch.randn(48, 160) * 0.1
+    x = torch.randn(5, 160)
+    for layer in (RowParallelLinear(160, 48, False, TensorParallel(), Fp8()),
+                  ColumnParallelLinear(160, [(None, Segment(None, 48, 0, 48, 0))], False,
+                                       Fp8())):
+        layer.act_dtype, layer.fused_input = torch.float32, True
+        layer.quant_method.load(layer, "weight", None, w)
+        layer.gemm_plan = GemmPlan([(math.inf, gemm)])
+        want = k.scaled_gemm_ref(*k.quantize_activations_ref(x), layer.weight,
+                                 layer.weight_scale, torch.float32) if gemm == "triton_w8a8" \
+            else x @ k.dequantize(layer.weight, layer.weight_scale, torch.float32).t()
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
+        takes = layer.quant_method.takes_quantized_input(layer, 5)
+        assert takes == (gemm == "triton_w8a8")
+        if takes:
+            q = k.QuantizedActivations(*k.quantize_activations_ref(x))
+            torch.testing.assert_close(layer(q), want, rtol=1e-4, atol=1e-4)
+
+
 def test_gemm_plans_pick_by_m_and_forced_names_are_checked(monkeypatch):
     from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM, GemmPlan, check_forced
 
@@ -225,6 +255,19 @@ def test_generate_with_quantization_fp8_on_cpu(tmp_path):
     assert summary["quantization"] == "fp8"
     assert "per-channel weights (quantized at load)" in summary["quantization_scheme"]
     assert len(out.read_text().splitlines()) == 3
+
+
+def test_resume_refuses_another_quantization(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    out = tmp_path / "o.jsonl"
+    args = ["generate", str(prompts), "-o", str(out), "--model", "tiny", "--max-tokens", "2",
+            "--device", "cpu"]
+    assert runner.invoke(app, args + ["-q", "fp8"]).exit_code == 0
+    before = out.read_bytes()
+    res = runner.invoke(app, args + ["--resume"])
+    assert res.exit_code != 0 and "quantization" in res.output, res.output
+    assert out.read_bytes() == before
 
 
 def _fields(**q):

@@ -334,7 +334,7 @@ class Engine:
                 "all_reduce": self.runner.tp.all_reduce_kind}
                if self.runner.tp.size > 1 else {}),
             "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "quantization": self.runner.quant.name if self.runner.quant else None,
+            "quantization": self.runner.quant.name if self.runner.quant else "none",
             **({"quantization_scheme": self.runner.quant.scheme.describe()}
                if self.runner.quant else {}),
             "requests": st.requests_finished,
