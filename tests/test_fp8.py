@@ -159,6 +159,11 @@ def test_gemm_plans_pick_by_m_and_forced_names_are_checked(monkeypatch):
     assert [plan.choose(m) for m in (1, 2, 64, 65, 5000)] == [
         "triton_w8a16/16x32x256", "rowwise", "rowwise", "triton_w8a8", "triton_w8a8"]
     check_forced("triton_w8a8/64x64x128")
+    from pagedgen.runtime.quantization.fp8_gemm import _valid  # plans read back from disk
+    assert _valid([[1, "triton_w8a16/16x32x256"], [64, "rowwise"]], ["rowwise"])
+    assert not _valid([[1, "triton_w8a8/8x8x8"]], ["rowwise"])  # a tile this version lacks
+    assert not _valid([[1, "rowwise"]], ["triton_w8a8/16x32x256"])  # block weights: no rowwise
+    assert not _valid([[64, "rowwise"], [1, "rowwise"]], ["rowwise"]) and not _valid("x", [])
     for bad in ("cublas", "rowwise/16x32x256", "triton_w8a8/7x7x7"):
         with pytest.raises(ValueError, match=ENV_GEMM):
             check_forced(bad)

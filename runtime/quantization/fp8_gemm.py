@@ -80,9 +80,9 @@ def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
         return GemmPlan([(math.inf, forced)])
     key = _key(layer)
     if key not in _PLANS:
-        disk = _load_disk()
-        if key in disk:
-            _PLANS[key] = GemmPlan([(m, g) for m, g in disk[key]])
+        saved = _load_disk().get(key)
+        if _valid(saved, candidates(layer, group_k, max(M_BUCKETS))):
+            _PLANS[key] = GemmPlan([(m, g) for m, g in saved])
         else:
             _PLANS[key] = _measure(layer, group_k)
             _save_disk(key, _PLANS[key])
@@ -102,11 +102,25 @@ def _measure(layer: nn.Module, group_k: int | None) -> GemmPlan:
     return GemmPlan(choices)
 
 
+def _valid(saved, cands: list[str]) -> bool:
+    """A plan read from disk names kernels this version has (and M bounds in order)."""
+    try:
+        ms = [float(m) for m, _ in saved]
+        names = [g for _, g in saved]
+    except (TypeError, ValueError):
+        return False
+    known = set(cands) | {f"triton_{w}/{t}" for w in ("w8a8", "w8a16") for t in k.TILES}
+    return bool(ms) and ms == sorted(ms) and all(g in known for g in names)
+
+
+PLAN_VERSION = 1  # part of the disk key: a change to the candidates or kernels bumps it
+
+
 def _key(layer: nn.Module) -> str:
     import triton
 
     dev = layer.weight.device
-    return "|".join(map(str, (torch.cuda.get_device_name(dev), torch.__version__,
+    return "|".join(map(str, (PLAN_VERSION, torch.cuda.get_device_name(dev), torch.__version__,
                               triton.__version__, *layer.weight.shape,
                               layer.weight_scale.shape[1], layer.input_scale is not None,
                               layer.act_dtype)))
