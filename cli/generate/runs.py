@@ -138,6 +138,8 @@ def run(job: Job) -> dict[str, Any] | None:
             close_quietly(writer)  # after an error; a finished run closed it already
         if dp is not None:
             dp.stop()
+        if ranks is not None:  # leave the torchrun group before exit: a group torn down by
+            parallel.shutdown()  # the interpreter's exit aborted ranks ("terminate called")
 
 
 def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineConfig,
