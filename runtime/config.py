@@ -39,6 +39,29 @@ class SamplingParams:
     # of each prompt token after the first
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # sampling controls, with vLLM's meanings (runtime/sampling/controls.py)
+    presence_penalty: float = 0.0  # minus this from each token already in the output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # tokens of the prompt or output: logit / r if > 0, else * r
+    min_p: float = 0.0  # drop tokens below min_p x the top token's probability
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # finish at any of these
+    bad_words: list[str] = field(default_factory=list)  # never generated (as vLLM tokenizes)
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token) in the text
+    skip_special_tokens: bool = True  # the text leaves special tokens out
+    spaces_between_special_tokens: bool = True  # with them in: a space around each
+
+    def has_controls(self) -> bool:
+        """Whether any sampling control is set (``runtime/sampling/controls.py``, min_p)."""
+        return bool(self.min_p or self.min_tokens or self.logit_bias or self.stop_token_ids
+                    or self.needs_token_history())
+
+    def needs_token_history(self) -> bool:
+        """Whether sampling reads the tokens so far (penalties, multi-token bad words): such a
+        sequence's steps wait for its tokens instead of launching ahead."""
+        return bool(self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.bad_words)
 
     def validate(self) -> None:
         """Raise ValueError naming the first field out of range (NaN and infinities
@@ -67,6 +90,28 @@ class SamplingParams:
             raise ValueError("seed must fit in 64 bits")
         if any(s == "" for s in self.stop):
             raise ValueError("stop strings must not be empty (an empty string matches at once)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2]")
+        if not 0 < self.repetition_penalty <= 100:
+            raise ValueError("repetition_penalty must be in (0, 100]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if not 0 <= self.min_tokens <= MAX_INT32:
+            raise ValueError(f"min_tokens must be in 0..{MAX_INT32:,}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be <= max_tokens")
+        for token, bias in (self.logit_bias or {}).items():
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= MAX_INT32:
+                raise ValueError(f"logit_bias keys must be token ids, not {token!r}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                    or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], not "
+                                 f"{bias!r}")
+        if any(not 0 <= t <= MAX_INT32 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be token ids")
+        if any(w == "" for w in self.bad_words):
+            raise ValueError("bad_words must not be empty strings")
 
 
 @dataclass

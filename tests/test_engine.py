@@ -86,7 +86,7 @@ def test_stops_on_eos_max_tokens_and_context():
 
 def test_stop_strings_cut_the_text():
     eng = tiny()
-    eng.tokenizer.decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)
+    eng.tokenizer.decode = lambda ids, *options: "".join(chr(97 + i % 26) for i in ids)
     s = eng.add_request([256, 9], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
     eng.run()
     full = eng.output_text(s)

@@ -109,7 +109,7 @@ def test_openai_served_model_name_and_resume(tmp_path):
     (chat("x", max_tokens="5"), "body 'max_tokens' must be an integer"),
     (chat("x", max_tokens=3, max_completion_tokens=4),
      "body 'max_tokens' and 'max_completion_tokens' differ"),
-    (chat("x", frequency_penalty=0.5), "body 'frequency_penalty' = 0.5 is not supported"),
+    (chat("x", best_of=3), "body 'best_of' = 3 is not supported"),
     (chat("x", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      "body 'messages': only text content parts"),
     (completion("x", messages=[]), "body 'messages' belongs to /v1/chat/completions"),

@@ -25,10 +25,14 @@ _LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}
 _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
              "temperature": "temperature", "top_p": "top_p", "n": "n", "stop": "stop",
              "seed": "seed", "top_k": "top_k", "ignore_eos": "ignore_eos",
-             "prompt_logprobs": "prompt_logprobs"}
+             "prompt_logprobs": "prompt_logprobs", "presence_penalty": "presence_penalty",
+             "frequency_penalty": "frequency_penalty", "logit_bias": "logit_bias",
+             # vLLM's extra body fields
+             **{f: f for f in ("repetition_penalty", "min_p", "min_tokens", "stop_token_ids",
+                               "bad_words", "include_stop_str_in_output",
+                               "skip_special_tokens", "spaces_between_special_tokens")}}
 _IGNORED = {"model", "user", "store", "metadata", "service_tier"}  # nothing to do with them here
-_DEFAULT_ONLY = {"stream": (False,), "frequency_penalty": (0,), "presence_penalty": (0,),
-                 "logit_bias": ({},), "echo": (False,), "best_of": (1,), "suffix": ("",),
+_DEFAULT_ONLY = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
                  "stream_options": ()}  # accepted at these values (or null) only
 _BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs"},
                 "completions": {"prompt", "logprobs"}}

@@ -218,7 +218,8 @@ def _difference(old: Any, new: dict[str, Any]) -> str | None:
         return "by another version of pagedgen"
     if old.get("inputs_sha256") != new["inputs_sha256"]:
         return "from another input (its content differs)"
-    was, now = old.get("settings") or {}, new["settings"]
+    was = old.get("settings") or {}
+    now = json.loads(json.dumps(new["settings"]))  # as the record reads back (string keys)
     for key in sorted(set(was) | set(now)):
         if was.get(key) != now.get(key):
             return f"with {key} = {_show(was.get(key))}, this run has {_show(now.get(key))}"

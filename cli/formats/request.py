@@ -23,6 +23,17 @@ SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "n": ((int,), "an integer"),
     "logprobs": ((int,), "an integer"),
     "prompt_logprobs": ((int,), "an integer"),
+    "presence_penalty": ((int, float), "a number"),
+    "frequency_penalty": ((int, float), "a number"),
+    "repetition_penalty": ((int, float), "a number"),
+    "min_p": ((int, float), "a number"),
+    "logit_bias": ((dict,), "an object of token id: bias"),
+    "min_tokens": ((int,), "an integer"),
+    "stop_token_ids": ((list,), "a list of integers"),
+    "bad_words": ((list,), "a list of strings"),
+    "include_stop_str_in_output": ((bool,), "true or false"),
+    "skip_special_tokens": ((bool,), "true or false"),
+    "spaces_between_special_tokens": ((bool,), "true or false"),
 }
 
 
@@ -104,9 +115,27 @@ def set_sampling(req: Request, name: str, value: Any, where: str, label: str | N
     if name == "stop" and not (isinstance(value, str) or all(isinstance(s, str)
                                                                for s in value)):
         raise PagedgenError(f"{where}: {label} must be a string or a list of strings")
+    if name == "bad_words" and not all(isinstance(s, str) for s in value):
+        raise PagedgenError(f"{where}: {label} must be a list of strings")
+    if name == "stop_token_ids" and not all(type(t) is int for t in value):
+        raise PagedgenError(f"{where}: {label} must be a list of integers")
+    if name == "logit_bias":
+        value = _logit_bias(value, where, label)
     if req.overrides is None:
         req.overrides = {}
     req.overrides[name] = value
+
+
+def _logit_bias(value: dict, where: str, label: str) -> dict[int, float]:
+    """OpenAI's ``{"token id": bias}`` (keys are strings in JSON) as ``{id: bias}``."""
+    out = {}
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) < 11):
+            raise PagedgenError(f"{where}: {label} keys must be token ids, not {key!r}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise PagedgenError(f"{where}: {label} values must be numbers, not {bias!r}")
+        out[int(key)] = float(bias)
+    return out
 
 
 def check_sampling(req: Request, where: str) -> None:

@@ -65,6 +65,20 @@ def generate(
     seed: Optional[int] = typer.Option(
         None, help="Run seed; a request without one samples with a seed derived from it and "
                    "its position [default: 0]."),
+    min_p: Optional[float] = typer.Option(
+        None, help="Drop tokens below this times the top token's probability, in [0, 1] "
+                   "[default: the profile's, else 0: off]."),
+    presence_penalty: Optional[float] = typer.Option(
+        None, help="Subtracted from the logit of each token already in the output, in "
+                   "[-2, 2] [default: 0]."),
+    frequency_penalty: Optional[float] = typer.Option(
+        None, help="Subtracted per occurrence in the output, in [-2, 2] [default: 0]."),
+    repetition_penalty: Optional[float] = typer.Option(
+        None, help="Tokens of the prompt or output: a positive logit divided by it, a negative "
+                   "one multiplied, in (0, 100] [default: 1: off]."),
+    min_tokens: Optional[int] = typer.Option(
+        None, help="No EOS, stop token or stop string before this many output tokens "
+                   "[default: 0]."),
     ignore_eos: Optional[bool] = typer.Option(
         None, "--ignore-eos/--no-ignore-eos",
         help="Keep generating past the end-of-sequence token [default: no]."),
@@ -137,7 +151,10 @@ def generate(
              prefix_caching=prefix_caching, cascade_attention=cascade_attention,
              tensor_parallel_size=tensor_parallel_size),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-             ignore_eos=ignore_eos, n=n, logprobs=logprobs, prompt_logprobs=prompt_logprobs))
+             min_p=min_p, presence_penalty=presence_penalty,
+             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+             min_tokens=min_tokens, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
+             prompt_logprobs=prompt_logprobs))
     job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
               InputOptions(prompt_field, messages_field, strict_fields, served_model_name),
               tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)

@@ -76,10 +76,14 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         ids = list(prompt_token_ids)
         now = time.perf_counter()
+        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
+        if params.min_tokens:
+            self.runner.eos_ids = self.tokenizer.eos_token_ids  # what min_tokens holds back
         samples = []
         for i in range(params.n):
             samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
-                                    arrival_time=now, sample_index=i))
+                                    arrival_time=now, sample_index=i,
+                                    bad_words_ids=bad_words))
             if self.processor_factory is not None:
                 samples[-1].logits_processors = self.processor_factory(request, params, i)
             self._next_id += 1
@@ -90,6 +94,19 @@ class Engine:
                 s.samples = samples
         self.scheduler.add(seq)
         return seq
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as vLLM finds them: the word as it is, and after a space
+        when that gives other tokens of the same count (a word inside a text)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (plain, spaced):
+                if ids and ids not in out and (ids is plain or (
+                        len(ids) == len(plain) and ids[0] != plain[0])):
+                    out.append(ids)
+        return out
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
         """``check_request`` against this engine: its context, which the KV cache may cut
@@ -174,7 +191,10 @@ class Engine:
         return finished
 
     def _waits_for_tokens(self, decodes: list[Sequence]) -> bool:
-        """Whether a sequence of these decodes has a processor that reads its tokens."""
+        """Whether a sequence of these decodes has a processor or a sampling control that
+        reads its tokens."""
+        if any(s.params.needs_token_history() for s in decodes):
+            return True
         return self.processor_factory is not None and any(
             p.needs_tokens for s in decodes for p in s.logits_processors)
 
@@ -270,13 +290,20 @@ class Engine:
         return finished
 
     def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:
-        """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``."""
+        """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``:
+        EOS, a stop token or a stop string (none before ``min_tokens``), or its length."""
         p = seq.params
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+        if n_out < p.min_tokens:
+            pass
+        elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+            if not p.include_stop_str_in_output:  # the text ends before the stop token's
+                seq.stop_text_end = len(self._text(seq, seq.output_token_ids[:n_out - 1]))
         elif p.stop and (hit := self._find_stop(seq, n_out)) is not None:
             seq.finish_reason, seq.stop_text_end = "stop", hit
-        elif self._at_length_limit(seq, n_out):
+        if seq.finish_reason is None and self._at_length_limit(seq, n_out):
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -285,12 +312,21 @@ class Engine:
         return n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len
 
     def _find_stop(self, seq: Sequence, n_out: int) -> int | None:
-        text = self.tokenizer.decode(seq.output_token_ids[:n_out])
-        hits = [i for s in seq.params.stop if (i := text.find(s)) >= 0]
-        return min(hits) if hits else None
+        """Where the text ends at the first stop string (after it, with
+        ``include_stop_str_in_output``), or None."""
+        text = self._text(seq, seq.output_token_ids[:n_out])
+        hits = [(i, len(s)) for s in seq.params.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return None
+        i, n = min(hits)
+        return i + n if seq.params.include_stop_str_in_output else i
+
+    def _text(self, seq: Sequence, ids: list[int]) -> str:
+        p = seq.params
+        return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
 
     def output_text(self, seq: Sequence) -> str:
-        text = self.tokenizer.decode(seq.output_token_ids)
+        text = self._text(seq, seq.output_token_ids)
         return text if seq.stop_text_end is None else text[:seq.stop_text_end]
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None,
@@ -401,6 +437,12 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     if lo < 0 or hi >= vocab_size:
         bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
         raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+    for name, ids in (("logit_bias", params.logit_bias or {}),
+                      ("stop_token_ids", params.stop_token_ids)):
+        bad = next((t for t in ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary "
+                             f"(0..{vocab_size - 1})")
     if params.n > max_num_seqs:
         raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
                          f"{max_num_seqs}")

@@ -102,6 +102,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         t = self._phase("kv_cache", t)
         self.processors_enabled = False  # the engine makes sequences with logits processors
+        self.eos_ids: set[int] = set()  # EOS ids min_tokens holds back (set by the engine)
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
         self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
@@ -272,7 +273,8 @@ class ModelRunner:
             else:
                 picked = hidden[to_device(rows, torch.long, self.device)]
             logits = self.model.compute_logits(picked)
-            out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled)
+            out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled,
+                              self.eos_ids)
             self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
             handle.tokens, handle.logprobs = out.tokens, out.logprobs
             handle.logprob_rows = out.logprob_rows

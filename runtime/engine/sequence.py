@@ -50,9 +50,13 @@ class Sequence:
     prompt_logprobs: list | None = None
     # change this sample's logits before sampling (runtime.sampling.processors)
     logits_processors: list = field(default_factory=list)
+    # params.bad_words tokenized (runtime.sampling.controls), set when the request is added
+    bad_words_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place
+        # any sampling control beyond temperature/top-k/top-p (read per step: kept here)
+        self.controlled = self.params.has_controls()
         if self.params.logprobs is not None:
             self.logprobs = []
         if self.params.prompt_logprobs is not None and self.sample_index == 0:

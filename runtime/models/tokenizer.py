@@ -12,9 +12,12 @@ from pagedgen.errors import PagedgenError
 class Tokenizer(Protocol):
     eos_token_ids: set[int]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """Text of ``ids``; with special tokens kept, ``spaces_between_special_tokens`` puts
+        a space around each (as vLLM's detokenizer does)."""
 
     def token_bytes(self, token_id: int) -> bytes: ...
 
@@ -34,10 +37,12 @@ class ByteTokenizer:
     def __init__(self) -> None:
         self.eos_token_ids = {self.EOS}
 
-    def encode(self, text: str) -> list[int]:
-        return [self.BOS, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.BOS] * add_special_tokens + [*text.encode("utf-8")]
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        """BOS and EOS have no text, kept or not."""
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
@@ -71,11 +76,25 @@ class HFTokenizer:
         if self.tok.eos_token_id is not None:
             self.eos_token_ids.add(self.tok.eos_token_id)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
+        if skip_special_tokens or not spaces_between_special_tokens:
+            return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        parts, run = [], []
+        for i in ids:  # runs of ordinary tokens decoded whole, special tokens apart
+            if i in self._special_ids:
+                if run:
+                    parts.append(self.tok.decode(run))
+                    run = []
+                parts.append(self.tok.decode([i]))
+            else:
+                run.append(i)
+        if run:
+            parts.append(self.tok.decode(run))
+        return " ".join(parts)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for, also when it holds part of a UTF-8 character:
@@ -147,11 +166,12 @@ class MissingTokenizer:
         ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
         self.eos_token_ids = {i for i in ids if i is not None}
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise ValueError(f"{self.path} has no tokenizer (no tokenizer files, or none in the "
                          "GGUF metadata); use 'prompt_token_ids'")
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True,
+               spaces_between_special_tokens: bool = True) -> str:
         return ""
 
     def token_bytes(self, token_id: int) -> bytes:

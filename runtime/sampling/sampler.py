@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Token sampling: greedy, temperature, min-p, top-k, top-p, with a per-request seed.
 
 Randomness is a counter-based hash of (request seed, output position, token id), turned into
 Gumbel noise, so a request's tokens do not depend on which other requests share its batch, on
@@ -51,6 +51,7 @@ class SamplingBatch:
     temperatures: torch.Tensor  # [B] float32, 0 = greedy
     top_ks: torch.Tensor  # [B] int64, 0 = off
     top_ps: torch.Tensor  # [B] float32, 1 = off
+    min_ps: torch.Tensor | None  # [B] float32, 0 = off (None: off for every row)
     seeds: torch.Tensor  # [B] int64
     steps: torch.Tensor  # [B] int64: output position being sampled
     all_greedy: bool
@@ -58,16 +59,26 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, temperatures: list[float], top_ks: list[int], top_ps: list[float],
-              seeds: list[int], steps: list[int], device: torch.device) -> SamplingBatch:
+              seeds: list[int], steps: list[int], device: torch.device,
+              min_ps: list[float] | None = None) -> SamplingBatch:
         def up(x: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(x, dtype, device)
 
         return cls(
             temperatures=up(temperatures, torch.float32), top_ks=up(top_ks, torch.int64),
-            top_ps=up(top_ps, torch.float32), seeds=up([s & _M32 for s in seeds], torch.int64),
+            top_ps=up(top_ps, torch.float32),
+            min_ps=up(min_ps, torch.float32) if min_ps and any(min_ps) else None,
+            seeds=up([s & _M32 for s in seeds], torch.int64),
             steps=up(steps, torch.int64),
             all_greedy=all(t == 0 for t in temperatures),
             any_top_k_or_p=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps))
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """-inf for the tokens whose probability is below ``min_ps`` [B] x the row's top one."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_ps[:, None] * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -77,6 +88,8 @@ def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
         return greedy
     temps = torch.where(sb.temperatures > 0, sb.temperatures, 1.0)
     logits = logits / temps[:, None]
+    if sb.min_ps is not None:
+        logits = apply_min_p(logits, sb.min_ps)
     gumbel = -torch.log(-torch.log(uniform_noise(sb.seeds, sb.steps, logits.shape[-1])))
     if sb.any_top_k_or_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)

@@ -1,7 +1,8 @@
 """One step's sampling, from the logits of the rows that sample to their tokens: the rows'
-logits processors, the seeded sampler (rank 0's tokens on every rank under -tp), and the
-log-probabilities of the rows that ask for them. Sequences are read for their ``params``,
-``seed``, ``num_output_tokens``, ``output_token_ids`` and ``logits_processors``."""
+sampling controls (``controls.py``) and logits processors, the seeded sampler (rank 0's tokens
+on every rank under -tp), and the log-probabilities of the rows that ask for them. Sequences
+are read for their ``params``, ``seed``, ``num_output_tokens``, ``output_token_ids``,
+``prompt_token_ids``, ``bad_words_ids``, ``controlled`` and ``logits_processors``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from pagedgen.attention.ops.profiling import scope
 from pagedgen.attention.ops.transfer import to_device
-from pagedgen.runtime.sampling import logprobs, processors
+from pagedgen.runtime.sampling import controls, logprobs, processors
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample
 
@@ -25,9 +26,14 @@ class Sampled:
 
 
 def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
-                with_processors: bool) -> Sampled:
+                with_processors: bool, eos_ids: set[int] = frozenset()) -> Sampled:
     """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
-    whose rank 0 decides; ``with_processors``: whether any sequence may have processors."""
+    whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
+    ``eos_ids``: the tokens ``min_tokens`` holds back."""
+    controlled = any(s.controlled for s in seqs)
+    if controlled:
+        with scope("sampling_controls"):
+            controls.apply(logits, seqs, eos_ids)
     if with_processors:
         rows = [(i, s.logits_processors, s.output_token_ids)
                 for i, s in enumerate(seqs) if s.logits_processors]
@@ -36,7 +42,7 @@ def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
                 processors.apply(logits, rows)
     with scope("sampling"):
         # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
-        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device))))
+        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device, controlled))))
     out.logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if out.logprob_rows:
         with scope("logprobs"):
@@ -50,8 +56,11 @@ def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
     return out
 
 
-def sampling_batch(seqs: Sequence[Any], device: torch.device) -> SamplingBatch:
+def sampling_batch(seqs: Sequence[Any], device: torch.device,
+                   controlled: bool = True) -> SamplingBatch:
+    """``controlled``: whether a row may have min_p (else it is not read)."""
     p = [s.params for s in seqs]
     return SamplingBatch.build([x.temperature for x in p], [x.top_k for x in p],
                                [x.top_p for x in p], [s.seed for s in seqs],
-                               [s.num_output_tokens for s in seqs], device)
+                               [s.num_output_tokens for s in seqs], device,
+                               [x.min_p for x in p] if controlled else None)
