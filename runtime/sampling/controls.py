@@ -49,8 +49,9 @@ def apply(logits: torch.Tensor, seqs: Sequence[Any], eos_ids: set[int]) -> None:
                 bias_vals.append(b)
         for word in getattr(s, "bad_words_ids", ()):
             out = s.output_token_ids
-            if len(word) == 1 or (len(out) >= len(word) - 1
-                                  and list(out[len(out) - len(word) + 1:]) == word[:-1]):
+            if word[-1] < vocab and (len(word) == 1 or (
+                    len(out) >= len(word) - 1
+                    and list(out[len(out) - len(word) + 1:]) == word[:-1])):
                 ban_rows.append(row)
                 ban_cols.append(word[-1])
         if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
