@@ -21,8 +21,8 @@ import torch
 from benchmarks.common import print_table
 from pagedgen.runtime.hardware import copy_bandwidth
 from pagedgen.runtime.models.loader import resolve_model
-from pagedgen.runtime.quantization import fp8_kernels as k
-from pagedgen.runtime.quantization.fp8_gemm import candidates, graph_time, plan_gemm, run_gemm
+from pagedgen.runtime.quantization.fp8_gemm import (candidates, graph_time, plan_gemm, run_gemm,
+                                                    standalone_layer)
 
 
 def shapes(profile: str) -> dict[str, tuple[int, int]]:
@@ -46,10 +46,9 @@ def main() -> None:
     bw = copy_bandwidth()
     layers = {}
     for name, (n, kk) in shapes(args.profile).items():
-        layer = torch.nn.Module()
         w = torch.randn(n, kk, device="cuda", dtype=torch.bfloat16) * 0.02
-        layer.weight, layer.weight_scale = k.quantize_weight(w)
-        layer.input_scale, layer.act_dtype, layer.dense = None, torch.bfloat16, w
+        layer = standalone_layer(w)
+        layer.dense = w
         layer.plan = plan_gemm(layer, None)
         layers[name] = layer
     fp8_bytes = sum(lay.weight.numel() for lay in layers.values())

@@ -5,8 +5,8 @@ quantize activations as they run)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import torch
 
@@ -45,7 +45,7 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
     """``cases`` random layers (M from 1 to 700, per-channel or 128-block scales as the
     kernel takes) through ``gemm`` against ``scaled_gemm_ref`` on the same FP8 operands."""
     from pagedgen.runtime.quantization import fp8_kernels as k
-    from pagedgen.runtime.quantization.fp8_gemm import run_gemm
+    from pagedgen.runtime.quantization.fp8_gemm import run_gemm, standalone_layer
 
     g = torch.Generator().manual_seed(seed)
     block = 128 if gemm == "triton_w8a8" else None
@@ -56,9 +56,7 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
         kk = 128 * int(torch.randint(1, 12, (1,), generator=g)) + (0 if block else 16 * (i % 3))
         w = torch.randn(n, kk, generator=g).to(device)
         x = torch.randn(m, kk, generator=g).to(device, torch.bfloat16)
-        layer = torch.nn.Module()
-        layer.weight, layer.weight_scale = k.quantize_weight(w, block)
-        layer.input_scale = None
+        layer = standalone_layer(w, block)
         got = run_gemm(gemm, layer, x, block).float()
         if gemm == "triton_w8a16":
             ref = k.scaled_gemm_ref(x, None, layer.weight, layer.weight_scale, torch.float32,
@@ -74,21 +72,6 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
                worst_rel <= GEMM_TOL, "vs float32 on the same FP8 operands")
 
 
-@contextlib.contextmanager
-def _forced_gemm(name: str):
-    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM
-
-    before = os.environ.get(ENV_GEMM)
-    os.environ[ENV_GEMM] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(ENV_GEMM, None)
-        else:
-            os.environ[ENV_GEMM] = before
-
-
 def model_row(model: str, dtype: str, device: torch.device, steps: int, seed: int) -> Row:
     """The model with ``--quantization fp8`` (the GEMMs picked by measurement, CUDA graphs on)
     against the same FP8 weights dequantized, eager."""
@@ -96,12 +79,13 @@ def model_row(model: str, dtype: str, device: torch.device, steps: int, seed: in
 
     from pagedgen.cli.verify.model_checks import model_config, model_prompts, compare, trace
     from pagedgen.runtime.engine.engine import Engine
+    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM
 
     prompts = model_prompts(seed)
     cfg = dataclasses.replace(model_config("auto", model, dtype, device, seed, True),
                               quantization="fp8")
     got = trace(Engine(cfg), prompts, steps)
-    with _forced_gemm("dequantize"):
+    with mock.patch.dict(os.environ, {ENV_GEMM: "dequantize"}):
         ref = trace(Engine(dataclasses.replace(cfg, enforce_eager=True)), prompts, steps)
     return compare(ref, got, MODEL_TOL, f"model {model} fp8 (GEMMs by measurement, CUDA graphs)"
                    " vs its weights dequantized")

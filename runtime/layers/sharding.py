@@ -92,16 +92,23 @@ def load_segment(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> 
     _zero_padding(param, shard)
 
 
+def check_shape(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> None:
+    """ValueError (``has shape ...``; the caller names the tensor) when checkpoint tensor
+    ``tensor`` (a torch tensor or a lazy safetensors slice) is not the shape part ``key`` of
+    ``param`` needs."""
+    want = checkpoint_shape(param, shard, key)
+    have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+    if have != want:
+        raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
+
+
 def take_segment(param: torch.Tensor, shard: Shard, key: Any, tensor) -> tuple[Segment,
                                                                                  torch.Tensor]:
     """The segment ``key`` of ``param`` and this rank's rows (or columns) of checkpoint tensor
     ``tensor`` for it (read from a lazy slice: only those leave the file); ValueError when the
     tensor's shape does not fit."""
     dim, segs = shard
-    want = checkpoint_shape(param, shard, key)
-    have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-    if have != want:
-        raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
+    check_shape(param, shard, key, tensor)
     seg = next(s for s in segs if s.key == key)
     rows = (slice(None),) * dim + (slice(seg.start, seg.start + seg.size),)
     return seg, tensor[rows]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from pagedgen.runtime.layers.sharding import checkpoint_shape, load_segment, shard_map
+from pagedgen.runtime.layers.sharding import check_shape, load_segment, shard_map
 
 Stacked = dict[str, tuple[str, Any]]  # checkpoint module name → (our fused module, part key)
 
@@ -40,13 +40,14 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         prefix, _, attr = target.rpartition(".")
         method = getattr(modules.get(prefix), "quant_method", None)
         try:
-            if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
-                with torch.no_grad():
+            with torch.no_grad():
+                if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
                     method.load(modules[prefix], attr, key, tensor)
-            elif target in params and key is None:
-                _load_plain(params[target], shards.get(target), tensor)
-            else:
-                raise KeyError
+                elif target in params and key is None:
+                    check_shape(params[target], shards.get(target), None, tensor)
+                    load_segment(params[target].data, shards.get(target), None, tensor)
+                else:
+                    raise KeyError
         except KeyError:
             raise ValueError(f"unexpected tensor '{name}' (not in a "
                              f"{getattr(model.config, 'model_type', '')} model of this config)"
@@ -57,15 +58,6 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
     missing = _missing(model, stacked, loaded)
     if missing:
         raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{missing[0]}'")
-
-
-def _load_plain(param: torch.Tensor, shard, tensor: Any) -> None:
-    want = checkpoint_shape(param, shard, None)
-    have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-    if have != want:
-        raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
-    with torch.no_grad():
-        load_segment(param.data, shard, None, tensor)
 
 
 def expected_tensors(model: nn.Module, stacked: Stacked) -> dict[tuple[str, Any], str]:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedgen.runtime.layers.sharding import checkpoint_shape, load_segment
+from pagedgen.runtime.layers.sharding import check_shape, load_segment
 
 
 class QuantizationMethod(ABC):
@@ -39,12 +39,8 @@ class QuantizationMethod(ABC):
         """Copy checkpoint tensor ``name`` (part ``key`` of a fused layer; a torch tensor, or a
         lazy safetensors slice of which only this rank's rows are read) into the layer.
         ValueError (``has shape ...``) when it does not fit; the caller names the tensor."""
-        param = getattr(layer, name)
-        shard = layer.shards.get(name)
-        want = checkpoint_shape(param, shard, key)
-        have = tuple(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-        if have != want:
-            raise ValueError(f"has shape {list(have)}; the config makes it {list(want)}")
+        param, shard = getattr(layer, name), layer.shards.get(name)
+        check_shape(param, shard, key, tensor)
         load_segment(param.data, shard, key, tensor)
 
     def output_dtype(self, layer: nn.Module) -> torch.dtype:

@@ -192,22 +192,19 @@ class Fp8(QuantizationMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor | k.QuantizedActivations,
               bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(x, k.QuantizedActivations):
-            with scope("fp8_gemm"):
-                y = run_quantized(layer.gemm_plan.choose(x.q.shape[0]), layer, x)
-            y = y + bias if bias is not None else y
-            return out.copy_(y) if out is not None else y
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
         plan = layer.gemm_plan  # None: CPU, where the weights are dequantized
-        gemm = plan.choose(x2.shape[0]) if plan is not None else "dequantize"
         with scope("fp8_gemm"):
-            y = run_gemm(gemm, layer, x2.contiguous(), self.group_k)
+            if isinstance(x, k.QuantizedActivations):  # quantized by the norm or SwiGLU
+                y = run_quantized(plan.choose(x.q.shape[0]), layer, x)
+            else:
+                shape = x.shape
+                x2 = x.reshape(-1, shape[-1])
+                gemm = plan.choose(x2.shape[0]) if plan is not None else "dequantize"
+                y = run_gemm(gemm, layer, x2.contiguous(), self.group_k)
+                y = y.reshape(*shape[:-1], y.shape[-1])
         if bias is not None:
             y = y + bias
-        if out is not None:
-            return out.copy_(y)
-        return y.reshape(*shape[:-1], y.shape[-1])
+        return out.copy_(y) if out is not None else y
 
 
 def _read(tensor: Any) -> torch.Tensor:

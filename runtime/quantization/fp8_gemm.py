@@ -171,26 +171,35 @@ def graph_time(fn, calls: int = 5, replays: int = 3) -> float:
     return t
 
 
-def run_quantized(gemm: str, layer: nn.Module, x: k.QuantizedActivations) -> torch.Tensor:
-    """``run_gemm`` on activations quantized per token already (per-channel weights)."""
+def standalone_layer(weight: torch.Tensor, group_k: int | None = None,
+                     act_dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A bare module holding ``weight`` quantized (per channel, or per ``group_k`` columns) as
+    an FP8 linear layer holds it: what ``run_gemm`` needs (verify's and the benchmark's)."""
+    layer = nn.Module()
+    layer.weight, layer.weight_scale = k.quantize_weight(weight, group_k)
+    layer.input_scale, layer.act_dtype = None, act_dtype
+    return layer
+
+
+def run_quantized(gemm: str, layer: nn.Module, x: k.QuantizedActivations,
+                  group_k: int | None = None) -> torch.Tensor:
+    """``run_gemm`` on activations quantized already (per token, or per token and group)."""
     kind, _, tile = gemm.partition("/")
     if kind.startswith("rowwise"):
         return k.rowwise_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype,
                               kind == "rowwise_fast")
-    return k.scaled_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype, None,
-                         tile or None)
+    return k.scaled_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype,
+                         group_k, tile or None)
 
 
 def run_gemm(gemm: str, layer: nn.Module, x: torch.Tensor, group_k: int | None) -> torch.Tensor:
-    """``x W^T`` with FP8 ``layer.weight`` by the kernel named ``gemm`` (``candidates``)."""
+    """``x W^T`` with FP8 ``layer.weight`` by the kernel named ``gemm`` (``candidates``), in
+    ``layer.act_dtype`` (``x``'s)."""
     kind, _, tile = gemm.partition("/")
     if kind == "dequantize":
         return F.linear(x, k.dequantize(layer.weight, layer.weight_scale, x.dtype, group_k))
     if kind == "triton_w8a16":
         return k.scaled_gemm(x, None, layer.weight, layer.weight_scale, x.dtype, group_k,
                              tile or None)
-    xq, xs = k.quantize_activations(x, group_k, layer.input_scale)
-    if kind.startswith("rowwise"):
-        return k.rowwise_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype,
-                              kind == "rowwise_fast")
-    return k.scaled_gemm(xq, xs, layer.weight, layer.weight_scale, x.dtype, group_k, tile or None)
+    quantized = k.QuantizedActivations(*k.quantize_activations(x, group_k, layer.input_scale))
+    return run_quantized(gemm, layer, quantized, group_k)
