@@ -75,7 +75,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 break  # preempted below: so is everything admitted after it
-            if seq.num_uncomputed != 1:
+            if seq.num_uncomputed != 1 or seq.forks:  # a prompt's last token forks: a prefill
                 continue
             while not self.bm.can_allocate(seq, seq.num_tokens):
                 victim = next(reversed(self.running))
@@ -89,7 +89,7 @@ class Scheduler:
             budget -= 1
         # 2. unfinished prefill chunks of running sequences
         for seq in list(self.running):
-            if seq.num_uncomputed > 1 and budget > 0:
+            if (seq.num_uncomputed > 1 or seq.forks) and budget > 0:
                 n = self._admit_chunk(seq, budget, batch)
                 if n == 0:
                     break
