@@ -64,6 +64,24 @@ def test_preemption_recomputes_and_gives_the_same_tokens():
     assert eng.block_manager.num_free_blocks == 13  # one is the scratch block
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_samples_fork_when_a_cramped_cache_leaves_the_prompts_last_token(async_scheduling):
+    """n = 2 under a small cache with samples stopping early: a prompt whose block copies do
+    not fit leaves its last token for a later step, which must still fork the samples (it
+    ran as a decode instead: the parent sampled alone, its samples forked later from its
+    output and the run hung with 'an empty step')."""
+    ps = prompts(12, 20, 40)
+    params = SamplingParams(max_tokens=40, temperature=1.0, n=2,
+                            stop_token_ids=list(range(300, 340)))
+    roomy = tiny(max_num_seqs=32).generate(ps, params)
+    eng = tiny(max_num_seqs=32, num_blocks=12, block_size=16, async_scheduling=async_scheduling)
+    cramped = eng.generate(ps, params)
+    assert eng.stats.num_preemptions > 0
+    assert all(x.finish_reason is not None for s in cramped for x in s.samples)
+    assert [[x.output_token_ids for x in s.samples] for s in cramped] == \
+        [[x.output_token_ids for x in s.samples] for s in roomy]
+
+
 def test_chunked_prefill_gives_the_same_tokens():
     ps = prompts(3, 100, 200)
     whole = tiny().generate(ps, GREEDY)

@@ -47,3 +47,14 @@ def test_top_k_and_top_p_restrict_the_support():
     assert set(p.tolist()) == {0, 1}  # 0.4 < 0.65 <= 0.4 + 0.3
     tiny_p = sample(logits[:50], batch(50, top_p=0.01, seeds=list(range(50))))
     assert set(tiny_p.tolist()) == {0}
+
+
+def test_noise_never_rounds_to_one():
+    """Seed 0, step 26 draws 2**32 - 71 for token 82,727: within 2**-25 of 1, which float32
+    rounded to 1.0 (an infinite Gumbel draw: a uniformly random token, or NaN on a masked
+    token). Its row, and a masked row sampled with it, stay finite and in the mask."""
+    u = uniform_noise(torch.tensor([0]), torch.tensor([26]), 1 << 17)
+    assert u.max() < 1 and torch.isfinite(-torch.log(-torch.log(u))).all()
+    logits = torch.full((1, 1 << 17), float("-inf"))
+    logits[0, :10] = 0.0
+    assert sample(logits, batch(1, seeds=[0], steps=[26])).item() < 10

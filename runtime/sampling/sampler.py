@@ -26,11 +26,15 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """U(0, 1) noise [B, V] as a pure function of (seed, step, token id)."""
+    """U(0, 1) noise [B, V] as a pure function of (seed, step, token id), strictly inside
+    (0, 1) in float32: the largest values are held at 1 - 2**-24, which would otherwise round
+    to 1.0 and make an infinite Gumbel draw (a uniformly random token, or NaN on a -inf
+    logit: a masked token)."""
     row = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
     col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     bits = _hash32(row[:, None] * 0x27D4EB2F + col[None, :] * 0x165667B1 + 0x1B873593)
-    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).to(torch.float32)
+    return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).clamp_(max=1 - 2.0 ** -24).to(
+        torch.float32)
 
 
 def derive_seed(seed: int, sample_index: int) -> int:
