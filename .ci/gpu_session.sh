@@ -18,6 +18,9 @@
 # PEERS_LIMIT, PEERS_REPEATS and PEERS_QUANT (fp8: both systems quantize) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
+# structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
+# same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
+# carried; STRUCT_REPEATS, STRUCT_LIMIT).
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -121,6 +124,11 @@ for r in json.load(open(sys.argv[1]))["results"]:
                         for k, v in r.get("roofline", {}).items()})
 PY
       done ;;
+    structured)
+      tok=""; [ -d .whl/smollm2-tok ] && tok="--tokenizer .whl/smollm2-tok"
+      timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
+        --repeats "${STRUCT_REPEATS:-1}" --json "$S/h100-structured.json"
+      grep -E "^│|^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
       tail -12 "$S/gpu-tests.log" ;;

@@ -7,7 +7,10 @@ runs), builds ``vllm.LLM`` once (start-up timed apart), then times ``LLM.generat
 request in one call, ``repeats`` times, resetting its prefix cache before each run.
 
 ``engine`` may carry ``quantization="fp8"`` (``peers.py --quantization fp8``): vLLM then
-quantizes the dummy weights at load, as ``pagedgen --quantization fp8`` does.
+quantizes the dummy weights at load, as ``pagedgen --quantization fp8`` does. ``requests``
+(``structured.py``) gives the prompts, output lengths and each one's JSON schema (or None)
+instead of a named workload, with a tokenizer directory: vLLM then constrains those requests
+with its default structured-output backend (xgrammar), whitespace off as pagedgen's default.
 
 Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_VLLM_SITE``
 (default ``/tmp/site-vllm``, where ``../shared/gpu/stage-wheels.sh vllm`` installs it).
@@ -47,7 +50,8 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
 
 
 def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dict[str, Any],
-             repeats: int = 3, timeout: float = 590.0) -> dict[str, Any]:
+             repeats: int = 3, timeout: float = 590.0, requests: dict[str, Any] | None = None,
+             tokenizer_dir: Path | None = None) -> dict[str, Any]:
     """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed."""
     site = vllm_site()
     if site is None:
@@ -58,8 +62,13 @@ def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dic
         cfg = hf_config.to_transformers().to_dict()
         cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
         (model / "config.json").write_text(json.dumps(cfg))
+        if tokenizer_dir is not None:
+            for f in Path(tokenizer_dir).iterdir():
+                if f.name != "config.json" and f.is_file():
+                    (model / f.name).write_bytes(f.read_bytes())
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
-                "vocab": cfg["vocab_size"], "engine": engine, "repeats": repeats}
+                "vocab": cfg["vocab_size"], "engine": engine, "repeats": repeats,
+                "requests": requests, "tokenizer": tokenizer_dir is not None}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1"}
@@ -83,25 +92,46 @@ def _worker(spec_path: str, out_path: str) -> None:
     from benchmarks.workloads import workload  # vLLM's process: no pagedgen imports
 
     spec = json.loads(Path(spec_path).read_text())
-    wl = workload(spec["workload"], spec["num_prompts"])
-    prompts, outs = wl.requests(spec["vocab"])
-    llm = vllm.LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
-                   dtype="bfloat16", gpu_memory_utilization=0.9, seed=0, **spec["engine"])
+    given = spec.get("requests")
+    if given:  # each variant: every request's schema or None
+        prompts, outs, variants = given["prompts"], given["outs"], given["variants"]
+        temperature, n = 0.0, 1
+    else:
+        wl = workload(spec["workload"], spec["num_prompts"])
+        prompts, outs = wl.requests(spec["vocab"])
+        variants, temperature, n = {"": [None] * len(prompts)}, wl.temperature, wl.n
+    llm = vllm.LLM(model=spec["model"], load_format="dummy",
+                   skip_tokenizer_init=not spec.get("tokenizer"), dtype="bfloat16",
+                   gpu_memory_utilization=0.9, seed=0, **spec["engine"])
     startup = time.perf_counter() - t0
-    params = [vllm.SamplingParams(max_tokens=n, ignore_eos=True, temperature=wl.temperature,
-                                  n=wl.n, seed=i if wl.temperature else None, detokenize=False)
-              for i, n in enumerate(outs)]
+
+    def structured(schema):
+        if schema is None:
+            return {}
+        from vllm.sampling_params import StructuredOutputsParams
+        return {"structured_outputs": StructuredOutputsParams(json=schema,
+                                                              disable_any_whitespace=True)}
+
     inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     runs = []
     for _ in range(spec["repeats"]):
-        llm.reset_prefix_cache()  # every run starts cold, as the first
-        t = time.perf_counter()
-        results = llm.generate(inputs, params, use_tqdm=False)
-        wall = time.perf_counter() - t
-        tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-        runs.append({"wall_time_s": wall, "output_tokens": tokens,
-                     "output_tokens_per_s": tokens / wall})
-        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+        for variant, schemas in variants.items():
+            params = [vllm.SamplingParams(max_tokens=k, ignore_eos=not given,
+                                          temperature=temperature, n=n,
+                                          seed=i if temperature else None,
+                                          detokenize=bool(given), **structured(s))
+                      for i, (k, s) in enumerate(zip(outs, schemas))]
+            llm.reset_prefix_cache()  # every run starts cold, as the first
+            t = time.perf_counter()
+            results = llm.generate(inputs, params, use_tqdm=False)
+            wall = time.perf_counter() - t
+            tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
+            runs.append({"wall_time_s": wall, "output_tokens": tokens,
+                         "output_tokens_per_s": tokens / wall, "variant": variant,
+                         **({"texts": [r.outputs[0].text for r in results[:64]]}
+                            if given else {})})
+            print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),
+                  file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
                                           "engine": spec["engine"], "runs": runs}))
 

@@ -21,6 +21,24 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_SAMPLES = 128  # the largest `n` (parallel samples of one request)
 MAX_LOGPROBS = 20  # the most top alternatives per token (`logprobs`, `prompt_logprobs`)
 MAX_INT32 = 2**31 - 1
+# structured output: the kinds of constraint a line can give (runtime/sampling/structured.py)
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """One line's output constraint, in a canonical, hashable form (equal constraints compile
+    once). ``spec``: the JSON schema as compact JSON ("json"), "" ("json_object"), the regex,
+    the choices as a JSON list ("choice"), or the EBNF grammar; ``any_whitespace``: whether JSON
+    may put any whitespace between its tokens (default: one space after ``:`` and ``,``)."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool = False
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}")
 
 
 @dataclass
@@ -51,6 +69,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the stop string (or stop token) in the text
     skip_special_tokens: bool = True  # the text leaves special tokens out
     spaces_between_special_tokens: bool = True  # with them in: a space around each
+    structured: StructuredOutput | None = None  # the output's grammar (per line)
 
     def has_controls(self) -> bool:
         """Whether any sampling control is set (``runtime/sampling/controls.py``, min_p)."""
@@ -59,7 +78,8 @@ class SamplingParams:
 
     def needs_token_history(self) -> bool:
         """Whether sampling reads the tokens so far (penalties, multi-token bad words): such a
-        sequence's steps wait for its tokens instead of launching ahead."""
+        sequence's step reads the last step's tokens before it samples (it still launches
+        ahead)."""
         return bool(self.presence_penalty or self.frequency_penalty
                     or self.repetition_penalty != 1.0 or self.bad_words)
 
@@ -112,6 +132,11 @@ class SamplingParams:
             raise ValueError("stop_token_ids must be token ids")
         if any(w == "" for w in self.bad_words):
             raise ValueError("bad_words must not be empty strings")
+        if self.structured is not None:
+            self.structured.validate()
+            if self.ignore_eos or self.min_tokens:
+                raise ValueError("structured output ends where its structure ends: it does not "
+                                 "combine with ignore_eos or min_tokens")
 
 
 @dataclass
@@ -236,7 +261,8 @@ def parse_bytes(value: str | int) -> int:
 # ---- field types (profiles, options, request lines) -------------------------------------
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
-               "None": "null", "list[str]": "a list of strings", "list[int]": "a list of integers"}
+               "None": "null", "list[str]": "a list of strings", "list[int]": "a list of integers",
+               "StructuredOutput": "given per line (response_format or structured_outputs)"}
 
 
 def type_error(obj: Any, name: str, value: Any) -> str | None:
@@ -263,6 +289,8 @@ def _is(kind: str, value: Any) -> bool:
                 and math.isfinite(value))
     if kind == "str":
         return isinstance(value, str)
+    if kind == "StructuredOutput":
+        return isinstance(value, StructuredOutput)
     if kind.startswith("list["):
         return isinstance(value, list) and all(_is(kind[5:-1], v) for v in value)
     return True  # a type this check does not know: left to the field's own checks

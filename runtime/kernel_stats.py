@@ -25,6 +25,7 @@ _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "activation": "activation", "rotary": "rotary", "sampling": "sampling",
                 "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce",
                 "logits_processors": "sampling", "sampling_controls": "sampling",
+                "structured_output": "sampling",
                 "fp8_gemm": "FP8 GEMM"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),

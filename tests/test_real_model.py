@@ -179,3 +179,31 @@ def test_fp8_weights_keep_most_greedy_tokens(smol, reference, capsys):
         print(f"\nSmolLM2-135M FP8 vs float32 greedy: first token {first:.0%}, same position "
               f"{same / sum(map(len, reference)):.0%}, before the first divergence {prefix:.0%}")
     assert first >= 0.8 and prefix >= 0.4
+
+
+def test_structured_output_extracts_valid_json(smol):
+    """Greedy extraction under a JSON schema: every line parses, validates and holds the
+    facts (unconstrained, the model's first answer runs on into nested "cities" until
+    max_tokens)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    from pagedgen.runtime.config import StructuredOutput
+
+    _, tok, _, _ = smol
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 30},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 30}}, "required": ["name", "age", "city"]}
+    facts = [("Maria Lopez is 34 years old and lives in Madrid.", ["Maria Lopez", 34, "Madrid"]),
+             ("John, aged 71, moved to Chicago last year.", ["John", 71, "Chicago"]),
+             ("Our new colleague Aiko Tanaka (29) works from Osaka.", ["Aiko Tanaka", 29, "Osaka"])]
+    prompts = tok.apply_chat_template_batch([[{"role": "user", "content": "Extract the person's "
+                                               f"name, age and city as JSON.\n{text}"}]
+                                             for text, _ in facts])
+    eng = engine(smol)
+    seqs = eng.generate(prompts, SamplingParams(max_tokens=60, temperature=0, structured=(
+        StructuredOutput("json", json.dumps(schema)))))
+    for seq, (_, want) in zip(seqs, facts):
+        got = json.loads(eng.output_text(seq))
+        jsonschema.validate(got, schema)
+        assert seq.finish_reason == "stop" and [got["name"], got["age"], got["city"]] == want

@@ -193,7 +193,7 @@ def test_engine_controls_shape_the_output():
     assert out["penalty"].count(a) < 6  # its count pays 2.0 each time
 
 
-def test_penalties_wait_for_tokens_and_agree_with_async_off():
+def test_penalties_read_tokens_while_launching_ahead_and_agree_with_async_off():
     params = [SamplingParams(max_tokens=12, temperature=0.8, seed=i, repetition_penalty=1.5,
                              presence_penalty=0.5) for i in range(5)]
     outs = []
@@ -202,6 +202,7 @@ def test_penalties_wait_for_tokens_and_agree_with_async_off():
         seqs = [eng.add_request(list(range(60 + i, 70 + i)), p) for i, p in enumerate(params)]
         eng.run()
         outs.append([s.output_token_ids for s in seqs])
+        assert (eng.stats.overlapped_steps > 0) == async_on
     assert outs[0] == outs[1]
 
 

@@ -70,7 +70,8 @@ def test_a_processor_that_reads_tokens_sees_them_all_and_applies():
         assert all(PENDING_TOKEN not in seen for seen in proc.seen)  # real tokens, in order
         assert [len(s) for s in proc.seen] == list(range(len(out)))
     assert any(len(set(p)) < len(p) for p in plain)  # the dummy model does repeat itself
-    assert eng.stats.overlapped_steps == 0  # every step waited for its tokens
+    # steps still launch ahead: the last step's tokens are read before this one samples
+    assert eng.stats.overlapped_steps > 0
 
 
 def test_a_fixed_mask_keeps_async_scheduling_and_only_its_rows_change():

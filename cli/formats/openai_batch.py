@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.records import entries
 from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
                                           set_prompt, set_sampling, token_ids, user_fields)
@@ -80,12 +81,13 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         if name in body:
             set_sampling(req, ours, body[name], where, f"body '{name}'")
     _set_logprobs(req, body, endpoint, where)
+    structured.set_structured(req, body, where, "body ")
     check_sampling(req, where)
     return req
 
 
 def _check_body_fields(body: dict, endpoint: str, where: str) -> None:
-    known = {*_SAMPLING, *_IGNORED, *_DEFAULT_ONLY, *_BODY_FIELDS[endpoint]}
+    known = {*_SAMPLING, *_IGNORED, *_DEFAULT_ONLY, *_BODY_FIELDS[endpoint], *structured.FIELDS}
     for name, value in body.items():
         if name in _DEFAULT_ONLY and value is not None and value not in _DEFAULT_ONLY[name]:
             raise PagedgenError(f"{where}: body '{name}' = {value!r} is not supported")

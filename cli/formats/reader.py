@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, ContextManager
 
 from pagedgen.cli.formats import openai_batch
+from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
                                   set_prompt, set_sampling, user_fields)
 from pagedgen.errors import PagedgenError
@@ -275,7 +276,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kinds = {opts.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
              opts.messages_field: "messages"}
-    known = {*kinds, *SAMPLING_FIELDS, "id", "metadata"}
+    known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, "id", "metadata"}
     given = [k for k in kinds if k in obj]
     if len(given) != 1:
         raise PagedgenError(f"{where}: need exactly one of "
@@ -290,5 +291,6 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     for name in SAMPLING_FIELDS:
         if name in obj:
             set_sampling(req, name, obj[name], where)
+    structured.set_structured(req, obj, where)
     check_sampling(req, where)
     return req

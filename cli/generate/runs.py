@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,12 @@ from pagedgen.cli.formats.request import InputOptions, Request
 from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
                                           stream_output)
 from pagedgen.errors import PagedgenError, Terminated
-from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.distributed import data_parallel, parallel, ray_data
 from pagedgen.runtime.distributed.replica import Replica
 from pagedgen.runtime.engine.engine import check_request
 from pagedgen.runtime.engine.stats import startup
+from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
                                             weights_format)
 
@@ -101,8 +103,11 @@ def run(job: Job) -> dict[str, Any] | None:
             load_s = time.perf_counter() - t_load
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
             t_tok = time.perf_counter()
-            task = progress.add_task("tokenizing", total=len(rf))
-            tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+            with ThreadPoolExecutor(1) as pool:  # grammars compile while prompts tokenize
+                compiling = pool.submit(compile_constraints, rf, tokenizer, vocab)
+                task = progress.add_task("tokenizing", total=len(rf))
+                tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+                grammars = compiling.result()
             check_requests(rf, lambda r: check_request(r.prompt_token_ids,
                                                        r.sampling(job.defaults), limit, vocab,
                                                        cfg.max_num_seqs))
@@ -112,7 +117,7 @@ def run(job: Job) -> dict[str, Any] | None:
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
             todo = _lead_todo(ranks, rf, None)
             rep = Replica(fit_seats(cfg, todo, job.defaults), job.defaults, record, src,
-                          tokenizer)
+                          tokenizer, grammars)
             for _ in rep.stream(todo):
                 pass
             return None
@@ -130,7 +135,7 @@ def run(job: Job) -> dict[str, Any] | None:
             _, wall = stream_output(writer, len(todo), replicas.run(todo, record), job.quiet)
             return replicas.summary(len(todo), wall, extra)
         return _run_here(rf, todo, writer, fit_seats(cfg, todo, job.defaults), job.defaults,
-                         record, src, tokenizer, load_s, extra, job.quiet)
+                         record, src, tokenizer, grammars, load_s, extra, job.quiet)
     except (KeyboardInterrupt, Terminated) as e:
         interrupted(e, writer, len(rf) if rf is not None else 0)
     finally:
@@ -143,12 +148,12 @@ def run(job: Job) -> dict[str, Any] | None:
 
 
 def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineConfig,
-              defaults: SamplingParams, record, src, tokenizer, load_s: float,
-              extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
+              defaults: SamplingParams, record, src, tokenizer, grammars: Grammars | None,
+              load_s: float, extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
     """Run the requests on an engine in this process; returns the summary."""
     t_load = time.perf_counter()
     with console.status(f"loading {engine_cfg.model} ..."):
-        rep = Replica(engine_cfg, defaults, record, src, tokenizer)
+        rep = Replica(engine_cfg, defaults, record, src, tokenizer, grammars)
     engine = rep.engine
     if engine.max_model_len < engine_cfg.context_limit(src.hf_config):
         # the KV cache holds less than the model's context: the error names the memory
@@ -161,6 +166,24 @@ def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineCo
     return engine.summary(wall, start, {**extra, "load_time_s": load_s,
                                         **startup(engine.stats.first_step_wall_time,
                                                   engine.runner.startup_phases)})
+
+
+def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int) -> Grammars | None:
+    """Every distinct structured-output constraint of ``rf`` compiled for ``tokenizer`` (None:
+    no line has one); the first line whose constraint does not compile is a file:line error."""
+    first: dict[StructuredOutput, Request] = {}
+    for r in rf.requests:
+        c = (r.overrides or {}).get("structured")
+        if c is not None and c not in first:
+            first[c] = r
+    if not first:
+        return None
+    grammars = Grammars(tokenizer, vocab_size)
+    errors = grammars.compile_all(first)
+    if errors:
+        c = min(errors, key=lambda c: first[c].index)
+        raise PagedgenError(f"{rf.where(first[c])}: {errors[c]}")
+    return grammars
 
 
 def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: InputOptions

@@ -13,6 +13,7 @@ from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.loader import ModelSource
 from pagedgen.runtime.models.tokenizer import Tokenizer
+from pagedgen.runtime.sampling.structured import Grammars
 
 # The output line of one request whose samples have all finished (picklable: workers get it).
 RecordFn = Callable[[Engine, list[Sequence]], dict[str, Any]]
@@ -30,9 +31,11 @@ class Request(Protocol):
 class Replica:
     def __init__(self, engine_config: EngineConfig, defaults: SamplingParams,
                  record: RecordFn | None = None, src: ModelSource | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, grammars: Grammars | None = None) -> None:
+        """``grammars``: the requests' structured-output constraints, compiled already (the
+        engine compiles them at first use otherwise)."""
         t0 = time.perf_counter()
-        self.engine = Engine(engine_config, src, tokenizer)
+        self.engine = Engine(engine_config, src, tokenizer, grammars=grammars)
         self.engine.tokenizer  # noqa: B018 - loaded now, with the model: lines need it
         self.load_s = time.perf_counter() - t0
         self.defaults = defaults

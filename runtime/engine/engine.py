@@ -13,7 +13,9 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.engine.scheduler import Scheduler
+from pagedgen.runtime.sampling.controls import bad_words_ids
 from pagedgen.runtime.sampling.processors import ProcessorFactory
+from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import StepStats
@@ -27,9 +29,12 @@ RequestItem = tuple[Any, SamplingParams, Any, int | None]
 class Engine:
     def __init__(self, config: EngineConfig, src: ModelSource | None = None,
                  tokenizer: Tokenizer | None = None,
-                 processor_factory: ProcessorFactory | None = None) -> None:
+                 processor_factory: ProcessorFactory | None = None,
+                 grammars: Grammars | None = None) -> None:
         """``processor_factory(request, params, sample_index)``: the logits processors of each
-        sample (``runtime/sampling/processors.py``); None: no request has any."""
+        sample (``runtime/sampling/processors.py``); None: no request has any. ``grammars``:
+        structured-output constraints already compiled for this model's tokenizer (made at
+        the first constrained request otherwise)."""
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
         if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
@@ -39,6 +44,7 @@ class Engine:
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
         self.runner = ModelRunner(config, self.src)
         self.processor_factory = processor_factory
+        self._grammars = grammars
         self.runner.processors_enabled = processor_factory is not None
         self.block_manager = BlockManager(self.runner.num_blocks - 1,  # -1: the scratch block
                                           self.runner.block_size, config.prefix_caching)
@@ -56,6 +62,15 @@ class Engine:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.src)
         return self._tokenizer
+
+    @property
+    def grammars(self) -> Grammars:
+        """The run's structured-output constraints, compiled once each; the sampler masks the
+        constrained rows with them."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.src.hf_config.vocab_size)
+        self.runner.grammars = self._grammars
+        return self._grammars
 
     @property
     def max_model_len(self) -> int:
@@ -76,7 +91,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         ids = list(prompt_token_ids)
         now = time.perf_counter()
-        bad_words = self._bad_words_ids(params.bad_words) if params.bad_words else []
+        bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if params.min_tokens:
             self.runner.eos_ids = self.tokenizer.eos_token_ids  # what min_tokens holds back
         samples = []
@@ -86,6 +101,8 @@ class Engine:
                                     bad_words_ids=bad_words))
             if self.processor_factory is not None:
                 samples[-1].logits_processors = self.processor_factory(request, params, i)
+            if params.structured is not None:
+                samples[-1].grammar = self.grammars.state(params.structured)
             self._next_id += 1
         seq = samples[0]
         if params.n > 1:
@@ -94,19 +111,6 @@ class Engine:
                 s.samples = samples
         self.scheduler.add(seq)
         return seq
-
-    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
-        """Each bad word's token ids as vLLM finds them: the word as it is, and after a space
-        when that gives other tokens of the same count (a word inside a text)."""
-        out: list[list[int]] = []
-        for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            for ids in (plain, spaced):
-                if ids and ids not in out and (ids is plain or (
-                        len(ids) == len(plain) and ids[0] != plain[0])):
-                    out.append(ids)
-        return out
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
         """``check_request`` against this engine: its context, which the KV cache may cut
@@ -171,29 +175,35 @@ class Engine:
         t0 = time.perf_counter()
         batch = self._schedule()
         finished = []
-        if pending and (batch.prefills or not self.runner.can_advance(batch.decodes)
-                        or self._waits_for_tokens(batch.decodes)):
-            # the next step's inputs are built on the host, or a logits processor reads the
-            # tokens: they need the real tokens first
+        if pending and (batch.prefills or not self.runner.can_advance(batch.decodes)):
+            # the next step's inputs are built on the host: they need the real tokens first
             finished = self._resolve(*pending)
             pending = None
             batch.decodes = [s for s in batch.decodes if not s.is_finished]
             batch.prefills = [(s, n) for s, n in batch.prefills if not s.is_finished]
             if batch.is_empty:
                 return finished
-        handle = self.runner.launch(batch)
+        resolved: list[list[Sequence]] = []
+
+        def read_tokens() -> None:
+            # sampling reads the tokens so far (a grammar, penalties, a processor): the last
+            # step's are read once this step's forward pass is queued, while the device runs it
+            resolved.append(self._resolve(*pending))
+
+        reads = pending is not None and self._reads_tokens(batch.decodes)
+        handle = self.runner.launch(batch, read_tokens if reads else None)
         self._computed(batch)
         self._pending = (handle, self._place(handle))
         if pending:
             self.stats.overlapped_steps += 1
-            finished += self._resolve(*pending)
+            finished += resolved[0] if resolved else self._resolve(*pending)
         self._account(batch, t0)
         return finished
 
-    def _waits_for_tokens(self, decodes: list[Sequence]) -> bool:
-        """Whether a sequence of these decodes has a processor or a sampling control that
-        reads its tokens."""
-        if any(s.params.needs_token_history() for s in decodes):
+    def _reads_tokens(self, decodes: list[Sequence]) -> bool:
+        """Whether sampling a sequence of these decodes reads its tokens: a grammar, a
+        sampling control or a logits processor that does."""
+        if any(s.grammar is not None or s.params.needs_token_history() for s in decodes):
             return True
         return self.processor_factory is not None and any(
             p.needs_tokens for s in decodes for p in s.logits_processors)
@@ -213,7 +223,8 @@ class Engine:
             self._cache_blocks(seq)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
-            self._cache_blocks(seq)
+            if not seq.is_finished:  # it may have stopped while this step was launched
+                self._cache_blocks(seq)
 
     def _cache_blocks(self, seq: Sequence) -> None:
         bm = self.block_manager
@@ -249,6 +260,9 @@ class Engine:
             self.scheduler.finish(seq)
         placed = []
         for seq in handle.sampling:
+            if seq.is_finished:  # stopped at the last step's token (read during the launch)
+                placed.append(seq.num_output_tokens)  # past its end: ``_resolve`` drops it
+                continue
             seq.append_token(PENDING_TOKEN)
             placed.append(seq.num_output_tokens - 1)
             if self._at_length_limit(seq, seq.num_output_tokens):
@@ -407,6 +421,10 @@ class Engine:
             out["graph_capture_s"] = runner.graphs.capture_time_s
             out["graph_memory_bytes"] = runner.graphs.memory_bytes
         out.update(runner.attn_state.compile_stats())
+        if self._grammars is not None:
+            g = self._grammars
+            out.update(structured_samples=g.samples, grammar_mask_s=g.mask_time_s,
+                       grammar_masked_rows=g.masked_rows, grammar_rejected_samples=g.rejected)
         if runner.host_steps["decode"]:
             out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
         out.update(extra or {})
@@ -430,6 +448,7 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     ``max_model_len`` is below the model's context, when the KV cache cut it."""
     if not len(prompt_token_ids):
         raise ValueError("the prompt is empty")
+    params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; " + (
             memory or f"the model's context is {max_model_len:,} tokens"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Callable
 
 import torch
 
@@ -102,6 +103,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         t = self._phase("kv_cache", t)
         self.processors_enabled = False  # the engine makes sequences with logits processors
+        self.grammars = None  # the engine's compiled constraints, once a request has one
         self.eos_ids: set[int] = set()  # EOS ids min_tokens holds back (set by the engine)
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
@@ -226,8 +228,12 @@ class ModelRunner:
         return self.advancer is not None and self.advancer.can_advance(decodes)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> StepHandle:
-        """Queue one step on the device; the handle's ``result()`` waits for its tokens."""
+    def launch(self, batch: ScheduledBatch,
+               before_sampling: Callable[[], None] | None = None) -> StepHandle:
+        """Queue one step on the device; the handle's ``result()`` waits for its tokens.
+        ``before_sampling`` runs on the host once the forward pass and the logits are queued
+        (the engine reads the previous step's tokens there, for sampling that needs them,
+        while the device computes this step)."""
         t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
@@ -273,8 +279,10 @@ class ModelRunner:
             else:
                 picked = hidden[to_device(rows, torch.long, self.device)]
             logits = self.model.compute_logits(picked)
+            if before_sampling is not None:
+                before_sampling()
             out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled,
-                              self.eos_ids)
+                              self.eos_ids, self.grammars)
             self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
             handle.tokens, handle.logprobs = out.tokens, out.logprobs
             handle.logprob_rows = out.logprob_rows

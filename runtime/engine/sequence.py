@@ -52,6 +52,8 @@ class Sequence:
     logits_processors: list = field(default_factory=list)
     # params.bad_words tokenized (runtime.sampling.controls), set when the request is added
     bad_words_ids: list[list[int]] = field(default_factory=list)
+    # params.structured's matcher (runtime.sampling.structured.GrammarState), one per sample
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place

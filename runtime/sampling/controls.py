@@ -93,3 +93,17 @@ def _penalize(logits: torch.Tensor, seqs: list[Any], rows: list[int]) -> None:
     pres = to_device([s.params.presence_penalty for s in seqs], torch.float32, device)
     x = x - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0).float()
     logits[idx] = x
+
+
+def bad_words_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as vLLM finds them: the word as it is, and after a space when
+    that gives other tokens of the same count (a word inside a text)."""
+    out: list[list[int]] = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        for ids in (plain, spaced):
+            if ids and ids not in out and (ids is plain or (
+                    len(ids) == len(plain) and ids[0] != plain[0])):
+                out.append(ids)
+    return out

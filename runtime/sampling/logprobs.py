@@ -1,7 +1,8 @@
 """Log-probabilities of chosen tokens and of their top alternatives, computed on the device.
 
-They are ``log_softmax`` of the model's float32 logits, before temperature, top-k and top-p
-(what the model thinks, not what the sampler drew from). Only the rows that asked are computed:
+They are ``log_softmax`` of the model's float32 logits as the sampling controls, logits
+processors and structured-output masks leave them (a constrained row's are those of its masked
+distribution), before temperature, min-p, top-k and top-p. Only the rows that asked are computed:
 a step whose requests ask for none does no extra work.
 """
 

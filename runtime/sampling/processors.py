@@ -8,9 +8,10 @@ counts), made by the engine's ``processor_factory``; rows without one pay nothin
 with no factory does no work at all.
 
 Async scheduling launches a decode step before the previous step's tokens reach the host. A
-processor that reads the tokens sampled so far says ``needs_tokens``: a step with such a
-sequence waits for them (the others keep launching ahead). One that does not (a fixed bias,
-say) may see ``PENDING_TOKEN`` (-1) for tokens still on the device.
+processor that reads the tokens sampled so far says ``needs_tokens``: for a step with such a
+sequence the engine reads the previous step's tokens once this step's forward pass is queued,
+before sampling (the step still launches ahead). One that does not (a fixed bias, say) may see
+``PENDING_TOKEN`` (-1) for tokens still on the device.
 """
 
 from __future__ import annotations

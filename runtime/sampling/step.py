@@ -2,7 +2,9 @@
 sampling controls (``controls.py``) and logits processors, the seeded sampler (rank 0's tokens
 on every rank under -tp), and the log-probabilities of the rows that ask for them. Sequences
 are read for their ``params``, ``seed``, ``num_output_tokens``, ``output_token_ids``,
-``prompt_token_ids``, ``bad_words_ids``, ``controlled`` and ``logits_processors``."""
+``prompt_token_ids``, ``bad_words_ids``, ``controlled``, ``logits_processors``, ``grammar``
+and ``is_finished``. The grammar masks come last: nothing before them can put a forbidden
+token back."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from pagedgen.attention.ops.transfer import to_device
 from pagedgen.runtime.sampling import controls, logprobs, processors
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample
+from pagedgen.runtime.sampling.structured import Grammars
 
 
 @dataclass
@@ -26,10 +29,12 @@ class Sampled:
 
 
 def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
-                with_processors: bool, eos_ids: set[int] = frozenset()) -> Sampled:
+                with_processors: bool, eos_ids: set[int] = frozenset(),
+                grammars: Grammars | None = None) -> Sampled:
     """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
     whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
-    ``eos_ids``: the tokens ``min_tokens`` holds back."""
+    ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the run's compiled
+    constraints (None: no sequence has one)."""
     controlled = any(s.controlled for s in seqs)
     if controlled:
         with scope("sampling_controls"):
@@ -40,6 +45,12 @@ def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
         if rows:
             with scope("logits_processors"):
                 processors.apply(logits, rows)
+    if grammars is not None:
+        rows = [(i, s.grammar, s.output_token_ids) for i, s in enumerate(seqs)
+                if s.grammar is not None and not s.is_finished]
+        if rows:
+            with scope("structured_output"):
+                grammars.apply(logits, rows)
     with scope("sampling"):
         # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
         out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device, controlled))))

