@@ -100,9 +100,14 @@ def _worker(spec_path: str, out_path: str) -> None:
         wl = workload(spec["workload"], spec["num_prompts"])
         prompts, outs = wl.requests(spec["vocab"])
         variants, temperature, n = {"": [None] * len(prompts)}, wl.temperature, wl.n
+    extra = {}
+    if given:  # JSON without free whitespace, as pagedgen's default (else vLLM pads forever)
+        from vllm.config import StructuredOutputsConfig
+        extra["structured_outputs_config"] = StructuredOutputsConfig(
+            backend="xgrammar", disable_any_whitespace=True)
     llm = vllm.LLM(model=spec["model"], load_format="dummy",
                    skip_tokenizer_init=not spec.get("tokenizer"), dtype="bfloat16",
-                   gpu_memory_utilization=0.9, seed=0, **spec["engine"])
+                   gpu_memory_utilization=0.9, seed=0, **spec["engine"], **extra)
     startup = time.perf_counter() - t0
 
     def structured(schema):

@@ -164,6 +164,7 @@ class Engine:
         handle = self.runner.launch(batch)
         self._computed(batch)
         placed = self._place(handle)
+        self._prefetch_masks(handle, placed)
         finished = self._resolve(handle, placed)
         self._account(batch, t0)
         return finished
@@ -194,11 +195,19 @@ class Engine:
         handle = self.runner.launch(batch, read_tokens if reads else None)
         self._computed(batch)
         self._pending = (handle, self._place(handle))
+        self._prefetch_masks(*self._pending)
         if pending:
             self.stats.overlapped_steps += 1
             finished += resolved[0] if resolved else self._resolve(*pending)
         self._account(batch, t0)
         return finished
+
+    def _prefetch_masks(self, handle, placed: list[int]) -> None:
+        """Structured output: the next step's masks are filled in a worker thread from this
+        step's tokens while this thread schedules and launches that step."""
+        if self._grammars is not None and handle.tokens is not None:
+            self._grammars.prefetch([(s.grammar, i) for s, i in zip(handle.sampling, placed)],
+                                    handle.tokens, handle.event)
 
     def _reads_tokens(self, decodes: list[Sequence]) -> bool:
         """Whether sampling a sequence of these decodes reads its tokens: a grammar, a
@@ -424,7 +433,9 @@ class Engine:
         if self._grammars is not None:
             g = self._grammars
             out.update(structured_samples=g.samples, grammar_mask_s=g.mask_time_s,
-                       grammar_masked_rows=g.masked_rows, grammar_rejected_samples=g.rejected)
+                       grammar_wait_s=g.wait_s, grammar_masked_rows=g.masked_rows,
+                       grammar_prefetched_rows=g.prefetched_rows,
+                       grammar_rejected_samples=g.rejected)
         if runner.host_steps["decode"]:
             out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
         out.update(extra or {})

@@ -7,8 +7,10 @@ constraint (distinct constraints compile in parallel threads); each sample gets 
 Every step, ``apply`` brings the constrained rows' matchers up to their sequences' tokens,
 fills their token bitmasks on the host (one multi-threaded call for the batch), sends them to
 the device and sets the logits of the tokens the grammar forbids to -inf, for those rows only:
-unconstrained rows pay nothing. The engine calls it after the step's forward pass has been
-queued, so the host fills masks while the device runs the model.
+unconstrained rows pay nothing. ``prefetch`` does the same ahead of time in a worker thread:
+the engine hands it each launched step's tokens, and the next step's masks are filled while
+the engine schedules and launches that step (``apply`` then takes them, and fills only rows
+the worker could not: new sequences, changed batches).
 
 Log-probabilities of constrained rows are those of the masked distribution (before any
 temperature), as the sampler sees it. A matcher that has accepted its stop token has ended:
@@ -24,7 +26,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Sequence
 
 import torch
@@ -108,7 +110,13 @@ class Grammars:
         self._compiled: dict[StructuredOutput, Any] = {}
         self._lock = threading.Lock()
         self.samples = 0  # matchers made
-        self.mask_time_s = 0.0  # host time filling masks
+        self.mask_time_s = 0.0  # host time filling masks in the sampling step
+        self.wait_s = 0.0  # host time waiting there for the worker's masks
+        self.prefetched_rows = 0  # row-steps whose mask the worker filled
+        self.words = (vocab_size + 31) // 32
+        self.pin = torch.cuda.is_available()  # masks in pinned memory go to the GPU async
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        self._pending: Future | None = None
         self.masked_rows = 0  # row-steps masked
         self.rejected = 0  # samples whose matcher refused a token (then left unconstrained)
 
@@ -158,33 +166,110 @@ class Grammars:
         self.samples += 1
         return GrammarState(_xgr().GrammarMatcher(self.compile(c)))
 
+    def prefetch(self, rows: Sequence[tuple[GrammarState | None, int]], tokens: torch.Tensor,
+                 event: Any) -> None:
+        """Start filling the next step's masks in a worker thread: once ``event`` (the
+        launched step's, or None) has completed, each (state or None, output index), one per
+        row of ``tokens`` (the step's, on the host), takes its token and its next mask is
+        filled. The engine's
+        own work for the next step (scheduling, launching its forward pass) runs meanwhile:
+        xgrammar leaves the GIL while it fills. ``apply`` takes the masks of the states whose
+        sequences are where the worker left them."""
+        self._join()
+        if any(state is not None for state, _ in rows):
+            self._pending = self._worker.submit(self._fill_ahead, list(rows), tokens, event)
+
+    def _fill_ahead(self, rows, tokens, event) -> tuple[dict[int, int], torch.Tensor]:
+        if event is not None:
+            event.synchronize()
+        toks = tokens.tolist()
+        single, next_tokens = [], []
+        for (state, i), t in zip(rows, toks):
+            if state is not None and state.active and state.accepted == i and t >= 0:
+                single.append(state)
+                next_tokens.append(t)
+        self._accept(single, next_tokens)
+        live = [s for s in single if s.active]
+        bitmask = torch.empty((max(len(live), 1), self.words), dtype=torch.int32,
+                              pin_memory=self.pin)
+        if live:
+            self._batch.batch_fill_next_token_bitmask([s.matcher for s in live], bitmask)
+        return {id(s): (j, s.accepted) for j, s in enumerate(live)}, bitmask
+
+    def _join(self) -> tuple[dict[int, tuple[int, int]], torch.Tensor | None]:
+        """The masks the worker filled ({id(state): (row, tokens taken)}, rows), after it."""
+        if self._pending is None:
+            return {}, None
+        t0 = time.perf_counter()
+        done, self._pending = self._pending.result(), None
+        self.wait_s += time.perf_counter() - t0
+        return done
+
     def apply(self, logits: torch.Tensor, rows: Sequence[tuple[int, GrammarState,
                                                                  Sequence[int]]]) -> None:
         """Mask ``logits`` [batch, vocab] (float32, on its device) in place for each
-        (row, state, the row's output tokens so far)."""
+        (row, state, the row's output tokens so far): the worker's masks where it filled
+        them, the others filled here."""
+        ahead, pre = self._join()
         t0 = time.perf_counter()
-        live = []
+        batch = logits.shape[0]
+        src, dst, todo = [], [], []
         for row, state, tokens in rows:
-            was = state.rejected
-            state.catch_up(tokens)
-            self.rejected += state.rejected and not was
-            if state.active:
-                live.append((row, state))
-        if not live:
+            hit = ahead.get(id(state))
+            if hit is not None and hit[1] == len(tokens) == state.accepted:
+                src.append(hit[0])
+                dst.append(row)
+            else:
+                todo.append((row, state, tokens))
+        self._catch_up(todo)
+        live = [(row, state) for row, state, _ in todo if state.active]
+        if not live and not src:
             return
-        xgr = _xgr()
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32,
-                              pin_memory=logits.is_cuda)
-        idx = [r for r, _ in live]
-        self._batch.batch_fill_next_token_bitmask([s.matcher for _, s in live], bitmask, idx)
+        if not live and pre.shape[0] == batch and src == dst == list(range(batch)):
+            bitmask = pre  # the worker's rows are this step's rows: use them as they are
+        else:
+            bitmask = torch.empty((batch, self.words), dtype=torch.int32,
+                                  pin_memory=self.pin)
+            if src:
+                bitmask[dst] = pre[src]
+            if live:
+                self._batch.batch_fill_next_token_bitmask(
+                    [s.matcher for _, s in live], bitmask, [r for r, _ in live])
+            covered = set(dst) | {r for r, _ in live}
+            if len(covered) < batch:  # other rows allow every token: the mask covers all
+                # rows, so no row-index list goes to the device (a pageable copy waits)
+                bitmask[sorted(set(range(batch)) - covered)] = -1
         self.mask_time_s += time.perf_counter() - t0
-        self.masked_rows += len(live)
-        if logits.shape[1] > self.vocab_size:  # padded logits: ids past the vocabulary never
-            logits[idx, self.vocab_size:] = float("-inf")
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=min(self.vocab_size, logits.shape[1]),
-                                        indices=idx)
+        self.masked_rows += len(live) + len(src)
+        self.prefetched_rows += len(src)
+        _xgr().apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device, non_blocking=True),
+            vocab_size=min(self.vocab_size, logits.shape[1]))
+
+    def _catch_up(self, rows) -> None:
+        """Each state takes its sequence's new tokens: the common one new token each in one
+        call, any others one by one."""
+        single, tokens = [], []
+        for _, state, toks in rows:
+            n = len(toks) - state.accepted
+            if n == 1 and state.active and toks[-1] >= 0:
+                single.append(state)
+                tokens.append(toks[-1])
+            elif n:
+                was = state.rejected
+                state.catch_up(toks)
+                self.rejected += state.rejected and not was
+        self._accept(single, tokens)
+
+    def _accept(self, states: list[GrammarState], tokens: list[int]) -> None:
+        if not states:
+            return
+        ok = self._batch.batch_accept_token([s.matcher for s in states], tokens)
+        for state, accepted in zip(states, ok):
+            state.accepted += 1
+            if not accepted:
+                state.rejected = True
+                self.rejected += 1
 
 
 _KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON grammar",
