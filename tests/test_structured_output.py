@@ -302,3 +302,30 @@ def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     assert torch.equal(logits[[0, 2]], ref[[0, 2]])
     assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [ord("c")]
     assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [ord("x"), ord("y")]
+
+
+def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMAS[15]))
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "rate it"}) + "\n" + json.dumps(
+        {"prompt": "pick", "structured_outputs": {"choice": CHOICES[1]}}) + "\n")
+    out = tmp_path / "o.jsonl"
+    base = ["generate", str(src), "-o", str(out), "--model", str(bpe_model), "--device", "cpu",
+            "--max-tokens", "48"]
+    res = runner.invoke(app, base + ["--json-schema", str(schema)])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    jsonschema.validate(json.loads(rows[0]["text"]), SCHEMAS[15])
+    assert rows[1]["text"] in CHOICES[1]
+    bad = tmp_path / "bad.json"
+    for text, extra, msg in [("{", [], "--json-schema .*bad.json: not JSON"),
+                             ('{"type": "objekt"}', [], "--json-schema: the JSON schema does "
+                                                        "not compile"),
+                             ("{}", ["--ignore-eos"], "--json-schema: structured output ends")]:
+        bad.write_text(text)
+        out.unlink(missing_ok=True)
+        res = runner.invoke(app, base + ["--json-schema", str(bad), *extra])
+        assert res.exit_code != 0 and "Traceback" not in res.output, res.output
+        assert re.search(msg, " ".join(res.output.split())), res.output
+        assert not out.exists()

@@ -107,6 +107,21 @@ def _structured_outputs(value: Any, where: str, label: str) -> StructuredOutput:
     return StructuredOutput(key, v)
 
 
+def schema_file(path: str) -> StructuredOutput:
+    """``--json-schema PATH``: the run's default constraint, from a JSON schema file."""
+    try:
+        text = open(path, encoding="utf-8").read()
+    except OSError as e:
+        raise PagedgenError(f"--json-schema {path}: {e.strerror or e}")
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        raise PagedgenError(f"--json-schema {path}: not JSON: {e}")
+    if not isinstance(schema, dict):
+        raise PagedgenError(f"--json-schema {path}: a JSON schema is an object")
+    return StructuredOutput("json", _schema_text(schema))
+
+
 def _schema_text(schema: dict) -> str:
     """A schema's compact text (its key order kept: properties are written in it); equal
     schemas compile once."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Optional
 
@@ -9,8 +10,10 @@ import typer
 
 from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
 from pagedgen.cli.formats.request import InputOptions
+from pagedgen.cli.formats.structured import schema_file
 from pagedgen.cli.generate.runs import Job, run
 from pagedgen.cli.summary import summary_table
+from pagedgen.errors import PagedgenError
 
 
 @cli_errors
@@ -79,6 +82,9 @@ def generate(
     min_tokens: Optional[int] = typer.Option(
         None, help="No EOS, stop token or stop string before this many output tokens "
                    "[default: 0]."),
+    json_schema: Optional[str] = typer.Option(
+        None, help="A JSON schema file: every line without a constraint of its own "
+                   "(response_format, structured_outputs) writes JSON valid against it."),
     ignore_eos: Optional[bool] = typer.Option(
         None, "--ignore-eos/--no-ignore-eos",
         help="Keep generating past the end-of-sequence token [default: no]."),
@@ -155,6 +161,12 @@ def generate(
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
              min_tokens=min_tokens, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
              prompt_logprobs=prompt_logprobs))
+    if json_schema is not None:
+        defaults = dataclasses.replace(defaults, structured=schema_file(json_schema))
+        try:
+            defaults.validate()
+        except ValueError as e:
+            raise PagedgenError(f"--json-schema: {e}")
     job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
               InputOptions(prompt_field, messages_field, strict_fields, served_model_name),
               tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)

@@ -104,7 +104,8 @@ def run(job: Job) -> dict[str, Any] | None:
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
             t_tok = time.perf_counter()
             with ThreadPoolExecutor(1) as pool:  # grammars compile while prompts tokenize
-                compiling = pool.submit(compile_constraints, rf, tokenizer, vocab)
+                compiling = pool.submit(compile_constraints, rf, tokenizer, vocab,
+                                        job.defaults.structured)
                 task = progress.add_task("tokenizing", total=len(rf))
                 tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
                 grammars = compiling.result()
@@ -168,17 +169,24 @@ def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineCo
                                                   engine.runner.startup_phases)})
 
 
-def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int) -> Grammars | None:
-    """Every distinct structured-output constraint of ``rf`` compiled for ``tokenizer`` (None:
-    no line has one); the first line whose constraint does not compile is a file:line error."""
+def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
+                        default: StructuredOutput | None = None) -> Grammars | None:
+    """Every distinct structured-output constraint of ``rf`` (and the run's ``default``,
+    ``--json-schema``) compiled for ``tokenizer`` (None: there is none); the first line whose
+    constraint does not compile is a file:line error."""
     first: dict[StructuredOutput, Request] = {}
     for r in rf.requests:
         c = (r.overrides or {}).get("structured")
         if c is not None and c not in first:
             first[c] = r
-    if not first:
+    if not first and default is None:
         return None
     grammars = Grammars(tokenizer, vocab_size)
+    if default is not None:
+        try:
+            grammars.compile(default)
+        except ValueError as e:
+            raise PagedgenError(f"--json-schema: {e}")
     errors = grammars.compile_all(first)
     if errors:
         c = min(errors, key=lambda c: first[c].index)
