@@ -409,3 +409,27 @@ def test_help_shows_brackets_and_defaults():
     assert "[default: PROMPTS.completions.jsonl;" in text
     assert "[default: the profile's, else tiny]" in text
     assert "[default: the profile's, else 128;" in text  # --max-num-seqs
+
+
+def test_a_request_that_ends_without_a_line_is_an_error_not_a_gap(tmp_path, monkeypatch):
+    """If the engine ever ends a request without its line (as a scheduler bug once did: a
+    sample that never ran), the run says so and fails; --resume then runs the missing one."""
+    from pagedgen.runtime.distributed import replica
+
+    src = write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"p{i}"} for i in range(4)])
+    out = tmp_path / "o.jsonl"
+    args = ["generate", str(src), "-o", str(out), "--device", "cpu", "--max-tokens", "4"]
+    real = replica.finished_requests
+
+    def drop_request_2(finished):
+        return [g for g in real(finished) if g[0].request.index != 2]
+
+    monkeypatch.setattr(replica, "finished_requests", drop_request_2)
+    res = runner.invoke(app, args)
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "1 of 4 requests ended without an output line" in " ".join(res.output.split())
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == [0, 1, 3]
+    monkeypatch.setattr(replica, "finished_requests", real)
+    res = runner.invoke(app, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [0, 1, 2, 3]

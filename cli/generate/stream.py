@@ -25,6 +25,7 @@ def stream_output(writer: OutputWriter | ShardWriter, total: int, batches: Batch
     tok/s) on a terminal. Ctrl-C or an error keeps what was written. Returns (start, wall
     seconds)."""
     start = time.perf_counter()
+    written = 0
     progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
                         TextColumn("{task.fields[tokens]:,} tokens out, "
                                    "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
@@ -35,6 +36,7 @@ def stream_output(writer: OutputWriter | ShardWriter, total: int, batches: Batch
             task = progress.add_task("gen", total=total, tokens=0, rate=0.0)
             for lines, tokens in batches:
                 writer.write_lines(lines)
+                written += len(lines)
                 progress.update(task, advance=len(lines), tokens=tokens,
                                 rate=tokens / max(time.perf_counter() - start, 1e-9))
     except BaseException:
@@ -42,6 +44,10 @@ def stream_output(writer: OutputWriter | ShardWriter, total: int, batches: Batch
         raise
     wall = time.perf_counter() - start
     writer.close()
+    if written < total:  # never silently: the file lacks lines that --resume can still make
+        raise PagedgenError(f"{total - written} of {total} requests ended without an output "
+                            "line (an internal error; please report it): the others are "
+                            "written; --resume runs the missing ones")
     return start, wall
 
 
