@@ -62,7 +62,7 @@ def _response_format(value: Any, where: str, label: str) -> StructuredOutput | N
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise PagedgenError(f"{where}: {label} needs \"json_schema\": {{\"name\": ..., "
                             "\"schema\": {...}}")
-    return StructuredOutput("json", _schema_text(spec["schema"]))
+    return json_schema(spec["schema"], f"{where}: {label} json_schema.schema")
 
 
 def _structured_outputs(value: Any, where: str, label: str) -> StructuredOutput:
@@ -85,14 +85,7 @@ def _structured_outputs(value: Any, where: str, label: str) -> StructuredOutput:
         raise PagedgenError(f"{where}: {label} disable_any_whitespace must be true or false")
     any_ws = loose is False
     if key == "json":
-        if isinstance(v, str):
-            try:
-                v = json.loads(v)
-            except ValueError as e:
-                raise PagedgenError(f"{where}: {label} json is not valid JSON: {e}")
-        if not isinstance(v, dict):
-            raise PagedgenError(f"{where}: {label} json must be a JSON schema (an object)")
-        return StructuredOutput("json", _schema_text(v), any_ws)
+        return json_schema(v, f"{where}: {label} json", any_ws)
     if key == "json_object":
         if v is not True:
             raise PagedgenError(f"{where}: {label} json_object must be true")
@@ -113,13 +106,20 @@ def schema_file(path: str) -> StructuredOutput:
         text = open(path, encoding="utf-8").read()
     except OSError as e:
         raise PagedgenError(f"--json-schema {path}: {e.strerror or e}")
-    try:
-        schema = json.loads(text)
-    except ValueError as e:
-        raise PagedgenError(f"--json-schema {path}: not JSON: {e}")
+    return json_schema(text, f"--json-schema {path}")
+
+
+def json_schema(schema: Any, what: str, any_whitespace: bool = False) -> StructuredOutput:
+    """A JSON schema, given as an object or as its text, as a constraint; ``what`` names it
+    in errors."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise PagedgenError(f"{what}: not JSON: {e}")
     if not isinstance(schema, dict):
-        raise PagedgenError(f"--json-schema {path}: a JSON schema is an object")
-    return StructuredOutput("json", _schema_text(schema))
+        raise PagedgenError(f"{what}: a JSON schema is an object")
+    return StructuredOutput("json", _schema_text(schema), any_whitespace)
 
 
 def _schema_text(schema: dict) -> str:

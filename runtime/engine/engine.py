@@ -85,8 +85,7 @@ class Engine:
         With ``params.n`` > 1 the returned sequence is sample 0; ``seq.samples`` lists all
         ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
         """
-        params.validate()
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params)  # validates params too
         index = self._next_id if index is None else index
         seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + index
         ids = list(prompt_token_ids)
@@ -457,9 +456,9 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     has no room for an output token within ``max_model_len`` or holds an id outside the
     vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``. ``memory``: why
     ``max_model_len`` is below the model's context, when the KV cache cut it."""
+    params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
     if not len(prompt_token_ids):
         raise ValueError("the prompt is empty")
-    params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
     if len(prompt_token_ids) >= max_model_len:
         raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; " + (
             memory or f"the model's context is {max_model_len:,} tokens"))
