@@ -15,7 +15,8 @@
 # FA4's kernel caches to $OUT, in pieces), load-caches (those pieces, carried as .whl/caches).
 # verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
-# PEERS_LIMIT, PEERS_REPEATS and PEERS_QUANT (fp8: both systems quantize) from the environment.
+# PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize) and PEERS_CASCADE_OFF
+# (set: each backend also without cascade decode) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
@@ -138,8 +139,17 @@ PY
       timed "peers-$tag" "${PEERS_LIMIT:-580}" python3 -m benchmarks.peers --workloads "$w" \
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
-        ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} --json "$S/h100-peers-$tag.json"
-      grep -E "^│" "$S/peers-$tag.log" | cut -c1-150 ;;
+        ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
+        --json "$S/h100-peers-$tag.json"
+      grep -E "^│" "$S/peers-$tag.log" | cut -c1-150
+      python3 - "$S/h100-peers-$tag.json" <<'PY' 2>/dev/null
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["workload"], r["system"], round(r["output_tokens_per_s"]), "tok/s",
+          {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(
+              ("vs ", "cascade", "decode_kv", "steps", "decode_step"))})
+PY
+      ;;
     tiles)
       # FA4 decode tiles x page sizes against flashinfer and triton, on (a)/(b)'s and (c)'s
       # decode shapes with varied context lengths

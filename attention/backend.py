@@ -80,8 +80,10 @@ class AttentionState:
         self.dtype = dtype  # the model's (query) dtype
         self.kv_cache_dtype = kv_cache_dtype
         self.device = device
-        # Whether forward can run a step with ``metadata.cascade_blocks`` (attention/cascade.py).
+        # Whether forward can run a step with ``metadata.cascade`` (attention/cascade.py), and
+        # how deep its groups may nest.
         self.supports_cascade = False
+        self.max_cascade_levels = 3
         # FP8 caches store value / scale; readers multiply back.
         self.k_scale = 1.0
         self.v_scale = 1.0
@@ -102,12 +104,13 @@ class AttentionState:
         """Warm-up figures for the run summary (e.g. compile seconds, variants compiled)."""
         return {}
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
                         ) -> None:
         """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
         ``supports_cuda_graphs``). ``max_num_pages``: the most page-table entries such a step
         can hold (more than the cache's blocks when sequences share prefix blocks).
-        ``cascade``: the graph's steps attend shared pages once (``cascade_blocks`` > 0)."""
+        ``cascade_levels``: the graph's steps attend groups' shared pages once, in this many
+        levels (``metadata.cascade_levels``)."""
         raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 

@@ -3,7 +3,8 @@
 A case is a batch of sequences with random cached context (block tables scattered over the cache)
 and random new tokens: prefills (some with prior context, some of a single token, some ending
 exactly on a page boundary) followed by decodes. A shared-prefix case is decodes only, whose
-block tables begin with the same pages (what cascade attention reads once for the batch).
+block tables begin with the same pages (what cascade attention reads once for the batch); a
+grouped case nests such sharing (groups within groups, groups of one), in shuffled row order.
 """
 
 from __future__ import annotations
@@ -94,6 +95,50 @@ def make_shared_prefix_batch(seed: int, *, shared_pages: int, num_decodes: int, 
         sched.append(ScheduledSeq(prefix + perm[start:start + n], c, 1))
         start += n
     kv = torch.randn(total, 2, block_size, num_kv_heads, head_size, generator=gen)
+    q, k, v = (torch.randn(num_decodes, h, head_size, generator=gen).to(dtype).to(device)
+               for h in (num_heads, num_kv_heads, num_kv_heads))
+    spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
+                     logits_soft_cap=soft_cap)
+    return PagedBatch(spec, kv.to(dtype).to(device), q, k, v, [], sched, block_size,
+                      cascade=True)
+
+
+def make_grouped_batch(seed: int, *, num_decodes: int, max_depth: int = 3, num_heads=4,
+                       num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32,
+                       device="cpu", soft_cap=None) -> PagedBatch:
+    """``num_decodes`` decodes sharing leading pages like a random trie: the batch splits into
+    1-4 groups, each adding 0-3 shared pages, recursively up to ``max_depth``; each decode then
+    has 0 to 2 pages and a bit of its own context (cut mid-page) and its new token. Rows are
+    shuffled, so groups are not contiguous; ``cascade`` is set."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    next_page = [0]
+
+    def pages(n: int) -> list[int]:
+        next_page[0] += n
+        return list(range(next_page[0] - n, next_page[0]))
+
+    rows: list[tuple[list[int], int]] = []  # (shared pages, own context tokens)
+
+    def grow(n: int, prefix: list[int], depth: int) -> None:
+        if n == 1 or depth == max_depth:
+            rows.extend((prefix, rng.randint(0, 2 * block_size + 3)) for _ in range(n))
+            return
+        k = rng.randint(1, min(4, n))
+        cuts = sorted(rng.sample(range(1, n), k - 1))
+        for a, b in zip([0, *cuts], [*cuts, n]):
+            grow(b - a, prefix + pages(rng.randint(0, 3)), depth + 1)
+
+    grow(num_decodes, pages(rng.randint(0, 2)), 0)
+    rng.shuffle(rows)
+    sched = []
+    for prefix, own in rows:
+        ctx = len(prefix) * block_size + own
+        sched.append(ScheduledSeq(prefix + pages(-(-(ctx + 1) // block_size) - len(prefix)),
+                                  ctx, 1))
+    perm = torch.randperm(next_page[0] + 3, generator=gen).tolist()  # scatter the pages
+    sched = [ScheduledSeq([perm[p] for p in s.block_table], s.num_context, 1) for s in sched]
+    kv = torch.randn(next_page[0] + 3, 2, block_size, num_kv_heads, head_size, generator=gen)
     q, k, v = (torch.randn(num_decodes, h, head_size, generator=gen).to(dtype).to(device)
                for h in (num_heads, num_kv_heads, num_kv_heads))
     spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,

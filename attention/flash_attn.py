@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
 from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
-from pagedgen.attention.metadata import MIN_SEQS, AttentionMetadata
+from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
+from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.ops.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
@@ -148,6 +149,7 @@ def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
 def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
                ) -> tuple[Callable, Callable, Callable]:
     fn = mod.flash_attn_varlen_func
+    fwd = mod.interface._flash_attn_fwd  # takes ``out`` and ``lse`` to write into
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
     tiled = fn if decode_tile is None else _fa4_with_tile(mod, decode_tile)
 
@@ -167,16 +169,23 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
                    **_common(spec, (None, None)))[0].squeeze(1)
 
     def cascade(q, k_cache, v_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
-        # the B decode queries as one non-causal sequence over the shared pages, read once
+        # per level, each group's queries as one non-causal sequence over its pages, read once
+        b, h, d = q.shape
         common = _common(spec, (None, None))
-        pre, pre_lse = fn(q.unsqueeze(0), k_cache, v_cache, seqused_k=x.prefix_lens,
-                          page_table=x.prefix_table, return_lse=True,
-                          **{**common, "causal": False})[:2]
+        qs = q.index_select(0, x.order)
+        levels = torch.empty(x.num_levels, b, h, d, dtype=q.dtype, device=q.device)
+        lse = torch.empty(x.num_levels, h, b, dtype=torch.float32, device=q.device)
+        for i in range(x.num_levels):
+            fwd(qs, k_cache, v_cache, cu_seqlens_q=x.cu_q[i], max_seqlen_q=x.max_q,
+                seqused_k=x.kv_lens[i], page_table=x.tables[i], softmax_scale=spec.scale,
+                causal=False, softcap=spec.logits_soft_cap or None, return_lse=True,
+                out=levels[i], lse=lse[i])
         suf, suf_lse = dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
                            page_table=x.suffix_tables, num_splits=num_splits, return_lse=True,
                            **common)[:2]
-        # lse: [1, H, B] and [B, H, 1] (natural log)
-        return merge(pre[0], pre_lse[0].t(), suf[:, 0], suf_lse[:, :, 0])
+        # suf [B, 1, H, D] and suf_lse [B, H, 1] as one split; levels' lse [L, H, B]
+        return merge(torch.empty_like(q), suf.transpose(0, 1), suf_lse.permute(2, 0, 1),
+                     levels, lse.transpose(1, 2), x)
 
     return prefill, decode, cascade
 
@@ -234,9 +243,9 @@ def _compiled_variants(mod) -> int:
 
 @dataclass
 class FlashAttnCascadeMetadata(AttentionMetadata):
-    """A cascade step's metadata: its shared prefix and suffixes, split from the block tables."""
+    """A cascade step's metadata: its groups' and suffixes' device inputs."""
 
-    cascade: CascadeInputs | None = None
+    cascade_inputs: CascadeInputs | None = None
 
 
 class FlashAttnState(AttentionState):
@@ -266,21 +275,21 @@ class FlashAttnState(AttentionState):
         self.compiled_at_warmup = 0
         self._compiled_before = _compiled_variants(self.module)
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
                         ) -> None:
         """Plain graphs capture the runner's block tables and lengths; cascade graphs also
-        their own prefix and suffix buffers."""
-        if cascade:
-            self.cascade_buffers.allocate(batch_size, max_num_pages)
+        their own group and suffix buffers."""
+        if cascade_levels:
+            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
 
     def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
               ) -> AttentionMetadata:
-        """Cascade steps only: split the block tables into the shared prefix and suffixes."""
+        """Cascade steps only: the groups' and the suffixes' inputs."""
         md = metadata
-        if not md.cascade_blocks:
+        if md.cascade is None:
             return md
         return md.extend(FlashAttnCascadeMetadata,
-                         cascade=self.cascade_buffers.inputs(md, graph_batch_size))
+                         cascade_inputs=self.cascade_buffers.inputs(md, graph_batch_size))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -308,7 +317,8 @@ class FlashAttnState(AttentionState):
                     run(q, cache[0], cache[1], self._scratch_metadata(n, q_len, width), spec)
             for n in sorted({MIN_SEQS, max_num_seqs}) if self.supports_cascade else ():
                 md = self._scratch_metadata(n, 1, max(wide, 2))  # a suffix page too
-                md.cascade_blocks = 1
+                md.cascade = CascadeLayout(list(range(n)), [[Group(0, n, 0, 1, (0,))]],
+                                           [1] * n, self.block_size)
                 q = torch.zeros(n, spec.num_heads, spec.head_size, dtype=self.dtype,
                                 device=self.device)
                 self.cascade(q, cache[0], cache[1], CascadeInputs.for_step(md), spec)
@@ -358,8 +368,8 @@ class FlashAttnImpl(AttentionImpl):
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         write_kv_split(k_cache, v_cache, k, v, metadata.slot_mapping)
-        if metadata.cascade_blocks:  # decode-only
-            return st.cascade(q, k_cache, v_cache, metadata.cascade, spec)
+        if metadata.cascade is not None:  # decode-only
+            return st.cascade(q, k_cache, v_cache, metadata.cascade_inputs, spec)
         outs = []
         if metadata.num_prefills:
             outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,

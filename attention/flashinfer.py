@@ -4,10 +4,11 @@ by ``FlashInferState.build`` (into ``FlashInferMetadata.plan``) and run by every
 CUDA-graph decode uses one decode wrapper per captured batch size over fixed
 indptr/indices/last-page buffers, re-planned before each replay.
 
-Cascade decode (attention/cascade.py): a paged prefill wrapper attends the B decode queries as
-one non-causal sequence over the shared pages, the decode wrapper each sequence's suffix, and
-``flashinfer.merge_state`` merges the two by their log-sum-exp; CUDA graphs of cascade steps
-hold their own wrappers (prefill in CUDA-graph mode over fixed buffers).
+Grouped cascade decode (attention/cascade.py): per level, a paged prefill wrapper attends each
+group's queries (sorted) as one non-causal sequence over its pages, the decode wrapper each
+sequence's suffix, and ``flashinfer.merge_state_in_place`` merges each level into the suffixes
+by their log-sum-exp (masked to the rows a group holds); CUDA graphs of cascade steps hold
+their own wrappers (prefill in CUDA-graph mode over fixed buffers).
 
 The prefill kernel is FlashInfer's ``fa2`` by default (first JIT compile about 30 s on an H100);
 ``PAGEDGEN_FLASHINFER_PREFILL=fa3`` picks the Hopper kernel (about 1.6x faster prefill at 4k,
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
-from pagedgen.attention.cascade import CascadeInputs
+from pagedgen.attention.cascade import CascadeBuffers
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import write_kv
 
@@ -39,12 +40,14 @@ def _key(spec: LayerSpec) -> tuple[int, float]:
 
 @dataclass
 class FlashInferPlan:
-    """The wrappers planned for one step, by layer key (``prefix``: cascade steps' shared
-    pages)."""
+    """The wrappers planned for one step, by layer key (``groups``: cascade steps' groups, one
+    wrapper per level; ``cascade``: their device inputs, ``members`` [L, B] bool by row)."""
 
     prefill: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)
-    prefix: dict = field(default_factory=dict)
+    groups: list[dict] = field(default_factory=list)
+    cascade: object = None
+    members: torch.Tensor | None = None
 
 
 @dataclass
@@ -88,22 +91,23 @@ class FlashInferState(AttentionState):
                 self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys},
             decode={k: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_tensor_cores=True) for k in self.keys},
-            prefix={k: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys})
-        # by cascade (False / True), then CUDA-graph batch size
-        self.graph_plans: dict[bool, dict[int, FlashInferPlan]] = {False: {}, True: {}}
+            groups=[{k: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys}
+                for _ in range(self.max_cascade_levels)])
+        # by cascade levels (0: plain), then CUDA-graph batch size
+        self.graph_plans: dict[int, dict[int, FlashInferPlan]] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        self._prefix_buffers: tuple[torch.Tensor, ...] | None = None
+        self.cascade_buffers = CascadeBuffers(device)
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(s.sliding_window for s in layer_specs)
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
                         ) -> None:
         """Decode wrappers for one captured batch size, over fixed buffers shared by every
-        graph (plain graphs capture at start-up, the largest first); a cascade graph's prefix
-        wrappers have fixed buffers of their own."""
+        graph (plain graphs capture at start-up, the largest first); a cascade graph's group
+        wrappers (one per level) have fixed buffers of their own."""
         i32, dev = torch.int32, self.device
         if self._graph_buffers is None:
             self._graph_buffers = (torch.zeros(batch_size + 1, dtype=i32, device=dev),
@@ -115,28 +119,29 @@ class FlashInferState(AttentionState):
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr[:batch_size + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:batch_size]) for k in self.keys})
-        if cascade:
-            if self._prefix_buffers is None:  # one sequence: the batch over the shared pages
-                self._prefix_buffers = (torch.zeros(2, dtype=i32, device=dev),
-                                        torch.zeros(2, dtype=i32, device=dev),
-                                        torch.zeros(max_num_pages // batch_size, dtype=i32,
-                                                    device=dev),
-                                        torch.zeros(1, dtype=i32, device=dev))
-            qo, kv_indptr, kv_indices, kv_last = self._prefix_buffers
-            plan.prefix = {k: self.fi.BatchPrefillWithPagedKVCacheWrapper(
+        segs = batch_size + 1  # as CascadeInputs: fillers and groups, the last one empty
+        for _ in range(cascade_levels):
+            qo, kv_indptr, kv_last = (torch.zeros(segs + 1, dtype=i32, device=dev),
+                                      torch.zeros(segs + 1, dtype=i32, device=dev),
+                                      torch.zeros(segs, dtype=i32, device=dev))
+            kv_indices = torch.zeros(max_num_pages, dtype=i32, device=dev)
+            plan.groups.append({k: self.fi.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend, use_cuda_graph=True,
-                qo_indptr_buf=qo, paged_kv_indptr_buf=kv_indptr,
-                paged_kv_indices_buf=kv_indices, paged_kv_last_page_len_buf=kv_last)
-                for k in self.keys}
-        self.graph_plans[cascade][batch_size] = plan
+                qo_indptr_buf=qo, paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
+                paged_kv_last_page_len_buf=kv_last) for k in self.keys})
+        if cascade_levels:
+            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
+            plan.members = torch.zeros(cascade_levels, batch_size, dtype=torch.bool, device=dev)
+        self.graph_plans.setdefault(cascade_levels, {})[batch_size] = plan
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
-        """Compile (JIT) ``merge_state`` now, not in the first cascade step."""
+        """Compile (JIT) ``merge_state_in_place`` now, not in the first cascade step."""
         if self.supports_cascade and self.device.type == "cuda":
             v = torch.zeros(1, 1, self.spec.head_size, dtype=self.dtype, device=self.device)
             s = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
-            self.fi.merge_state(v, s, v, s)
+            self.fi.merge_state_in_place(v, s, v.clone(), s.clone(),
+                                         mask=torch.ones(1, dtype=torch.bool, device=self.device))
 
     # ---- per step -----------------------------------------------------------------------------
 
@@ -145,7 +150,7 @@ class FlashInferState(AttentionState):
         s, md = self.spec, metadata
         common = dict(q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype)
         plan = self.plan if graph_batch_size is None else \
-            self.graph_plans[md.cascade_blocks > 0][graph_batch_size]
+            self.graph_plans[md.cascade_levels][graph_batch_size]
         if md.num_prefills:
             p = md.num_prefills
             indptr, indices, last = paged_kv_arrays(md.seq_lens_cpu[:p], md.seq_lens[:p],
@@ -156,16 +161,18 @@ class FlashInferState(AttentionState):
                 w.plan(qo, indptr, indices, last, s.num_heads, s.num_kv_heads, s.head_size,
                        md.block_size, causal=True, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
-        if md.cascade_blocks:  # decode-only: the shared pages, then each suffix
-            x = CascadeInputs.for_step(md)
-            pages = md.cascade_blocks
-            qo = torch.tensor([0, md.num_decodes], dtype=torch.int32)
-            kv_indptr = torch.tensor([0, pages], dtype=torch.int32)
-            kv_last = torch.tensor([md.block_size], dtype=torch.int32)
-            for (window_left, cap), w in plan.prefix.items():
-                w.plan(qo, kv_indptr, x.prefix_table[0, :pages], kv_last, s.num_heads,
-                       s.num_kv_heads, s.head_size, md.block_size, causal=False, sm_scale=s.scale,
-                       logits_soft_cap=cap or None, **common)
+        if md.cascade is not None:  # decode-only: each level's groups, then each suffix
+            x = self.cascade_buffers.inputs(md, graph_batch_size)
+            for level, wrappers in zip(self._group_arrays(md, x), plan.groups):
+                for (window_left, cap), w in wrappers.items():
+                    w.plan(*level, s.num_heads, s.num_kv_heads, s.head_size, md.block_size,
+                           causal=False, sm_scale=s.scale, logits_soft_cap=cap or None, **common)
+            plan.cascade = x
+            members = x.member.index_select(1, x.pos).bool()  # by row
+            if graph_batch_size is None:
+                plan.members = members
+            else:  # the graph reads its own buffer
+                plan.members.copy_(members)
             indptr, indices, last = paged_kv_arrays(x.suffix_lens_cpu, x.suffix_lens,
                                                     x.suffix_tables, md.block_size)
         elif md.num_decodes:
@@ -178,6 +185,36 @@ class FlashInferState(AttentionState):
                        md.block_size, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
         return md.extend(FlashInferMetadata, plan=plan)
+
+    @staticmethod
+    def _group_arrays(md: AttentionMetadata, x) -> list[tuple[torch.Tensor, ...]]:
+        """Per level, the prefill wrapper's qo_indptr, kv_indptr, kv_indices and
+        kv_last_page_len over ``x``'s segments (host tensors: planning reads them there; fillers
+        and empty segments attend no pages)."""
+        lay, i32 = md.cascade, torch.int32
+        segs, b = x.kv_lens.shape[1], x.order.shape[0]
+        out = []
+        for level in lay.levels:
+            qo, pages, last, at = [0], [0], [], 0
+            for g in level:
+                if g.start > at:  # filler
+                    qo.append(g.start)
+                    pages.append(pages[-1])
+                    last.append(0)
+                qo.append(g.end)
+                pages.append(pages[-1] + len(g.pages))
+                last.append(md.block_size)
+                at = g.end
+            while len(qo) < segs + 1:  # trailing filler, then empty segments
+                qo.append(b)
+                pages.append(pages[-1])
+                last.append(0)
+            indices = [p for g in level for p in g.pages] or [0]
+            out.append((torch.tensor(qo, dtype=i32), torch.tensor(pages, dtype=i32),
+                        torch.tensor(indices, dtype=i32).to(md.block_tables.device,
+                                                            non_blocking=True),
+                        torch.tensor(last, dtype=i32)))
+        return out
 
 
 class FlashInferImpl(AttentionImpl):
@@ -193,11 +230,16 @@ class FlashInferImpl(AttentionImpl):
         n = metadata.num_prefill_tokens
         scales = dict(k_scale=st.k_scale, v_scale=st.v_scale) if kv_cache.dtype.itemsize == 1 \
             else {}
-        if metadata.cascade_blocks:  # decode-only
+        if metadata.cascade is not None:  # decode-only
             plan = metadata.plan
-            pre, pre_lse = plan.prefix[self.key].run(q, kv_cache, return_lse=True, **scales)
-            suf, suf_lse = plan.decode[self.key].run(q, kv_cache, return_lse=True, **scales)
-            return st.fi.merge_state(pre, pre_lse, suf, suf_lse)[0]
+            x = plan.cascade
+            out, lse = plan.decode[self.key].run(q, kv_cache, return_lse=True, **scales)
+            qs = q.index_select(0, x.order)
+            for i, wrappers in enumerate(plan.groups[:x.num_levels]):
+                o, s = wrappers[self.key].run(qs, kv_cache, return_lse=True, **scales)
+                st.fi.merge_state_in_place(out, lse, o.index_select(0, x.pos),
+                                           s.index_select(0, x.pos), mask=plan.members[i])
+            return out
         if n:
             metadata.plan.prefill[self.key].run(q[:n], kv_cache, out=out[:n], **scales)
         if metadata.num_decode_tokens:

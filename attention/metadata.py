@@ -14,12 +14,8 @@ from typing import Sequence
 
 import torch
 
+from pagedgen.attention.cascade_layout import CascadeLayout, find_layout
 from pagedgen.attention.ops.transfer import host_tensor, to_device, upload
-
-# Cascade decode (attention/cascade.py) pays when at least this many decodes share at least
-# this many tokens of leading pages.
-MIN_SEQS = 8  # fewer decodes than this gain too little from reading the prefix once
-MIN_TOKENS = 256  # nor does a shorter shared prefix
 
 
 @dataclass
@@ -38,8 +34,8 @@ class AttentionMetadata:
     * ``block_tables`` [num_seqs, max_blocks] int32: physical block of each logical block
       (0-padded).
 
-    ``cascade_blocks`` (decode-only steps): the leading block-table entries every sequence
-    shares, to be attended once for the batch (attention/cascade.py); 0: no cascade.
+    ``cascade`` (decode-only steps): which decodes share which leading pages, each group's
+    pages to be attended once (attention/cascade_layout.py); None: plain decode.
     """
 
     num_prefills: int
@@ -53,7 +49,7 @@ class AttentionMetadata:
     block_size: int
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
-    cascade_blocks: int = 0
+    cascade: CascadeLayout | None = None
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
 
@@ -68,6 +64,11 @@ class AttentionMetadata:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def cascade_levels(self) -> int:
+        """Levels of grouped cascade decode this step runs (0: none)."""
+        return self.cascade.num_levels if self.cascade is not None else 0
 
     @property
     def max_query_len(self) -> int:
@@ -112,7 +113,7 @@ class AttentionMetadata:
             block_tables=self.block_tables[s0:s1],
             seq_lens_cpu=self.seq_lens_cpu[s0:s1],
             query_lens_cpu=self.query_lens_cpu[s0:s1],
-            cascade_blocks=0 if is_prefill else self.cascade_blocks,
+            cascade=None if is_prefill else self.cascade,
             _prefill=None, _decode=None,
         )
 
@@ -135,13 +136,16 @@ class ScheduledSeq:
 class AttentionMetadataBuilder:
     """Builds :class:`AttentionMetadata` for a step from its scheduled sequences (CPU → device).
 
-    ``cascade``: find the pages every decode of a decode-only step shares (``cascade_blocks``).
+    ``cascade``: find the groups of a decode-only step's decodes that share leading pages
+    (``AttentionMetadata.cascade``); ``max_levels``: how deep groups may nest.
     """
 
-    def __init__(self, block_size: int, device: torch.device, cascade: bool = False) -> None:
+    def __init__(self, block_size: int, device: torch.device, cascade: bool = False,
+                 max_levels: int = 3) -> None:
         self.block_size = block_size
         self.device = device
         self.cascade = cascade
+        self.max_levels = max_levels
 
     def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
               ) -> AttentionMetadata:
@@ -163,9 +167,9 @@ class AttentionMetadataBuilder:
 
         num_prefill_tokens = sum(s.num_new for s in prefills)
         tables_cpu = host_tensor(tables, torch.int32, dev).reshape(len(seqs), max_blocks)
-        shared = 0
+        layout = None
         if self.cascade and not prefills:
-            shared = common_prefix_blocks(tables_cpu, min(seq_lens, default=0), bs)
+            layout = find_layout(tables_cpu.numpy(), seq_lens, bs, self.max_levels)
         return AttentionMetadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,
@@ -178,19 +182,5 @@ class AttentionMetadataBuilder:
             block_size=bs,
             seq_lens_cpu=seq_lens,
             query_lens_cpu=[s.num_new for s in seqs],
-            cascade_blocks=shared,
+            cascade=layout,
         )
-
-
-
-def common_prefix_blocks(tables: torch.Tensor, min_seq_len: int, block_size: int) -> int:
-    """Leading columns of ``tables`` ([rows, width] int, CPU) equal in every row, worth a
-    cascade (at least ``MIN_SEQS`` rows and ``MIN_TOKENS`` tokens), else 0. Only pages wholly
-    before every row's newest token count (``min_seq_len``: the shortest row's length)."""
-    rows, width = tables.shape
-    limit = min((min_seq_len - 1) // block_size, width)
-    if rows < MIN_SEQS or limit * block_size < MIN_TOKENS:
-        return 0
-    same = (tables[:, :limit] == tables[:1, :limit]).all(0)
-    n = limit if bool(same.all()) else int(same.to(torch.int8).argmin())
-    return n if n * block_size >= MIN_TOKENS else 0

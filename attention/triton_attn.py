@@ -5,9 +5,9 @@ Needs no FlashInfer or flash-attn: any GPU Triton supports, and CPU tensors unde
 prefill tiles (longest first) and the number of KV splits for decode. CUDA graphs: the decode
 grid depends only on the batch size, so a captured graph stays valid as contexts grow.
 
-Cascade decode (attention/cascade.py): the suffixes run as the split-KV decode's splits, the
-shared prefix as one more "split" computed by the prefill kernel (the B queries as one
-non-causal sequence, so each K/V tile is read once for the batch), and ``merge_kernel`` merges
+Grouped cascade decode (attention/cascade.py): the suffixes run as the split-KV decode's
+splits; each level's groups through the prefill kernel (each group's queries as one non-causal
+sequence, so each of its K/V tiles is read once for the group); ``cascade_merge_kernel`` merges
 them all by their log-sum-exp.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
-from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs
+from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import write_kv_triton
 
@@ -39,9 +39,9 @@ class TritonPlan:
     tile_qstart: torch.Tensor | None = None  # prefill tiles: first new token of the tile
     num_splits: int = 1
     cascade: CascadeInputs | None = None
-    # cascade: the prefix's tiles over the B queries, as one sequence: (query_start_loc
-    # [0, B], tile_seq, tile_qstart)
-    prefix_tiles: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # cascade: the prefill kernel's tiles over each level's groups, (segment, first query)
+    # [L, tiles] each (spare tiles: the last segment, always empty)
+    group_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -75,7 +75,8 @@ class TritonState(AttentionState):
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(x.sliding_window for x in layer_specs)
         self.cascade_buffers = CascadeBuffers(device)
-        self._prefix_tiles: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # per CUDA graph (batch size, levels): static tiles and the layout they hold
+        self._graph_tiles: dict[tuple[int, int], list] = {}
 
     def num_splits(self, batch: int, max_seq_len: int | None) -> int:
         """KV splits per (sequence, KV head): enough programs to fill the GPU twice over."""
@@ -85,23 +86,43 @@ class TritonState(AttentionState):
             splits = max(1, min(splits, math.ceil(max_seq_len / (2 * self.decode_block_n))))
         return splits
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade: bool = False
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
                         ) -> None:
         """The decode grid depends on the batch size only; cascade graphs also capture their
-        prefix and suffix buffers."""
-        if cascade:
-            self.cascade_buffers.allocate(batch_size, max_num_pages)
+        group and suffix buffers and a fixed number of group tiles."""
+        if cascade_levels:
+            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
+            # groups of >= 2 rows: at most batch/2 groups, batch/block_q + 1 tiles beyond them
+            most = batch_size // 2 + batch_size // (self.block_m // self.g_tile) + 1
+            empty = torch.full((cascade_levels, most), batch_size, dtype=torch.int32,
+                               device=self.device)
+            self._graph_tiles[batch_size, cascade_levels] = [
+                None, empty, torch.zeros_like(empty)]
 
-    def prefix_tiles(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Cascade: the prefill kernel's tiles over ``batch`` decode queries as one sequence
-        (the same tensors for every step of that batch size, so graphs can hold them)."""
-        if batch not in self._prefix_tiles:
-            i32, dev = torch.int32, self.device
-            starts = torch.arange(0, batch, self.block_m // self.g_tile, dtype=i32)
-            self._prefix_tiles[batch] = (
-                torch.tensor([0, batch], dtype=i32, device=dev),
-                torch.zeros(len(starts), dtype=i32, device=dev), starts.to(dev))
-        return self._prefix_tiles[batch]
+    def group_tiles(self, x: CascadeInputs, graph_batch_size: int | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill kernel's tiles over each level's groups (segment, first query): exact
+        for an eager step, into the graph's fixed number otherwise (spare ones on the empty last
+        segment)."""
+        block_q = self.block_m // self.g_tile
+        tiles = [[(seg, q) for seg, rows in level for q in range(0, rows, block_q)]
+                 for level in x.segments]
+        empty = x.kv_lens.shape[1] - 1
+        if graph_batch_size is None:
+            most = max(len(t) for t in tiles)
+            arr = torch.tensor([[t[i] if i < len(t) else (empty, 0) for i in range(most)]
+                                for t in tiles], dtype=torch.int32).reshape(len(tiles), most, 2)
+            arr = arr.to(self.device, non_blocking=True)
+            return arr[..., 0].contiguous(), arr[..., 1].contiguous()
+        held = self._graph_tiles[graph_batch_size, x.num_levels]
+        if held[0] is not x.layout:
+            most = held[1].shape[1]
+            arr = torch.tensor([[t[i] if i < len(t) else (empty, 0) for i in range(most)]
+                                for t in tiles], dtype=torch.int32).reshape(len(tiles), most, 2)
+            held[1].copy_(arr[..., 0])
+            held[2].copy_(arr[..., 1])
+            held[0] = x.layout
+        return held[1], held[2]
 
     def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
               ) -> TritonMetadata:
@@ -117,9 +138,9 @@ class TritonState(AttentionState):
             arr = torch.tensor([[t[1], t[2]] for t in tiles], dtype=torch.int32)
             arr = arr.to(self.device, non_blocking=True)
             plan.tile_seq, plan.tile_qstart = arr[:, 0].contiguous(), arr[:, 1].contiguous()
-        if md.cascade_blocks:  # decode-only
+        if md.cascade is not None:  # decode-only
             plan.cascade = self.cascade_buffers.inputs(md, graph_batch_size)
-            plan.prefix_tiles = self.prefix_tiles(md.num_decodes)
+            plan.group_tiles = self.group_tiles(plan.cascade, graph_batch_size)
             plan.num_splits = self.num_splits(
                 md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
         elif md.num_decodes:
@@ -140,7 +161,7 @@ class TritonImpl(AttentionImpl):
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
         write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, md.slot_mapping)
-        if md.cascade_blocks:  # decode-only
+        if md.cascade is not None:  # decode-only
             return self._cascade(q, kv_cache, out, md.plan)
         if md.num_prefills:
             plan = md.plan
@@ -163,16 +184,19 @@ class TritonImpl(AttentionImpl):
 
     def _cascade(self, q: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor,
                  plan: TritonPlan) -> torch.Tensor:
-        """Suffixes as splits 0..S-1 of the decode kernel, the shared prefix as split S."""
+        """Suffixes as the decode kernel's splits; each level's groups by the prefill kernel
+        over the sorted queries; one merge."""
         x, b, splits = plan.cascade, q.shape[0], plan.num_splits
-        part, lse = self._partials(splits + 1, b, q.device)
+        part, lse = self._partials(splits, b, q.device)
         self._decode(q, kv_cache, out, part, lse, x.suffix_tables, x.suffix_lens, splits)
-        qsl, tile_seq, tile_qstart = plan.prefix_tiles
-        grid = (tile_seq.shape[0], self.spec.num_heads // self.state.g_tile)
-        self._prefill(grid, q, kv_cache, part[splits], lse[splits], x.prefix_table, qsl,
-                      x.prefix_lens, tile_seq, tile_qstart, causal=False)
-        self._merge(out, part, lse, splits + 1)
-        return out
+        qs = q.index_select(0, x.order)
+        levels, levels_lse = self._partials(x.num_levels, b, q.device)
+        tile_seq, tile_qstart = plan.group_tiles
+        grid = (tile_seq.shape[1], self.spec.num_heads // self.state.g_tile)
+        for i in range(x.num_levels):
+            self._prefill(grid, qs, kv_cache, levels[i], levels_lse[i], x.tables[i], x.cu_q[i],
+                          x.kv_lens[i], tile_seq[i], tile_qstart[i], causal=False)
+        return merge(out, part, lse, levels, levels_lse, x)
 
     def _partials(self, splits: int, b: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:

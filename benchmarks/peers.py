@@ -13,6 +13,9 @@ Workloads (``--workloads a,b,c``; workloads.py):
   b: Llama-3-8B-shaped, bf16, 64 prompts x 2048 input, 128 output tokens
   c: Qwen3-0.6B-shaped, bf16, 256 prompts x random 100-1024 input and output (nano-vllm's setup)
   d: Llama-3-8B-shaped, 512 prompts x (1,536 shared + 128 unique) input, 128 output
+  p: Llama-3-8B-shaped, 128 prompts x 1,024 input, n = 8 samples x 256 output, temperature 1
+  s: Llama-3-8B-shaped, 1,000 requests behind 4 system prompts (400-800 tokens), 20-600 own
+     tokens, 16-512 output
 
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
 are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
@@ -162,18 +165,23 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, cascade_off: bool = False) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
-    ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load."""
+    ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; with
+    ``cascade_off``, each backend once more without cascade decode. Workloads with ``n`` > 1
+    sample at their temperature (request ``i`` seeded ``i``, in both systems)."""
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
-    in_tok, out_tok = sum(map(len, prompts)), sum(outs)
+    in_tok, out_tok = sum(map(len, prompts)), wl.output_tokens(outs)
     fp8_flops = None
     if quantization:
         from pagedgen.runtime.hardware import fp8_matmul_flops
         fp8_flops = fp8_matmul_flops()
-    bound = roofline_s(src.hf_config, prompts, outs, flops, bw, wl.shared_prefix_len, fp8_flops)
+    # n samples counted as n requests (their prompt's prefill too: an upper estimate there)
+    bound = roofline_s(src.hf_config, [p for p in prompts for _ in range(wl.n)],
+                       [o for o in outs for _ in range(wl.n)], flops, bw, wl.shared_prefix_len,
+                       fp8_flops)
     print(f"workload {name}: {wl}; {in_tok:,} prompt + {out_tok:,} output tokens; roofline "
           f"estimate {bound:.2f} s", flush=True)
     first = len(rows)
@@ -193,24 +201,32 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         add_ratios()
         save()
 
-    variants = [(b, t) for b in backends for t in (fa4_tiles if b == "flash-attn" else [])
-                or [None]]
-    for b, tile in variants:
+    variants = [(b, t, c) for b in backends
+                for t in (fa4_tiles if b == "flash-attn" else []) or [None]
+                for c in ((True, False) if cascade_off else (True,))]
+    for b, tile, cascade in variants:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
-        params = [replace(sampling, max_tokens=n, temperature=0.0, ignore_eos=True) for n in outs]
+        cfg = replace(cfg, cascade_attention=cascade)
+        params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
+                          seed=i if wl.temperature else None, ignore_eos=True)
+                  for i, n in enumerate(outs)]
         with decode_tile_env(tile):
             runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
         free_gpu()
         res = median_run(runs)
-        label = f"pagedgen {b}" + (f" {quantization}" if quantization else "")
+        label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") \
+            + ("" if cascade else ", cascade decode off")
         row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
                                 "graph_capture_s", "load_time_s", "startup_breakdown_s",
                                 "prefill_tokens_per_s", "decode_tokens_per_s", "steps",
-                                "decode_steps") if k in res})
+                                "decode_steps", "steps_launched_ahead", "cascade_decode_steps",
+                                "cascade_groups_per_step", "cascade_levels_per_step",
+                                "decode_kv_read_gb_per_step", "decode_kv_plain_gb_per_step")
+            if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
         engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
@@ -265,6 +281,8 @@ def main() -> None:
                          "($PAGEDGEN_FA4_DECODE_TILE)")
     ap.add_argument("--quantization", choices=["fp8"], default=None,
                     help="pagedgen --quantization fp8 against vLLM quantization='fp8'")
+    ap.add_argument("--cascade-off", action="store_true",
+                    help="each backend once more with cascade decode off")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -292,7 +310,8 @@ def main() -> None:
     for name in args.workloads.split(","):
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
-                     [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization)
+                     [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
+                     args.cascade_off)
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

@@ -9,6 +9,8 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   p: Llama-3-8B shape, 128 prompts x 1,024 input, n = 8 samples x 256 output, temperature 1
      (parallel sampling)
   r: Llama-3-8B shape, 100,000 prompts x random 64-256 input, 16 output (request count)
+  s: Llama-3-8B shape, 1,000 requests each behind one of 4 system prompts of 400-800 tokens
+     (dealt at random), 20-600 own tokens, 16-512 output (several system prompts)
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class Workload:
     shared_prefix_len: int = 0
     n: int = 1  # samples per prompt
     temperature: float = 0.0
+    system_prompts: int = 0  # each request behind one of this many prompts...
+    system_len: tuple[int, int] = (0, 0)  # ...of these lengths
 
     def requests(self, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
         """Prompt token ids and output lengths, the same for every system."""
@@ -37,6 +41,13 @@ class Workload:
         shared = torch.randint(0, vocab, (self.shared_prefix_len,), generator=g).tolist()
         prompts = [shared + torch.randint(0, vocab, (int(l),), generator=g).tolist()
                    for l in lens]
+        if self.system_prompts:
+            lo, hi = self.system_len
+            systems = [torch.randint(0, vocab, (int(torch.randint(lo, hi + 1, (1,),
+                                                                  generator=g)),),
+                                     generator=g).tolist() for _ in range(self.system_prompts)]
+            which = torch.randint(0, self.system_prompts, (n,), generator=g).tolist()
+            prompts = [systems[w] + p for w, p in zip(which, prompts)]
         return prompts, outs.tolist()
 
     def output_tokens(self, outs: list[int]) -> int:
@@ -50,6 +61,8 @@ WORKLOADS = {
     "d": Workload("llama-3-8b", 512, (128, 128), (128, 128), shared_prefix_len=1536),
     "p": Workload("llama-3-8b", 128, (1024, 1024), (256, 256), n=8, temperature=1.0),
     "r": Workload("llama-3-8b", 100_000, (64, 256), (16, 16)),
+    "s": Workload("llama-3-8b", 1000, (20, 600), (16, 512), system_prompts=4,
+                  system_len=(400, 800)),
 }
 
 

@@ -108,6 +108,14 @@ def fa4_flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, s
     assert window_size_right in (None, 0)
     out_, lse_ = _run(q, cu_seqlens_q, k, v, seqused_k, page_table, softmax_scale, causal,
                       window_size_left, softcap or 0.0, with_lse=True)
+    if cu_seqlens_q is not None:
+        assert isinstance(max_seqlen_q, int) and max_seqlen_q >= int(cu_seqlens_q.diff().max())
+    if out is not None:  # written in place, as the real one does
+        assert out.shape == out_.shape and out.dtype == q.dtype
+        out_ = out.copy_(out_)
+    if lse is not None:
+        assert lse.shape == lse_.shape and lse.dtype == torch.float32 and lse.is_contiguous()
+        lse_ = lse.copy_(lse_)
     return out_, lse_ if return_lse else None, None, None, None
 
 

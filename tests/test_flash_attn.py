@@ -116,6 +116,25 @@ def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed):
+    """Random nested groups (rows shuffled, groups of one, pages cut mid-block): per level one
+    varlen call over the sorted queries (fillers over no keys), written in place, merged with
+    the suffixes by the Triton merge kernel (interpreter)."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_grouped_batch
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setattr(cl, "MIN_TOKENS", 1)
+    monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    page = (16, 128)[seed % 2]
+    b = make_grouped_batch(seed, num_decodes=(5, 12, 30, 9)[seed], num_heads=8, num_kv_heads=2,
+                           block_size=page, soft_cap=20.0 if seed == 2 else None)
+    assert b.metadata().cascade is not None
+    ref, _ = run_backend(EagerBackend, b)
+    out, _ = run_backend(FlashAttnBackend, b, state=_state(b, "fa4"))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_separate_k_and_v_caches_and_block_ops():
     shape = FlashAttnBackend.get_kv_cache_shape(6, 16, 2, 64)
     assert shape == (2, 6, 16, 2, 64)

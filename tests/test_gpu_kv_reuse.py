@@ -73,7 +73,7 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
 
 def cascade_prompts(page: int) -> list[list[int]]:
     """Twelve prompts behind one prefix of at least MIN_TOKENS whole pages (and half a page)."""
-    from pagedgen.attention.metadata import MIN_TOKENS
+    from pagedgen.attention.cascade_layout import MIN_TOKENS
     g = torch.Generator().manual_seed(11)
     n = -(-MIN_TOKENS // page) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()

@@ -88,43 +88,108 @@ def test_engine_with_triton_matches_sdpa():
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)])
 def test_cascade_decode_matches_eager(block_size, heads):
-    """Decodes sharing their first pages: the prefix attended once for the batch (as one more
-    split), merged with each suffix, equals plain attention."""
+    """Decodes sharing their first pages: the prefix attended once for the batch (one group),
+    merged with each suffix (the decode kernel's splits), equals plain attention."""
     from pagedgen.attention.cases import make_shared_prefix_batch
     for seed in range(2):
         b = make_shared_prefix_batch(seed, shared_pages=256 // block_size + seed, num_decodes=9,
                                      num_heads=heads[0], num_kv_heads=heads[1],
                                      block_size=block_size, dtype=DTYPES[-1], device=DEVICE)
         md = b.metadata()
-        assert md.cascade_blocks == 256 // block_size + seed
+        assert md.cascade_levels == 1 and md.cascade.levels[0][0].rows == 9
         st = backend().get_state_cls()(backend(), [b.spec], block_size, b.q.dtype, b.q.dtype,
                                        b.q.device)
         md = st.build(md)
-        assert int(md.plan.cascade.prefix_lens[0]) == md.cascade_blocks * block_size
+        assert md.plan.cascade.kv_lens[0].tolist()[:1] == [(256 // block_size + seed)
+                                                           * block_size]
         check(b)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
+    """Random nested groups (1 to dozens of groups, up to three levels, groups of one, pages
+    cut mid-block, rows shuffled): each level's groups by the prefill kernel over the sorted
+    queries, merged with the suffixes, equal plain attention; on the CUDA-graph path (static
+    buffers, a fixed tile count) too."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_grouped_batch
+    monkeypatch.setattr(cl, "MIN_TOKENS", 1)
+    monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    n = [2, 7, 16, 33, 64, 24][seed]
+    b = make_grouped_batch(seed, num_decodes=n, num_heads=8, num_kv_heads=2, block_size=16,
+                           dtype=DTYPES[-1], device=DEVICE, soft_cap=30.0 if seed % 2 else None)
+    md = b.metadata()
+    assert md.cascade is not None, "the case shares pages"
+    check(b)
+    # the graph path: static buffers of a bigger batch, the layout copied in
+    st = backend().get_state_cls()(backend(), [b.spec], 16, b.q.dtype, b.q.dtype, b.q.device)
+    bs, width = n + 3, md.block_tables.shape[1]
+    st.make_graph_plan(bs, bs * width, md.cascade_levels)
+    padded = _padded(md, bs, b.kv_cache.shape[0])
+    gmd = st.build(padded, graph_batch_size=bs)
+    assert gmd.plan.cascade is st.cascade_buffers.by_graph[bs, md.cascade_levels]
+    impl = backend().get_impl_cls()(b.spec, st)
+    from pagedgen.attention.cases import backend_cache
+    cache = backend_cache(backend(), b.kv_cache)
+    q = torch.cat([b.q, torch.zeros(bs - n, *b.q.shape[1:], dtype=b.q.dtype, device=DEVICE)])
+    k = torch.cat([b.k, torch.zeros(bs - n, *b.k.shape[1:], dtype=b.k.dtype, device=DEVICE)])
+    v = torch.cat([b.v, torch.zeros(bs - n, *b.v.shape[1:], dtype=b.v.dtype, device=DEVICE)])
+    out = impl.forward(q, k, v, cache, gmd)[:n]
+    ref, _ = run_backend(EagerBackend, b)
+    assert (out.float() - ref.float()).abs().max().item() <= TOL[b.q.dtype]
+
+
+def _padded(md, bs: int, num_pages: int):
+    """``md`` padded to ``bs`` decodes as the CUDA-graph runner pads (one token in a scratch
+    page no sequence holds)."""
+    import dataclasses
+    pad = bs - md.num_decodes
+    i32 = torch.int32
+    scratch = max(set(range(num_pages)) - set(md.block_tables.flatten().tolist()))
+    tables = torch.cat([md.block_tables, torch.full((pad, md.block_tables.shape[1]), scratch,
+                                                    dtype=i32, device=md.block_tables.device)])
+    return dataclasses.replace(
+        md, num_decode_tokens=bs,
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), scratch * md.block_size,
+                                                            device=md.slot_mapping.device)]),
+        query_start_loc=torch.arange(bs + 1, dtype=i32, device=md.seq_lens.device),
+        seq_lens=torch.cat([md.seq_lens, torch.ones(pad, dtype=i32, device=md.seq_lens.device)]),
+        context_lens=torch.cat([md.context_lens, torch.zeros(pad, dtype=i32,
+                                                             device=md.seq_lens.device)]),
+        block_tables=tables, seq_lens_cpu=md.seq_lens_cpu + [1] * pad,
+        query_lens_cpu=[1] * bs, _prefill=None, _decode=None)
+
+
 def test_engine_cascade_decode_matches_plain(monkeypatch):
-    """Prompts behind one shared prefix: with cascade decode on, the decode steps cascade, and
-    the greedy tokens equal cascade off (fp32). The thresholds are lowered to keep the
-    interpreter's work small."""
-    from pagedgen.attention import metadata
+    """Prompts behind two shared prefixes, each sampled twice (n = 2), in a cache small enough
+    to preempt: with grouped cascade decode on, decode steps attend groups (the prefixes, and
+    each request's samples) and the greedy tokens equal cascade off (fp32). The thresholds
+    are lowered to keep the interpreter's work small (nesting: test_cascade.py)."""
+    from pagedgen.attention import cascade_layout as cl
     from pagedgen.runtime.config import EngineConfig, SamplingParams
     from pagedgen.runtime.engine.engine import Engine
-    monkeypatch.setattr(metadata, "MIN_TOKENS", 32)
-    monkeypatch.setattr(metadata, "MIN_SEQS", 4)
-    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    from pagedgen.attention import triton_attn
+    monkeypatch.setattr(cl, "MIN_TOKENS", 16)
+    monkeypatch.setattr(cl, "MIN_SEQS", 2)
+    monkeypatch.setattr(triton_attn, "MAX_SPLITS", 1)  # fewer programs for the interpreter
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
     g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, 256, (40,), generator=g).tolist()  # 2.5 pages: 2 shared
-    prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist()
-               for n in (1, 5, 16, 17, 9)]
-    outs, steps = [], []
+    prefixes = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 33)]
+    prompts = [prefixes[i % 2] + torch.randint(3, 256, (n,), generator=g).tolist()
+               for i, n in enumerate((1, 5, 16, 17))]
+    outs, steps, preempted, levels = [], [], [], []
     for on in (True, False):
         eng = Engine(EngineConfig(backend="triton", device=DEVICE, block_size=16,
                                   dtype="float32" if DEVICE == "cpu" else "float16",
-                                  num_blocks=64, max_num_seqs=8, max_num_batched_tokens=256,
+                                  num_blocks=7, max_num_seqs=12, max_num_batched_tokens=256,
                                   cascade_attention=on))
-        outs.append([s.output_token_ids for s in eng.generate(prompts, params)])
-        steps.append(eng.runner.cascade_steps)
+        outs.append([[s.output_token_ids for s in r.samples]
+                     for r in eng.generate(prompts, params)])
+        summary = eng.runner.decode_reads.summary()
+        steps.append(summary["cascade_decode_steps"])
+        levels.append(summary["cascade_most_levels"])
+        preempted.append(eng.stats.num_preemptions)
+        assert summary["decode_kv_read_gb_per_step"] <= summary["decode_kv_plain_gb_per_step"]
     assert outs[0] == outs[1]
-    assert steps[0] >= 3 and steps[1] == 0
+    assert steps[0] >= 3 and steps[1] == 0 and levels[0] >= 1
+    assert preempted[0] > 0

@@ -8,8 +8,8 @@
 * ``decode_kernel``: one query token per sequence; the G query heads of a KV head form the rows
   of a [G, D] x [D, BLOCK_N] product. Long contexts are split across programs (split-KV /
   flash-decoding) and ``merge_kernel`` combines the partial results by their log-sum-exp.
-* ``merge_two_kernel``: the same merge for two attentions of one query over disjoint key sets
-  (a shared prefix and each sequence's own suffix: cascade attention, attention/cascade.py).
+* ``cascade_merge_kernel``: the same merge for a decode's own keys and the pages its groups
+  attended once (grouped cascade decode, attention/cascade.py).
 
 All accumulate in float32. Sliding window: keys ``pos - window < j <= pos``. Soft-cap:
 ``cap * tanh(s / cap)``. Kernels run compiled on CUDA GPUs and, for tests, under
@@ -194,20 +194,37 @@ def merge_kernel(Out, OutPart, LsePart, stride_ot, stride_oh, stride_ps, stride_
 
 
 @triton.jit
-def merge_two_kernel(Out, A, LseA, B, LseB, stride_ot, stride_oh, stride_at, stride_ah,
-                     stride_lat, stride_lah, stride_bt, stride_bh, stride_lbt, stride_lbh,
-                     D: tl.constexpr):
-    """Out[t, h] = the softmax-weighted union of two attentions of query (t, h) over disjoint
-    key sets, given each one's output and natural-log log-sum-exp (cascade attention)."""
+def cascade_merge_kernel(Out, Suf, SufLse, Lvl, LvlLse, Member, Pos, stride_ot, stride_oh,
+                         stride_ss, stride_st, stride_sh, stride_lss, stride_lst, stride_lsh,
+                         stride_vl, stride_vt, stride_vh, stride_ll, stride_lt, stride_lh,
+                         stride_ml, num_splits, num_levels,
+                         D: tl.constexpr, SP: tl.constexpr, LP: tl.constexpr):
+    """Out[t, h] = the softmax-weighted union of attentions of query (t, h) over disjoint key
+    sets, from each part's output and natural-log log-sum-exp: ``num_splits`` parts of the row's
+    own keys (Suf, by row) and one per level whose group holds the row (Lvl, by the row's sorted
+    position ``Pos[t]``, where ``Member[level, position]`` is set): grouped cascade decode."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    la = tl.load(LseA + t * stride_lat + h * stride_lah)
-    lb = tl.load(LseB + t * stride_lbt + h * stride_lbh)
-    m = tl.maximum(la, lb)
-    wa = tl.where(la > float("-inf"), tl.exp(la - m), 0.0)
-    wb = tl.where(lb > float("-inf"), tl.exp(lb - m), 0.0)
+    p = tl.load(Pos + t)
+    s = tl.arange(0, SP)
+    s_ok = s < num_splits
+    lse_s = tl.load(SufLse + s * stride_lss + t * stride_lst + h * stride_lsh, mask=s_ok,
+                    other=float("-inf"))
+    lv = tl.arange(0, LP)
+    l_ok = lv < num_levels
+    l_ok = l_ok & (tl.load(Member + lv * stride_ml + p, mask=l_ok, other=0) != 0)
+    lse_l = tl.load(LvlLse + lv * stride_ll + p * stride_lt + h * stride_lh, mask=l_ok,
+                    other=float("-inf"))
+    m = tl.maximum(tl.max(lse_s, 0), tl.max(lse_l, 0))
+    s_ok = s_ok & (lse_s > float("-inf"))
+    l_ok = l_ok & (lse_l > float("-inf"))
+    w_s = tl.where(s_ok, tl.exp(lse_s - m), 0.0)
+    w_l = tl.where(l_ok, tl.exp(lse_l - m), 0.0)
     d = tl.arange(0, D)
-    a = tl.load(A + t * stride_at + h * stride_ah + d).to(tl.float32)
-    b = tl.load(B + t * stride_bt + h * stride_bh + d).to(tl.float32)
-    out = (a * wa + b * wb) / (wa + wb)
+    suf = tl.load(Suf + s[:, None] * stride_ss + t * stride_st + h * stride_sh + d[None, :],
+                  mask=s_ok[:, None], other=0.0).to(tl.float32)
+    lvl = tl.load(Lvl + lv[:, None] * stride_vl + p * stride_vt + h * stride_vh + d[None, :],
+                  mask=l_ok[:, None], other=0.0).to(tl.float32)
+    out = (tl.sum(suf * w_s[:, None], 0) + tl.sum(lvl * w_l[:, None], 0)) \
+        / (tl.sum(w_s, 0) + tl.sum(w_l, 0))
     tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))

@@ -6,6 +6,7 @@ replays included), against the hardware's rooflines."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import statistics
@@ -82,7 +83,10 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                "prefill_tok_s": prefill_tokens / prefill_s if prefill_s else 0.0,
                "decode_tok_s": batch / p50 if p50 else 0.0,
                "step_ms_p50": 1000 * p50, "step_ms_p90": 1000 * _percentile(times, 90),
-               "step_ms_p99": 1000 * _percentile(times, 99), "mean_context": ctx}
+               "step_ms_p99": 1000 * _percentile(times, 99), "mean_context": ctx,
+               # the timed decode steps' grouped cascade and KV reads (plain: every decode
+               # reading its whole context)
+               **{k: v for k, v in timings["reads"].items() if k != "cascade_most_levels"}}
         if "copy_bw" in limits:
             weights = r.model.step_weight_bytes()
             kv = batch * ctx * r.block_bytes() / r.block_size
@@ -131,7 +135,9 @@ def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> d
         for _ in range(wl.warmup_steps):
             _step(engine, "warmup")
         ctx0 = statistics.fmean(s.num_tokens for s in seqs)
+        reads = copy.copy(r.decode_reads)
         times = [_step(engine, "decode") for _ in range(decode_steps)]
+        reads = r.decode_reads.summary(since=reads)
         mean_context = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
         if profiled and r.graphs is not None:  # one eager forward as the attribution reference
             graphs, r.graphs = r.graphs, None
@@ -140,7 +146,7 @@ def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> d
             finally:
                 r.graphs = graphs
     return dict(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times,
-                mean_context=mean_context)
+                mean_context=mean_context, reads=reads)
 
 
 def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict[str, Any]:

@@ -1,19 +1,21 @@
-"""Kernel-level checks: random paged batches (mixed prefill and decode; shared-prefix decodes
-for cascade attention) through a backend's kernels, against the eager reference over the same
-cache.
+"""Kernel-level checks: random paged batches (mixed prefill and decode; decodes sharing pages
+in nested groups for grouped cascade decode) through a backend's kernels, against the eager
+reference over the same cache.
 
 Tolerances live in ``KERNEL_TOL`` below; docs/VERIFY.md explains them.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 
-from pagedgen.attention import metadata
+from pagedgen.attention import cascade_layout
 from pagedgen.attention.backend import AttentionBackend
-from pagedgen.attention.cases import make_paged_batch, make_shared_prefix_batch, run_backend
+from pagedgen.attention.cases import make_grouped_batch, make_paged_batch, make_shared_prefix_batch
+from pagedgen.attention.cases import run_backend
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import get_backend
 from pagedgen.cli.verify.report import Row
@@ -127,9 +129,11 @@ def cascade_dtype(backend: type[AttentionBackend]) -> torch.dtype:
 
 def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: int
                   ) -> Partial | None:
-    """Cascade decode (decodes sharing their first pages: the prefix attended once for the
-    batch) against eager attention; None when the backend's state has no cascade. One head
-    size (128 where supported): the split and merge do not depend on it, and each shape is one
+    """Cascade decode against eager attention: even cases, decodes sharing their first pages
+    (one group: the prefix attended once for the batch); odd cases, random nested groups with
+    every group the layout finder would keep at its least thresholds (up to three levels,
+    groups of one, rows shuffled). None when the backend's state has no cascade. One head size
+    (128 where supported): the groups and the merge do not depend on it, and each shape is one
     more kernel variant to compile (FA4)."""
     backend = get_backend(name, device)
     sizes, pages = _shapes(backend)
@@ -139,18 +143,34 @@ def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: in
     for i in case_ids:
         gqa = GQA_RATIOS[i % len(GQA_RATIOS)]
         page = pages[(i // len(GQA_RATIOS)) % len(pages)]
-        b = make_shared_prefix_batch(
-            seed * 100_003 + i, shared_pages=-(-metadata.MIN_TOKENS // page) + i % 3,
-            num_decodes=metadata.MIN_SEQS + i % 5, num_heads=2 * gqa, num_kv_heads=2,
-            head_size=sizes[i % len(sizes)], block_size=page, dtype=dtype, device=device,
-            max_suffix=2 * page + 5)
+        shape = dict(num_heads=2 * gqa, num_kv_heads=2, head_size=sizes[i % len(sizes)],
+                     block_size=page, dtype=dtype, device=device)
+        if i % 2 == 0:
+            b = make_shared_prefix_batch(
+                seed * 100_003 + i, shared_pages=-(-cascade_layout.MIN_TOKENS // page) + i % 3,
+                num_decodes=cascade_layout.MIN_SEQS + i % 5, max_suffix=2 * page + 5, **shape)
+        else:
+            b = make_grouped_batch(seed * 100_003 + i, num_decodes=(9, 33, 64, 17)[i // 2 % 4],
+                                   **shape)
         state = backend.get_state_cls()(backend, [b.spec], page, dtype, dtype, device)
         if not state.supports_cascade:
             return None
-        ref, _ = run_backend(EagerBackend, b)
-        out, _ = run_backend(backend, b, state)
+        with _all_groups():
+            ref, _ = run_backend(EagerBackend, b)
+            out, _ = run_backend(backend, b, state)
         part.add(out, ref)
     return part
+
+
+@contextlib.contextmanager
+def _all_groups():
+    """Keep every group of two or more decodes (the kernels' cases, not the run's economics)."""
+    saved = cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS
+    cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS = 1, 1
+    try:
+        yield
+    finally:
+        cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS = saved
 
 
 def cascade_row(dtype: torch.dtype, parts: list[Partial | None]) -> Row | None:
@@ -158,5 +178,5 @@ def cascade_row(dtype: torch.dtype, parts: list[Partial | None]) -> Row | None:
         return None
     p = Partial.combine(parts)
     tol = KERNEL_TOL[dtype]
-    return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (shared prefix)",
+    return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (grouped prefixes)",
                p.cases, p.worst_abs, p.worst_rel, tol, p.worst_abs <= tol)

@@ -9,8 +9,9 @@ buffers (``AttentionState.build`` with the bucket), the inputs are copied in, an
 replayed. The model runner decides which steps replay; the graphs capture the model's forward
 only (sampling and logits processors run after, eagerly).
 
-A step whose decodes share prefix pages (``cascade_blocks`` > 0, attention/cascade.py) replays
-the bucket's cascade graph instead, captured the first time a step of that bucket cascades.
+A step whose decodes share prefix pages in groups (``metadata.cascade``, attention/cascade.py)
+replays the bucket's cascade graph of as many levels instead (at most three: the key does not
+grow with the groups' shapes), captured the first time a step of that kind runs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from pagedgen.attention.backend import AttentionState
+from pagedgen.attention.cascade_layout import CascadeLayout
 from pagedgen.attention.metadata import AttentionMetadata
 
 
@@ -56,14 +58,14 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
                                        dtype=torch.int32, device=dev)
-        # by cascade (False / True), then bucket
-        self.graphs: dict[bool, dict[int, torch.cuda.CUDAGraph]] = {False: {}, True: {}}
-        self.outputs: dict[bool, dict[int, torch.Tensor]] = {False: {}, True: {}}
+        # by cascade levels (0: plain decode), then bucket
+        self.graphs: dict[int, dict[int, torch.cuda.CUDAGraph]] = {0: {}}
+        self.outputs: dict[int, dict[int, torch.Tensor]] = {0: {}}
         self.pool = None  # one memory pool for every graph (they never replay at once)
         self.capture_time_s = 0.0
         self.memory_bytes = 0
 
-    def _metadata(self, bs: int, seq_lens: list[int], cascade_blocks: int = 0
+    def _metadata(self, bs: int, seq_lens: list[int], cascade: CascadeLayout | None = None
                   ) -> AttentionMetadata:
         """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
         return AttentionMetadata(
@@ -71,15 +73,15 @@ class CudaGraphRunner:
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], block_size=self.block_size,
-            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade_blocks=cascade_blocks)
+            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket's plain decode graph (at start-up)."""
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
-            self._capture(bs, cascade=False)
+            self._capture(bs, 0)
 
-    def _capture(self, bs: int, cascade: bool) -> None:
+    def _capture(self, bs: int, levels: int) -> None:
         """Capture bucket ``bs``'s graph over padding rows (scratch block only): a capture in
         the middle of a run must not write into any sequence's blocks."""
         dev = self.device
@@ -88,17 +90,19 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         self._pad(0, bs)
         # page-table entries, not physical blocks: sequences share cached blocks
-        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, cascade)
-        md = self.attn_state.build(self._metadata(bs, [1] * bs, cascade_blocks=int(cascade)),
-                                   graph_batch_size=bs)
+        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, levels)
+        # a cascade graph captures over groups of nothing: every row its own suffix
+        empty = CascadeLayout(list(range(bs)), [[] for _ in range(levels)], [0] * bs,
+                              self.block_size) if levels else None
+        md = self.attn_state.build(self._metadata(bs, [1] * bs, empty), graph_batch_size=bs)
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
         self.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[cascade][bs] = self.model(*args)
+            self.outputs.setdefault(levels, {})[bs] = self.model(*args)
         self.pool = graph.pool()
-        self.graphs[cascade][bs] = graph
+        self.graphs.setdefault(levels, {})[bs] = graph
         torch.cuda.synchronize(dev)
         self.capture_time_s += time.perf_counter() - t0
         self.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(dev)[0])
@@ -120,10 +124,10 @@ class CudaGraphRunner:
         the backend into that bucket's buffers. Returns the bucket."""
         n = md.num_decodes
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
-        cascade = md.cascade_blocks > 0
-        if bs not in self.graphs[cascade]:
+        levels = md.cascade_levels
+        if bs not in self.graphs.get(levels, {}):
             with torch.inference_mode():
-                self._capture(bs, cascade)
+                self._capture(bs, levels)
         width = md.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -134,12 +138,12 @@ class CudaGraphRunner:
         pad = bs - n
         if pad:
             self._pad(n, bs)
-        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade_blocks)
+        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade)
         self.attn_state.build(graph_md, graph_batch_size=bs)  # plans into the captured buffers
         return bs
 
-    def replay(self, bs: int, n: int, cascade: bool = False) -> torch.Tensor:
-        """Run bucket ``bs``'s graph (its cascade graph with ``cascade``); hidden states
-        [n, hidden] of the real rows."""
-        self.graphs[cascade][bs].replay()
-        return self.outputs[cascade][bs][:n]
+    def replay(self, bs: int, n: int, cascade_levels: int = 0) -> torch.Tensor:
+        """Run bucket ``bs``'s graph (its cascade graph of ``cascade_levels`` levels); hidden
+        states [n, hidden] of the real rows."""
+        self.graphs[cascade_levels][bs].replay()
+        return self.outputs[cascade_levels][bs][:n]

@@ -422,7 +422,7 @@ class Engine:
             "cuda_graphs": self.runner.graphs is not None,
             "fused_kernels": self.runner.fused_kernels,
             "cascade_attention": self.runner.builder.cascade,
-            "cascade_decode_steps": self.runner.cascade_steps,
+            **self.runner.decode_reads.summary(),
         }
         runner = self.runner
         if runner.graphs is not None:

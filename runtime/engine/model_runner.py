@@ -26,6 +26,7 @@ from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.engine.stats import DecodeReads
 from pagedgen.runtime.engine.step import StepHandle
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.models import registry
@@ -88,10 +89,11 @@ class ModelRunner:
         # Decode steps whose sequences share prefix pages attend them once (cascade attention).
         self.builder = AttentionMetadataBuilder(
             self.block_size, self.device,
-            cascade=config.cascade_attention and self.attn_state.supports_cascade)
-        self.cascade_steps = 0
+            cascade=config.cascade_attention and self.attn_state.supports_cascade,
+            max_levels=self.attn_state.max_cascade_levels)
         self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
         t = self._phase("memory_profile", t)
+        self.decode_reads = DecodeReads(self.block_bytes() // self.block_size * self.tp.size)
         if self.num_blocks < 2:
             raise PagedgenError(
                 f"the KV cache has room for {self.num_blocks} block(s) of {self.block_size} "
@@ -126,6 +128,11 @@ class ModelRunner:
         now = time.perf_counter()
         self.startup_phases[name] = now - since
         return now
+
+    @property
+    def cascade_steps(self) -> int:
+        """Decode steps that attended groups' shared pages once (grouped cascade decode)."""
+        return self.decode_reads.cascade_steps
 
     def host_ms_per_step(self, kind: str = "decode") -> float:
         """Mean host time (metadata preparation + planning) per step of ``kind``, in ms."""
@@ -237,7 +244,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
-        self.cascade_steps += md.cascade_blocks > 0
+        self.decode_reads.count(md)
         graph_bs = None
         if self.graphs is not None and self.graphs.can_run(md):
             graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
@@ -247,7 +254,7 @@ class ModelRunner:
         self.host_steps[kind] += 1
         with scope("forward"):
             if graph_bs is not None:
-                hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_blocks > 0)
+                hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_levels)
             else:
                 hidden = self.model(ids, pos, self.kv_caches, md)
         if batch.block_copies:  # forked samples' copies of the last prompt block, now written

@@ -54,6 +54,49 @@ class StepStats:
                 self.requests_with_tpot += 1
 
 
+@dataclass
+class DecodeReads:
+    """The decode tokens' KV reads per step: what they read (groups' shared pages once per
+    group, with grouped cascade decode) against what plain decode reads (every decode its whole
+    context); ``token_bytes``: one token's K and V across the layers."""
+
+    token_bytes: int
+    steps: int = 0  # steps with decode tokens
+    cascade_steps: int = 0
+    groups: int = 0  # over the cascade steps
+    levels: int = 0
+    most_levels: int = 0
+    tokens_read: int = 0
+    tokens_plain: int = 0
+
+    def count(self, md) -> None:
+        """One step's ``AttentionMetadata``."""
+        if md.num_decodes == 0:
+            return
+        plain = sum(md.seq_lens_cpu[md.num_prefills:])
+        self.steps += 1
+        self.tokens_plain += plain
+        self.tokens_read += plain
+        if md.cascade is not None:
+            self.cascade_steps += 1
+            self.groups += md.cascade.num_groups
+            self.levels += md.cascade.num_levels
+            self.most_levels = max(self.most_levels, md.cascade.num_levels)
+            self.tokens_read -= md.cascade.saved_tokens
+
+    def summary(self, since: DecodeReads | None = None) -> dict[str, float | int]:
+        """The figures of the run (or of the steps after the copy ``since`` was taken)."""
+        d = {k: getattr(self, k) - (getattr(since, k) if since else 0)
+             for k in ("steps", "cascade_steps", "groups", "levels", "tokens_read",
+                       "tokens_plain")}
+        per_step = self.token_bytes / max(1, d["steps"]) / 1e9
+        return {"cascade_decode_steps": d["cascade_steps"],
+                "cascade_groups_per_step": d["groups"] / max(1, d["cascade_steps"]),
+                "cascade_levels_per_step": d["levels"] / max(1, d["cascade_steps"]),
+                "cascade_most_levels": self.most_levels,
+                "decode_kv_read_gb_per_step": d["tokens_read"] * per_step,
+                "decode_kv_plain_gb_per_step": d["tokens_plain"] * per_step}
+
 
 def startup(first_step_wall_time: float | None, phases: dict[str, float] | None = None
             ) -> dict[str, Any]:
