@@ -23,6 +23,7 @@ import numpy as np
 
 MIN_SEQS = 8  # a level must save what MIN_SEQS decodes sharing MIN_TOKENS tokens save
 MIN_TOKENS = 256  # a group must save at least this many key reads
+ROW_TOKENS = 512  # and a level at least this many per decode of the step
 MAX_LEVELS = 3
 
 
@@ -99,8 +100,8 @@ def find_layout(tables: np.ndarray, seq_lens: Sequence[int], block_size: int,
     banned: set[tuple[int, int]] = set()
     while True:  # drop levels that do not pay until every level does
         levels = _keep(lcp, 0, rows, 0, 0, block_size, max_levels, banned)
-        weak = [lv for lv in levels
-                if sum(g.saved(block_size) for g in lv) < (MIN_SEQS - 1) * MIN_TOKENS]
+        least = max((MIN_SEQS - 1) * MIN_TOKENS, rows * ROW_TOKENS)
+        weak = [lv for lv in levels if sum(g.saved(block_size) for g in lv) < least]
         if not weak:
             break
         banned |= {(g.start, g.page_hi) for g in weak[0]}

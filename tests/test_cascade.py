@@ -18,6 +18,12 @@ PAGE = 16
 SHARED = MIN_TOKENS // PAGE  # pages
 
 
+@pytest.fixture(autouse=True)
+def no_per_row_floor(monkeypatch):
+    """The tests below check the group and level rules; the per-decode floor has its own."""
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+
+
 def layout_of(seqs: list[ScheduledSeq], page: int = PAGE, max_levels: int = 3):
     width = max(len(s.block_table) for s in seqs)
     tables = np.array([list(s.block_table) + [0] * (width - len(s.block_table)) for s in seqs])
@@ -67,6 +73,20 @@ def test_no_cascade_below_the_thresholds():
     apart = [ScheduledSeq([100 * r + i for i in range(SHARED + 2)], SHARED * PAGE + 40, 1)
              for r in range(MIN_SEQS)]
     assert layout_of(apart) is None
+
+
+def test_a_level_must_save_row_tokens_per_decode(monkeypatch):
+    """Measured on the H100 (BENCHMARKS.md): a level saving fewer than ROW_TOKENS reads per
+    decode of the step made the step slower than plain decode; such steps run plain."""
+    monkeypatch.setattr(cl, "ROW_TOKENS", 512)
+    rows = 32
+    shared = 512 * rows // ((rows - 1) * PAGE)  # pages: just short of 512 saved per row
+    seqs = [ScheduledSeq(list(range(shared)) + [500 + r], shared * PAGE + 3, 1)
+            for r in range(rows)]
+    assert layout_of(seqs) is None
+    seqs = [ScheduledSeq(list(range(shared + 1)) + [500 + r], (shared + 1) * PAGE + 3, 1)
+            for r in range(rows)]
+    assert layout_of(seqs).saved_tokens >= 512 * rows
 
 
 def test_a_weak_level_gives_way_to_the_one_inside():

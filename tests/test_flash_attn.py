@@ -126,6 +126,7 @@ def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     fake_flash_attn.install(monkeypatch, "fa4")
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
     page = (16, 128)[seed % 2]
     b = make_grouped_batch(seed, num_decodes=(5, 12, 30, 9)[seed], num_heads=8, num_kv_heads=2,
                            block_size=page, soft_cap=20.0 if seed == 2 else None)

@@ -72,10 +72,11 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
 
 
 def cascade_prompts(page: int) -> list[list[int]]:
-    """Twelve prompts behind one prefix of at least MIN_TOKENS whole pages (and half a page)."""
-    from pagedgen.attention.cascade_layout import MIN_TOKENS
+    """Twelve prompts behind one prefix of whole pages enough for cascade decode to pay
+    (ROW_TOKENS saved reads per decode) and half a page."""
+    from pagedgen.attention.cascade_layout import ROW_TOKENS
     g = torch.Generator().manual_seed(11)
-    n = -(-MIN_TOKENS // page) * page + page // 2
+    n = -(-ROW_TOKENS * 12 // (11 * page)) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()
     return [prefix + t[1:] for t in byte_prompts(12, seed=5, max_len=40)]
 
@@ -83,7 +84,7 @@ def cascade_prompts(page: int) -> list[list[int]]:
 def cascade_blocks(backend) -> int:
     """KV blocks for the twelve cascade prompts and their outputs, with room to spare (two
     engines share the GPU, so neither may fill it)."""
-    return -(-12 * 512 // backend.resolve_block_size(None)) + 16
+    return -(-12 * 1024 // backend.resolve_block_size(None)) + 16
 
 
 @pytest.mark.parametrize("name", gpu_backends())

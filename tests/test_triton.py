@@ -87,10 +87,12 @@ def test_engine_with_triton_matches_sdpa():
 
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 2)])
-def test_cascade_decode_matches_eager(block_size, heads):
+def test_cascade_decode_matches_eager(monkeypatch, block_size, heads):
     """Decodes sharing their first pages: the prefix attended once for the batch (one group),
     merged with each suffix (the decode kernel's splits), equals plain attention."""
+    from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_shared_prefix_batch
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
     for seed in range(2):
         b = make_shared_prefix_batch(seed, shared_pages=256 // block_size + seed, num_decodes=9,
                                      num_heads=heads[0], num_kv_heads=heads[1],
@@ -115,6 +117,7 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     from pagedgen.attention.cases import make_grouped_batch
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
     n = [2, 7, 16, 33, 64, 24][seed]
     b = make_grouped_batch(seed, num_decodes=n, num_heads=8, num_kv_heads=2, block_size=16,
                            dtype=DTYPES[-1], device=DEVICE, soft_cap=30.0 if seed % 2 else None)
@@ -171,6 +174,7 @@ def test_engine_cascade_decode_matches_plain(monkeypatch):
     from pagedgen.attention import triton_attn
     monkeypatch.setattr(cl, "MIN_TOKENS", 16)
     monkeypatch.setattr(cl, "MIN_SEQS", 2)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
     monkeypatch.setattr(triton_attn, "MAX_SPLITS", 1)  # fewer programs for the interpreter
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
     g = torch.Generator().manual_seed(0)

@@ -165,12 +165,13 @@ def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: in
 @contextlib.contextmanager
 def _all_groups():
     """Keep every group of two or more decodes (the kernels' cases, not the run's economics)."""
-    saved = cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS
-    cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS = 1, 1
+    cl = cascade_layout
+    saved = cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS
+    cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS = 1, 1, 0
     try:
         yield
     finally:
-        cascade_layout.MIN_TOKENS, cascade_layout.MIN_SEQS = saved
+        cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS = saved
 
 
 def cascade_row(dtype: torch.dtype, parts: list[Partial | None]) -> Row | None:
