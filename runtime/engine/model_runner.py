@@ -289,7 +289,7 @@ class ModelRunner:
             if before_sampling is not None:
                 before_sampling()
             out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled,
-                              self.eos_ids, self.grammars)
+                              self.eos_ids, self.grammars, None if self.fused_kernels else False)
             self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
             handle.tokens, handle.logprobs = out.tokens, out.logprobs
             handle.logprob_rows = out.logprob_rows

@@ -13,26 +13,16 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.attention.ops.transfer import to_device
-
-_M32 = 0xFFFFFFFF
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mixer (int64 tensors holding values < 2**32; products stay < 2**63)."""
-    x = x & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
-
+from pagedgen.runtime.sampling import gumbel_kernel
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """U(0, 1) noise [B, V] as a pure function of (seed, step, token id), strictly inside
     (0, 1) in float32: the largest values are held at 1 - 2**-24, which would otherwise round
     to 1.0 and make an infinite Gumbel draw (a uniformly random token, or NaN on a -inf
     logit: a masked token)."""
-    row = _hash32(_hash32(seeds) ^ _hash32(steps * 0x9E3779B1 + 0x7F4A7C15))
+    row = gumbel_kernel.row_hashes(seeds, steps)
     col = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
-    bits = _hash32(row[:, None] * 0x27D4EB2F + col[None, :] * 0x165667B1 + 0x1B873593)
+    bits = gumbel_kernel.hash32(row[:, None] * 0x27D4EB2F + col[None, :] * 0x165667B1 + 0x1B873593)
     return (bits.to(torch.float64) + 0.5).div_(2.0 ** 32).clamp_(max=1 - 2.0 ** -24).to(
         torch.float32)
 
@@ -72,7 +62,7 @@ class SamplingBatch:
             temperatures=up(temperatures, torch.float32), top_ks=up(top_ks, torch.int64),
             top_ps=up(top_ps, torch.float32),
             min_ps=up(min_ps, torch.float32) if min_ps and any(min_ps) else None,
-            seeds=up([s & _M32 for s in seeds], torch.int64),
+            seeds=up([s & gumbel_kernel.M32 for s in seeds], torch.int64),
             steps=up(steps, torch.int64),
             all_greedy=all(t == 0 for t in temperatures),
             any_top_k_or_p=any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps))
@@ -85,11 +75,21 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~keep, float("-inf"))
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [B, V] float32 → token ids [B]."""
-    greedy = logits.argmax(dim=-1)
+def sample(logits: torch.Tensor, sb: SamplingBatch, fused: bool | None = None) -> torch.Tensor:
+    """logits [B, V] float32 → token ids [B]. ``fused``: temperature sampling without top-k or
+    top-p in one Triton kernel (gumbel_kernel.py; default: on CUDA with Triton)."""
+    if fused is None:
+        fused = logits.is_cuda and gumbel_kernel.HAVE_TRITON
     if sb.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
+    if fused and not sb.any_top_k_or_p:
+        if sb.min_ps is not None:  # min-p judges the tempered distribution
+            temps = torch.where(sb.temperatures > 0, sb.temperatures, 1.0)
+            kept = apply_min_p(logits / temps[:, None], sb.min_ps)
+            logits = logits.masked_fill(kept.isneginf() & (sb.temperatures[:, None] > 0),
+                                        float("-inf"))
+        return gumbel_kernel.gumbel_argmax(logits, sb.temperatures, sb.seeds, sb.steps)
+    greedy = logits.argmax(dim=-1)
     temps = torch.where(sb.temperatures > 0, sb.temperatures, 1.0)
     logits = logits / temps[:, None]
     if sb.min_ps is not None:

@@ -30,11 +30,12 @@ class Sampled:
 
 def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
                 with_processors: bool, eos_ids: set[int] = frozenset(),
-                grammars: Grammars | None = None) -> Sampled:
+                grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
     """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
     whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
     ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the run's compiled
-    constraints (None: no sequence has one)."""
+    constraints (None: no sequence has one); ``fused``: the one-kernel sampler (None: where
+    it runs)."""
     controlled = any(s.controlled for s in seqs)
     if controlled:
         with scope("sampling_controls"):
@@ -53,7 +54,8 @@ def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
                 grammars.apply(logits, rows)
     with scope("sampling"):
         # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
-        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device, controlled))))
+        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device, controlled),
+                                          fused)))
     out.logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     if out.logprob_rows:
         with scope("logprobs"):
