@@ -16,7 +16,7 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     import transformers as tf
 
     COMMON = {**globals()["COMMON"], **overrides}
-    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3}[kind])
+    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -26,6 +26,10 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     elif kind == "qwen2":
         cfg = tf.Qwen2Config(**COMMON, tie_word_embeddings=True)
         model = tf.Qwen2ForCausalLM(cfg)
+    elif kind == "gemma2":  # a short window on every other layer, soft-caps that bite
+        cfg = tf.Gemma2Config(**COMMON, head_dim=64, sliding_window=12, query_pre_attn_scalar=48,
+                              attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
+        model = tf.Gemma2ForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)

@@ -19,7 +19,7 @@ from pagedgen.runtime.models.loader import resolve_model
 from pagedgen.runtime.layers.rotary import rope_frequencies
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-          "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings",
+          "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
           "rms_norm_eps", "tie_word_embeddings", "bos_token_id", "eos_token_id",
           "rope_parameters")
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_hidden_layers=3)
@@ -69,6 +69,11 @@ def _windows(cfg) -> list[int | None]:
     return [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
 
 
+def _activation(cfg) -> str:
+    """The MLP's activation (Gemma's config classes name it ``hidden_activation``)."""
+    return getattr(cfg, "hidden_act", None) or cfg.hidden_activation
+
+
 def _head_dim(cfg) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
@@ -79,6 +84,7 @@ def test_fields_equal_transformers_config_classes(model_type, fields):
     for ref in (_reference(model_type, fields), ours.to_transformers()):
         for f in FIELDS:
             assert getattr(ours, f) == getattr(ref, f), f
+        assert ours.hidden_act == _activation(ref)
         for f in ("attention_bias", "mlp_bias"):  # absent from some classes: False
             assert getattr(ours, f) == getattr(ref, f, False), f
         assert ours.head_dim == _head_dim(ref)
@@ -107,6 +113,7 @@ def test_a_saved_checkpoint_reads_as_transformers_wrote_it(tmp_path):
         ref = AutoConfig.from_pretrained(str(path))
         for f in FIELDS:
             assert getattr(ours, f) == getattr(ref, f), (kind, f)
+        assert ours.hidden_act == _activation(ref), kind
         assert (ours.head_dim, _windows(ours)) == (_head_dim(ref), _windows(ref))
 
 

@@ -125,7 +125,7 @@ def _children(pid: int) -> list[int]:
 def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i % 7 + 1),
-                                       "max_tokens": 8 + i % 5}) + "\n" for i in range(24)))
+                                       "max_tokens": 16 + i % 5}) + "\n" for i in range(48)))
     common = ["generate", str(src), "--device", "cpu", "--temperature", "0",
               "--max-num-seqs", "4"]
     assert runner.invoke(app, [*common, "-o", str(tmp_path / "one.jsonl")]).exit_code == 0
@@ -139,7 +139,7 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         workers |= set(_children(proc.pid))
-        if out.exists() and out.read_text().count("\n") >= 2:
+        if out.exists() and out.read_text().count("\n") >= 1:  # at once: a fast run could end
             break
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the whole group, workers included
@@ -153,11 +153,11 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
         time.sleep(0.1)
     assert not any(Path(f"/proc/{w}").exists() for w in workers)
     done = out.read_text().count("\n")
-    assert 2 <= done < 24
+    assert 1 <= done < 48
     res = runner.invoke(app, [*common, "-o", str(out), "-tp", "2", "--resume", "--json"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout[res.stdout.index("{"):])
-    assert summary["skipped_resumed"] == done and summary["requests"] == 24 - done
+    assert summary["skipped_resumed"] == done and summary["requests"] == 48 - done
     assert summary["tensor_parallel_size"] == 2  # the engine's own summary
     assert summary["kv_cache_blocks"] > 0 and summary["startup_s"] > 0
     assert out.read_text() == want

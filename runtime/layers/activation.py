@@ -1,5 +1,5 @@
-"""SwiGLU's activation: SiLU of the gate times the up projection (one fused Triton kernel on
-CUDA)."""
+"""Gated activations: SwiGLU's SiLU of the gate times the up projection (one fused Triton
+kernel on CUDA), and GeGLU's tanh-approximated GELU (Gemma; torch ops)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,12 @@ class SiluAndMul(nn.Module):
         op = fused_ops.silu_and_mul_fused if self.fused else fused_ops.silu_and_mul_ref
         with scope("activation"):
             return op(gate_up, quantize)
+
+
+class GeluTanhAndMul(nn.Module):
+    """``[gate | up]`` [T, 2I] → ``gelu_tanh(gate) * up`` [T, I] (Gemma's ``gelu_pytorch_tanh``)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        with scope("activation"):
+            return torch.nn.functional.gelu(gate, approximate="tanh") * up

@@ -65,8 +65,9 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
         f["head_dim"] = f["hidden_size"] // f["num_attention_heads"]
     for key in _SIZES:
         _check_size(f, key, where)
-    if f["hidden_act"] != "silu":
-        raise PagedgenError(f"{where}: hidden_act '{f['hidden_act']}' is not supported (silu)")
+    if f["hidden_act"] not in fam.activations:
+        raise PagedgenError(f"{where}: hidden_act '{f['hidden_act']}' is not supported for "
+                            f"{model_type} ({', '.join(fam.activations)})")
     if not isinstance(f["rms_norm_eps"], (int, float)) or f["rms_norm_eps"] <= 0:
         raise PagedgenError(f"{where}: rms_norm_eps must be a positive number")
     f["rope_parameters"] = _rope_parameters(f, where)

@@ -58,12 +58,14 @@ class ModelFamily:
     """``model_types``: each model_type this family runs → its config defaults;
     ``normalize(fields, model_type, where)``: the family's own rules on a config's fields,
     applied in place after the defaults (a PagedgenError starting with ``where`` when one is
-    broken); ``model_cls``: builds the model from (config, tensor-parallel group)."""
+    broken); ``model_cls``: builds the model from (config, tensor-parallel group);
+    ``activations``: the ``hidden_act`` values it runs."""
 
     name: str
     model_types: dict[str, dict[str, Any]]
     model_cls: type
     normalize: Callable[[dict[str, Any], str, str], None] = field(default=_no_rules)
+    activations: tuple[str, ...] = ("silu",)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # by model_type
