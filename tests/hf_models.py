@@ -16,7 +16,8 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     import transformers as tf
 
     COMMON = {**globals()["COMMON"], **overrides}
-    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4}[kind])
+    torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
+                       "gemma3_text": 5}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -30,6 +31,15 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
         cfg = tf.Gemma2Config(**COMMON, head_dim=64, sliding_window=12, query_pre_attn_scalar=48,
                               attn_logit_softcapping=3.0, final_logit_softcapping=5.0)
         model = tf.Gemma2ForCausalLM(cfg)
+    elif kind == "gemma3_text":  # local layers on their own rope base, global ones scaled
+        cfg = tf.Gemma3TextConfig(**COMMON, head_dim=64, sliding_window=12,
+                                  query_pre_attn_scalar=48, rope_parameters={
+                                      "sliding_attention": {"rope_type": "default",
+                                                            "rope_theta": 10000.0},
+                                      "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                         "rope_theta": 1e6}},
+                                  layer_types=["sliding_attention", "full_attention"])
+        model = tf.Gemma3ForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)

@@ -96,6 +96,16 @@ def test_rope_frequencies_equal_transformers(model_type, fields):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     ours = model_config({"model_type": model_type, **fields}, "config.json")
+    if "rope_type" not in ours.rope_parameters:  # one per layer type (Gemma 3)
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+        ref = Gemma3RotaryEmbedding(_reference(model_type, fields))
+        for kind in set(ours.layer_types):  # transformers builds the kinds the layers use
+            rope = ours.rope_parameters[kind]
+            inv_freq, scaling = rope_frequencies(rope, ours.head_dim,
+                                                 ours.max_position_embeddings)
+            assert torch.equal(inv_freq, getattr(ref, f"{kind}_inv_freq"))
+            assert scaling == getattr(ref, f"{kind}_attention_scaling")
+        return
     ref = LlamaRotaryEmbedding(_reference(model_type, fields))
     inv_freq, scaling = rope_frequencies(ours.rope_parameters, ours.head_dim,
                                          ours.max_position_embeddings)

@@ -40,6 +40,9 @@ class ModelConfig(SimpleNamespace):
 
         fields = self.to_dict()
         rope = dict(fields.pop("rope_parameters"))
+        if "rope_type" not in rope:  # one per layer type (Gemma 3): as transformers 5 reads it
+            fields["rope_parameters"] = rope
+            return AutoConfig.for_model(fields.pop("model_type"), **fields)
         fields["rope_theta"] = rope.pop("rope_theta")
         fields["rope_scaling"] = rope if rope["rope_type"] != "default" else None
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
@@ -83,10 +86,16 @@ def _check_size(f: dict[str, Any], key: str, where: str) -> None:
 
 def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
     """transformers' standardization: ``rope_scaling`` (older files) or ``rope_parameters``,
-    with ``rope_type`` and ``rope_theta`` always present."""
+    with ``rope_type`` and ``rope_theta`` always present; or one such mapping per layer type
+    (Gemma 3: ``{"sliding_attention": {...}, "full_attention": {...}}``)."""
     rope = f.pop("rope_scaling", None) or f.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise PagedgenError(f"{where}: rope_parameters must be a mapping, not {rope!r}")
+    if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
+        theta = f.pop("rope_theta", None)
+        return {kind: _rope_parameters({**f, "rope_parameters": sub, "rope_theta": theta}
+                                       if theta is not None else {**f, "rope_parameters": sub},
+                                       f"{where} ({kind})") for kind, sub in rope.items()}
     rope = dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))  # popped either way

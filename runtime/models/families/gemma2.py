@@ -142,11 +142,16 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     """Gemma 2's layers alternate, the first sliding (transformers' default ``layer_types``)."""
-    if f.get("hidden_activation", GELU) != GELU:
-        raise PagedgenError(f"{where}: hidden_activation '{f['hidden_activation']}' is not "
-                            f"supported for gemma2 ({GELU})")
     if f.get("layer_types") is None:
         f["layer_types"] = [_LAYER_TYPES[(i + 1) % 2] for i in range(f["num_hidden_layers"])]
+    check(f, where)
+
+
+def check(f: dict[str, Any], where: str) -> None:
+    """The fields Gemma 2 and 3 share: activation, layer types, scales, soft-caps."""
+    if f.get("hidden_activation", GELU) != GELU:
+        raise PagedgenError(f"{where}: hidden_activation '{f['hidden_activation']}' is not "
+                            f"supported ({GELU})")
     types = f["layer_types"]
     if (not isinstance(types, list) or len(types) != f["num_hidden_layers"]
             or any(t not in _LAYER_TYPES for t in types)):

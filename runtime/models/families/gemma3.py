@@ -1,0 +1,116 @@
+"""The Gemma 3 text family (``gemma3_text``): Gemma 2's layers with per-head q/k norms, local
+and global layers with rope of their own (``rope_parameters`` per layer type: the local base
+and the global one with its scaling), and no soft-caps by default.
+
+Older config files give ``rope_theta`` (+ ``rope_scaling``) for the global layers and
+``rope_local_base_freq`` for the local ones; both forms read alike.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
+from pagedgen.runtime.layers.norm import RMSNorm
+from pagedgen.runtime.layers.rotary import RotaryEmbedding
+from pagedgen.runtime.models.families import gemma2, llama
+from pagedgen.runtime.models.registry import ModelFamily, register
+from pagedgen.runtime.quantization.config import QuantConfig
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+class Attention(llama.Attention):
+    """Llama's attention with Qwen3-style per-head q/k RMSNorm before rotary (Gemma's norms:
+    loaded as ``1 + w`` by the model)."""
+
+    def __init__(self, config, spec, tp: TensorParallel, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(config, spec, tp, quant, prefix)
+        self.qk_norm = True
+        self.q_norm = RMSNorm(spec.head_size, config.rms_norm_eps)
+        self.k_norm = RMSNorm(spec.head_size, config.rms_norm_eps)
+
+
+class DecoderLayer(gemma2.DecoderLayer):
+    def __init__(self, config, spec, tp: TensorParallel, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__(config, spec, tp, quant, prefix)
+        self.self_attn = Attention(config, spec, tp, quant, f"{prefix}.self_attn")
+
+
+class Model(nn.Module):
+    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, s, tp, quant, f"model.layers.{i}")
+            for i, s in enumerate(Gemma3ForCausalLM.layer_specs(config, tp.size)))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
+    """Gemma 3 text causal LM: a rotary table per layer type."""
+
+    def __init__(self, config, tp: TensorParallel | None = None,
+                 quant: QuantConfig | None = None) -> None:
+        super().__init__(config, tp, quant)
+        self.model = Model(config, self.tp, quant)  # replaces Gemma 2's layers
+        self.rotaries: dict[str, RotaryEmbedding] = {}
+
+    def setup_rotary(self, max_positions: int, device: torch.device) -> None:
+        head = self.model.layers[0].self_attn.spec.head_size
+        for kind, rope in self.config.rope_parameters.items():
+            view = SimpleNamespace(rope_parameters=rope,
+                                   max_position_embeddings=self.config.max_position_embeddings)
+            self.rotaries[kind] = RotaryEmbedding(view, head, max_positions, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype).item()
+        tables = {kind: r.lookup(positions) for kind, r in self.rotaries.items()}
+        residual = None
+        for layer, cache, kind in zip(self.model.layers, kv_caches, self.config.layer_types):
+            x, residual = layer(tables[kind], x, residual, cache, metadata)
+        return self.model.norm(x, residual)[0]
+
+
+def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
+    """Rope per layer type (from either form), then Gemma 2's rules (layer_types default: five
+    local layers, then a global one, as transformers' Gemma3TextConfig fills it in)."""
+    rope = f["rope_parameters"]
+    local = f.pop("rope_local_base_freq", None)
+    if "rope_type" in rope:  # one mapping: the global layers'; the local ones' base apart
+        f["rope_parameters"] = {SLIDING: {"rope_type": "default",
+                                          "rope_theta": local if local is not None else 10000.0},
+                                FULL: rope}
+    missing = {SLIDING, FULL} - set(f["rope_parameters"])
+    if missing:
+        raise PagedgenError(f"{where}: rope_parameters has no {', '.join(sorted(missing))}")
+    if f.get("layer_types") is None:
+        pattern = f.get("sliding_window_pattern") or 6
+        f["layer_types"] = [FULL if (i + 1) % pattern == 0 else SLIDING
+                            for i in range(f["num_hidden_layers"])]
+    gemma2.check(f, where)
+
+
+register(ModelFamily(
+    name="gemma3",
+    model_types={"gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, hidden_act=gemma2.GELU,
+        hidden_activation=gemma2.GELU, max_position_embeddings=131072,
+        query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+        attn_logit_softcapping=None, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+        rope_theta=1_000_000.0)},
+    model_cls=Gemma3ForCausalLM,
+    normalize=_rules,
+    activations=(gemma2.GELU,)))
