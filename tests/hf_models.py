@@ -17,7 +17,7 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
 
     COMMON = {**globals()["COMMON"], **overrides}
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
-                       "gemma3_text": 5}[kind])
+                       "gemma3_text": 5, "phi3": 6}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -40,6 +40,9 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                                                          "rope_theta": 1e6}},
                                   layer_types=["sliding_attention", "full_attention"])
         model = tf.Gemma3ForCausalLM(cfg)
+    elif kind == "phi3":  # fused qkv and gate_up tensors in the checkpoint, a window
+        cfg = tf.Phi3Config(**{**COMMON, "hidden_size": 256}, sliding_window=12)
+        model = tf.Phi3ForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)

@@ -1,0 +1,70 @@
+"""The Phi-3 family (``phi3``: Phi-3, Phi-3.5-mini, Phi-4): Llama's layers; the checkpoint
+holds q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``), so loading splits
+them into the parts our fused parameters shard by (each rank keeps its heads under -tp; the
+fused tensor is read whole, then cut). A ``sliding_window`` applies to every layer, as
+transformers' Phi-3 attention applies it. LongRoPE (``rope_scaling`` type ``longrope``, the
+128k Phi-3 variants) is not supported: a one-line error from the config reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.models.families import llama
+from pagedgen.runtime.models.registry import ModelFamily, register
+
+
+class Phi3ForCausalLM(llama.LlamaForCausalLM):
+    """Phi-3 causal LM: Llama's, loaded from fused checkpoint tensors."""
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        super().load_weights(self._unfused(weights))
+
+    def _unfused(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """``qkv_proj`` as ``q_proj``/``k_proj``/``v_proj``, ``gate_up_proj`` as
+        ``gate_proj``/``up_proj`` (rows; biases too), every other tensor as it is."""
+        c = self.config
+        d = c.head_dim
+        q, kv = c.num_attention_heads * d, llama.num_kv_heads(c) * d
+        parts = {".self_attn.qkv_proj.": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+                 ".mlp.gate_up_proj.": (("gate_proj", c.intermediate_size),
+                                        ("up_proj", c.intermediate_size))}
+        for name, tensor in weights:
+            fused = next((k for k in parts if k in name), None)
+            if fused is None:
+                yield name, tensor
+                continue
+            whole = tensor[:]
+            want = sum(n for _, n in parts[fused])
+            if whole.shape[0] != want:
+                raise ValueError(f"tensor '{name}' has {whole.shape[0]} rows; the config makes "
+                                 f"it {want}")
+            start = 0
+            for part, rows in parts[fused]:
+                yield (name.replace(fused, f"{fused.rsplit('.', 2)[0]}.{part}."),
+                       whole[start:start + rows])
+                start += rows
+
+
+def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
+    """One window for every layer (or none); the rope mapping states its (full) rotary
+    fraction, as transformers' Phi3Config writes it."""
+    f.pop("layer_types", None)
+    f["rope_parameters"].setdefault("partial_rotary_factor", 1.0)
+    window = f.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window <= 0):
+        raise PagedgenError(f"{where}: sliding_window must be a positive integer or null, "
+                            f"not {window!r}")
+
+
+register(ModelFamily(
+    name="phi3",
+    model_types={"phi3": dict(
+        vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=32000)},
+    model_cls=Phi3ForCausalLM,
+    normalize=_rules))
