@@ -132,9 +132,12 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
     want = (tmp_path / "one.jsonl").read_text()
     out = tmp_path / "tp.jsonl"
     script = str(Path(sys.executable).with_name("pagedgen"))
+    # its own process group with Ctrl-C's default action, as a terminal's foreground job (a
+    # runner that ignores SIGINT, as a background job does, would pass that on to the child)
     proc = subprocess.Popen([sys.executable, script, *common, "-o", str(out), "-tp", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group, as a terminal's
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     workers: set[int] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
