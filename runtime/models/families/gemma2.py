@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 from pagedgen.attention.backend import AttentionType, LayerSpec
-from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.layers.activation import GeluTanhAndMul
-from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.registry import ModelFamily, register
@@ -69,29 +67,14 @@ class DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
-class Model(nn.Module):
-    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, s, tp, quant, f"model.layers.{i}")
-            for i, s in enumerate(Gemma2ForCausalLM.layer_specs(config, tp.size)))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Gemma2ForCausalLM(llama.LlamaForCausalLM):
-    """Gemma 2 causal LM (tensor parallel as Llama's)."""
+    """Gemma 2 causal LM (Llama's skeleton and tensor parallel, Gemma's layers)."""
+
+    decoder_layer = DecoderLayer
 
     def __init__(self, config, tp: TensorParallel | None = None,
                  quant: QuantConfig | None = None) -> None:
-        nn.Module.__init__(self)
-        self.config = config
-        self.tp = tp or TensorParallel()
-        self.model = Model(config, self.tp, quant)
-        self.tie_word_embeddings = bool(config.tie_word_embeddings)
-        if not self.tie_word_embeddings:
-            self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
-        self.rotary = None
+        super().__init__(config, tp, quant)
         self.final_soft_cap = config.final_logit_softcapping
 
     @classmethod
@@ -110,16 +93,10 @@ class Gemma2ForCausalLM(llama.LlamaForCausalLM):
                           attn_type=AttentionType.DECODER)
                 for t in config.layer_types]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         # the scale rounded to the activation dtype first, as transformers does
-        x = x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype).item()
-        cos_sin = self.rotary.lookup(positions)
-        residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
-            x, residual = layer(cos_sin, x, residual, cache, metadata)
-        return self.model.norm(x, residual)[0]
+        return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype).item()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -12,12 +12,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from torch import nn
 
-from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.distributed.parallel import TensorParallel
-from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import RotaryEmbedding
 from pagedgen.runtime.models.families import gemma2, llama
@@ -46,23 +43,14 @@ class DecoderLayer(gemma2.DecoderLayer):
         self.self_attn = Attention(config, spec, tp, quant, f"{prefix}.self_attn")
 
 
-class Model(nn.Module):
-    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, s, tp, quant, f"model.layers.{i}")
-            for i, s in enumerate(Gemma3ForCausalLM.layer_specs(config, tp.size)))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-
 class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
     """Gemma 3 text causal LM: a rotary table per layer type."""
+
+    decoder_layer = DecoderLayer
 
     def __init__(self, config, tp: TensorParallel | None = None,
                  quant: QuantConfig | None = None) -> None:
         super().__init__(config, tp, quant)
-        self.model = Model(config, self.tp, quant)  # replaces Gemma 2's layers
         self.rotaries: dict[str, RotaryEmbedding] = {}
 
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
@@ -72,15 +60,10 @@ class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
                                    max_position_embeddings=self.config.max_position_embeddings)
             self.rotaries[kind] = RotaryEmbedding(view, head, max_positions, device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype).item()
+    def rotary_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin from its type's table (each table looked up once)."""
         tables = {kind: r.lookup(positions) for kind, r in self.rotaries.items()}
-        residual = None
-        for layer, cache, kind in zip(self.model.layers, kv_caches, self.config.layer_types):
-            x, residual = layer(tables[kind], x, residual, cache, metadata)
-        return self.model.norm(x, residual)[0]
+        return [tables[kind] for kind in self.config.layer_types]
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:

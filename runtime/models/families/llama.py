@@ -121,12 +121,15 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None) -> None:
+    """Embedding, ``lm_cls.decoder_layer`` per layer (shaped by ``lm_cls.layer_specs``), final
+    norm: the families built on Llama's share it."""
+
+    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None, lm_cls) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, s, tp, quant, f"model.layers.{i}")
-            for i, s in enumerate(LlamaForCausalLM.layer_specs(config, tp.size)))
+            lm_cls.decoder_layer(config, s, tp, quant, f"model.layers.{i}")
+            for i, s in enumerate(lm_cls.layer_specs(config, tp.size)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -135,6 +138,7 @@ class LlamaForCausalLM(nn.Module):
     With a tensor-parallel group of more than one rank, this is one rank's shard
     (runtime/layers/sharding.py); logits are gathered in full on every rank."""
 
+    decoder_layer = DecoderLayer  # a family on Llama's skeleton names its own layer
     # checkpoint name → (our fused parameter, shard id)
     STACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"),
                "v_proj": ("qkv_proj", "v"), "gate_proj": ("gate_up_proj", 0),
@@ -145,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.tp = tp or TensorParallel()
-        self.model = Model(config, self.tp, quant)
+        self.model = Model(config, self.tp, quant, type(self))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:  # the same vocabulary split as the embedding
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
@@ -204,12 +208,20 @@ class LlamaForCausalLM(nn.Module):
         for layer, impl in zip(self.model.layers, impls, strict=True):
             layer.self_attn.attn.impl = impl
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's input embeddings (a family may scale them)."""
+        return self.model.embed_tokens(input_ids)
+
+    def rotary_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos/sin for the step (one table for every layer here)."""
+        return [self.rotary.lookup(positions)] * len(self.model.layers)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions)
+        x = self.embed(input_ids)
         residual = None
-        for layer, cache in zip(self.model.layers, kv_caches):
+        for layer, cache, cos_sin in zip(self.model.layers, kv_caches,
+                                         self.rotary_tables(positions)):
             x, residual = layer(cos_sin, x, residual, cache, metadata)
         return self.model.norm(x, residual)[0]
 
@@ -259,6 +271,11 @@ def _windows(f: dict[str, Any], model_type: str, where: str) -> None:
             raise PagedgenError(f"{where}: layer_types must list one of "
                                 f"{', '.join(_LAYER_TYPES)} for each of the "
                                 f"{f['num_hidden_layers']} layers")
+    check_window(f, where)
+
+
+def check_window(f: dict[str, Any], where: str) -> None:
+    """``sliding_window``: a positive integer or null."""
     window = f.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window <= 0):

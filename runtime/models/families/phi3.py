@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Iterator
 
-from pagedgen.errors import PagedgenError
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.registry import ModelFamily, register
 
@@ -52,11 +51,7 @@ def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     fraction, as transformers' Phi3Config writes it."""
     f.pop("layer_types", None)
     f["rope_parameters"].setdefault("partial_rotary_factor", 1.0)
-    window = f.get("sliding_window")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                               or window <= 0):
-        raise PagedgenError(f"{where}: sliding_window must be a positive integer or null, "
-                            f"not {window!r}")
+    llama.check_window(f, where)
 
 
 register(ModelFamily(
