@@ -94,13 +94,8 @@ def make_shared_prefix_batch(seed: int, *, shared_pages: int, num_decodes: int, 
     for c, n in zip(ctxs, own):
         sched.append(ScheduledSeq(prefix + perm[start:start + n], c, 1))
         start += n
-    kv = torch.randn(total, 2, block_size, num_kv_heads, head_size, generator=gen)
-    q, k, v = (torch.randn(num_decodes, h, head_size, generator=gen).to(dtype).to(device)
-               for h in (num_heads, num_kv_heads, num_kv_heads))
-    spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
-                     logits_soft_cap=soft_cap)
-    return PagedBatch(spec, kv.to(dtype).to(device), q, k, v, [], sched, block_size,
-                      cascade=True)
+    return _decode_batch(gen, sched, total, num_heads, num_kv_heads, head_size, block_size,
+                         dtype, device, soft_cap)
 
 
 def make_grouped_batch(seed: int, *, num_decodes: int, max_depth: int = 3, num_heads=4,
@@ -138,8 +133,17 @@ def make_grouped_batch(seed: int, *, num_decodes: int, max_depth: int = 3, num_h
                                   ctx, 1))
     perm = torch.randperm(next_page[0] + 3, generator=gen).tolist()  # scatter the pages
     sched = [ScheduledSeq([perm[p] for p in s.block_table], s.num_context, 1) for s in sched]
-    kv = torch.randn(next_page[0] + 3, 2, block_size, num_kv_heads, head_size, generator=gen)
-    q, k, v = (torch.randn(num_decodes, h, head_size, generator=gen).to(dtype).to(device)
+    return _decode_batch(gen, sched, next_page[0] + 3, num_heads, num_kv_heads, head_size,
+                         block_size, dtype, device, soft_cap)
+
+
+def _decode_batch(gen: torch.Generator, sched: list[ScheduledSeq], num_pages: int,
+                  num_heads: int, num_kv_heads: int, head_size: int, block_size: int,
+                  dtype: torch.dtype, device, soft_cap: float | None) -> PagedBatch:
+    """Decodes ``sched`` over a random cache of ``num_pages`` pages, with random q/k/v;
+    ``cascade`` set."""
+    kv = torch.randn(num_pages, 2, block_size, num_kv_heads, head_size, generator=gen)
+    q, k, v = (torch.randn(len(sched), h, head_size, generator=gen).to(dtype).to(device)
                for h in (num_heads, num_kv_heads, num_kv_heads))
     spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
                      logits_soft_cap=soft_cap)

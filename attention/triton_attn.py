@@ -108,17 +108,17 @@ class TritonState(AttentionState):
         tiles = [[(seg, q) for seg, rows in level for q in range(0, rows, block_q)]
                  for level in x.segments]
         empty = x.kv_lens.shape[1] - 1
+
+        def padded(most: int) -> torch.Tensor:  # [L, most, 2]: spare tiles on the empty one
+            return torch.tensor([[t[i] if i < len(t) else (empty, 0) for i in range(most)]
+                                 for t in tiles], dtype=torch.int32).reshape(len(tiles), most, 2)
+
         if graph_batch_size is None:
-            most = max(len(t) for t in tiles)
-            arr = torch.tensor([[t[i] if i < len(t) else (empty, 0) for i in range(most)]
-                                for t in tiles], dtype=torch.int32).reshape(len(tiles), most, 2)
-            arr = arr.to(self.device, non_blocking=True)
+            arr = padded(max(len(t) for t in tiles)).to(self.device, non_blocking=True)
             return arr[..., 0].contiguous(), arr[..., 1].contiguous()
         held = self._graph_tiles[graph_batch_size, x.num_levels]
         if held[0] is not x.layout:
-            most = held[1].shape[1]
-            arr = torch.tensor([[t[i] if i < len(t) else (empty, 0) for i in range(most)]
-                                for t in tiles], dtype=torch.int32).reshape(len(tiles), most, 2)
+            arr = padded(held[1].shape[1])
             held[1].copy_(arr[..., 0])
             held[2].copy_(arr[..., 1])
             held[0] = x.layout

@@ -7,13 +7,10 @@ import importlib.util
 import json
 
 import pytest
-import torch
 
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine.engine import Engine
-from test_hf_equivalence import engine, hf_model, prefill_logits
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -21,42 +18,18 @@ def path(tmp_path_factory):
     return make_checkpoint("gemma2", tmp_path_factory.mktemp("gemma2"))
 
 
-def ids(n: int, seed: int = 0) -> list[int]:
-    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 BACKENDS = ["eager"] + (["triton"] if importlib.util.find_spec("triton") else [])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_match_transformers(path, backend):
-    """Prefill in one chunk and in chunks of 11 (later chunks over cached pages, across the
-    window) gives transformers' logits: 1 + w norms, four norms a layer, the embedding scale,
-    the score scale, both soft-caps, alternating windows, GeGLU."""
-    prompt = ids(30)
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for chunk in (30, 11):
-        got = prefill_logits(engine(path, backend), prompt, chunk)
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    """1 + w norms, four norms a layer, the embedding scale, the score scale, both soft-caps,
+    alternating windows (the chunks cross them), GeGLU."""
+    check_logits(path, backend)
 
 
 def test_greedy_generation_matches_transformers(path):
-    """Greedy continuations equal transformers' generate, with prefix caching on and a cache
-    small enough to preempt."""
-    prompts = [ids(n, seed) for seed, n in enumerate((5, 17, 9, 26))]
-    model = hf_model(path)
-    model.generation_config.eos_token_id = None
-    eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
-                              block_size=8, num_blocks=10, max_num_seqs=8,
-                              max_num_batched_tokens=64))
-    seqs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    assert eng.stats.num_preemptions > 0
-    for prompt, seq in zip(prompts, seqs):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                 pad_token_id=0)[0, len(prompt):].tolist()
-        assert seq.output_token_ids == ref
+    check_greedy_with_preemption(path)
 
 
 def test_unsupported_variants_are_one_line_errors(path, tmp_path):

@@ -6,14 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.models.hf_config import model_config
-from test_gemma2 import BACKENDS, ids
-from test_gemma2 import test_greedy_generation_matches_transformers as greedy_case
-from test_hf_equivalence import engine, hf_model, prefill_logits
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -23,17 +21,12 @@ def path(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_match_transformers(path, backend):
-    prompt = ids(30)
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for chunk in (30, 11):
-        got = prefill_logits(engine(path, backend), prompt, chunk)
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    check_logits(path, backend)
 
 
 def test_greedy_generation_matches_transformers(path):
     """As Gemma 2's: prefix caching on, a cache small enough to preempt."""
-    greedy_case(path)
+    check_greedy_with_preemption(path)
 
 
 def test_older_config_files_read_alike(path):

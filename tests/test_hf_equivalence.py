@@ -50,6 +50,39 @@ def prefill_logits(eng: Engine, ids: list[int], chunk: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+def ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def check_logits(path, backend: str) -> None:
+    """Prefill of 30 tokens in one chunk and in chunks of 11 (later chunks over cached pages)
+    gives transformers' logits (the families' own test files)."""
+    prompt = ids(30)
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    for chunk in (30, 11):
+        got = prefill_logits(engine(path, backend), prompt, chunk)
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def check_greedy_with_preemption(path) -> None:
+    """Greedy continuations equal transformers' generate, with prefix caching on and a cache
+    small enough to preempt (the families' own test files)."""
+    prompts = [ids(n, seed) for seed, n in enumerate((5, 17, 9, 26))]
+    model = hf_model(path)
+    model.generation_config.eos_token_id = None
+    eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
+                              block_size=8, num_blocks=10, max_num_seqs=8,
+                              max_num_batched_tokens=64))
+    seqs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert eng.stats.num_preemptions > 0
+    for prompt, seq in zip(prompts, seqs):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 pad_token_id=0)[0, len(prompt):].tolist()
+        assert seq.output_token_ids == ref
+
+
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_logits_match_transformers(checkpoint, backend):
     kind, path = checkpoint

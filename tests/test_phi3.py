@@ -13,9 +13,8 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from test_gemma2 import BACKENDS, ids
-from test_gemma2 import test_greedy_generation_matches_transformers as greedy_case
-from test_hf_equivalence import engine, hf_model, prefill_logits
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -25,16 +24,12 @@ def path(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_logits_match_transformers(path, backend):
-    prompt = ids(30)
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for chunk in (30, 11):
-        got = prefill_logits(engine(path, backend), prompt, chunk)
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    check_logits(path, backend)
 
 
 def test_greedy_generation_matches_transformers(path):
-    greedy_case(path)
+    """As Gemma 2's: prefix caching on, a cache small enough to preempt."""
+    check_greedy_with_preemption(path)
 
 
 def test_fused_tensors_split_by_rank(path):

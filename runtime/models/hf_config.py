@@ -92,10 +92,10 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(rope, dict):
         raise PagedgenError(f"{where}: rope_parameters must be a mapping, not {rope!r}")
     if rope and all(isinstance(v, dict) for v in rope.values()):  # per layer type
-        theta = f.pop("rope_theta", None)
-        return {kind: _rope_parameters({**f, "rope_parameters": sub, "rope_theta": theta}
-                                       if theta is not None else {**f, "rope_parameters": sub},
-                                       f"{where} ({kind})") for kind, sub in rope.items()}
+        per_type = {kind: _rope_parameters({**f, "rope_parameters": sub}, f"{where} ({kind})")
+                    for kind, sub in rope.items()}
+        f.pop("rope_theta", None)  # popped either way, as below
+        return per_type
     rope = dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
     rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))  # popped either way
