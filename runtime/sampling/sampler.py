@@ -15,6 +15,7 @@ import torch
 from pagedgen.attention.ops.transfer import to_device
 from pagedgen.runtime.sampling import gumbel_kernel
 
+
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """U(0, 1) noise [B, V] as a pure function of (seed, step, token id), strictly inside
     (0, 1) in float32: the largest values are held at 1 - 2**-24, which would otherwise round
