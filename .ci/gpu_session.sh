@@ -19,6 +19,8 @@
 # (set: each backend also without cascade decode) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
+# moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
+# verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
 # carried; STRUCT_REPEATS, STRUCT_LIMIT).
@@ -124,6 +126,31 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print(sys.argv[2], {k: round(v, 2) if isinstance(v, float) else v
                         for k, v in r.get("roofline", {}).items()})
 PY
+      done ;;
+    moe)
+      # issue 35: the MoE preset's decode steps at batch 1, 64, 256 under torch.profiler
+      # against the active-parameter roofline ($MOE_MODEL, default qwen3-30b-a3b)
+      m=${MOE_MODEL:-qwen3-30b-a3b}
+      timed "moe-profile-$m" "${MOE_LIMIT:-300}" pagedgen profile --model "$m" \
+        --backend flash-attn --batch-sizes 1,64,256 --prompt-len 512 --output-len 24 \
+        --output-dir "$S/profile-$m"
+      python3 - "$S/profile-$m/profile.json" <<'PY' || tail -5 "$S/moe-profile-$m.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    for b in r["batches"]:
+        print("batch", b["batch"], "step ms", round(b["step_ms_p50"], 3),
+              "roofline ms", round(b.get("decode_roofline_ms", 0), 3),
+              "of roofline", round(b.get("decode_roofline_fraction", 0), 2))
+    print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
+    print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
+PY
+      ;;
+    verify-models)
+      # model-level verify rows of the presets in $VERIFY_MODELS through every backend
+      for m in ${VERIFY_MODELS:-gemma-3-12b phi-4}; do
+        timed "verify-$m" "${VERIFY_LIMIT:-280}" pagedgen verify --backend all --model "$m" \
+          --model-only --json "$S/verify-$m.json"
+        grep -E "PASS|FAIL|skipped|passed|failed" "$S/verify-$m.log" | cut -c1-160 | tail -14
       done ;;
     structured)
       tok=""; [ -d .whl/smollm2-tok ] && tok="--tokenizer .whl/smollm2-tok"

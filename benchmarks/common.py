@@ -81,7 +81,6 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     roofline."""
     r = engine.runner
     per_request = params if isinstance(params, list) else [params] * len(prompts)
-    weight_bytes = r.model.step_weight_bytes()
     kv_per_token = r.block_bytes() / r.block_size
     runs = []
     for _ in range(repeats):
@@ -105,6 +104,9 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
         res["outputs_digest"] = hash(tuple(tuple(x.output_token_ids) for s in seqs
                                            for x in (s.samples or [s])))
         if copy_bw and st.decode_steps:
+            # weights at the mean decode batch (a MoE step reads the experts its tokens chose)
+            weight_bytes = r.model.step_weight_bytes(max(1, round(st.decode_tokens
+                                                                  / st.decode_steps)))
             bound = (st.decode_steps * weight_bytes + st.decode_kv_tokens * kv_per_token) / copy_bw
             res["decode_step_ms"] = 1000 * st.decode_time / st.decode_steps
             res["decode_roofline_fraction"] = bound / st.decode_time

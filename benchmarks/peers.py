@@ -61,11 +61,19 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
     layers, hidden = c.num_hidden_layers, c.hidden_size
     head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
     q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    per_layer = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * c.intermediate_size
-    linear = layers * per_layer  # matmul weights a token passes through (no embedding, no head)
+    experts, top_k, width = moe_shape(c)
+    attn = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
+    # matmul weights a token passes through (no embedding, no head): its top-k experts' MLPs
+    linear = layers * (attn + top_k * 3 * hidden * width)
     head = hidden * c.vocab_size
     linear_bytes = 1 if fp8_flops else 2
-    weight_bytes = linear_bytes * linear + 2 * head  # the embedding: only the batch's rows
+
+    def weight_bytes(batch: int) -> float:
+        """A decode step's weight bytes: the experts its tokens are expected to choose
+        (uniform routing), the LM head (the embedding: only the batch's rows)."""
+        chosen = experts * (1 - (1 - top_k / experts) ** batch)
+        return linear_bytes * layers * (attn + chosen * 3 * hidden * width) + 2 * head
+
     lin_flops = fp8_flops or flops
     kv_per_token = 2 * layers * kv_dim * 2
     # prefill: linear layers + causal attention (each new token over its context), logits for
@@ -79,8 +87,16 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
         active = [(len(p) - shared, o) for p, o in zip(prompts, outs) if o > step]
         kv = (shared + sum(n + step for n, _ in active)) * kv_per_token
         compute = 2 * len(active) * (linear / lin_flops + head / flops)
-        t += max((weight_bytes + kv) / bw, compute)
+        t += max((weight_bytes(len(active)) + kv) / bw, compute)
     return t
+
+
+def moe_shape(c) -> tuple[int, int, int]:
+    """(experts, experts per token, expert width) of each MLP; a dense MLP is (1, 1, width)."""
+    if getattr(c, "num_local_experts", 0):
+        width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        return c.num_local_experts, c.num_experts_per_tok, width
+    return 1, 1, c.intermediate_size
 
 
 # ---- Hugging Face transformers ------------------------------------------------------------------

@@ -11,6 +11,8 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   r: Llama-3-8B shape, 100,000 prompts x random 64-256 input, 16 output (request count)
   s: Llama-3-8B shape, 1,000 requests each behind one of 4 system prompts of 400-800 tokens
      (dealt at random), 20-600 own tokens, 16-512 output (several system prompts)
+  m: Qwen3-30B-A3B shape (MoE: 128 experts, 8 per token), (a)'s requests
+  x: Mixtral-8x7B shape (MoE: 8 experts, 2 per token; needs an H200), (a)'s requests
 """
 
 from __future__ import annotations
@@ -63,6 +65,8 @@ WORKLOADS = {
     "r": Workload("llama-3-8b", 100_000, (64, 256), (16, 16)),
     "s": Workload("llama-3-8b", 1000, (20, 600), (16, 512), system_prompts=4,
                   system_len=(400, 800)),
+    "m": Workload("qwen3-30b-a3b", 256, (128, 1024), (256, 256)),
+    "x": Workload("mixtral-8x7b", 256, (128, 1024), (256, 256)),
 }
 
 

@@ -17,7 +17,7 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
 
     COMMON = {**globals()["COMMON"], **overrides}
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
-                       "gemma3_text": 5, "phi3": 6}[kind])
+                       "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -43,6 +43,17 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     elif kind == "phi3":  # fused qkv and gate_up tensors in the checkpoint, a window
         cfg = tf.Phi3Config(**{**COMMON, "hidden_size": 256}, sliding_window=12)
         model = tf.Phi3ForCausalLM(cfg)
+    elif kind == "qwen3_moe":  # 8 experts, 3 per token, a dense layer among the sparse ones
+        cfg = tf.Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": 3}, head_dim=64,
+                                moe_intermediate_size=48, num_experts=8,
+                                num_experts_per_tok=3, norm_topk_prob=True,
+                                mlp_only_layers=[1])
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "mixtral":  # 4 experts, 2 per token, a window
+        cfg = tf.MixtralConfig(**{**COMMON, "intermediate_size": 64}, head_dim=64,
+                               num_local_experts=4,
+                               num_experts_per_tok=2, sliding_window=12)
+        model = tf.MixtralForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)

@@ -49,6 +49,25 @@ def test_roofline_estimate_by_hand():
     assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
 
 
+def test_roofline_of_a_moe_model_counts_the_experts_a_step_reads():
+    """4 experts of width 16, 2 per token: a token's FLOPs meet 2 experts; a decode step of
+    one token reads 2 experts' weights, of two tokens 4 * (1 - (1/2)^2) = 3 expected."""
+    c = SimpleNamespace(**vars(ROOFLINE_CONFIG), num_local_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16)
+    flops, bw = 1e3, 1e2
+    attn, expert = 8 * (8 + 2 * 4) + 8 * 8, 3 * 8 * 16
+    linear = 2 * (attn + 2 * expert)
+    kv_token = 2 * 2 * 4 * 2
+    prefill = (2 * linear * 3 + 2 * 80 + 2 * 2 * 8 * 9) / flops
+    step = max((2 * (2 * (attn + 2 * expert) + 80) + 4 * kv_token) / bw,
+               2 * (linear + 80) / flops)
+    assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+    two = peers.roofline_s(c, [[1, 2, 3], [4, 5, 6]], [2, 2], flops, bw)
+    step2 = max((2 * (2 * (attn + 3 * expert) + 80) + 8 * kv_token) / bw,
+                2 * 2 * (linear + 80) / flops)
+    assert two == pytest.approx(2 * prefill + step2)
+
+
 def test_roofline_estimate_with_a_shared_prefix_by_hand():
     """(d): the shared prefix is prefilled once and its K/V read once per decode step."""
     c, linear = ROOFLINE_CONFIG, ROOFLINE_LINEAR

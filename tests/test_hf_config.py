@@ -64,7 +64,7 @@ def _windows(cfg) -> list[int | None]:
     """Each layer's sliding window, as the family's transformers modeling code applies it."""
     if cfg.model_type == "llama":
         return [None] * cfg.num_hidden_layers
-    if cfg.model_type in ("mistral", "phi3"):
+    if cfg.model_type in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         return [cfg.sliding_window] * cfg.num_hidden_layers
     return [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
 

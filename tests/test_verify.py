@@ -69,6 +69,17 @@ def test_verify_passes_sdpa_and_writes_json(tmp_path):
     assert all(r["worst_abs"] <= r["tol"] for r in rep["rows"] if r["kind"] == "kernel")
 
 
+def test_verify_model_only_runs_the_model_rows_of_a_moe_checkpoint(tmp_path):
+    """--model-only: no kernel rows; a MoE checkpoint's model rows pass."""
+    from hf_models import make_checkpoint
+    path = make_checkpoint("mixtral", tmp_path / "mixtral")
+    res = invoke("--backend", "sdpa", "--model", path, "--dtype", "float32", "--model-only",
+                 "--json", tmp_path / "v.json")
+    assert res.exit_code == 0, res.output
+    (rep,) = json.loads((tmp_path / "v.json").read_text())["backends"]
+    assert {r["kind"] for r in rep["rows"]} == {"model"} and len(rep["rows"]) >= 2
+
+
 def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
     """--jobs 2 splits kernel groups into tasks run by 2 processes; the rows (worst errors
     over the same cases) equal a run in this process."""

@@ -88,7 +88,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                # reading its whole context)
                **{k: v for k, v in timings["reads"].items() if k != "cascade_most_levels"}}
         if "copy_bw" in limits:
-            weights = r.model.step_weight_bytes()
+            weights = r.model.step_weight_bytes(batch)
             kv = batch * ctx * r.block_bytes() / r.block_size
             row["decode_roofline_ms"] = 1000 * (weights + kv) / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
@@ -196,7 +196,30 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
         flops = 2 * n_tok * linear + (0 if fp8 else 2 * batch * lm_head)
         out["prefill_gemm_tflop_s"] = flops / t / 1e12
         out["prefill_gemm_peak_fraction"] = flops / t / linear_peak
+    out.update(_moe_roofline(r.model, dec, pre, steps, batch, n_tok, limits))
     out["decode_step_roofline_fraction"] = row.get("decode_roofline_fraction")
+    return out
+
+
+def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: int,
+                  limits: dict[str, float]) -> dict[str, Any]:
+    """The MoE kernel group: decode against the bytes of the experts a step is expected to
+    read (uniform routing), prefill against the FLOPs of each token's top-k experts."""
+    experts = [m for m in model.modules() if hasattr(m, "expected_expert_bytes")]
+    if not experts:
+        return {}
+    out: dict[str, Any] = {}
+    dec_s = dec["groups_us"]["MoE"] / 1e6 / steps
+    if dec_s:
+        nbytes = sum(m.expected_expert_bytes(batch) for m in experts)
+        out["decode_moe_tb_s"] = nbytes / dec_s / 1e12
+        out["decode_moe_bw_fraction"] = nbytes / dec_s / limits["copy_bw"]
+    if pre["groups_us"]["MoE"]:
+        flops = sum(2 * n_tok * m.top_k * (m.w13_weight[0].numel() + m.w2_weight[0].numel())
+                    for m in experts)
+        t = pre["groups_us"]["MoE"] / 1e6
+        out["prefill_moe_tflop_s"] = flops / t / 1e12
+        out["prefill_moe_peak_fraction"] = flops / t / limits["matmul"]
     return out
 
 

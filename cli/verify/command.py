@@ -38,6 +38,11 @@ def verify(
         None, "--quantization", "-q",
         help="fp8: also check the FP8 GEMMs and the model with FP8 weights against their "
              "dequantized reference."),
+    model_only: bool = typer.Option(
+        False, "--model-only",
+        help="Only the model-level checks (no kernel checks: nothing compiled beyond what the "
+             "model runs); one worker unless --jobs says otherwise, as each check holds the "
+             "model on the GPU."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
@@ -59,11 +64,11 @@ def verify(
         dev = EngineConfig(device=device or "auto").torch_device()
         t0 = time.perf_counter()
         out = out_console()
-        plans = [plan_backend(n, dev, model, dtype, cases, steps, seed)
+        plans = [plan_backend(n, dev, model, dtype, cases, steps, seed, not model_only)
                  for n in (names if backend == "all" else [backend])]
         if quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
-        reports = run_plans(plans, jobs or default_jobs(dev), out,
+        reports = run_plans(plans, jobs or (1 if model_only else default_jobs(dev)), out,
                             lambda name: check_tensor_parallel(
                                 name, model, dtype, dev, steps, seed, tensor_parallel_size,
                                 graph_modes(get_backend(name, dev), dev)[-1])

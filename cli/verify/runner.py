@@ -47,8 +47,10 @@ def single(results: list[Row]) -> Row:
 
 
 def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases: int,
-                 steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
-    """The report for backend ``name`` (skipped or the reference: final) and its checks."""
+                 steps: int, seed: int, kernels: bool = True
+                 ) -> tuple[BackendReport, list[Check]]:
+    """The report for backend ``name`` (skipped or the reference: final) and its checks
+    (``kernels``: the kernel and cascade checks too, not only the model's)."""
     if name == "eager":
         return BackendReport(name, "reference", "the reference itself (tested against a dense "
                                                 "float64 computation in the test suite)"), []
@@ -59,9 +61,10 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
     chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
     checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
                     functools.partial(kernel_row, label, dt, opts))
-              for label, dt, opts in kernel_groups(backend, device)]
-    checks.append(Check([(cascade_cases, (name, device, c, seed)) for c in chunks],
-                        functools.partial(cascade_row, cascade_dtype(backend))))
+              for label, dt, opts in (kernel_groups(backend, device) if kernels else [])]
+    if kernels:
+        checks.append(Check([(cascade_cases, (name, device, c, seed)) for c in chunks],
+                            functools.partial(cascade_row, cascade_dtype(backend))))
     for graphs in graph_modes(backend, device):
         checks.append(Check([(check_model, (name, model, dtype, device, steps, seed, graphs))],
                             single))

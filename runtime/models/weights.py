@@ -4,9 +4,11 @@ the loading every family shares.
 A checkpoint name maps to a module and a parameter of ours (fused projections through the
 family's ``stacked`` table: ``q_proj`` → ``qkv_proj``, part ``"q"``). A linear layer's tensors go
 to its quantization method (``load``: the dense copy, or FP8 weights and scales), every other
-parameter is copied as it is; each tensor's shape is checked first, and every tensor the model
-needs must come: a misshapen, unexpected or missing one is a ValueError naming it (the caller
-names the file).
+parameter is copied as it is. A module that loads its own tensors (a MoE layer's experts,
+named one by one or stacked) takes every name under its prefix: ``load_checkpoint_tensor(rest,
+tensor)`` returns the units it filled, ``checkpoint_units()`` names those it needs. Each
+tensor's shape is checked first, and every tensor the model needs must come: a misshapen,
+unexpected or missing one is a ValueError naming it (the caller names the file).
 """
 
 from __future__ import annotations
@@ -28,9 +30,23 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     shards = shard_map(model)
+    owners = _self_loading(model)
     loaded: set[tuple[str, Any]] = set()
     for name, tensor in weights:
         if skip(name):
+            continue
+        owner = _owner(name, owners)
+        if owner is not None:
+            try:
+                with torch.no_grad():
+                    units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
+            except KeyError:
+                raise ValueError(f"unexpected tensor '{name}' (not in a "
+                                 f"{getattr(model.config, 'model_type', '')} model of this "
+                                 f"config)") from None
+            except ValueError as e:
+                raise ValueError(f"tensor '{name}' {e}") from None
+            loaded |= {(owner, u) for u in units}
             continue
         target, key = name, None
         for ckpt, (fused, part) in stacked.items():
@@ -60,11 +76,33 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{missing[0]}'")
 
 
+def _self_loading(model: nn.Module) -> dict[str, nn.Module]:
+    return {prefix: m for prefix, m in model.named_modules()
+            if hasattr(m, "load_checkpoint_tensor")}
+
+
+def _owner(name: str, owners: dict[str, nn.Module]) -> str | None:
+    """The prefix of the self-loading module ``name`` falls under, if any."""
+    if not owners:
+        return None
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in owners:
+            return prefix
+    return None
+
+
 def expected_tensors(model: nn.Module, stacked: Stacked) -> dict[tuple[str, Any], str]:
-    """(our parameter, part key) → the checkpoint name, for every tensor the model needs."""
+    """(our parameter or self-loading module, part key) → the checkpoint name, for every
+    tensor the model needs."""
     unfuse = {(fused, part): ckpt for ckpt, (fused, part) in stacked.items()}
     out: dict[tuple[str, Any], str] = {}
     covered: set[str] = set()
+    for prefix, module in _self_loading(model).items():
+        out |= {(prefix, unit): f"{prefix}.{rest}"
+                for unit, rest in module.checkpoint_units().items()}
+        covered |= {f"{prefix}.{n}" for n, _ in module.named_parameters()}
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if method is None:

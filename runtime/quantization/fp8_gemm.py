@@ -7,23 +7,23 @@ fast accumulation; per-channel weights),
 the tiles that suit the M. At load, each distinct weight shape times every candidate at a few M
 values from CUDA-graph replays (as the model runs them: small-M kernels would otherwise be timed
 by their launches) and keeps the fastest per M. Plans are kept on disk per GPU and library
-versions (``$XDG_CACHE_HOME/pagedgen/fp8-gemm-plans.json``), so only the first start on a
-machine pays for the timing. ``$PAGEDGEN_FP8_GEMM`` forces one kernel (``dequantize``: the
-weight dequantized, a dense GEMM: the reference).
+versions (``runtime/kernel_plans.py``: ``$XDG_CACHE_HOME/pagedgen/fp8-gemm-plans.json``), so
+only the first start on a machine pays for the timing. ``$PAGEDGEN_FP8_GEMM`` forces one kernel
+(``dequantize``: the weight dequantized, a dense GEMM: the reference).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.kernel_plans import graph_time
 from pagedgen.runtime.quantization import fp8_kernels as k
 
 ENV_GEMM = "PAGEDGEN_FP8_GEMM"
@@ -80,12 +80,12 @@ def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
         return GemmPlan([(math.inf, forced)])
     key = _key(layer)
     if key not in _PLANS:
-        saved = _load_disk().get(key)
+        saved = kernel_plans.load(CACHE).get(key)
         if _valid(saved, candidates(layer, group_k, max(M_BUCKETS))):
             _PLANS[key] = GemmPlan([(m, g) for m, g in saved])
         else:
             _PLANS[key] = _measure(layer, group_k)
-            _save_disk(key, _PLANS[key])
+            kernel_plans.save(CACHE, key, _PLANS[key].choices)
     return _PLANS[key]
 
 
@@ -114,61 +114,13 @@ def _valid(saved, cands: list[str]) -> bool:
 
 
 PLAN_VERSION = 1  # part of the disk key: a change to the candidates or kernels bumps it
+CACHE = "fp8-gemm-plans.json"
 
 
 def _key(layer: nn.Module) -> str:
-    import triton
-
-    dev = layer.weight.device
-    return "|".join(map(str, (PLAN_VERSION, torch.cuda.get_device_name(dev), torch.__version__,
-                              triton.__version__, *layer.weight.shape,
-                              layer.weight_scale.shape[1], layer.input_scale is not None,
-                              layer.act_dtype)))
-
-
-def _cache_file() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagedgen" / "fp8-gemm-plans.json"
-
-
-def _load_disk() -> dict:
-    try:
-        data = json.loads(_cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def _save_disk(key: str, plan: GemmPlan) -> None:
-    """Add ``plan`` to the cache file (written whole to a temporary file, then renamed)."""
-    path = _cache_file()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = {**_load_disk(), key: plan.choices}
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(path)
-    except OSError:
-        pass  # a read-only home: measured again next time
-
-
-def graph_time(fn, calls: int = 5, replays: int = 3) -> float:
-    """Median seconds of one ``fn`` call, replayed from a CUDA graph as the model runs it."""
-    from pagedgen.runtime.hardware import time_cuda
-
-    fn()  # compiles
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    t = time_cuda(graph.replay, replays) / calls
-    del graph
-    return t
+    return "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(layer.weight.device),
+                              *layer.weight.shape, layer.weight_scale.shape[1],
+                              layer.input_scale is not None, layer.act_dtype)))
 
 
 def standalone_layer(weight: torch.Tensor, group_k: int | None = None,

@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, h,
                                         bias and config.model_type != "qwen2", tp,
                                         linear_method(quant, prefix, ["o_proj"]))
-        self.qk_norm = config.model_type == "qwen3"
+        self.qk_norm = config.model_type in ("qwen3", "qwen3_moe")
         if self.qk_norm:  # per-head RMSNorm of q and k before rotary (applied by the rotary op)
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -86,6 +86,10 @@ class MLP(nn.Module):
                                            linear_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
+    def takes_quantized_input(self, m: int) -> bool:
+        """Whether the norm before it should hand it FP8 activations (at ``m`` rows)."""
+        return self.gate_up_proj.quant_method.takes_quantized_input(self.gate_up_proj, m)
+
     def forward(self, x) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         down = self.down_proj
@@ -98,15 +102,21 @@ class DecoderLayer(nn.Module):
                  quant: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.self_attn = Attention(config, spec, tp, quant, f"{prefix}.self_attn")
-        self.mlp = MLP(config, tp, quant, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, tp, quant, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
+                 prefix: str) -> nn.Module:
+        """This layer's MLP (a MoE family's layers make theirs: ``prefix`` ends with the
+        layer's index)."""
+        return MLP(config, tp, quant, prefix)
 
     def forward(self, cos_sin, x: torch.Tensor, residual: torch.Tensor | None, kv_cache,
                 metadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's MLP output, the residual stream before it); the next layer's input norm
         adds the two (so each residual add shares a kernel with a norm)."""
-        qkv, gate_up = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        qkv = self.self_attn.qkv_proj
         quant = self.input_layernorm.fused and qkv.quant_method.takes_quantized_input(
             qkv, x.shape[0])  # the norm's output quantized for an FP8 layer, in its kernel
         if residual is None:
@@ -114,8 +124,7 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm(x, residual, quant)
         h = self.self_attn(cos_sin, h, kv_cache, metadata)
-        quant = self.post_attention_layernorm.fused and \
-            gate_up.quant_method.takes_quantized_input(gate_up, h.shape[0])
+        quant = self.post_attention_layernorm.fused and self.mlp.takes_quantized_input(h.shape[0])
         h, residual = self.post_attention_layernorm(h, residual, quant)
         return self.mlp(h), residual
 
@@ -225,11 +234,17 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(cos_sin, x, residual, cache, metadata)
         return self.model.norm(x, residual)[0]
 
-    def step_weight_bytes(self) -> int:
-        """Weight bytes one forward reads in full: every parameter but the embedding table, of
-        which a step reads only its tokens' rows (a tied table is read in full as the LM head)."""
+    def step_weight_bytes(self, tokens: int = 1) -> int:
+        """Weight bytes a forward of ``tokens`` tokens reads: every parameter but the embedding
+        table, of which a step reads only its tokens' rows (a tied table is read in full as
+        the LM head); of a MoE layer's experts, those its tokens are expected to choose."""
         skip = None if self.tie_word_embeddings else self.model.embed_tokens.weight
-        return sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
+        total = sum(p.numel() * p.element_size() for p in self.parameters() if p is not skip)
+        for m in self.modules():
+            if hasattr(m, "expected_expert_bytes"):
+                total += m.expected_expert_bytes(tokens) - sum(
+                    p.numel() * p.element_size() for p in m.parameters())
+        return int(total)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head

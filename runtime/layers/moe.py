@@ -1,0 +1,152 @@
+"""The mixture-of-experts layer: a router (softmax top-k, renormalized or not, as the family
+says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; tiles per token
+count by measurement, ``moe_plan.py``).
+
+Under ``-tp`` each rank holds every expert's share of the intermediate features (gate/up rows,
+down columns), as a dense MLP shards; the router is replicated, and the layer's output is
+all-reduced. Checkpoints name experts one by one (``experts.{e}.gate_proj.weight``, or
+Mixtral's ``experts.{e}.w1.weight``), or stacked as transformers 5 holds them
+(``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); ``FusedMoE`` loads
+either (``load_checkpoint_tensor``) and names the ones missing (``checkpoint_units``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.linear import ColumnParallelLinear
+from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
+from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.quantization.unquantized import Unquantized
+
+GATE, UP, DOWN = "gate", "up", "down"
+HF_NAMES = {GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
+MIXTRAL_NAMES = {GATE: "w1", UP: "w3", DOWN: "w2"}
+
+
+class FusedMoE(nn.Module):
+    """Every expert's SwiGLU MLP: ``w13_weight`` [E, 2 * I_rank, H] (this rank's gate rows,
+    then its up rows), ``w2_weight`` [E, H, I_rank]. ``names``: the checkpoint's per-expert
+    tensor names. ``use_triton``: the grouped GEMM kernels (None: on CUDA tensors), else the
+    per-expert loop."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
+                 tp: TensorParallel, names: dict[str, str] = HF_NAMES) -> None:
+        super().__init__()
+        seg = split(intermediate, tp, "moe_intermediate_size")
+        self.num_experts, self.top_k, self.names = num_experts, top_k, names
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * seg.size, hidden),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, seg.size),
+                                      requires_grad=False)
+        self.shards = {"w13_weight": (1, [Segment(GATE, intermediate, seg.start, seg.size, 0),
+                                          Segment(UP, intermediate, seg.start, seg.size,
+                                                  seg.size)]),
+                       "w2_weight": (2, [seg])}
+        self.use_triton: bool | None = None
+        self._plan: MoePlan | None = None
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
+        triton = self.use_triton if self.use_triton is not None else x.is_cuda
+        with scope("moe"):
+            if not triton:
+                y = mk.reference(x, self.w13_weight, self.w2_weight, weights, ids)
+                return y if out is None else out.copy_(y)
+            if not mk.HAVE_TRITON:
+                raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
+            if self._plan is None:
+                self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k)
+            return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                    self._plan.choose(x.shape[0]), out)
+
+    def expected_expert_bytes(self, tokens: int) -> float:
+        """Weight bytes a step of ``tokens`` tokens reads from this layer's experts under
+        uniform routing: the expected number of distinct experts chosen, each read whole."""
+        e, k = self.num_experts, self.top_k
+        active = e * (1.0 - (1.0 - k / e) ** tokens)  # a token's k experts are distinct
+        per_expert = (self.w13_weight[0].numel() + self.w2_weight[0].numel()) \
+            * self.w13_weight.element_size()
+        return min(active, e) * per_expert
+
+    # ---- checkpoint tensors (weights.load_checkpoint calls these for names under us) ----
+
+    def checkpoint_units(self) -> dict[Any, str]:
+        """Each tensor this layer needs → its checkpoint name after our prefix."""
+        return {(e, part): f"{e}.{name}.weight"
+                for e in range(self.num_experts) for part, name in self.names.items()}
+
+    def load_checkpoint_tensor(self, rest: str, tensor) -> list[Any]:
+        """Load the checkpoint tensor named ``rest`` after our prefix; the units it filled.
+        KeyError: not one of ours; ValueError: a shape that does not fit."""
+        if rest in ("gate_up_proj", "down_proj"):  # stacked: [E, 2I, H] or [E, H, I]
+            return self._load_stacked(rest, tensor)
+        e, _, name = rest.partition(".")
+        part = next((p for p, n in self.names.items() if name == f"{n}.weight"), None)
+        if not e.isdigit() or int(e) >= self.num_experts or part is None:
+            raise KeyError(rest)
+        self._load_expert(int(e), part, tensor)
+        return [(int(e), part)]
+
+    def _load_expert(self, e: int, part: str, tensor) -> None:
+        param = self.w2_weight if part == DOWN else self.w13_weight
+        dim, segs = self.shards["w2_weight" if part == DOWN else "w13_weight"]
+        seg = next(s for s in segs if s.key in (part, None))
+        want = [param.shape[1], seg.full] if part == DOWN else [seg.full, param.shape[2]]
+        have = list(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
+        if have != want:
+            raise ValueError(f"has shape {have}; the config makes it {want}")
+        cut = (slice(None), slice(seg.start, seg.start + seg.size)) if part == DOWN \
+            else (slice(seg.start, seg.start + seg.size),)
+        param.data[e].narrow(dim - 1, seg.offset, seg.size).copy_(tensor[cut])
+
+    def _load_stacked(self, rest: str, tensor) -> list[Any]:
+        whole = tensor[:]
+        full = self.shards["w2_weight"][1][0].full
+        if rest == "down_proj":
+            parts = [(DOWN, whole)]
+        else:
+            if whole.dim() != 3 or whole.shape[1] != 2 * full:
+                raise ValueError(f"has shape {list(whole.shape)}; the config makes it "
+                                 f"{[self.num_experts, 2 * full, self.w13_weight.shape[2]]}")
+            parts = [(GATE, whole[:, :full]), (UP, whole[:, full:])]
+        if whole.shape[0] != self.num_experts:
+            raise ValueError(f"holds {whole.shape[0]} experts; the config makes it "
+                             f"{self.num_experts}")
+        for part, t in parts:
+            for e in range(self.num_experts):
+                self._load_expert(e, part, t[e])
+        return [(e, p) for p, _ in parts for e in range(self.num_experts)]
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (``gate``: [E, H], replicated on every rank) and ``experts``; the output summed
+    over the tensor-parallel ranks."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
+                 renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES
+                 ) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the "
+                             f"number of experts ({num_experts})")
+        self.tp, self.top_k, self.renormalize = tp, top_k, renormalize
+        self.gate = ColumnParallelLinear(hidden, [(None, Segment(None, num_experts, 0,
+                                                                 num_experts, 0))],
+                                         False, Unquantized())
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names)
+
+    def takes_quantized_input(self, m: int) -> bool:
+        return False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
+        return self.tp.all_reduce_output(x.shape[0], x.shape[1], x.dtype, x.device,
+                                         lambda out: self.experts(x, weights, ids, out))

@@ -1,0 +1,295 @@
+"""Mixture-of-experts arithmetic: routing, tokens sorted by expert, and one grouped GEMM kernel
+(Triton, our own) run twice per layer: gate/up with SiLU-and-mul in its epilogue, then down
+with the routing weight in its epilogue.
+
+A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``align`` sorts the slots
+by expert into blocks of ``block_m`` rows (an expert's last block padded with the sentinel slot
+``num_slots``), so each program of the GEMM multiplies one block of rows by one expert's weight
+tile: only the experts that got tokens are read. Everything is sized by the token count alone
+(no host sync), so it runs inside CUDA graphs; programs past the last expert's blocks return at
+once. ``reference`` is the per-expert loop the tests check the kernels against (and the path of
+CPU runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU-only installs: the per-expert loop
+    HAVE_TRITON = False
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the experts (float32), the ``top_k`` largest: (weights float32 [T, k],
+    expert ids [T, k]); ``renormalize``: the chosen weights rescaled to sum to 1. One Triton
+    kernel on CUDA (``route_reference`` elsewhere)."""
+    if logits.is_cuda and HAVE_TRITON:
+        return route_triton(logits, top_k, renormalize)
+    return route_reference(logits, top_k, renormalize)
+
+
+def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over each token's
+    experts ``e = ids[t, j]``, one expert at a time (``w13`` [E, 2I, H]: gate rows, then up;
+    ``w2`` [E, H, I]); [T, H] in ``x``'s dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        token, slot = (ids == e).nonzero(as_tuple=True)
+        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, token, y.float() * weights[token, slot, None])
+    return out.to(x.dtype)
+
+
+def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
+    """An upper bound on the blocks ``align`` makes: every expert with tokens pads at most one
+    block."""
+    return -(-num_slots // block_m) + min(num_experts, num_slots)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slots [blocks * block_m] int32: the slots grouped by expert, each expert's run padded
+    to whole blocks with ``num_slots``; block_experts [blocks] int32: each block's expert, -1
+    past the last), ``blocks = max_blocks(...)``; no host sync. One Triton program where
+    Triton runs (slots in an expert's run in any order: each output row depends on its own
+    input row only), torch ops elsewhere (``align_reference``: in slot order)."""
+    if HAVE_TRITON and (ids.is_cuda or _interpreting()):
+        return align_triton(ids, num_experts, block_m)
+    return align_reference(ids, num_experts, block_m)
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def align_reference(ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = ids.reshape(-1).long()
+    n, dev = flat.numel(), flat.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    nb = max_blocks(n, num_experts, block_m)
+    block_experts = torch.searchsorted(block_end, torch.arange(nb, device=dev), right=True)
+    block_experts = torch.where(block_experts < num_experts, block_experts, -1).int()
+    order = torch.sort(flat, stable=True).indices
+    expert = flat[order]
+    first_slot = counts.cumsum(0) - counts  # each expert's first position among sorted slots
+    pos = (block_end - blocks)[expert] * block_m + torch.arange(n, device=dev) \
+        - first_slot[expert]
+    slots = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
+    slots.index_copy_(0, pos, order.int())
+    return slots, block_experts
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch shape of the grouped GEMM."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
+                f"w{self.num_warps}s{self.num_stages}")
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
+                             num_slots, N, K, num_blocks, stride_am, stride_be, stride_bn,
+                             stride_cm, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
+                             WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+        """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
+        and BLOCK_N outputs; GATED: silu(gate) * up of rows n and N + n of B; WEIGHTED: times
+        the slot's routing weight. Programs walk GROUP_M blocks per column of tiles (a run of
+        blocks mostly shares an expert: its tiles stay in L2)."""
+        pid = tl.program_id(0)
+        num_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_n
+        first_m = (pid // width) * GROUP_M
+        size_m = min(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        expert = tl.load(block_experts_ptr + pid_m)
+        if expert < 0:
+            return
+        slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = slot < num_slots
+        rows = (slot // A_ROW_DIV).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
+            + offs_k[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if GATED:
+                u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
+                            other=0.0)
+                acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        if GATED:
+            acc = acc * tl.sigmoid(acc) * acc_up
+        if WEIGHTED:
+            acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
+        c_ptrs = c_ptr + slot[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
+                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                      RENORMALIZE: tl.constexpr):
+        """One token: softmax over its experts' logits, then TOP_K rounds of arg-max."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, E_PAD)
+        x = tl.load(logits_ptr + t * stride_t + offs, mask=offs < num_experts,
+                    other=-float("inf")).to(tl.float32)
+        p = tl.exp(x - tl.max(x, 0))
+        p = p / tl.sum(p, 0)
+        rank = tl.arange(0, K_PAD)
+        weights = tl.zeros((K_PAD,), dtype=tl.float32)
+        ids = tl.zeros((K_PAD,), dtype=tl.int32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(p, 0)
+            arg = tl.min(tl.where(p == best, offs, E_PAD), 0)  # the lowest index of the max
+            weights = tl.where(rank == j, best, weights)
+            ids = tl.where(rank == j, arg, ids)
+            p = tl.where(offs == arg, -1.0, p)
+        if RENORMALIZE:
+            weights = weights / tl.sum(weights, 0)
+        tl.store(weights_ptr + t * TOP_K + rank, weights, mask=rank < TOP_K)
+        tl.store(ids_ptr + t * TOP_K + rank, ids, mask=rank < TOP_K)
+
+    @triton.jit
+    def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
+                      num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CHUNK: tl.constexpr, B_CHUNK: tl.constexpr):
+        """One program: count each expert's slots, lay its blocks out, then scatter every slot
+        to the next free row of its expert's run (an atomic cursor per expert)."""
+        experts = tl.arange(0, E_PAD)
+        counts = tl.zeros((E_PAD,), dtype=tl.int32)
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ids = tl.load(ids_ptr + offs, mask=offs < n, other=E_PAD - 1)
+            counts += tl.histogram(ids, E_PAD)
+        counts = tl.where(experts < num_experts, counts, 0)  # the last bin held the padding
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, 0)
+        tl.store(cursor_ptr + experts, (block_end - blocks) * BLOCK_M)
+        for start in range(0, num_blocks, B_CHUNK):
+            b = start + tl.arange(0, B_CHUNK)
+            owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
+            tl.store(block_experts_ptr + b, tl.where(owner < num_experts, owner, -1),
+                     mask=b < num_blocks)
+        for start in range(0, num_blocks * BLOCK_M, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
+                     mask=offs < num_blocks * BLOCK_M)
+        tl.debug_barrier()
+        for start in range(0, n, CHUNK):
+            offs = start + tl.arange(0, CHUNK)
+            ok = offs < n
+            ids = tl.load(ids_ptr + offs, mask=ok, other=0)
+            pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
+            tl.store(slots_ptr + pos, offs, mask=ok)
+
+
+def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    t, e = logits.shape
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
+    if t:
+        _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
+                            K_PAD=triton.next_power_of_2(top_k),
+                            E_PAD=triton.next_power_of_2(e), RENORMALIZE=renormalize)
+    return weights, ids
+
+
+def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    nb = max_blocks(n, num_experts, block_m)
+    e_pad = triton.next_power_of_2(num_experts + 1)  # one bin past the experts: padding
+    slots = torch.empty(nb * block_m, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(nb, dtype=torch.int32, device=flat.device)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat.int() if flat.dtype != torch.int32 else flat, slots,
+                        block_experts, cursor, n, num_experts, nb, E_PAD=e_pad,
+                        BLOCK_M=block_m, CHUNK=256, B_CHUNK=32, num_warps=8)
+    return slots, block_experts
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
+                 block_experts: torch.Tensor, num_slots: int, tiles: Tiles, a_row_div: int,
+                 gated: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T)`` for every sorted slot (``align``
+    with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f`` is SiLU-and-mul;
+    ``weights`` (float32, per slot): the output scaled by them."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2]
+    nb = block_experts.numel()
+    grid = (nb * triton.cdiv(n, tiles.block_n),)
+    _grouped_gemm_kernel[grid](
+        a, w, out, slots, block_experts, weights if weights is not None else out,
+        num_slots, n, k, nb, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """``reference``'s result by the kernels (``tiles``: gate/up's and down's, one block_m),
+    summed over each token's slots into ``out`` ([T, H], or a new tensor)."""
+    if tiles[0].block_m != tiles[1].block_m:
+        raise ValueError("both GEMMs of a MoE layer sort their rows in blocks of one size")
+    (t, top_k), h = ids.shape, x.shape[1]
+    n = t * top_k
+    slots, block_experts = align(ids, w13.shape[0], tiles[0].block_m)
+    inter = x.new_empty(n, w13.shape[1] // 2)
+    grouped_gemm(x, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True)
+    down = grouped_gemm(inter, w2, x.new_empty(n, h), slots, block_experts, n, tiles[1], 1,
+                        gated=False, weights=weights.reshape(-1).float())
+    return torch.sum(down.view(t, top_k, h), dim=1, out=out)

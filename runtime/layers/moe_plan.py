@@ -1,0 +1,129 @@
+"""Which tiles the MoE grouped GEMMs run with at each token count, chosen by measurement on
+this GPU.
+
+At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dtype) times the
+candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
+the model runs them), and keeps per count the block height and the gate/up and down tiles whose
+sum (sorting included) is least. Plans are kept on disk per GPU and library versions
+(``runtime/kernel_plans.py``: ``moe-plans.json``). ``$PAGEDGEN_MOE_TILES`` forces one tile
+(``Tiles.name``) for both GEMMs at every count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.moe_kernels import Tiles
+
+ENV_TILES = "PAGEDGEN_MOE_TILES"
+CACHE = "moe-plans.json"
+PLAN_VERSION = 2  # part of the disk key: a change to the candidates or the kernel bumps it
+TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+CANDIDATES = {t.name: t for t in (
+    Tiles(16, 32, 128, 1, 4, 4), Tiles(16, 64, 128, 1, 4, 3), Tiles(16, 128, 64, 1, 4, 4),
+    Tiles(16, 64, 256, 1, 4, 2), Tiles(32, 64, 128, 4, 4, 3), Tiles(32, 128, 64, 4, 4, 4),
+    Tiles(64, 64, 64, 8, 4, 4), Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 128, 64, 8, 8, 4),
+    Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
+    Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3))}
+INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
+
+
+@dataclass
+class MoePlan:
+    """``choices``: [(largest token count, gate/up tiles, down tiles)], increasing counts."""
+
+    choices: list[tuple[float, Tiles, Tiles]]
+
+    def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
+        _, up, down = next((c for c in self.choices if tokens <= c[0]), self.choices[-1])
+        return up, down
+
+
+def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
+    """The tiles at each token count for experts ``w13`` / ``w2`` (timed once per shape and
+    machine)."""
+    forced = os.environ.get(ENV_TILES) or None
+    if forced is not None:
+        if forced not in CANDIDATES:
+            raise ValueError(f"${ENV_TILES}={forced}: use one of {', '.join(CANDIDATES)}")
+        return MoePlan([(math.inf, CANDIDATES[forced], CANDIDATES[forced])])
+    if w13.device.type != "cuda":
+        return MoePlan([(math.inf, INTERPRETED, INTERPRETED)])
+    key = "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(w13.device),
+                             *w13.shape, top_k, w13.dtype)))
+    saved = kernel_plans.load(CACHE).get(key)
+    plan = _from_json(saved)
+    if plan is None:
+        plan = _measure(w13, w2, top_k)
+        kernel_plans.save(CACHE, key, [(m, up.name, down.name) for m, up, down in plan.choices])
+    return plan
+
+
+def _from_json(saved) -> MoePlan | None:
+    """A plan read from disk, or None when it names tiles this version does not have."""
+    try:
+        choices = [(float(m), CANDIDATES[up], CANDIDATES[down]) for m, up, down in saved]
+    except (TypeError, ValueError, KeyError):
+        return None
+    ok = choices and [m for m, *_ in choices] == sorted(m for m, *_ in choices)
+    return MoePlan(choices) if ok else None
+
+
+SHARED_MEMORY = 200 << 10  # bytes a program may stage (Hopper has 227 KiB; Ampere 163)
+
+
+def fits(tiles: Tiles, elem: int, gated: bool) -> bool:
+    """Whether the kernel's pipeline stages (an A tile and one B tile each, two when
+    ``gated``) fit in shared memory at ``elem`` bytes an element (float32 doubles bf16's)."""
+    b_tiles = 2 if gated else 1
+    per_stage = (tiles.block_m + b_tiles * tiles.block_n) * tiles.block_k * elem
+    return tiles.num_stages * per_stage <= SHARED_MEMORY
+
+
+def random_routing(tokens: int, num_experts: int, top_k: int, device: torch.device
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts per token, uniformly at random, and softmax-like weights."""
+    ids = torch.rand(tokens, num_experts, device=device).topk(top_k, dim=-1).indices
+    weights = torch.rand(tokens, top_k, device=device)
+    return weights / weights.sum(-1, keepdim=True), ids
+
+
+def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
+    graph_time = kernel_plans.graph_time
+    num_experts, hidden = w13.shape[0], w13.shape[2]
+    choices = []
+    for tokens in TOKEN_BUCKETS:
+        x = torch.randn(tokens, hidden, device=w13.device, dtype=w13.dtype)
+        weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
+        n = tokens * top_k
+        per_expert = n / num_experts
+        inter = x.new_empty(n, w13.shape[1] // 2)
+        out = x.new_empty(n, hidden)
+        best = None
+        for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
+            if block_m > max(16, 2 * per_expert):  # blocks mostly padding
+                continue
+            slots, experts = mk.align(ids, num_experts, block_m)
+            sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
+            tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
+            elem = w13.element_size()
+            up = {t: graph_time(lambda t=t: mk.grouped_gemm(
+                x, w13, inter, slots, experts, n, t, top_k, gated=True))
+                for t in tiles if fits(t, elem, gated=True)}
+            down = {t: graph_time(lambda t=t: mk.grouped_gemm(
+                inter, w2, out, slots, experts, n, t, 1, gated=False,
+                weights=weights.reshape(-1))) for t in tiles if fits(t, elem, gated=False)}
+            if not up or not down:
+                continue
+            t_up, t_down = min(up, key=up.get), min(down, key=down.get)
+            total = sort_t + up[t_up] + down[t_down]
+            if best is None or total < best[0]:
+                best = (total, t_up, t_down)
+        choices.append((tokens, best[1], best[2]))
+    return MoePlan(choices)

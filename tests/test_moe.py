@@ -1,0 +1,334 @@
+"""Mixture-of-experts: the grouped GEMM kernels against the per-expert loop (Triton interpreter
+on the CPU), the router against transformers', the Qwen3-MoE and Mixtral families against
+transformers (fp32), their checkpoint forms, -tp 2, presets and bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from hf_models import make_checkpoint
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.distributed.launch import Workers
+from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.moe import FusedMoE
+from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
+from pagedgen.runtime.models import registry
+from pagedgen.runtime.models.hf_config import model_config
+from pagedgen.runtime.models.loader import build_model, resolve_model
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import (check_greedy_with_preemption, check_logits, engine, hf_model,
+                                 ids, prefill_logits)
+
+INTERPRETED_ONLY = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" or not mk.HAVE_TRITON,
+    reason="Triton kernels run on CPU tensors only when interpreted")
+KINDS = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def checkpoint(request, tmp_path_factory):
+    return request.param, make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _experts(t: int, e: int, k: int, h: int, i: int, dtype=torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) * 0.1).to(dtype)
+    weights, chosen = mk.route(torch.randn(t, e, generator=g), k, renormalize=True)
+    return x, w13, w2, weights, chosen
+
+
+ALIGNS = [mk.align_reference, pytest.param(getattr(mk, "align_triton", None),
+                                           marks=INTERPRETED_ONLY, id="triton")]
+
+
+@pytest.mark.parametrize("align", ALIGNS)
+@pytest.mark.parametrize("t,e,k,h,i,block_m", [
+    (1, 8, 2, 48, 40, 16),     # one token: two experts of eight get a row each
+    (3, 32, 2, 64, 96, 16),    # most experts get no token
+    (37, 8, 3, 40, 24, 32),    # full and partial blocks; N and K not multiples of the tiles
+    (20, 16, 16, 32, 48, 16),  # every token to every expert
+    (300, 128, 8, 8, 8, 64),   # more slots than one chunk of the Triton program
+])
+def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, block_m, align):
+    _, _, _, _, chosen = _experts(t, e, k, h, i)
+    slots, block_experts = align(chosen, e, block_m)
+    n = t * k
+    assert block_experts.numel() == mk.max_blocks(n, e, block_m)
+    real = slots[slots < n]
+    assert sorted(real.tolist()) == list(range(n))
+    flat = chosen.reshape(-1)
+    for b, expert in enumerate(block_experts.tolist()):
+        rows = slots[b * block_m:(b + 1) * block_m]
+        rows = rows[rows < n]
+        if expert < 0:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and (flat[rows.long()] == expert).all()
+    used = (block_experts >= 0).sum().item()
+    assert used == sum(-(-int((flat == x).sum()) // block_m) for x in range(e))
+
+
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("t,e,k,h,i,block_m", [
+    (1, 8, 2, 48, 40, 16), (3, 32, 2, 64, 96, 16), (37, 8, 3, 40, 24, 32),
+    (20, 16, 16, 32, 48, 16)])
+def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, dtype):
+    x, w13, w2, weights, chosen = _experts(t, e, k, h, i, dtype)
+    ref = mk.reference(x.float(), w13.float(), w2.float(), weights, chosen)
+    tiles = mk.Tiles(block_m, 32, 32)
+    out = torch.full((t, h), float("nan"), dtype=dtype)
+    got = mk.fused_experts(x, w13, w2, weights, chosen, (tiles, tiles), out)
+    assert got.data_ptr() == out.data_ptr()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+ROUTES = [mk.route_reference, pytest.param(getattr(mk, "route_triton", None),
+                                           marks=INTERPRETED_ONLY, id="triton")]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("experts,top_k", [(16, 4), (60, 3), (128, 8)])
+def test_router_equals_transformers(route, experts, top_k):
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+    import transformers as tf
+    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(3))
+    for renorm in (True, False):
+        cfg = tf.Qwen3MoeConfig(hidden_size=32, num_experts=experts, num_experts_per_tok=top_k,
+                                norm_topk_prob=renorm)
+        router = Qwen3MoeTopKRouter(cfg)
+        torch.nn.init.normal_(router.weight)
+        _, want_w, want_ids = router(x)
+        got_w, got_ids = route(x @ router.weight.t(), top_k, renorm)
+        assert torch.equal(got_ids.long(), want_ids)
+        torch.testing.assert_close(got_w, want_w.float())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_match_transformers(checkpoint, backend):
+    """Prefill in one chunk and in chunks over cached pages (test_hf_equivalence)."""
+    check_logits(checkpoint[1], backend)
+
+
+@INTERPRETED_ONLY
+def test_fused_kernels_match_transformers(checkpoint):
+    """The model with its MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
+    _, path = checkpoint
+    prompt = ids(30)
+    with torch.no_grad():
+        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
+    eng = engine(path, "eager")
+    layers = [m for m in eng.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert layers
+    for m in layers:
+        m.use_triton = True
+    torch.testing.assert_close(prefill_logits(eng, prompt, 11), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_greedy_generation_matches_transformers(checkpoint):
+    """Prefix caching on, a cache small enough to preempt."""
+    check_greedy_with_preemption(checkpoint[1])
+
+
+def test_stacked_expert_tensors_load_as_the_per_expert_ones(checkpoint, tmp_path):
+    """transformers 5 holds experts stacked (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]); a checkpoint written so loads to the same parameters."""
+    from safetensors.torch import load_file, save_file
+    kind, path = checkpoint
+    names = ("gate_proj", "up_proj", "down_proj") if kind == "qwen3_moe" else ("w1", "w3", "w2")
+    tensors = load_file(str(path / "model.safetensors"))
+    stacked, experts = {}, {}
+    for name, t in tensors.items():
+        if ".experts." not in name:
+            stacked[name] = t
+            continue
+        head, rest = name.split(".experts.")
+        e, proj, _ = rest.split(".")
+        experts.setdefault(head, {}).setdefault(proj, {})[int(e)] = t
+    for head, projs in experts.items():
+        head = head.replace(".block_sparse_moe", ".mlp")  # as transformers 5 names it
+        n = len(projs[names[0]])
+        gate_up = [torch.cat([projs[names[0]][e], projs[names[1]][e]]) for e in range(n)]
+        stacked[f"{head}.experts.gate_up_proj"] = torch.stack(gate_up)
+        stacked[f"{head}.experts.down_proj"] = torch.stack([projs[names[2]][e]
+                                                            for e in range(n)])
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(stacked, str(tmp_path / "model.safetensors"))
+    a = build_model(resolve_model(str(path)), "safetensors", torch.float32, torch.device("cpu"))
+    b = build_model(resolve_model(str(tmp_path)), "safetensors", torch.float32,
+                    torch.device("cpu"))
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+def test_each_rank_holds_its_share_of_every_expert(checkpoint):
+    """-tp 2: gate and up rows, down columns of each expert, cut from the checkpoint's."""
+    from safetensors.torch import load_file
+    kind, path = checkpoint
+    ckpt = load_file(str(path / "model.safetensors"))
+    block, (g, u, d) = (("mlp", ("gate_proj", "up_proj", "down_proj")) if kind == "qwen3_moe"
+                        else ("block_sparse_moe", ("w1", "w3", "w2")))
+    src = resolve_model(str(path))
+    for rank in range(2):
+        model = build_model(src, "safetensors", torch.float32, torch.device("cpu"),
+                            tp=TensorParallel(rank, 2))
+        moe = model.model.layers[0].mlp
+        half = moe.experts.w2_weight.shape[2]
+        cut = slice(rank * half, (rank + 1) * half)
+        for e in (0, 3):
+            base = f"model.layers.0.{block}.experts.{e}"
+            assert torch.equal(moe.experts.w13_weight[e], torch.cat(
+                [ckpt[f"{base}.{g}.weight"][cut], ckpt[f"{base}.{u}.weight"][cut]]))
+            assert torch.equal(moe.experts.w2_weight[e], ckpt[f"{base}.{d}.weight"][:, cut])
+        assert torch.equal(moe.gate.weight, ckpt[f"model.layers.0.{block}.gate.weight"])
+
+
+def _trace_worker(models: list[str], inbox):
+    from pagedgen.cli.verify.model_checks import trace
+    from test_tensor_parallel import PROMPTS, config
+    for model in models:
+        logits, outputs = trace(Engine(config(model, 2)), PROMPTS, 6)
+        yield {k: v.numpy() for k, v in logits.items()}, outputs
+
+
+def test_tp2_equals_tp1(tmp_path_factory):
+    from pagedgen.cli.verify.model_checks import compare, trace
+    from test_tensor_parallel import PROMPTS, config
+    models = [str(make_checkpoint(k, tmp_path_factory.mktemp(f"tp-{k}"))) for k in KINDS]
+    with Workers(_trace_worker, [(models,)], [None], tp=2) as w:
+        got = [msg for _, msg in w.messages()]
+    assert len(got) == len(models)
+    for model, sharded in zip(models, got):
+        ref = trace(Engine(config(model)), PROMPTS, 6)
+        row = compare(ref, sharded, 1e-5, model)
+        assert row.worst_abs < 1e-4 and row.passed, (model, row)
+        assert sharded[1] == ref[1], model
+
+
+def test_a_missing_expert_tensor_is_named_as_the_checkpoint_names_it(checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+    kind, path = checkpoint
+    tensors = load_file(str(path / "model.safetensors"))
+    name = next(n for n in sorted(tensors) if ".experts.1." in n and "layers.0." in n)
+    del tensors[name]
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(PagedgenError, match=f"missing 1 tensor.*'{name}'"):
+        build_model(resolve_model(str(tmp_path)), "safetensors", torch.float32,
+                    torch.device("cpu"))
+    tensors[name.replace(".experts.1.", ".experts.99.")] = torch.zeros(2)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(PagedgenError, match="unexpected tensor"):
+        build_model(resolve_model(str(tmp_path)), "safetensors", torch.float32,
+                    torch.device("cpu"))
+
+
+@pytest.mark.parametrize("kind,fields,message", [
+    ("qwen3_moe", {"shared_expert_intermediate_size": 512},
+     "shared_expert_intermediate_size: shared experts are not supported"),
+    ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 8},
+     r"num_experts_per_tok \(8\) exceeds the number of experts \(4\)"),
+    ("mixtral", {"num_local_experts": -1}, "num_local_experts must be a non-negative"),
+    ("qwen3_moe", {"mlp_only_layers": "all"}, "mlp_only_layers must be a list"),
+    ("qwen3_moe", {"moe_intermediate_size": 0}, "moe_intermediate_size must be a positive"),
+])
+def test_unsupported_variants_are_one_line_errors(kind, fields, message):
+    with pytest.raises(PagedgenError, match=message) as e:
+        model_config({"model_type": kind, **fields}, "m/config.json")
+    assert str(e.value).startswith("m/config.json: ") and "\n" not in str(e.value)
+
+
+def test_fp8_on_a_moe_model_is_a_one_line_error(checkpoint):
+    from pagedgen.runtime.models.loader import model_quantization
+    src = resolve_model(str(checkpoint[1]))
+    with pytest.raises(PagedgenError, match="fp8 quantization does not cover MoE experts"):
+        build_model(src, "safetensors", torch.float32, torch.device("cpu"),
+                    quant=model_quantization(src, "fp8"))
+
+
+def test_tp_that_does_not_divide_the_experts_says_which_field():
+    cfg = model_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4,
+                        "num_key_value_heads": 4, "num_hidden_layers": 2,
+                        "moe_intermediate_size": 30}, "c")
+    with pytest.raises(ValueError, match="moe_intermediate_size 30 cannot be split over 4"):
+        registry.model_class(cfg).layer_specs(cfg, 4)
+
+
+def test_presets_read_as_transformers_would():
+    import transformers as tf
+    q = resolve_model("qwen3-30b-a3b").hf_config
+    ref = tf.Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                            num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                            num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                            max_position_embeddings=40960, rope_theta=1e6)
+    assert (q.num_local_experts, q.num_experts_per_tok, q.norm_topk_prob, q.sliding_window,
+            q.mlp_only_layers) == (ref.num_experts, 8, True, None, [])
+    assert q.rope_parameters == ref.rope_parameters
+    m = resolve_model("mixtral-8x7b").hf_config
+    ref = tf.MixtralConfig(max_position_embeddings=32768)
+    assert (m.num_local_experts, m.num_experts_per_tok, m.intermediate_size, m.head_dim) == \
+        (ref.num_local_experts, ref.num_experts_per_tok, ref.intermediate_size, 128)
+    assert m.rope_parameters == ref.rope_parameters
+
+
+def test_step_weight_bytes_counts_the_experts_a_step_is_expected_to_read():
+    """Roofline bytes: one token reads exactly top-k experts per layer; many tokens all."""
+    cfg = resolve_model("qwen3-30b-a3b").hf_config
+    with torch.device("meta"):
+        model = registry.model_class(cfg)(cfg)
+    per_expert = 3 * 768 * 2048 * 4  # float32 on the meta device
+    all_experts = 48 * 128 * per_expert
+    one, many = model.step_weight_bytes(1), model.step_weight_bytes(100_000)
+    assert many - one == pytest.approx(all_experts - 48 * 8 * per_expert)
+    expected = 128 * (1 - (1 - 8 / 128) ** 16)
+    assert model.step_weight_bytes(16) - one == pytest.approx(
+        48 * (expected - 8) * per_expert, rel=1e-9)
+
+
+def test_plan_chooses_by_token_count_and_reads_its_disk_form(monkeypatch):
+    tiles = list(CANDIDATES.values())
+    plan = MoePlan([(1, tiles[0], tiles[1]), (64, tiles[2], tiles[2]), (float("inf"), tiles[4],
+                                                                          tiles[5])])
+    assert plan.choose(1) == (tiles[0], tiles[1]) and plan.choose(2) == (tiles[2], tiles[2])
+    assert plan.choose(10_000) == (tiles[4], tiles[5])
+    w = torch.empty(4, 8, 16)
+    assert plan_moe(w, w, 2).choose(5) == (INTERPRETED, INTERPRETED)  # CPU: the interpreter's
+    monkeypatch.setenv("PAGEDGEN_MOE_TILES", tiles[3].name)
+    assert plan_moe(w, w, 2).choose(5) == (tiles[3], tiles[3])
+    monkeypatch.setenv("PAGEDGEN_MOE_TILES", "m7")
+    with pytest.raises(ValueError, match="PAGEDGEN_MOE_TILES=m7: use one of"):
+        plan_moe(w, w, 2)
+
+
+def test_every_block_height_has_tiles_that_fit_shared_memory():
+    """The plan times only tiles whose pipeline fits (gate/up stages two B tiles); each block
+    height keeps a down tile in bf16, and bf16 and fp32 keep gate/up tiles."""
+    heights = {t.block_m for t in CANDIDATES.values()}
+    for m in heights:
+        assert any(fits(t, 2, gated=False) for t in CANDIDATES.values() if t.block_m == m)
+        assert any(fits(t, 2, gated=True) for t in CANDIDATES.values() if t.block_m == m)
+    assert not fits(CANDIDATES["m128n256k64g8w8s3"], 2, gated=True)
+    assert any(fits(t, 4, gated=True) for t in CANDIDATES.values())
+
+
+def test_generate_runs_a_moe_checkpoint_end_to_end(tmp_path):
+    from typer.testing import CliRunner
+    from pagedgen.cli.app import app
+    path = make_checkpoint("qwen3_moe", tmp_path / "m", with_tokenizer=True)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"a b c {i}"}) + "\n" for i in range(4)))
+    res = CliRunner().invoke(app, ["generate", str(prompts), "--model", str(path), "--device",
+                                   "cpu", "--max-tokens", "5", "--dtype", "float32"])
+    assert res.exit_code == 0, res.output
+    lines = (tmp_path / "p.completions.jsonl").read_text().splitlines()
+    assert len(lines) == 4
+    assert all(json.loads(x)["num_output_tokens"] == 5 for x in lines)
