@@ -31,10 +31,10 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", arch: str | None = None,
-               drop: tuple[str, ...] = ()) -> Path:
+               drop: tuple[str, ...] = (), experts: int = 0) -> Path:
     """``ckpt`` (a safetensors checkpoint directory) as GGUF file ``out``; 2-D weights in
     ``qtype`` (norms stay F32); ``arch`` overrides the architecture; tensors in ``drop`` are
-    left out."""
+    left out; ``experts``: an expert count in the metadata (as llama.cpp writes Mixtral)."""
     import gguf
     from gguf.quants import quantize
     from safetensors.numpy import load_file
@@ -44,6 +44,8 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", arch: str | None = Non
     w = gguf.GGUFWriter(str(out), arch)
     heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     w.add_block_count(cfg["num_hidden_layers"])
+    if experts:
+        w.add_expert_count(experts)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])

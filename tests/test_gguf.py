@@ -134,6 +134,7 @@ def test_generate_takes_a_gguf_file_and_refuses_bad_ones(ckpts, tmp_path):
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(gguf.read_bytes()[:50_000])
     gpt2 = write_gguf(ckpts["llama"], tmp_path / "gpt2.gguf", arch="gpt2")
+    moe = write_gguf(ckpts["llama"], tmp_path / "moe.gguf", experts=8)
     iq = tmp_path / "iq.gguf"
     data = bytearray(gguf.read_bytes())
     pos = data.index(b"blk.0.attn_q.weight") + len(b"blk.0.attn_q.weight") + 4 + 2 * 8
@@ -142,6 +143,7 @@ def test_generate_takes_a_gguf_file_and_refuses_bad_ones(ckpts, tmp_path):
     for model, message in [
             (truncated, "truncated.gguf: not a readable GGUF file"),
             (gpt2, "GGUF architecture 'gpt2' is not supported (supported: llama, qwen2, qwen3)"),
+            (moe, "llama.expert_count: mixture-of-experts GGUF files are not supported"),
             (iq, "tensor 'blk.0.attn_q.weight' is of GGUF type IQ4_NL, which pagedgen cannot"),
             (tmp_path / "none.gguf", "none.gguf: no such GGUF file")]:
         out = invoke(model)

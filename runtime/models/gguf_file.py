@@ -84,6 +84,9 @@ def config_fields(reader, path: Path) -> dict[str, Any]:
     if arch not in ARCHITECTURES:
         raise PagedgenError(f"{path}: GGUF architecture '{arch}' is not supported "
                             f"(supported: {', '.join(ARCHITECTURES)})")
+    if _field(reader, f"{arch}.expert_count"):  # llama.cpp writes Mixtral as "llama"
+        raise PagedgenError(f"{path}: {arch}.expert_count: mixture-of-experts GGUF files are "
+                            "not supported (use the safetensors checkpoint)")
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise PagedgenError(f"{path}: rope frequency factors (rope_freqs, Llama 3.1's rope) "
