@@ -1,0 +1,163 @@
+"""A MoE layer's kernels alone (issue 35): pagedgen's (routing, slot sort, the two grouped
+GEMMs, the sum over each token's experts) against vLLM's ``fused_topk`` + ``fused_experts``
+(in a process of its own, as ``vllm_peer.py`` runs vLLM), each replayed from a CUDA graph, at
+several token counts, on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes (bf16, random
+weights, router logits from a random gate, the same for both). Prints each time, the bytes
+of the experts a step reads over the measured copy bandwidth, and pagedgen's split by kernel.
+
+    python -m benchmarks.moe_kernels [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768, True), "mixtral-8x7b": (8, 2, 4096, 14336, True)}
+TOKENS = (1, 8, 64, 256, 1024, 8192)
+
+
+def _inputs(shape: tuple, tokens: int, seed: int = 0):
+    e, k, h, i, _ = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    gate = torch.randn(e, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    return x, w13, w2, x @ gate.t()
+
+
+def _replay_ms(fn, calls: int = 5) -> float:
+    """Median ms of one ``fn`` call from CUDA-graph replays (written out here too: the vLLM
+    process imports nothing of pagedgen)."""
+    fn()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / calls)
+    return sorted(times)[3]
+
+
+def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
+    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers.moe_plan import plan_moe
+
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for name, shape in SHAPES.items():
+        e, k, h, i, renorm = shape
+        out[name] = {}
+        for t in TOKENS:
+            x, w13, w2, logits = _inputs(shape, t)
+            tiles = plan_moe(w13, w2, k).choose(t)
+            weights, ids = mk.route(logits, k, renorm)
+            slots, experts = mk.align(ids, e, tiles[0].block_m)
+            inter = x.new_empty(t * k, i)
+            down = x.new_empty(t * k, h)
+            row = {
+                "total": _replay_ms(lambda: mk.fused_experts(
+                    x, w13, w2, *mk.route(logits, k, renorm), tiles)),
+                "route": _replay_ms(lambda: mk.route(logits, k, renorm)),
+                "align": _replay_ms(lambda: mk.align(ids, e, tiles[0].block_m)),
+                "gate_up": _replay_ms(lambda: mk.grouped_gemm(
+                    x, w13, inter, slots, experts, t * k, tiles[0], k, gated=True)),
+                "down": _replay_ms(lambda: mk.grouped_gemm(
+                    inter, w2, down, slots, experts, t * k, tiles[1], 1, gated=False,
+                    weights=weights.reshape(-1))),
+                "tiles": f"{tiles[0].name} / {tiles[1].name}"}
+            out[name][t] = row
+    return out
+
+
+def _vllm_worker(out_path: str) -> None:
+    """vLLM's MoE kernels on the same inputs (this process imports vLLM, not pagedgen)."""
+    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+
+    res: dict[str, dict[int, float]] = {}
+    for name, shape in SHAPES.items():
+        e, k, h, i, renorm = shape
+        res[name] = {}
+        for t in TOKENS:
+            x, w13, w2, logits = _inputs(shape, t)
+
+            def run():
+                routed = fused_topk(x, logits, k, renorm)
+                return fused_experts(x, w13, w2, routed[0], routed[1])
+
+            res[name][t] = _replay_ms(run)
+    Path(out_path).write_text(json.dumps(res))
+
+
+def vllm_times() -> dict | str:
+    from benchmarks.vllm_peer import vllm_site
+
+    site = vllm_site()
+    if site is None:
+        return "vLLM is not installed here"
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "vllm.json"
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", **({"PYTHONPATH": site} if site
+                                                              else {})}
+        res = subprocess.run([sys.executable, "-m", "benchmarks.moe_kernels", "--vllm-worker",
+                              str(out)], env=env, capture_output=True, text=True,
+                             cwd=Path(__file__).parent.parent, timeout=400)
+        if res.returncode != 0:
+            return f"vLLM failed: {res.stderr.strip().splitlines()[-3:]}"
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--vllm-worker")
+    args = ap.parse_args()
+    if args.vllm_worker:
+        _vllm_worker(args.vllm_worker)
+        return
+    from pagedgen.runtime.hardware import copy_bandwidth
+
+    bw = copy_bandwidth()
+    ours = pagedgen_times()
+    theirs = vllm_times()
+    rows = []
+    for name, (e, k, h, i, _) in SHAPES.items():
+        expert_bytes = 3 * h * i * 2
+        for t in TOKENS:
+            active = e * (1 - (1 - k / e) ** t)
+            row = {"shape": name, "tokens": t, **ours[name][t],
+                   "roofline_ms": 1000 * active * expert_bytes / bw}
+            if isinstance(theirs, dict):
+                row["vllm"] = theirs[name][str(t)]
+                row["vllm_over_ours"] = row["vllm"] / row["total"]
+            rows.append(row)
+            print(json.dumps({kk: round(v, 4) if isinstance(v, float) else v
+                              for kk, v in row.items()}))
+    if not isinstance(theirs, dict):
+        print("vllm:", theirs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_bw_tb_s": bw / 1e12, "rows": rows,
+                                               "vllm": None if isinstance(theirs, dict)
+                                               else theirs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
