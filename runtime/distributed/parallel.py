@@ -19,12 +19,17 @@ import torch
 import torch.distributed as dist
 
 from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.distributed import fused_all_reduce
 
 # All-reduces up to this size (every decode step's; prefill chunks of up to a few hundred
 # tokens) run as one peer-to-peer kernel over symmetric memory instead of NCCL's ring;
 # PAGEDGEN_ALL_REDUCE=nccl sends them all to NCCL.
 ONE_SHOT_MAX_BYTES = 8 << 20
 ENV_ALL_REDUCE = "PAGEDGEN_ALL_REDUCE"
+# NVLink multicast (NVLS) stays off in every rank: NCCL's NVLS algorithms, symmetric memory's
+# multicast objects and NVSHMEM's are set up per process and fail on the lent multi-GPU hosts
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass
@@ -38,6 +43,7 @@ class TensorParallel:
     all_reduce_kind: str = "nccl"
     # buffers by dtype: one per process, kept alive (captured CUDA graphs point into them)
     _buffers: dict = field(default_factory=dict, repr=False)
+    _handles: dict = field(default_factory=dict, repr=False)  # their symmetric-memory handles
 
     def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> None:
         """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (each GPU reads
@@ -56,13 +62,16 @@ class TensorParallel:
 
             buf = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype,
                                  device=device)
-            symm_mem.rendezvous(buf, self.group.group_name)
+            handle = symm_mem.rendezvous(buf, self.group.group_name)
             torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018 - present in this build
         except Exception as e:  # noqa: BLE001 - no peer access, an older torch: keep NCCL
             self.all_reduce_kind = f"nccl (symmetric memory unavailable: {type(e).__name__})"
             return
         self.one_shot = self._buffers[dtype] = buf
+        self._handles[dtype] = handle
         self.all_reduce_kind = "one-shot (symmetric memory)"
+        if fused_all_reduce.requested():
+            self.all_reduce_kind += ", fused with the next RMSNorm"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
@@ -90,6 +99,54 @@ class TensorParallel:
         with scope("all_reduce"):
             self._one_shot_into(part, out.view(-1))
         return out
+
+    def partial_output(self, rows: int, cols: int, dtype: torch.dtype,
+                       compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """A GEMM's [rows, cols] partial sums, left for ``all_reduce_add_rms_norm`` to
+        reduce: ``compute(out)`` writes them into the symmetric buffer where a one-shot
+        all-reduce can take them (``out`` a view of it), else returns its own tensor."""
+        part = self._one_shot_part(rows * cols, dtype) if self.size > 1 else None
+        return compute(None if part is None else part.view(rows, cols))
+
+    def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None,
+                                weight: torch.Tensor, eps: float, norm: Callable, **kw):
+        """``norm(x, weight, eps, residual, **kw)`` of x = ``partial`` summed over the ranks:
+        one kernel that reads the peers' partials, adds and normalizes
+        (``fused_all_reduce``), where asked for and the partials sit in symmetric memory;
+        otherwise the all-reduce, then ``norm``."""
+        if self.size == 1:
+            return norm(partial, weight, eps, residual, **kw)
+        buf = self.one_shot
+        in_buffer = buf is not None and partial.data_ptr() == buf.data_ptr()
+        if in_buffer and residual is not None and not kw.get("quantize") \
+                and fused_all_reduce.requested():
+            fused = self._fused_peers(partial)
+            if fused is not None:
+                with scope("all_reduce"):
+                    return fused_all_reduce.one_shot_add_rms_norm(
+                        fused[0], residual, weight, eps, self.rank, fused[1])
+        if in_buffer:
+            out = torch.empty_like(partial)
+            with scope("all_reduce"):
+                self._one_shot_into(partial.view(-1), out.view(-1))
+            partial = out
+        else:
+            partial = self.all_reduce(partial)
+        return norm(partial, weight, eps, residual, **kw)
+
+    def _fused_peers(self, partial: torch.Tensor):
+        """(every rank's view of ``partial``'s place in its buffer, every rank's signal-pad
+        words for the fused kernel's barriers: the pad's last ones, apart from those the
+        one-shot all-reduce uses), or None when the pad is too small."""
+        handle = self._handles[partial.dtype]
+        words = fused_all_reduce.signal_slots(self.size)
+        start = handle.signal_pad_size // 4 - words
+        if start < handle.signal_pad_size // 8:
+            return None
+        shape = list(partial.shape)
+        return ([handle.get_buffer(r, shape, partial.dtype) for r in range(self.size)],
+                [handle.get_signal_pad(r, [words], torch.int32, start)
+                 for r in range(self.size)])
 
     def _one_shot_part(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The first ``numel`` elements of the symmetric buffer, when a one-shot all-reduce
@@ -140,6 +197,7 @@ def init(rank: int, size: int, init_method: str, device_index: int | None) -> Te
     current device), gloo on the CPU (``device_index`` None)."""
     global _CURRENT
     if size > 1:
+        os.environ.update(NO_MULTICAST)  # before NCCL or symmetric memory start
         if device_index is not None:
             torch.cuda.set_device(device_index)
         else:  # ranks on one CPU: share its cores instead of each taking all of them

@@ -78,6 +78,7 @@ class ModelRunner:
         self.fused_kernels = (config.fused_kernels
                               and fused_ops.unavailable_reason(self.device) is None)
         self.model.use_fused_kernels(self.fused_kernels)
+        self.model.defer_all_reduces()  # -tp: each all-reduce in the RMSNorm after it
         self.attn_state = self.backend.get_state_cls()(
             self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
         impl_cls = self.backend.get_impl_cls()

@@ -62,6 +62,9 @@ class RowParallelLinear(LinearBase):
         super().__init__(seg.size, out_features, bias, quant_method)
         self.tp = tp
         self.shards = {"weight": (1, [seg])}
+        # True: return this rank's partial sums; the RMSNorm that follows reduces them
+        # (``TensorParallel.all_reduce_add_rms_norm``; only without a bias)
+        self.defer_reduce = False
 
     def forward(self, x: torch.Tensor | QuantizedActivations) -> torch.Tensor:
         """``x``: this rank's input features (2-D: the output may go straight into the
@@ -70,6 +73,9 @@ class RowParallelLinear(LinearBase):
             rows, dtype, device = x.q.shape[0], self.quant_method.output_dtype(self), x.q.device
         else:
             rows, dtype, device = x.shape[0], x.dtype, x.device
+        if self.defer_reduce:
+            return self.tp.partial_output(rows, self.out_features, dtype,
+                                          lambda out: self.quant_method.apply(self, x, None, out))
         if isinstance(x, torch.Tensor) and x.dim() != 2:  # no symmetric-memory output
             y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
         else:

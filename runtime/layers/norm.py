@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pagedgen.attention.ops.profiling import scope
+from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.layers import fused_ops
 
 
@@ -18,6 +19,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.fused = False  # one Triton kernel instead of torch ops (``use_fused_kernels``)
+        # a group: the input is a row-parallel layer's partial sums, reduced here first
+        self.reduce: TensorParallel | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 quantize: bool = False):
@@ -25,4 +28,7 @@ class RMSNorm(nn.Module):
         (``QuantizedActivations``, for an FP8 linear layer that takes them)."""
         op = fused_ops.rms_norm_fused if self.fused else fused_ops.rms_norm_ref
         with scope("normalization"):
+            if self.reduce is not None:
+                return self.reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, op,
+                                                           quantize=quantize)
             return op(x, self.weight, self.eps, residual, quantize)

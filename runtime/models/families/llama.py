@@ -209,6 +209,26 @@ class LlamaForCausalLM(nn.Module):
             if hasattr(m, "fused"):
                 m.fused = enabled
 
+    def defer_all_reduces(self) -> None:
+        """Under -tp: each row-parallel projection (o_proj, a dense MLP's down_proj) that a
+        residual RMSNorm follows leaves its partial sums to that norm, which reduces them in
+        the same step (``TensorParallel.all_reduce_add_rms_norm``: one kernel where the fused
+        all-reduce runs). Layers of other shapes (Gemma's norms, MoE blocks) keep theirs."""
+        if self.tp.size == 1:
+            return
+        layers = list(self.model.layers)
+        follows = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        for layer, next_norm in zip(layers, follows):
+            if type(layer).forward is not DecoderLayer.forward:
+                continue
+            o_proj = layer.self_attn.o_proj
+            if o_proj.bias is None:
+                o_proj.defer_reduce = True
+                layer.post_attention_layernorm.reduce = self.tp
+            if isinstance(layer.mlp, MLP) and layer.mlp.down_proj.bias is None:
+                layer.mlp.down_proj.defer_reduce = True
+                next_norm.reduce = self.tp
+
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
         spec = self.model.layers[0].self_attn.spec
         self.rotary = RotaryEmbedding(self.config, spec.head_size, max_positions, device)
