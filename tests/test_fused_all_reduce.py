@@ -82,9 +82,9 @@ def test_the_chain_over_gloo_sums_every_ranks_partials(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3_moe"])
 def test_sharded_models_leave_each_all_reduce_to_the_norm_after_it(kind, tmp_path):
-    """o_proj → post-attention norm; a dense MLP's down_proj → the next layer's input norm (or
-    the final norm); a MoE block keeps its own all-reduce, so the norm after it does not
-    reduce (tests/test_tensor_parallel.py and test_moe.py check the logits)."""
+    """o_proj → post-attention norm; a dense MLP's down_proj, or a MoE block, → the next
+    layer's input norm (or the final norm) (tests/test_tensor_parallel.py and test_moe.py
+    check the logits)."""
     path = make_checkpoint(kind, tmp_path / kind)
     model = build_model(resolve_model(str(path)), "safetensors", torch.float32,
                         torch.device("cpu"), tp=TensorParallel(0, 2))
@@ -95,10 +95,9 @@ def test_sharded_models_leave_each_all_reduce_to_the_norm_after_it(kind, tmp_pat
     for layer, norm in zip(layers, after):
         assert layer.self_attn.o_proj.defer_reduce
         assert layer.post_attention_layernorm.reduce is model.tp
+        assert norm.reduce is model.tp
         moe = isinstance(layer.mlp, SparseMoeBlock)
-        assert (norm.reduce is None) == moe
-        if not moe:
-            assert layer.mlp.down_proj.defer_reduce
+        assert (layer.mlp if moe else layer.mlp.down_proj).defer_reduce
     if kind == "qwen3_moe":  # its layer 1 is dense (mlp_only_layers), the others MoE
         assert [isinstance(m.mlp, SparseMoeBlock) for m in layers] == [True, False, True]
     single = build_model(resolve_model(str(path)), "safetensors", torch.float32,

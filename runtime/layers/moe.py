@@ -128,7 +128,7 @@ class FusedMoE(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router (``gate``: [E, H], replicated on every rank) and ``experts``; the output summed
-    over the tensor-parallel ranks."""
+    over the tensor-parallel ranks (by the RMSNorm after it when ``defer_reduce``)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES
@@ -142,11 +142,17 @@ class SparseMoeBlock(nn.Module):
                                                                  num_experts, 0))],
                                          False, Unquantized())
         self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names)
+        self.defer_reduce = False  # True: partial sums, reduced by the RMSNorm after it
 
     def takes_quantized_input(self, m: int) -> bool:
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
-        return self.tp.all_reduce_output(x.shape[0], x.shape[1], x.dtype, x.device,
-                                         lambda out: self.experts(x, weights, ids, out))
+
+        def compute(out: torch.Tensor | None) -> torch.Tensor:
+            return self.experts(x, weights, ids, out)
+
+        if self.defer_reduce:
+            return self.tp.partial_output(x.shape[0], x.shape[1], x.dtype, compute)
+        return self.tp.all_reduce_output(x.shape[0], x.shape[1], x.dtype, x.device, compute)

@@ -213,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
         """Under -tp: each row-parallel projection (o_proj, a dense MLP's down_proj) that a
         residual RMSNorm follows leaves its partial sums to that norm, which reduces them in
         the same step (``TensorParallel.all_reduce_add_rms_norm``: one kernel where the fused
-        all-reduce runs). Layers of other shapes (Gemma's norms, MoE blocks) keep theirs."""
+        all-reduce runs); so does a MoE block. Layers of other shapes (Gemma's norms) keep
+        theirs."""
         if self.tp.size == 1:
             return
         layers = list(self.model.layers)
@@ -225,8 +226,10 @@ class LlamaForCausalLM(nn.Module):
             if o_proj.bias is None:
                 o_proj.defer_reduce = True
                 layer.post_attention_layernorm.reduce = self.tp
-            if isinstance(layer.mlp, MLP) and layer.mlp.down_proj.bias is None:
-                layer.mlp.down_proj.defer_reduce = True
+            mlp = layer.mlp
+            last = mlp.down_proj if isinstance(mlp, MLP) else mlp  # a MoE block: itself
+            if hasattr(last, "defer_reduce") and getattr(last, "bias", None) is None:
+                last.defer_reduce = True
                 next_norm.reduce = self.tp
 
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
