@@ -12,9 +12,7 @@ import torch
 
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.launch import Workers
 from pagedgen.runtime.distributed.parallel import TensorParallel
-from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
@@ -192,26 +190,10 @@ def test_each_rank_holds_its_share_of_every_expert(checkpoint):
         assert torch.equal(moe.gate.weight, ckpt[f"model.layers.0.{block}.gate.weight"])
 
 
-def _trace_worker(models: list[str], inbox):
-    from pagedgen.cli.verify.model_checks import trace
-    from test_tensor_parallel import PROMPTS, config
-    for model in models:
-        logits, outputs = trace(Engine(config(model, 2)), PROMPTS, 6)
-        yield {k: v.numpy() for k, v in logits.items()}, outputs
-
-
 def test_tp2_equals_tp1(tmp_path_factory):
-    from pagedgen.cli.verify.model_checks import compare, trace
-    from test_tensor_parallel import PROMPTS, config
-    models = [str(make_checkpoint(k, tmp_path_factory.mktemp(f"tp-{k}"))) for k in KINDS]
-    with Workers(_trace_worker, [(models,)], [None], tp=2) as w:
-        got = [msg for _, msg in w.messages()]
-    assert len(got) == len(models)
-    for model, sharded in zip(models, got):
-        ref = trace(Engine(config(model)), PROMPTS, 6)
-        row = compare(ref, sharded, 1e-5, model)
-        assert row.worst_abs < 1e-4 and row.passed, (model, row)
-        assert sharded[1] == ref[1], model
+    from test_tensor_parallel import assert_tp2_equals_tp1
+    assert_tp2_equals_tp1([str(make_checkpoint(k, tmp_path_factory.mktemp(f"tp-{k}")))
+                           for k in KINDS])
 
 
 def test_a_missing_expert_tensor_is_named_as_the_checkpoint_names_it(checkpoint, tmp_path):

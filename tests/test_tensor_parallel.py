@@ -50,9 +50,9 @@ def checkpoints(tmp_path_factory) -> list[str]:
             str(make_checkpoint("qwen3", base / "qwen3"))]  # q/k norms, tied embeddings
 
 
-def test_tp2_logits_and_greedy_tokens_equal_tp1(checkpoints):
-    models = ["tiny", *checkpoints]
-    got = []
+def assert_tp2_equals_tp1(models: list[str]) -> None:
+    """Each model sharded over 2 gloo ranks gives one rank's logits and greedy tokens (the MoE
+    families' test uses it too)."""
     with Workers(traces_worker, [(models,)], [None], tp=2) as w:
         got = [msg for _, msg in w.messages()]
     assert len(got) == len(models)
@@ -62,6 +62,10 @@ def test_tp2_logits_and_greedy_tokens_equal_tp1(checkpoints):
         assert row.worst_abs < 1e-4 and row.passed, (model, row)
         assert sharded[1] == ref[1], model  # greedy tokens, token for token
         assert row.cases == 3 * 6
+
+
+def test_tp2_logits_and_greedy_tokens_equal_tp1(checkpoints):
+    assert_tp2_equals_tp1(["tiny", *checkpoints])
 
 
 class RecordingSlice:
