@@ -58,10 +58,57 @@ def test_fused_tensors_split_by_rank(path):
         assert d == 64
 
 
+LONG = dict(original_max_position_embeddings=16, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0,
+    "short_factor": [1.0 + 0.05 * i for i in range(32)],
+    "long_factor": [1.0 + 0.9 * i for i in range(32)]})
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory):
+    """Phi-3's 128k variants' rope on a 16-token original length (factor 512 / 16 = 32)."""
+    return make_checkpoint("phi3", tmp_path_factory.mktemp("phi3-longrope"), **LONG)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_longrope_logits_match_transformers_within_the_original_length(longrope, backend):
+    """A 14-token prompt (short factors, the attention factor on cos/sin), whole and in chunks
+    over cached pages."""
+    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
+    prompt = ids(14)
+    with torch.no_grad():
+        ref = hf_model(longrope)(torch.tensor([prompt])).logits[0]
+    for chunk in (14, 5):
+        got = prefill_logits(engine(longrope, backend), prompt, chunk)
+        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_longrope_table_takes_the_long_factors_past_the_original_length(longrope):
+    """Rows from position 16 on are transformers' long-factor cos/sin (which transformers
+    uses once a sequence passes 16 tokens); rows before, its short-factor ones."""
+    from transformers import AutoConfig
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from pagedgen.runtime.layers.rotary import RotaryEmbedding
+    cfg = resolve_model(str(longrope)).hf_config
+    ours = RotaryEmbedding(cfg, cfg.head_dim, 64, torch.device("cpu"))
+    hf = Phi3RotaryEmbedding(AutoConfig.from_pretrained(str(longrope)))
+    x = torch.zeros(1, 1, cfg.head_dim)
+    long_cos, long_sin = hf(x, torch.arange(64)[None])  # 64 positions: the long factors
+    short_cos, short_sin = hf(x, torch.arange(16)[None])
+    torch.testing.assert_close(ours.cos[16:], long_cos[0, 16:])
+    torch.testing.assert_close(ours.sin[16:], long_sin[0, 16:])
+    torch.testing.assert_close(ours.cos[:16], short_cos[0])
+    torch.testing.assert_close(ours.sin[:16], short_sin[0])
+    short_all, _ = RotaryEmbedding._table(cfg.rope_parameters, cfg.head_dim,
+                                          cfg.max_position_embeddings, 64, torch.device("cpu"),
+                                          long=False)
+    assert not torch.allclose(ours.cos[16:], short_all[16:])  # the splice took effect
+
+
 def test_unsupported_variants_are_one_line_errors(path):
     fields = json.loads((path / "config.json").read_text())
-    with pytest.raises(PagedgenError, match="rope type 'longrope' is not supported"):
-        model_config({**fields, "rope_scaling": {"type": "longrope", "short_factor": [1.0],
+    with pytest.raises(PagedgenError, match="rope_parameters.long_factor must list 32 "):
+        model_config({**fields, "rope_scaling": {"type": "su", "short_factor": [1.0] * 32,
                                                  "long_factor": [1.0]}}, "config.json")
     with pytest.raises(PagedgenError, match="partial rotary"):
         model_config({**fields, "rope_parameters": {**fields["rope_parameters"],

@@ -19,14 +19,17 @@ from torch import nn
 from pagedgen.attention.ops.profiling import scope
 from pagedgen.runtime.layers import fused_ops
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-def rope_frequencies(rope: dict, head_dim: int,
-                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(rope: dict, head_dim: int, max_position_embeddings: int,
+                     long: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies ``[head_dim // 2]`` float32 on the CPU, attention scaling) for
-    standardized rope parameters (``rope_type``, ``rope_theta`` and the type's own keys)."""
+    standardized rope parameters (``rope_type``, ``rope_theta`` and the type's own keys);
+    ``long``: LongRoPE's frequencies past ``original_max_position_embeddings``."""
     kind, base, dim = rope["rope_type"], rope["rope_theta"], head_dim
+    if kind == "longrope":
+        return _longrope(rope, base, dim, max_position_embeddings, long)
     if kind == "dynamic":  # dynamic NTK at build time: sequence length = the model's maximum
         factor = rope["factor"]
         seq_len = max_position_embeddings
@@ -53,6 +56,21 @@ def _llama3(rope: dict, inv_freq: torch.Tensor) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _longrope(rope: dict, base: float, dim: int, max_position_embeddings: int,
+              long: bool) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3 128k, Phi-3.5): each frequency divided by its own factor (the short
+    list within the original length, the long one past it); cos/sin scaled by
+    sqrt(1 + ln(factor) / ln(original length)) unless ``attention_factor`` says."""
+    old_len = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / old_len
+    attention = rope.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len))
+    ext = torch.tensor(rope["long_factor" if long else "short_factor"], dtype=torch.float32)
+    return 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), \
+        attention
 
 
 def _yarn(rope: dict, base: float, dim: int,
@@ -92,16 +110,29 @@ def _yarn(rope: dict, base: float, dim: int,
 
 
 class RotaryEmbedding:
-    """cos/sin tables of the config's rope type (Llama 3's, YaRN, ...) up to ``max_positions``."""
+    """cos/sin tables of the config's rope type (Llama 3's, YaRN, ...) up to ``max_positions``.
+    LongRoPE's table takes the short factors' rows within the original length and the long
+    factors' past it (as vLLM does; transformers switches every position of a forward to the
+    long factors once the sequence passes the original length)."""
 
     def __init__(self, config, head_dim: int, max_positions: int, device: torch.device) -> None:
-        inv_freq, scaling = rope_frequencies(config.rope_parameters, head_dim,
-                                             config.max_position_embeddings)
+        rope = config.rope_parameters
+        self.cos, self.sin = self._table(rope, head_dim, config.max_position_embeddings,
+                                         max_positions, device, long=False)
+        old_len = rope.get("original_max_position_embeddings", max_positions)
+        if rope["rope_type"] == "longrope" and max_positions > old_len:
+            cos, sin = self._table(rope, head_dim, config.max_position_embeddings,
+                                   max_positions, device, long=True)
+            self.cos[old_len:], self.sin[old_len:] = cos[old_len:], sin[old_len:]
+
+    @staticmethod
+    def _table(rope: dict, head_dim: int, max_position_embeddings: int, max_positions: int,
+               device: torch.device, long: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq, scaling = rope_frequencies(rope, head_dim, max_position_embeddings, long)
         t = torch.arange(max_positions, device=device, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq.to(device))
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.cos = emb.cos() * scaling  # [max_positions, head_dim]
-        self.sin = emb.sin() * scaling
+        return emb.cos() * scaling, emb.sin() * scaling  # [max_positions, head_dim]
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim] for a step's positions (looked up once, used by every layer)."""

@@ -98,15 +98,31 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
         return per_type
     rope = dict(rope)
     rope.setdefault("rope_type", rope.get("type", "default"))
+    if rope["rope_type"] == "su":  # Phi-3's older name for LongRoPE
+        rope["rope_type"] = "longrope"
     rope.setdefault("rope_theta", f.pop("rope_theta", 10000.0))  # popped either way
-    if rope["rope_type"] in ("llama3", "yarn"):
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
         rope.setdefault("original_max_position_embeddings", f.get(
             "original_max_position_embeddings", f["max_position_embeddings"]))
     if rope["rope_type"] not in ROPE_TYPES:
         raise PagedgenError(f"{where}: rope type '{rope['rope_type']}' is not supported "
                             f"(supported: {', '.join(ROPE_TYPES)})")
+    if rope["rope_type"] == "longrope":
+        _check_longrope(rope, f, where)
     partial = rope.get("partial_rotary_factor", f.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise PagedgenError(f"{where}: partial rotary embeddings (partial_rotary_factor "
                             f"{partial}) are not supported")
     return rope
+
+
+def _check_longrope(rope: dict[str, Any], f: dict[str, Any], where: str) -> None:
+    """LongRoPE's factor lists: one number per rotary frequency (head_dim / 2)."""
+    half = f["head_dim"] // 2
+    for key in ("short_factor", "long_factor"):
+        values = rope.get(key)
+        if not isinstance(values, list) or len(values) != half or not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                for v in values):
+            raise PagedgenError(f"{where}: rope_parameters.{key} must list {half} positive "
+                                f"numbers (one per rotary frequency)")

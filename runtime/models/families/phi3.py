@@ -2,8 +2,9 @@
 holds q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``), so loading splits
 them into the parts our fused parameters shard by (each rank keeps its heads under -tp; the
 fused tensor is read whole, then cut). A ``sliding_window`` applies to every layer, as
-transformers' Phi-3 attention applies it. LongRoPE (``rope_scaling`` type ``longrope``, the
-128k Phi-3 variants) is not supported: a one-line error from the config reader.
+transformers' Phi-3 attention applies it. LongRoPE (``longrope``, or ``su`` in older files: the
+128k Phi-3 and Phi-3.5 variants) runs (``layers/rotary.py``); partial rotary (Phi-4-mini) is a
+one-line error from the config reader.
 """
 
 from __future__ import annotations
@@ -48,9 +49,13 @@ class Phi3ForCausalLM(llama.LlamaForCausalLM):
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     """One window for every layer (or none); the rope mapping states its (full) rotary
-    fraction, as transformers' Phi3Config writes it."""
+    fraction and, for a scaled rope, takes the config's own ``original_max_position_embeddings``
+    (default 4096) over its own, as transformers' Phi3Config does."""
     f.pop("layer_types", None)
-    f["rope_parameters"].setdefault("partial_rotary_factor", 1.0)
+    rope = f["rope_parameters"]
+    rope.setdefault("partial_rotary_factor", 1.0)
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        rope["original_max_position_embeddings"] = f["original_max_position_embeddings"]
     llama.check_window(f, where)
 
 
@@ -59,7 +64,7 @@ register(ModelFamily(
     model_types={"phi3": dict(
         vocab_size=32064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
         num_attention_heads=32, num_key_value_heads=None, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, sliding_window=None, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=32000)},
+        original_max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000)},
     model_cls=Phi3ForCausalLM,
     normalize=_rules))
