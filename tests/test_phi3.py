@@ -4,6 +4,7 @@ random checkpoint whose q/k/v and gate/up tensors are fused, with a 12-token win
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -105,15 +106,51 @@ def test_longrope_table_takes_the_long_factors_past_the_original_length(longrope
     assert not torch.allclose(ours.cos[16:], short_all[16:])  # the splice took effect
 
 
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    """Phi-4-mini's shape of rope: a partial rotary factor (here half of each 64-wide head)
+    with LongRoPE factors for the rotated half."""
+    rope = {**LONG["rope_parameters"], "short_factor": LONG["rope_parameters"]["short_factor"][:16],
+            "long_factor": LONG["rope_parameters"]["long_factor"][:16],
+            "partial_rotary_factor": 0.5}
+    return make_checkpoint("phi3", tmp_path_factory.mktemp("phi3-partial"),
+                           original_max_position_embeddings=16, rope_parameters=rope)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_partial_rotary_logits_match_transformers(partial, backend):
+    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
+    prompt = ids(14)
+    with torch.no_grad():
+        ref = hf_model(partial)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(prefill_logits(engine(partial, backend), prompt, 5), ref,
+                               atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="CPU tensors run Triton kernels only when interpreted")
+def test_partial_rotary_in_the_fused_kernel_matches_transformers(partial):
+    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
+    prompt = ids(14)
+    with torch.no_grad():
+        ref = hf_model(partial)(torch.tensor([prompt])).logits[0]
+    eng = engine(partial, "eager")
+    eng.runner.model.use_fused_kernels(True)
+    torch.testing.assert_close(prefill_logits(eng, prompt, 14), ref, atol=2e-4, rtol=1e-4)
+
+
 def test_unsupported_variants_are_one_line_errors(path):
     fields = json.loads((path / "config.json").read_text())
     with pytest.raises(PagedgenError, match="rope_parameters.long_factor must list 32 "):
         model_config({**fields, "rope_scaling": {"type": "su", "short_factor": [1.0] * 32,
                                                  "long_factor": [1.0]}}, "config.json")
-    with pytest.raises(PagedgenError, match="partial rotary"):
+    with pytest.raises(PagedgenError, match="partial_rotary_factor 0.3 must leave an even"):
         model_config({**fields, "rope_parameters": {**fields["rope_parameters"],
-                                                    "partial_rotary_factor": 0.75}},
-                     "config.json")  # Phi-4-mini's: transformers 5 keeps it in the rope
+                                                    "partial_rotary_factor": 0.3}},
+                     "config.json")  # 64 * 0.3 = 19 features
+    with pytest.raises(PagedgenError, match="partial rotary embeddings .* not supported for "
+                                            "llama"):
+        model_config({"model_type": "llama", "partial_rotary_factor": 0.5}, "config.json")
     with pytest.raises(PagedgenError, match="sliding_window must be"):
         model_config({**fields, "sliding_window": 0}, "config.json")
 

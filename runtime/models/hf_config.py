@@ -107,18 +107,30 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
     if rope["rope_type"] not in ROPE_TYPES:
         raise PagedgenError(f"{where}: rope type '{rope['rope_type']}' is not supported "
                             f"(supported: {', '.join(ROPE_TYPES)})")
-    if rope["rope_type"] == "longrope":
-        _check_longrope(rope, f, where)
     partial = rope.get("partial_rotary_factor", f.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        raise PagedgenError(f"{where}: partial rotary embeddings (partial_rotary_factor "
-                            f"{partial}) are not supported")
+        fam = registry.family(f["model_type"])
+        if not fam.partial_rotary:
+            raise PagedgenError(f"{where}: partial rotary embeddings (partial_rotary_factor "
+                                f"{partial}) are not supported for {f['model_type']}")
+        if not (isinstance(partial, (int, float)) and 0 < partial <= 1
+                and int(f["head_dim"] * partial) % 2 == 0):
+            raise PagedgenError(f"{where}: partial_rotary_factor {partial!r} must leave an "
+                                f"even number of rotated features of the {f['head_dim']}")
+        rope["partial_rotary_factor"] = partial
+    if rope["rope_type"] == "longrope":
+        _check_longrope(rope, f, where)
     return rope
 
 
+def rotary_dim(rope: dict[str, Any], head_dim: int) -> int:
+    """The features each head rotates (all of them unless ``partial_rotary_factor``)."""
+    return int(head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
 def _check_longrope(rope: dict[str, Any], f: dict[str, Any], where: str) -> None:
-    """LongRoPE's factor lists: one number per rotary frequency (head_dim / 2)."""
-    half = f["head_dim"] // 2
+    """LongRoPE's factor lists: one number per rotary frequency (rotated features / 2)."""
+    half = rotary_dim(rope, f["head_dim"]) // 2
     for key in ("short_factor", "long_factor"):
         values = rope.get(key)
         if not isinstance(values, list) or len(values) != half or not all(

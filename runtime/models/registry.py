@@ -61,13 +61,15 @@ class ModelFamily:
     ``normalize(fields, model_type, where)``: the family's own rules on a config's fields,
     applied in place after the defaults (a PagedgenError starting with ``where`` when one is
     broken); ``model_cls``: builds the model from (config, tensor-parallel group);
-    ``activations``: the ``hidden_act`` values it runs."""
+    ``activations``: the ``hidden_act`` values it runs; ``partial_rotary``: whether heads may
+    rotate only part of their features."""
 
     name: str
     model_types: dict[str, dict[str, Any]]
     model_cls: type
     normalize: Callable[[dict[str, Any], str, str], None] = field(default=_no_rules)
     activations: tuple[str, ...] = ("silu",)
+    partial_rotary: bool = False  # runs a partial_rotary_factor below 1
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # by model_type

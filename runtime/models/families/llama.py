@@ -24,6 +24,7 @@ from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLine
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.models.hf_config import rotary_dim
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
@@ -234,7 +235,8 @@ class LlamaForCausalLM(nn.Module):
 
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
         spec = self.model.layers[0].self_attn.spec
-        self.rotary = RotaryEmbedding(self.config, spec.head_size, max_positions, device)
+        dim = rotary_dim(self.config.rope_parameters, spec.head_size)  # Phi-4-mini: 3/4
+        self.rotary = RotaryEmbedding(self.config, dim, max_positions, device)
 
     def bind_attention(self, impls: list[AttentionImpl]) -> None:
         for layer, impl in zip(self.model.layers, impls, strict=True):

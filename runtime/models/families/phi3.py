@@ -3,8 +3,8 @@ holds q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``), so loadi
 them into the parts our fused parameters shard by (each rank keeps its heads under -tp; the
 fused tensor is read whole, then cut). A ``sliding_window`` applies to every layer, as
 transformers' Phi-3 attention applies it. LongRoPE (``longrope``, or ``su`` in older files: the
-128k Phi-3 and Phi-3.5 variants) runs (``layers/rotary.py``); partial rotary (Phi-4-mini) is a
-one-line error from the config reader.
+128k Phi-3 and Phi-3.5 variants) runs (``layers/rotary.py``), and so does partial rotary
+(Phi-4-mini: ``partial_rotary_factor`` 0.75; the rest of each head passes through).
 """
 
 from __future__ import annotations
@@ -67,4 +67,5 @@ register(ModelFamily(
         original_max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=32000)},
     model_cls=Phi3ForCausalLM,
-    normalize=_rules))
+    normalize=_rules,
+    partial_rotary=True))
