@@ -134,6 +134,7 @@ def main() -> None:
         _vllm_worker(args.vllm_worker)
         return
     from pagedgen.runtime.hardware import copy_bandwidth
+    from pagedgen.runtime.layers.moe import expected_active_experts
 
     bw = copy_bandwidth()
     ours = pagedgen_times()
@@ -142,7 +143,7 @@ def main() -> None:
     for name, (e, k, h, i, _) in SHAPES.items():
         expert_bytes = 3 * h * i * 2
         for t in TOKENS:
-            active = e * (1 - (1 - k / e) ** t)
+            active = expected_active_experts(e, k, t)
             row = {"shape": name, "tokens": t, **ours[name][t],
                    "roofline_ms": 1000 * active * expert_bytes / bw}
             if isinstance(theirs, dict):

@@ -45,6 +45,7 @@ from benchmarks.workloads import WORKLOADS, Workload
 
 from pagedgen.attention.registry import backend_status
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops
+from pagedgen.runtime.layers.moe import expected_active_experts
 from pagedgen.runtime.models.loader import resolve_model
 
 
@@ -71,7 +72,7 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
     def weight_bytes(batch: int) -> float:
         """A decode step's weight bytes: the experts its tokens are expected to choose
         (uniform routing), the LM head (the embedding: only the batch's rows)."""
-        chosen = experts * (1 - (1 - top_k / experts) ** batch)
+        chosen = expected_active_experts(experts, top_k, batch)
         return linear_bytes * layers * (attn + chosen * 3 * hidden * width) + 2 * head
 
     lin_flops = fp8_flops or flops

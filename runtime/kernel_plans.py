@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from typing import Any, Callable
 
 import torch
 
@@ -47,6 +48,24 @@ def save(name: str, key: str, plan: Any) -> None:
         tmp.replace(path)
     except OSError:
         pass  # a read-only home: measured again next time
+
+
+_MEMORY: dict[tuple[str, str], Any] = {}  # plans this process has read or measured
+
+
+def cached(name: str, key: str, read: Callable[[Any], Any], measure: Callable[[], Any],
+           write: Callable[[Any], Any]) -> Any:
+    """The plan under ``key`` in cache file ``name``: this process's, else the disk's
+    (``read`` turns its JSON into a plan, or None when it no longer fits), else ``measure``d
+    and saved (``write``: the plan as JSON). Every layer of a shape asks; the file is read
+    and the timing done once a process."""
+    if (name, key) not in _MEMORY:
+        plan = read(load(name).get(key))
+        if plan is None:
+            plan = measure()
+            save(name, key, write(plan))
+        _MEMORY[(name, key)] = plan
+    return _MEMORY[(name, key)]
 
 
 def graph_time(fn, calls: int = 5, replays: int = 3) -> float:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -54,15 +56,18 @@ def ids(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 320, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def check_logits(path, backend: str) -> None:
-    """Prefill of 30 tokens in one chunk and in chunks of 11 (later chunks over cached pages)
-    gives transformers' logits (the families' own test files)."""
-    prompt = ids(30)
+def check_logits(path, backend: str, length: int = 30, chunks: tuple[int, ...] = (30, 11),
+                 setup: Callable[[Engine], None] = lambda eng: None) -> None:
+    """Prefill of ``length`` tokens in each chunk size of ``chunks`` (later chunks over cached
+    pages) gives transformers' logits; ``setup`` readies each engine first (fused kernels,
+    say). The families' own test files use it too."""
+    prompt = ids(length)
     with torch.no_grad():
         ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    for chunk in (30, 11):
-        got = prefill_logits(engine(path, backend), prompt, chunk)
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    for chunk in chunks:
+        eng = engine(path, backend)
+        setup(eng)
+        torch.testing.assert_close(prefill_logits(eng, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
 
 
 def check_greedy_with_preemption(path) -> None:
@@ -85,28 +90,21 @@ def check_greedy_with_preemption(path) -> None:
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_logits_match_transformers(checkpoint, backend):
-    kind, path = checkpoint
-    ids = torch.randint(3, 320, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([ids])).logits[0]
-    eng = engine(path, backend)
-    torch.testing.assert_close(prefill_logits(eng, ids, chunk=30), ref, atol=2e-4, rtol=1e-4)
-    eng2 = engine(path, backend)  # chunked prefill: 30 tokens as 11 + 11 + 8
-    torch.testing.assert_close(prefill_logits(eng2, ids, chunk=11), ref, atol=2e-4, rtol=1e-4)
+    """Prefill whole, and chunked: 30 tokens as 11 + 11 + 8."""
+    check_logits(checkpoint[1], backend)
+
+
+def fused_kernels(eng: Engine) -> None:
+    """``check_logits`` setup: norms, rotary and SwiGLU as the fused Triton kernels."""
+    eng.runner.model.use_fused_kernels(True)
+    assert all(m.fused for m in eng.runner.model.modules() if hasattr(m, "fused"))
 
 
 @pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="triton is not installed")
 def test_fused_kernels_match_transformers(checkpoint):
     """The model with its norms, rotary (and Qwen3's q/k norm) and SwiGLU as the fused Triton
     kernels (on CPU: in Triton's interpreter) gives Hugging Face's logits."""
-    kind, path = checkpoint
-    ids = torch.randint(3, 320, (30,), generator=torch.Generator().manual_seed(0)).tolist()
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([ids])).logits[0]
-    eng = engine(path, "eager")
-    eng.runner.model.use_fused_kernels(True)
-    assert all(m.fused for m in eng.runner.model.modules() if hasattr(m, "fused"))
-    torch.testing.assert_close(prefill_logits(eng, ids, chunk=11), ref, atol=2e-4, rtol=1e-4)
+    check_logits(checkpoint[1], "eager", chunks=(11,), setup=fused_kernels)
 
 
 def test_greedy_generation_matches_transformers(checkpoint):

@@ -20,8 +20,7 @@ from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from test_gemma2 import BACKENDS
-from test_hf_equivalence import (check_greedy_with_preemption, check_logits, engine, hf_model,
-                                 ids, prefill_logits)
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 INTERPRETED_ONLY = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not mk.HAVE_TRITON,
@@ -117,19 +116,18 @@ def test_logits_match_transformers(checkpoint, backend):
     check_logits(checkpoint[1], backend)
 
 
-@INTERPRETED_ONLY
-def test_fused_kernels_match_transformers(checkpoint):
-    """The model with its MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
-    _, path = checkpoint
-    prompt = ids(30)
-    with torch.no_grad():
-        ref = hf_model(path)(torch.tensor([prompt])).logits[0]
-    eng = engine(path, "eager")
+def _moe_kernels(eng) -> None:
+    """``check_logits`` setup: the MoE layers in the grouped GEMM kernels."""
     layers = [m for m in eng.runner.model.modules() if isinstance(m, FusedMoE)]
     assert layers
     for m in layers:
         m.use_triton = True
-    torch.testing.assert_close(prefill_logits(eng, prompt, 11), ref, atol=2e-4, rtol=1e-4)
+
+
+@INTERPRETED_ONLY
+def test_fused_kernels_match_transformers(checkpoint):
+    """The model with its MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
+    check_logits(checkpoint[1], "eager", chunks=(11,), setup=_moe_kernels)
 
 
 def test_greedy_generation_matches_transformers(checkpoint):

@@ -75,13 +75,7 @@ def longrope(tmp_path_factory):
 def test_longrope_logits_match_transformers_within_the_original_length(longrope, backend):
     """A 14-token prompt (short factors, the attention factor on cos/sin), whole and in chunks
     over cached pages."""
-    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
-    prompt = ids(14)
-    with torch.no_grad():
-        ref = hf_model(longrope)(torch.tensor([prompt])).logits[0]
-    for chunk in (14, 5):
-        got = prefill_logits(engine(longrope, backend), prompt, chunk)
-        torch.testing.assert_close(got, ref, atol=2e-4, rtol=1e-4)
+    check_logits(longrope, backend, length=14, chunks=(14, 5))
 
 
 def test_longrope_table_takes_the_long_factors_past_the_original_length(longrope):
@@ -119,24 +113,14 @@ def partial(tmp_path_factory):
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
 def test_partial_rotary_logits_match_transformers(partial, backend):
-    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
-    prompt = ids(14)
-    with torch.no_grad():
-        ref = hf_model(partial)(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(prefill_logits(engine(partial, backend), prompt, 5), ref,
-                               atol=2e-4, rtol=1e-4)
+    check_logits(partial, backend, length=14, chunks=(5,))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run Triton kernels only when interpreted")
 def test_partial_rotary_in_the_fused_kernel_matches_transformers(partial):
-    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
-    prompt = ids(14)
-    with torch.no_grad():
-        ref = hf_model(partial)(torch.tensor([prompt])).logits[0]
-    eng = engine(partial, "eager")
-    eng.runner.model.use_fused_kernels(True)
-    torch.testing.assert_close(prefill_logits(eng, prompt, 14), ref, atol=2e-4, rtol=1e-4)
+    from test_hf_equivalence import fused_kernels
+    check_logits(partial, "eager", length=14, chunks=(14,), setup=fused_kernels)
 
 
 def test_unsupported_variants_are_one_line_errors(path):

@@ -215,8 +215,7 @@ def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: in
         out["decode_moe_tb_s"] = nbytes / dec_s / 1e12
         out["decode_moe_bw_fraction"] = nbytes / dec_s / limits["copy_bw"]
     if pre["groups_us"]["MoE"]:
-        flops = sum(2 * n_tok * m.top_k * (m.w13_weight[0].numel() + m.w2_weight[0].numel())
-                    for m in experts)
+        flops = sum(2 * n_tok * m.top_k * m.expert_numel for m in experts)
         t = pre["groups_us"]["MoE"] / 1e6
         out["prefill_moe_tflop_s"] = flops / t / 1e12
         out["prefill_moe_peak_fraction"] = flops / t / limits["matmul"]

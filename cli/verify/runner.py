@@ -59,10 +59,11 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
         return BackendReport(name, "skipped", why), []
     backend = get_backend(name, device)
     chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
-    checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
-                    functools.partial(kernel_row, label, dt, opts))
-              for label, dt, opts in (kernel_groups(backend, device) if kernels else [])]
+    checks = []
     if kernels:
+        checks = [Check([(kernel_cases, (name, device, dt, opts, c, seed)) for c in chunks],
+                        functools.partial(kernel_row, label, dt, opts))
+                  for label, dt, opts in kernel_groups(backend, device)]
         checks.append(Check([(cascade_cases, (name, device, c, seed)) for c in chunks],
                             functools.partial(cascade_row, cascade_dtype(backend))))
     for graphs in graph_modes(backend, device):

@@ -86,27 +86,24 @@ class TensorParallel:
                 self._one_shot_into(part, x.view(-1))
         return x
 
-    def all_reduce_output(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device,
-                          compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """A GEMM's [rows, cols] output in ``dtype`` summed over the ranks: ``compute(out)``
-        writes it into ``out``, with symmetric memory a view of the buffer the peers read (no
-        copy kernel), else None (it returns its result, all-reduced in place)."""
-        part = self._one_shot_part(rows * cols, dtype)
-        if part is None:
-            return self.all_reduce(compute(None))
-        compute(part.view(rows, cols))
-        out = torch.empty((rows, cols), dtype=dtype, device=device)
-        with scope("all_reduce"):
-            self._one_shot_into(part, out.view(-1))
-        return out
-
     def partial_output(self, rows: int, cols: int, dtype: torch.dtype,
                        compute: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """A GEMM's [rows, cols] partial sums, left for ``all_reduce_add_rms_norm`` to
-        reduce: ``compute(out)`` writes them into the symmetric buffer where a one-shot
-        all-reduce can take them (``out`` a view of it), else returns its own tensor."""
+        """A GEMM's [rows, cols] partial sums in ``dtype``, for ``reduce_partial`` (or
+        ``all_reduce_add_rms_norm``): ``compute(out)`` writes them into the symmetric buffer
+        where a one-shot all-reduce can take them (``out`` a view of it: no copy kernel), or,
+        given None, returns its own tensor."""
         part = self._one_shot_part(rows * cols, dtype) if self.size > 1 else None
         return compute(None if part is None else part.view(rows, cols))
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        """``partial`` (from ``partial_output``) summed over the ranks: read out of the
+        symmetric buffer by the one-shot all-reduce, or all-reduced in place."""
+        if not self._in_buffer(partial):
+            return self.all_reduce(partial)
+        out = torch.empty_like(partial)
+        with scope("all_reduce"):
+            self._one_shot_into(partial.view(-1), out.view(-1))
+        return out
 
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None,
                                 weight: torch.Tensor, eps: float, norm: Callable, **kw):
@@ -114,25 +111,18 @@ class TensorParallel:
         one kernel that reads the peers' partials, adds and normalizes
         (``fused_all_reduce``), where asked for and the partials sit in symmetric memory;
         otherwise the all-reduce, then ``norm``."""
-        if self.size == 1:
-            return norm(partial, weight, eps, residual, **kw)
-        buf = self.one_shot
-        in_buffer = buf is not None and partial.data_ptr() == buf.data_ptr()
-        if in_buffer and residual is not None and not kw.get("quantize") \
+        if self._in_buffer(partial) and residual is not None and not kw.get("quantize") \
                 and fused_all_reduce.requested():
             fused = self._fused_peers(partial)
             if fused is not None:
                 with scope("all_reduce"):
                     return fused_all_reduce.one_shot_add_rms_norm(
                         fused[0], residual, weight, eps, self.rank, fused[1])
-        if in_buffer:
-            out = torch.empty_like(partial)
-            with scope("all_reduce"):
-                self._one_shot_into(partial.view(-1), out.view(-1))
-            partial = out
-        else:
-            partial = self.all_reduce(partial)
-        return norm(partial, weight, eps, residual, **kw)
+        return norm(self.reduce_partial(partial), weight, eps, residual, **kw)
+
+    def _in_buffer(self, partial: torch.Tensor) -> bool:
+        """Whether ``partial`` sits in the symmetric buffer (``partial_output`` put it there)."""
+        return self.one_shot is not None and partial.data_ptr() == self.one_shot.data_ptr()
 
     def _fused_peers(self, partial: torch.Tensor):
         """(every rank's view of ``partial``'s place in its buffer, every rank's signal-pad

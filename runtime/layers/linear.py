@@ -70,15 +70,16 @@ class RowParallelLinear(LinearBase):
         """``x``: this rank's input features (2-D: the output may go straight into the
         symmetric-memory buffer), or an FP8 layer's ``QuantizedActivations``."""
         if isinstance(x, QuantizedActivations):
-            rows, dtype, device = x.q.shape[0], self.quant_method.output_dtype(self), x.q.device
+            rows, dtype = x.q.shape[0], self.quant_method.output_dtype(self)
         else:
-            rows, dtype, device = x.shape[0], x.dtype, x.device
-        if self.defer_reduce:
-            return self.tp.partial_output(rows, self.out_features, dtype,
-                                          lambda out: self.quant_method.apply(self, x, None, out))
+            rows, dtype = x.shape[0], x.dtype
         if isinstance(x, torch.Tensor) and x.dim() != 2:  # no symmetric-memory output
-            y = self.tp.all_reduce(self.quant_method.apply(self, x, None))
+            partial = self.quant_method.apply(self, x, None)
         else:
-            y = self.tp.all_reduce_output(rows, self.out_features, dtype, device,
-                                          lambda out: self.quant_method.apply(self, x, None, out))
+            partial = self.tp.partial_output(
+                rows, self.out_features, dtype,
+                lambda out: self.quant_method.apply(self, x, None, out))
+        if self.defer_reduce:
+            return partial
+        y = self.tp.reduce_partial(partial)
         return y + self.bias if self.bias is not None else y

@@ -22,12 +22,18 @@ from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
-from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.layers.sharding import Segment, check_shape, load_segment, split
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 GATE, UP, DOWN = "gate", "up", "down"
 HF_NAMES = {GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
 MIXTRAL_NAMES = {GATE: "w1", UP: "w3", DOWN: "w2"}
+
+
+def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """How many distinct experts ``tokens`` tokens choose on average under uniform routing (a
+    token's ``top_k`` are distinct: each expert is missed by it with chance 1 - k/E)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
 class FusedMoE(nn.Module):
@@ -67,14 +73,16 @@ class FusedMoE(nn.Module):
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out)
 
+    @property
+    def expert_numel(self) -> int:
+        """One expert's weights on this rank (gate, up and down)."""
+        return self.w13_weight[0].numel() + self.w2_weight[0].numel()
+
     def expected_expert_bytes(self, tokens: int) -> float:
         """Weight bytes a step of ``tokens`` tokens reads from this layer's experts under
         uniform routing: the expected number of distinct experts chosen, each read whole."""
-        e, k = self.num_experts, self.top_k
-        active = e * (1.0 - (1.0 - k / e) ** tokens)  # a token's k experts are distinct
-        per_expert = (self.w13_weight[0].numel() + self.w2_weight[0].numel()) \
-            * self.w13_weight.element_size()
-        return min(active, e) * per_expert
+        return expected_active_experts(self.num_experts, self.top_k, tokens) \
+            * self.expert_numel * self.w13_weight.element_size()
 
     # ---- checkpoint tensors (weights.load_checkpoint calls these for names under us) ----
 
@@ -96,16 +104,14 @@ class FusedMoE(nn.Module):
         return [(int(e), part)]
 
     def _load_expert(self, e: int, part: str, tensor) -> None:
-        param = self.w2_weight if part == DOWN else self.w13_weight
-        dim, segs = self.shards["w2_weight" if part == DOWN else "w13_weight"]
-        seg = next(s for s in segs if s.key in (part, None))
-        want = [param.shape[1], seg.full] if part == DOWN else [seg.full, param.shape[2]]
-        have = list(tensor.get_shape() if hasattr(tensor, "get_shape") else tensor.shape)
-        if have != want:
-            raise ValueError(f"has shape {have}; the config makes it {want}")
-        cut = (slice(None), slice(seg.start, seg.start + seg.size)) if part == DOWN \
-            else (slice(seg.start, seg.start + seg.size),)
-        param.data[e].narrow(dim - 1, seg.offset, seg.size).copy_(tensor[cut])
+        """Expert ``e``'s checkpoint tensor ``part`` into its slice of our stacked parameter,
+        as a sharded linear layer's parameter is loaded (only this rank's rows or columns)."""
+        name = "w2_weight" if part == DOWN else "w13_weight"
+        dim, segs = self.shards[name]
+        shard, key = (dim - 1, segs), (None if part == DOWN else part)  # dims of one expert
+        expert = getattr(self, name).data[e]
+        check_shape(expert, shard, key, tensor)
+        load_segment(expert, shard, key, tensor)
 
     def _load_stacked(self, rest: str, tensor) -> list[Any]:
         whole = tensor[:]
@@ -150,9 +156,6 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
 
-        def compute(out: torch.Tensor | None) -> torch.Tensor:
-            return self.experts(x, weights, ids, out)
-
-        if self.defer_reduce:
-            return self.tp.partial_output(x.shape[0], x.shape[1], x.dtype, compute)
-        return self.tp.all_reduce_output(x.shape[0], x.shape[1], x.dtype, x.device, compute)
+        partial = self.tp.partial_output(x.shape[0], x.shape[1], x.dtype,
+                                         lambda out: self.experts(x, weights, ids, out))
+        return partial if self.defer_reduce else self.tp.reduce_partial(partial)

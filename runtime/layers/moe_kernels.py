@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
+
 try:
     import triton
     import triton.language as tl
@@ -74,17 +76,12 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
     (``align_reference``: in slot order), whose kernels spread over the GPU: on the H200 the
     one program takes 0.05 ms for 8,192 slots and 0.38 ms for 65,536, torch's about 0.14 ms
     at any size (benchmarks/moe_kernels.py)."""
-    if HAVE_TRITON and (ids.is_cuda or _interpreting()) and ids.numel() <= ONE_PROGRAM_SLOTS:
+    if HAVE_TRITON and (ids.is_cuda or INTERPRETED) and ids.numel() <= ONE_PROGRAM_SLOTS:
         return align_triton(ids, num_experts, block_m)
     return align_reference(ids, num_experts, block_m)
 
 
 ONE_PROGRAM_SLOTS = 32768  # align in one Triton program up to this many slots
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def align_reference(ids: torch.Tensor, num_experts: int, block_m: int

@@ -57,12 +57,9 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
         return MoePlan([(math.inf, INTERPRETED, INTERPRETED)])
     key = "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(w13.device),
                              *w13.shape, top_k, w13.dtype)))
-    saved = kernel_plans.load(CACHE).get(key)
-    plan = _from_json(saved)
-    if plan is None:
-        plan = _measure(w13, w2, top_k)
-        kernel_plans.save(CACHE, key, [(m, up.name, down.name) for m, up, down in plan.choices])
-    return plan
+    return kernel_plans.cached(
+        CACHE, key, _from_json, lambda: _measure(w13, w2, top_k),
+        lambda plan: [(m, up.name, down.name) for m, up, down in plan.choices])
 
 
 def _from_json(saved) -> MoePlan | None:

@@ -22,6 +22,11 @@ from pagedgen.runtime.layers import fused_ops
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
+def rotary_dim(rope: dict, head_dim: int) -> int:
+    """The features each head rotates (all of them unless ``partial_rotary_factor``)."""
+    return int(head_dim * rope.get("partial_rotary_factor", 1.0))
+
+
 def rope_frequencies(rope: dict, head_dim: int, max_position_embeddings: int,
                      long: bool = False) -> tuple[torch.Tensor, float]:
     """(inverse frequencies ``[head_dim // 2]`` float32 on the CPU, attention scaling) for

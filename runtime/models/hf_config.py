@@ -14,7 +14,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.layers.rotary import ROPE_TYPES
+from pagedgen.runtime.layers.rotary import ROPE_TYPES, rotary_dim
 from pagedgen.runtime.models import registry
 
 # The fields every family reads, as transformers' config classes default them; each family
@@ -61,13 +61,13 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
                             f"(supported: {supported})")
     f = {**_COMMON, **fam.model_types[model_type], **fields}
     for key in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-        _check_size(f, key, where)
+        check_int(f, key, where)
     if f["num_key_value_heads"] is None:
         f["num_key_value_heads"] = f["num_attention_heads"]
     if f["head_dim"] is None:
         f["head_dim"] = f["hidden_size"] // f["num_attention_heads"]
     for key in _SIZES:
-        _check_size(f, key, where)
+        check_int(f, key, where)
     if f["hidden_act"] not in fam.activations:
         raise PagedgenError(f"{where}: hidden_act '{f['hidden_act']}' is not supported for "
                             f"{model_type} ({', '.join(fam.activations)})")
@@ -78,10 +78,14 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     return ModelConfig(**f)
 
 
-def _check_size(f: dict[str, Any], key: str, where: str) -> None:
+def check_int(f: dict[str, Any], key: str, where: str, zero: bool = False) -> int:
+    """``f[key]``, which must be a positive integer (or 0 too, with ``zero``): else a
+    PagedgenError starting with ``where`` (the families' rules use it as well)."""
     value = f[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise PagedgenError(f"{where}: {key} must be a positive integer, not {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
+        kind = "a non-negative" if zero else "a positive"
+        raise PagedgenError(f"{where}: {key} must be {kind} integer, not {value!r}")
+    return value
 
 
 def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
@@ -121,11 +125,6 @@ def _rope_parameters(f: dict[str, Any], where: str) -> dict[str, Any]:
     if rope["rope_type"] == "longrope":
         _check_longrope(rope, f, where)
     return rope
-
-
-def rotary_dim(rope: dict[str, Any], head_dim: int) -> int:
-    """The features each head rotates (all of them unless ``partial_rotary_factor``)."""
-    return int(head_dim * rope.get("partial_rotary_factor", 1.0))
 
 
 def _check_longrope(rope: dict[str, Any], f: dict[str, Any], where: str) -> None:

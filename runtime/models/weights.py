@@ -32,22 +32,14 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
     shards = shard_map(model)
     owners = _self_loading(model)
     loaded: set[tuple[str, Any]] = set()
-    for name, tensor in weights:
-        if skip(name):
-            continue
+
+    def load(name: str, tensor) -> list[tuple[str, Any]]:
+        """Load one checkpoint tensor; the (parameter or module, part) units it filled.
+        KeyError: the model has no place for it."""
         owner = _owner(name, owners)
         if owner is not None:
-            try:
-                with torch.no_grad():
-                    units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
-            except KeyError:
-                raise ValueError(f"unexpected tensor '{name}' (not in a "
-                                 f"{getattr(model.config, 'model_type', '')} model of this "
-                                 f"config)") from None
-            except ValueError as e:
-                raise ValueError(f"tensor '{name}' {e}") from None
-            loaded |= {(owner, u) for u in units}
-            continue
+            units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
+            return [(owner, u) for u in units]
         target, key = name, None
         for ckpt, (fused, part) in stacked.items():
             if f".{ckpt}." in name:
@@ -55,22 +47,27 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
                 break
         prefix, _, attr = target.rpartition(".")
         method = getattr(modules.get(prefix), "quant_method", None)
+        if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
+            method.load(modules[prefix], attr, key, tensor)
+        elif target in params and key is None:
+            check_shape(params[target], shards.get(target), None, tensor)
+            load_segment(params[target].data, shards.get(target), None, tensor)
+        else:
+            raise KeyError(name)
+        return [(target, key)]
+
+    for name, tensor in weights:
+        if skip(name):
+            continue
         try:
             with torch.no_grad():
-                if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
-                    method.load(modules[prefix], attr, key, tensor)
-                elif target in params and key is None:
-                    check_shape(params[target], shards.get(target), None, tensor)
-                    load_segment(params[target].data, shards.get(target), None, tensor)
-                else:
-                    raise KeyError
+                loaded.update(load(name, tensor))
         except KeyError:
             raise ValueError(f"unexpected tensor '{name}' (not in a "
                              f"{getattr(model.config, 'model_type', '')} model of this config)"
                              ) from None
         except ValueError as e:
             raise ValueError(f"tensor '{name}' {e}") from None
-        loaded.add((target, key))
     missing = _missing(model, stacked, loaded)
     if missing:
         raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{missing[0]}'")

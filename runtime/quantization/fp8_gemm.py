@@ -67,9 +67,6 @@ def check_forced(name: str) -> None:
                          f"optionally /TILE, TILE one of {', '.join(k.TILES)})")
 
 
-_PLANS: dict[str, GemmPlan] = {}
-
-
 def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
     """The kernel for each M on this layer's weight (timed once per shape and machine)."""
     forced = os.environ.get(ENV_GEMM) or None
@@ -78,15 +75,11 @@ def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
         if forced.startswith("rowwise") and group_k is not None:
             raise ValueError(f"${ENV_GEMM}=rowwise cannot run block-scaled weights")
         return GemmPlan([(math.inf, forced)])
-    key = _key(layer)
-    if key not in _PLANS:
-        saved = kernel_plans.load(CACHE).get(key)
-        if _valid(saved, candidates(layer, group_k, max(M_BUCKETS))):
-            _PLANS[key] = GemmPlan([(m, g) for m, g in saved])
-        else:
-            _PLANS[key] = _measure(layer, group_k)
-            kernel_plans.save(CACHE, key, _PLANS[key].choices)
-    return _PLANS[key]
+    cands = candidates(layer, group_k, max(M_BUCKETS))
+    return kernel_plans.cached(
+        CACHE, _key(layer),
+        lambda saved: GemmPlan([(m, g) for m, g in saved]) if _valid(saved, cands) else None,
+        lambda: _measure(layer, group_k), lambda plan: plan.choices)
 
 
 def _measure(layer: nn.Module, group_k: int | None) -> GemmPlan:

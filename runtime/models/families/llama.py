@@ -22,9 +22,8 @@ from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers.norm import RMSNorm
-from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
+from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
 from pagedgen.runtime.layers.sharding import Segment, split
-from pagedgen.runtime.models.hf_config import rotary_dim
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method

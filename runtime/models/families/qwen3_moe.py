@@ -21,6 +21,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import HF_NAMES, SparseMoeBlock
 from pagedgen.runtime.models.families import llama
+from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 
@@ -78,21 +79,13 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     decoder_layer = DecoderLayer
 
 
-def positive_int(f: dict[str, Any], key: str, where: str, zero: bool = False) -> int:
-    value = f[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < (0 if zero else 1):
-        kind = "a non-negative" if zero else "a positive"
-        raise PagedgenError(f"{where}: {key} must be {kind} integer, not {value!r}")
-    return value
-
-
 def check_experts(f: dict[str, Any], where: str) -> None:
     """The expert count as ``num_local_experts`` (files name it so or ``num_experts``, which
     transformers maps onto it; may be 0: no sparse layer), top-k within it."""
     if "num_experts" in f:  # the defaults hold num_local_experts: this came from the file
         f["num_local_experts"] = f.pop("num_experts")
-    n = positive_int(f, "num_local_experts", where, zero=True)
-    k = positive_int(f, "num_experts_per_tok", where)
+    n = check_int(f, "num_local_experts", where, zero=True)
+    k = check_int(f, "num_experts_per_tok", where)
     if n and k > n:
         raise PagedgenError(f"{where}: num_experts_per_tok ({k}) exceeds the number of "
                             f"experts ({n})")
@@ -106,8 +99,8 @@ def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
         f["sliding_window"] = None
     llama.check_window(f, where)
     check_experts(f, where)
-    positive_int(f, "moe_intermediate_size", where)
-    positive_int(f, "decoder_sparse_step", where)
+    check_int(f, "moe_intermediate_size", where)
+    check_int(f, "decoder_sparse_step", where)
     if f.get("shared_expert_intermediate_size"):
         raise PagedgenError(f"{where}: shared_expert_intermediate_size: shared experts are "
                             f"not supported for {model_type}")
