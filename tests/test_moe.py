@@ -312,3 +312,27 @@ def test_generate_runs_a_moe_checkpoint_end_to_end(tmp_path):
     lines = (tmp_path / "p.completions.jsonl").read_text().splitlines()
     assert len(lines) == 4
     assert all(json.loads(x)["num_output_tokens"] == 5 for x in lines)
+
+
+def test_kernel_plans_are_read_or_measured_once_a_process(monkeypatch, tmp_path):
+    """Every MoE layer (and FP8 linear) of a shape asks for its plan: the file is read and the
+    timing done once a process, even where the cache cannot be written."""
+    from pagedgen.runtime import kernel_plans
+    monkeypatch.setattr(kernel_plans, "_MEMORY", {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
+    (tmp_path / "ro").write_text("")  # a file where the cache folder should be: unwritable
+    measured, reads = [], []
+
+    def read(saved):
+        reads.append(saved)
+        return saved
+
+    for _ in range(3):
+        plan = kernel_plans.cached("t.json", "k", read, lambda: measured.append(1) or [7],
+                                   lambda p: p)
+    assert plan == [7] and len(measured) == 1 and reads == [None]
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "rw"))
+    monkeypatch.setattr(kernel_plans, "_MEMORY", {})
+    kernel_plans.cached("t.json", "k", read, lambda: [8], lambda p: p)
+    monkeypatch.setattr(kernel_plans, "_MEMORY", {})  # a new process reads the file
+    assert kernel_plans.cached("t.json", "k", read, lambda: [9], lambda p: p) == [8]
