@@ -15,15 +15,16 @@
 # FA4's kernel caches to $OUT, in pieces), load-caches (those pieces, carried as .whl/caches).
 # verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
-# PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize) and PEERS_CASCADE_OFF
-# (set: each backend also without cascade decode) from the environment.
+# PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
+# (set: each backend also without cascade decode) and PEERS_MIXED_OFF (set: also with steps
+# that carry prefills launched after the last step's tokens) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
 # verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
-# carried; STRUCT_REPEATS, STRUCT_LIMIT).
+# carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF).
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -155,7 +156,8 @@ PY
     structured)
       tok=""; [ -d .whl/smollm2-tok ] && tok="--tokenizer .whl/smollm2-tok"
       timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
-        --repeats "${STRUCT_REPEATS:-1}" --json "$S/h100-structured.json"
+        --repeats "${STRUCT_REPEATS:-1}" ${STRUCT_NO_VLLM:+--no-vllm} \
+        ${STRUCT_MIXED_OFF:+--mixed-ahead-off} --json "$S/h100-structured.json"
       grep -E "^│|^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
@@ -167,6 +169,7 @@ PY
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
+        ${PEERS_MIXED_OFF:+--mixed-ahead-off} \
         --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150
       python3 - "$S/h100-peers-$tag.json" <<'PY' 2>/dev/null

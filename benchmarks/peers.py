@@ -182,12 +182,15 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
-                 quantization: str | None = None, cascade_off: bool = False) -> None:
+                 quantization: str | None = None, cascade_off: bool = False,
+                 mixed_off: bool = False) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
     ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; with
-    ``cascade_off``, each backend once more without cascade decode. Workloads with ``n`` > 1
-    sample at their temperature (request ``i`` seeded ``i``, in both systems)."""
+    ``cascade_off``, each backend once more without cascade decode; with ``mixed_off``, once
+    more with steps that carry prefills launched after the last step's tokens. Workloads
+    with ``n`` > 1 sample at their temperature (request ``i`` seeded ``i``, in both
+    systems)."""
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), wl.output_tokens(outs)
@@ -218,12 +221,13 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         add_ratios()
         save()
 
-    variants = [(b, t, c) for b in backends
+    variants = [(b, t, c, m) for b in backends
                 for t in (fa4_tiles if b == "flash-attn" else []) or [None]
-                for c in ((True, False) if cascade_off else (True,))]
-    for b, tile, cascade in variants:
+                for c, m in [(True, True)] + [(False, True)] * cascade_off
+                + [(True, False)] * mixed_off]
+    for b, tile, cascade, mixed in variants:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
-        cfg = replace(cfg, cascade_attention=cascade)
+        cfg = replace(cfg, cascade_attention=cascade, mixed_steps_ahead=mixed)
         params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
                           seed=i if wl.temperature else None, ignore_eos=True)
                   for i, n in enumerate(outs)]
@@ -233,7 +237,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         free_gpu()
         res = median_run(runs)
         label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") \
-            + ("" if cascade else ", cascade decode off")
+            + ("" if cascade else ", cascade decode off") \
+            + ("" if mixed else ", mixed steps not ahead")
         row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
@@ -300,6 +305,9 @@ def main() -> None:
                     help="pagedgen --quantization fp8 against vLLM quantization='fp8'")
     ap.add_argument("--cascade-off", action="store_true",
                     help="each backend once more with cascade decode off")
+    ap.add_argument("--mixed-ahead-off", action="store_true",
+                    help="each backend once more with steps that carry prefills launched "
+                         "after the last step's tokens are on the host")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -328,7 +336,7 @@ def main() -> None:
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
                      [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
-                     args.cascade_off)
+                     args.cascade_off, args.mixed_ahead_off)
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

@@ -81,6 +81,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=None,
                     help="a directory with tokenizer files (default: SmolLM2's)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--mixed-ahead-off", action="store_true",
+                    help="the constrained lines once more with steps that carry prefills "
+                         "launched after the last step's tokens")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
@@ -109,9 +112,16 @@ def main() -> None:
 
     engine, load_s = build_engine(replace(cfg, model=str(model)))
     runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "constrained": []}
+    if args.mixed_ahead_off:
+        runs["constrained, mixed steps not ahead"] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
         runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
         runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
+        if args.mixed_ahead_off:
+            engine.config.mixed_steps_ahead = False
+            runs["constrained, mixed steps not ahead"] += timed_runs(
+                engine, prompts, constrained, load_s=load_s)
+            engine.config.mixed_steps_ahead = True
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
     valid = sum(_parses(t) for t in texts)
     del engine

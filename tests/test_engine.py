@@ -135,6 +135,39 @@ def test_decode_metadata_advanced_on_device_gives_the_same_tokens():
 
 
 @pytest.mark.parametrize("num_blocks", [None, 24])  # 24: preemptions mid-decode
+def test_steps_with_prefills_launch_ahead_with_the_same_results(num_blocks):
+    """Steps that carry prefill chunks launch before the last step's tokens are on the host:
+    its tokens reach the decodes' rows on the device, with exactly the outputs of launching
+    them after it (preempted samples included)."""
+    ps = prompts(12, 3, 40)
+    params = [SamplingParams(max_tokens=6 + 5 * (i % 4), temperature=1.0, seed=i,
+                             n=2 if i % 3 == 0 else 1, stop=["z"] if i % 4 == 1 else [])
+              for i in range(12)]
+
+    def run(**kw):
+        eng = tiny(block_size=4, num_blocks=num_blocks, max_num_seqs=6,
+                   max_num_batched_tokens=48, **kw)
+        rows = {"decode": 0}
+        fill = eng.runner._fill_pending
+
+        def counted(ids, pending):
+            rows["decode"] += len(pending)
+            return fill(ids, pending)
+
+        eng.runner._fill_pending = counted
+        reqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
+        eng.run()
+        return eng, [[s.output_token_ids for s in r.samples or [r]] for r in reqs], rows
+
+    before, before_out, _ = run(mixed_steps_ahead=False)
+    eng, out, rows = run()
+    assert out == before_out
+    assert eng.stats.overlapped_steps > before.stats.overlapped_steps
+    assert rows["decode"] > 0  # decodes beside prefills took the step in flight's tokens
+    assert (eng.stats.num_preemptions > 0) == bool(num_blocks)
+
+
+@pytest.mark.parametrize("num_blocks", [None, 24])  # 24: preemptions mid-decode
 def test_async_scheduling_gives_the_same_results_as_sync(num_blocks):
     """Stops found a step late (EOS, stop strings) and length limits known at launch must give
     exactly the synchronous engine's outputs, with no placeholder left behind."""

@@ -304,6 +304,32 @@ def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [ord("x"), ord("y")]
 
 
+def test_the_worker_keeps_each_state_as_its_matcher_would():
+    """The worker's bookkeeping (no call a row into xgrammar): a token outside the mask the
+    step applied is a refusal, the matcher's state unchanged; a stop token ends its state as
+    the matcher terminates; the next masks follow the tokens taken."""
+    from pagedgen.runtime.models.tokenizer import ByteTokenizer
+    from pagedgen.runtime.sampling.structured import Grammars
+
+    tok = ByteTokenizer()
+    g = Grammars(tok, 300)
+    eos = next(iter(tok.eos_token_ids))
+    ok, bad, done = (g.state(StructuredOutput("regex", "[ab]c")) for _ in range(3))
+    done.catch_up([ord("a"), ord("c")], g.stop)  # at its end: only the stop token is left
+    logits = torch.zeros(3, 300)
+    g.apply(logits, [(0, ok, []), (1, bad, []), (2, done, [ord("a"), ord("c")])])
+    g.prefetch([(ok, 0), (bad, 0), (done, 2)], torch.tensor([ord("b"), ord("z"), eos]), None)
+    ahead, masks = g._pending.result()  # left for apply to take
+    assert (ok.active, bad.rejected, done.ended) == (True, True, True)
+    assert (bad.matcher.is_terminated(), done.matcher.is_terminated()) == (False, True)
+    assert g.rejected == 1 and list(ahead) == [id(ok)]
+    row = ahead[id(ok)][0]
+    allowed = [t for t in range(300) if int(masks[row, t >> 5]) >> (t & 31) & 1]
+    assert allowed == [ord("c")]
+    g.apply(logits[:1], [(0, ok, [ord("b")])])  # the worker's mask, taken as it is
+    assert g.prefetched_rows == 1
+
+
 def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(SCHEMAS[15]))

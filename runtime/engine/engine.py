@@ -175,7 +175,7 @@ class Engine:
         t0 = time.perf_counter()
         batch = self._schedule()
         finished = []
-        if pending and (batch.prefills or not self.runner.can_advance(batch.decodes)):
+        if pending and not self._launches_ahead(batch):
             # the next step's inputs are built on the host: they need the real tokens first
             finished = self._resolve(*pending)
             pending = None
@@ -190,7 +190,8 @@ class Engine:
             # step's are read once this step's forward pass is queued, while the device runs it
             resolved.append(self._resolve(*pending))
 
-        reads = pending is not None and self._reads_tokens(batch.decodes)
+        reads = pending is not None and self._reads_tokens(
+            batch.decodes + [s for s, _ in batch.prefills])
         handle = self.runner.launch(batch, read_tokens if reads else None)
         self._computed(batch)
         self._pending = (handle, self._place(handle))
@@ -200,6 +201,17 @@ class Engine:
             finished += resolved[0] if resolved else self._resolve(*pending)
         self._account(batch, t0)
         return finished
+
+    def _launches_ahead(self, batch) -> bool:
+        """Whether ``batch`` may launch before the step in flight's tokens are on the host:
+        a decode step that continues it advances on the device; other steps are built on
+        the host with that step's tokens copied into the decodes' rows on the device
+        (``ModelRunner._build``), unless ``mixed_steps_ahead`` is off or a prefill chunk
+        holds a token still in flight (a sequence preempted and readmitted at once)."""
+        if not batch.prefills and self.runner.can_advance(batch.decodes):
+            return True
+        return self.config.mixed_steps_ahead and all(
+            s.num_known_tokens >= s.num_computed_tokens + n for s, n in batch.prefills)
 
     def _prefetch_masks(self, handle, placed: list[int]) -> None:
         """Structured output: the next step's masks are filled in a worker thread from this

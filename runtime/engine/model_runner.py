@@ -25,7 +25,7 @@ from pagedgen.runtime.distributed import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
-from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads
 from pagedgen.runtime.engine.step import StepHandle
 from pagedgen.runtime.layers import fused_ops
@@ -105,6 +105,8 @@ class ModelRunner:
         self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
         self.kv_caches = self._allocate_kv_caches(self.num_blocks)
         t = self._phase("kv_cache", t)
+        self.last_sampled: list[Sequence] = []  # the last sampling step's sequences
+        self.last_tokens: torch.Tensor | None = None  # and their tokens, on the device
         self.processors_enabled = False  # the engine makes sequences with logits processors
         self.grammars = None  # the engine's compiled constraints, once a request has one
         self.eos_ids: set[int] = set()  # EOS ids min_tokens holds back (set by the engine)
@@ -214,21 +216,43 @@ class ModelRunner:
 
     def _build(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                      AttentionMetadata]:
-        """Everything from the sequences' CPU state."""
+        """Everything from the sequences' CPU state. A decode's token that the step in
+        flight is still sampling (``PENDING_TOKEN`` on the host) is taken from that step's
+        tokens on the device, so a step with prefills launches before the last one's tokens
+        reach the host, as a decode step does (prefill chunks' tokens must be known)."""
         ids: list[int] = []
         pos: list[int] = []
         prefills, decodes = [], []
+        pending: list[tuple[int, Sequence]] = []  # (row, sequence) of placeholder ids
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
             prefills.append(ScheduledSeq(seq.block_table, start, n))
         for seq in batch.decodes:
+            if seq.token_ids[-1] == PENDING_TOKEN:
+                pending.append((len(ids), seq))
             ids.append(seq.token_ids[-1])
             pos.append(seq.num_tokens - 1)
             decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1))
         md = self.builder.build(prefills, decodes)
-        return to_device(ids, torch.long, self.device), to_device(pos, torch.long, self.device), md
+        ids_t = to_device(ids, torch.long, self.device)
+        if pending:
+            self._fill_pending(ids_t, pending)
+        return ids_t, to_device(pos, torch.long, self.device), md
+
+    def _fill_pending(self, ids: torch.Tensor, pending: list[tuple[int, Sequence]]) -> None:
+        """Copy the last step's sampled tokens (on the device) into the rows of ``ids``
+        that hold its placeholders."""
+        if self.last_tokens is None:
+            raise RuntimeError("a step's input has a pending token but no step is in flight")
+        last = {id(s): i for i, s in enumerate(self.last_sampled)}
+        try:
+            src = [last[id(seq)] for _, seq in pending]
+        except KeyError:
+            raise RuntimeError("a pending token was not sampled by the step in flight")
+        rows = to_device([[r for r, _ in pending], src], torch.long, self.device)
+        ids[rows[0]] = self.last_tokens[rows[1]].to(ids.dtype)
 
     def can_advance(self, decodes: list[Sequence]) -> bool:
         """Whether a decode step of ``decodes`` can take its inputs from the device (so it may
@@ -292,6 +316,7 @@ class ModelRunner:
             out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled,
                               self.eos_ids, self.grammars, None if self.fused_kernels else False)
             self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
+            self.last_tokens = out.tokens  # on the device: the next step's pending inputs
             handle.tokens, handle.logprobs = out.tokens, out.logprobs
             handle.logprob_rows = out.logprob_rows
             if self.advancer is not None and not batch.prefills:
