@@ -32,8 +32,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from pagedgen.attention.ops.transfer import to_device
 from pagedgen.runtime.config import StructuredOutput
 
+ACCEPT_PART = 32  # matchers per parallel accept call, at least
 SWITCH_INTERVAL_S = 0.001  # the GIL switch interval while masks fill ahead
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \([^)]*\) is false: )?")
 
@@ -77,13 +79,22 @@ class GrammarState:
     the matcher: every call into xgrammar lets go of the GIL, and taking it back waits for
     the engine thread's Python (up to the 5 ms switch interval) while masks fill ahead."""
 
-    __slots__ = ("matcher", "accepted", "rejected", "ended")
+    __slots__ = ("matcher", "accepted", "rejected", "ended", "mask")
 
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
         self.accepted = 0
         self.rejected = False
         self.ended = False
+        self.mask: tuple[Any, int] | None = None  # (host masks as numpy, row): the last applied
+
+    def allows(self, token: int) -> bool:
+        """Whether the last mask applied to this sample's logits allows ``token`` (what its
+        matcher would answer, without a call into it)."""
+        if self.mask is None:
+            return True
+        masks, row = self.mask
+        return bool(int(masks[row, token >> 5]) >> (token & 31) & 1)
 
     def took(self, token: int, accepted: bool, stop: frozenset[int]) -> None:
         """Record that the matcher was given ``token`` and whether it accepted it."""
@@ -114,17 +125,21 @@ class Grammars:
 
     def __init__(self, tokenizer: Any, vocab_size: int, threads: int | None = None) -> None:
         xgr = _xgr()
-        threads = threads or min(8, os.cpu_count() or 1)
+        threads = threads or min(16, os.cpu_count() or 1)
         self.vocab_size = vocab_size
         self.info = tokenizer_info(tokenizer, vocab_size)
         self.stop = frozenset(tokenizer.eos_token_ids)  # the matchers' stop tokens
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._accepting = ThreadPoolExecutor(threads, thread_name_prefix="grammar-accept") \
+            if threads > 1 else None
         self._compiled: dict[StructuredOutput, Any] = {}
         self._lock = threading.Lock()
         self.samples = 0  # matchers made
         self.mask_time_s = 0.0  # host time filling masks in the sampling step
         self.wait_s = 0.0  # host time waiting there for the worker's masks
+        self.accept_s = 0.0  # the worker's time in accepting tokens
+        self.fill_s = 0.0  # and in filling masks
         self.prefetched_rows = 0  # row-steps whose mask the worker filled
         self.words = (vocab_size + 31) // 32
         self.pin = torch.cuda.is_available()  # masks in pinned memory go to the GPU async
@@ -134,7 +149,6 @@ class Grammars:
         # on the host: a 128-row step's masks took 18 ms at 5 ms, 6.5 ms at 1 ms, 2.3 idle).
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._pending: Future | None = None
-        self._applied: torch.Tensor | None = None  # the last masks applied, on the host
         self.masked_rows = 0  # row-steps masked
         self.rejected = 0  # samples whose matcher refused a token (then left unconstrained)
 
@@ -194,42 +208,55 @@ class Grammars:
         xgrammar leaves the GIL while it fills. ``apply`` takes the masks of the states whose
         sequences are where the worker left them."""
         self._join()
-        applied, self._applied = self._applied, None
         n = sum(state is not None and state.active for state, _ in rows)
         if n:  # the worker's buffer is made here: torch calls let go of the GIL too
             out = torch.empty((n, self.words), dtype=torch.int32, pin_memory=self.pin)
-            self._pending = self._worker.submit(
-                self._fill_ahead, list(rows), tokens, event,
-                None if applied is None else applied.numpy(), out)
+            self._pending = self._worker.submit(self._fill_ahead, list(rows), tokens, event,
+                                                out, out.numpy())
 
-    def _fill_ahead(self, rows, tokens, event, applied: Any, bitmask: torch.Tensor
+    def _fill_ahead(self, rows, tokens, event, bitmask: torch.Tensor, view: Any
                     ) -> tuple[dict[int, int], torch.Tensor]:
-        """The worker: each row's state takes its token, then the live states' masks are
-        filled into ``bitmask``: two calls into xgrammar for the whole batch, and no torch
-        call (each lets go of the GIL, and taking it back waits on the engine thread).
-        Whether a token was allowed is read from the mask the step applied (``applied``, a
-        numpy view, rows as ``rows``): what the matcher would answer, without a call a row."""
+        """The worker: each row's state takes its token (in a few parallel calls into
+        xgrammar), then the live states' masks are filled into ``bitmask`` (one call, its
+        own threads); no torch call (each lets go of the GIL, and taking it back waits on
+        the engine thread)."""
         if event is not None:
             event.synchronize()
+        t0 = time.perf_counter()
         toks = tokens.tolist()
-        single, next_tokens, at = [], [], []
-        for j, ((state, i), t) in enumerate(zip(rows, toks)):
+        single, next_tokens = [], []
+        for (state, i), t in zip(rows, toks):
             if state is not None and state.active and state.accepted == i and t >= 0:
                 single.append(state)
                 next_tokens.append(t)
-                at.append(j)
-        allowed = [True] * len(single)
-        if applied is not None:
-            allowed = [bool(int(applied[j, t >> 5]) >> (t & 31) & 1)
-                       for j, t in zip(at, next_tokens)]
-        _accept_tokens([s.matcher for s in single], next_tokens)
+        allowed = [s.allows(t) for s, t in zip(single, next_tokens)]
+        self._accept_parallel([s.matcher for s in single], next_tokens)
         for state, token, ok in zip(single, next_tokens, allowed):
             state.took(token, ok, self.stop)
             self.rejected += not ok
         live = [s for s in single if s.active]
+        t1 = time.perf_counter()
         if live:
             self._batch.batch_fill_next_token_bitmask([s.matcher for s in live], bitmask)
+        for j, s in enumerate(live):
+            s.mask = (view, j)
+        self.accept_s += t1 - t0
+        self.fill_s += time.perf_counter() - t1
         return {id(s): (j, s.accepted) for j, s in enumerate(live)}, bitmask
+
+    def _accept_parallel(self, matchers: list[Any], tokens: list[int]) -> None:
+        """``_accept_tokens`` in parts of at least ``ACCEPT_PART`` matchers on the accept
+        threads (xgrammar's accept is serial and lets go of the GIL)."""
+        parts = min(len(matchers) // ACCEPT_PART, self._batch_threads())
+        if parts < 2:
+            _accept_tokens(matchers, tokens)
+            return
+        cuts = [len(matchers) * k // parts for k in range(parts + 1)]
+        list(self._accepting.map(lambda a, b: _accept_tokens(matchers[a:b], tokens[a:b]),
+                                 cuts[:-1], cuts[1:]))
+
+    def _batch_threads(self) -> int:
+        return self._accepting._max_workers if self._accepting is not None else 1
 
     def _join(self) -> tuple[dict[int, tuple[int, int]], torch.Tensor | None]:
         """The masks the worker filled ({id(state): (row, tokens taken)}, rows), after it."""
@@ -247,7 +274,7 @@ class Grammars:
         them, the others filled here."""
         ahead, pre = self._join()
         t0 = time.perf_counter()
-        batch = logits.shape[0]
+        batch, device = logits.shape[0], logits.device
         src, dst, todo = [], [], []
         for row, state, tokens in rows:
             hit = ahead.get(id(state))
@@ -260,27 +287,28 @@ class Grammars:
         live = [(row, state) for row, state, _ in todo if state.active]
         if not live and not src:
             return
+        here = None
+        if live:  # rows the worker could not fill (new sequences, changed batches)
+            here = torch.empty((len(live), self.words), dtype=torch.int32, pin_memory=self.pin)
+            self._batch.batch_fill_next_token_bitmask([s.matcher for _, s in live], here)
+            view = here.numpy()
+            for j, (_, state) in enumerate(live):
+                state.mask = (view, j)
         if not live and pre.shape[0] == batch and src == dst == list(range(batch)):
-            bitmask = pre  # the worker's rows are this step's rows: use them as they are
-        else:
-            bitmask = torch.empty((batch, self.words), dtype=torch.int32,
-                                  pin_memory=self.pin)
+            bitmask = pre.to(device, non_blocking=True)  # the worker's rows are this step's
+        else:  # the rows are put in place on the device; uncovered rows allow every token
+            bitmask = torch.full((batch, self.words), -1, dtype=torch.int32, device=device)
             if src:
-                bitmask[dst] = pre[src]
+                at = to_device([dst, src], torch.long, device)
+                bitmask[at[0]] = pre.to(device, non_blocking=True)[at[1]]
             if live:
-                self._batch.batch_fill_next_token_bitmask(
-                    [s.matcher for _, s in live], bitmask, [r for r, _ in live])
-            covered = set(dst) | {r for r, _ in live}
-            if len(covered) < batch:  # other rows allow every token: the mask covers all
-                # rows, so no row-index list goes to the device (a pageable copy waits)
-                bitmask[sorted(set(range(batch)) - covered)] = -1
+                at = to_device([r for r, _ in live], torch.long, device)
+                bitmask[at] = here.to(device, non_blocking=True)
         self.mask_time_s += time.perf_counter() - t0
-        self._applied = bitmask
         self.masked_rows += len(live) + len(src)
         self.prefetched_rows += len(src)
-        _xgr().apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device, non_blocking=True),
-            vocab_size=min(self.vocab_size, logits.shape[1]))
+        _xgr().apply_token_bitmask_inplace(logits, bitmask,
+                                           vocab_size=min(self.vocab_size, logits.shape[1]))
 
     def _catch_up(self, rows) -> None:
         """Each state takes its sequence's new tokens: the common one new token each in one
