@@ -114,9 +114,18 @@ def main() -> None:
     runs: dict[str, list[dict[str, Any]]] = {"unconstrained": [], "constrained": []}
     if args.mixed_ahead_off:
         runs["constrained, mixed steps not ahead"] = []
+    # the constrained samples' own lengths, unconstrained: the same tail of the batch, so
+    # the ratio is the constraint's cost per step (where random weights close a structure
+    # early, the plain unconstrained batch runs every line to --max-tokens)
+    seqs = _last_seqs(engine, prompts, constrained)
+    lengths = [SamplingParams(max_tokens=max(1, s.num_output_tokens), temperature=0.0,
+                              ignore_eos=True) for s in seqs]
+    runs["unconstrained, the constrained lengths"] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
         runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
         runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
+        runs["unconstrained, the constrained lengths"] += timed_runs(engine, prompts, lengths,
+                                                                    load_s=load_s)
         if args.mixed_ahead_off:
             engine.config.mixed_steps_ahead = False
             runs["constrained, mixed steps not ahead"] += timed_runs(
@@ -134,8 +143,10 @@ def main() -> None:
                      "grammar_mask_ms_per_step": 1000 * m.get("grammar_mask_s", 0.0)
                      / max(m["steps"], 1)})
     base = rows[0]["output_tokens_per_s"]
+    same = next(r for r in rows if r["system"].endswith("constrained lengths"))
     for r in rows:
         r["vs_unconstrained"] = r["output_tokens_per_s"] / base
+        r["vs_same_lengths"] = r["output_tokens_per_s"] / same["output_tokens_per_s"]
     peer: dict[str, Any] = {"skipped": "--no-vllm"}
     if not args.no_vllm:
         peer = run_vllm("", None, hf, same_limits(cfg), repeats=args.repeats, requests={
@@ -156,7 +167,8 @@ def main() -> None:
     print_table(f"{args.num_prompts} lines, {len(SCHEMAS)} schemas, {args.max_tokens} tokens "
                 f"at most, {args.profile} shape", rows,
                 ["system", "output_tokens", "wall_time_s", "output_tokens_per_s",
-                 "vs_unconstrained", "pagedgen_vs_this", "grammar_mask_ms_per_step",
+                 "vs_unconstrained", "vs_same_lengths", "pagedgen_vs_this",
+                 "grammar_mask_ms_per_step",
                  "steps_launched_ahead", "steps"])
     print(f"pagedgen: {valid} of {len(texts)} checked constrained outputs parse as JSON "
           "(the others stopped at --max-tokens inside a string)")
