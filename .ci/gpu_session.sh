@@ -24,7 +24,8 @@
 # verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
-# carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF).
+# carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
+# STRUCT_HOST: structured.py's --host-variants).
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -157,7 +158,7 @@ PY
       tok=""; [ -d .whl/smollm2-tok ] && tok="--tokenizer .whl/smollm2-tok"
       timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
         --repeats "${STRUCT_REPEATS:-1}" ${STRUCT_NO_VLLM:+--no-vllm} \
-        ${STRUCT_MIXED_OFF:+--mixed-ahead-off} --json "$S/h100-structured.json"
+        ${STRUCT_MIXED_OFF:+--mixed-ahead-off} ${STRUCT_HOST:+--host-variants "$STRUCT_HOST"} --json "$S/h100-structured.json"
       grep -E "^│|^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}

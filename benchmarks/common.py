@@ -13,11 +13,9 @@ import torch
 
 from pagedgen.attention.flash_attn import ENV_DECODE_TILE
 from pagedgen.cli.summary import format_value
-from pagedgen.runtime.engine.stats import DecodeReads
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.profiles import configs_from_profile, load_profile
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.stats import StepStats
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -85,10 +83,7 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     runs = []
     for _ in range(repeats):
         engine.reset_prefix_cache(prefix_caching)  # each repeat starts cold, as the first did
-        engine.stats = StepStats()
-        r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
-        r.host_steps = dict.fromkeys(r.host_steps, 0)
-        r.decode_reads = DecodeReads(r.decode_reads.token_bytes)
+        engine.reset_stats()
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, per_request)]
         if torch.cuda.is_available():
             torch.cuda.synchronize()

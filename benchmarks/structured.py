@@ -27,6 +27,7 @@ from benchmarks.common import random_prompts, timed_runs
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+from pagedgen.runtime.sampling import structured
 
 _STR = {"type": "string"}
 SCHEMAS = [  # extraction, classification and labelling shapes
@@ -84,8 +85,14 @@ def main() -> None:
     ap.add_argument("--mixed-ahead-off", action="store_true",
                     help="the constrained lines once more with steps that carry prefills "
                          "launched after the last step's tokens")
+    ap.add_argument("--host-variants", default="",
+                    help="the constrained lines once more per PART:SECONDS, e.g. "
+                         "32:0.001,64:0.0002: accepts in parts of at least PART matchers, "
+                         "the GIL switch interval SECONDS")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    variants = [(int(p), float(t)) for p, t in
+                (v.split(":") for v in args.host_variants.split(",") if v)]
 
     tmp = Path(tempfile.mkdtemp())
     model = tmp / "model"
@@ -121,6 +128,8 @@ def main() -> None:
     lengths = [SamplingParams(max_tokens=max(1, s.num_output_tokens), temperature=0.0,
                               ignore_eos=True) for s in seqs]
     runs["unconstrained, the constrained lengths"] = []
+    for part, interval in variants:
+        runs[f"constrained, accepts of >= {part}, GIL interval {interval * 1e3:g} ms"] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
         runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
         runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
@@ -131,6 +140,14 @@ def main() -> None:
             runs["constrained, mixed steps not ahead"] += timed_runs(
                 engine, prompts, constrained, load_s=load_s)
             engine.config.mixed_steps_ahead = True
+        default = (structured.ACCEPT_PART, sys.getswitchinterval())
+        for part, interval in variants:
+            structured.ACCEPT_PART = part
+            sys.setswitchinterval(interval)
+            runs[f"constrained, accepts of >= {part}, GIL interval {interval * 1e3:g} ms"] += \
+                timed_runs(engine, prompts, constrained, load_s=load_s)
+        structured.ACCEPT_PART = default[0]
+        sys.setswitchinterval(default[1])
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
     valid = sum(_parses(t) for t in texts)
     del engine

@@ -18,7 +18,7 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
-from pagedgen.runtime.engine.stats import StepStats
+from pagedgen.runtime.engine.stats import DecodeReads, StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
@@ -389,6 +389,16 @@ class Engine:
         self.block_manager.reset_prefix_cache()
         if enabled is not None:
             self.block_manager.prefix_caching = enabled
+
+    def reset_stats(self) -> None:
+        """Start the summary's counters afresh (between benchmark runs on one engine)."""
+        r = self.runner
+        self.stats = StepStats()
+        r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
+        r.host_steps = dict.fromkeys(r.host_steps, 0)
+        r.decode_reads = DecodeReads(r.decode_reads.token_bytes)
+        if self._grammars is not None:
+            self._grammars.reset_counters()
 
     def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
                 ) -> dict[str, Any]:

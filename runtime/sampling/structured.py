@@ -153,6 +153,11 @@ class Grammars:
         self.masked_rows = 0  # row-steps masked
         self.rejected = 0  # samples whose matcher refused a token (then left unconstrained)
 
+    def reset_counters(self) -> None:
+        """Zero the summary's timers and row counts."""
+        self.mask_time_s = self.wait_s = self.accept_s = self.fill_s = 0.0
+        self.masked_rows = self.prefetched_rows = 0
+
     def compile(self, c: StructuredOutput) -> Any:
         """``c`` compiled (cached); ValueError with xgrammar's reason when it does not."""
         with self._lock:
