@@ -6,11 +6,14 @@ constraint (distinct constraints compile in parallel threads); each sample gets 
 ``GrammarState`` (an xgrammar matcher and how many of the sample's tokens it has taken).
 Every step, ``apply`` brings the constrained rows' matchers up to their sequences' tokens,
 fills their token bitmasks on the host (one multi-threaded call for the batch), sends them to
-the device and sets the logits of the tokens the grammar forbids to -inf, for those rows only:
-unconstrained rows pay nothing. ``prefetch`` does the same ahead of time in a worker thread:
-the engine hands it each launched step's tokens, and the next step's masks are filled while
-the engine schedules and launches that step (``apply`` then takes them, and fills only rows
-the worker could not: new sequences, changed batches).
+the device, puts them in their rows there and sets the logits of the tokens the grammar
+forbids to -inf, for those rows only: unconstrained rows pay nothing. ``prefetch`` does the
+same ahead of time in a worker thread: the engine hands it each launched step's tokens, and
+the next step's masks are filled while the engine schedules and launches that step (``apply``
+then takes them, and fills only rows the worker could not: new sequences, changed batches).
+The worker makes few calls into xgrammar (one fill, a few parallel accepts) and keeps each
+sample's end and refusals itself: each call gives up the GIL, and taking it back waits for
+the engine thread's Python.
 
 Log-probabilities of constrained rows are those of the masked distribution (before any
 temperature), as the sampler sees it. A matcher that has accepted its stop token has ended:
@@ -24,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,8 +37,7 @@ import torch
 from pagedgen.attention.ops.transfer import to_device
 from pagedgen.runtime.config import StructuredOutput
 
-ACCEPT_PART = 64  # matchers per parallel accept call, at least
-SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval while masks fill ahead
+ACCEPT_PART = 32  # matchers per parallel accept call, at least
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \([^)]*\) is false: )?")
 
 
@@ -144,11 +145,6 @@ class Grammars:
         self.words = (vocab_size + 31) // 32
         self.pin = torch.cuda.is_available()  # masks in pinned memory go to the GPU async
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
-        # The worker's few calls into xgrammar each give up the GIL; taking it back waits out
-        # the engine thread's Python for up to the switch interval (5 ms by default; measured
-        # on a 2-core host with the engine thread busy: 128 rows' masks took 18 ms at 5 ms,
-        # 6.5 ms at 1 ms, 2.3 ms idle; 256 accepts 78 / 14.7 / 7.1 ms at 5 / 1 / 0.2 ms).
-        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self._pending: Future | None = None
         self.masked_rows = 0  # row-steps masked
         self.rejected = 0  # samples whose matcher refused a token (then left unconstrained)
