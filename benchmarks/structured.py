@@ -87,7 +87,7 @@ def main() -> None:
                          "launched after the last step's tokens")
     ap.add_argument("--host-variants", default="",
                     help="the constrained lines once more per PART:SECONDS, e.g. "
-                         "32:0.001,64:0.0002: accepts in parts of at least PART matchers, "
+                         "32:0.001,64:0.0002: worker parts of at least PART samples, "
                          "the GIL switch interval SECONDS")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -129,7 +129,7 @@ def main() -> None:
                               ignore_eos=True) for s in seqs]
     runs["unconstrained, the constrained lengths"] = []
     for part, interval in variants:
-        runs[f"constrained, accepts of >= {part}, GIL interval {interval * 1e3:g} ms"] = []
+        runs[f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
         runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
         runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
@@ -140,13 +140,13 @@ def main() -> None:
             runs["constrained, mixed steps not ahead"] += timed_runs(
                 engine, prompts, constrained, load_s=load_s)
             engine.config.mixed_steps_ahead = True
-        default = (structured.ACCEPT_PART, sys.getswitchinterval())
+        default = (structured.PART, sys.getswitchinterval())
         for part, interval in variants:
-            structured.ACCEPT_PART = part
+            structured.PART = part
             sys.setswitchinterval(interval)
-            runs[f"constrained, accepts of >= {part}, GIL interval {interval * 1e3:g} ms"] += \
+            runs[f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"] += \
                 timed_runs(engine, prompts, constrained, load_s=load_s)
-        structured.ACCEPT_PART = default[0]
+        structured.PART = default[0]
         sys.setswitchinterval(default[1])
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
     valid = sum(_parses(t) for t in texts)

@@ -330,6 +330,41 @@ def test_the_worker_keeps_each_state_as_its_matcher_would():
     assert g.prefetched_rows == 1
 
 
+def test_the_workers_parts_give_the_masks_of_one_serial_pass():
+    """The worker in parts on threads (each accepting, then filling its rows) against one
+    thread doing all: the same masks, ends and refusals, step by step."""
+    from pagedgen.runtime.models.tokenizer import ByteTokenizer
+    from pagedgen.runtime.sampling.structured import PART, Grammars
+
+    tok = ByteTokenizer()
+    specs = [StructuredOutput("regex", r"[a-c]{2,6}x"), StructuredOutput("choice", '["yes", "no"]'),
+             json_c({"type": "integer", "minimum": 0, "maximum": 999})]
+    n = 3 * PART + 5  # four parts on four threads
+    runs = []
+    for threads in (1, 4):
+        g = Grammars(tok, 300, threads=threads)
+        states = [g.state(specs[i % 3]) for i in range(n)]
+        gen = torch.Generator().manual_seed(0)
+        outs: list[list[int]] = [[] for _ in range(n)]
+        masks = []
+        for _ in range(8):
+            rows = [(i, st, outs[i]) for i, st in enumerate(states) if st.active]
+            logits = torch.rand(n, 300, generator=gen)
+            g.apply(logits, rows)
+            masks.append(torch.isfinite(logits))
+            toks = logits.argmax(1)
+            toks[0] = ord("z")  # refused by row 0's regex
+            for i in range(n):
+                outs[i].append(int(toks[i]))
+            g.prefetch([(st, len(outs[i]) - 1) for i, st in enumerate(states)], toks, None)
+        g._join()
+        runs.append((masks, [(st.accepted, st.ended, st.rejected) for st in states],
+                     g.rejected))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert runs[0][1:] == runs[1][1:] and runs[0][2] >= 1
+    assert any(ended for _, ended, _ in runs[1][1])
+
+
 def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_path):
     schema = tmp_path / "s.json"
     schema.write_text(json.dumps(SCHEMAS[15]))

@@ -452,12 +452,7 @@ class Engine:
             out["graph_memory_bytes"] = runner.graphs.memory_bytes
         out.update(runner.attn_state.compile_stats())
         if self._grammars is not None:
-            g = self._grammars
-            out.update(structured_samples=g.samples, grammar_mask_s=g.mask_time_s,
-                       grammar_wait_s=g.wait_s, grammar_accept_s=g.accept_s,
-                       grammar_fill_s=g.fill_s, grammar_masked_rows=g.masked_rows,
-                       grammar_prefetched_rows=g.prefetched_rows,
-                       grammar_rejected_samples=g.rejected)
+            out.update(self._grammars.summary())
         if runner.host_steps["decode"]:
             out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
         out.update(extra or {})

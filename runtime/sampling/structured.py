@@ -37,7 +37,7 @@ import torch
 from pagedgen.attention.ops.transfer import to_device
 from pagedgen.runtime.config import StructuredOutput
 
-ACCEPT_PART = 32  # matchers per parallel accept call, at least
+PART = 32  # states a worker part takes tokens for and fills masks of, at least
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \([^)]*\) is false: )?")
 
 
@@ -132,15 +132,17 @@ class Grammars:
         self.stop = frozenset(tokenizer.eos_token_ids)  # the matchers' stop tokens
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=threads)
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._accepting = ThreadPoolExecutor(threads, thread_name_prefix="grammar-accept") \
+        self._threads = threads
+        self._parts = ThreadPoolExecutor(threads, thread_name_prefix="grammar-part") \
             if threads > 1 else None
         self._compiled: dict[StructuredOutput, Any] = {}
         self._lock = threading.Lock()
         self.samples = 0  # matchers made
         self.mask_time_s = 0.0  # host time filling masks in the sampling step
         self.wait_s = 0.0  # host time waiting there for the worker's masks
-        self.accept_s = 0.0  # the worker's time in accepting tokens
-        self.fill_s = 0.0  # and in filling masks
+        self.worker_s = 0.0  # the worker's time taking tokens and filling masks
+        self.accept_s = 0.0  # of which its parts' threads accepted (summed over parts)
+        self.fill_s = 0.0  # and filled masks (summed over parts)
         self.prefetched_rows = 0  # row-steps whose mask the worker filled
         self.words = (vocab_size + 31) // 32
         self.pin = torch.cuda.is_available()  # masks in pinned memory go to the GPU async
@@ -149,9 +151,18 @@ class Grammars:
         self.masked_rows = 0  # row-steps masked
         self.rejected = 0  # samples whose matcher refused a token (then left unconstrained)
 
+    def summary(self) -> dict[str, float | int]:
+        """The run summary's structured-output fields."""
+        return {"structured_samples": self.samples, "grammar_mask_s": self.mask_time_s,
+                "grammar_wait_s": self.wait_s, "grammar_worker_s": self.worker_s,
+                "grammar_accept_s": self.accept_s, "grammar_fill_s": self.fill_s,
+                "grammar_masked_rows": self.masked_rows,
+                "grammar_prefetched_rows": self.prefetched_rows,
+                "grammar_rejected_samples": self.rejected}
+
     def reset_counters(self) -> None:
         """Zero the summary's timers and row counts."""
-        self.mask_time_s = self.wait_s = self.accept_s = self.fill_s = 0.0
+        self.mask_time_s = self.wait_s = self.worker_s = self.accept_s = self.fill_s = 0.0
         self.masked_rows = self.prefetched_rows = 0
 
     def compile(self, c: StructuredOutput) -> Any:
@@ -218,10 +229,12 @@ class Grammars:
 
     def _fill_ahead(self, rows, tokens, event, bitmask: torch.Tensor, view: Any
                     ) -> tuple[dict[int, int], torch.Tensor]:
-        """The worker: each row's state takes its token (in a few parallel calls into
-        xgrammar), then the live states' masks are filled into ``bitmask`` (one call, its
-        own threads); no torch call (each lets go of the GIL, and taking it back waits on
-        the engine thread)."""
+        """The worker: each row's state takes its token and its next mask is filled into
+        ``bitmask`` (row: its place among the states that took a token), in parts of at
+        least ``PART`` states on the part threads, each accepting then filling its own
+        (xgrammar's accept is serial; both let go of the GIL): a part's masks fill while
+        other parts still accept. No torch call (each lets go of the GIL, and taking it back
+        waits on the engine thread)."""
         if event is not None:
             event.synchronize()
         t0 = time.perf_counter()
@@ -232,33 +245,46 @@ class Grammars:
                 single.append(state)
                 next_tokens.append(t)
         allowed = [s.allows(t) for s, t in zip(single, next_tokens)]
-        self._accept_parallel([s.matcher for s in single], next_tokens)
-        for state, token, ok in zip(single, next_tokens, allowed):
-            state.took(token, ok, self.stop)
-            self.rejected += not ok
-        live = [s for s in single if s.active]
+        parts = min(len(single) // PART, self._threads) if self._parts is not None else 1
+        if parts < 2:
+            done = [self._accept_and_fill(single, next_tokens, allowed, 0, len(single),
+                                          bitmask, self._batch)]
+        else:
+            cuts = [len(single) * k // parts for k in range(parts + 1)]
+            filler = _xgr().BatchGrammarMatcher
+            per_part = max(1, self._threads // parts)
+            done = list(self._parts.map(
+                lambda a, b: self._accept_and_fill(single, next_tokens, allowed, a, b, bitmask,
+                                                   _local_filler(filler, per_part)),
+                cuts[:-1], cuts[1:]))
+        for accept_s, fill_s, rejected in done:
+            self.accept_s += accept_s
+            self.fill_s += fill_s
+            self.rejected += rejected
+        live = {id(s): (j, s.accepted) for j, s in enumerate(single) if s.active}
+        for j, s in enumerate(single):
+            if s.active:
+                s.mask = (view, j)
+        self.worker_s += time.perf_counter() - t0
+        return live, bitmask
+
+    def _accept_and_fill(self, states: list[GrammarState], tokens: list[int],
+                         allowed: list[bool], a: int, b: int, bitmask: torch.Tensor,
+                         filler: Any) -> tuple[float, float, int]:
+        """States ``a:b`` take their tokens, and the live ones' masks go to their rows of
+        ``bitmask``; returns the seconds each took and how many tokens were refused."""
+        t0 = time.perf_counter()
+        _accept_tokens([s.matcher for s in states[a:b]], tokens[a:b])
+        live = []
+        for j in range(a, b):
+            states[j].took(tokens[j], allowed[j], self.stop)
+            if states[j].active:
+                live.append(j)
         t1 = time.perf_counter()
         if live:
-            self._batch.batch_fill_next_token_bitmask([s.matcher for s in live], bitmask)
-        for j, s in enumerate(live):
-            s.mask = (view, j)
-        self.accept_s += t1 - t0
-        self.fill_s += time.perf_counter() - t1
-        return {id(s): (j, s.accepted) for j, s in enumerate(live)}, bitmask
-
-    def _accept_parallel(self, matchers: list[Any], tokens: list[int]) -> None:
-        """``_accept_tokens`` in parts of at least ``ACCEPT_PART`` matchers on the accept
-        threads (xgrammar's accept is serial and lets go of the GIL)."""
-        parts = min(len(matchers) // ACCEPT_PART, self._batch_threads())
-        if parts < 2:
-            _accept_tokens(matchers, tokens)
-            return
-        cuts = [len(matchers) * k // parts for k in range(parts + 1)]
-        list(self._accepting.map(lambda a, b: _accept_tokens(matchers[a:b], tokens[a:b]),
-                                 cuts[:-1], cuts[1:]))
-
-    def _batch_threads(self) -> int:
-        return self._accepting._max_workers if self._accepting is not None else 1
+            filler.batch_fill_next_token_bitmask([states[j].matcher for j in live], bitmask,
+                                                 live)
+        return t1 - t0, time.perf_counter() - t1, b - a - sum(allowed[a:b])
 
     def _join(self) -> tuple[dict[int, tuple[int, int]], torch.Tensor | None]:
         """The masks the worker filled ({id(state): (row, tokens taken)}, rows), after it."""
@@ -330,6 +356,17 @@ class Grammars:
             for state, token, accepted in zip(single, tokens, ok):
                 state.took(token, accepted, self.stop)
                 self.rejected += not accepted
+
+
+_LOCAL = threading.local()
+
+
+def _local_filler(cls: Any, threads: int) -> Any:
+    """This thread's xgrammar batch matcher with ``threads`` fill threads (made once)."""
+    fillers = _LOCAL.__dict__.setdefault("fillers", {})
+    if threads not in fillers:
+        fillers[threads] = cls(max_threads=threads)
+    return fillers[threads]
 
 
 def _accept_tokens(matchers: list[Any], tokens: list[int]) -> None:
