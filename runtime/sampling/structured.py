@@ -216,10 +216,9 @@ class Grammars:
         """Start filling the next step's masks in a worker thread: once ``event`` (the
         launched step's, or None) has completed, each (state or None, output index), one per
         row of ``tokens`` (the step's, on the host), takes its token and its next mask is
-        filled. The engine's
-        own work for the next step (scheduling, launching its forward pass) runs meanwhile:
-        xgrammar leaves the GIL while it fills. ``apply`` takes the masks of the states whose
-        sequences are where the worker left them."""
+        filled. The engine's own work for the next step (scheduling, launching its forward
+        pass) runs meanwhile: xgrammar leaves the GIL while it works. ``apply`` takes the
+        masks of the states whose sequences are where the worker left them."""
         self._join()
         n = sum(state is not None and state.active for state, _ in rows)
         if n:  # the worker's buffer is made here: torch calls let go of the GIL too
@@ -228,7 +227,7 @@ class Grammars:
                                                 out, out.numpy())
 
     def _fill_ahead(self, rows, tokens, event, bitmask: torch.Tensor, view: Any
-                    ) -> tuple[dict[int, int], torch.Tensor]:
+                    ) -> tuple[dict[int, tuple[int, int]], torch.Tensor]:
         """The worker: each row's state takes its token and its next mask is filled into
         ``bitmask`` (row: its place among the states that took a token), in parts of at
         least ``PART`` states on the part threads, each accepting then filling its own
