@@ -158,7 +158,8 @@ PY
       tok=""; [ -d .whl/smollm2-tok ] && tok="--tokenizer .whl/smollm2-tok"
       timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
         --repeats "${STRUCT_REPEATS:-1}" ${STRUCT_NO_VLLM:+--no-vllm} \
-        ${STRUCT_MIXED_OFF:+--mixed-ahead-off} ${STRUCT_HOST:+--host-variants "$STRUCT_HOST"} --json "$S/h100-structured.json"
+        ${STRUCT_MIXED_OFF:+--mixed-ahead-off} ${STRUCT_HOST:+--host-variants "$STRUCT_HOST"} \
+        --json "$S/h100-structured.json"
       grep -E "^│|^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}

@@ -128,8 +128,8 @@ def main() -> None:
     lengths = [SamplingParams(max_tokens=max(1, s.num_output_tokens), temperature=0.0,
                               ignore_eos=True) for s in seqs]
     runs["unconstrained, the constrained lengths"] = []
-    for part, interval in variants:
-        runs[f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"] = []
+    for variant in variants:
+        runs[_variant_name(*variant)] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
         runs["unconstrained"] += timed_runs(engine, prompts, free, load_s=load_s)
         runs["constrained"] += timed_runs(engine, prompts, constrained, load_s=load_s)
@@ -144,8 +144,8 @@ def main() -> None:
         for part, interval in variants:
             structured.PART = part
             sys.setswitchinterval(interval)
-            runs[f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"] += \
-                timed_runs(engine, prompts, constrained, load_s=load_s)
+            runs[_variant_name(part, interval)] += timed_runs(engine, prompts, constrained,
+                                                              load_s=load_s)
         structured.PART = default[0]
         sys.setswitchinterval(default[1])
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
@@ -195,6 +195,10 @@ def main() -> None:
                                          "vllm_texts": [r.get("texts") for r in
                                                         peer.get("runs", [])][-1:],
                                          "parsed": [valid, len(texts)]}, indent=1))
+
+
+def _variant_name(part: int, interval: float) -> str:
+    return f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"
 
 
 def _last_seqs(engine, prompts, params):

@@ -260,10 +260,11 @@ class Grammars:
             self.accept_s += accept_s
             self.fill_s += fill_s
             self.rejected += rejected
-        live = {id(s): (j, s.accepted) for j, s in enumerate(single) if s.active}
+        live = {}
         for j, s in enumerate(single):
             if s.active:
                 s.mask = (view, j)
+                live[id(s)] = (j, s.accepted)
         self.worker_s += time.perf_counter() - t0
         return live, bitmask
 
