@@ -177,3 +177,74 @@ def test_verify_workers_share_the_cores(monkeypatch):
         assert os.environ["MAX_JOBS"] == "1"
     finally:
         torch.set_num_threads(threads)
+
+
+def noisy_checkpoint(path):
+    """A 16-layer Llama whose bfloat16 weights (N(0, 0.2)) make its logits move ~25% under
+    bfloat16 rounding alone: eager and sdpa differ by more than ``MODEL_TOL`` there."""
+    from hf_models import make_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    path = make_checkpoint("llama", path, num_hidden_layers=16, initializer_range=0.2)
+    f = path / "model.safetensors"
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, f,
+              metadata={"format": "pt"})
+    return str(path)
+
+
+def test_a_deep_models_own_rounding_passes_and_planted_bugs_still_fail(tmp_path):
+    """In bfloat16 a backend passes when its error against the float32 run is within twice
+    eager's own, though it differs from eager by more than the fixed tolerance; on the same
+    model an off-by-one decode still fails, and so does a prefill that ignores cached
+    context (judged against the uncached run and the float32 one)."""
+    from pagedgen.cli.verify.model_checks import (MODEL_TOL, check_model, check_prefix_cache,
+                                                  difference, references)
+
+    model, cpu = noisy_checkpoint(tmp_path / "deep"), torch.device("cpu")
+    base, ref32 = references(model, "bfloat16", "cpu", 8, 0)
+    assert difference(base, ref32)[1] > 2 * MODEL_TOL[torch.bfloat16]  # the model's noise
+    row = check_model("sdpa", model, "bfloat16", cpu, 8, 0, False)
+    assert row.passed and row.worst_rel > MODEL_TOL[torch.bfloat16], row
+    assert "within 2x" in row.detail
+    assert check_prefix_cache("sdpa", model, "bfloat16", cpu, 8, 0, 16).passed
+    register_backend("broken-decode", "test_verify:OffByOneDecodeBackend")
+    register_backend("broken-causal", "test_verify:WrongCausalOffsetBackend")
+    try:
+        row = check_model("broken-decode", model, "bfloat16", cpu, 8, 0, False)
+        assert not row.passed, row
+        row = check_prefix_cache("broken-causal", model, "bfloat16", cpu, 8, 0, 16)
+        assert not row.passed and "against float32" in row.detail, row
+    finally:
+        del _BACKENDS["broken-decode"], _BACKENDS["broken-causal"]
+
+
+def test_trace_follows_forced_tokens_and_records_the_models_logits():
+    """Teacher forcing: the outputs are the forced tokens, and the logits recorded at each
+    position are the model's for that context (not the forced row)."""
+    from pagedgen.cli.verify.model_checks import model_config, trace
+    from pagedgen.runtime.engine.engine import Engine
+
+    cfg = model_config("eager", "tiny", "float32", torch.device("cpu"), 0, False)
+    prompt = [5, 17, 42, 99, 3]
+    free = trace(Engine(cfg), [prompt], 4)
+    forced = [[t + 1 for t in free[1][0]]]  # never the argmax
+    got = trace(Engine(cfg), [prompt], 4, forced)
+    assert got[1] == forced
+    torch.testing.assert_close(got[0][(0, 0)], free[0][(0, 0)])
+    for pos in range(1, 4):  # the context forced so far, run as a prompt
+        alone = trace(Engine(cfg), [prompt + forced[0][:pos]], 1)
+        torch.testing.assert_close(got[0][(0, pos)], alone[0][(0, 0)], atol=1e-4, rtol=1e-4)
+        assert torch.isfinite(got[0][(0, pos)]).all()
+
+
+def test_dummy_weights_are_the_same_in_every_dtype():
+    """A preset's dummy weights are drawn as a bfloat16 checkpoint stores them, so its float32
+    run holds exactly the bfloat16 run's weights (verify's float32 reference needs this)."""
+    from pagedgen.runtime.models.loader import build_model, resolve_model
+
+    src, cpu = resolve_model("tiny"), torch.device("cpu")
+    fp32 = dict(build_model(src, "dummy", torch.float32, cpu, seed=3).named_parameters())
+    bf16 = dict(build_model(src, "dummy", torch.bfloat16, cpu, seed=3).named_parameters())
+    assert fp32.keys() == bf16.keys()
+    for name, p in bf16.items():
+        assert torch.equal(fp32[name], p.float()), name

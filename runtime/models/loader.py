@@ -190,12 +190,24 @@ def _allocate(model: torch.nn.Module, device: torch.device) -> None:
                 new[id(t)]
 
 
+# Dummy weights are drawn as a checkpoint stores them: in bfloat16, whatever the run's dtype,
+# so a float32 run holds exactly the bfloat16 run's weights (verify's float32 reference).
+DUMMY_STORAGE_DTYPE = torch.bfloat16
+
+
 def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
-    """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed.
-    A sharded parameter takes its part of the tensor the unsharded model would draw, so every
-    tensor-parallel size runs the same model; a quantized layer gets the tensor the dense model
-    would draw (in ``dtype``), quantized as a checkpoint's would be."""
+    """Random weights of the right shapes (like vLLM's dummy format), reproducible by seed and
+    the same in every dtype (``DUMMY_STORAGE_DTYPE``). A sharded parameter takes its part of
+    the tensor the unsharded model would draw, so every tensor-parallel size runs the same
+    model; a quantized layer gets the tensor the dense model would draw (in ``dtype``),
+    quantized as a checkpoint's would be."""
     gens: dict[torch.device, torch.Generator] = {}
+
+    def draw(shape: torch.Size, device: torch.device) -> torch.Tensor:
+        gen = gens.setdefault(device, torch.Generator(device).manual_seed(seed))
+        return torch.empty(shape, dtype=torch.float32, device=device).normal_(
+            0.0, 0.02, generator=gen).to(DUMMY_STORAGE_DTYPE)
+
     shards = shard_map(model)
     modules = dict(model.named_modules())
     with torch.no_grad():
@@ -205,10 +217,7 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
             method = getattr(layer, "quant_method", None)
             if method is not None and not isinstance(method, Unquantized):
                 if attr == "weight":
-                    gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
-                    full = torch.empty(full_shape(p, shards.get(name)), dtype=dtype,
-                                       device=p.device).normal_(0.0, 0.02, generator=gen)
-                    _load_parts(layer, full)
+                    _load_parts(layer, draw(full_shape(p, shards.get(name)), p.device).to(dtype))
                 elif attr == "bias":
                     p.zero_()
             elif "norm" in name:
@@ -216,14 +225,12 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
             elif name.endswith("bias"):
                 p.zero_()
             else:
-                gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(seed))
-                shape = full_shape(p, shards.get(name))
-                if shape == p.shape:
-                    p.normal_(0.0, 0.02, generator=gen)
+                full = draw(full_shape(p, shards.get(name)), p.device)
+                if full.shape == p.shape:
+                    p.copy_(full)
                 else:
-                    full = torch.empty(shape, dtype=p.dtype, device=p.device)
-                    copy_shard(p, shards[name], full.normal_(0.0, 0.02, generator=gen))
-                    del full
+                    copy_shard(p, shards[name], full)
+                del full
 
 
 def _load_parts(layer: torch.nn.Module, full: torch.Tensor) -> None:
