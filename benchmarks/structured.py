@@ -85,6 +85,9 @@ def main() -> None:
     ap.add_argument("--mixed-ahead-off", action="store_true",
                     help="the constrained lines once more with steps that carry prefills "
                          "launched after the last step's tokens")
+    ap.add_argument("--mask-fill-schedule-off", action="store_true",
+                    help="the constrained lines once more without scheduling the next step "
+                         "while a step's sampling waits for the grammar worker's masks")
     ap.add_argument("--host-variants", default="",
                     help="the constrained lines once more per PART:SECONDS, e.g. "
                          "32:0.001,64:0.0002: worker parts of at least PART samples, "
@@ -128,6 +131,8 @@ def main() -> None:
     lengths = [SamplingParams(max_tokens=max(1, s.num_output_tokens), temperature=0.0,
                               ignore_eos=True) for s in seqs]
     runs["unconstrained, the constrained lengths"] = []
+    if args.mask_fill_schedule_off:
+        runs["constrained, not scheduled during mask fill"] = []
     for variant in variants:
         runs[_variant_name(*variant)] = []
     for _ in range(args.repeats):  # alternate, so drift hits both alike
@@ -140,6 +145,11 @@ def main() -> None:
             runs["constrained, mixed steps not ahead"] += timed_runs(
                 engine, prompts, constrained, load_s=load_s)
             engine.config.mixed_steps_ahead = True
+        if args.mask_fill_schedule_off:
+            engine.config.schedule_during_mask_fill = False
+            runs["constrained, not scheduled during mask fill"] += timed_runs(
+                engine, prompts, constrained, load_s=load_s)
+            engine.config.schedule_during_mask_fill = True
         default = (structured.PART, sys.getswitchinterval())
         for part, interval in variants:
             structured.PART = part
@@ -185,7 +195,7 @@ def main() -> None:
                 f"at most, {args.profile} shape", rows,
                 ["system", "output_tokens", "wall_time_s", "output_tokens_per_s",
                  "vs_unconstrained", "vs_same_lengths", "pagedgen_vs_this",
-                 "grammar_mask_ms_per_step",
+                 "grammar_mask_ms_per_step", "steps_scheduled_during_masks",
                  "steps_launched_ahead", "steps"])
     print(f"pagedgen: {valid} of {len(texts)} checked constrained outputs parse as JSON "
           "(the others stopped at --max-tokens inside a string)")

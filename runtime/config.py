@@ -162,6 +162,8 @@ class EngineConfig:
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     mixed_steps_ahead: bool = True  # steps with prefills launch ahead too (async scheduling)
+    # while a step's sampling waits for the grammar worker's masks, schedule the next step
+    schedule_during_mask_fill: bool = True
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
     cascade_attention: bool = True  # decodes attend the pages they all share once per step

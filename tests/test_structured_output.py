@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -193,6 +194,41 @@ def test_prefix_caching_preemption_and_sync_steps_change_nothing(bpe_model, kw):
         [[x.output_token_ids for x in s.samples] for s in other]
     if "num_blocks" in kw:
         assert eng.stats.num_preemptions > 0
+
+
+@pytest.mark.parametrize("kw", [{}, dict(num_blocks=12, block_size=16)])
+def test_steps_scheduled_while_masks_fill_change_nothing(bpe_model, monkeypatch, kw):
+    """While a step's sampling waits for the worker's masks the next step is scheduled (after
+    this step's placeholders are added): the outputs, log-probabilities included, equal
+    those with that off, for constrained rows beside rows with penalties and min_tokens (read
+    from the tokens before the placeholders), with n = 2 and with preemption."""
+    from pagedgen.runtime.sampling.structured import Grammars
+
+    fill = Grammars._fill_ahead
+
+    def slow_fill(self, *args):  # the worker still busy when sampling asks for its masks
+        time.sleep(0.005)
+        return fill(self, *args)
+
+    monkeypatch.setattr(Grammars, "_fill_ahead", slow_fill)
+    cases = constraints()[:8]
+    items = [(prompt(i), SamplingParams(max_tokens=24, temperature=1.0, n=2, logprobs=2,
+                                        structured=c)) for i, (c, _) in enumerate(cases)]
+    items += [(prompt(40 + i), SamplingParams(max_tokens=24, temperature=1.0, min_tokens=8,
+                                              presence_penalty=1.5, repetition_penalty=1.3))
+              for i in range(4)]
+    outs, stats = [], []
+    for on in (True, False):
+        eng = make_engine(bpe_model, max_num_seqs=16, schedule_during_mask_fill=on, **kw)
+        seqs = run(eng, items)
+        outs.append([[(x.output_token_ids, [e[0] for e in x.logprobs or []])
+                     for x in s.samples or [s]]
+                     for s in seqs])
+        stats.append(eng.stats)
+    assert outs[0] == outs[1]
+    assert stats[0].steps_scheduled_during_masks > 0 == stats[1].steps_scheduled_during_masks
+    if kw:
+        assert stats[0].num_preemptions > 0
 
 
 def test_logprobs_are_of_the_masked_distribution(bpe_model):

@@ -33,7 +33,7 @@ from pagedgen.errors import PagedgenError, Terminated
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.distributed import data_parallel, parallel, ray_data
 from pagedgen.runtime.distributed.replica import Replica
-from pagedgen.runtime.engine.engine import check_request
+from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.engine.stats import startup
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,

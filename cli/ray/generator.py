@@ -23,7 +23,7 @@ from pagedgen.cli.formats import records
 from pagedgen.cli.formats.reader import RequestFile, check_requests, parse_line, tokenize_requests
 from pagedgen.cli.formats.request import InputOptions
 from pagedgen.runtime.distributed.replica import Replica
-from pagedgen.runtime.engine.engine import check_request
+from pagedgen.runtime.engine.requests import check_request
 
 
 class Generator:

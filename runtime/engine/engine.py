@@ -11,6 +11,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
+from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.engine.scheduler import Scheduler
 from pagedgen.runtime.sampling.controls import bad_words_ids
@@ -53,6 +54,7 @@ class Engine:
         self.stats = StepStats()
         self._next_id = 0
         self._pending = None  # (StepHandle, placeholder indices) of the step in flight
+        self._ahead = None  # the next step's batch, when scheduled before this one sampled
         self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
         # Sequences made ahead of admission: enough to fill every seat of the next step.
         self._lookahead = config.max_num_seqs
@@ -143,7 +145,8 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         self._top_up()
-        return self.scheduler.has_unfinished() or self._pending is not None
+        return (self.scheduler.has_unfinished() or self._pending is not None
+                or self._ahead is not None)
 
     def step(self) -> list[Sequence]:
         """Schedule and run one step; returns the sequences that finished in it.
@@ -170,10 +173,12 @@ class Engine:
 
     def _step_async(self) -> list[Sequence]:
         pending, self._pending = self._pending, None
-        if not self.scheduler.has_unfinished():  # only the step in flight is left
-            return self._resolve(*pending) if pending else []
+        batch, self._ahead = self._ahead, None  # scheduled while the last step's masks filled
+        if batch is None:
+            if not self.scheduler.has_unfinished():  # only the step in flight is left
+                return self._resolve(*pending) if pending else []
+            batch = self._schedule()
         t0 = time.perf_counter()
-        batch = self._schedule()
         finished = []
         if pending and not self._launches_ahead(batch):
             # the next step's inputs are built on the host: they need the real tokens first
@@ -183,22 +188,31 @@ class Engine:
             batch.prefills = [(s, n) for s, n in batch.prefills if not s.is_finished]
             if batch.is_empty:
                 return finished
-        resolved: list[list[Sequence]] = []
-
-        def read_tokens() -> None:
+        handle = self.runner.forward(batch)
+        if pending is not None and self._reads_tokens(
+                batch.decodes + [s for s, _ in batch.prefills]):
             # sampling reads the tokens so far (a grammar, penalties, a processor): the last
-            # step's are read once this step's forward pass is queued, while the device runs it
-            resolved.append(self._resolve(*pending))
-
-        reads = pending is not None and self._reads_tokens(
-            batch.decodes + [s for s, _ in batch.prefills])
-        handle = self.runner.launch(batch, read_tokens if reads else None)
+            # step's are read now that this step's forward pass is queued
+            finished += self._resolve(*pending)
+            self.stats.overlapped_steps += 1
+            pending = None
+        self.runner.plan_sampling(handle)  # the sequences as they are before this step
         self._computed(batch)
-        self._pending = (handle, self._place(handle))
+        placed = self._place(handle)
+        if self.config.schedule_during_mask_fill and self._grammars is not None \
+                and self._grammars.filling:
+            # the sampling below waits for the worker's masks: the next step is scheduled
+            # meanwhile (its inputs still come from this step's tokens, launched first)
+            self._top_up()
+            if self.scheduler.has_unfinished():
+                self._ahead = self._schedule()
+                self.stats.steps_scheduled_during_masks += 1
+        self.runner.sample(handle)
+        self._pending = (handle, placed)
         self._prefetch_masks(*self._pending)
         if pending:
             self.stats.overlapped_steps += 1
-            finished += resolved[0] if resolved else self._resolve(*pending)
+            finished += self._resolve(*pending)
         self._account(batch, t0)
         return finished
 
@@ -431,6 +445,7 @@ class Engine:
             "mean_tpot_s": st.tpot_sum / st.requests_with_tpot if st.requests_with_tpot else 0.0,
             "steps": st.num_steps,
             "steps_launched_ahead": st.overlapped_steps,
+            "steps_scheduled_during_masks": st.steps_scheduled_during_masks,
             "preemptions": st.num_preemptions,
             "prefix_caching": self.block_manager.prefix_caching,
             "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
@@ -466,30 +481,3 @@ class Engine:
             return torch.cuda.max_memory_allocated(dev)
         import resource
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
-                  vocab_size: int, max_num_seqs: int, memory: str | None = None) -> None:
-    """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
-    has no room for an output token within ``max_model_len`` or holds an id outside the
-    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs``. ``memory``: why
-    ``max_model_len`` is below the model's context, when the KV cache cut it."""
-    params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
-    if not len(prompt_token_ids):
-        raise ValueError("the prompt is empty")
-    if len(prompt_token_ids) >= max_model_len:
-        raise ValueError(f"the prompt has {len(prompt_token_ids):,} tokens; " + (
-            memory or f"the model's context is {max_model_len:,} tokens"))
-    lo, hi = min(prompt_token_ids), max(prompt_token_ids)  # C loops, not a Python scan
-    if lo < 0 or hi >= vocab_size:
-        bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
-        raise ValueError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
-    for name, ids in (("logit_bias", params.logit_bias or {}),
-                      ("stop_token_ids", params.stop_token_ids)):
-        bad = next((t for t in ids if t >= vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{name}: token id {bad} is outside the vocabulary "
-                             f"(0..{vocab_size - 1})")
-    if params.n > max_num_seqs:
-        raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
-                         f"{max_num_seqs}")

@@ -33,7 +33,7 @@ from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.loader import ModelSource, build_model, model_quantization
 from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
-from pagedgen.runtime.sampling.step import sample_step
+from pagedgen.runtime.sampling.step import finish_sampling, plan_sampling
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 
@@ -259,13 +259,21 @@ class ModelRunner:
         launch before the previous step's tokens reach the host)."""
         return self.advancer is not None and self.advancer.can_advance(decodes)
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch,
                before_sampling: Callable[[], None] | None = None) -> StepHandle:
         """Queue one step on the device; the handle's ``result()`` waits for its tokens.
         ``before_sampling`` runs on the host once the forward pass and the logits are queued
         (the engine reads the previous step's tokens there, for sampling that needs them,
         while the device computes this step)."""
+        handle = self.forward(batch)
+        if before_sampling is not None:
+            before_sampling()
+        return self.sample(handle)
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue a step's forward pass and the logits of the rows it samples; ``sample``
+        queues their sampling (the host may do other work in between)."""
         t0 = time.perf_counter()
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
@@ -304,22 +312,38 @@ class ModelRunner:
                     sampling.append(s)
         rows += range(qsl, qsl + len(batch.decodes))
         sampling += batch.decodes
-        handle = StepHandle(sampling, None, None, prompt_logprobs=prompt_lps, scored=scored)
+        handle = StepHandle(sampling, None, None, prompt_logprobs=prompt_lps, scored=scored,
+                            decode_only=not batch.prefills)
         if sampling:
             if rows == list(range(rows[0], rows[0] + len(rows))):
                 picked = hidden[rows[0]:rows[0] + len(rows)]
             else:
                 picked = hidden[to_device(rows, torch.long, self.device)]
-            logits = self.model.compute_logits(picked)
-            if before_sampling is not None:
-                before_sampling()
-            out = sample_step(logits, sampling, self.device, self.tp, self.processors_enabled,
-                              self.eos_ids, self.grammars, None if self.fused_kernels else False)
-            self.last_logits, self.last_sampled = logits, sampling  # for verify and the tests
+            handle.logits = self.model.compute_logits(picked)
+        return handle
+
+    @torch.inference_mode()
+    def plan_sampling(self, handle: StepHandle) -> None:
+        """Read the sampling sequences for a step ``forward`` queued (their controls and
+        processors queue on its logits): the engine may then add this step's placeholders
+        to them before ``sample``."""
+        if handle.logits is not None and handle.plan is None:
+            handle.plan = plan_sampling(handle.logits, handle.sampling, self.device,
+                                        self.processors_enabled, self.eos_ids, self.grammars)
+
+    @torch.inference_mode()
+    def sample(self, handle: StepHandle) -> StepHandle:
+        """Queue the sampling of a step ``forward`` queued, and its tokens' copy to the host."""
+        if handle.logits is not None:
+            self.plan_sampling(handle)
+            out = finish_sampling(handle.plan, self.device, self.tp, self.grammars,
+                                  None if self.fused_kernels else False)
+            self.last_logits, self.last_sampled = handle.logits, handle.sampling  # verify
+            handle.logits = handle.plan = None
             self.last_tokens = out.tokens  # on the device: the next step's pending inputs
             handle.tokens, handle.logprobs = out.tokens, out.logprobs
             handle.logprob_rows = out.logprob_rows
-            if self.advancer is not None and not batch.prefills:
+            if self.advancer is not None and handle.decode_only:
                 self.advancer.sampled(handle.tokens)
         if self.device.type != "cuda":
             return handle
@@ -327,7 +351,7 @@ class ModelRunner:
             handle.tokens = handle.tokens.to("cpu", non_blocking=True)  # into pinned memory
         if handle.logprobs is not None:
             handle.logprobs = handle.logprobs.to_host()
-        handle.prompt_logprobs = [(seq, lp.to_host()) for seq, lp in prompt_lps]
+        handle.prompt_logprobs = [(seq, lp.to_host()) for seq, lp in handle.prompt_logprobs]
         handle.event = torch.cuda.Event()
         handle.event.record()
         return handle

@@ -22,6 +22,7 @@ class StepStats:
     decode_steps: int = 0
     decode_kv_tokens: int = 0  # cached tokens read by decode-only steps (for rooflines)
     overlapped_steps: int = 0  # launched before the previous step's tokens were read
+    steps_scheduled_during_masks: int = 0  # while the last step waited for grammar masks
     num_steps: int = 0
     first_step_wall_time: float | None = None  # time.time() when the first step was launched
     num_preemptions: int = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,9 @@ class StepHandle:
     prompt_logprobs: list[tuple[Sequence, Logprobs]] = field(default_factory=list)
     # prompts completed this step that sample nothing (max_tokens 0: scoring only)
     scored: list[Sequence] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # queued by ``ModelRunner.forward``, until sampled
+    plan: Any = None  # the sampling's reading of the sequences (``ModelRunner.plan_sampling``)
+    decode_only: bool = True  # no prefill chunk ran in the step
 
     def result(self) -> list[tuple[Sequence, int, Entry | None]]:
         """(sequence, sampled token, its log-probabilities or None) per sampling sequence;

@@ -28,14 +28,23 @@ class Sampled:
     logprob_rows: list[int] = field(default_factory=list)
 
 
-def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
-                with_processors: bool, eos_ids: set[int] = frozenset(),
-                grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
-    """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
-    whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
-    ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the run's compiled
-    constraints (None: no sequence has one); ``fused``: the one-kernel sampler (None: where
-    it runs)."""
+@dataclass
+class SamplingPlan:
+    """A step's sampling with the sequences read: controls and processors queued on
+    ``logits``, the grammar rows and the sampler's settings taken, so the engine may change
+    the sequences (this step's placeholders) before ``finish`` masks and samples."""
+
+    logits: torch.Tensor
+    grammar_rows: list[tuple[int, Any, list[int]]]
+    batch: SamplingBatch
+    logprob_rows: list[int]
+    top_logprobs: int
+
+
+def plan_sampling(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
+                  with_processors: bool, eos_ids: set[int] = frozenset(),
+                  grammars: Grammars | None = None) -> SamplingPlan:
+    """Everything of ``sample_step`` that reads the sequences."""
     controlled = any(s.controlled for s in seqs)
     if controlled:
         with scope("sampling_controls"):
@@ -46,27 +55,47 @@ def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
         if rows:
             with scope("logits_processors"):
                 processors.apply(logits, rows)
-    if grammars is not None:
-        rows = [(i, s.grammar, s.output_token_ids) for i, s in enumerate(seqs)
-                if s.grammar is not None and not s.is_finished]
-        if rows:
-            with scope("structured_output"):
-                grammars.apply(logits, rows)
+    grammar_rows = []
+    if grammars is not None:  # the tokens so far, as they are now
+        grammar_rows = [(i, s.grammar, list(s.output_token_ids)) for i, s in enumerate(seqs)
+                        if s.grammar is not None and not s.is_finished]
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    return SamplingPlan(logits, grammar_rows, sampling_batch(seqs, device, controlled), rows,
+                        max((seqs[r].params.logprobs for r in rows), default=0))
+
+
+def finish_sampling(plan: SamplingPlan, device: torch.device, tp,
+                    grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
+    """The planned step's grammar masks (the last change to the logits: nothing before them
+    can put a forbidden token back), its tokens and the log-probabilities asked for."""
+    logits = plan.logits
+    if plan.grammar_rows:
+        with scope("structured_output"):
+            grammars.apply(logits, plan.grammar_rows)
     with scope("sampling"):
         # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
-        out = Sampled(tp.broadcast(sample(logits, sampling_batch(seqs, device, controlled),
-                                          fused)))
-    out.logprob_rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-    if out.logprob_rows:
+        out = Sampled(tp.broadcast(sample(logits, plan.batch, fused)))
+    out.logprob_rows = rows = plan.logprob_rows
+    if rows:
         with scope("logprobs"):
-            rows = out.logprob_rows
-            k = max(seqs[r].params.logprobs for r in rows)
-            if len(rows) == len(seqs):
-                out.logprobs = logprobs.compute(logits, out.tokens, k)
+            if len(rows) == logits.shape[0]:
+                out.logprobs = logprobs.compute(logits, out.tokens, plan.top_logprobs)
             else:
                 idx = to_device(rows, torch.long, device)
-                out.logprobs = logprobs.compute(logits[idx], out.tokens[idx], k)
+                out.logprobs = logprobs.compute(logits[idx], out.tokens[idx], plan.top_logprobs)
     return out
+
+
+def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
+                with_processors: bool, eos_ids: set[int] = frozenset(),
+                grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
+    """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
+    whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
+    ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the run's compiled
+    constraints (None: no sequence has one); ``fused``: the one-kernel sampler (None: where
+    it runs)."""
+    plan = plan_sampling(logits, seqs, device, with_processors, eos_ids, grammars)
+    return finish_sampling(plan, device, tp, grammars, fused)
 
 
 def sampling_batch(seqs: Sequence[Any], device: torch.device,

@@ -286,6 +286,11 @@ class Grammars:
                                                  live)
         return t1 - t0, time.perf_counter() - t1, b - a - sum(allowed[a:b])
 
+    @property
+    def filling(self) -> bool:
+        """Whether the worker is still filling the next step's masks."""
+        return self._pending is not None and not self._pending.done()
+
     def _join(self) -> tuple[dict[int, tuple[int, int]], torch.Tensor | None]:
         """The masks the worker filled ({id(state): (row, tokens taken)}, rows), after it."""
         if self._pending is None:
