@@ -59,7 +59,7 @@ def _replay_ms(fn, calls: int = 5) -> float:
 
 
 def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
-    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
     from pagedgen.runtime.layers.moe_plan import plan_moe
 
     out: dict[str, dict[int, dict[str, float]]] = {}
@@ -68,7 +68,8 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
         out[name] = {}
         for t in TOKENS:
             x, w13, w2, logits = _inputs(shape, t)
-            tiles = plan_moe(w13, w2, k).choose(t)
+            plan = plan_moe(w13, w2, k)
+            tiles = plan.choose(t)
             weights, ids = mk.route(logits, k, renorm)
             slots, experts = mk.align(ids, e, tiles[0].block_m)
             inter = x.new_empty(t * k, i)
@@ -84,6 +85,12 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
                     inter, w2, down, slots, experts, t * k, tiles[1], 1, gated=False,
                     weights=weights.reshape(-1))),
                 "tiles": f"{tiles[0].name} / {tiles[1].name}"}
+            if moe_grouped_mm.available(w13):  # torch's grouped GEMM, for prefill counts
+                row["torch_grouped"] = _replay_ms(lambda: moe_grouped_mm.experts(
+                    x, w13, w2, *mk.route(logits, k, renorm),
+                    silu_and_mul=fused_ops.silu_and_mul_fused))
+                if t >= plan.grouped_mm_from:  # what the layer runs at this count
+                    row["tiles"], row["total"] = "torch grouped GEMM", row["torch_grouped"]
             out[name][t] = row
     return out
 

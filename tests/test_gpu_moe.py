@@ -59,6 +59,41 @@ def test_measured_plan_runs_inside_a_cuda_graph():
     print("plan:", [(m, a.name, b.name) for m, a, b in plan.choices])
 
 
+def test_layer_runs_torch_grouped_gemm_where_planned_but_not_inside_a_graph():
+    """A layer whose plan sends these counts to torch's grouped GEMM: eager calls run it and
+    equal the per-expert loop; a call under CUDA-graph capture runs the Triton tiles."""
+    from pagedgen.runtime.layers import moe_grouped_mm
+    from pagedgen.runtime.layers.moe import FusedMoE
+    from pagedgen.runtime.layers.moe_plan import MoePlan
+    from pagedgen.runtime.distributed.parallel import TensorParallel
+
+    x, w13, w2, weights, ids = _layer(8, 2, 1024, 1792, 600)
+    if not moe_grouped_mm.available(w13):
+        pytest.skip("torch's grouped GEMM needs bf16 on Hopper or later")
+    layer = FusedMoE(8, 2, 1024, 1792, TensorParallel()).cuda()
+    layer.w13_weight.data, layer.w2_weight.data = w13, w2
+    tiles = plan_moe(w13, w2, 2).choose(600)
+    layer._plan = MoePlan([(float("inf"), *tiles)], grouped_mm_from=512)
+    calls = []
+    real = moe_grouped_mm.experts
+    moe_grouped_mm.experts = lambda *a: calls.append(1) or real(*a)
+    try:
+        got = layer(x, weights, ids)
+        assert calls == [1]
+        ref = mk.reference(x.float(), w13.float(), w2.float(), weights, ids)
+        assert (got.float() - ref).abs().max().item() < 2e-2 * ref.abs().max().item()
+        out = torch.empty_like(x)
+        layer(x, weights, ids, out)  # warm, then captured
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x, weights, ids, out)
+        assert calls == [1, 1]  # the capture ran the tiles
+        graph.replay()
+        torch.testing.assert_close(out, mk.fused_experts(x, w13, w2, weights, ids, tiles))
+    finally:
+        moe_grouped_mm.experts = real
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return {k: make_checkpoint(k, tmp_path_factory.mktemp(k)) for k in ("qwen3_moe", "mixtral")}

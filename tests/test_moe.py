@@ -336,3 +336,39 @@ def test_kernel_plans_are_read_or_measured_once_a_process(monkeypatch, tmp_path)
     kernel_plans.cached("t.json", "k", read, lambda: [8], lambda p: p)
     monkeypatch.setattr(kernel_plans, "_MEMORY", {})  # a new process reads the file
     assert kernel_plans.cached("t.json", "k", read, lambda: [9], lambda p: p) == [8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_torch_grouped_gemm_path_equals_the_per_expert_loop(dtype, top_k):
+    """Prefill-sized counts may run on torch's grouped GEMM: its result equals ``reference``,
+    with experts that get no token and a token count that is no multiple of anything."""
+    from pagedgen.runtime.layers import moe_grouped_mm
+
+    torch.manual_seed(top_k)
+    e, h, inter, t = 8, 64, 48, 37
+    w13 = (torch.randn(e, 2 * inter, h) * 0.1).to(dtype)
+    w2 = (torch.randn(e, h, inter) * 0.1).to(dtype)
+    x = torch.randn(t, h).to(dtype)
+    weights, ids = mk.route_reference(torch.randn(t, e), top_k, True)
+    ids[:, 0] = 3  # most slots to one expert; experts 6 and 7 get none
+    ids = torch.where(ids >= 6, ids - 6, ids)
+    ref = mk.reference(x, w13, w2, weights, ids)
+    out = torch.empty_like(ref)
+    got = moe_grouped_mm.experts(x, w13, w2, weights, ids, out)
+    assert got.data_ptr() == out.data_ptr()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_plan_says_where_torch_grouped_gemm_runs_and_keeps_it_on_disk():
+    from pagedgen.runtime.layers.moe_plan import _from_json
+
+    tiles = list(CANDIDATES.values())
+    plan = MoePlan([(256, tiles[0], tiles[1]), (float("inf"), tiles[2], tiles[2])], 2048)
+    assert not plan.uses_grouped_mm(2047) and plan.uses_grouped_mm(2048)
+    assert not MoePlan(plan.choices).uses_grouped_mm(10**6)  # never, unless measured faster
+    saved = json.loads(json.dumps({"choices": [(m, u.name, d.name) for m, u, d in plan.choices],
+                                   "grouped_mm_from": plan.grouped_mm_from}))
+    assert _from_json(saved) == plan
+    assert _from_json([[256, tiles[0].name, tiles[1].name]]) is None  # the old form: remeasure

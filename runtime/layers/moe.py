@@ -1,6 +1,7 @@
 """The mixture-of-experts layer: a router (softmax top-k, renormalized or not, as the family
 says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; tiles per token
-count by measurement, ``moe_plan.py``).
+count by measurement, ``moe_plan.py``; torch's grouped GEMM, ``moe_grouped_mm.py``, for the
+prefill-sized counts where it measures faster).
 
 Under ``-tp`` each rank holds every expert's share of the intermediate features (gate/up rows,
 down columns), as a dense MLP shards; the router is replicated, and the layer's output is
@@ -19,7 +20,7 @@ from torch import nn
 
 from pagedgen.attention.ops.profiling import scope
 from pagedgen.runtime.distributed.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
 from pagedgen.runtime.layers.sharding import Segment, check_shape, load_segment, split
@@ -70,6 +71,9 @@ class FusedMoE(nn.Module):
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
             if self._plan is None:
                 self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k)
+            if self._plan.uses_grouped_mm(x.shape[0]):
+                return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                              out, fused_ops.silu_and_mul_fused)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out)
 

@@ -4,9 +4,10 @@ this GPU.
 At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dtype) times the
 candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
 the model runs them), and keeps per count the block height and the gate/up and down tiles whose
-sum (sorting included) is least. Plans are kept on disk per GPU and library versions
-(``runtime/kernel_plans.py``: ``moe-plans.json``). ``$PAGEDGEN_MOE_TILES`` forces one tile
-(``Tiles.name``) for both GEMMs at every count.
+sum (sorting included) is least, and from which count torch's grouped GEMM
+(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are kept on
+disk per GPU and library versions (``runtime/kernel_plans.py``: ``moe-plans.json``).
+``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.runtime import kernel_plans
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = "PAGEDGEN_MOE_TILES"
 CACHE = "moe-plans.json"
-PLAN_VERSION = 2  # part of the disk key: a change to the candidates or the kernel bumps it
+PLAN_VERSION = 3  # part of the disk key: a change to the candidates or the kernel bumps it
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
+GROUPED_MM_FROM = 512  # the smallest count torch's grouped GEMM is timed at (prefill sizes)
 CANDIDATES = {t.name: t for t in (
     Tiles(16, 32, 128, 1, 4, 4), Tiles(16, 64, 128, 1, 4, 3), Tiles(16, 128, 64, 1, 4, 4),
     Tiles(16, 64, 256, 1, 4, 2), Tiles(32, 64, 128, 4, 4, 3), Tiles(32, 128, 64, 4, 4, 4),
@@ -36,9 +38,17 @@ INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 @dataclass
 class MoePlan:
-    """``choices``: [(largest token count, gate/up tiles, down tiles)], increasing counts."""
+    """``choices``: [(largest token count, gate/up tiles, down tiles)], increasing counts;
+    ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
+    CUDA-graph capture)."""
 
     choices: list[tuple[float, Tiles, Tiles]]
+    grouped_mm_from: float = math.inf
+
+    def uses_grouped_mm(self, tokens: int) -> bool:
+        """Whether ``tokens`` run on torch's grouped GEMM (never while a graph is captured)."""
+        return tokens >= self.grouped_mm_from and not (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
         _, up, down = next((c for c in self.choices if tokens <= c[0]), self.choices[-1])
@@ -59,17 +69,20 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
                              *w13.shape, top_k, w13.dtype)))
     return kernel_plans.cached(
         CACHE, key, _from_json, lambda: _measure(w13, w2, top_k),
-        lambda plan: [(m, up.name, down.name) for m, up, down in plan.choices])
+        lambda plan: {"choices": [(m, up.name, down.name) for m, up, down in plan.choices],
+                      "grouped_mm_from": plan.grouped_mm_from})
 
 
 def _from_json(saved) -> MoePlan | None:
     """A plan read from disk, or None when it names tiles this version does not have."""
     try:
-        choices = [(float(m), CANDIDATES[up], CANDIDATES[down]) for m, up, down in saved]
+        choices = [(float(m), CANDIDATES[up], CANDIDATES[down])
+                   for m, up, down in saved["choices"]]
+        grouped_from = float(saved["grouped_mm_from"])
     except (TypeError, ValueError, KeyError):
         return None
     ok = choices and [m for m, *_ in choices] == sorted(m for m, *_ in choices)
-    return MoePlan(choices) if ok else None
+    return MoePlan(choices, grouped_from) if ok else None
 
 
 SHARED_MEMORY = 200 << 10  # bytes a program may stage (Hopper has 227 KiB; Ampere 163)
@@ -92,9 +105,11 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device: torch.devi
 
 
 def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
+    from pagedgen.runtime.hardware import time_cuda
+
     graph_time = kernel_plans.graph_time
     num_experts, hidden = w13.shape[0], w13.shape[2]
-    choices = []
+    choices, grouped_wins = [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=w13.dtype)
         weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
@@ -123,4 +138,15 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
             if best is None or total < best[0]:
                 best = (total, t_up, t_down)
         choices.append((tokens, best[1], best[2]))
-    return MoePlan(choices)
+        if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13):
+            # eager, as prefill steps run: at these sizes launches are a small part
+            grouped = time_cuda(lambda: moe_grouped_mm.experts(
+                x, w13, w2, weights, ids, silu_and_mul=fused_ops.silu_and_mul_fused), 5)
+            grouped_wins.append((tokens, grouped < best[0]))
+    # from the first count at which it wins at every larger one
+    grouped_from = math.inf
+    for tokens, wins in reversed(grouped_wins):
+        if not wins:
+            break
+        grouped_from = tokens
+    return MoePlan(choices, grouped_from)

@@ -1,0 +1,46 @@
+"""The experts by torch's grouped GEMM (``torch._grouped_mm``: CUTLASS's grouped kernel on
+Hopper) for the token counts where it beats our Triton tiles, which ``moe_plan`` measures:
+prefill chunks, where each expert gets hundreds of rows.
+
+The slots (``moe_kernels``: slot ``t * top_k + j``) are sorted by expert into one contiguous
+block per expert (no padding: the GEMM takes each expert's row count), the two GEMMs run with
+SiLU-and-mul between them, and each slot's output, scaled by its routing weight, goes back to
+its place before the sum over a token's slots (the order ``fused_experts`` sums in). Nothing
+waits on the host, so it runs while the host prepares the next step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def available(w13: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM can run these experts here (bf16 on Hopper or later)."""
+    return (hasattr(torch, "_grouped_mm") and w13.is_cuda and w13.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(w13.device) >= (9, 0))
+
+
+def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+            ids: torch.Tensor, out: torch.Tensor | None = None,
+            silu_and_mul=None) -> torch.Tensor:
+    """``moe_kernels.reference``'s result: ``w13`` [E, 2I, H] (gate rows, then up),
+    ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
+    given. ``silu_and_mul``: the activation kernel (default: torch's ops)."""
+    (t, top_k), h = ids.shape, x.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # slots by expert
+    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)  # each expert's end among the sorted slots
+    gate_up = torch._grouped_mm(x.index_select(0, order // top_k), w13.transpose(1, 2),
+                                offs=offs)
+    if silu_and_mul is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        inter = F.silu(gate) * up
+    else:
+        inter = silu_and_mul(gate_up)
+    y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+    y.mul_(weights.reshape(-1).float().index_select(0, order)[:, None])  # in float32
+    slots = torch.empty_like(y).index_copy_(0, order, y)
+    return torch.sum(slots.view(t, top_k, h), dim=1, out=out)
