@@ -28,7 +28,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
     given. ``silu_and_mul``: the activation kernel (default: torch's ops)."""
     (t, top_k), h = ids.shape, x.shape[1]
-    flat = ids.reshape(-1)
+    flat = ids.reshape(-1).long()  # the router's ids may be int32
     order = torch.argsort(flat, stable=True)  # slots by expert
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
