@@ -16,9 +16,11 @@ import torch.nn.functional as F
 
 
 def available(w13: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM can run these experts here (bf16 on Hopper or later)."""
+    """Whether torch's grouped GEMM can run these experts here: bf16 on Hopper or later, every
+    width a multiple of 8 elements (its 16-byte alignment; ``w13`` [E, 2I, H])."""
     return (hasattr(torch, "_grouped_mm") and w13.is_cuda and w13.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(w13.device) >= (9, 0))
+            and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+            and w13.shape[1] % 16 == 0 and w13.shape[2] % 8 == 0)
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

@@ -140,8 +140,11 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
         choices.append((tokens, best[1], best[2]))
         if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13):
             # eager, as prefill steps run: at these sizes launches are a small part
-            grouped = time_cuda(lambda: moe_grouped_mm.experts(
-                x, w13, w2, weights, ids, silu_and_mul=fused_ops.silu_and_mul_fused), 5)
+            try:
+                grouped = time_cuda(lambda: moe_grouped_mm.experts(
+                    x, w13, w2, weights, ids, silu_and_mul=fused_ops.silu_and_mul_fused), 5)
+            except RuntimeError:  # a shape or build torch's kernel does not take: the tiles
+                grouped = math.inf
             grouped_wins.append((tokens, grouped < best[0]))
     # from the first count at which it wins at every larger one
     grouped_from = math.inf
