@@ -238,7 +238,7 @@ def test_tp2_fp8_checkpoint_equals_tp1(dense, tmp_path):
     even = make_checkpoint("llama", tmp_path / "even", hidden_size=256, intermediate_size=256)
     for fmt, block in (("ct-channel", (128, 128)), ("hf-block", (32, 32))):
         ckpt = str(write_fp8(even, tmp_path / fmt, fmt, block=block))
-        with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, 5)],
+        with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, 5, None)],
                      [None], tp=2) as w:
             sharded = [msg for _, msg in w.messages()][0]
         ref = trace(Engine(config(ckpt)), PROMPTS, 5)

@@ -81,12 +81,13 @@ def trace(engine, prompts: list[list[int]], steps: int,
     return logits, [list(s.output_token_ids) for s in seqs]
 
 
-def trace_worker(config, prompts: list[list[int]], steps: int, inbox):
+def trace_worker(config, prompts: list[list[int]], steps: int,
+                 forced: list[list[int]] | None, inbox):
     """``trace`` on an engine built in a worker process (every tensor-parallel rank runs it;
     rank 0's trace is sent, as numpy arrays: tensors do not outlive a worker)."""
     from pagedgen.runtime.engine.engine import Engine
 
-    logits, outputs = trace(Engine(config), prompts, steps)
+    logits, outputs = trace(Engine(config), prompts, steps, forced)
     yield {k: v.numpy() for k, v in logits.items()}, outputs
 
 
@@ -178,17 +179,18 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
 def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: torch.device,
                           steps: int, seed: int, tp: int, graphs: bool) -> Row:
     """The model sharded over ``tp`` ranks (worker processes, NCCL on GPUs 0..tp-1 or gloo on
-    the CPU) with the backend, against one process running eager attention."""
-    from pagedgen.runtime.engine.engine import Engine
+    the CPU) with the backend, against one process running eager attention, along the same
+    tokens (``judge``)."""
+    from pagedgen.runtime.models.loader import resolve_model
 
-    prompts = model_prompts(seed)
+    base, ref32 = references(model, dtype, str(device), steps, seed)
     cfg = model_config(backend_name, model, dtype, device, seed, graphs, tp)
-    got = data_parallel.run_on_ranks(trace_worker, (cfg, prompts, steps), cfg)
-    ref_engine = Engine(model_config("eager", model, dtype, device, seed, False))
-    ref = trace(ref_engine, prompts, steps)
-    label = f"tensor parallel {tp} ({ref_engine.src.name}, CUDA graphs " \
+    got = data_parallel.run_on_ranks(trace_worker, (cfg, model_prompts(seed), steps,
+                                                    (ref32 or base)[1]), cfg)
+    got = ({k: torch.as_tensor(v) for k, v in got[0].items()}, got[1])
+    label = f"tensor parallel {tp} ({resolve_model(model).name}, CUDA graphs " \
             f"{'on' if graphs else 'off'}) vs 1 rank eager"
-    return compare(ref, got, MODEL_TOL[ref_engine.runner.dtype], label)
+    return judge(got, base, ref32, MODEL_TOL[cfg.torch_dtype(device)], label)
 
 
 def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.device,
