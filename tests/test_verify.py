@@ -248,3 +248,29 @@ def test_dummy_weights_are_the_same_in_every_dtype():
     assert fp32.keys() == bf16.keys()
     for name, p in bf16.items():
         assert torch.equal(fp32[name], p.float()), name
+
+
+def test_a_model_too_large_for_float32_is_judged_without_that_run(monkeypatch):
+    """When the float32 reference runs out of device memory the checks still run: against
+    eager in the model's dtype with the fixed tolerance, saying why."""
+    import pagedgen.runtime.engine.engine as engine_mod
+    from pagedgen.cli.verify import model_checks as mc
+
+    real = engine_mod.Engine
+
+    class NoFloat32(real):
+        def __init__(self, config, *a, **kw):
+            if config.dtype == "float32":
+                raise torch.OutOfMemoryError("CUDA out of memory (planted)")
+            super().__init__(config, *a, **kw)
+
+    monkeypatch.setattr(engine_mod, "Engine", NoFloat32)
+    mc.references.cache_clear()
+    try:
+        cpu = torch.device("cpu")
+        row = mc.check_model("sdpa", "tiny", "bfloat16", cpu, 4, 0, False)
+        assert row.passed and mc.NO_FLOAT32 in row.detail, row
+        row = mc.check_prefix_cache("sdpa", "tiny", "bfloat16", cpu, 4, 0, 16)
+        assert row.passed and mc.NO_FLOAT32 in row.detail, row
+    finally:
+        mc.references.cache_clear()

@@ -126,11 +126,13 @@ def difference(got: Trace, ref: Trace) -> tuple[float, float, int]:
     return worst_abs, worst_rel, agree
 
 
-def judge(got: Trace, base: Trace, ref32: Trace | None, tol: float, label: str) -> Row:
+def judge(got: Trace, base: Trace, ref32: Trace | None, tol: float, label: str,
+          wants_float32: bool = False) -> Row:
     """``got`` against ``base`` (eager in the same dtype) within ``tol``; or, where a float32
     reference ran, within ``NOISE_FACTOR`` times the error ``base`` itself has against it:
     a backend may round no worse than the model in its dtype does (FlashAttention's test rule;
-    a deep model's flat random logits move more than ``tol`` under rounding alone)."""
+    a deep model's flat random logits move more than ``tol`` under rounding alone).
+    ``wants_float32``: a check below float32, which says so when that run did not fit."""
     worst_abs, worst_rel, agree = difference(got, base)
     passed = worst_rel <= tol
     detail = f"argmax agreement {agree}/{len(base[0])}"
@@ -140,7 +142,12 @@ def judge(got: Trace, base: Trace, ref32: Trace | None, tol: float, label: str) 
         if not passed and err <= NOISE_FACTOR * noise:
             passed = True
             detail += f" (within {NOISE_FACTOR:g}x: the model's own rounding)"
+    elif wants_float32:
+        detail += f"; {NO_FLOAT32}"
     return Row("model", label, len(base[0]), worst_abs, worst_rel, tol, passed, detail)
+
+
+NO_FLOAT32 = "no float32 run: the model does not fit in device memory in float32"
 
 
 @functools.lru_cache(maxsize=2)
@@ -148,18 +155,32 @@ def references(model: str, dtype: str, device: str, steps: int, seed: int
                ) -> tuple[Trace, Trace | None]:
     """The eager traces a backend's model check is judged by: in the check's dtype, and (for a
     dtype below float32) the float32 run on the same weights, whose greedy tokens every run
-    follows. Made once per process (a ``--model-only`` run checks every backend here)."""
+    follows (None when it does not fit: ``NO_FLOAT32``, then eager's own tokens). Made once
+    per process (a ``--model-only`` run checks every backend here)."""
     from pagedgen.runtime.engine.engine import Engine
 
     prompts = model_prompts(seed)
     dev = torch.device(device)
-    ref32 = trace(Engine(model_config("eager", model, "float32", dev, seed, False)), prompts,
-                  steps)
     cfg = model_config("eager", model, dtype, dev, seed, False)
     if cfg.torch_dtype(dev) == torch.float32:
-        return ref32, None
-    gc.collect()  # the float32 engine's memory, before the next model is built
-    return trace(Engine(cfg), prompts, steps, ref32[1]), ref32
+        return trace(Engine(cfg), prompts, steps), None
+    ref32 = float32_trace(dataclasses.replace(cfg, dtype="float32"), prompts, steps)
+    return trace(Engine(cfg), prompts, steps, ref32 and ref32[1]), ref32
+
+
+def float32_trace(cfg, prompts: list[list[int]], steps: int) -> Trace | None:
+    """``trace`` of the eager float32 engine ``cfg`` makes, or None when it runs out of device
+    memory (a model that fits only in its own dtype); its memory is freed either way."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    try:
+        return trace(Engine(cfg), prompts, steps)
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        gc.collect()  # the float32 engine's memory, before the next model is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def check_model(backend_name: str, model: str, dtype: str, device: torch.device, steps: int,
@@ -173,7 +194,8 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
     label = f"model {eng.src.name} {str(eng.runner.dtype).removeprefix('torch.')}, " \
             f"CUDA graphs {'on' if graphs else 'off'}"
     got = trace(eng, model_prompts(seed), steps, (ref32 or base)[1])
-    return judge(got, base, ref32, MODEL_TOL[eng.runner.dtype], label)
+    return judge(got, base, ref32, MODEL_TOL[eng.runner.dtype], label,
+                 eng.runner.dtype != torch.float32)
 
 
 def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: torch.device,
@@ -190,7 +212,8 @@ def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: tor
     got = ({k: torch.as_tensor(v) for k, v in got[0].items()}, got[1])
     label = f"tensor parallel {tp} ({resolve_model(model).name}, CUDA graphs " \
             f"{'on' if graphs else 'off'}) vs 1 rank eager"
-    return judge(got, base, ref32, MODEL_TOL[cfg.torch_dtype(device)], label)
+    dt = cfg.torch_dtype(device)
+    return judge(got, base, ref32, MODEL_TOL[dt], label, dt != torch.float32)
 
 
 def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.device,
@@ -210,18 +233,16 @@ def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.
     prefix = torch.randint(0, 256, (5 * page_size // 2,), generator=g).tolist()
     warm, prompt = (prefix + torch.randint(0, 256, (n,), generator=g).tolist() for n in (9, 13))
     uncached = dataclasses.replace(cfg, prefix_caching=False)
-    ref32 = None
-    if cfg.torch_dtype(device) != torch.float32:
-        ref32 = trace(Engine(dataclasses.replace(uncached, backend="eager", dtype="float32")),
-                      [prompt], steps)
-        gc.collect()
+    below = cfg.torch_dtype(device) != torch.float32
+    ref32 = float32_trace(dataclasses.replace(uncached, backend="eager", dtype="float32"),
+                          [prompt], steps) if below else None
     fresh = trace(Engine(uncached), [prompt], steps, ref32 and ref32[1])
     cached_engine = Engine(cfg)
     cached_engine.generate([warm], SamplingParams(max_tokens=1, ignore_eos=True))
     cached = trace(cached_engine, [prompt], steps, (ref32 or fresh)[1])
     hit = cached_engine.stats.prefix_hit_tokens  # the warm-up prompt found nothing cached
     row = judge(cached, fresh, ref32, MODEL_TOL[cached_engine.runner.dtype],
-                f"prefix-cached prefill, page {page_size}")
+                f"prefix-cached prefill, page {page_size}", below)
     row.passed = row.passed and hit == 2 * page_size
     row.detail = f"{hit} of {len(prompt)} prompt tokens from the cache; {row.detail}"
     return row
