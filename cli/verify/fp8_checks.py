@@ -10,7 +10,7 @@ from unittest import mock
 
 import torch
 
-from pagedgen.cli.verify.report import BackendReport, Row
+from pagedgen.cli.verify.report import BackendReport, Row, max_error
 from pagedgen.cli.verify.runner import Check, single
 
 # Max |difference| relative to the largest reference value. A GEMM: e4m3 activations (3
@@ -65,9 +65,8 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
             xq, xs = k.quantize_activations_ref(x, block)
             ref = k.scaled_gemm_ref(xq, xs, layer.weight, layer.weight_scale, torch.float32,
                                     block)
-        err = (got - ref).abs().max().item()
-        worst_abs = max(worst_abs, err)
-        worst_rel = max(worst_rel, err / max(ref.abs().max().item(), 1e-6))
+        err, rel = max_error(got, ref)
+        worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
     return Row("kernel", f"fp8 GEMM {gemm}", cases, worst_abs, worst_rel, GEMM_TOL,
                worst_rel <= GEMM_TOL, "vs float32 on the same FP8 operands")
 

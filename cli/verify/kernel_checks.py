@@ -18,7 +18,7 @@ from pagedgen.attention.cases import make_grouped_batch, make_paged_batch, make_
 from pagedgen.attention.cases import run_backend
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import get_backend
-from pagedgen.cli.verify.report import Row
+from pagedgen.cli.verify.report import Row, max_error
 
 
 # Max absolute error of the attention output against eager (float32 math over the same cache),
@@ -75,10 +75,10 @@ class Partial:
     bad_cache: int = 0
 
     def add(self, out: torch.Tensor, ref: torch.Tensor, same_cache: bool = True) -> None:
-        err = (out.float() - ref.float()).abs().max().item()
+        err, rel = max_error(out.float(), ref.float())
         self.cases += 1
         self.worst_abs = max(self.worst_abs, err)
-        self.worst_rel = max(self.worst_rel, err / max(ref.float().abs().max().item(), 1e-6))
+        self.worst_rel = max(self.worst_rel, rel)
         self.bad_cache += not same_cache
 
     @staticmethod

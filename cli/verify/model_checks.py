@@ -13,7 +13,7 @@ import gc
 
 import torch
 
-from pagedgen.cli.verify.report import Row
+from pagedgen.cli.verify.report import Row, max_error
 from pagedgen.runtime.distributed import data_parallel
 from pagedgen.runtime.sampling.processors import LogitsProcessor
 
@@ -98,10 +98,8 @@ def compare(ref: Trace, got: Trace, tol: float, label: str) -> Row:
     first = None
     for i, (a, b) in enumerate(zip(got[1], ref[1])):
         for pos in range(min(len(a), len(b))):
-            la, lb = torch.as_tensor(got[0][(i, pos)]), ref[0][(i, pos)]
-            err = (la - lb).abs().max().item()
-            worst_abs = max(worst_abs, err)
-            worst_rel = max(worst_rel, err / max(lb.abs().max().item(), 1e-6))
+            err, rel = max_error(torch.as_tensor(got[0][(i, pos)]), ref[0][(i, pos)])
+            worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
             if a[pos] != b[pos]:  # contexts differ from here on: no longer comparable
                 first = pos if first is None else min(first, pos)
                 break
@@ -119,11 +117,11 @@ def difference(got: Trace, ref: Trace) -> tuple[float, float, int]:
     agree = 0
     for key, lb in ref[0].items():
         la = torch.as_tensor(got[0][key])
-        err = (la - lb).abs().max().item()
-        worst_abs = max(worst_abs, err)
-        worst_rel = max(worst_rel, err / max(lb.abs().max().item(), 1e-6))
+        err, rel = max_error(la, lb)
+        worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
         agree += int(la.argmax() == lb.argmax())
     return worst_abs, worst_rel, agree
+
 
 
 def judge(got: Trace, base: Trace, ref32: Trace | None, tol: float, label: str,

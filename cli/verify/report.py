@@ -4,9 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+
+def max_error(got: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """The largest absolute difference, and that relative to the reference's largest value
+    (what every row's worst figures are made of)."""
+    err = (got - ref).abs().max().item()
+    return err, err / max(ref.abs().max().item(), 1e-6)
 
 
 @dataclass

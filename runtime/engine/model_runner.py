@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
 
 import torch
 
@@ -259,16 +258,10 @@ class ModelRunner:
         launch before the previous step's tokens reach the host)."""
         return self.advancer is not None and self.advancer.can_advance(decodes)
 
-    def launch(self, batch: ScheduledBatch,
-               before_sampling: Callable[[], None] | None = None) -> StepHandle:
-        """Queue one step on the device; the handle's ``result()`` waits for its tokens.
-        ``before_sampling`` runs on the host once the forward pass and the logits are queued
-        (the engine reads the previous step's tokens there, for sampling that needs them,
-        while the device computes this step)."""
-        handle = self.forward(batch)
-        if before_sampling is not None:
-            before_sampling()
-        return self.sample(handle)
+    def launch(self, batch: ScheduledBatch) -> StepHandle:
+        """Queue one step on the device (``forward``, then ``sample``); the handle's
+        ``result()`` waits for its tokens."""
+        return self.sample(self.forward(batch))
 
     @torch.inference_mode()
     def forward(self, batch: ScheduledBatch) -> StepHandle:

@@ -44,7 +44,10 @@ class SamplingPlan:
 def plan_sampling(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
                   with_processors: bool, eos_ids: set[int] = frozenset(),
                   grammars: Grammars | None = None) -> SamplingPlan:
-    """Everything of ``sample_step`` that reads the sequences."""
+    """Everything of a step's sampling that reads ``seqs`` (one row of ``logits`` each);
+    ``with_processors``: whether any sequence may have processors; ``eos_ids``: the tokens
+    ``min_tokens`` holds back; ``grammars``: the run's compiled constraints (None: no
+    sequence has one)."""
     controlled = any(s.controlled for s in seqs)
     if controlled:
         with scope("sampling_controls"):
@@ -67,7 +70,9 @@ def plan_sampling(logits: torch.Tensor, seqs: Sequence[Any], device: torch.devic
 def finish_sampling(plan: SamplingPlan, device: torch.device, tp,
                     grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
     """The planned step's grammar masks (the last change to the logits: nothing before them
-    can put a forbidden token back), its tokens and the log-probabilities asked for."""
+    can put a forbidden token back), its tokens and the log-probabilities asked for; ``tp``:
+    the tensor-parallel group whose rank 0 decides; ``fused``: the one-kernel sampler (None:
+    where it runs)."""
     logits = plan.logits
     if plan.grammar_rows:
         with scope("structured_output"):
@@ -84,18 +89,6 @@ def finish_sampling(plan: SamplingPlan, device: torch.device, tp,
                 idx = to_device(rows, torch.long, device)
                 out.logprobs = logprobs.compute(logits[idx], out.tokens[idx], plan.top_logprobs)
     return out
-
-
-def sample_step(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device, tp,
-                with_processors: bool, eos_ids: set[int] = frozenset(),
-                grammars: Grammars | None = None, fused: bool | None = None) -> Sampled:
-    """Tokens for ``seqs`` (one row of ``logits`` each); ``tp``: the tensor-parallel group
-    whose rank 0 decides; ``with_processors``: whether any sequence may have processors;
-    ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the run's compiled
-    constraints (None: no sequence has one); ``fused``: the one-kernel sampler (None: where
-    it runs)."""
-    plan = plan_sampling(logits, seqs, device, with_processors, eos_ids, grammars)
-    return finish_sampling(plan, device, tp, grammars, fused)
 
 
 def sampling_batch(seqs: Sequence[Any], device: torch.device,
