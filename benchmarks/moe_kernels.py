@@ -3,7 +3,9 @@ GEMMs, the sum over each token's experts) against vLLM's ``fused_topk`` + ``fuse
 (in a process of its own, as ``vllm_peer.py`` runs vLLM), each replayed from a CUDA graph, at
 several token counts, on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes (bf16, random
 weights, router logits from a random gate, the same for both). Prints each time, the bytes
-of the experts a step reads over the measured copy bandwidth, and pagedgen's split by kernel.
+of the experts a step reads over the measured copy bandwidth, and pagedgen's split by kernel;
+and pagedgen's layer on the same experts quantized to FP8 per channel (``fp8``, with the
+plan's way of running them: ``fp8_mode``) against the FP8 bytes (``fp8_roofline_ms``).
 
     python -m benchmarks.moe_kernels [--json out.json]
 """
@@ -91,8 +93,25 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
                     silu_and_mul=fused_ops.silu_and_mul_fused))
                 if t >= plan.grouped_mm_from:  # what the layer runs at this count
                     row["tiles"], row["total"] = "torch grouped GEMM", row["torch_grouped"]
+            row.update(_fp8_times(x, w13, w2, logits, k, renorm, t))
             out[name][t] = row
     return out
+
+
+def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
+    """The layer's time with these experts quantized to e4m3 per output channel."""
+    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers.moe_plan import plan_moe
+    from pagedgen.runtime.quantization.fp8_kernels import quantize_weight
+
+    q, s = zip(*(quantize_weight(w.reshape(-1, w.shape[2])) for w in (w13, w2)))
+    q13, q2 = q[0].view(w13.shape), q[1].view(w2.shape)
+    scales = mk.ExpertScales(s[0].view(*w13.shape[:2], 1), s[1].view(*w2.shape[:2], 1))
+    plan = plan_moe(q13, q2, k, scales, x.dtype)
+    tiles, a8 = plan.choose(t), plan.fp8_input(t)
+    ms = _replay_ms(lambda: mk.fused_experts(x, q13, q2, *mk.route(logits, k, renorm), tiles,
+                                             None, scales, a8))
+    return {"fp8": ms, "fp8_mode": ("w8a8 " if a8 else "w8a16 ") + tiles[0].name}
 
 
 def _vllm_worker(out_path: str) -> None:
@@ -152,7 +171,8 @@ def main() -> None:
         for t in TOKENS:
             active = expected_active_experts(e, k, t)
             row = {"shape": name, "tokens": t, **ours[name][t],
-                   "roofline_ms": 1000 * active * expert_bytes / bw}
+                   "roofline_ms": 1000 * active * expert_bytes / bw,
+                   "fp8_roofline_ms": 1000 * active * expert_bytes / 2 / bw}
             if isinstance(theirs, dict):
                 row["vllm"] = theirs[name][str(t)]
                 row["vllm_over_ours"] = row["vllm"] / row["total"]

@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 E4M3 = torch.float8_e4m3fn
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+           "w1", "w2", "w3")  # the last three: Mixtral's experts
 
 # format name → (config.json quantization_config, how weights are scaled)
 FORMATS = {

@@ -231,19 +231,23 @@ def test_dummy_fp8_weights_are_the_dense_dummy_weights_quantized():
     assert torch.equal(b.weight.float(), q.float()) and torch.equal(b.weight_scale, s)
 
 
-def test_tp2_fp8_checkpoint_equals_tp1(dense, tmp_path):
+def assert_tp2_trace_equals_tp1(ckpt: str, label: str, steps: int = 5) -> None:
+    """The checkpoint's greedy trace over two gloo ranks equals one rank's."""
     from pagedgen.runtime.distributed.launch import Workers
     from pagedgen.cli.verify.model_checks import trace_worker
 
+    with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, steps, None)],
+                 [None], tp=2) as w:
+        sharded = [msg for _, msg in w.messages()][0]
+    ref = trace(Engine(config(ckpt)), PROMPTS, steps)
+    row = compare(ref, sharded, 1e-5, label)
+    assert row.worst_abs < 1e-4 and sharded[1] == ref[1], (label, row)
+
+
+def test_tp2_fp8_checkpoint_equals_tp1(dense, tmp_path):
     even = make_checkpoint("llama", tmp_path / "even", hidden_size=256, intermediate_size=256)
     for fmt, block in (("ct-channel", (128, 128)), ("hf-block", (32, 32))):
-        ckpt = str(write_fp8(even, tmp_path / fmt, fmt, block=block))
-        with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, 5, None)],
-                     [None], tp=2) as w:
-            sharded = [msg for _, msg in w.messages()][0]
-        ref = trace(Engine(config(ckpt)), PROMPTS, 5)
-        row = compare(ref, sharded, 1e-5, fmt)
-        assert row.worst_abs < 1e-4 and sharded[1] == ref[1], (fmt, row)
+        assert_tp2_trace_equals_tp1(str(write_fp8(even, tmp_path / fmt, fmt, block=block)), fmt)
 
 
 # ---- command line and bad input -----------------------------------------------------------------

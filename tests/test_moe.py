@@ -227,14 +227,6 @@ def test_unsupported_variants_are_one_line_errors(kind, fields, message):
     assert str(e.value).startswith("m/config.json: ") and "\n" not in str(e.value)
 
 
-def test_fp8_on_a_moe_model_is_a_one_line_error(checkpoint):
-    from pagedgen.runtime.models.loader import model_quantization
-    src = resolve_model(str(checkpoint[1]))
-    with pytest.raises(PagedgenError, match="fp8 quantization does not cover MoE experts"):
-        build_model(src, "safetensors", torch.float32, torch.device("cpu"),
-                    quant=model_quantization(src, "fp8"))
-
-
 def test_tp_that_does_not_divide_the_experts_says_which_field():
     cfg = model_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_attention_heads": 4,
                         "num_key_value_heads": 4, "num_hidden_layers": 2,
@@ -276,10 +268,11 @@ def test_step_weight_bytes_counts_the_experts_a_step_is_expected_to_read():
 
 def test_plan_chooses_by_token_count_and_reads_its_disk_form(monkeypatch):
     tiles = list(CANDIDATES.values())
-    plan = MoePlan([(1, tiles[0], tiles[1]), (64, tiles[2], tiles[2]), (float("inf"), tiles[4],
-                                                                          tiles[5])])
+    plan = MoePlan([(1, tiles[0], tiles[1], False), (64, tiles[2], tiles[2], True),
+                    (float("inf"), tiles[4], tiles[5], False)])
     assert plan.choose(1) == (tiles[0], tiles[1]) and plan.choose(2) == (tiles[2], tiles[2])
     assert plan.choose(10_000) == (tiles[4], tiles[5])
+    assert [plan.fp8_input(m) for m in (1, 2, 64, 65)] == [False, True, True, False]
     w = torch.empty(4, 8, 16)
     assert plan_moe(w, w, 2).choose(5) == (INTERPRETED, INTERPRETED)  # CPU: the interpreter's
     monkeypatch.setenv("PAGEDGEN_MOE_TILES", tiles[3].name)
@@ -365,10 +358,15 @@ def test_plan_says_where_torch_grouped_gemm_runs_and_keeps_it_on_disk():
     from pagedgen.runtime.layers.moe_plan import _from_json
 
     tiles = list(CANDIDATES.values())
-    plan = MoePlan([(256, tiles[0], tiles[1]), (float("inf"), tiles[2], tiles[2])], 2048)
+    plan = MoePlan([(256, tiles[0], tiles[1], True), (float("inf"), tiles[2], tiles[2], False)],
+                   2048)
     assert not plan.uses_grouped_mm(2047) and plan.uses_grouped_mm(2048)
     assert not MoePlan(plan.choices).uses_grouped_mm(10**6)  # never, unless measured faster
-    saved = json.loads(json.dumps({"choices": [(m, u.name, d.name) for m, u, d in plan.choices],
+    saved = json.loads(json.dumps({"choices": [(m, u.name, d.name, a8)
+                                               for m, u, d, a8 in plan.choices],
                                    "grouped_mm_from": plan.grouped_mm_from}))
     assert _from_json(saved) == plan
     assert _from_json([[256, tiles[0].name, tiles[1].name]]) is None  # the old form: remeasure
+    old = {"choices": [(m, u.name, d.name) for m, u, d, _ in plan.choices],
+           "grouped_mm_from": 2048}
+    assert _from_json(old) is None  # version 3's choices had no FP8 flag

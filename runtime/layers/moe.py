@@ -9,6 +9,15 @@ all-reduced. Checkpoints name experts one by one (``experts.{e}.gate_proj.weight
 Mixtral's ``experts.{e}.w1.weight``), or stacked as transformers 5 holds them
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); ``FusedMoE`` loads
 either (``load_checkpoint_tensor``) and names the ones missing (``checkpoint_units``).
+
+FP8 experts (``fp8``: the checkpoint's scheme, or ``--quantization fp8``) hold e4m3 weights
+with float32 scales whose rows follow the weights' (``w13_weight_scale`` [E, 2 * I_rank,
+K groups], ``w2_weight_scale`` [E, H, K groups]: one group per row, or per block of the
+checkpoint's ``weight_block_size``), loaded or quantized per expert tensor as an FP8 linear
+layer's are. The kernels multiply them without dequantizing: weights converted in registers,
+or activations quantized per token for the FP8 tensor cores, as the plan measures faster. A
+checkpoint's static ``input_scale`` of an expert is read and not used (activations are
+quantized dynamically, per token). On the CPU the weights are dequantized for the loop.
 """
 
 from __future__ import annotations
@@ -24,6 +33,8 @@ from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
 from pagedgen.runtime.layers.sharding import Segment, check_shape, load_segment, split
+from pagedgen.runtime.quantization.fp8 import Fp8Scheme, load_scale, load_weight
+from pagedgen.runtime.quantization.fp8_kernels import E4M3
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 GATE, UP, DOWN = "gate", "up", "down"
@@ -41,17 +52,29 @@ class FusedMoE(nn.Module):
     """Every expert's SwiGLU MLP: ``w13_weight`` [E, 2 * I_rank, H] (this rank's gate rows,
     then its up rows), ``w2_weight`` [E, H, I_rank]. ``names``: the checkpoint's per-expert
     tensor names. ``use_triton``: the grouped GEMM kernels (None: on CUDA tensors), else the
-    per-expert loop."""
+    per-expert loop. ``fp8``: the experts' FP8 scheme (None: the model's dtype)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
-                 tp: TensorParallel, names: dict[str, str] = HF_NAMES) -> None:
+                 tp: TensorParallel, names: dict[str, str] = HF_NAMES,
+                 fp8: Fp8Scheme | None = None) -> None:
         super().__init__()
         seg = split(intermediate, tp, "moe_intermediate_size")
-        self.num_experts, self.top_k, self.names = num_experts, top_k, names
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * seg.size, hidden),
-                                       requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, seg.size),
+        self.num_experts, self.top_k, self.names, self.fp8 = num_experts, top_k, names, fp8
+        dtype = E4M3 if fp8 else None
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * seg.size, hidden,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, seg.size, dtype=dtype),
                                       requires_grad=False)
+        self.group_k = fp8.block[1] if fp8 and fp8.block else None
+        if fp8:
+            groups = (lambda k: 1) if self.group_k is None else (
+                lambda k: -(-k // self.group_k))
+            self.w13_weight_scale = nn.Parameter(torch.empty(
+                num_experts, 2 * seg.size, groups(hidden), dtype=torch.float32),
+                requires_grad=False)
+            self.w2_weight_scale = nn.Parameter(torch.empty(
+                num_experts, hidden, groups(seg.size), dtype=torch.float32),
+                requires_grad=False)
         self.shards = {"w13_weight": (1, [Segment(GATE, intermediate, seg.start, seg.size, 0),
                                           Segment(UP, intermediate, seg.start, seg.size,
                                                   seg.size)]),
@@ -63,19 +86,31 @@ class FusedMoE(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
+        scales = self.scales
         with scope("moe"):
             if not triton:
-                y = mk.reference(x, self.w13_weight, self.w2_weight, weights, ids)
+                w13, w2 = (self.w13_weight, self.w2_weight) if scales is None else \
+                    scales.dequantize(self.w13_weight, self.w2_weight, x.dtype)
+                y = mk.reference(x, w13, w2, weights, ids)
                 return y if out is None else out.copy_(y)
             if not mk.HAVE_TRITON:
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
             if self._plan is None:
-                self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k)
+                self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k, scales,
+                                      x.dtype)
             if self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                               out, fused_ops.silu_and_mul_fused)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                    self._plan.choose(x.shape[0]), out)
+                                    self._plan.choose(x.shape[0]), out, scales,
+                                    self._plan.fp8_input(x.shape[0]))
+
+    @property
+    def scales(self) -> mk.ExpertScales | None:
+        """The FP8 experts' scales (None: weights in the model's dtype)."""
+        if self.fp8 is None:
+            return None
+        return mk.ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.group_k)
 
     @property
     def expert_numel(self) -> int:
@@ -92,8 +127,12 @@ class FusedMoE(nn.Module):
 
     def checkpoint_units(self) -> dict[Any, str]:
         """Each tensor this layer needs → its checkpoint name after our prefix."""
-        return {(e, part): f"{e}.{name}.weight"
-                for e in range(self.num_experts) for part, name in self.names.items()}
+        units = {(e, part): f"{e}.{name}.weight"
+                 for e in range(self.num_experts) for part, name in self.names.items()}
+        if self.fp8 is not None and self.fp8.serialized:
+            units.update({(e, part, "scale"): f"{e}.{name}.{self.fp8.scale_name}"
+                          for e in range(self.num_experts) for part, name in self.names.items()})
+        return units
 
     def load_checkpoint_tensor(self, rest: str, tensor) -> list[Any]:
         """Load the checkpoint tensor named ``rest`` after our prefix; the units it filled.
@@ -101,21 +140,43 @@ class FusedMoE(nn.Module):
         if rest in ("gate_up_proj", "down_proj"):  # stacked: [E, 2I, H] or [E, H, I]
             return self._load_stacked(rest, tensor)
         e, _, name = rest.partition(".")
-        part = next((p for p, n in self.names.items() if name == f"{n}.weight"), None)
+        module, _, kind = name.rpartition(".")
+        part = next((p for p, n in self.names.items() if module == n), None)
         if not e.isdigit() or int(e) >= self.num_experts or part is None:
             raise KeyError(rest)
-        self._load_expert(int(e), part, tensor)
-        return [(int(e), part)]
+        if kind == "weight":
+            self._load_expert(int(e), part, tensor)
+            return [(int(e), part)]
+        if self.fp8 is not None and self.fp8.serialized and kind == self.fp8.scale_name:
+            self._load_expert(int(e), part, tensor, scale=True)
+            return [(int(e), part, "scale")]
+        if self.fp8 is not None and self.fp8.static_input and kind == "input_scale":
+            return []  # activations are quantized per token (module docstring)
+        raise KeyError(rest)
 
-    def _load_expert(self, e: int, part: str, tensor) -> None:
-        """Expert ``e``'s checkpoint tensor ``part`` into its slice of our stacked parameter,
-        as a sharded linear layer's parameter is loaded (only this rank's rows or columns)."""
+    def _load_expert(self, e: int, part: str, tensor, scale: bool = False) -> None:
+        """Expert ``e``'s checkpoint tensor ``part`` (its weight, or with ``scale`` its FP8
+        scale) into its slice of our stacked parameter, as a sharded linear layer's parameter
+        is loaded (only this rank's rows or columns)."""
         name = "w2_weight" if part == DOWN else "w13_weight"
         dim, segs = self.shards[name]
         shard, key = (dim - 1, segs), (None if part == DOWN else part)  # dims of one expert
         expert = getattr(self, name).data[e]
-        check_shape(expert, shard, key, tensor)
-        load_segment(expert, shard, key, tensor)
+        if self.fp8 is None:
+            check_shape(expert, shard, key, tensor)
+            load_segment(expert, shard, key, tensor)
+            return
+        scales = getattr(self, f"{name}_scale").data[e]
+        if scale:
+            load_scale(self.fp8, scales, tuple(expert.shape), shard, key, tensor)
+        else:
+            load_weight(self.fp8, expert, scales, shard, key, tensor)
+
+    def load_drawn(self, name: str, full: torch.Tensor) -> None:
+        """Dummy weights: the unsharded ``full`` tensor drawn for parameter ``name``
+        (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) through the checkpoint path, so
+        FP8 experts are quantized as a checkpoint's would be."""
+        self._load_stacked("down_proj" if name == "w2_weight" else "gate_up_proj", full)
 
     def _load_stacked(self, rest: str, tensor) -> list[Any]:
         whole = tensor[:]
@@ -141,8 +202,8 @@ class SparseMoeBlock(nn.Module):
     over the tensor-parallel ranks (by the RMSNorm after it when ``defer_reduce``)."""
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
-                 renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES
-                 ) -> None:
+                 renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES,
+                 fp8: Fp8Scheme | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the "
@@ -151,7 +212,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = ColumnParallelLinear(hidden, [(None, Segment(None, num_experts, 0,
                                                                  num_experts, 0))],
                                          False, Unquantized())
-        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names)
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names, fp8)
         self.defer_reduce = False  # True: partial sums, reduced by the RMSNorm after it
 
     def takes_quantized_input(self, m: int) -> bool:

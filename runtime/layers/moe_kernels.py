@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
+from pagedgen.runtime.quantization.fp8_kernels import dequantize, quantize_activations
 
 try:
     import triton
@@ -125,15 +126,21 @@ class Tiles:
 if HAVE_TRITON:
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
-                             num_slots, N, K, num_blocks, stride_am, stride_be, stride_bn,
+                             a_scale_ptr, b_scale_ptr, num_slots, N, K, num_blocks, group_k,
+                             num_groups, stride_am, stride_be, stride_bn, stride_bse,
                              stride_cm, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                             WEIGHTED: tl.constexpr, PRECISION: tl.constexpr,
+                             WEIGHTED: tl.constexpr, B_FP8: tl.constexpr, A_FP8: tl.constexpr,
+                             PER_ROW: tl.constexpr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
         and BLOCK_N outputs; GATED: silu(gate) * up of rows n and N + n of B; WEIGHTED: times
-        the slot's routing weight. Programs walk GROUP_M blocks per column of tiles (a run of
-        blocks mostly shares an expert: its tiles stay in L2)."""
+        the slot's routing weight. B_FP8: B in e4m3 with float32 scales [E, rows, num_groups]
+        over K groups of ``group_k`` (PER_ROW: one group, applied once at the end; else each K
+        tile lies in one group), converted to A's dtype in registers unless A_FP8: A in e4m3
+        with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. Programs
+        walk GROUP_M blocks per column of tiles (a run of blocks mostly shares an expert: its
+        tiles stay in L2)."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_n
@@ -153,19 +160,48 @@ if HAVE_TRITON:
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
             + offs_k[:, None]
+        bs_ptrs = b_scale_ptr + expert.to(tl.int64) * stride_bse + offs_n * num_groups
+        as_ptrs = a_scale_ptr + rows * num_groups
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = offs_k < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            if B_FP8 and not A_FP8:
+                b = b.to(a.dtype)
             if GATED:
                 u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
                             other=0.0)
-                acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+                if B_FP8 and not A_FP8:
+                    u = u.to(a.dtype)
+            if PER_ROW:
+                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                if GATED:
+                    acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+            else:  # this K tile's group: its scales on the partial product
+                g = k0 // group_k
+                s = tl.load(bs_ptrs + g, mask=n_ok, other=0.0)[None, :]
+                if A_FP8:
+                    a_s = tl.load(as_ptrs + g, mask=valid, other=0.0)[:, None]
+                    s = a_s * s
+                acc += tl.dot(a, b, input_precision=PRECISION) * s
+                if GATED:
+                    s_up = tl.load(bs_ptrs + N * num_groups + g, mask=n_ok, other=0.0)[None, :]
+                    if A_FP8:
+                        s_up = a_s * s_up
+                    acc_up += tl.dot(a, u, input_precision=PRECISION) * s_up
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if B_FP8 and PER_ROW:
+            acc = acc * tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                acc_up = acc_up * tl.load(bs_ptrs + N * num_groups, mask=n_ok, other=0.0)[None, :]
+        if A_FP8 and PER_ROW:
+            a_s = tl.load(as_ptrs, mask=valid, other=0.0)[:, None]
+            acc = acc * a_s
+            if GATED:
+                acc_up = acc_up * a_s
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
         if WEIGHTED:
@@ -261,20 +297,49 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
     return slots, block_experts
 
 
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' float32 weight scales, rows as their weights' (``w13`` [E, 2I, G(H)],
+    ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    group_k: int | None = None
+
+    def dequantize(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both weights as ``dtype`` tensors (the per-expert loop's input on the CPU)."""
+        return tuple(
+            dequantize(w.reshape(-1, w.shape[2]), s.reshape(-1, s.shape[2]), dtype,
+                       self.group_k).view(w.shape)
+            for w, s in ((w13, self.w13), (w2, self.w2)))
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
                  block_experts: torch.Tensor, num_slots: int, tiles: Tiles, a_row_div: int,
-                 gated: bool, weights: torch.Tensor | None = None) -> torch.Tensor:
+                 gated: bool, weights: torch.Tensor | None = None,
+                 w_scale: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                 group_k: int | None = None) -> torch.Tensor:
     """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T)`` for every sorted slot (``align``
     with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f`` is SiLU-and-mul;
-    ``weights`` (float32, per slot): the output scaled by them."""
+    ``weights`` (float32, per slot): the output scaled by them. ``w_scale``: ``w`` is e4m3
+    with these scales (``ExpertScales``); ``a_scale``: ``a`` is e4m3 too, quantized per row
+    (and K group of ``group_k``)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     nb = block_experts.numel()
+    groups = w_scale.shape[2] if w_scale is not None else 1
+    group = k if groups == 1 else group_k
+    if groups > 1 and group % tiles.block_k:
+        raise ValueError(f"K group {group} is not a multiple of the K tile {tiles.block_k}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, slots, block_experts, weights if weights is not None else out,
-        num_slots, n, k, nb, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a_scale if a_scale is not None else out, w_scale if w_scale is not None else out,
+        num_slots, n, k, nb, group, groups, a.stride(0), w.stride(0), w.stride(1),
+        w_scale.stride(0) if w_scale is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        B_FP8=w_scale is not None, A_FP8=a_scale is not None, PER_ROW=groups == 1,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -283,16 +348,25 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, scales: ExpertScales | None = None,
+                  fp8_input: bool = False) -> torch.Tensor:
     """``reference``'s result by the kernels (``tiles``: gate/up's and down's, one block_m),
-    summed over each token's slots into ``out`` ([T, H], or a new tensor)."""
+    summed over each token's slots into ``out`` ([T, H], or a new tensor). ``scales``: the
+    weights are e4m3; ``fp8_input``: each GEMM's input quantized per token (per token and K
+    group for block scales) for the FP8 tensor cores, else the weights are converted to the
+    activations' dtype in registers."""
     if tiles[0].block_m != tiles[1].block_m:
         raise ValueError("both GEMMs of a MoE layer sort their rows in blocks of one size")
     (t, top_k), h = ids.shape, x.shape[1]
     n = t * top_k
     slots, block_experts = align(ids, w13.shape[0], tiles[0].block_m)
     inter = x.new_empty(n, w13.shape[1] // 2)
-    grouped_gemm(x, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True)
-    down = grouped_gemm(inter, w2, x.new_empty(n, h), slots, block_experts, n, tiles[1], 1,
-                        gated=False, weights=weights.reshape(-1).float())
+    s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
+    a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
+    grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
+                 w_scale=s13, a_scale=a_scale, group_k=group_k)
+    a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
+    down = grouped_gemm(a, w2, x.new_empty(n, h), slots, block_experts, n, tiles[1], 1,
+                        gated=False, weights=weights.reshape(-1).float(), w_scale=s2,
+                        a_scale=a_scale, group_k=group_k)
     return torch.sum(down.view(t, top_k, h), dim=1, out=out)

@@ -4,7 +4,8 @@ this GPU.
 At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dtype) times the
 candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
 the model runs them), and keeps per count the block height and the gate/up and down tiles whose
-sum (sorting included) is least, and from which count torch's grouped GEMM
+sum (sorting included) is least (FP8 experts: with or without their GEMMs' inputs quantized
+per token, that quantization timed with them), and from which count torch's grouped GEMM
 (``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are kept on
 disk per GPU and library versions (``runtime/kernel_plans.py``: ``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
@@ -24,7 +25,7 @@ from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = "PAGEDGEN_MOE_TILES"
 CACHE = "moe-plans.json"
-PLAN_VERSION = 3  # part of the disk key: a change to the candidates or the kernel bumps it
+PLAN_VERSION = 4  # part of the disk key: a change to the candidates or the kernel bumps it
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
 GROUPED_MM_FROM = 512  # the smallest count torch's grouped GEMM is timed at (prefill sizes)
 CANDIDATES = {t.name: t for t in (
@@ -38,11 +39,12 @@ INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 @dataclass
 class MoePlan:
-    """``choices``: [(largest token count, gate/up tiles, down tiles)], increasing counts;
+    """``choices``: [(largest token count, gate/up tiles, down tiles, FP8 input)], increasing
+    counts (FP8 input: FP8 experts' GEMMs take their inputs quantized per token);
     ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
     CUDA-graph capture)."""
 
-    choices: list[tuple[float, Tiles, Tiles]]
+    choices: list[tuple[float, Tiles, Tiles, bool]]
     grouped_mm_from: float = math.inf
 
     def uses_grouped_mm(self, tokens: int) -> bool:
@@ -51,33 +53,44 @@ class MoePlan:
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
-        _, up, down = next((c for c in self.choices if tokens <= c[0]), self.choices[-1])
-        return up, down
+        return self._choice(tokens)[1:3]
+
+    def fp8_input(self, tokens: int) -> bool:
+        """Whether FP8 experts quantize their GEMMs' inputs at ``tokens`` tokens."""
+        return self._choice(tokens)[3]
+
+    def _choice(self, tokens: int) -> tuple[float, Tiles, Tiles, bool]:
+        return next((c for c in self.choices if tokens <= c[0]), self.choices[-1])
 
 
-def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
-    """The tiles at each token count for experts ``w13`` / ``w2`` (timed once per shape and
-    machine)."""
+def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+             scales: mk.ExpertScales | None = None,
+             act_dtype: torch.dtype = torch.bfloat16) -> MoePlan:
+    """The tiles at each token count for experts ``w13`` / ``w2`` (FP8 with ``scales``, taking
+    ``act_dtype`` activations; timed once per shape and machine)."""
     forced = os.environ.get(ENV_TILES) or None
     if forced is not None:
         if forced not in CANDIDATES:
             raise ValueError(f"${ENV_TILES}={forced}: use one of {', '.join(CANDIDATES)}")
-        return MoePlan([(math.inf, CANDIDATES[forced], CANDIDATES[forced])])
+        return MoePlan([(math.inf, CANDIDATES[forced], CANDIDATES[forced], False)])
     if w13.device.type != "cuda":
-        return MoePlan([(math.inf, INTERPRETED, INTERPRETED)])
-    key = "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(w13.device),
-                             *w13.shape, top_k, w13.dtype)))
+        return MoePlan([(math.inf, INTERPRETED, INTERPRETED, False)])
+    if scales is None:
+        act_dtype = w13.dtype
+    key = "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(w13.device), *w13.shape,
+                             top_k, w13.dtype, act_dtype, scales and scales.group_k)))
     return kernel_plans.cached(
-        CACHE, key, _from_json, lambda: _measure(w13, w2, top_k),
-        lambda plan: {"choices": [(m, up.name, down.name) for m, up, down in plan.choices],
+        CACHE, key, _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype),
+        lambda plan: {"choices": [(m, up.name, down.name, a8)
+                                  for m, up, down, a8 in plan.choices],
                       "grouped_mm_from": plan.grouped_mm_from})
 
 
 def _from_json(saved) -> MoePlan | None:
     """A plan read from disk, or None when it names tiles this version does not have."""
     try:
-        choices = [(float(m), CANDIDATES[up], CANDIDATES[down])
-                   for m, up, down in saved["choices"]]
+        choices = [(float(m), CANDIDATES[up], CANDIDATES[down], bool(a8))
+                   for m, up, down, a8 in saved["choices"]]
         grouped_from = float(saved["grouped_mm_from"])
     except (TypeError, ValueError, KeyError):
         return None
@@ -104,40 +117,54 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device: torch.devi
     return weights / weights.sum(-1, keepdim=True), ids
 
 
-def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int) -> MoePlan:
+def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+             scales: mk.ExpertScales | None, act_dtype: torch.dtype) -> MoePlan:
     from pagedgen.runtime.hardware import time_cuda
 
     graph_time = kernel_plans.graph_time
     num_experts, hidden = w13.shape[0], w13.shape[2]
+    s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     choices, grouped_wins = [], []
     for tokens in TOKEN_BUCKETS:
-        x = torch.randn(tokens, hidden, device=w13.device, dtype=w13.dtype)
+        x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
         weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
         n = tokens * top_k
         per_expert = n / num_experts
         inter = x.new_empty(n, w13.shape[1] // 2)
         out = x.new_empty(n, hidden)
+
+        def up_gemm(t: Tiles, a8: bool) -> None:
+            a, a_scale = mk.quantize_activations(x, group_k) if a8 else (x, None)
+            mk.grouped_gemm(a, w13, inter, slots, experts, n, t, top_k, gated=True,
+                            w_scale=s13, a_scale=a_scale, group_k=group_k)
+
+        def down_gemm(t: Tiles, a8: bool) -> None:
+            a, a_scale = mk.quantize_activations(inter, group_k) if a8 else (inter, None)
+            mk.grouped_gemm(a, w2, out, slots, experts, n, t, 1, gated=False,
+                            weights=weights.reshape(-1), w_scale=s2, a_scale=a_scale,
+                            group_k=group_k)
+
         best = None
-        for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
-            if block_m > max(16, 2 * per_expert):  # blocks mostly padding
-                continue
-            slots, experts = mk.align(ids, num_experts, block_m)
-            sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
-            tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
-            elem = w13.element_size()
-            up = {t: graph_time(lambda t=t: mk.grouped_gemm(
-                x, w13, inter, slots, experts, n, t, top_k, gated=True))
-                for t in tiles if fits(t, elem, gated=True)}
-            down = {t: graph_time(lambda t=t: mk.grouped_gemm(
-                inter, w2, out, slots, experts, n, t, 1, gated=False,
-                weights=weights.reshape(-1))) for t in tiles if fits(t, elem, gated=False)}
-            if not up or not down:
-                continue
-            t_up, t_down = min(up, key=up.get), min(down, key=down.get)
-            total = sort_t + up[t_up] + down[t_down]
-            if best is None or total < best[0]:
-                best = (total, t_up, t_down)
-        choices.append((tokens, best[1], best[2]))
+        for a8 in (False, True) if scales is not None else (False,):
+            for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
+                if block_m > max(16, 2 * per_expert):  # blocks mostly padding
+                    continue
+                slots, experts = mk.align(ids, num_experts, block_m)
+                sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
+                tiles = [t for t in CANDIDATES.values() if t.block_m == block_m
+                         and (group_k is None or group_k % t.block_k == 0)]
+                elem = x.element_size()
+                up = {t: graph_time(lambda t=t: up_gemm(t, a8))
+                      for t in tiles if fits(t, elem, gated=True)}
+                down = {t: graph_time(lambda t=t: down_gemm(t, a8))
+                        for t in tiles if fits(t, elem, gated=False)}
+                if not up or not down:
+                    continue
+                t_up, t_down = min(up, key=up.get), min(down, key=down.get)
+                total = sort_t + up[t_up] + down[t_down]
+                if best is None or total < best[0]:
+                    best = (total, t_up, t_down, a8)
+        choices.append((tokens, best[1], best[2], best[3]))
         if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13):
             # eager, as prefill steps run: at these sizes launches are a small part
             try:

@@ -220,6 +220,9 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
                     _load_parts(layer, draw(full_shape(p, shards.get(name)), p.device).to(dtype))
                 elif attr == "bias":
                     p.zero_()
+            elif getattr(layer, "fp8", None) is not None and hasattr(layer, "load_drawn"):
+                if attr in layer.shards:  # FP8 experts: weights quantized, scales with them
+                    layer.load_drawn(attr, draw(full_shape(p, shards[name]), p.device).to(dtype))
             elif "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):

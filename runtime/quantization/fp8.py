@@ -30,12 +30,11 @@ import torch
 from torch import nn
 
 from pagedgen.attention.ops.profiling import scope
-from pagedgen.runtime.layers.sharding import take_segment
+from pagedgen.runtime.layers.sharding import Shard, take_segment
 from pagedgen.runtime.quantization import fp8_kernels as k
 from pagedgen.runtime.quantization.base import QuantizationMethod
 from pagedgen.runtime.quantization.fp8_gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
                                                     run_quantized)
-
 
 
 @dataclass(frozen=True)
@@ -118,59 +117,12 @@ class Fp8(QuantizationMethod):
             super().load(layer, name, key, tensor)
 
     def _load_weight(self, layer: nn.Module, key: Any, tensor: Any) -> None:
-        dim, _ = layer.shards["weight"]
-        seg, part = take_segment(layer.weight, layer.shards["weight"], key, tensor)
-        dest = layer.weight.data.narrow(dim, seg.offset, seg.size)
-        if part.dtype == k.E4M3:
-            if not self.scheme.serialized:
-                raise ValueError("is FP8 but the checkpoint's config names no FP8 "
-                                 "quantization")
-            dest.copy_(part)
-            return
-        q, scale = k.quantize_weight(part.to(dest.device), self.group_k)
-        dest.copy_(q)
-        scales = layer.weight_scale.data
-        if dim == 0:
-            scales[seg.offset:seg.offset + seg.size].copy_(scale)
-        else:
-            scales.copy_(scale)
+        load_weight(self.scheme, layer.weight.data, layer.weight_scale.data,
+                    layer.shards["weight"], key, tensor)
 
     def _load_scale(self, layer: nn.Module, key: Any, tensor: Any) -> None:
-        """A checkpoint scale (per tensor, per channel or per block) into this rank's rows of
-        ``weight_scale``, rows expanded."""
-        dim, segs = layer.shards["weight"]
-        seg = next(s for s in segs if s.key == key)
-        rows = seg.full if dim == 0 else layer.out_features
-        cols = layer.in_features if dim == 0 else seg.full
-        s = _read(tensor).float()
-        block = self.scheme.block
-        if block is None:
-            want = "one value" if self.scheme.per_tensor else f"[{rows}] or [{rows}, 1]"
-            ok = s.numel() == 1 if self.scheme.per_tensor else \
-                tuple(s.shape) in ((rows,), (rows, 1))
-            if not ok:
-                raise ValueError(f"has shape {list(s.shape)}; a "
-                                 f"{'per-tensor' if self.scheme.per_tensor else 'per-channel'}"
-                                 f" scale of a [{rows}, {cols}] weight has {want}")
-            full = s.reshape(-1, 1).expand(rows, 1)
-        else:
-            br, bc = block
-            shape = (math.ceil(rows / br), math.ceil(cols / bc))
-            if tuple(s.shape) != shape:
-                raise ValueError(f"has shape {list(s.shape)}; {br}x{bc} blocks of a "
-                                 f"[{rows}, {cols}] weight make it {list(shape)}")
-            full = s.repeat_interleave(br, dim=0)[:rows]
-            if dim == 1:  # this rank's K blocks
-                if seg.start % bc:
-                    raise ValueError(f"cannot be split over tensor-parallel ranks: a rank's "
-                                     f"input features start at {seg.start}, inside a block "
-                                     f"of {bc}")
-                full = full[:, seg.start // bc: math.ceil((seg.start + seg.size) / bc)]
-        dest = layer.weight_scale.data
-        if dim == 0:
-            dest[seg.offset:seg.offset + seg.size].copy_(full[seg.start:seg.start + seg.size])
-        else:
-            dest.copy_(full)
+        load_scale(self.scheme, layer.weight_scale.data, (layer.out_features, layer.in_features),
+                   layer.shards["weight"], key, tensor)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.device.type == "cuda":
@@ -205,6 +157,65 @@ class Fp8(QuantizationMethod):
         if bias is not None:
             y = y + bias
         return out.copy_(y) if out is not None else y
+
+
+def load_weight(scheme: Fp8Scheme, weight: torch.Tensor, scales: torch.Tensor, shard: Shard,
+                key: Any, tensor: Any) -> None:
+    """Checkpoint weight ``tensor`` (part ``key``) into this rank's rows or columns of the e4m3
+    ``weight`` [out, in]: copied when it is e4m3 already (its scales come apart), else quantized
+    per output row (per row and K group with ``scheme.block``) with its scales into ``scales``
+    [out, K_groups]. ValueError when it does not fit."""
+    dim, _ = shard
+    seg, part = take_segment(weight, shard, key, tensor)
+    dest = weight.narrow(dim, seg.offset, seg.size)
+    if part.dtype == k.E4M3:
+        if not scheme.serialized:
+            raise ValueError("is FP8 but the checkpoint's config names no FP8 quantization")
+        dest.copy_(part)
+        return
+    q, scale = k.quantize_weight(part.to(dest.device), scheme.block[1] if scheme.block else None)
+    dest.copy_(q)
+    if dim == 0:
+        scales[seg.offset:seg.offset + seg.size].copy_(scale)
+    else:
+        scales.copy_(scale)
+
+
+def load_scale(scheme: Fp8Scheme, scales: torch.Tensor, weight_shape: tuple[int, int],
+               shard: Shard, key: Any, tensor: Any) -> None:
+    """A checkpoint scale (per tensor, per channel or per block) of part ``key`` of a weight of
+    this rank's ``weight_shape`` [out, in] into this rank's rows of ``scales``, rows expanded.
+    ValueError when its shape does not fit."""
+    dim, segs = shard
+    seg = next(s for s in segs if s.key == key)
+    rows = seg.full if dim == 0 else weight_shape[0]
+    cols = weight_shape[1] if dim == 0 else seg.full
+    s = _read(tensor).float()
+    block = scheme.block
+    if block is None:
+        want = "one value" if scheme.per_tensor else f"[{rows}] or [{rows}, 1]"
+        ok = s.numel() == 1 if scheme.per_tensor else tuple(s.shape) in ((rows,), (rows, 1))
+        if not ok:
+            kind = "per-tensor" if scheme.per_tensor else "per-channel"
+            raise ValueError(f"has shape {list(s.shape)}; a {kind} scale of a [{rows}, {cols}] "
+                             f"weight has {want}")
+        full = s.reshape(-1, 1).expand(rows, 1)
+    else:
+        br, bc = block
+        shape = (math.ceil(rows / br), math.ceil(cols / bc))
+        if tuple(s.shape) != shape:
+            raise ValueError(f"has shape {list(s.shape)}; {br}x{bc} blocks of a "
+                             f"[{rows}, {cols}] weight make it {list(shape)}")
+        full = s.repeat_interleave(br, dim=0)[:rows]
+        if dim == 1:  # this rank's K blocks
+            if seg.start % bc:
+                raise ValueError(f"cannot be split over tensor-parallel ranks: a rank's input "
+                                 f"features start at {seg.start}, inside a block of {bc}")
+            full = full[:, seg.start // bc: math.ceil((seg.start + seg.size) / bc)]
+    if dim == 0:
+        scales[seg.offset:seg.offset + seg.size].copy_(full[seg.start:seg.start + seg.size])
+    else:
+        scales.copy_(full)
 
 
 def _read(tensor: Any) -> torch.Tensor:

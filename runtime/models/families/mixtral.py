@@ -24,7 +24,8 @@ BLOCK, OURS = ".block_sparse_moe.", ".mlp."
 class DecoderLayer(llama.DecoderLayer):
     def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
-        return MixtralForCausalLM.moe_block(config, tp)
+        return MixtralForCausalLM.moe_block(config, tp, quant,
+                                             prefix.replace(OURS[:-1], BLOCK[:-1]))
 
 
 class MixtralForCausalLM(MoeForCausalLM):

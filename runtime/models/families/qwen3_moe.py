@@ -7,8 +7,8 @@
 Qwen3-MoE attention applies it.
 
 ``MoeForCausalLM`` is the skeleton the MoE families share: Llama's, with the MLP each layer's
-config asks for; FP8 does not reach the experts yet, so a quantized MoE model is a one-line
-error rather than experts loaded wrong.
+config asks for; under FP8 (a checkpoint's or ``--quantization fp8``) the experts are FP8 unless
+the checkpoint leaves them dense, and the router stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -38,13 +38,6 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
     moe_fields = ("num_local_experts", "num_experts_per_tok", "moe_intermediate_size")
     expert_names = HF_NAMES  # the checkpoint's per-expert tensor names
 
-    def __init__(self, config, tp: TensorParallel | None = None,
-                 quant: QuantConfig | None = None) -> None:
-        if quant is not None:
-            raise ValueError(f"{quant.name} quantization does not cover MoE experts yet "
-                             f"({config.model_type}); run the model in bf16 or fp16")
-        super().__init__(config, tp, quant)
-
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
         width = getattr(config, cls.moe_fields[2])
@@ -54,11 +47,17 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
         return super().tensor_parallel_error(config, tp_size)
 
     @classmethod
-    def moe_block(cls, config, tp: TensorParallel) -> SparseMoeBlock:
+    def moe_block(cls, config, tp: TensorParallel, quant: QuantConfig | None,
+                  prefix: str) -> SparseMoeBlock:
+        """The layer's experts under ``prefix`` (``model.layers.{i}.mlp``), FP8 as ``quant``
+        says for the checkpoint's expert tensors."""
         experts, top_k, width = (getattr(config, f) for f in cls.moe_fields)
+        names = [f"{prefix}.experts.{e}.{n}" for e in range(experts)
+                 for n in cls.expert_names.values()]
+        method = quant.method_for(names) if quant else None
         return SparseMoeBlock(config.hidden_size, experts, top_k, width,
                               bool(getattr(config, "norm_topk_prob", True)), tp,
-                              cls.expert_names)
+                              cls.expert_names, method.scheme if method else None)
 
 
 def is_sparse(config, i: int) -> bool:
@@ -71,7 +70,7 @@ class DecoderLayer(llama.DecoderLayer):
     def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
         if is_sparse(config, layer_index(prefix)):
-            return Qwen3MoeForCausalLM.moe_block(config, tp)
+            return Qwen3MoeForCausalLM.moe_block(config, tp, quant, prefix)
         return llama.MLP(config, tp, quant, prefix)
 
 

@@ -1,0 +1,192 @@
+"""FP8 experts: the grouped GEMM kernels on e4m3 weights (converted in registers, or with
+activations quantized per token) against the per-expert loop on the same weights dequantized
+(Triton interpreter on the CPU); MoE checkpoints in every FP8 format against their weights
+dequantized; online and dummy quantization; -tp 2; bad scales named."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fp8_checkpoints import write_fp8
+from hf_models import make_checkpoint
+from pagedgen.cli.verify.model_checks import compare, trace
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.moe import FusedMoE
+from pagedgen.runtime.quantization import fp8_kernels as k
+from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
+from test_moe import INTERPRETED_ONLY, KINDS, _experts
+
+
+def quantized_experts(w13: torch.Tensor, w2: torch.Tensor, group_k: int | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, mk.ExpertScales]:
+    """e4m3 copies of both stacked weights and their scales (per row, or per row and K
+    group)."""
+    out = []
+    for w in (w13, w2):
+        q, s = k.quantize_weight(w.reshape(-1, w.shape[2]), group_k)
+        out.append((q.view(w.shape), s.view(w.shape[0], w.shape[1], -1)))
+    return out[0][0], out[1][0], mk.ExpertScales(out[0][1], out[1][1], group_k)
+
+
+def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
+    """Each GEMM's input quantized per token (and K group), then the per-slot loop on the
+    dequantized weights, in float32."""
+    d13, d2 = scales.dequantize(w13, w2, torch.float32)
+    g = scales.group_k
+
+    def through_fp8(v: torch.Tensor) -> torch.Tensor:
+        q, s = k.quantize_activations_ref(v, g)
+        return k.dequantize(q, s, torch.float32, g if s.shape[1] > 1 else None)
+
+    xd = through_fp8(x.float())
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for t, j in ids.new_ones(ids.shape).nonzero().tolist():
+        e = int(ids[t, j])
+        gate, up = (xd[t:t + 1] @ d13[e].t()).chunk(2, dim=-1)
+        inter = (F.silu(gate) * up).to(x.dtype).float()
+        out[t] += weights[t, j] * (through_fp8(inter) @ d2[e].t())[0]
+    return out
+
+
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("fp8_input", [False, True])
+@pytest.mark.parametrize("group_k", [None, 32])
+@pytest.mark.parametrize("t,e,top_k,h,i,block_m", [
+    (1, 8, 2, 64, 96, 16),    # one token, most experts without one; I not a multiple of 64
+    (37, 8, 3, 96, 64, 32),   # full and partial blocks, H three K groups
+    (20, 16, 16, 64, 32, 16)])  # every token to every expert
+def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, block_m,
+                                                              group_k, fp8_input):
+    x, w13, w2, weights, ids = _experts(t, e, top_k, h, i)
+    q13, q2, scales = quantized_experts(w13, w2, group_k)
+    tiles = mk.Tiles(block_m, 32, 32)
+    got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales,
+                           fp8_input=fp8_input)
+    if fp8_input:
+        ref = fp8_input_reference(x, q13, q2, scales, weights, ids)
+        tol = 2e-3  # an activation on an e4m3 rounding tie may round the other way
+    else:
+        ref = mk.reference(x, *scales.dequantize(q13, q2, torch.float32), weights, ids)
+        tol = 1e-5
+    assert (got - ref).abs().max() <= tol * ref.abs().max()
+
+
+@INTERPRETED_ONLY
+def test_fp8_kernels_take_fp16_activations():
+    x, w13, w2, weights, ids = _experts(9, 8, 2, 64, 64, torch.float16)
+    q13, q2, scales = quantized_experts(w13.float(), w2.float(), 32)
+    tiles = mk.Tiles(16, 32, 32)
+    got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales)
+    ref = mk.reference(x.float(), *scales.dequantize(q13, q2, torch.float32), weights, ids)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_k_tile_across_two_scale_groups_is_refused():
+    if not mk.HAVE_TRITON:
+        pytest.skip("needs Triton")
+    x, w13, w2, weights, ids = _experts(3, 4, 2, 64, 64)
+    q13, q2, scales = quantized_experts(w13, w2, 32)
+    with pytest.raises(ValueError, match="K group 32 is not a multiple of the K tile 64"):
+        t = mk.Tiles(16, 32, 64)
+        mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales)
+
+
+# ---- checkpoints --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=KINDS)
+def moe_dense(request, tmp_path_factory):
+    return request.param, make_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def _experts_of(eng: Engine) -> list[FusedMoE]:
+    return [m for m in eng.runner.model.modules() if isinstance(m, FusedMoE)]
+
+
+@pytest.mark.parametrize("fmt,block", [("hf-block", (32, 32)), ("hf-block", (128, 128)),
+                                       ("ct-channel", None), ("hf-tensor-static", None),
+                                       ("ct-tensor-static", None)])
+def test_fp8_moe_checkpoint_equals_its_weights_dequantized(moe_dense, fmt, block, tmp_path):
+    """Every FP8 format, block scales with partial edge blocks (128 over 48- and 64-wide
+    experts), the experts' static input scales read and left unused."""
+    kind, dense = moe_dense
+    ckpt = write_fp8(dense, tmp_path / fmt, fmt, block=block or (128, 128))
+    eng = Engine(config(str(ckpt)))
+    layers = _experts_of(eng)
+    assert layers and all(m.w13_weight.dtype == torch.float8_e4m3fn for m in layers)
+    assert all(m.gate.weight.dtype == torch.float32  # the router stays dense
+               for m in eng.runner.model.modules() if hasattr(m, "experts"))
+    got = trace(eng, PROMPTS, 6)
+    ref = trace(Engine(config(str(ckpt) + "-dequantized")), PROMPTS, 6)
+    row = compare(ref, got, 1e-5, fmt)
+    assert row.worst_abs < 1e-4 and got[1] == ref[1], row
+
+
+@INTERPRETED_ONLY
+def test_fp8_moe_checkpoint_through_the_kernels(moe_dense, tmp_path):
+    """The same, with the MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
+    kind, dense = moe_dense
+    ckpt = write_fp8(dense, tmp_path / "b", "hf-block", block=(32, 32))
+    eng = Engine(config(str(ckpt)))
+    for m in _experts_of(eng):
+        m.use_triton = True
+    got = trace(eng, PROMPTS[:2], 3)
+    ref = trace(Engine(config(str(ckpt) + "-dequantized")), PROMPTS[:2], 3)
+    row = compare(ref, got, 1e-5, "kernels")
+    assert row.worst_abs < 1e-4 and got[1] == ref[1], row
+
+
+def test_online_fp8_experts_error_is_bounded_per_row(moe_dense):
+    kind, dense = moe_dense
+    dense_eng = Engine(config(str(dense)))
+    fp8_eng = Engine(config(str(dense), quantization="fp8"))
+    for ref, got in zip(_experts_of(dense_eng), _experts_of(fp8_eng)):
+        assert got.w13_weight.dtype == torch.float8_e4m3fn
+        for w, q, s in ((ref.w13_weight, got.w13_weight, got.w13_weight_scale),
+                        (ref.w2_weight, got.w2_weight, got.w2_weight_scale)):
+            w = w.float()
+            deq = q.float() * s  # one scale per row
+            # per output row: error at most 1/16 of the row's largest value
+            assert ((deq - w).abs().amax(-1) <= w.abs().amax(-1) / 16).all()
+    row = compare(trace(dense_eng, PROMPTS, 6), trace(fp8_eng, PROMPTS, 6), 0.1, "online")
+    assert row.passed, row
+
+
+def test_dummy_fp8_experts_are_the_dense_dummy_experts_quantized(moe_dense):
+    model = str(moe_dense[1])  # its config; the weights drawn
+    dense = _experts_of(Engine(config(model, load_format="dummy")))[0]
+    fp8 = _experts_of(Engine(config(model, load_format="dummy", quantization="fp8")))[0]
+    for w, q, s in ((dense.w13_weight, fp8.w13_weight, fp8.w13_weight_scale),
+                    (dense.w2_weight, fp8.w2_weight, fp8.w2_weight_scale)):
+        want_q, want_s = k.quantize_weight(w.float().reshape(-1, w.shape[2]))
+        assert torch.equal(q.reshape(-1, w.shape[2]).float(), want_q.float())
+        assert torch.equal(s.reshape(-1, 1), want_s)
+
+
+def test_tp2_fp8_moe_checkpoint_equals_tp1(tmp_path):
+    # per-channel scales; 16 x 16 blocks (Mixtral's 64-wide experts: 32 columns a rank)
+    for kind, fmt in (("qwen3_moe", "ct-channel"), ("mixtral", "hf-block")):
+        dense = make_checkpoint(kind, tmp_path / kind)
+        ckpt = write_fp8(dense, tmp_path / f"{kind}-q", fmt, block=(16, 16))
+        assert_tp2_trace_equals_tp1(str(ckpt), kind, steps=4)
+
+
+def test_misfit_and_missing_expert_scales_name_the_tensor(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from pagedgen.errors import PagedgenError
+    dense = make_checkpoint("qwen3_moe", tmp_path / "dense")
+    ckpt = write_fp8(dense, tmp_path / "q", "hf-block", block=(32, 32))
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    name = "model.layers.0.mlp.experts.3.up_proj.weight_scale_inv"
+    for change, message in ((lambda t: t.update({name: t[name][:1]}), "has shape"),
+                            (lambda t: t.pop(name), "missing")):
+        bad = dict(tensors)
+        change(bad)
+        save_file(bad, str(ckpt / "model.safetensors"))
+        with pytest.raises(PagedgenError, match=message) as e:
+            Engine(config(str(ckpt)))
+        assert name in str(e.value) and "\n" not in str(e.value)
