@@ -107,11 +107,20 @@ def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
     q, s = zip(*(quantize_weight(w.reshape(-1, w.shape[2])) for w in (w13, w2)))
     q13, q2 = q[0].view(w13.shape), q[1].view(w2.shape)
     scales = mk.ExpertScales(s[0].view(*w13.shape[:2], 1), s[1].view(*w2.shape[:2], 1))
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
+
     plan = plan_moe(q13, q2, k, scales, x.dtype)
     tiles, a8 = plan.choose(t), plan.fp8_input(t)
-    ms = _replay_ms(lambda: mk.fused_experts(x, q13, q2, *mk.route(logits, k, renorm), tiles,
-                                             None, scales, a8))
-    return {"fp8": ms, "fp8_mode": ("w8a8 " if a8 else "w8a16 ") + tiles[0].name}
+    row = {"fp8": _replay_ms(lambda: mk.fused_experts(
+        x, q13, q2, *mk.route(logits, k, renorm), tiles, None, scales, a8)),
+        "fp8_mode": ("w8a8 " if a8 else "w8a16 ") + tiles[0].name}
+    if moe_grouped_mm.available(q13, scales):
+        row["fp8_torch_grouped"] = _replay_ms(lambda: moe_grouped_mm.experts(
+            x, q13, q2, *mk.route(logits, k, renorm),
+            silu_and_mul=fused_ops.silu_and_mul_fused, scales=scales))
+        if t >= plan.grouped_mm_from:  # what the layer runs at this count
+            row["fp8_mode"], row["fp8"] = "torch FP8 grouped GEMM", row["fp8_torch_grouped"]
+    return row
 
 
 def _vllm_worker(out_path: str) -> None:

@@ -190,3 +190,34 @@ def test_misfit_and_missing_expert_scales_name_the_tensor(tmp_path):
         with pytest.raises(PagedgenError, match=message) as e:
             Engine(config(str(ckpt)))
         assert name in str(e.value) and "\n" not in str(e.value)
+
+
+def scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype):
+    """``torch._scaled_grouped_mm``'s contract (its CUDA kernel runs on Hopper only): rows
+    ``[offs[g-1], offs[g])`` of ``a`` times ``b[g]`` ([K, N]), each product scaled by its
+    row's ``scale_a`` and its column's ``scale_b[g]``."""
+    out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        prod = a[start:end].float() @ b[g].float()
+        out[start:end] = (prod * scale_a[start:end, None] * scale_b[g][None, :]).to(out_dtype)
+        start = end
+    return out
+
+
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_fp8_input_loop(monkeypatch, top_k):
+    """Prefill-sized counts of per-channel FP8 experts may run on torch's FP8 grouped GEMM:
+    each GEMM's rows quantized per token (the second's by the SiLU-and-mul kernel), the
+    scales handed as its contract reads them."""
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
+
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_reference, raising=False)
+    x, w13, w2, weights, ids = _experts(37, 8, top_k, 64, 48)
+    ids[:, 0] = 3  # most slots to one expert
+    q13, q2, scales = quantized_experts(w13, w2, None)
+    got = moe_grouped_mm.experts(x, q13, q2, weights, ids,
+                                 silu_and_mul=fused_ops.silu_and_mul_fused, scales=scales)
+    ref = fp8_input_reference(x, q13, q2, scales, weights, ids)
+    assert (got - ref).abs().max() <= 2e-3 * ref.abs().max()

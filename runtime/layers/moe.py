@@ -1,7 +1,7 @@
 """The mixture-of-experts layer: a router (softmax top-k, renormalized or not, as the family
 says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; tiles per token
 count by measurement, ``moe_plan.py``; torch's grouped GEMM, ``moe_grouped_mm.py``, for the
-prefill-sized counts where it measures faster).
+prefill-sized counts where it measures faster, in bf16 or FP8).
 
 Under ``-tp`` each rank holds every expert's share of the intermediate features (gate/up rows,
 down columns), as a dense MLP shards; the router is replicated, and the layer's output is
@@ -100,7 +100,7 @@ class FusedMoE(nn.Module):
                                       x.dtype)
             if self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                              out, fused_ops.silu_and_mul_fused)
+                                              out, fused_ops.silu_and_mul_fused, scales)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.fp8_input(x.shape[0]))

@@ -6,7 +6,9 @@ The slots (``moe_kernels``: slot ``t * top_k + j``) are sorted by expert into on
 block per expert (no padding: the GEMM takes each expert's row count), the two GEMMs run with
 SiLU-and-mul between them, and each slot's output, scaled by its routing weight, goes back to
 its place before the sum over a token's slots (the order ``fused_experts`` sums in). Nothing
-waits on the host, so it runs while the host prepares the next step.
+waits on the host, so it runs while the host prepares the next step. FP8 experts with one scale
+per output row go through ``torch._scaled_grouped_mm`` (CUTLASS's FP8 grouped kernel), each
+GEMM's input quantized per row (the SiLU-and-mul kernel quantizes the second's as it writes it).
 """
 
 from __future__ import annotations
@@ -14,35 +16,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
 
-def available(w13: torch.Tensor) -> bool:
-    """Whether torch's grouped GEMM can run these experts here: bf16 on Hopper or later, every
-    width a multiple of 8 elements (its 16-byte alignment; ``w13`` [E, 2I, H])."""
-    return (hasattr(torch, "_grouped_mm") and w13.is_cuda and w13.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(w13.device) >= (9, 0)
+
+def available(w13: torch.Tensor, scales=None) -> bool:
+    """Whether torch's grouped GEMM can run these experts here: bf16 (or FP8 with ``scales``
+    per output row: ``moe_kernels.ExpertScales``) on Hopper or later, every width a multiple
+    of 16 bytes (``w13`` [E, 2I, H])."""
+    if not (w13.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)):
+        return False
+    if scales is not None:
+        return (hasattr(torch, "_scaled_grouped_mm") and w13.dtype == E4M3
+                and scales.group_k is None and w13.shape[1] % 32 == 0
+                and w13.shape[2] % 16 == 0)
+    return (hasattr(torch, "_grouped_mm") and w13.dtype == torch.bfloat16
             and w13.shape[1] % 16 == 0 and w13.shape[2] % 8 == 0)
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, out: torch.Tensor | None = None,
-            silu_and_mul=None) -> torch.Tensor:
+            silu_and_mul=None, scales=None) -> torch.Tensor:
     """``moe_kernels.reference``'s result: ``w13`` [E, 2I, H] (gate rows, then up),
     ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
-    given. ``silu_and_mul``: the activation kernel (default: torch's ops)."""
+    given. ``silu_and_mul``: the activation kernel (default: torch's ops; with ``scales``,
+    one that takes ``quantize=True``). ``scales``: FP8 experts' per-row scales."""
     (t, top_k), h = ids.shape, x.shape[1]
     flat = ids.reshape(-1).long()  # the router's ids may be int32
     order = torch.argsort(flat, stable=True)  # slots by expert
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts.cumsum(0).to(torch.int32)  # each expert's end among the sorted slots
-    gate_up = torch._grouped_mm(x.index_select(0, order // top_k), w13.transpose(1, 2),
-                                offs=offs)
-    if silu_and_mul is None:
-        gate, up = gate_up.chunk(2, dim=-1)
-        inter = F.silu(gate) * up
+    rows = x.index_select(0, order // top_k)
+    if scales is not None:
+        q, s = quantize_activations(rows)
+        gate_up = torch._scaled_grouped_mm(q, w13.transpose(1, 2), s.view(-1),
+                                           scales.w13.view(w13.shape[0], -1), offs=offs,
+                                           out_dtype=x.dtype)
+        q, s = silu_and_mul(gate_up, quantize=True)
+        y = torch._scaled_grouped_mm(q, w2.transpose(1, 2), s.view(-1),
+                                     scales.w2.view(w2.shape[0], -1), offs=offs,
+                                     out_dtype=x.dtype)
     else:
-        inter = silu_and_mul(gate_up)
-    y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+        gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
+        if silu_and_mul is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            inter = F.silu(gate) * up
+        else:
+            inter = silu_and_mul(gate_up)
+        y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
     y.mul_(weights.reshape(-1).float().index_select(0, order)[:, None])  # in float32
     slots = torch.empty_like(y).index_copy_(0, order, y)
     return torch.sum(slots.view(t, top_k, h), dim=1, out=out)

@@ -33,7 +33,8 @@ CANDIDATES = {t.name: t for t in (
     Tiles(16, 64, 256, 1, 4, 2), Tiles(32, 64, 128, 4, 4, 3), Tiles(32, 128, 64, 4, 4, 4),
     Tiles(64, 64, 64, 8, 4, 4), Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 128, 64, 8, 8, 4),
     Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
-    Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3))}
+    Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3),
+    Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3))}  # deeper: FP8 operands
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 
@@ -101,11 +102,13 @@ def _from_json(saved) -> MoePlan | None:
 SHARED_MEMORY = 200 << 10  # bytes a program may stage (Hopper has 227 KiB; Ampere 163)
 
 
-def fits(tiles: Tiles, elem: int, gated: bool) -> bool:
+def fits(tiles: Tiles, elem: int, gated: bool, b_elem: int | None = None) -> bool:
     """Whether the kernel's pipeline stages (an A tile and one B tile each, two when
-    ``gated``) fit in shared memory at ``elem`` bytes an element (float32 doubles bf16's)."""
+    ``gated``) fit in shared memory at ``elem`` bytes an element of A and ``b_elem`` (default
+    ``elem``) of B (float32 doubles bf16's; FP8 halves it)."""
     b_tiles = 2 if gated else 1
-    per_stage = (tiles.block_m + b_tiles * tiles.block_n) * tiles.block_k * elem
+    per_stage = (tiles.block_m * elem + b_tiles * tiles.block_n * (b_elem or elem)) \
+        * tiles.block_k
     return tiles.num_stages * per_stage <= SHARED_MEMORY
 
 
@@ -153,11 +156,11 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m
                          and (group_k is None or group_k % t.block_k == 0)]
-                elem = x.element_size()
+                elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
                 up = {t: graph_time(lambda t=t: up_gemm(t, a8))
-                      for t in tiles if fits(t, elem, gated=True)}
+                      for t in tiles if fits(t, elem, True, b_elem)}
                 down = {t: graph_time(lambda t=t: down_gemm(t, a8))
-                        for t in tiles if fits(t, elem, gated=False)}
+                        for t in tiles if fits(t, elem, False, b_elem)}
                 if not up or not down:
                     continue
                 t_up, t_down = min(up, key=up.get), min(down, key=down.get)
@@ -165,11 +168,12 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 if best is None or total < best[0]:
                     best = (total, t_up, t_down, a8)
         choices.append((tokens, best[1], best[2], best[3]))
-        if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13):
+        if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13, scales):
             # eager, as prefill steps run: at these sizes launches are a small part
             try:
                 grouped = time_cuda(lambda: moe_grouped_mm.experts(
-                    x, w13, w2, weights, ids, silu_and_mul=fused_ops.silu_and_mul_fused), 5)
+                    x, w13, w2, weights, ids, silu_and_mul=fused_ops.silu_and_mul_fused,
+                    scales=scales), 5)
             except RuntimeError:  # a shape or build torch's kernel does not take: the tiles
                 grouped = math.inf
             grouped_wins.append((tokens, grouped < best[0]))
