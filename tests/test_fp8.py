@@ -324,6 +324,25 @@ def test_misfit_scales_name_the_tensor(dense, tmp_path):
         Engine(config(str(ckpt)))
 
 
+@pytest.mark.parametrize("how", ["no quantization_config", "layer left dense"])
+def test_fp8_tensors_bound_for_a_dense_layer_are_refused(dense, tmp_path, how):
+    """Copied into a dense parameter an e4m3 tensor loses its scale: a model that loads but
+    computes nonsense. A config without quantization_config, or one that leaves the layer
+    dense, is a one-line error naming the tensor."""
+    ckpt = write_fp8(dense, tmp_path / "q", "ct-channel")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    if how == "no quantization_config":
+        del cfg["quantization_config"]
+        name = "tensor 'model.layers.0."  # the file's first FP8 tensor
+    else:
+        cfg["quantization_config"]["ignore"].append("model.layers.1.mlp.down_proj")
+        name = "model.layers.1.mlp.down_proj.weight"
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PagedgenError, match="is FP8, but this model holds its layer dense") as e:
+        Engine(config(str(ckpt)))
+    assert name in str(e.value) and "\n" not in str(e.value)
+
+
 def test_fp8_without_fp8_tensor_cores_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")

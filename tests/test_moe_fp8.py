@@ -5,6 +5,8 @@ dequantized; online and dummy quantization; -tp 2; bad scales named."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +192,29 @@ def test_misfit_and_missing_expert_scales_name_the_tensor(tmp_path):
         with pytest.raises(PagedgenError, match=message) as e:
             Engine(config(str(ckpt)))
         assert name in str(e.value) and "\n" not in str(e.value)
+
+
+
+def test_an_fp8_router_or_dense_experts_given_fp8_tensors_are_refused(tmp_path):
+    """The router stays dense (an FP8 one would load without its scale), and so do experts the
+    config leaves dense."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedgen.errors import PagedgenError
+    dense = make_checkpoint("qwen3_moe", tmp_path / "dense")
+    ckpt = write_fp8(dense, tmp_path / "q", "ct-channel")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    router = "model.layers.0.mlp.gate.weight"
+    bad = {**tensors, router: tensors[router].to(torch.float8_e4m3fn)}
+    save_file(bad, str(ckpt / "model.safetensors"))
+    with pytest.raises(PagedgenError, match=f"'{router}' is FP8, but this model holds"):
+        Engine(config(str(ckpt)))
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantization_config"]["ignore"].append("re:model\\.layers\\.2\\.mlp\\.experts\\..*")
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PagedgenError, match="layers.2.mlp.experts.*is FP8, but this model"):
+        Engine(config(str(ckpt)))
 
 
 def scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype):

@@ -8,7 +8,9 @@ parameter is copied as it is. A module that loads its own tensors (a MoE layer's
 named one by one or stacked) takes every name under its prefix: ``load_checkpoint_tensor(rest,
 tensor)`` returns the units it filled, ``checkpoint_units()`` names those it needs. Each
 tensor's shape is checked first, and every tensor the model needs must come: a misshapen,
-unexpected or missing one is a ValueError naming it (the caller names the file).
+unexpected or missing one is a ValueError naming it (the caller names the file). So is an FP8
+tensor bound for a layer the model holds dense (its config does not quantize that layer): copied,
+it would lose its scale and load silently wrong.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         """Load one checkpoint tensor; the (parameter or module, part) units it filled.
         KeyError: the model has no place for it."""
         owner = _owner(name, owners)
+        fp8 = _is_fp8(tensor)
         if owner is not None:
+            if fp8 and getattr(owners[owner], "fp8", None) is None:
+                raise ValueError(DENSE_FP8)
             units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
             return [(owner, u) for u in units]
         target, key = name, None
@@ -48,8 +53,12 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         prefix, _, attr = target.rpartition(".")
         method = getattr(modules.get(prefix), "quant_method", None)
         if method is not None and attr in method.checkpoint_tensors(modules[prefix]):
+            if fp8 and method.name != "fp8":
+                raise ValueError(DENSE_FP8)
             method.load(modules[prefix], attr, key, tensor)
         elif target in params and key is None:
+            if fp8 and params[target].dtype != tensor_dtype(tensor):
+                raise ValueError(DENSE_FP8)
             check_shape(params[target], shards.get(target), None, tensor)
             load_segment(params[target].data, shards.get(target), None, tensor)
         else:
@@ -71,6 +80,26 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
     missing = _missing(model, stacked, loaded)
     if missing:
         raise ValueError(f"missing {len(missing)} tensor(s), e.g. '{missing[0]}'")
+
+
+DENSE_FP8 = ("is FP8, but this model holds its layer dense: the checkpoint's "
+             "quantization_config does not quantize it (or is missing)")
+FP8_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+def tensor_dtype(tensor) -> torch.dtype | str | None:
+    """A torch tensor's dtype, or a lazy safetensors slice's (as torch's where it is FP8);
+    None for a source that dequantizes as it reads (GGUF)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor.dtype
+    if not hasattr(tensor, "get_dtype"):
+        return None
+    name = tensor.get_dtype()
+    return next((d for d, n in FP8_DTYPES.items() if n == name), name)
+
+
+def _is_fp8(tensor) -> bool:
+    return tensor_dtype(tensor) in FP8_DTYPES
 
 
 def _self_loading(model: nn.Module) -> dict[str, nn.Module]:
