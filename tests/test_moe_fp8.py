@@ -87,14 +87,18 @@ def test_fp8_kernels_take_fp16_activations():
     torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
-def test_a_k_tile_across_two_scale_groups_is_refused():
-    if not mk.HAVE_TRITON:
-        pytest.skip("needs Triton")
-    x, w13, w2, weights, ids = _experts(3, 4, 2, 64, 64)
-    q13, q2, scales = quantized_experts(w13, w2, 32)
-    with pytest.raises(ValueError, match="K group 32 is not a multiple of the K tile 64"):
-        t = mk.Tiles(16, 32, 64)
-        mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales)
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("group_k,fp8_input", [(16, False), (32, False), (32, True)])
+def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input):
+    """Block scales of 16 or 32 columns (the config allows them) under 64-wide K tiles: each K
+    tile must lie in one group, so the tile narrows to the group."""
+    x, w13, w2, weights, ids = _experts(9, 4, 2, 64, 64)
+    q13, q2, scales = quantized_experts(w13, w2, group_k)
+    t = mk.Tiles(16, 32, 64)
+    got = mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales, fp8_input=fp8_input)
+    ref = fp8_input_reference(x, q13, q2, scales, weights, ids) if fp8_input else \
+        mk.reference(x, *scales.dequantize(q13, q2, torch.float32), weights, ids)
+    assert (got - ref).abs().max() <= 2e-3 * ref.abs().max()
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

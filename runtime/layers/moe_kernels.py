@@ -323,15 +323,17 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T)`` for every sorted slot (``align``
     with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f`` is SiLU-and-mul;
     ``weights`` (float32, per slot): the output scaled by them. ``w_scale``: ``w`` is e4m3
-    with these scales (``ExpertScales``); ``a_scale``: ``a`` is e4m3 too, quantized per row
-    (and K group of ``group_k``)."""
+    with these scales (``ExpertScales``; a K tile wider than their group of ``group_k``
+    columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
+    group)."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     nb = block_experts.numel()
     groups = w_scale.shape[2] if w_scale is not None else 1
     group = k if groups == 1 else group_k
-    if groups > 1 and group % tiles.block_k:
-        raise ValueError(f"K group {group} is not a multiple of the K tile {tiles.block_k}")
+    block_k = tiles.block_k if groups == 1 else min(tiles.block_k, group)  # a tile in a group
+    if groups > 1 and group % block_k:
+        raise ValueError(f"K group {group} is not a multiple of the K tile {block_k}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, slots, block_experts, weights if weights is not None else out,
@@ -341,7 +343,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
         B_FP8=w_scale is not None, A_FP8=a_scale is not None, PER_ROW=groups == 1,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

@@ -148,14 +148,18 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                             group_k=group_k)
 
         best = None
-        for a8 in (False, True) if scales is not None else (False,):
+        # FP8 inputs on the tensor cores take K tiles of 32 or more
+        fp8_inputs = (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
+        for a8 in fp8_inputs:
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if block_m > max(16, 2 * per_expert):  # blocks mostly padding
                     continue
                 slots, experts = mk.align(ids, num_experts, block_m)
                 sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
-                tiles = [t for t in CANDIDATES.values() if t.block_m == block_m
-                         and (group_k is None or group_k % t.block_k == 0)]
+                tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
+                if group_k is not None and any(t.block_k <= group_k for t in tiles):
+                    tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
+
                 elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
                 up = {t: graph_time(lambda t=t: up_gemm(t, a8))
                       for t in tiles if fits(t, elem, True, b_elem)}
