@@ -100,15 +100,10 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
 
 def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
     """The layer's time with these experts quantized to e4m3 per output channel."""
-    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
     from pagedgen.runtime.layers.moe_plan import plan_moe
-    from pagedgen.runtime.quantization.fp8_kernels import quantize_weight
 
-    q, s = zip(*(quantize_weight(w.reshape(-1, w.shape[2])) for w in (w13, w2)))
-    q13, q2 = q[0].view(w13.shape), q[1].view(w2.shape)
-    scales = mk.ExpertScales(s[0].view(*w13.shape[:2], 1), s[1].view(*w2.shape[:2], 1))
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
-
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2)
     plan = plan_moe(q13, q2, k, scales, x.dtype)
     tiles, a8 = plan.choose(t), plan.fp8_input(t)
     row = {"fp8": _replay_ms(lambda: mk.fused_experts(

@@ -142,10 +142,8 @@ def test_fp8_experts_equal_the_dequantized_loop_inside_a_cuda_graph(group_k):
     """Qwen3-30B-A3B's expert shape in FP8 (per-channel and 128-column groups): the measured
     plan's kernels, weights converted in registers and activations quantized, against the loop
     on the dequantized weights; the plan's choices captured and replayed."""
-    from test_moe_fp8 import quantized_experts
-
     x, w13, w2, weights, ids = _layer(128, 8, 2048, 768, 48)
-    q13, q2, scales = quantized_experts(w13, w2, group_k)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
     ref = mk.reference(x.float(), *scales.dequantize(q13, q2, torch.float32), weights, ids)
     scale = ref.abs().max().item()
     for fp8_input in (False, True):
@@ -198,10 +196,9 @@ def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_loop():
     contract tests/test_moe_fp8.py holds its stand-in to) against the loop on the dequantized
     weights, no further from it than twice our kernels with FP8 inputs."""
     from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
-    from test_moe_fp8 import quantized_experts
 
     x, w13, w2, weights, ids = _layer(128, 8, 2048, 768, 600)
-    q13, q2, scales = quantized_experts(w13, w2, None)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, None)
     if not moe_grouped_mm.available(q13, scales):
         pytest.skip("torch's FP8 grouped GEMM needs Hopper or later")
     got = moe_grouped_mm.experts(x, q13, q2, weights, ids,

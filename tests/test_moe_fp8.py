@@ -22,17 +22,6 @@ from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
 from test_moe import INTERPRETED_ONLY, KINDS, _experts
 
 
-def quantized_experts(w13: torch.Tensor, w2: torch.Tensor, group_k: int | None
-                      ) -> tuple[torch.Tensor, torch.Tensor, mk.ExpertScales]:
-    """e4m3 copies of both stacked weights and their scales (per row, or per row and K
-    group)."""
-    out = []
-    for w in (w13, w2):
-        q, s = k.quantize_weight(w.reshape(-1, w.shape[2]), group_k)
-        out.append((q.view(w.shape), s.view(w.shape[0], w.shape[1], -1)))
-    return out[0][0], out[1][0], mk.ExpertScales(out[0][1], out[1][1], group_k)
-
-
 def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
     """Each GEMM's input quantized per token (and K group), then the per-slot loop on the
     dequantized weights, in float32."""
@@ -63,7 +52,7 @@ def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
 def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, block_m,
                                                               group_k, fp8_input):
     x, w13, w2, weights, ids = _experts(t, e, top_k, h, i)
-    q13, q2, scales = quantized_experts(w13, w2, group_k)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
     tiles = mk.Tiles(block_m, 32, 32)
     got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales,
                            fp8_input=fp8_input)
@@ -79,7 +68,7 @@ def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, 
 @INTERPRETED_ONLY
 def test_fp8_kernels_take_fp16_activations():
     x, w13, w2, weights, ids = _experts(9, 8, 2, 64, 64, torch.float16)
-    q13, q2, scales = quantized_experts(w13.float(), w2.float(), 32)
+    q13, q2, scales = mk.ExpertScales.quantize(w13.float(), w2.float(), 32)
     tiles = mk.Tiles(16, 32, 32)
     got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales)
     ref = mk.reference(x.float(), *scales.dequantize(q13, q2, torch.float32), weights, ids)
@@ -93,7 +82,7 @@ def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input
     """Block scales of 16 or 32 columns (the config allows them) under 64-wide K tiles: each K
     tile must lie in one group, so the tile narrows to the group."""
     x, w13, w2, weights, ids = _experts(9, 4, 2, 64, 64)
-    q13, q2, scales = quantized_experts(w13, w2, group_k)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
     t = mk.Tiles(16, 32, 64)
     got = mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales, fp8_input=fp8_input)
     ref = fp8_input_reference(x, q13, q2, scales, weights, ids) if fp8_input else \
@@ -245,7 +234,7 @@ def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_fp8_input_loop(monke
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_reference, raising=False)
     x, w13, w2, weights, ids = _experts(37, 8, top_k, 64, 48)
     ids[:, 0] = 3  # most slots to one expert
-    q13, q2, scales = quantized_experts(w13, w2, None)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, None)
     got = moe_grouped_mm.experts(x, q13, q2, weights, ids,
                                  silu_and_mul=fused_ops.silu_and_mul_fused, scales=scales)
     ref = fp8_input_reference(x, q13, q2, scales, weights, ids)

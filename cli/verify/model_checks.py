@@ -123,7 +123,6 @@ def difference(got: Trace, ref: Trace) -> tuple[float, float, int]:
     return worst_abs, worst_rel, agree
 
 
-
 def judge(got: Trace, base: Trace, ref32: Trace | None, tol: float, label: str,
           wants_float32: bool = False) -> Row:
     """``got`` against ``base`` (eager in the same dtype) within ``tol``; or, where a float32

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
-from pagedgen.runtime.quantization.fp8_kernels import dequantize, quantize_activations
+from pagedgen.runtime.quantization.fp8_kernels import (dequantize, quantize_activations,
+                                                      quantize_weight)
 
 try:
     import triton
@@ -305,6 +306,17 @@ class ExpertScales:
     w13: torch.Tensor
     w2: torch.Tensor
     group_k: int | None = None
+
+    @classmethod
+    def quantize(cls, w13: torch.Tensor, w2: torch.Tensor, group_k: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+        """e4m3 copies of both stacked weights and their scales (per row, or per row and K
+        group of ``group_k`` columns): experts whole on one device (tests, benchmarks)."""
+        out = []
+        for w in (w13, w2):
+            q, s = quantize_weight(w.reshape(-1, w.shape[2]), group_k)
+            out.append((q.view(w.shape), s.view(w.shape[0], w.shape[1], -1)))
+        return out[0][0], out[1][0], cls(out[0][1], out[1][1], group_k)
 
     def dequantize(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[torch.Tensor, torch.Tensor]:

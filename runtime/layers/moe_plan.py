@@ -151,6 +151,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         # FP8 inputs on the tensor cores take K tiles of 32 or more
         fp8_inputs = (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
         for a8 in fp8_inputs:
+            elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if block_m > max(16, 2 * per_expert):  # blocks mostly padding
                     continue
@@ -159,8 +160,6 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
-
-                elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
                 up = {t: graph_time(lambda t=t: up_gemm(t, a8))
                       for t in tiles if fits(t, elem, True, b_elem)}
                 down = {t: graph_time(lambda t=t: down_gemm(t, a8))

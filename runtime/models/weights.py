@@ -39,7 +39,8 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         """Load one checkpoint tensor; the (parameter or module, part) units it filled.
         KeyError: the model has no place for it."""
         owner = _owner(name, owners)
-        fp8 = _is_fp8(tensor)
+        dtype = tensor_dtype(tensor)
+        fp8 = dtype in FP8_DTYPES
         if owner is not None:
             if fp8 and getattr(owners[owner], "fp8", None) is None:
                 raise ValueError(DENSE_FP8)
@@ -57,7 +58,7 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
                 raise ValueError(DENSE_FP8)
             method.load(modules[prefix], attr, key, tensor)
         elif target in params and key is None:
-            if fp8 and params[target].dtype != tensor_dtype(tensor):
+            if fp8 and params[target].dtype != dtype:
                 raise ValueError(DENSE_FP8)
             check_shape(params[target], shards.get(target), None, tensor)
             load_segment(params[target].data, shards.get(target), None, tensor)
@@ -96,10 +97,6 @@ def tensor_dtype(tensor) -> torch.dtype | str | None:
         return None
     name = tensor.get_dtype()
     return next((d for d, n in FP8_DTYPES.items() if n == name), name)
-
-
-def _is_fp8(tensor) -> bool:
-    return tensor_dtype(tensor) in FP8_DTYPES
 
 
 def _self_loading(model: nn.Module) -> dict[str, nn.Module]:
