@@ -55,13 +55,26 @@ class AttentionImpl(ABC):
         self.spec = spec
         self.state = state
 
-    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → output [T, Hq, D].
+        """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → output [T, Hq, D]:
+        k/v written into ``kv_cache`` at ``metadata.slot_mapping`` (``write_kv``), then the
+        attention over the cache (``attend``). Piecewise CUDA graphs call the two apart: the
+        write inside a graph (its slots padded into the scratch block), the attention between
+        graphs."""
+        self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        return self.attend(q, k, v, kv_cache, metadata)
 
-        Writes k/v into ``kv_cache`` at ``metadata.slot_mapping`` first.
-        """
+    @abstractmethod
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store the new tokens' k/v [T, Hkv, D] at their cache slots [T]."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """The attention output [T, Hq, D] of q over the cache, which already holds the new
+        tokens' k/v (given too, for a backend that reads them from there)."""
 
 
 class AttentionState:

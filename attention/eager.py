@@ -32,10 +32,13 @@ def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 class EagerImpl(AttentionImpl):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping, self.state.k_scale, self.state.v_scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
         st, spec = self.state, self.spec
-        write_kv(kv_cache, k, v, metadata.slot_mapping, st.k_scale, st.v_scale)
         out = torch.empty_like(q)
         group = spec.num_heads // spec.num_kv_heads
         qsl = metadata.query_start_loc.tolist()

@@ -148,7 +148,8 @@ def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
 
 def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
                ) -> tuple[Callable, Callable, Callable]:
-    fn = mod.flash_attn_varlen_func
+    # the function behind flash_attn_varlen_func (its autograd wrapper costs host time)
+    fn = _fa4_with_tile(mod, None)
     fwd = mod.interface._flash_attn_fwd  # takes ``out`` and ``lse`` to write into
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
     tiled = fn if decode_tile is None else _fa4_with_tile(mod, decode_tile)
@@ -190,9 +191,10 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
     return prefill, decode, cascade
 
 
-def _fa4_with_tile(mod, tile: tuple[int, int]) -> Callable:
-    """FA4's forward with a given tile: ``flash_attn_varlen_func``'s keywords, calling the
-    function behind it (which alone takes ``tile_mn``; inference needs no autograd)."""
+def _fa4_with_tile(mod, tile: tuple[int, int] | None) -> Callable:
+    """FA4's forward with a given tile (None: FA4's own): ``flash_attn_varlen_func``'s
+    keywords, calling the function behind it (which alone takes ``tile_mn``; inference needs
+    no autograd)."""
     fwd = mod.interface._flash_attn_fwd
 
     def call(q, k, v, *, window_size, softcap, **kw):
@@ -363,11 +365,14 @@ def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
 
 
 class FlashAttnImpl(AttentionImpl):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv_split(kv_cache[0], kv_cache[1], k, v, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        write_kv_split(k_cache, v_cache, k, v, metadata.slot_mapping)
         if metadata.cascade is not None:  # decode-only
             return st.cascade(q, k_cache, v_cache, metadata.cascade_inputs, spec)
         outs = []

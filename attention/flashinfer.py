@@ -222,10 +222,13 @@ class FlashInferImpl(AttentionImpl):
         super().__init__(spec, state)
         self.key = _key(spec)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: FlashInferMetadata) -> torch.Tensor:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping, self.state.k_scale, self.state.v_scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: FlashInferMetadata) -> torch.Tensor:
         st = self.state
-        write_kv(kv_cache, k, v, metadata.slot_mapping, st.k_scale, st.v_scale)
         out = torch.empty_like(q)
         n = metadata.num_prefill_tokens
         scales = dict(k_scale=st.k_scale, v_scale=st.v_scale) if kv_cache.dtype.itemsize == 1 \

@@ -18,9 +18,12 @@ from pagedgen.attention.ops.kv_cache import gather_kv, gather_kv_batch, write_kv
 
 
 class SdpaImpl(AttentionImpl):
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         if (pre := metadata.prefill_metadata) is not None:
             self._prefill(q, k, v, kv_cache, pre, out)

@@ -156,11 +156,14 @@ class TritonImpl(AttentionImpl):
         from pagedgen.attention.ops import triton_kernels as tk
         self.tk = tk
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonMetadata) -> torch.Tensor:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
-        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, md.slot_mapping)
         if md.cascade is not None:  # decode-only
             return self._cascade(q, kv_cache, out, md.plan)
         if md.num_prefills:
