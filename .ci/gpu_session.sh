@@ -16,8 +16,9 @@
 # verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
-# (set: each backend also without cascade decode) and PEERS_MIXED_OFF (set: also with steps
-# that carry prefills launched after the last step's tokens) from the environment.
+# (set: each backend also without cascade decode), PEERS_MIXED_OFF (set: also with steps
+# that carry prefills launched after the last step's tokens) and PEERS_GRAPHS (set: also
+# with those steps in piecewise CUDA graphs) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
@@ -172,7 +173,7 @@ PY
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
-        ${PEERS_MIXED_OFF:+--mixed-ahead-off} \
+        ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_GRAPHS:+--mixed-graphs} \
         --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150
       python3 - "$S/h100-peers-$tag.json" <<'PY' 2>/dev/null
@@ -180,7 +181,7 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["workload"], r["system"], round(r["output_tokens_per_s"]), "tok/s",
           {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(
-              ("vs ", "cascade", "decode_kv", "steps", "decode_step"))})
+              ("vs ", "cascade", "decode_kv", "steps", "decode_step", "mixed_graph"))})
 PY
       ;;
     tiles)

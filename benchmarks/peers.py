@@ -183,12 +183,14 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
                  quantization: str | None = None, cascade_off: bool = False,
-                 mixed_off: bool = False) -> None:
+                 mixed_off: bool = False, graphs_on: bool = False) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
     ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; with
     ``cascade_off``, each backend once more without cascade decode; with ``mixed_off``, once
-    more with steps that carry prefills launched after the last step's tokens. Workloads
+    more with steps that carry prefills launched after the last step's tokens; with
+    ``graphs_on``, once more with those steps (up to 1,024 tokens) in piecewise CUDA graphs
+    (``mixed_step_graphs``, off by default). Workloads
     with ``n`` > 1 sample at their temperature (request ``i`` seeded ``i``, in both
     systems)."""
     src = resolve_model(wl.profile)
@@ -221,13 +223,14 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         add_ratios()
         save()
 
-    variants = [(b, t, c, m) for b in backends
+    variants = [(b, t, c, m, g) for b in backends
                 for t in (fa4_tiles if b == "flash-attn" else []) or [None]
-                for c, m in [(True, True)] + [(False, True)] * cascade_off
-                + [(True, False)] * mixed_off]
-    for b, tile, cascade, mixed in variants:
+                for c, m, g in [(True, True, None)] + [(False, True, None)] * cascade_off
+                + [(True, False, None)] * mixed_off + [(True, True, True)] * graphs_on]
+    for b, tile, cascade, mixed, graphs in variants:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
-        cfg = replace(cfg, cascade_attention=cascade, mixed_steps_ahead=mixed)
+        cfg = replace(cfg, cascade_attention=cascade, mixed_steps_ahead=mixed,
+                      mixed_step_graphs=cfg.mixed_step_graphs if graphs is None else graphs)
         params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
                           seed=i if wl.temperature else None, ignore_eos=True)
                   for i, n in enumerate(outs)]
@@ -238,7 +241,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         res = median_run(runs)
         label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") \
             + ("" if cascade else ", cascade decode off") \
-            + ("" if mixed else ", mixed steps not ahead")
+            + ("" if mixed else ", mixed steps not ahead") \
+            + (", mixed steps in piecewise graphs" if graphs else "")
         row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
@@ -247,7 +251,9 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "prefill_tokens_per_s", "decode_tokens_per_s", "steps",
                                 "decode_steps", "steps_launched_ahead", "cascade_decode_steps",
                                 "cascade_groups_per_step", "cascade_levels_per_step",
-                                "decode_kv_read_gb_per_step", "decode_kv_plain_gb_per_step")
+                                "decode_kv_read_gb_per_step", "decode_kv_plain_gb_per_step",
+                                "mixed_graph_steps", "mixed_graph_buckets",
+                                "mixed_graph_capture_s", "mixed_graph_failed")
             if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
@@ -308,6 +314,9 @@ def main() -> None:
     ap.add_argument("--mixed-ahead-off", action="store_true",
                     help="each backend once more with steps that carry prefills launched "
                          "after the last step's tokens are on the host")
+    ap.add_argument("--mixed-graphs", action="store_true",
+                    help="each backend once more with steps that carry prefills (up to 1,024 "
+                         "tokens) in piecewise CUDA graphs")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -336,7 +345,7 @@ def main() -> None:
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
                      [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
-                     args.cascade_off, args.mixed_ahead_off)
+                     args.cascade_off, args.mixed_ahead_off, args.mixed_graphs)
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

@@ -159,6 +159,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
+    # steps with prefills of up to 1,024 tokens replay piecewise CUDA graphs (attention eager):
+    # less host time a step, no gain in async runs measured on an H200 (BENCHMARKS.md), so off
+    mixed_step_graphs: bool = False
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     mixed_steps_ahead: bool = True  # steps with prefills launch ahead too (async scheduling)

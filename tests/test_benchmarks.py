@@ -131,3 +131,25 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(vllm_peer, "vllm_site", lambda: None)
     res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {})
     assert "not installed" in res["skipped"]
+
+
+def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
+    from benchmarks import mixed_steps
+
+    cfg, sampling = common.profile_configs("tiny", device="cpu", backend="sdpa",
+                                           max_num_seqs=4, max_num_batched_tokens=128)
+    wl = replace(peers.WORKLOADS["s"], profile="tiny", num_prompts=10, input_len=(5, 40),
+                 output_len=(3, 8), system_len=(10, 30))
+    prompts, params = mixed_steps._requests(wl, 256, sampling)
+    out = mixed_steps.synchronous(cfg, prompts, params, 3, 6, tmp_path)
+    kinds = out["decode"]["steps"], out["mixed"]["steps"]
+    assert all(kinds) and sum(kinds) == out["steps"] == sum(b["steps"] for b in out["buckets"])
+    assert out["buckets"][0]["prefill_tokens"] == "[0, 1)"
+    assert set(out["mixed_fit_ms"]) == {"constant", "per_prefill_token", "per_decode"}
+    prof = out["profiled"]
+    assert sum(prof["steps"].values()) == 6
+    for kind, n in prof["steps"].items():
+        if n:  # each step's range once, the forward's scope inside it
+            host = prof["host_ms_per_step"][kind]
+            assert host["count step"] == 1.0 and 0 < host["pg:forward"] <= host["step"]
+    assert not (tmp_path / "mixed-steps-trace.json").exists()

@@ -411,6 +411,8 @@ class Engine:
         r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
         r.host_steps = dict.fromkeys(r.host_steps, 0)
         r.decode_reads = DecodeReads(r.decode_reads.token_bytes)
+        if r.piecewise is not None:
+            r.piecewise.steps = 0
         if self._grammars is not None:
             self._grammars.reset_counters()
 
@@ -465,6 +467,13 @@ class Engine:
         if runner.graphs is not None:
             out["graph_capture_s"] = runner.graphs.capture_time_s
             out["graph_memory_bytes"] = runner.graphs.memory_bytes
+        if runner.piecewise is not None:
+            pw = runner.piecewise
+            out["mixed_graph_steps"] = pw.steps
+            out["mixed_graph_buckets"] = len(pw.pieces)
+            out["mixed_graph_capture_s"] = pw.capture_time_s
+            if pw.failed:
+                out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
         out.update(runner.attn_state.compile_stats())
         if self._grammars is not None:
             out.update(self._grammars.summary())

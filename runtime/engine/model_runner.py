@@ -23,11 +23,13 @@ from pagedgen.runtime.config import EngineConfig, parse_bytes
 from pagedgen.runtime.distributed import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
+from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads
 from pagedgen.runtime.engine.step import StepHandle
 from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.loader import ModelSource, build_model, model_quantization
 from pagedgen.runtime.sampling import logprobs
@@ -121,6 +123,19 @@ class ModelRunner:
                 self.max_model_len, self.block_size, self.scratch_block, self.device)
             self.graphs.capture()
             self._phase("cuda_graphs", t)
+        self.piecewise = self._piecewise_graphs()
+
+    def _piecewise_graphs(self) -> PiecewiseGraphs | None:
+        """Graphs for steps with prefills (captured per bucket when first needed), where decode
+        steps have graphs; not under -tp (its all-reduces are not captured piecewise yet)."""
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        if self.graphs is None or not self.config.mixed_step_graphs or self.tp.size > 1 \
+                or len(layers) != len(self.kv_caches):
+            return None
+        return PiecewiseGraphs(self.model, layers, self.kv_caches,
+                               min(MAX_TOKENS, self.config.max_num_batched_tokens),
+                               self.scratch_block * self.block_size, self.device, self.dtype,
+                               pool=self.graphs.pool)
 
     def _phase(self, name: str, since: float) -> float:
         """Record start-up phase ``name`` as ending now (after the device is idle); returns
@@ -271,16 +286,19 @@ class ModelRunner:
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
         self.decode_reads.count(md)
-        graph_bs = None
+        graph_bs, pieces = None, False
         if self.graphs is not None and self.graphs.can_run(md):
             graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
         else:
             md = self.attn_state.build(md)
+            pieces = self.piecewise is not None and self.piecewise.can_run(md)
         self.host_time_s[kind] += time.perf_counter() - t0
         self.host_steps[kind] += 1
         with scope("forward"):
             if graph_bs is not None:
                 hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_levels)
+            elif pieces:
+                hidden = self.piecewise.run(ids, pos, md)
             else:
                 hidden = self.model(ids, pos, self.kv_caches, md)
         if batch.block_copies:  # forked samples' copies of the last prompt block, now written

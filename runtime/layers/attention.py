@@ -1,7 +1,11 @@
 """The model's attention layer over the paged KV cache: the selected backend's AttentionImpl
-(bound by the model runner once the backend's state exists), under the profiler's scope."""
+(bound by the model runner once the backend's state exists), under the profiler's scope; or,
+while piecewise CUDA graphs hold the model (runtime/engine/piecewise_graphs.py), their
+``split`` in its place."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -18,8 +22,13 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.spec = spec
         self.impl: AttentionImpl | None = None  # bound by the model runner
+        # set by piecewise CUDA graphs while they run or capture the model: (q, k, v) → output
+        self.split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None \
+            = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        if self.split is not None:
+            return self.split(q, k, v)
         with scope("attention"):
             return self.impl.forward(q, k, v, kv_cache, metadata)

@@ -1,0 +1,307 @@
+"""Where a workload's steps go: steps that carry prefill chunks ("mixed") against decode-only
+steps, by size, and their kernels.
+
+1. Every step of the workload run synchronously (one at a time, the device idle in between):
+   its prefill tokens, prefill sequences, decodes and wall time, summed per kind and per
+   bucket of prefill tokens, with a least-squares fit ms = a + b * prefill tokens + c * decodes
+   over the mixed steps.
+2. ``--profile-steps`` of them (steady state) under torch.profiler: per kind of step, GPU time
+   by kernel group and the top kernels.
+3. The same workload run as ``pagedgen generate`` runs it (async scheduling) with a window of
+   steps under torch.profiler: the fraction of that window's wall time the GPU ran kernels.
+
+    python -m benchmarks.mixed_steps --workload s --backend flash-attn --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import free_gpu, profile_configs
+from benchmarks.host_waits import busy_fraction
+from benchmarks.workloads import WORKLOADS
+from pagedgen.attention.ops import profiling
+from pagedgen.runtime import kernel_stats
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.models.loader import resolve_model
+
+BUCKETS = (0, 1, 64, 256, 1024, 4096, 1 << 30)  # prefill tokens: [lo, hi)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _requests(wl, vocab: int, sampling) -> tuple[list[list[int]], list]:
+    prompts, outs = wl.requests(vocab)
+    params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
+                      seed=i if wl.temperature else None, ignore_eos=True)
+              for i, n in enumerate(outs)]
+    return prompts, params
+
+
+def _recording(engine: Engine, log: list[dict[str, Any]]) -> None:
+    """Wrap the engine's scheduler call so each step's composition is logged."""
+    schedule = engine._schedule
+
+    def wrapped():
+        batch = schedule()
+        log.append({"prefill_tokens": batch.num_prefill_tokens,
+                    "prefill_seqs": len(batch.prefills), "decodes": len(batch.decodes)})
+        return batch
+    engine._schedule = wrapped
+
+
+def host_ranges(trace: Path, kind_of: dict[str, str], counts: dict[str, int]
+                ) -> dict[str, dict[str, float]]:
+    """Per kind of step, host milliseconds a step: the step's range, and the profiling scopes
+    and CUDA launch calls inside it (scopes nest: pg:forward holds the others)."""
+    data = json.loads(trace.read_text())
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
+    steps = [(e["ts"], e["ts"] + e.get("dur", 0), kind_of.get(e["name"].split(".", 1)[1]))
+             for e in events if e.get("cat") == "user_annotation"
+             and e["name"].startswith("pagedgen.step")]
+    steps.sort()
+    starts = [s[0] for s in steps]
+    out: dict[str, dict[str, float]] = {k: {} for k in counts}
+
+    def kind_at(t: float) -> str | None:
+        i = bisect.bisect_right(starts, t) - 1
+        return steps[i][2] if i >= 0 and t <= steps[i][1] else None
+
+    for e in events:
+        name, cat = e["name"], e.get("cat", "")
+        if cat == "user_annotation" and name.startswith("pagedgen.step"):
+            key = "step"
+        elif cat == "user_annotation" and name.startswith(profiling.PREFIX):
+            key = name
+        elif cat == "cuda_runtime" and "Launch" in name:
+            key = "launch calls: " + name
+        else:
+            continue
+        kind = kind_at(e["ts"])
+        if kind is None:
+            continue
+        out[kind][key] = out[kind].get(key, 0.0) + e.get("dur", 0) / 1000
+        out[kind]["count " + key] = out[kind].get("count " + key, 0.0) + 1
+    return {k: {n: v / max(1, counts[k]) for n, v in sorted(d.items())}
+            for k, d in out.items()}
+
+
+def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out_dir: Path
+                ) -> dict[str, Any]:
+    engine = Engine(replace(cfg, async_scheduling=False))
+    log: list[dict[str, Any]] = []
+    _recording(engine, log)
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    prof = None
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    i = 0
+    while engine.has_unfinished():
+        if i == profile_from:
+            prof = torch.profiler.profile(activities=acts)
+            prof.start()
+            profiling.ENABLED = True
+        _sync()
+        t0 = time.perf_counter()
+        with torch.profiler.record_function(f"pagedgen.step{i}"):
+            engine.step()
+        _sync()
+        log[-1]["ms"] = 1000 * (time.perf_counter() - t0)
+        i += 1
+        if prof is not None and i == profile_from + profile_steps:
+            profiling.ENABLED = False
+            prof.stop()
+            trace = out_dir / "mixed-steps-trace.json"
+            prof.export_chrome_trace(str(trace))
+            prof = None
+    steps = log
+    out: dict[str, Any] = {"steps": len(steps), "total_s": sum(s["ms"] for s in steps) / 1000}
+    kinds = {"decode": [s for s in steps if s["prefill_tokens"] == 0],
+             "mixed": [s for s in steps if s["prefill_tokens"] > 0]}
+    for k, ss in kinds.items():
+        out[k] = {"steps": len(ss), "total_s": sum(s["ms"] for s in ss) / 1000,
+                  "mean_ms": sum(s["ms"] for s in ss) / max(1, len(ss)),
+                  "mean_decodes": sum(s["decodes"] for s in ss) / max(1, len(ss)),
+                  "prefill_tokens": sum(s["prefill_tokens"] for s in ss)}
+    buckets = []
+    for lo, hi in zip(BUCKETS, BUCKETS[1:]):
+        ss = [s for s in steps if lo <= s["prefill_tokens"] < hi]
+        if ss:
+            n = len(ss)
+            buckets.append({"prefill_tokens": f"[{lo}, {hi})", "steps": n,
+                            "total_s": sum(s["ms"] for s in ss) / 1000,
+                            "mean_ms": sum(s["ms"] for s in ss) / n,
+                            "mean_prefill_tokens": sum(s["prefill_tokens"] for s in ss) / n,
+                            "mean_prefill_seqs": sum(s["prefill_seqs"] for s in ss) / n,
+                            "mean_decodes": sum(s["decodes"] for s in ss) / n})
+    out["buckets"] = buckets
+    mixed = kinds["mixed"]
+    if len(mixed) >= 3:
+        a = torch.tensor([[1.0, s["prefill_tokens"], s["decodes"]] for s in mixed],
+                         dtype=torch.float64)
+        y = torch.tensor([s["ms"] for s in mixed], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, y.unsqueeze(1)).solution.squeeze(1).tolist()
+        out["mixed_fit_ms"] = {"constant": coef[0], "per_prefill_token": coef[1],
+                               "per_decode": coef[2]}
+    trace = out_dir / "mixed-steps-trace.json"
+    if trace.exists():
+        kind_of = {f"step{j}": ("mixed" if s["prefill_tokens"] else "decode")
+                   for j, s in enumerate(steps)}
+        counts = {"mixed": 0, "decode": 0}
+        for j in range(profile_from, min(len(steps), profile_from + profile_steps)):
+            counts[kind_of[f"step{j}"]] += 1
+        window = steps[profile_from:profile_from + profile_steps]
+        out["profiled"] = {"first_step": profile_from, "steps": counts, "wall_ms_per_step": {
+            kind: sum(s["ms"] for s in window if (s["prefill_tokens"] > 0) == (kind == "mixed"))
+            / max(1, counts[kind]) for kind in counts},
+            "host_ms_per_step": host_ranges(trace, kind_of, counts)}
+        if torch.cuda.is_available():
+            kernels = kernel_stats.load_kernels(trace)
+            for k in kernels:
+                k.phase = kind_of.get(k.phase or "", k.phase)
+            summ = kernel_stats.summarize(kernels, ("mixed", "decode"), top=12)
+            for kind, s in summ.items():
+                n = max(1, counts[kind])
+                s["per_step_ms"] = {g: us / n / 1000 for g, us in s["groups_us"].items() if us}
+                s["gpu_ms_per_step"] = s["gpu_time_us"] / n / 1000
+                del s["groups_us"]
+            out["profiled"].update(summ)
+        trace.unlink()
+    out["attention_call_host_us"] = attention_call_host_us(engine)
+    out.update(_pieces(engine))
+    del engine
+    free_gpu()
+    return out
+
+
+def _pieces(engine: Engine) -> dict[str, Any]:
+    pw = engine.runner.piecewise
+    return {} if pw is None else {"mixed_graph_steps": pw.steps, "mixed_graph_buckets":
+                                  sorted(pw.pieces), "mixed_graph_capture_s": pw.capture_time_s,
+                                  "mixed_graph_failed": pw.failed}
+
+
+def attention_call_host_us(engine: Engine, calls: int = 200) -> dict[str, float]:
+    """Host microseconds one eager call of the backend's prefill and decode kernels takes
+    (flash-attn: the calls the runner makes per layer of a mixed step), launched back to back
+    on a one-page cache; empty for other backends."""
+    st, r = engine.runner.attn_state, engine.runner
+    if not hasattr(st, "_scratch_metadata") or not torch.cuda.is_available():
+        return {}
+    spec, cache = r.specs[0], r.kv_caches[0]
+    out = {}
+    for name, run, n, q_len in (("prefill 2 x 256", st.prefill, 2, 256),
+                                ("decode 256", st.decode, 256, 1)):
+        md = st._scratch_metadata(n, q_len, 8)
+        q = torch.zeros(n * q_len, spec.num_heads, spec.head_size, dtype=r.dtype,
+                        device=r.device)
+        run(q, cache[0], cache[1], md, spec)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            run(q, cache[0], cache[1], md, spec)
+        out[name] = 1e6 * (time.perf_counter() - t0) / calls
+        _sync()
+    return out
+
+
+def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) -> dict[str, Any]:
+    engine = Engine(cfg)
+    log: list[dict[str, Any]] = []
+    _recording(engine, log)
+    for p, sp in zip(prompts, params):
+        engine.add_request(p, sp)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    _sync()
+    start = time.perf_counter()
+    i, prof, t0_us, t1_us = 0, None, 0.0, 0.0
+    while engine.has_unfinished():
+        if i == profile_from:
+            prof = torch.profiler.profile(activities=acts)
+            prof.start()
+            t0_us = None
+        engine.step()
+        i += 1
+        if prof is not None and i == profile_from + profile_steps:
+            prof.stop()
+            events = prof.events()
+            cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+            t0_us = min(e.time_range.start for e in cpu)
+            t1_us = max(e.time_range.end for e in cpu)
+            busy = busy_fraction(events, t0_us, t1_us)
+            prof = None
+    _sync()
+    wall = time.perf_counter() - start
+    window = log[profile_from:profile_from + profile_steps]
+    out = {"wall_s": wall, "steps": len(log), **_pieces(engine),
+           "profiled_window": {"first_step": profile_from, "steps": len(window),
+                               "mixed_steps": sum(s["prefill_tokens"] > 0 for s in window),
+                               "gpu_busy_fraction": busy if profile_steps else None,
+                               "wall_ms": (t1_us - t0_us) / 1000}}
+    del engine
+    free_gpu()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="s", choices=sorted(WORKLOADS))
+    ap.add_argument("--backend", default="flash-attn")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--profile", default=None, help="another model profile (a CPU smoke run)")
+    ap.add_argument("--profile-from", type=int, default=400)
+    ap.add_argument("--profile-steps", type=int, default=40)
+    ap.add_argument("--set", action="append", default=[],
+                    help="engine config override KEY=VALUE (int, float, bool or text)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    wl = WORKLOADS[args.workload]
+    if args.num_prompts:
+        wl = replace(wl, num_prompts=args.num_prompts)
+    if args.profile:
+        wl = replace(wl, profile=args.profile)
+    overrides: dict[str, Any] = {}
+    for kv in args.set:
+        key, _, text = kv.partition("=")
+        val: Any = {"true": True, "false": False}.get(text.lower(), text)
+        for cast in (int, float):
+            try:
+                val = cast(text)
+                break
+            except ValueError:
+                pass
+        overrides[key] = val
+    cfg, sampling = profile_configs(wl.profile, backend=args.backend, **overrides)
+    src = resolve_model(wl.profile)
+    prompts, params = _requests(wl, src.hf_config.vocab_size, sampling)
+    out_dir = (args.json.parent if args.json else Path("."))
+    res = {"workload": args.workload, "backend": args.backend, "overrides": overrides,
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    res["synchronous"] = synchronous(cfg, prompts, params, args.profile_from,
+                                     args.profile_steps, out_dir)
+    print(json.dumps(res["synchronous"], indent=1), flush=True)
+    res["asynchronous"] = asynchronous(cfg, prompts, params, args.profile_from,
+                                       args.profile_steps)
+    print(json.dumps(res["asynchronous"], indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
