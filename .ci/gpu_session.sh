@@ -21,6 +21,7 @@
 # with those steps in piecewise CUDA graphs) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
+# mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s).
 # moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
 # verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
@@ -130,6 +131,26 @@ for r in json.load(open(sys.argv[1]))["results"]:
                         for k, v in r.get("roofline", {}).items()})
 PY
       done ;;
+    mixed)
+      # issue 34: where workload $MIXED_WORKLOAD's (default s) steps go, by kind and size, with
+      # their kernels and host time; MIXED_SET: engine overrides (e.g. mixed_step_graphs=true)
+      w=${MIXED_WORKLOAD:-s}
+      timed "mixed-steps-$w" "${MIXED_LIMIT:-400}" python3 -m benchmarks.mixed_steps \
+        --workload "$w" ${MIXED_SET:+--set "$MIXED_SET"} --json "$S/mixed-steps-$w.json"
+      python3 - "$S/mixed-steps-$w.json" <<'PY' || tail -5 "$S/mixed-steps-$w.log"
+import json, sys
+d = json.load(open(sys.argv[1]))
+s, a = d["synchronous"], d["asynchronous"]
+for b in s["buckets"]:
+    print("prefill tokens", b["prefill_tokens"], b["steps"], "steps", round(b["mean_ms"], 1), "ms")
+p = s.get("profiled", {})
+for kind in ("mixed", "decode"):
+    if kind in p:
+        print(kind, "GPU ms/step", round(p[kind]["gpu_ms_per_step"], 2), "wall",
+              round(p["wall_ms_per_step"][kind], 2))
+print("async wall", round(a["wall_s"], 2), "s; GPU busy", a["profiled_window"]["gpu_busy_fraction"])
+PY
+      ;;
     moe)
       # issue 35: the MoE preset's decode steps at batch 1, 64, 256 under torch.profiler
       # against the active-parameter roofline ($MOE_MODEL, default qwen3-30b-a3b)

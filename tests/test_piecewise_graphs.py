@@ -49,10 +49,11 @@ def prompts(n: int, vocab: int) -> list[list[int]]:
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text", "qwen3_moe"])
 def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
     """Admissions mid-decode (mixed steps), chunked prompts, cached prefixes, preemption: the
-    same tokens and log-probabilities as the plain forward, every step with prefills through
-    the pieces, padded to buckets of several sizes."""
+    same tokens and log-probabilities (of prompts too) as the plain forward, every step with
+    prefills through the pieces, padded to buckets of several sizes."""
     path = make_checkpoint(kind, tmp_path / kind)
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2,
+                             prompt_logprobs=1 if i % 3 == 0 else None) for i in range(10)]
 
     def run(pieces: bool):
         eng = Engine(EngineConfig(model=str(path), device="cpu", backend="sdpa",
@@ -60,7 +61,7 @@ def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
                                   block_size=8, num_blocks=16))
         pw = with_pieces(eng, [16, 40, 64]) if pieces else None
         ps = prompts(10, eng.runner.model.config.vocab_size)
-        seqs = [eng.add_request(p, params) for p in ps]
+        seqs = [eng.add_request(p, sp) for p, sp in zip(ps, params)]
         eng.run()
         return eng, pw, seqs
 
@@ -68,9 +69,13 @@ def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
     eng, pw, seqs = run(True)
     st = eng.stats
     assert pw.steps == st.num_steps - st.decode_steps > 5
+    assert sum(len(s.prompt_logprobs or []) for s in seqs) > 50
     assert st.num_preemptions > 0  # 16 blocks of 8 for 4 sequences of up to ~80 tokens
     for a, b in zip(seqs, plain):
         assert a.output_token_ids == b.output_token_ids
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        for (ca, _), (cb, _) in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+            assert (ca is None and cb is None) or abs(ca - cb) < 1e-4
         for (ca, top_a), (cb, top_b) in zip(a.logprobs, b.logprobs):
             assert abs(ca - cb) < 1e-4
             assert [i for i, _ in top_a] == [i for i, _ in top_b]
