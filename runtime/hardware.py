@@ -1,8 +1,24 @@
-"""Measured device limits used as rooflines: copy bandwidth and matmul throughput."""
+"""Device limits: what memory is free, and measured rooflines (copy bandwidth and matmul
+throughput)."""
 
 from __future__ import annotations
 
 import torch
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes free for a new allocation on ``device``: the GPU's free memory, or the host's
+    MemAvailable (Linux); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def time_cuda(fn, iters: int) -> float:

@@ -433,3 +433,30 @@ def test_a_request_that_ends_without_a_line_is_an_error_not_a_gap(tmp_path, monk
     res = runner.invoke(app, args + ["--resume"])
     assert res.exit_code == 0, res.output
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [0, 1, 2, 3]
+
+
+def test_a_model_larger_than_the_free_memory_is_one_line_before_it_loads(tmp_path, monkeypatch):
+    """Checked on the meta device, before any allocation: otherwise a CPU run of a large preset
+    is killed by the OOM killer minutes later (a GPU run: CUDA's out-of-memory traceback)."""
+    from pagedgen.runtime import hardware
+
+    src = write(tmp_path / "p.jsonl", PROMPTS)
+    before = snapshot(tmp_path)
+    monkeypatch.setattr(hardware, "available_memory", lambda device: 1 << 20)
+    res = runner.invoke(app, ["generate", str(src), *FAST, "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 1, res.output
+    assert re.fullmatch(r"error: tiny needs [\d.]+ MiB for its weights and this machine has "
+                        r"1\.0 MiB free: run it on a GPU \(--device cuda\) or choose a smaller "
+                        r"model", res.output.strip().replace("\n", " ")), res.output
+    assert snapshot(tmp_path) == before
+    monkeypatch.undo()
+    free = hardware.available_memory(__import__("torch").device("cpu"))
+    if free is None or free > 120 * 2**30:
+        pytest.skip("this machine's memory is unknown or holds a 70B model")
+    t0 = time.perf_counter()
+    res = runner.invoke(app, ["generate", str(src), "--model", "llama-3-70b", *FAST, "-o",
+                              str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 1, res.output  # its profile: 2 ranks, both on this machine
+    assert "llama-3-70b needs 131.4 GiB for its weights (2 tensor-parallel ranks)" \
+        in res.output.replace("\n", " "), res.output
+    assert time.perf_counter() - t0 < 30 and snapshot(tmp_path) == before

@@ -211,12 +211,12 @@ def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
     assert not (tmp_path / "p.completions.jsonl").exists()
 
 
-def barrier_or_fail(inbox):
+def barrier_or_fail(inbox, error: type[Exception] = RuntimeError):
     from pagedgen.runtime.distributed import parallel
     import torch.distributed as dist
 
     if parallel.current().rank == 1:
-        raise RuntimeError("rank 1 fails")
+        raise error("rank 1 fails")
     yield "waiting"
     dist.barrier()  # rank 0 would wait here forever
     yield "never"
@@ -233,6 +233,21 @@ def test_a_failing_rank_stops_the_others():
     assert "never" not in seen
     assert all(not p.is_alive() for p in w.procs)
     assert time.perf_counter() - t0 < 60
+
+
+def bad_input_or_barrier(inbox):
+    from pagedgen.errors import PagedgenError
+
+    return barrier_or_fail(inbox, PagedgenError)
+
+
+def test_a_rank_s_bad_input_error_is_its_message_alone():
+    """A PagedgenError in a rank is the user's one line, without its type and source line."""
+    with pytest.raises(WorkerError, match=r"^worker 0 \(tensor-parallel rank 1\): "
+                                          r"rank 1 fails$"):
+        with Workers(bad_input_or_barrier, [()], [None], tp=2) as w:
+            for _ in w.messages():
+                pass
 
 
 def test_verify_and_profile_take_tp(tmp_path):

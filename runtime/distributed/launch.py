@@ -20,6 +20,8 @@ import socket
 import traceback
 from typing import Any, Callable, Iterator
 
+from pagedgen.errors import PagedgenError
+
 
 class WorkerError(RuntimeError):
     pass
@@ -36,6 +38,8 @@ def _main(target: Callable[..., Iterator[Any]], args: tuple, proc: int, q, inbox
             if tp_rank == 0:  # the other ranks compute the same results: one reports
                 q.put((proc, "data", message))
         q.put((proc, "done", None))
+    except PagedgenError as e:  # the user's mistake, said as the parent would say it
+        q.put((proc, "error", str(e)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         last = traceback.extract_tb(e.__traceback__)[-1:] or None
         where = f" ({os.path.basename(last[0].filename)}:{last[0].lineno})" if last else ""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime import hardware
 from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, model_config
 from pagedgen.runtime.models import gguf_file, registry
@@ -141,6 +142,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         raise PagedgenError(f"{src.name}: {e}")
     finally:
         torch.set_default_dtype(default_dtype)
+    check_fits(model, device, src.name, tp)
     _allocate(model, device)
     if load_format == "dummy":
         _init_dummy(model, seed, dtype)
@@ -171,6 +173,37 @@ def model_quantization(src: ModelSource, requested: str | None) -> QuantConfig |
     where = str(src.checkpoint / "config.json") if src.checkpoint is not None \
         and src.checkpoint.is_dir() else src.name
     return quant_config(src.hf_config, requested, where)
+
+
+def check_fits(model: torch.nn.Module, device: torch.device, name: str,
+               tp: TensorParallel | None = None) -> None:
+    """A one-line error, before any allocation, when the model's weights (built on the meta
+    device: this rank's shard, in the run's dtype and quantization; every rank's on a CPU)
+    exceed the memory free on ``device``; otherwise a CPU run of a large preset is killed by
+    the OOM killer a while later, and a GPU run stops with CUDA's out-of-memory traceback."""
+    seen, need = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            need += t.numel() * t.element_size()
+    ranks = tp.size if tp is not None else 1
+    if device.type == "cpu":  # a CPU run's ranks share this machine
+        need *= ranks
+    free = hardware.available_memory(device)
+    if free is None or need <= free:
+        return
+    def size(n: int) -> str:
+        return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    shard = "" if ranks == 1 else f" ({ranks} tensor-parallel ranks)" if device.type == "cpu" \
+        else " (this rank's shard)"
+    if device.type == "cpu":
+        where, hint = "this machine", "run it on a GPU (--device cuda) or choose a smaller model"
+    else:
+        where, hint = str(device), ("shard it over more GPUs (-tp N), quantize it "
+                                    "(--quantization fp8) or choose a smaller model")
+    raise PagedgenError(f"{name} needs {size(need)} for its weights{shard} and {where} has "
+                        f"{size(free)} free: {hint}")
 
 
 def _allocate(model: torch.nn.Module, device: torch.device) -> None:
