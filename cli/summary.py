@@ -54,7 +54,12 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "attention_warmup_s": "attention warm-up (compiles)",
            "attention_kernels_compiled_at_warmup": "kernel variants ready at warm-up",
            "attention_kernels_compiled_later": "kernels compiled after warm-up",
-           "steps_launched_ahead": "steps launched ahead", "startup_breakdown_s": "of which"}
+           "steps_launched_ahead": "steps launched ahead", "startup_breakdown_s": "of which",
+           "mixed_step_graphs": "piecewise graphs for steps with prefills",
+           "mixed_graph_steps": "steps with prefills in piecewise graphs",
+           "mixed_graph_buckets": "piecewise token buckets captured",
+           "mixed_graph_capture_s": "piecewise graph capture",
+           "mixed_graph_failed": "piecewise captures failed"}
 
 # The table's groups, each the summary keys it shows (keys in no group go to "run").
 _GROUPS: dict[str, tuple[str, ...]] = {
@@ -62,7 +67,9 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                               "prefill_tokens_per_s", "decode_tokens_per_s",
                               "output_tokens_per_s_while_busy"),
     "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s", "decode_host_ms_per_step"),
-    "steps": ("steps", "steps_launched_ahead", "preemptions", "cuda_graphs", "fused_kernels"),
+    "steps": ("steps", "steps_launched_ahead", "preemptions", "cuda_graphs", "fused_kernels",
+              "mixed_step_graphs", "mixed_graph_steps", "mixed_graph_buckets",
+              "mixed_graph_failed"),
     "shared KV (grouped cascade decode)": (
         "cascade_attention", "cascade_decode_steps", "cascade_groups_per_step",
         "cascade_levels_per_step", "cascade_most_levels", "decode_kv_read_gb_per_step",
@@ -72,7 +79,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                                   "prefix_cache_hit_tokens", "prefix_cache_evicted_blocks"),
     "memory": ("peak_memory_bytes", "graph_memory_bytes"),
     "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
-                 "graph_capture_s", "attention_warmup_s", "attention_kernels_compiled_at_warmup",
+                 "graph_capture_s", "mixed_graph_capture_s", "attention_warmup_s",
+                 "attention_kernels_compiled_at_warmup",
                  "attention_kernels_compiled_later"),
 }
 TABLE_WIDTH = 100

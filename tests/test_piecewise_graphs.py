@@ -82,8 +82,14 @@ def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
             assert max(abs(x[1] - y[1]) for x, y in zip(top_a, top_b)) < 1e-4
 
 
-def test_the_runner_makes_pieces_only_where_decode_steps_have_graphs():
+@pytest.mark.parametrize("asked", [False, True])
+def test_the_runner_makes_pieces_only_where_decode_steps_have_graphs(asked):
     eng = Engine(EngineConfig(device="cpu", backend="sdpa", load_format="dummy",
-                              max_num_seqs=4, max_num_batched_tokens=64))
+                              max_num_seqs=4, max_num_batched_tokens=64,
+                              mixed_step_graphs=asked))
     assert eng.runner.graphs is None and eng.runner.piecewise is None
-    assert "mixed_graph_steps" not in eng.summary(1.0, 0.0)
+    summary = eng.summary(1.0, 0.0)
+    assert "mixed_graph_steps" not in summary
+    # asked for and not possible: the summary says why
+    assert summary.get("mixed_step_graphs") == ("off: no CUDA graphs in this run" if asked
+                                                else None)

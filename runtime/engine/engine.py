@@ -467,6 +467,8 @@ class Engine:
         if runner.graphs is not None:
             out["graph_capture_s"] = runner.graphs.capture_time_s
             out["graph_memory_bytes"] = runner.graphs.memory_bytes
+        if runner.piecewise_off:
+            out["mixed_step_graphs"] = f"off: {runner.piecewise_off}"
         if runner.piecewise is not None:
             pw = runner.piecewise
             out["mixed_graph_steps"] = pw.steps
