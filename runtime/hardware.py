@@ -7,10 +7,12 @@ import torch
 
 
 def available_memory(device: torch.device) -> int | None:
-    """Bytes free for a new allocation on ``device``: the GPU's free memory, or the host's
-    MemAvailable (Linux); None where unknown."""
+    """Bytes free for a new allocation on ``device``: the GPU's free memory with what torch's
+    allocator holds cached and unused (a dropped engine's, say), or the host's MemAvailable
+    (Linux); None where unknown."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     try:
         with open("/proc/meminfo") as f:
             for line in f:

@@ -460,3 +460,17 @@ def test_a_model_larger_than_the_free_memory_is_one_line_before_it_loads(tmp_pat
     assert "llama-3-70b needs 131.4 GiB for its weights (2 tensor-parallel ranks)" \
         in res.output.replace("\n", " "), res.output
     assert time.perf_counter() - t0 < 30 and snapshot(tmp_path) == before
+
+
+def test_free_gpu_memory_counts_what_torch_holds_cached(monkeypatch):
+    """A dropped engine's memory stays in torch's cache, free for the next one (verify and the
+    benchmarks build engines one after another): counting only the driver's free memory
+    would refuse a model that fits."""
+    import torch
+
+    from pagedgen.runtime import hardware
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 << 30, 80 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50 << 30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 << 30)
+    assert hardware.available_memory(torch.device("cuda", 0)) == 43 << 30
