@@ -148,7 +148,9 @@ for kind in ("mixed", "decode"):
     if kind in p:
         print(kind, "GPU ms/step", round(p[kind]["gpu_ms_per_step"], 2), "wall",
               round(p["wall_ms_per_step"][kind], 2))
-print("async wall", round(a["wall_s"], 2), "s; GPU busy", a["profiled_window"]["gpu_busy_fraction"])
+w = a["profiled_window"]
+print("async wall", round(a["wall_s"], 2), "s; GPU busy", w["gpu_busy_fraction"], "; idle ms by",
+      "step kind", w.get("gpu_idle_ms_by_step_kind"), "; step call ms", w.get("step_call_ms"))
 PY
       ;;
     moe)

@@ -8,7 +8,8 @@ steps, by size, and their kernels.
 2. ``--profile-steps`` of them (steady state) under torch.profiler: per kind of step, GPU time
    by kernel group and the top kernels.
 3. The same workload run as ``pagedgen generate`` runs it (async scheduling) with a window of
-   steps under torch.profiler: the fraction of that window's wall time the GPU ran kernels.
+   steps under torch.profiler: the fraction of that window's wall time the GPU ran kernels,
+   and its idle time by the kind of step the host was running when each idle stretch began.
 
     python -m benchmarks.mixed_steps --workload s --backend flash-attn --json out.json
 """
@@ -218,6 +219,35 @@ def attention_call_host_us(engine: Engine, calls: int = 200) -> dict[str, float]
     return out
 
 
+def idle_gaps(spans: list[tuple[float, float]], t0: float, t1: float
+              ) -> list[tuple[float, float]]:
+    """The stretches of [t0, t1] that no span (a GPU kernel's start and end) covers."""
+    gaps, end = [], t0
+    for s, e in sorted(spans):
+        if s > end:
+            gaps.append((end, min(s, t1)))
+        end = max(end, e)
+        if end >= t1:
+            break
+    if end < t1:
+        gaps.append((end, t1))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def idle_by_kind(gaps: list[tuple[float, float]], steps: list[tuple[float, float, str]]
+                 ) -> dict[str, float]:
+    """Idle time per kind of step the host was running (``steps``: its calls' start, end and
+    kind) when each gap began; gaps that began between calls count as "between steps"."""
+    steps = sorted(steps)
+    starts = [s for s, _, _ in steps]
+    out: dict[str, float] = {}
+    for a, b in gaps:
+        i = bisect.bisect_right(starts, a) - 1
+        kind = steps[i][2] if i >= 0 and a <= steps[i][1] else "between steps"
+        out[kind] = out.get(kind, 0.0) + (b - a)
+    return out
+
+
 def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) -> dict[str, Any]:
     engine = Engine(cfg)
     log: list[dict[str, Any]] = []
@@ -229,13 +259,16 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) ->
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     _sync()
     start = time.perf_counter()
-    i, prof, t0_us, t1_us = 0, None, 0.0, 0.0
+    i, prof, t0_us, t1_us, busy, idle, host = 0, None, 0.0, 0.0, None, {}, {}
     while engine.has_unfinished():
         if i == profile_from:
             prof = torch.profiler.profile(activities=acts)
             prof.start()
-            t0_us = None
-        engine.step()
+        if prof is not None:
+            with torch.profiler.record_function(f"pagedgen.step{i}"):
+                engine.step()
+        else:
+            engine.step()
         i += 1
         if prof is not None and i == profile_from + profile_steps:
             prof.stop()
@@ -244,6 +277,17 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) ->
             t0_us = min(e.time_range.start for e in cpu)
             t1_us = max(e.time_range.end for e in cpu)
             busy = busy_fraction(events, t0_us, t1_us)
+            kernels = [(e.time_range.start, e.time_range.end) for e in events
+                       if e.device_type == torch.autograd.DeviceType.CUDA]
+            steps = [(e.time_range.start, e.time_range.end,
+                      "mixed" if log[int(e.name[len("pagedgen.step"):])]["prefill_tokens"]
+                      else "decode") for e in cpu if e.name.startswith("pagedgen.step")]
+            idle = {k: v / 1000 for k, v in
+                    idle_by_kind(idle_gaps(kernels, t0_us, t1_us), steps).items()}
+            for kind in ("mixed", "decode"):
+                ms = [(b - a) / 1000 for a, b, k in steps if k == kind]
+                if ms:
+                    host[kind] = sum(ms) / len(ms)
             prof = None
     _sync()
     wall = time.perf_counter() - start
@@ -251,7 +295,11 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) ->
     out = {"wall_s": wall, "steps": len(log), **_pieces(engine),
            "profiled_window": {"first_step": profile_from, "steps": len(window),
                                "mixed_steps": sum(s["prefill_tokens"] > 0 for s in window),
-                               "gpu_busy_fraction": busy if profile_steps else None,
+                               "gpu_busy_fraction": busy,
+                               # GPU idle (ms) by the kind of step the host was in; a step
+                               # call's mean duration by kind (it waits on the step before)
+                               "gpu_idle_ms_by_step_kind": idle,
+                               "step_call_ms": host,
                                "wall_ms": (t1_us - t0_us) / 1000}}
     del engine
     free_gpu()

@@ -153,3 +153,14 @@ def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
             host = prof["host_ms_per_step"][kind]
             assert host["count step"] == 1.0 and 0 < host["pg:forward"] <= host["step"]
     assert not (tmp_path / "mixed-steps-trace.json").exists()
+
+
+def test_gpu_idle_stretches_go_to_the_step_the_host_was_in():
+    from benchmarks.mixed_steps import idle_by_kind, idle_gaps
+
+    kernels = [(12, 20), (15, 30), (40, 50), (55, 90), (95, 120)]
+    gaps = idle_gaps(kernels, 10, 100)
+    assert gaps == [(10, 12), (30, 40), (50, 55), (90, 95)]
+    steps = [(0, 35, "decode"), (36, 60, "mixed"), (92, 110, "decode")]
+    assert idle_by_kind(gaps, steps) == {"decode": 2 + 10, "mixed": 5, "between steps": 5}
+    assert idle_gaps([], 0, 5) == [(0, 5)] and idle_gaps([(0, 9)], 1, 5) == []
