@@ -150,41 +150,36 @@ class PiecewiseGraphs:
                ) -> torch.Tensor:
         """The step eagerly through the same buffers and padding (no graphs): hidden states
         [T, hidden] of its rows."""
-        self.steps += 1
-        n = input_ids.shape[0]
-        tb = self._load(input_ids, positions, md)
-        try:
-            return self._forward(tb, _Split(attend=self._attend))[:n]
-        finally:
-            self._md = None
+        return self._step(input_ids, positions, md, graphs=False)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
             ) -> torch.Tensor:
         """Replay the step's bucket (captured now if it is new): hidden states [T, hidden]. A
-        bucket whose capture fails (a kernel that synchronizes, say) runs inline from then on."""
+        bucket whose capture fails (a kernel that synchronizes, say) runs inline from then on;
+        so does every step on a device without graphs."""
+        return self._step(input_ids, positions, md, graphs=self.device.type == "cuda")
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+              graphs: bool) -> torch.Tensor:
         n = input_ids.shape[0]
-        tb = self.bucket(n)
-        if self.device.type != "cuda":
-            return self.inline(input_ids, positions, md)
-        if tb not in self.pieces and tb not in self.failed:
-            self._load(input_ids, positions, md)
-            try:
-                self._capture(tb)
-            except RuntimeError as e:
-                self.failed[tb] = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if tb in self.failed:
-            return self.inline(input_ids, positions, md)
-        self._load(input_ids, positions, md)
+        tb = self._load(input_ids, positions, md)
         try:
+            if graphs and tb not in self.pieces and tb not in self.failed:
+                try:
+                    self._capture(tb)
+                except RuntimeError as e:
+                    self.failed[tb] = str(e).splitlines()[0] if str(e) else type(e).__name__
+            self.steps += 1
+            if not graphs or tb in self.failed:
+                return self._forward(tb, _Split(attend=self._attend))[:n]
             pieces = self.pieces[tb]
             pieces[0].replay()
             for i in range(len(self.layers)):
                 self._attend(i)
                 pieces[i + 1].replay()
+            return self.outputs[tb][:n]
         finally:
             self._md = None
-        self.steps += 1
-        return self.outputs[tb][:n]
 
     # ---- capture ---------------------------------------------------------------------------
 
