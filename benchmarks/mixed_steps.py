@@ -37,6 +37,14 @@ from pagedgen.runtime.models.loader import resolve_model
 BUCKETS = (0, 1, 64, 256, 1024, 4096, 1 << 30)  # prefill tokens: [lo, hi)
 
 
+def _profiler() -> torch.profiler.profile:
+    """A profiler of the host, and of the GPU where there is one."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -44,10 +52,7 @@ def _sync() -> None:
 
 def _requests(wl, vocab: int, sampling) -> tuple[list[list[int]], list]:
     prompts, outs = wl.requests(vocab)
-    params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
-                      seed=i if wl.temperature else None, ignore_eos=True)
-              for i, n in enumerate(outs)]
-    return prompts, params
+    return prompts, wl.sampling_params(sampling, outs)
 
 
 def _recording(engine: Engine, log: list[dict[str, Any]]) -> None:
@@ -106,13 +111,10 @@ def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     prof = None
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
     i = 0
     while engine.has_unfinished():
         if i == profile_from:
-            prof = torch.profiler.profile(activities=acts)
+            prof = _profiler()
             prof.start()
             profiling.ENABLED = True
         _sync()
@@ -254,15 +256,12 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) ->
     _recording(engine, log)
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
     _sync()
     start = time.perf_counter()
     i, prof, t0_us, t1_us, busy, idle, host = 0, None, 0.0, 0.0, None, {}, {}
     while engine.has_unfinished():
         if i == profile_from:
-            prof = torch.profiler.profile(activities=acts)
+            prof = _profiler()
             prof.start()
         if prof is not None:
             with torch.profiler.record_function(f"pagedgen.step{i}"):

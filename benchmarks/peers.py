@@ -231,9 +231,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
         cfg = replace(cfg, cascade_attention=cascade, mixed_steps_ahead=mixed,
                       mixed_step_graphs=cfg.mixed_step_graphs if graphs is None else graphs)
-        params = [replace(sampling, max_tokens=n, temperature=wl.temperature, n=wl.n,
-                          seed=i if wl.temperature else None, ignore_eos=True)
-                  for i, n in enumerate(outs)]
+        params = wl.sampling_params(sampling, outs)
         with decode_tile_env(tile):
             runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"

@@ -52,6 +52,14 @@ class Workload:
             prompts = [systems[w] + p for w, p in zip(which, prompts)]
         return prompts, outs.tolist()
 
+    def sampling_params(self, sampling, outs: list[int]) -> list:
+        """Each request's sampling as every pagedgen run of the workload has it: ``sampling``
+        with the request's output length, EOS ignored, the workload's ``n`` and temperature,
+        and request ``i`` seeded ``i`` where it samples."""
+        return [replace(sampling, max_tokens=n, temperature=self.temperature, n=self.n,
+                        seed=i if self.temperature else None, ignore_eos=True)
+                for i, n in enumerate(outs)]
+
     def output_tokens(self, outs: list[int]) -> int:
         return sum(outs) * self.n
 
