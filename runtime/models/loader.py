@@ -181,17 +181,15 @@ def check_fits(model: torch.nn.Module, device: torch.device, name: str,
     device: this rank's shard, in the run's dtype and quantization; every rank's on a CPU)
     exceed the memory free on ``device``; otherwise a CPU run of a large preset is killed by
     the OOM killer a while later, and a GPU run stops with CUDA's out-of-memory traceback."""
-    seen, need = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            need += t.numel() * t.element_size()
+    # parameters() and buffers() each name a shared tensor (a tied embedding) once
+    need = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     ranks = tp.size if tp is not None else 1
     if device.type == "cpu":  # a CPU run's ranks share this machine
         need *= ranks
     free = hardware.available_memory(device)
     if free is None or need <= free:
         return
+
     def size(n: int) -> str:
         return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
