@@ -7,9 +7,11 @@ steps, by size, and their kernels.
    over the mixed steps.
 2. ``--profile-steps`` of them (steady state) under torch.profiler: per kind of step, GPU time
    by kernel group and the top kernels.
-3. The same workload run as ``pagedgen generate`` runs it (async scheduling) with a window of
-   steps under torch.profiler: the fraction of that window's wall time the GPU ran kernels,
-   and its idle time by the kind of step the host was running when each idle stretch began.
+3. The same workload run as ``pagedgen generate`` runs it (async scheduling), a window of
+   steps traced for GPU kernels only, a marker kernel launched as each step call begins: per
+   kind of step, the GPU's busy time, its idle time before a step began (the host still in
+   the step before) and inside it (the host launching the step's work slower than the GPU
+   ran it).
 
     python -m benchmarks.mixed_steps --workload s --backend flash-attn --json out.json
 """
@@ -27,7 +29,6 @@ from typing import Any
 import torch
 
 from benchmarks.common import free_gpu, profile_configs
-from benchmarks.host_waits import busy_fraction
 from benchmarks.workloads import WORKLOADS
 from pagedgen.attention.ops import profiling
 from pagedgen.runtime import kernel_stats
@@ -103,6 +104,22 @@ def host_ranges(trace: Path, kind_of: dict[str, str], counts: dict[str, int]
             for k, d in out.items()}
 
 
+def _by_bucket(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Steps (with their ``ms``) summed per bucket of prefill tokens."""
+    buckets = []
+    for lo, hi in zip(BUCKETS, BUCKETS[1:]):
+        ss = [s for s in steps if lo <= s["prefill_tokens"] < hi]
+        if ss:
+            n = len(ss)
+            buckets.append({"prefill_tokens": f"[{lo}, {hi})", "steps": n,
+                            "total_s": sum(s["ms"] for s in ss) / 1000,
+                            "mean_ms": sum(s["ms"] for s in ss) / n,
+                            "mean_prefill_tokens": sum(s["prefill_tokens"] for s in ss) / n,
+                            "mean_prefill_seqs": sum(s["prefill_seqs"] for s in ss) / n,
+                            "mean_decodes": sum(s["decodes"] for s in ss) / n})
+    return buckets
+
+
 def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out_dir: Path
                 ) -> dict[str, Any]:
     engine = Engine(replace(cfg, async_scheduling=False))
@@ -139,18 +156,7 @@ def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out
                   "mean_ms": sum(s["ms"] for s in ss) / max(1, len(ss)),
                   "mean_decodes": sum(s["decodes"] for s in ss) / max(1, len(ss)),
                   "prefill_tokens": sum(s["prefill_tokens"] for s in ss)}
-    buckets = []
-    for lo, hi in zip(BUCKETS, BUCKETS[1:]):
-        ss = [s for s in steps if lo <= s["prefill_tokens"] < hi]
-        if ss:
-            n = len(ss)
-            buckets.append({"prefill_tokens": f"[{lo}, {hi})", "steps": n,
-                            "total_s": sum(s["ms"] for s in ss) / 1000,
-                            "mean_ms": sum(s["ms"] for s in ss) / n,
-                            "mean_prefill_tokens": sum(s["prefill_tokens"] for s in ss) / n,
-                            "mean_prefill_seqs": sum(s["prefill_seqs"] for s in ss) / n,
-                            "mean_decodes": sum(s["decodes"] for s in ss) / n})
-    out["buckets"] = buckets
+    out["buckets"] = _by_bucket(steps)
     mixed = kinds["mixed"]
     if len(mixed) >= 3:
         a = torch.tensor([[1.0, s["prefill_tokens"], s["decodes"]] for s in mixed],
@@ -221,36 +227,65 @@ def attention_call_host_us(engine: Engine, calls: int = 200) -> dict[str, float]
     return out
 
 
-def idle_gaps(spans: list[tuple[float, float]], t0: float, t1: float
-              ) -> list[tuple[float, float]]:
-    """The stretches of [t0, t1] that no span (a GPU kernel's start and end) covers."""
-    gaps, end = [], t0
-    for s, e in sorted(spans):
-        if s > end:
-            gaps.append((end, min(s, t1)))
-        end = max(end, e)
-        if end >= t1:
-            break
-    if end < t1:
-        gaps.append((end, t1))
-    return [(a, b) for a, b in gaps if b > a]
+MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: launched at the start of each step call
 
 
-def idle_by_kind(gaps: list[tuple[float, float]], steps: list[tuple[float, float, str]]
-                 ) -> dict[str, float]:
-    """Idle time per kind of step the host was running (``steps``: its calls' start, end and
-    kind) when each gap began; gaps that began between calls count as "between steps"."""
-    steps = sorted(steps)
-    starts = [s for s, _, _ in steps]
-    out: dict[str, float] = {}
-    for a, b in gaps:
-        i = bisect.bisect_right(starts, a) - 1
-        kind = steps[i][2] if i >= 0 and a <= steps[i][1] else "between steps"
-        out[kind] = out.get(kind, 0.0) + (b - a)
+def step_timeline(kernels: list[tuple[float, float, str]], kinds: list[str]
+                  ) -> dict[str, dict[str, float]]:
+    """GPU time of steps cut by markers (``kernels``: start, end and name of every kernel of a
+    window whose step calls each launched a MARKER first; ``kinds``: each of those steps'
+    kind, in order). Per kind of step: its steps, the GPU busy time of their kernels, the GPU
+    idle before a step's marker ran (waiting for the host to begin the step: the step
+    before's tail on the host), and the idle inside a step, between its marker and its last
+    kernel (waiting for the host to launch the step's work). Milliseconds, as the inputs are
+    microseconds."""
+    ks = sorted(kernels)
+    marks = [i for i, k in enumerate(ks) if MARKER in k[2]]
+    out = {k: {"steps": 0, "busy_ms": 0.0, "idle_before_ms": 0.0, "idle_inside_ms": 0.0}
+           for k in dict.fromkeys(kinds)}
+    names: dict[str, dict[str, float]] = {k: {} for k in out}
+    prev_end = None
+    for n, (i, kind) in enumerate(zip(marks, kinds)):
+        j = marks[n + 1] if n + 1 < len(marks) else len(ks)
+        start = ks[i][0]
+        if prev_end is not None and start > prev_end:
+            out[kind]["idle_before_ms"] += (start - prev_end) / 1000
+        end, busy, idle = ks[i][1], 0.0, 0.0
+        for s, e, name in ks[i + 1:j]:
+            if s > end:
+                idle += s - end
+            busy += max(0.0, e - max(s, end))
+            end = max(end, e)
+            names[kind][name] = names[kind].get(name, 0.0) + (e - s) / 1000
+        prev_end = end if prev_end is None else max(prev_end, end)
+        d = out[kind]
+        d["steps"] += 1
+        d["busy_ms"] += busy / 1000
+        d["idle_inside_ms"] += idle / 1000
+    for kind, d in out.items():  # kernel time by group and the top kernels, ms a step
+        n = max(1, d["steps"])
+        groups: dict[str, float] = {}
+        for name, ms in names[kind].items():
+            g = kernel_stats.group_from_name(name)
+            groups[g] = groups.get(g, 0.0) + ms / n
+        d["groups_ms"] = dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+        d["top_ms"] = [(kernel_stats.short_name(name, 60), ms / n) for name, ms in
+                       sorted(names[kind].items(), key=lambda kv: -kv[1])[:8]]
     return out
 
 
-def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) -> dict[str, Any]:
+def _trace_kernels(trace: Path) -> list[tuple[float, float, str]]:
+    """Every kernel, copy and memset of a chrome trace: (start, end, name) in microseconds."""
+    events = json.loads(trace.read_text()).get("traceEvents", [])
+    return [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out_dir: Path
+                 ) -> dict[str, Any]:
+    """The workload as ``generate`` runs it; a window of steps traced for kernels only (no host
+    events: recording the host's ops would slow it and make idle time of its own), each step
+    call preceded by a marker kernel, so the GPU's time divides into steps."""
     engine = Engine(cfg)
     log: list[dict[str, Any]] = []
     _recording(engine, log)
@@ -258,48 +293,44 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int) ->
         engine.add_request(p, sp)
     _sync()
     start = time.perf_counter()
-    i, prof, t0_us, t1_us, busy, idle, host = 0, None, 0.0, 0.0, None, {}, {}
+    i, prof, window, kinds, calls = 0, None, {}, [], {}
+    cuda = torch.cuda.is_available()
     while engine.has_unfinished():
-        if i == profile_from:
-            prof = _profiler()
+        if i == profile_from and cuda:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.start()
+        t0 = time.perf_counter()
         if prof is not None:
-            with torch.profiler.record_function(f"pagedgen.step{i}"):
-                engine.step()
-        else:
-            engine.step()
+            torch.cuda._sleep(1)
+        engine.step()
+        log[-1]["ms"] = 1000 * (time.perf_counter() - t0)
+        if prof is not None:
+            kind = "mixed" if log[-1]["prefill_tokens"] else "decode"
+            kinds.append(kind)
+            calls.setdefault(kind, []).append(log[-1]["ms"])
         i += 1
         if prof is not None and i == profile_from + profile_steps:
+            _sync()
             prof.stop()
-            events = prof.events()
-            cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-            t0_us = min(e.time_range.start for e in cpu)
-            t1_us = max(e.time_range.end for e in cpu)
-            busy = busy_fraction(events, t0_us, t1_us)
-            kernels = [(e.time_range.start, e.time_range.end) for e in events
-                       if e.device_type == torch.autograd.DeviceType.CUDA]
-            steps = [(e.time_range.start, e.time_range.end,
-                      "mixed" if log[int(e.name[len("pagedgen.step"):])]["prefill_tokens"]
-                      else "decode") for e in cpu if e.name.startswith("pagedgen.step")]
-            idle = {k: v / 1000 for k, v in
-                    idle_by_kind(idle_gaps(kernels, t0_us, t1_us), steps).items()}
-            for kind in ("mixed", "decode"):
-                ms = [(b - a) / 1000 for a, b, k in steps if k == kind]
-                if ms:
-                    host[kind] = sum(ms) / len(ms)
+            trace = out_dir / "mixed-steps-async-trace.json"
+            prof.export_chrome_trace(str(trace))
+            kernels = _trace_kernels(trace)
+            trace.unlink()
+            per_kind = step_timeline(kernels, kinds)
+            span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
+            busy = sum(d["busy_ms"] for d in per_kind.values())
+            window = {"first_step": profile_from, "steps": len(kinds),
+                      "host_ms": sum(sum(v) for v in calls.values()), "gpu_span_ms": span,
+                      "gpu_busy_fraction": busy / span if span else None,
+                      "step_call_ms": {k: sum(v) / len(v) for k, v in calls.items()},
+                      "by_kind": per_kind}
             prof = None
     _sync()
     wall = time.perf_counter() - start
-    window = log[profile_from:profile_from + profile_steps]
+    # each step call's wall time: in steady state the host waits on the GPU, so the calls
+    # divide the run's wall time among the steps
     out = {"wall_s": wall, "steps": len(log), **_pieces(engine),
-           "profiled_window": {"first_step": profile_from, "steps": len(window),
-                               "mixed_steps": sum(s["prefill_tokens"] > 0 for s in window),
-                               "gpu_busy_fraction": busy,
-                               # GPU idle (ms) by the kind of step the host was in; a step
-                               # call's mean duration by kind (it waits on the step before)
-                               "gpu_idle_ms_by_step_kind": idle,
-                               "step_call_ms": host,
-                               "wall_ms": (t1_us - t0_us) / 1000}}
+           "step_calls": _by_bucket(log), "profiled_window": window}
     del engine
     free_gpu()
     return out
@@ -314,6 +345,11 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="another model profile (a CPU smoke run)")
     ap.add_argument("--profile-from", type=int, default=400)
     ap.add_argument("--profile-steps", type=int, default=40)
+    ap.add_argument("--async-steps", type=int, default=200,
+                    help="steps of the async run traced for kernels")
+    ap.add_argument("--async-runs", type=int, default=1, help="runs of the async run (the "
+                    "last one is reported)")
+    ap.add_argument("--sync-off", action="store_true", help="only the async run")
     ap.add_argument("--set", action="append", default=[],
                     help="engine config override KEY=VALUE (int, float, bool or text)")
     ap.add_argument("--json", type=Path)
@@ -340,12 +376,14 @@ def main() -> None:
     out_dir = (args.json.parent if args.json else Path("."))
     res = {"workload": args.workload, "backend": args.backend, "overrides": overrides,
            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-    res["synchronous"] = synchronous(cfg, prompts, params, args.profile_from,
-                                     args.profile_steps, out_dir)
-    print(json.dumps(res["synchronous"], indent=1), flush=True)
-    res["asynchronous"] = asynchronous(cfg, prompts, params, args.profile_from,
-                                       args.profile_steps)
-    print(json.dumps(res["asynchronous"], indent=1), flush=True)
+    if not args.sync_off:
+        res["synchronous"] = synchronous(cfg, prompts, params, args.profile_from,
+                                         args.profile_steps, out_dir)
+        print(json.dumps(res["synchronous"], indent=1), flush=True)
+    for run in range(args.async_runs):  # the last run is kept (the first compiles kernels)
+        res["asynchronous"] = asynchronous(cfg, prompts, params, args.profile_from,
+                                           args.async_steps, out_dir)
+        print(f"async run {run + 1}:", json.dumps(res["asynchronous"], indent=1), flush=True)
     if args.json:
         args.json.write_text(json.dumps(res, indent=1))
 

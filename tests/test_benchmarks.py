@@ -155,12 +155,17 @@ def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
     assert not (tmp_path / "mixed-steps-trace.json").exists()
 
 
-def test_gpu_idle_stretches_go_to_the_step_the_host_was_in():
-    from benchmarks.mixed_steps import idle_by_kind, idle_gaps
+def test_gpu_time_divides_into_steps_at_their_markers():
+    from benchmarks.mixed_steps import MARKER, step_timeline
 
-    kernels = [(12, 20), (15, 30), (40, 50), (55, 90), (95, 120)]
-    gaps = idle_gaps(kernels, 10, 100)
-    assert gaps == [(10, 12), (30, 40), (50, 55), (90, 95)]
-    steps = [(0, 35, "decode"), (36, 60, "mixed"), (92, 110, "decode")]
-    assert idle_by_kind(gaps, steps) == {"decode": 2 + 10, "mixed": 5, "between steps": 5}
-    assert idle_gaps([], 0, 5) == [(0, 5)] and idle_gaps([(0, 9)], 1, 5) == []
+    m = MARKER
+    kernels = [(0, 1, m), (1, 5, "gemm"), (4, 9, "attn"), (12, 20, "gemm"),  # decode: 3 inside
+               (30, 31, m), (31, 40, "gemm"), (45, 50, "attn"),  # mixed: 10 before, 5 inside
+               (50, 51, m), (51, 60, "gemm")]  # decode: none idle
+    out = step_timeline(kernels, ["decode", "mixed", "decode"])
+    times = ("steps", "busy_ms", "idle_before_ms", "idle_inside_ms")
+    assert [out["decode"][k] for k in times] == [2, (8 + 8 + 9) / 1000, 0.0, 3 / 1000]
+    assert [out["mixed"][k] for k in times] == [1, 14 / 1000, 10 / 1000, 5 / 1000]
+    assert out["decode"]["groups_ms"] == pytest.approx({"GEMM": (4 + 8 + 9) / 2000,
+                                                        "attention": 5 / 2000})
+    assert out["mixed"]["top_ms"] == [("gemm", 9 / 1000), ("attn", 5 / 1000)]
