@@ -17,11 +17,13 @@
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
 # (set: each backend also without cascade decode), PEERS_MIXED_OFF (set: also with steps
-# that carry prefills launched after the last step's tokens) and PEERS_GRAPHS (set: also
-# with those steps in piecewise CUDA graphs) from the environment.
+# that carry prefills launched after the last step's tokens), PEERS_GRAPHS (set: also
+# with those steps in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also admitting requests
+# in input order) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
-# mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s).
+# mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s; MIXED_SYNC_OFF: the
+# async run alone; MIXED_RUNS: async runs, the last reported).
 # moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
 # verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
@@ -136,21 +138,33 @@ PY
       # their kernels and host time; MIXED_SET: engine overrides (e.g. mixed_step_graphs=true)
       w=${MIXED_WORKLOAD:-s}
       timed "mixed-steps-$w" "${MIXED_LIMIT:-400}" python3 -m benchmarks.mixed_steps \
-        --workload "$w" ${MIXED_SET:+--set "$MIXED_SET"} --json "$S/mixed-steps-$w.json"
+        --workload "$w" ${MIXED_SET:+--set "$MIXED_SET"} ${MIXED_SYNC_OFF:+--sync-off} --async-runs "${MIXED_RUNS:-1}" \
+        --json "$S/mixed-steps-$w.json"
       python3 - "$S/mixed-steps-$w.json" <<'PY' || tail -5 "$S/mixed-steps-$w.log"
 import json, sys
 d = json.load(open(sys.argv[1]))
-s, a = d["synchronous"], d["asynchronous"]
-for b in s["buckets"]:
+s, a = d.get("synchronous", {}), d["asynchronous"]
+for b in s.get("buckets", []):
     print("prefill tokens", b["prefill_tokens"], b["steps"], "steps", round(b["mean_ms"], 1), "ms")
 p = s.get("profiled", {})
 for kind in ("mixed", "decode"):
     if kind in p:
         print(kind, "GPU ms/step", round(p[kind]["gpu_ms_per_step"], 2), "wall",
               round(p["wall_ms_per_step"][kind], 2))
+for b in a.get("step_calls", []):
+    print("async: prefill tokens", b["prefill_tokens"], b["steps"], "steps,", round(b["total_s"], 2),
+          "s,", round(b["mean_ms"], 1), "ms a call")
 w = a["profiled_window"]
-print("async wall", round(a["wall_s"], 2), "s; GPU busy", w["gpu_busy_fraction"], "; idle ms by",
-      "step kind", w.get("gpu_idle_ms_by_step_kind"), "; step call ms", w.get("step_call_ms"))
+print("async wall", round(a["wall_s"], 2), "s; window", w.get("steps"), "steps, GPU span",
+      round(w.get("gpu_span_ms", 0)), "ms, busy", w.get("gpu_busy_fraction"), "; step call ms",
+      w.get("step_call_ms"))
+for kind, k in w.get("by_kind", {}).items():
+    n = max(1, k["steps"])
+    print(" ", kind, k["steps"], "steps; per step ms: busy", round(k["busy_ms"] / n, 2),
+          "idle before", round(k["idle_before_ms"] / n, 2), "idle inside",
+          round(k["idle_inside_ms"] / n, 2))
+    print("   ms a step by group", {g: round(v, 2) for g, v in k.get("groups_ms", {}).items()})
+    print("   top", [(n_, round(v, 2)) for n_, v in k.get("top_ms", [])])
 PY
       ;;
     moe)
@@ -197,6 +211,7 @@ PY
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
         ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_GRAPHS:+--mixed-graphs} \
+        ${PEERS_GROUPING_OFF:+--prefix-grouping-off} \
         --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150
       python3 - "$S/h100-peers-$tag.json" <<'PY' 2>/dev/null
