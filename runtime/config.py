@@ -169,6 +169,8 @@ class EngineConfig:
     schedule_during_mask_fill: bool = True
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    # admit queued requests that share a prompt prefix together (runtime/engine/ordering.py)
+    prefix_grouping: bool = True
     cascade_attention: bool = True  # decodes attend the pages they all share once per step
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
 

@@ -114,6 +114,10 @@ def generate(
     prefix_caching: Optional[bool] = typer.Option(
         None, "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV cache of prompt prefixes computed before [default: on]."),
+    prefix_grouping: Optional[bool] = typer.Option(
+        None, "--prefix-grouping/--no-prefix-grouping",
+        help="Admit lines whose prompts share a prefix together, so its KV is computed once "
+             "and read together; the output keeps input order [default: on]."),
     cascade_attention: Optional[bool] = typer.Option(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode steps attend the KV pages all their sequences share once for the batch "
@@ -154,8 +158,8 @@ def generate(
              kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
-             prefix_caching=prefix_caching, cascade_attention=cascade_attention,
-             tensor_parallel_size=tensor_parallel_size),
+             prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
+             cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              min_p=min_p, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,

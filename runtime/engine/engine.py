@@ -11,6 +11,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
+from pagedgen.runtime.engine.ordering import prefix_grouped
 from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.engine.scheduler import Scheduler
@@ -130,7 +131,10 @@ class Engine:
         """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
         scheduler's waiting queue runs short, so a million queued requests cost no more per
         step than a hundred, and hold no per-sequence state until they are near admission.
-        Items must already have passed ``check_request``."""
+        Items must already have passed ``check_request``. With ``prefix_grouping`` (default),
+        requests that share a prompt prefix are admitted together (``ordering.py``)."""
+        if self.config.prefix_grouping:
+            items = prefix_grouped(items, lambda item: item[0])
         self._sources.append(iter(items))
 
     def _top_up(self) -> None:
@@ -450,6 +454,7 @@ class Engine:
             "steps_scheduled_during_masks": st.steps_scheduled_during_masks,
             "preemptions": st.num_preemptions,
             "prefix_caching": self.block_manager.prefix_caching,
+            "prefix_grouping": self.config.prefix_grouping,
             "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
                                       if st.prefix_queried_tokens else 0.0),
             "prefix_cache_hit_tokens": st.prefix_hit_tokens,
