@@ -84,13 +84,17 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     for _ in range(repeats):
         engine.reset_prefix_cache(prefix_caching)  # each repeat starts cold, as the first did
         engine.reset_stats()
-        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, per_request)]
+        # queued as `pagedgen generate` queues a file's lines (admitted lazily, requests that
+        # share a prefix together when ``prefix_grouping`` is on); request i seeded by i
+        engine.add_requests((p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, per_request)))
+        done: dict[int, Any] = {}
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        engine.run()
+        engine.run(on_finish=lambda s: done.setdefault(s.request, s))
         wall = time.perf_counter() - start
+        seqs = [done[i] for i in sorted(done)]
         res = engine.summary(wall, start, {
             "load_time_s": load_s, "advance_on_device": engine.config.advance_decode_on_device})
         st = engine.stats

@@ -16,6 +16,8 @@ Workloads (``--workloads a,b,c``; workloads.py):
   p: Llama-3-8B-shaped, 128 prompts x 1,024 input, n = 8 samples x 256 output, temperature 1
   s: Llama-3-8B-shaped, 1,000 requests behind 4 system prompts (400-800 tokens), 20-600 own
      tokens, 16-512 output
+  q: Llama-3-8B-shaped, 4 questions about each of 256 documents of 1,024 tokens, listed
+     question by question, 32 output, both systems in a KV cache of 196,608 tokens
 
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
 are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
@@ -76,7 +78,7 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
         return linear_bytes * layers * (attn + chosen * 3 * hidden * width) + 2 * head
 
     lin_flops = fp8_flops or flops
-    kv_per_token = 2 * layers * kv_dim * 2
+    kv_per_token = kv_bytes_per_token(c)
     # prefill: linear layers + causal attention (each new token over its context), logits for
     # the last token; the shared prefix once
     t = 2 * linear * shared / lin_flops + 2 * layers * q_dim * shared * shared / flops
@@ -90,6 +92,12 @@ def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: floa
         compute = 2 * len(active) * (linear / lin_flops + head / flops)
         t += max((weight_bytes(len(active)) + kv) / bw, compute)
     return t
+
+
+def kv_bytes_per_token(c) -> int:
+    """A token's K and V over every layer, in bf16."""
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
 
 
 def moe_shape(c) -> tuple[int, int, int]:
@@ -179,18 +187,23 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 
 # ---- one workload -------------------------------------------------------------------------------
 
+# a pagedgen setting measured against the default: (label suffix, EngineConfig overrides)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cascade-off": (", cascade decode off", {"cascade_attention": False}),
+    "mixed-ahead-off": (", mixed steps not ahead", {"mixed_steps_ahead": False}),
+    "mixed-graphs": (", mixed steps in piecewise graphs", {"mixed_step_graphs": True}),
+    "prefix-grouping-off": (", prefix grouping off", {"prefix_grouping": False}),
+}
+
+
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
-                 quantization: str | None = None, cascade_off: bool = False,
-                 mixed_off: bool = False, graphs_on: bool = False) -> None:
+                 quantization: str | None = None, variants: list[str] = ()) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
-    ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; with
-    ``cascade_off``, each backend once more without cascade decode; with ``mixed_off``, once
-    more with steps that carry prefills launched after the last step's tokens; with
-    ``graphs_on``, once more with those steps (up to 1,024 tokens) in piecewise CUDA graphs
-    (``mixed_step_graphs``, off by default). Workloads
+    ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; each backend
+    once more per name in ``variants`` (``VARIANTS``: a setting against the default). Workloads
     with ``n`` > 1 sample at their temperature (request ``i`` seeded ``i``, in both
     systems)."""
     src = resolve_model(wl.profile)
@@ -223,24 +236,23 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         add_ratios()
         save()
 
-    variants = [(b, t, c, m, g) for b in backends
-                for t in (fa4_tiles if b == "flash-attn" else []) or [None]
-                for c, m, g in [(True, True, None)] + [(False, True, None)] * cascade_off
-                + [(True, False, None)] * mixed_off + [(True, True, True)] * graphs_on]
-    for b, tile, cascade, mixed, graphs in variants:
+    runs_of = [(b, t, v) for b in backends
+               for t in (fa4_tiles if b == "flash-attn" else []) or [None]
+               for v in [None, *variants]]
+    for b, tile, variant in runs_of:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
-        cfg = replace(cfg, cascade_attention=cascade, mixed_steps_ahead=mixed,
-                      mixed_step_graphs=cfg.mixed_step_graphs if graphs is None else graphs)
+        suffix, overrides = VARIANTS[variant] if variant else ("", {})
+        cfg = replace(cfg, **overrides)
+        if wl.kv_cache_tokens:  # the same KV-cache size in tokens for both systems
+            cfg = replace(cfg, kv_cache_memory=wl.kv_cache_tokens * kv_bytes_per_token(
+                src.hf_config))
         params = wl.sampling_params(sampling, outs)
         with decode_tile_env(tile):
             runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
         assert all(r["output_tokens"] == out_tok for r in runs), "pagedgen output length differs"
         free_gpu()
         res = median_run(runs)
-        label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") \
-            + ("" if cascade else ", cascade decode off") \
-            + ("" if mixed else ", mixed steps not ahead") \
-            + (", mixed steps in piecewise graphs" if graphs else "")
+        label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") + suffix
         row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
             k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
@@ -256,6 +268,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
         engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
+        if wl.kv_cache_tokens:
+            engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
         res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
         if "skipped" in res:
             print(f"vLLM: {res['skipped']}", flush=True)
@@ -315,6 +329,8 @@ def main() -> None:
     ap.add_argument("--mixed-graphs", action="store_true",
                     help="each backend once more with steps that carry prefills (up to 1,024 "
                          "tokens) in piecewise CUDA graphs")
+    ap.add_argument("--prefix-grouping-off", action="store_true",
+                    help="each backend once more admitting requests in input order")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -343,7 +359,7 @@ def main() -> None:
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
                      [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
-                     args.cascade_off, args.mixed_ahead_off, args.mixed_graphs)
+                     [v for v in VARIANTS if getattr(args, v.replace("-", "_"))])
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

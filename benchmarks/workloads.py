@@ -11,6 +11,9 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   r: Llama-3-8B shape, 100,000 prompts x random 64-256 input, 16 output (request count)
   s: Llama-3-8B shape, 1,000 requests each behind one of 4 system prompts of 400-800 tokens
      (dealt at random), 20-600 own tokens, 16-512 output (several system prompts)
+  q: Llama-3-8B shape, 256 documents of 1,024 tokens, 4 questions (16-48 tokens) about each,
+     listed question by question (1,024 requests), 32 output, in a KV cache of 196,608 tokens:
+     fewer than the documents (long shared prefixes under a memory budget)
   m: Qwen3-30B-A3B shape (MoE: 128 experts, 8 per token), (a)'s requests
   x: Mixtral-8x7B shape (MoE: 8 experts, 2 per token; needs an H200), (a)'s requests
 """
@@ -33,6 +36,10 @@ class Workload:
     temperature: float = 0.0
     system_prompts: int = 0  # each request behind one of this many prompts...
     system_len: tuple[int, int] = (0, 0)  # ...of these lengths
+    # with ``questions``: every system prompt (a document) is asked this many questions,
+    # listed question by question (num_prompts = documents x questions)
+    questions: int = 0
+    kv_cache_tokens: int = 0  # the KV cache both systems get (0: as much as fits)
 
     def requests(self, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
         """Prompt token ids and output lengths, the same for every system."""
@@ -49,6 +56,8 @@ class Workload:
                                                                   generator=g)),),
                                      generator=g).tolist() for _ in range(self.system_prompts)]
             which = torch.randint(0, self.system_prompts, (n,), generator=g).tolist()
+            if self.questions:
+                which = [i % self.system_prompts for i in range(n)]
             prompts = [systems[w] + p for w, p in zip(which, prompts)]
         return prompts, outs.tolist()
 
@@ -73,6 +82,8 @@ WORKLOADS = {
     "r": Workload("llama-3-8b", 100_000, (64, 256), (16, 16)),
     "s": Workload("llama-3-8b", 1000, (20, 600), (16, 512), system_prompts=4,
                   system_len=(400, 800)),
+    "q": Workload("llama-3-8b", 1024, (16, 48), (32, 32), system_prompts=256,
+                  system_len=(1024, 1024), questions=4, kv_cache_tokens=196_608),
     "m": Workload("qwen3-30b-a3b", 256, (128, 1024), (256, 256)),
     "x": Workload("mixtral-8x7b", 256, (128, 1024), (256, 256)),
 }
