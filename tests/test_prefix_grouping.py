@@ -38,6 +38,13 @@ def test_prompts_that_share_nothing_keep_input_order(blocks_of_two):
     assert order(prompts) == list(prompts)
 
 
+def test_blocks_that_differ_inside_are_not_shared(monkeypatch):
+    monkeypatch.setattr(ordering, "GROUP_TOKENS", 4)
+    prompts = {"p1": [1, 2, 3, 9, 5], "p2": [7, 7, 7, 7], "p3": [1, 8, 8, 9, 6],
+               "p4": [1, 2, 3, 9, 4]}  # p3 begins and ends its first block as p1 does
+    assert order(prompts) == ["p1", "p4", "p2", "p3"]
+
+
 def test_grouping_stays_within_a_window(blocks_of_two):
     prompts = {"a1": [1, 1, 1], "b1": [2, 2, 1], "c1": [3, 3, 1], "a2": [1, 1, 2],
                "b2": [2, 2, 2]}

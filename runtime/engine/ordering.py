@@ -15,6 +15,7 @@ a time (a lazily read file stays lazy), and hashes only as deep as requests stil
 
 from __future__ import annotations
 
+import gc
 from itertools import islice
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
@@ -29,7 +30,16 @@ def prefix_grouped(items: Iterable[Any], ids: Callable[[Any], Sequence[int]],
     order (see the module docstring)."""
     it = iter(items)
     while chunk := list(islice(it, window)):
-        yield from _walk(chunk, [ids(x) for x in chunk], list(range(len(chunk))), 0)
+        # the walk allocates only small acyclic tuples and lists: with many long prompts alive,
+        # the cyclic collector's passes over them would cost several times the walk itself
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            ordered = _walk(chunk, [ids(x) for x in chunk], list(range(len(chunk))), 0)
+        finally:
+            if collecting:
+                gc.enable()
+        yield from ordered
 
 
 def _walk(items: list[Any], prompts: list[Sequence[int]], members: list[int], depth: int
@@ -39,16 +49,25 @@ def _walk(items: list[Any], prompts: list[Sequence[int]], members: list[int], de
     if len(members) == 1 or depth == MAX_DEPTH:
         return [items[i] for i in members]
     lo, hi = depth * GROUP_TOKENS, (depth + 1) * GROUP_TOKENS
-    groups: dict[Any, list[int]] = {}
+    # first by the block's first and last token (no copy); a prompt without a full next block
+    # ends its branch: a group of its own, in place
+    rough: dict[Any, list[int]] = {}
     for i in members:
         p = prompts[i]
-        # a prompt without a full next block ends its branch: a group of its own, in place
-        key = tuple(p[lo:hi]) if len(p) >= hi else (None, i)
-        groups.setdefault(key, []).append(i)
-    if len(groups) == len(members):  # nothing shared below here
+        rough.setdefault((p[lo], p[hi - 1]) if len(p) >= hi else i, []).append(i)
+    if len(rough) == len(members):  # nothing shared below here
         return [items[i] for i in members]
+    groups: list[list[int]] = []
+    for key, candidates in rough.items():
+        if len(candidates) == 1:
+            groups.append(candidates)
+            continue
+        exact: dict[tuple[int, ...], list[int]] = {}
+        for i in candidates:
+            exact.setdefault(tuple(prompts[i][lo:hi]), []).append(i)
+        groups += exact.values()
+    groups.sort(key=lambda g: g[0])  # each group where its first member was
     out: list[Any] = []
-    for key, group in groups.items():
-        out += _walk(items, prompts, group, depth + 1) if key[0] is not None else \
-            [items[i] for i in group]
+    for group in groups:
+        out += _walk(items, prompts, group, depth + 1)
     return out
