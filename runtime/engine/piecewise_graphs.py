@@ -16,8 +16,8 @@ Without graphs, an eager step's host time (~35 ms for the 8B preset's 32 layers:
 through Python) exceeded its GPU time at up to about 1,000 tokens on an H200, so those steps
 left the GPU idle; larger steps are GPU-bound, and padding would only add to them. A bucket is
 captured the first time a step needs it (warmed up once eagerly first), in the decode graphs'
-memory pool (they never replay at once). ``inline`` runs the same pieces and attention in one
-eager pass (devices without graphs, and the tests).
+memory pool (they never replay at once). On a device without graphs (and in the CPU tests)
+``run`` takes the same pieces and attention in one eager pass through the same buffers.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _Split:
     """What each attention layer does with its call while the runner holds the model: writes
     k, v into the cache at the static slots, copies q, k, v into the static buffers and returns
     the static output; ``cut`` (capture) ends the piece there and begins the next; ``attend``
-    (inline) runs the attention in between."""
+    (a step run eagerly) runs the attention in between."""
 
     def __init__(self, cut: Callable[[], None] | None = None,
                  attend: Callable[[int], None] | None = None) -> None:
@@ -146,21 +146,12 @@ class PiecewiseGraphs:
             for layer in self.layers:
                 layer.split = None
 
-    def inline(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-               ) -> torch.Tensor:
-        """The step eagerly through the same buffers and padding (no graphs): hidden states
-        [T, hidden] of its rows."""
-        return self._step(input_ids, positions, md, graphs=False)
-
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
             ) -> torch.Tensor:
         """Replay the step's bucket (captured now if it is new): hidden states [T, hidden]. A
         bucket whose capture fails (a kernel that synchronizes, say) runs inline from then on;
         so does every step on a device without graphs."""
-        return self._step(input_ids, positions, md, graphs=self.device.type == "cuda")
-
-    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-              graphs: bool) -> torch.Tensor:
+        graphs = self.device.type == "cuda"
         n = input_ids.shape[0]
         tb = self._load(input_ids, positions, md)
         try:
