@@ -293,21 +293,20 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, ou
         engine.add_request(p, sp)
     _sync()
     start = time.perf_counter()
-    i, prof, window, kinds, calls = 0, None, {}, [], {}
+    i, prof, window, first = 0, None, {}, 0
     cuda = torch.cuda.is_available()
     while engine.has_unfinished():
         if i == profile_from and cuda:
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
             prof.start()
+            first = len(log)
         t0 = time.perf_counter()
         if prof is not None:
             torch.cuda._sleep(1)
+        logged = len(log)
         engine.step()
-        log[-1]["ms"] = 1000 * (time.perf_counter() - t0)
-        if prof is not None:
-            kind = "mixed" if log[-1]["prefill_tokens"] else "decode"
-            kinds.append(kind)
-            calls.setdefault(kind, []).append(log[-1]["ms"])
+        if len(log) > logged:  # the last call only resolves the step in flight
+            log[-1]["ms"] = 1000 * (time.perf_counter() - t0)
         i += 1
         if prof is not None and i == profile_from + profile_steps:
             _sync()
@@ -316,13 +315,16 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, ou
             prof.export_chrome_trace(str(trace))
             kernels = _trace_kernels(trace)
             trace.unlink()
+            steps = log[first:]
+            kinds = ["mixed" if s["prefill_tokens"] else "decode" for s in steps]
             per_kind = step_timeline(kernels, kinds)
             span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
             busy = sum(d["busy_ms"] for d in per_kind.values())
-            window = {"first_step": profile_from, "steps": len(kinds),
-                      "host_ms": sum(sum(v) for v in calls.values()), "gpu_span_ms": span,
+            window = {"first_step": profile_from, "steps": len(steps),
+                      "host_ms": sum(s["ms"] for s in steps), "gpu_span_ms": span,
                       "gpu_busy_fraction": busy / span if span else None,
-                      "step_call_ms": {k: sum(v) / len(v) for k, v in calls.items()},
+                      "step_call_ms": {k: sum(s["ms"] for s, sk in zip(steps, kinds) if sk == k)
+                                       / kinds.count(k) for k in set(kinds)},
                       "by_kind": per_kind}
             prof = None
     _sync()
