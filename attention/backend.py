@@ -117,13 +117,14 @@ class AttentionState:
         """Warm-up figures for the run summary (e.g. compile seconds, variants compiled)."""
         return {}
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
-                        ) -> None:
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,
+                        cascade_segments: int = 0) -> None:
         """Allocate what a CUDA graph of ``batch_size`` decodes captures (backends that declare
         ``supports_cuda_graphs``). ``max_num_pages``: the most page-table entries such a step
         can hold (more than the cache's blocks when sequences share prefix blocks).
         ``cascade_levels``: the graph's steps attend groups' shared pages once, in this many
-        levels (``metadata.cascade_levels``)."""
+        levels (``metadata.cascade_levels``) of ``cascade_segments`` segments each
+        (``metadata.cascade_segments``)."""
         raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 

@@ -67,7 +67,7 @@ class CascadeInputs:
         if per_layout is None:
             rows = len(lay.order)
             width = max(g.page_hi - g.page_lo for level in lay.levels for g in level)
-            per_layout = _layout_tensors(lay, rows, rows, rows + 1, width, dev)
+            per_layout = _layout_tensors(lay, rows, rows, lay.segments(), width, dev)
             lay._device_inputs[dev] = per_layout
         *tensors, segments = per_layout
         x = cls(*tensors, torch.empty_like(md.block_tables), torch.empty_like(md.seq_lens),
@@ -75,16 +75,16 @@ class CascadeInputs:
         return x._suffixes(md)
 
     @classmethod
-    def static(cls, batch_size: int, levels: int, width: int, device: torch.device
-               ) -> CascadeInputs:
-        """Buffers a CUDA graph of ``batch_size`` decodes and ``levels`` levels captures (every
-        row its own filler until :meth:`fill`)."""
+    def static(cls, batch_size: int, levels: int, segments: int, width: int,
+               device: torch.device) -> CascadeInputs:
+        """Buffers a CUDA graph of ``batch_size`` decodes, ``levels`` levels and ``segments``
+        segments a level captures (every row in one filler until :meth:`fill`)."""
         i32, b = torch.int32, batch_size
-        cu_q = torch.full((levels, b + 2), b, dtype=i32, device=device)
+        cu_q = torch.full((levels, segments + 1), b, dtype=i32, device=device)
         cu_q[:, 0] = 0
         return cls(torch.arange(b, device=device), torch.arange(b, dtype=i32, device=device),
-                   cu_q, torch.zeros(levels, b + 1, dtype=i32, device=device),
-                   torch.zeros(levels, b + 1, width, dtype=i32, device=device),
+                   cu_q, torch.zeros(levels, segments, dtype=i32, device=device),
+                   torch.zeros(levels, segments, width, dtype=i32, device=device),
                    torch.zeros(levels, b, dtype=i32, device=device),
                    torch.zeros(b, dtype=i32, device=device),
                    torch.zeros(b, width, dtype=i32, device=device),
@@ -120,7 +120,8 @@ class CascadeInputs:
 def _layout_tensors(lay: CascadeLayout, n: int, b: int, segs: int, width: int,
                     dev: torch.device) -> tuple:
     """A layout of ``n`` decode rows as tensors for ``b`` rows (rows ``n:b``: padding, in no
-    group), ``segs`` (> b) segments a level and tables ``width`` pages wide, built on the host
+    group), ``segs`` (at least ``lay.segments()``) segments a level and tables ``width`` pages
+    wide, built on the host
     and uploaded once; and each level's groups as (segment, rows)."""
     order = lay.order + list(range(n, b))
     pos = [0] * b
@@ -145,6 +146,8 @@ def _layout_tensors(lay: CascadeLayout, n: int, b: int, segs: int, width: int,
             segments[li].append((s, g.rows))
             s += 1
             cu_q[li][s] = at = g.end
+        if s + 2 > segs:  # a trailing filler and an empty segment must follow
+            raise ValueError(f"a cascade level needs {s + 2} segments, the buffers hold {segs}")
         for t in range(s + 1, segs + 1):  # trailing fillers and empty segments
             cu_q[li][t] = b
     i32 = torch.int32
@@ -154,23 +157,26 @@ def _layout_tensors(lay: CascadeLayout, n: int, b: int, segs: int, width: int,
 
 
 class CascadeBuffers:
-    """A backend state's cascade inputs: static ones per CUDA graph (batch size, levels), fresh
-    ones for eager steps."""
+    """A backend state's cascade inputs: static ones per CUDA graph (batch size, levels,
+    segments a level), fresh ones for eager steps."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.by_graph: dict[tuple[int, int], CascadeInputs] = {}
+        self.by_graph: dict[tuple[int, int, int], CascadeInputs] = {}
 
-    def allocate(self, batch_size: int, levels: int, max_num_pages: int) -> None:
-        """For a cascade graph of ``batch_size`` decodes and ``levels`` levels."""
-        self.by_graph[batch_size, levels] = CascadeInputs.static(
-            batch_size, levels, max_num_pages // batch_size, self.device)
+    def allocate(self, batch_size: int, levels: int, segments: int, max_num_pages: int) -> None:
+        """For a cascade graph of ``batch_size`` decodes, ``levels`` levels and ``segments``
+        segments a level."""
+        self.by_graph[batch_size, levels, segments] = CascadeInputs.static(
+            batch_size, levels, segments, max_num_pages // batch_size, self.device)
 
     def inputs(self, md: AttentionMetadata, graph_batch_size: int | None) -> CascadeInputs:
-        """The step's tensors: into the graph's buffers, or fresh for an eager step."""
+        """The step's tensors: into the graph's buffers (``md.cascade_segments`` a level), or
+        fresh for an eager step."""
         if graph_batch_size is None:
             return CascadeInputs.for_step(md)
-        return self.by_graph[graph_batch_size, md.cascade.num_levels].fill(md)
+        key = graph_batch_size, md.cascade.num_levels, md.cascade_segments
+        return self.by_graph[key].fill(md)
 
 
 def merge(out: torch.Tensor, suffix: torch.Tensor, suffix_lse: torch.Tensor,

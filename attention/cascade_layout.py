@@ -72,6 +72,19 @@ class CascadeLayout:
         """Key reads per layer and KV head the groups save in one step."""
         return sum(g.saved(self.block_size) for level in self.levels for g in level)
 
+    def segments(self) -> int:
+        """Segments a level of this layout needs in one varlen call: each group one, a filler
+        before each group that does not start where the last ended, a trailing filler and one
+        empty segment (attention/cascade.py)."""
+        most = 0
+        for level in self.levels:
+            at, n = 0, 0
+            for g in level:
+                n += 1 + (g.start > at)
+                at = g.end
+            most = max(most, n)
+        return most + 2
+
     def positions(self) -> list[int]:
         """``positions()[r]``: the sorted position of decode row ``r``."""
         pos = [0] * len(self.order)

@@ -277,12 +277,13 @@ class FlashAttnState(AttentionState):
         self.compiled_at_warmup = 0
         self._compiled_before = _compiled_variants(self.module)
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
-                        ) -> None:
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,
+                        cascade_segments: int = 0) -> None:
         """Plain graphs capture the runner's block tables and lengths; cascade graphs also
         their own group and suffix buffers."""
         if cascade_levels:
-            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
+            self.cascade_buffers.allocate(batch_size, cascade_levels, cascade_segments,
+                                          max_num_pages)
 
     def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
               ) -> AttentionMetadata:

@@ -94,8 +94,8 @@ class FlashInferState(AttentionState):
             groups=[{k: flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace, "NHD", backend=self.prefill_backend) for k in self.keys}
                 for _ in range(self.max_cascade_levels)])
-        # by cascade levels (0: plain), then CUDA-graph batch size
-        self.graph_plans: dict[int, dict[int, FlashInferPlan]] = {}
+        # by cascade levels and segments ((0, 0): plain), then CUDA-graph batch size
+        self.graph_plans: dict[tuple[int, int], dict[int, FlashInferPlan]] = {}
         self._graph_buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self.cascade_buffers = CascadeBuffers(device)
         # A window would cut into the shared prefix differently per sequence.
@@ -103,8 +103,8 @@ class FlashInferState(AttentionState):
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
-                        ) -> None:
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,
+                        cascade_segments: int = 0) -> None:
         """Decode wrappers for one captured batch size, over fixed buffers shared by every
         graph (plain graphs capture at start-up, the largest first); a cascade graph's group
         wrappers (one per level) have fixed buffers of their own."""
@@ -119,7 +119,7 @@ class FlashInferState(AttentionState):
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr[:batch_size + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last[:batch_size]) for k in self.keys})
-        segs = batch_size + 1  # as CascadeInputs: fillers and groups, the last one empty
+        segs = cascade_segments  # as CascadeInputs: fillers and groups, the last one empty
         for _ in range(cascade_levels):
             qo, kv_indptr, kv_last = (torch.zeros(segs + 1, dtype=i32, device=dev),
                                       torch.zeros(segs + 1, dtype=i32, device=dev),
@@ -130,9 +130,9 @@ class FlashInferState(AttentionState):
                 qo_indptr_buf=qo, paged_kv_indptr_buf=kv_indptr, paged_kv_indices_buf=kv_indices,
                 paged_kv_last_page_len_buf=kv_last) for k in self.keys})
         if cascade_levels:
-            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
+            self.cascade_buffers.allocate(batch_size, cascade_levels, segs, max_num_pages)
             plan.members = torch.zeros(cascade_levels, batch_size, dtype=torch.bool, device=dev)
-        self.graph_plans.setdefault(cascade_levels, {})[batch_size] = plan
+        self.graph_plans.setdefault((cascade_levels, segs), {})[batch_size] = plan
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -150,7 +150,7 @@ class FlashInferState(AttentionState):
         s, md = self.spec, metadata
         common = dict(q_data_type=self.dtype, kv_data_type=self.kv_cache_dtype)
         plan = self.plan if graph_batch_size is None else \
-            self.graph_plans[md.cascade_levels][graph_batch_size]
+            self.graph_plans[md.cascade_levels, md.cascade_segments][graph_batch_size]
         if md.num_prefills:
             p = md.num_prefills
             indptr, indices, last = paged_kv_arrays(md.seq_lens_cpu[:p], md.seq_lens[:p],

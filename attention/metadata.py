@@ -36,6 +36,8 @@ class AttentionMetadata:
 
     ``cascade`` (decode-only steps): which decodes share which leading pages, each group's
     pages to be attended once (attention/cascade_layout.py); None: plain decode.
+    ``cascade_segments``: in a CUDA graph's step, the segments a level its buffers hold (at
+    least ``cascade.segments()``; 0 elsewhere).
     """
 
     num_prefills: int
@@ -50,6 +52,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     query_lens_cpu: list[int]
     cascade: CascadeLayout | None = None
+    cascade_segments: int = 0
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
 

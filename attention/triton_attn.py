@@ -86,17 +86,18 @@ class TritonState(AttentionState):
             splits = max(1, min(splits, math.ceil(max_seq_len / (2 * self.decode_block_n))))
         return splits
 
-    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0
-                        ) -> None:
+    def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,
+                        cascade_segments: int = 0) -> None:
         """The decode grid depends on the batch size only; cascade graphs also capture their
         group and suffix buffers and a fixed number of group tiles."""
         if cascade_levels:
-            self.cascade_buffers.allocate(batch_size, cascade_levels, max_num_pages)
+            self.cascade_buffers.allocate(batch_size, cascade_levels, cascade_segments,
+                                          max_num_pages)
             # groups of >= 2 rows: at most batch/2 groups, batch/block_q + 1 tiles beyond them
             most = batch_size // 2 + batch_size // (self.block_m // self.g_tile) + 1
             empty = torch.full((cascade_levels, most), batch_size, dtype=torch.int32,
                                device=self.device)
-            self._graph_tiles[batch_size, cascade_levels] = [
+            self._graph_tiles[batch_size, cascade_levels, cascade_segments] = [
                 None, empty, torch.zeros_like(empty)]
 
     def group_tiles(self, x: CascadeInputs, graph_batch_size: int | None
@@ -116,7 +117,7 @@ class TritonState(AttentionState):
         if graph_batch_size is None:
             arr = padded(max(len(t) for t in tiles)).to(self.device, non_blocking=True)
             return arr[..., 0].contiguous(), arr[..., 1].contiguous()
-        held = self._graph_tiles[graph_batch_size, x.num_levels]
+        held = self._graph_tiles[graph_batch_size, x.num_levels, x.kv_lens.shape[1]]
         if held[0] is not x.layout:
             arr = padded(held[1].shape[1])
             held[1].copy_(arr[..., 0])

@@ -51,3 +51,25 @@ def dense_reference(batch: PagedBatch) -> torch.Tensor:
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
         t += s.num_new
     return torch.cat(outs)
+
+
+def padded_decodes(md, bs: int, num_pages: int, cascade_segments: int = 0):
+    """Decode metadata ``md`` padded to ``bs`` decodes as the CUDA-graph runner pads (one token
+    in a scratch page no sequence holds), its cascade levels held in ``cascade_segments``
+    segments each."""
+    import dataclasses
+    pad = bs - md.num_decodes
+    i32 = torch.int32
+    scratch = max(set(range(num_pages)) - set(md.block_tables.flatten().tolist()))
+    tables = torch.cat([md.block_tables, torch.full((pad, md.block_tables.shape[1]), scratch,
+                                                    dtype=i32, device=md.block_tables.device)])
+    return dataclasses.replace(
+        md, num_decode_tokens=bs,
+        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), scratch * md.block_size,
+                                                            device=md.slot_mapping.device)]),
+        query_start_loc=torch.arange(bs + 1, dtype=i32, device=md.seq_lens.device),
+        seq_lens=torch.cat([md.seq_lens, torch.ones(pad, dtype=i32, device=md.seq_lens.device)]),
+        context_lens=torch.cat([md.context_lens, torch.zeros(pad, dtype=i32,
+                                                             device=md.seq_lens.device)]),
+        block_tables=tables, seq_lens_cpu=md.seq_lens_cpu + [1] * pad,
+        query_lens_cpu=[1] * bs, cascade_segments=cascade_segments, _prefill=None, _decode=None)

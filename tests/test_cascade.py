@@ -12,7 +12,9 @@ import torch
 from pagedgen.attention import cascade_layout as cl
 from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, find_layout
 from pagedgen.attention.cases import make_grouped_batch
+from pagedgen.attention.cascade import _layout_tensors
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
+from pagedgen.runtime.engine.cuda_graphs import cascade_segments
 
 PAGE = 16
 SHARED = MIN_TOKENS // PAGE  # pages
@@ -150,6 +152,31 @@ def test_random_layouts_are_consistent(monkeypatch, seed):
     reads = sum(s.num_context + 1 - deepest[r] * page for r, s in enumerate(seqs)) + sum(
         (g.page_hi - g.page_lo) * page for level in lay.levels for g in level)
     assert lay.saved_tokens == plain - reads
+    # the segments a level needs: exactly what the device tensors fill (the last one empty)
+    width = max(g.page_hi - g.page_lo for level in lay.levels for g in level)
+    n, segs, dev = len(seqs), lay.segments(), torch.device("cpu")
+    _, _, cu_q, kv_lens, *_ = _layout_tensors(lay, n, n, segs, width, dev)
+    assert (cu_q[:, -1] == n).all() and (cu_q[:, -2] == n).all() and (kv_lens[:, -1] == 0).all()
+    assert (cu_q[:, 1:] >= cu_q[:, :-1]).all()
+    with pytest.raises(ValueError, match="needs"):
+        _layout_tensors(lay, n, n, segs - 1, width, dev)
+
+
+def test_graph_segments_double_from_four_up_to_the_batch():
+    """A cascade graph holds a power of two of segments a level (from 4) at or above what the
+    layout needs, never more than batch + 1: FA4's varlen call pays for every segment held."""
+    seqs = [ScheduledSeq(list(range(SHARED)) + [500 + r], SHARED * PAGE + 3, 1)
+            for r in range(MIN_SEQS)]
+    one = layout_of(seqs)
+    assert one.segments() == 3  # the group, a trailing filler, an empty one
+    assert cascade_segments(one, 8) == 4 and cascade_segments(one, 2) == 3
+    pairs = []  # MIN_SEQS groups of two, each behind its own pages
+    for p in range(MIN_SEQS):
+        pairs += [ScheduledSeq([1000 * p + i for i in range(SHARED)] + [900 + 2 * p + i],
+                               SHARED * PAGE + 3, 1) for i in range(2)]
+    lay = layout_of(pairs)
+    assert len(lay.levels[0]) == MIN_SEQS and lay.segments() == MIN_SEQS + 2
+    assert cascade_segments(lay, 256) == 16 == cascade_segments(lay, 2 * MIN_SEQS)
 
 
 def test_builder_marks_decode_only_steps():

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import fake_flash_attn
-from conftest import make_paged_batch, run_backend
+from conftest import make_paged_batch, padded_decodes, run_backend
 from pagedgen.attention import flash_attn as fa
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.flash_attn import FlashAttnBackend, FlashAttnState
+from pagedgen.attention.cases import backend_cache
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.engine.cuda_graphs import cascade_segments
 
 
 @pytest.fixture(autouse=True)
@@ -130,9 +132,22 @@ def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     page = (16, 128)[seed % 2]
     b = make_grouped_batch(seed, num_decodes=(5, 12, 30, 9)[seed], num_heads=8, num_kv_heads=2,
                            block_size=page, soft_cap=20.0 if seed == 2 else None)
-    assert b.metadata().cascade is not None
+    md = b.metadata()
+    assert md.cascade is not None
     ref, _ = run_backend(EagerBackend, b)
     out, _ = run_backend(FlashAttnBackend, b, state=_state(b, "fa4"))
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    # a CUDA graph's path: buffers of a bigger batch holding the segments the runner's key
+    # gives a level (fewer than batch + 1), the layout copied in
+    st, bs = _state(b, "fa4"), md.num_decodes + 5
+    segs = cascade_segments(md.cascade, bs)
+    st.make_graph_plan(bs, bs * md.block_tables.shape[1], md.cascade_levels, segs)
+    gmd = st.build(padded_decodes(md, bs, b.kv_cache.shape[0], segs), graph_batch_size=bs)
+    assert gmd.cascade_inputs.kv_lens.shape[1] == segs
+    impl = FlashAttnBackend.get_impl_cls()(b.spec, st)
+    pad = lambda t: torch.cat([t, t.new_zeros(bs - t.shape[0], *t.shape[1:])])  # noqa: E731
+    out = impl.forward(pad(b.q), pad(b.k), pad(b.v), backend_cache(FlashAttnBackend, b.kv_cache),
+                       gmd)[:md.num_decodes]
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import make_paged_batch, run_backend
+from conftest import make_paged_batch, padded_decodes, run_backend
 from pagedgen.attention.eager import EagerBackend
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
@@ -115,6 +115,7 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     buffers, a fixed tile count) too."""
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_grouped_batch
+    from pagedgen.runtime.engine.cuda_graphs import cascade_segments
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
@@ -127,10 +128,12 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     # the graph path: static buffers of a bigger batch, the layout copied in
     st = backend().get_state_cls()(backend(), [b.spec], 16, b.q.dtype, b.q.dtype, b.q.device)
     bs, width = n + 3, md.block_tables.shape[1]
-    st.make_graph_plan(bs, bs * width, md.cascade_levels)
-    padded = _padded(md, bs, b.kv_cache.shape[0])
+    segs = cascade_segments(md.cascade, bs)  # as the graph runner holds them
+    assert md.cascade.segments() <= segs <= bs + 1
+    st.make_graph_plan(bs, bs * width, md.cascade_levels, segs)
+    padded = padded_decodes(md, bs, b.kv_cache.shape[0], segs)
     gmd = st.build(padded, graph_batch_size=bs)
-    assert gmd.plan.cascade is st.cascade_buffers.by_graph[bs, md.cascade_levels]
+    assert gmd.plan.cascade is st.cascade_buffers.by_graph[bs, md.cascade_levels, segs]
     impl = backend().get_impl_cls()(b.spec, st)
     from pagedgen.attention.cases import backend_cache
     cache = backend_cache(backend(), b.kv_cache)
@@ -140,27 +143,6 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     out = impl.forward(q, k, v, cache, gmd)[:n]
     ref, _ = run_backend(EagerBackend, b)
     assert (out.float() - ref.float()).abs().max().item() <= TOL[b.q.dtype]
-
-
-def _padded(md, bs: int, num_pages: int):
-    """``md`` padded to ``bs`` decodes as the CUDA-graph runner pads (one token in a scratch
-    page no sequence holds)."""
-    import dataclasses
-    pad = bs - md.num_decodes
-    i32 = torch.int32
-    scratch = max(set(range(num_pages)) - set(md.block_tables.flatten().tolist()))
-    tables = torch.cat([md.block_tables, torch.full((pad, md.block_tables.shape[1]), scratch,
-                                                    dtype=i32, device=md.block_tables.device)])
-    return dataclasses.replace(
-        md, num_decode_tokens=bs,
-        slot_mapping=torch.cat([md.slot_mapping, torch.full((pad,), scratch * md.block_size,
-                                                            device=md.slot_mapping.device)]),
-        query_start_loc=torch.arange(bs + 1, dtype=i32, device=md.seq_lens.device),
-        seq_lens=torch.cat([md.seq_lens, torch.ones(pad, dtype=i32, device=md.seq_lens.device)]),
-        context_lens=torch.cat([md.context_lens, torch.zeros(pad, dtype=i32,
-                                                             device=md.seq_lens.device)]),
-        block_tables=tables, seq_lens_cpu=md.seq_lens_cpu + [1] * pad,
-        query_lens_cpu=[1] * bs, _prefill=None, _decode=None)
 
 
 def test_engine_cascade_decode_matches_plain(monkeypatch):

@@ -10,8 +10,11 @@ replayed. The model runner decides which steps replay; the graphs capture the mo
 only (sampling and logits processors run after, eagerly).
 
 A step whose decodes share prefix pages in groups (``metadata.cascade``, attention/cascade.py)
-replays the bucket's cascade graph of as many levels instead (at most three: the key does not
-grow with the groups' shapes), captured the first time a step of that kind runs.
+replays the bucket's cascade graph of as many levels (at most three) and segments a level
+instead, captured the first time a step of that kind runs. Segments come in powers of two from
+4 up to the bucket + 1 (:func:`cascade_segments`): a graph's varlen group call launches work
+for every segment it holds, used or not (on an H200, FA4 over p's 32 groups: 71 µs a layer
+with 257 segments, 45 µs with 32), so the key grows with the number of groups, by doubling.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ from torch import nn
 from pagedgen.attention.backend import AttentionState
 from pagedgen.attention.cascade_layout import CascadeLayout
 from pagedgen.attention.metadata import AttentionMetadata
+
+PLAIN = (0, 0)  # the graph key of plain decode steps: no cascade levels
+
+
+def cascade_segments(layout: CascadeLayout, batch_size: int) -> int:
+    """The segments a level of a cascade graph of ``batch_size`` decodes holds for ``layout``:
+    the power of two from 4 at or above what it needs, at most the batch size + 1 (enough for
+    any layout: a group holds at least 2 decodes)."""
+    need, held = layout.segments(), 4
+    while held < need:
+        held *= 2
+    return min(held, batch_size + 1)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -58,30 +73,31 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
                                        dtype=torch.int32, device=dev)
-        # by cascade levels (0: plain decode), then bucket
-        self.graphs: dict[int, dict[int, torch.cuda.CUDAGraph]] = {0: {}}
-        self.outputs: dict[int, dict[int, torch.Tensor]] = {0: {}}
+        # by cascade (levels, segments a level; (0, 0): plain decode), then bucket
+        self.graphs: dict[tuple[int, int], dict[int, torch.cuda.CUDAGraph]] = {PLAIN: {}}
+        self.outputs: dict[tuple[int, int], dict[int, torch.Tensor]] = {PLAIN: {}}
         self.pool = None  # one memory pool for every graph (they never replay at once)
         self.capture_time_s = 0.0
         self.memory_bytes = 0
 
-    def _metadata(self, bs: int, seq_lens: list[int], cascade: CascadeLayout | None = None
-                  ) -> AttentionMetadata:
+    def _metadata(self, bs: int, seq_lens: list[int], cascade: CascadeLayout | None = None,
+                  cascade_segments: int = 0) -> AttentionMetadata:
         """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
         return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=bs,
             slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], block_size=self.block_size,
-            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade)
+            seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade,
+            cascade_segments=cascade_segments)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket's plain decode graph (at start-up)."""
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
-            self._capture(bs, 0)
+            self._capture(bs, PLAIN)
 
-    def _capture(self, bs: int, levels: int) -> None:
+    def _capture(self, bs: int, key: tuple[int, int]) -> None:
         """Capture bucket ``bs``'s graph over padding rows (scratch block only): a capture in
         the middle of a run must not write into any sequence's blocks."""
         dev = self.device
@@ -90,19 +106,21 @@ class CudaGraphRunner:
         t0 = time.perf_counter()
         self._pad(0, bs)
         # page-table entries, not physical blocks: sequences share cached blocks
-        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, levels)
+        levels, segments = key
+        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, levels, segments)
         # a cascade graph captures over groups of nothing: every row its own suffix
         empty = CascadeLayout(list(range(bs)), [[] for _ in range(levels)], [0] * bs,
                               self.block_size) if levels else None
-        md = self.attn_state.build(self._metadata(bs, [1] * bs, empty), graph_batch_size=bs)
+        md = self.attn_state.build(self._metadata(bs, [1] * bs, empty, segments),
+                                   graph_batch_size=bs)
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
         self.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
         torch.cuda.synchronize(dev)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs.setdefault(levels, {})[bs] = self.model(*args)
+            self.outputs.setdefault(key, {})[bs] = self.model(*args)
         self.pool = graph.pool()
-        self.graphs.setdefault(levels, {})[bs] = graph
+        self.graphs.setdefault(key, {})[bs] = graph
         torch.cuda.synchronize(dev)
         self.capture_time_s += time.perf_counter() - t0
         self.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(dev)[0])
@@ -119,15 +137,16 @@ class CudaGraphRunner:
         return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
 
     def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-                ) -> int:
+                ) -> tuple[int, tuple[int, int]]:
         """Copy a decode-only step into the static buffers of the next bucket, padded, and plan
-        the backend into that bucket's buffers. Returns the bucket."""
+        the backend into that bucket's buffers. Returns the bucket and the graph's cascade key
+        (levels, segments a level)."""
         n = md.num_decodes
         bs = self.buckets[bisect.bisect_left(self.buckets, n)]
-        levels = md.cascade_levels
-        if bs not in self.graphs.get(levels, {}):
+        key = (md.cascade_levels, cascade_segments(md.cascade, bs)) if md.cascade else PLAIN
+        if bs not in self.graphs.get(key, {}):
             with torch.inference_mode():
-                self._capture(bs, levels)
+                self._capture(bs, key)
         width = md.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
@@ -138,12 +157,12 @@ class CudaGraphRunner:
         pad = bs - n
         if pad:
             self._pad(n, bs)
-        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade)
+        graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade, key[1])
         self.attn_state.build(graph_md, graph_batch_size=bs)  # plans into the captured buffers
-        return bs
+        return bs, key
 
-    def replay(self, bs: int, n: int, cascade_levels: int = 0) -> torch.Tensor:
-        """Run bucket ``bs``'s graph (its cascade graph of ``cascade_levels`` levels); hidden
-        states [n, hidden] of the real rows."""
-        self.graphs[cascade_levels][bs].replay()
-        return self.outputs[cascade_levels][bs][:n]
+    def replay(self, bs: int, n: int, key: tuple[int, int] = (0, 0)) -> torch.Tensor:
+        """Run bucket ``bs``'s graph (its cascade graph ``key``: levels, segments a level);
+        hidden states [n, hidden] of the real rows."""
+        self.graphs[key][bs].replay()
+        return self.outputs[key][bs][:n]

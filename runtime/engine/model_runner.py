@@ -295,9 +295,9 @@ class ModelRunner:
         ids, pos, md = self.prepare(batch)
         kind = "prefill" if batch.prefills else "decode"
         self.decode_reads.count(md)
-        graph_bs, pieces = None, False
+        graph_bs, graph_key, pieces = None, None, False
         if self.graphs is not None and self.graphs.can_run(md):
-            graph_bs = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
+            graph_bs, graph_key = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
         else:
             md = self.attn_state.build(md)
             pieces = self.piecewise is not None and self.piecewise.can_run(md)
@@ -305,7 +305,7 @@ class ModelRunner:
         self.host_steps[kind] += 1
         with scope("forward"):
             if graph_bs is not None:
-                hidden = self.graphs.replay(graph_bs, md.num_decodes, md.cascade_levels)
+                hidden = self.graphs.replay(graph_bs, md.num_decodes, graph_key)
             elif pieces:
                 hidden = self.piecewise.run(ids, pos, md)
             else:
