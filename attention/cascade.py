@@ -16,6 +16,7 @@ group one segment over its pages, the decodes between groups filler segments ove
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -156,6 +157,11 @@ def _layout_tensors(lay: CascadeLayout, n: int, b: int, segs: int, width: int,
             to_device(lay.suffix_pages + [0] * (b - n), i32, dev), segments)
 
 
+# heads a program of the merge kernel takes (when they divide the heads): 256 decodes x 32
+# heads merged in 4.9 µs with 4, 7.5 µs with 1 on an H200 (benchmarks/cascade_kernels.py)
+MERGE_HEADS = int(os.environ.get("PAGEDGEN_CASCADE_MERGE_HEADS", "4"))
+
+
 class CascadeBuffers:
     """A backend state's cascade inputs: static ones per CUDA graph (batch size, levels,
     segments a level), fresh ones for eager steps."""
@@ -189,11 +195,12 @@ def merge(out: torch.Tensor, suffix: torch.Tensor, suffix_lse: torch.Tensor,
 
     b, h, d = out.shape
     splits, num_levels = suffix.shape[0], levels.shape[0]
-    tk.cascade_merge_kernel[(b, h)](
+    hb = MERGE_HEADS if h % MERGE_HEADS == 0 else 1
+    tk.cascade_merge_kernel[(b, h // hb)](
         out, suffix, suffix_lse, levels, levels_lse, x.member, x.pos,
         out.stride(0), out.stride(1), *suffix.stride()[:3], *suffix_lse.stride(),
         *levels.stride()[:3], *levels_lse.stride(), x.member.stride(0), splits, num_levels,
-        D=d, SP=_pow2(splits), LP=_pow2(num_levels))
+        D=d, SP=_pow2(splits), LP=_pow2(num_levels), HB=hb)
     return out
 
 

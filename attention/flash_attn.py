@@ -34,6 +34,7 @@ from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
 from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.fa4_import import import_quack_lean
+from pagedgen.attention.ops import paged_decode
 from pagedgen.attention.ops.kv_cache import triton_writes, write_kv_triton
 from pagedgen.errors import PagedgenError
 from pagedgen.attention.ops.profiling import scope
@@ -41,6 +42,8 @@ from pagedgen.attention.ops.profiling import scope
 INSTALL_HINT = "pip install 'pagedgen[flash-attn]'"
 ENV_FLAVOUR = "PAGEDGEN_FLASH_ATTN"
 ENV_DECODE_TILE = "PAGEDGEN_FA4_DECODE_TILE"
+ENV_CASCADE_SUFFIX = "PAGEDGEN_FA4_CASCADE_SUFFIX"
+ENV_GROUP_TILE = "PAGEDGEN_FA4_GROUP_TILE"
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,20 @@ def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
     ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on
     SM90, where FA4's own 128 x 128 holds 2-4 valid query rows of a GQA decode (6.7% longer
     on (a)'s decode shape, BENCHMARKS.md), and FA4's own elsewhere (None)."""
+    return _tile(ENV_DECODE_TILE, "64x64", device)
+
+
+def fa4_group_tile(device: torch.device) -> tuple[int, int] | None:
+    """The tile of cascade decode's group-level calls for head sizes up to 128:
+    ``$PAGEDGEN_FA4_GROUP_TILE``, else 64 x 128 on SM90 (one 1,536-token prefix for 256 decodes:
+    19.0 against 25.3 µs a layer with FA4's own on an H200; 32 groups of 8: 43.9 against 45.1;
+    BENCHMARKS.md), and FA4's own elsewhere."""
+    return _tile(ENV_GROUP_TILE, "64x128", device)
+
+
+def _tile(env: str, sm90_default: str, device: torch.device) -> tuple[int, int] | None:
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    want = os.environ.get(ENV_DECODE_TILE) or ("64x64" if sm90 else "fa4")
+    want = os.environ.get(env) or (sm90_default if sm90 else "fa4")
     if want == "fa4":
         return None
     try:
@@ -141,12 +156,13 @@ def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
     except ValueError:
         m = n = 0
     if m <= 0 or m % 64 or n <= 0 or n % 16:
-        raise PagedgenError(f"{ENV_DECODE_TILE}={want}: expected 'fa4' or ROWSxKEYS, rows a "
-                            "multiple of 64 and keys of 16 (e.g. 64x128)")
+        raise PagedgenError(f"{env}={want}: expected 'fa4' or ROWSxKEYS, rows a multiple of 64 "
+                            "and keys of 16 (e.g. 64x128)")
     return m, n
 
 
-def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
+def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
+               suffix: str = "triton", group_tile: tuple[int, int] | None = None
                ) -> tuple[Callable, Callable, Callable]:
     # the function behind flash_attn_varlen_func (its autograd wrapper costs host time)
     fn = _fa4_with_tile(mod, None)
@@ -169,26 +185,43 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None
                    page_table=md.block_tables, num_splits=num_splits,
                    **_common(spec, (None, None)))[0].squeeze(1)
 
-    def cascade(q, k_cache, v_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
+    def cascade(q, kv_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
         # per level, each group's queries as one non-causal sequence over its pages, read once
         b, h, d = q.shape
-        common = _common(spec, (None, None))
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
         qs = q.index_select(0, x.order)
         levels = torch.empty(x.num_levels, b, h, d, dtype=q.dtype, device=q.device)
         lse = torch.empty(x.num_levels, h, b, dtype=torch.float32, device=q.device)
+        tile = group_tile if d <= 128 else None
         for i in range(x.num_levels):
             fwd(qs, k_cache, v_cache, cu_seqlens_q=x.cu_q[i], max_seqlen_q=x.max_q,
                 seqused_k=x.kv_lens[i], page_table=x.tables[i], softmax_scale=spec.scale,
                 causal=False, softcap=spec.logits_soft_cap or None, return_lse=True,
-                out=levels[i], lse=lse[i])
-        suf, suf_lse = dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
-                           page_table=x.suffix_tables, num_splits=num_splits, return_lse=True,
-                           **common)[:2]
-        # suf [B, 1, H, D] and suf_lse [B, H, 1] as one split; levels' lse [L, H, B]
-        return merge(torch.empty_like(q), suf.transpose(0, 1), suf_lse.permute(2, 0, 1),
-                     levels, lse.transpose(1, 2), x)
+                tile_mn=tile, out=levels[i], lse=lse[i])
+        out = torch.empty_like(q)
+        if suffix == "triton":  # each row's own pages, split by the batch alone (graph-safe)
+            splits = paged_decode.num_splits(b, spec, q.device)
+            suf, suf_lse = paged_decode.partials(splits, b, spec, q.device)
+            paged_decode.decode(q, kv_cache.transpose(0, 1), out, suf, suf_lse, x.suffix_tables,
+                                x.suffix_lens, spec, splits)
+        else:  # FA4's decode: suf [B, 1, H, D] and suf_lse [B, H, 1] as one split
+            suf, suf_lse = dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=x.suffix_lens,
+                               page_table=x.suffix_tables, num_splits=num_splits,
+                               return_lse=True, **_common(spec, (None, None)))[:2]
+            suf, suf_lse = suf.transpose(0, 1), suf_lse.permute(2, 0, 1)
+        return merge(out, suf, suf_lse, levels, lse.transpose(1, 2), x)  # levels' lse [L, H, B]
 
     return prefill, decode, cascade
+
+
+def cascade_suffix_kernel() -> str:
+    """What attends each row's own pages in FA4's cascade decode: ``triton``, our paged decode
+    (attention/ops/paged_decode.py: faster on the short runs of own tokens cascade leaves), or
+    ``fa4``, FA4's decode with the decode tile (``$PAGEDGEN_FA4_CASCADE_SUFFIX``)."""
+    want = os.environ.get(ENV_CASCADE_SUFFIX) or "triton"
+    if want not in ("triton", "fa4"):
+        raise PagedgenError(f"{ENV_CASCADE_SUFFIX}={want}: expected 'triton' or 'fa4'")
+    return want
 
 
 def _fa4_with_tile(mod, tile: tuple[int, int] | None) -> Callable:
@@ -267,7 +300,9 @@ class FlashAttnState(AttentionState):
         calls, self.decode_tile = _CALLS[self.flavour.name], None
         if self.flavour.name == "fa4":
             self.decode_tile = fa4_decode_tile(device)
-            calls = partial(calls, decode_tile=self.decode_tile)
+            self.cascade_suffix = cascade_suffix_kernel()
+            calls = partial(calls, decode_tile=self.decode_tile, suffix=self.cascade_suffix,
+                            group_tile=fa4_group_tile(device))
         self.prefill, self.decode, self.cascade = calls(self.module, split_kv)
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = self.cascade is not None and not any(
@@ -324,7 +359,7 @@ class FlashAttnState(AttentionState):
                                            [1] * n, self.block_size)
                 q = torch.zeros(n, spec.num_heads, spec.head_size, dtype=self.dtype,
                                 device=self.device)
-                self.cascade(q, cache[0], cache[1], CascadeInputs.for_step(md), spec)
+                self.cascade(q, cache, CascadeInputs.for_step(md), spec)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.warmup_s = time.perf_counter() - t0
@@ -375,7 +410,7 @@ class FlashAttnImpl(AttentionImpl):
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         if metadata.cascade is not None:  # decode-only
-            return st.cascade(q, k_cache, v_cache, metadata.cascade_inputs, spec)
+            return st.cascade(q, kv_cache, metadata.cascade_inputs, spec)
         outs = []
         if metadata.num_prefills:
             outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,

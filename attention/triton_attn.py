@@ -14,8 +14,6 @@ them all by their log-sum-exp.
 from __future__ import annotations
 
 import importlib.util
-import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -23,14 +21,11 @@ import torch
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
 from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
 from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.ops import paged_decode
 from pagedgen.attention.ops.kv_cache import write_kv_triton
+from pagedgen.attention.ops.paged_decode import interpreting as _interpreting
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
-MAX_SPLITS = 32
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @dataclass
@@ -63,15 +58,11 @@ class TritonState(AttentionState):
         self.g_tile = self.group if self.group == _pow2(self.group) and self.group <= 16 else 1
         big = s.head_size > 128
         if _interpreting():
-            self.block_m, self.block_n, self.decode_block_n = 16 * self.g_tile, 16, 16
+            self.block_m, self.block_n = 16 * self.g_tile, 16
         else:
             self.block_m = 64 if big else 128
             self.block_n = 32 if big else 64
-            self.decode_block_n = 64 if big else 128
         self.block_m = max(self.block_m, 16 * self.g_tile)
-        # On CPU (the interpreter) pretend to have 64 SMs, so that tests exercise split-KV.
-        self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count \
-            if device.type == "cuda" else 64
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(x.sliding_window for x in layer_specs)
         self.cascade_buffers = CascadeBuffers(device)
@@ -79,12 +70,8 @@ class TritonState(AttentionState):
         self._graph_tiles: dict[tuple[int, int], list] = {}
 
     def num_splits(self, batch: int, max_seq_len: int | None) -> int:
-        """KV splits per (sequence, KV head): enough programs to fill the GPU twice over."""
-        programs = batch * self.layer_specs[0].num_kv_heads
-        splits = max(1, min(MAX_SPLITS, math.ceil(2 * self.num_sms / programs)))
-        if max_seq_len is not None:  # eager steps: no more splits than tiles
-            splits = max(1, min(splits, math.ceil(max_seq_len / (2 * self.decode_block_n))))
-        return splits
+        """KV splits per (sequence, KV head) of the decode kernel (attention/ops/paged_decode)."""
+        return paged_decode.num_splits(batch, self.layer_specs[0], self.device, max_seq_len)
 
     def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,
                         cascade_segments: int = 0) -> None:
@@ -204,10 +191,7 @@ class TritonImpl(AttentionImpl):
 
     def _partials(self, splits: int, b: int, device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 partial outputs [splits, b, H, D] and their log-sum-exps [splits, b, H]."""
-        h, d = self.spec.num_heads, self.spec.head_size
-        return (torch.empty((splits, b, h, d), dtype=torch.float32, device=device),
-                torch.empty((splits, b, h), dtype=torch.float32, device=device))
+        return paged_decode.partials(splits, b, self.spec, device)
 
     def _prefill(self, grid, q, kv_cache, out, lse, block_tables, query_start_loc, context_lens,
                  tile_seq, tile_qstart, causal: bool) -> None:
@@ -227,20 +211,8 @@ class TritonImpl(AttentionImpl):
 
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
         """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""
-        st, spec, cs = self.state, self.spec, kv_cache.stride()
-        cap = spec.logits_soft_cap or 0.0
-        window = spec.sliding_window or 0
-        group = spec.num_heads // spec.num_kv_heads
-        self.tk.decode_kernel[(q.shape[0], spec.num_kv_heads, splits)](
-            q, kv_cache, out, part, lse, block_tables, seq_lens,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
-            part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            spec.scale, cap, window, splits, group, st.block_size,
-            GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=st.decode_block_n,
-            USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=part is out,
-            PRECISION=_precision(q),
-            **({} if _interpreting() else {"num_warps": 4, "num_stages": 2}))
+        paged_decode.decode(q, kv_cache, out, part, lse, block_tables, seq_lens, self.spec,
+                            splits)
 
     def _merge(self, out, part, lse, splits: int) -> None:
         self.tk.merge_kernel[(out.shape[0], self.spec.num_heads)](

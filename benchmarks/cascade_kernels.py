@@ -12,8 +12,11 @@ replayed; ``us`` is per call, ``GB_s`` the K/V bytes that call must read over it
 
 The group level's variants: ``segments=b+1`` is what a CUDA graph of the engine captures today
 (each group a segment, the rest empty segments up to the batch size + 1); ``segments=exact``
-only the groups; ``split=C`` cuts each group's pages into C runs attended by C copies of its
-queries in the same call (more CTAs for few, long groups), merged by log-sum-exp afterwards.
+only the groups (what the graphs hold now: a power of two at or above it); ``tile RxK`` FA4's
+tile; ``split=C`` cuts each group's pages into C runs attended by C copies of its queries in
+the same call (more CTAs for few, long groups), merged by log-sum-exp afterwards. Then each
+decode's own pages (FA4's decode, by tile), plain decode over all of a decode's pages, the
+log-sum-exp merge kernel by heads a program, and the queries' gather into sorted order.
 
     python -m benchmarks.cascade_kernels --layouts p,d,q --json out.json
 """
@@ -29,6 +32,7 @@ from typing import Callable
 import torch
 
 PAGE, HQ, HKV, D = 128, 32, 8, 128
+Tile = tuple[int, int] | None  # FA4's (query rows, keys); None: FA4's own choice
 LAYOUTS = {  # groups, rows per group, shared pages, own tokens (lo, hi)
     "p": (32, 8, 8, (1, 256)),
     "d": (1, 256, 12, (129, 256)),
@@ -117,8 +121,9 @@ def lse_merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return sum(w[i][..., None] * p[0].float() for i, p in enumerate(parts))
 
 
-def run_layout(lay: Layout, layers: int, iters: int, splits: list[int], dev: torch.device
-               ) -> list[dict]:
+def run_layout(lay: Layout, layers: int, iters: int, splits: list[int],
+               group_tiles: list[Tile], suffix_tiles: list[Tile], merge_heads: list[int],
+               dev: torch.device) -> list[dict]:
     from pagedgen.attention.fa4_import import import_quack_lean
 
     import_quack_lean()
@@ -139,24 +144,31 @@ def run_layout(lay: Layout, layers: int, iters: int, splits: list[int], dev: tor
         print(json.dumps(r), flush=True)
 
     def group_call(x: dict, cache: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                   max_q: int) -> Callable[[], None]:
+                   max_q: int, tile: tuple[int, int] | None) -> Callable[[], None]:
         def f() -> None:
             qs = q.index_select(0, x["index"])
             fwd(qs, cache[0], cache[1], cu_seqlens_q=x["cu_q"], max_seqlen_q=max_q,
                 seqused_k=x["kv_lens"], page_table=x["tables"], softmax_scale=scale,
-                causal=False, return_lse=True, out=out, lse=lse)
+                causal=False, return_lse=True, tile_mn=tile, out=out, lse=lse)
         return f
 
-    variants = [("segments=b+1", 1, lay.b + 1), ("segments=exact", 1, None)]
-    variants += [(f"split={c}", c, None) for c in splits]
-    variants += [(f"split={c}, segments=C(b+1)", c, c * (lay.b + 1)) for c in splits[-1:]]
-    for name, split, segs in variants:
+    def name_of(tile: tuple[int, int] | None) -> str:
+        return "tile " + ("x".join(map(str, tile)) if tile else "fa4")
+
+    variants = [("segments=b+1", 1, lay.b + 1, None), ("segments=exact", 1, None, None)]
+    variants += [(f"segments=exact, {name_of(t)}", 1, None, t) for t in group_tiles if t]
+    variants += [(f"split={c}", c, None, None) for c in splits]
+    for name, split, segs, tile in variants:
         x = lay.group_inputs(split, segs, dev)
         n = x["index"].numel()
         outs = [torch.empty(n, HQ, D, dtype=q.dtype, device=dev) for _ in caches]
         lses = [torch.empty(HQ, n, dtype=torch.float32, device=dev) for _ in caches]
-        fns = [group_call(x, c, o, s, lay.rows) for c, o, s in zip(caches, outs, lses)]
-        us = timed(fns, iters)
+        fns = [group_call(x, c, o, s, lay.rows, tile) for c, o, s in zip(caches, outs, lses)]
+        try:
+            us = timed(fns, iters)
+        except Exception as e:  # a tile FA4 cannot compile for this GPU
+            print(json.dumps({"layout": lay.name, "variant": name, "error": str(e)[:200]}))
+            continue
         record("group level", name, us, lay.group_bytes())
         # the layer-0 result by row (each copy's part merged), for the check below
         parts = [(outs[0][k * lay.b:(k + 1) * lay.b], lses[0][:, k * lay.b:(k + 1) * lay.b].T)
@@ -169,7 +181,7 @@ def run_layout(lay: Layout, layers: int, iters: int, splits: list[int], dev: tor
         assert err < 2e-2, (name, err)
 
     seq_lens, tables = lay.suffix_inputs(dev)
-    for tile in ((64, 64), None):
+    for tile in suffix_tiles:
         outs = [torch.empty(lay.b, 1, HQ, D, dtype=q.dtype, device=dev) for _ in caches]
 
         def suffix(cache, out, tile=tile):
@@ -177,9 +189,30 @@ def run_layout(lay: Layout, layers: int, iters: int, splits: list[int], dev: tor
                                page_table=tables, softmax_scale=scale, causal=True,
                                window_size_left=None, window_size_right=None, num_splits=1,
                                return_lse=True, tile_mn=tile, out=out)
-        us = timed([suffix(c, o) for c, o in zip(caches, outs)], iters)
-        record("own pages (decode)", "tile " + ("x".join(map(str, tile)) if tile else "fa4"),
-               us, lay.own_bytes())
+        try:
+            us = timed([suffix(c, o) for c, o in zip(caches, outs)], iters)
+        except Exception as e:
+            print(json.dumps({"layout": lay.name, "variant": name_of(tile),
+                              "error": str(e)[:200]}))
+            continue
+        record("own pages (decode)", name_of(tile), us, lay.own_bytes())
+    # the log-sum-exp merge of one level and the own pages, by heads a program
+    from types import SimpleNamespace
+
+    from pagedgen.attention import cascade
+    parts = torch.randn(2, lay.b, HQ, D, dtype=q.dtype, device=dev)
+    lse = torch.randn(2, lay.b, HQ, dtype=torch.float32, device=dev)
+    x = SimpleNamespace(member=torch.ones(1, lay.b, dtype=torch.int32, device=dev),
+                        pos=torch.arange(lay.b, dtype=torch.int32, device=dev))
+    out = torch.empty_like(q)
+    for hb in merge_heads:
+        cascade.MERGE_HEADS = hb
+        us = timed([lambda: cascade.merge(out, parts[:1], lse[:1], parts[1:], lse[1:], x)],
+                   iters * layers)
+        record("merge", f"{hb} heads a program", us, 3 * parts[0].numel() * 2)
+    idx = torch.randperm(lay.b, device=dev)
+    us = timed([lambda: q.index_select(0, idx)], iters * layers)
+    record("query gather", "index_select", us, 2 * q.numel() * 2)
     # plain decode: every row reads its group's pages and its own
     full = [lay.group_pages[r // lay.rows] + lay.own_pages[r] for r in range(lay.b)]
     width = max(map(len, full))
@@ -197,10 +230,19 @@ def run_layout(lay: Layout, layers: int, iters: int, splits: list[int], dev: tor
     return rows
 
 
+def tiles(spec: str) -> list[Tile]:
+    """"fa4,64x64" → [None, (64, 64)]."""
+    return [None if t == "fa4" else tuple(int(v) for v in t.split("x")) for t in spec.split(",")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--layouts", default="p,d,q")
-    ap.add_argument("--splits", default="2,4,8")
+    ap.add_argument("--splits", default="2")
+    ap.add_argument("--group-tiles", default="fa4,64x64,64x128,128x64",
+                    help="the group level's FA4 tiles (fa4: FA4's own), exact segments")
+    ap.add_argument("--suffix-tiles", default="64x64,64x32,64x128,fa4")
+    ap.add_argument("--merge-heads", default="1,2,4,8")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
@@ -209,7 +251,9 @@ def main() -> None:
     rows = []
     for name in args.layouts.split(","):
         rows += run_layout(Layout(name), args.layers, args.iters,
-                           [int(c) for c in args.splits.split(",")], dev)
+                           [int(c) for c in args.splits.split(",") if c],
+                           tiles(args.group_tiles), tiles(args.suffix_tiles),
+                           [int(h) for h in args.merge_heads.split(",")], dev)
         if args.json:
             args.json.write_text(json.dumps(rows, indent=2))
 

@@ -78,6 +78,20 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
 
 
+@pytest.mark.parametrize("cc,env,tile", [((9, 0), None, (64, 128)), ((10, 0), None, None),
+                                         ((9, 0), "fa4", None), ((10, 0), "64x64", (64, 64))])
+def test_fa4_group_tile_default_is_64x128_on_sm90(monkeypatch, cc, env, tile):
+    _pretend_gpu(monkeypatch, cc)
+    if env:
+        monkeypatch.setenv(fa.ENV_GROUP_TILE, env)
+    else:
+        monkeypatch.delenv(fa.ENV_GROUP_TILE, raising=False)
+    assert fa.fa4_group_tile(torch.device("cuda")) == tile
+    monkeypatch.setenv(fa.ENV_GROUP_TILE, "64")
+    with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_GROUP_TILE=64: expected"):
+        fa.fa4_group_tile(torch.device("cuda"))
+
+
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])
 def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
     fake_flash_attn.install(monkeypatch, "fa4")
@@ -87,6 +101,14 @@ def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
         _state(b, "fa4")
     _pretend_gpu(monkeypatch)  # `pagedgen backends` shows the error instead of failing
     assert f"PAGEDGEN_FA4_DECODE_TILE={value}" in FlashAttnBackend.describe(torch.device("cuda"))
+
+
+def test_fa4_cascade_suffix_kernel_rejects_bad_values(monkeypatch):
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, "cutlass")
+    b = make_paged_batch(0, num_heads=4, num_kv_heads=4, block_size=16)
+    with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_CASCADE_SUFFIX=cutlass: expected"):
+        _state(b, "fa4")
 
 
 def test_decode_only_and_prefill_only_steps(monkeypatch):
@@ -99,14 +121,16 @@ def test_decode_only_and_prefill_only_steps(monkeypatch):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("page,tile", [(16, "fa4"), (128, "fa4"), (128, "64x128")])
-def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile):
+@pytest.mark.parametrize("page,tile,suffix", [(16, "fa4", "triton"), (128, "fa4", "fa4"),
+                                              (128, "64x128", "fa4"), (128, "fa4", "triton")])
+def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile, suffix):
     """FA4's cascade calls: the batch over the shared pages (one non-causal sequence), each
-    suffix (with the decode tile), merged by log-sum-exp (the merge kernel in Triton's
-    interpreter)."""
+    suffix (our Triton paged decode, or FA4's with the decode tile), merged by log-sum-exp (the
+    Triton kernels in Triton's interpreter)."""
     from pagedgen.attention.cases import make_shared_prefix_batch
     fake_flash_attn.install(monkeypatch, "fa4")
     monkeypatch.setenv(fa.ENV_DECODE_TILE, tile)
+    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
     for seed in range(2):
         b = make_shared_prefix_batch(seed, shared_pages=-(-256 // page) + seed, num_decodes=9,
                                      num_heads=8, num_kv_heads=2, block_size=page,
@@ -118,14 +142,18 @@ def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile):
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed):
+@pytest.mark.parametrize("seed,suffix", [(0, "triton"), (1, "fa4"), (2, "triton"), (3, "fa4"),
+                                         (3, "triton")])
+def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed, suffix):
     """Random nested groups (rows shuffled, groups of one, pages cut mid-block): per level one
     varlen call over the sorted queries (fillers over no keys), written in place, merged with
-    the suffixes by the Triton merge kernel (interpreter)."""
+    the suffixes (our Triton decode's split partials, or FA4's decode) by the Triton merge
+    kernel (interpreter)."""
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_grouped_batch
     fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
+    monkeypatch.setenv(fa.ENV_GROUP_TILE, "64x128" if seed % 2 else "fa4")
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)

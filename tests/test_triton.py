@@ -153,11 +153,11 @@ def test_engine_cascade_decode_matches_plain(monkeypatch):
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.runtime.config import EngineConfig, SamplingParams
     from pagedgen.runtime.engine.engine import Engine
-    from pagedgen.attention import triton_attn
+    from pagedgen.attention.ops import paged_decode
     monkeypatch.setattr(cl, "MIN_TOKENS", 16)
     monkeypatch.setattr(cl, "MIN_SEQS", 2)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
-    monkeypatch.setattr(triton_attn, "MAX_SPLITS", 1)  # fewer programs for the interpreter
+    monkeypatch.setattr(paged_decode, "MAX_SPLITS", 1)  # fewer programs for the interpreter
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=2)
     g = torch.Generator().manual_seed(0)
     prefixes = [torch.randint(3, 256, (n,), generator=g).tolist() for n in (40, 33)]

@@ -198,33 +198,38 @@ def cascade_merge_kernel(Out, Suf, SufLse, Lvl, LvlLse, Member, Pos, stride_ot, 
                          stride_ss, stride_st, stride_sh, stride_lss, stride_lst, stride_lsh,
                          stride_vl, stride_vt, stride_vh, stride_ll, stride_lt, stride_lh,
                          stride_ml, num_splits, num_levels,
-                         D: tl.constexpr, SP: tl.constexpr, LP: tl.constexpr):
+                         D: tl.constexpr, SP: tl.constexpr, LP: tl.constexpr,
+                         HB: tl.constexpr):
     """Out[t, h] = the softmax-weighted union of attentions of query (t, h) over disjoint key
     sets, from each part's output and natural-log log-sum-exp: ``num_splits`` parts of the row's
     own keys (Suf, by row) and one per level whose group holds the row (Lvl, by the row's sorted
-    position ``Pos[t]``, where ``Member[level, position]`` is set): grouped cascade decode."""
+    position ``Pos[t]``, where ``Member[level, position]`` is set): grouped cascade decode.
+    A program merges heads ``HB * program_id(1)`` to ``+ HB`` of row ``program_id(0)``."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1) * HB + tl.arange(0, HB)  # [HB]
     p = tl.load(Pos + t)
     s = tl.arange(0, SP)
     s_ok = s < num_splits
-    lse_s = tl.load(SufLse + s * stride_lss + t * stride_lst + h * stride_lsh, mask=s_ok,
-                    other=float("-inf"))
+    lse_s = tl.load(SufLse + s[:, None] * stride_lss + t * stride_lst + h[None, :] * stride_lsh,
+                    mask=s_ok[:, None], other=float("-inf"))  # [SP, HB]
     lv = tl.arange(0, LP)
     l_ok = lv < num_levels
     l_ok = l_ok & (tl.load(Member + lv * stride_ml + p, mask=l_ok, other=0) != 0)
-    lse_l = tl.load(LvlLse + lv * stride_ll + p * stride_lt + h * stride_lh, mask=l_ok,
-                    other=float("-inf"))
-    m = tl.maximum(tl.max(lse_s, 0), tl.max(lse_l, 0))
-    s_ok = s_ok & (lse_s > float("-inf"))
-    l_ok = l_ok & (lse_l > float("-inf"))
-    w_s = tl.where(s_ok, tl.exp(lse_s - m), 0.0)
-    w_l = tl.where(l_ok, tl.exp(lse_l - m), 0.0)
+    lse_l = tl.load(LvlLse + lv[:, None] * stride_ll + p * stride_lt + h[None, :] * stride_lh,
+                    mask=l_ok[:, None], other=float("-inf"))  # [LP, HB]
+    m = tl.maximum(tl.max(lse_s, 0), tl.max(lse_l, 0))  # [HB]
+    ok_s = s_ok[:, None] & (lse_s > float("-inf"))
+    ok_l = l_ok[:, None] & (lse_l > float("-inf"))
+    w_s = tl.where(ok_s, tl.exp(lse_s - m[None, :]), 0.0)
+    w_l = tl.where(ok_l, tl.exp(lse_l - m[None, :]), 0.0)
     d = tl.arange(0, D)
-    suf = tl.load(Suf + s[:, None] * stride_ss + t * stride_st + h * stride_sh + d[None, :],
-                  mask=s_ok[:, None], other=0.0).to(tl.float32)
-    lvl = tl.load(Lvl + lv[:, None] * stride_vl + p * stride_vt + h * stride_vh + d[None, :],
-                  mask=l_ok[:, None], other=0.0).to(tl.float32)
-    out = (tl.sum(suf * w_s[:, None], 0) + tl.sum(lvl * w_l[:, None], 0)) \
-        / (tl.sum(w_s, 0) + tl.sum(w_l, 0))
-    tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty))
+    suf = tl.load(Suf + s[:, None, None] * stride_ss + t * stride_st
+                  + h[None, :, None] * stride_sh + d[None, None, :],
+                  mask=ok_s[:, :, None], other=0.0).to(tl.float32)  # [SP, HB, D]
+    lvl = tl.load(Lvl + lv[:, None, None] * stride_vl + p * stride_vt
+                  + h[None, :, None] * stride_vh + d[None, None, :],
+                  mask=ok_l[:, :, None], other=0.0).to(tl.float32)  # [LP, HB, D]
+    out = (tl.sum(suf * w_s[:, :, None], 0) + tl.sum(lvl * w_l[:, :, None], 0)) \
+        / (tl.sum(w_s, 0) + tl.sum(w_l, 0))[:, None]
+    tl.store(Out + t * stride_ot + h[:, None] * stride_oh + d[None, :],
+             out.to(Out.dtype.element_ty))
