@@ -29,7 +29,7 @@
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
-# STRUCT_HOST: structured.py's --host-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off).
+# STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off).
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -197,9 +197,9 @@ PY
       timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
         --repeats "${STRUCT_REPEATS:-1}" ${STRUCT_NO_VLLM:+--no-vllm} \
         ${STRUCT_MIXED_OFF:+--mixed-ahead-off} ${STRUCT_SCHED_OFF:+--mask-fill-schedule-off} \
-        ${STRUCT_HOST:+--host-variants "$STRUCT_HOST"} \
+        ${STRUCT_POOL:+--pool-variants "$STRUCT_POOL"} \
         --json "$S/h100-structured.json"
-      grep -E "^│|^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
+      grep -E "tok/s, |^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
       tail -12 "$S/gpu-tests.log" ;;

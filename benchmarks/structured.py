@@ -88,14 +88,14 @@ def main() -> None:
     ap.add_argument("--mask-fill-schedule-off", action="store_true",
                     help="the constrained lines once more without scheduling the next step "
                          "while a step's sampling waits for the grammar worker's masks")
-    ap.add_argument("--host-variants", default="",
-                    help="the constrained lines once more per PART:SECONDS, e.g. "
-                         "32:0.001,64:0.0002: worker parts of at least PART samples, "
-                         "the GIL switch interval SECONDS")
+    ap.add_argument("--pool-variants", default="",
+                    help="the constrained lines once more per WORKERS:THREADS, e.g. 0:16,4:4: "
+                         "the grammar pool in WORKERS processes (0: inline), each filling "
+                         "masks on THREADS threads")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    variants = [(int(p), float(t)) for p, t in
-                (v.split(":") for v in args.host_variants.split(",") if v)]
+    variants = [(int(w), int(t)) for w, t in
+                (v.split(":") for v in args.pool_variants.split(",") if v)]
 
     tmp = Path(tempfile.mkdtemp())
     model = tmp / "model"
@@ -150,14 +150,18 @@ def main() -> None:
             runs["constrained, not scheduled during mask fill"] += timed_runs(
                 engine, prompts, constrained, load_s=load_s)
             engine.config.schedule_during_mask_fill = True
-        default = (structured.PART, sys.getswitchinterval())
-        for part, interval in variants:
-            structured.PART = part
-            sys.setswitchinterval(interval)
-            runs[_variant_name(part, interval)] += timed_runs(engine, prompts, constrained,
-                                                              load_s=load_s)
-        structured.PART = default[0]
-        sys.setswitchinterval(default[1])
+        default = engine.grammars
+        for workers, threads in variants:
+            engine._grammars = structured.Grammars(engine.tokenizer, hf.vocab_size,
+                                                   threads=threads, workers=workers)
+            # untimed: the workers start (import xgrammar) and take the grammars, as the
+            # default pool did in the first run; `pagedgen generate` starts them with the model
+            timed_runs(engine, prompts[:64], [replace(c, max_tokens=4) for c in constrained[:64]])
+            runs[_variant_name(workers, threads)] += timed_runs(engine, prompts, constrained,
+                                                                load_s=load_s)
+            engine.grammars.pool.close()
+        engine._grammars = default
+        engine.grammars  # noqa: B018 - the runner masks with the default pool again
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
     valid = sum(_parses(t) for t in texts)
     del engine
@@ -166,16 +170,24 @@ def main() -> None:
     rows = []
     for name, rs in runs.items():
         m = median_run(rs)
-        rows.append({"system": f"pagedgen {args.backend}, {name}", **m,
-                     "grammar_mask_ms_per_step": 1000 * m.get("grammar_mask_s", 0.0)
-                     / max(m["steps"], 1)})
+        rows.append({"system": f"pagedgen {args.backend}, {name}", **m, **{
+            f"{k}_ms_per_step": 1000 * m.get(f"{k}_s", 0.0) / max(m["steps"], 1)
+            for k in ("grammar_mask", "grammar_wait", "grammar_worker")}})
     base = rows[0]["output_tokens_per_s"]
     same = next(r for r in rows if r["system"].endswith("constrained lengths"))
     for r in rows:
         r["vs_unconstrained"] = r["output_tokens_per_s"] / base
         r["vs_same_lengths"] = r["output_tokens_per_s"] / same["output_tokens_per_s"]
+    columns = ["system", "output_tokens", "wall_time_s", "output_tokens_per_s",
+               "vs_unconstrained", "vs_same_lengths", "pagedgen_vs_this",
+               "grammar_mask_ms_per_step", "grammar_wait_ms_per_step",
+               "grammar_worker_ms_per_step", "grammar_workers", "steps_scheduled_during_masks",
+               "steps_launched_ahead", "steps"]
+    title = (f"{args.num_prompts} lines, {len(SCHEMAS)} schemas, {args.max_tokens} tokens at "
+             f"most, {args.profile} shape")
     peer: dict[str, Any] = {"skipped": "--no-vllm"}
     if not args.no_vllm:
+        _brief(rows)  # kept should vLLM not finish
         peer = run_vllm("", None, hf, same_limits(cfg), repeats=args.repeats, requests={
             "prompts": prompts, "outs": outs,
             "variants": {"unconstrained": [None] * len(prompts), "constrained": schemas}},
@@ -191,12 +203,8 @@ def main() -> None:
     for r in rows:
         if r["system"].startswith("vLLM") and r["system"].endswith(", constrained"):
             r["pagedgen_vs_this"] = mine["output_tokens_per_s"] / r["output_tokens_per_s"]
-    print_table(f"{args.num_prompts} lines, {len(SCHEMAS)} schemas, {args.max_tokens} tokens "
-                f"at most, {args.profile} shape", rows,
-                ["system", "output_tokens", "wall_time_s", "output_tokens_per_s",
-                 "vs_unconstrained", "vs_same_lengths", "pagedgen_vs_this",
-                 "grammar_mask_ms_per_step", "steps_scheduled_during_masks",
-                 "steps_launched_ahead", "steps"])
+    print_table(title, rows, columns)
+    _brief(rows)
     print(f"pagedgen: {valid} of {len(texts)} checked constrained outputs parse as JSON "
           "(the others stopped at --max-tokens inside a string)")
     if args.json:
@@ -207,8 +215,18 @@ def main() -> None:
                                          "parsed": [valid, len(texts)]}, indent=1))
 
 
-def _variant_name(part: int, interval: float) -> str:
-    return f"constrained, worker parts of >= {part}, GIL interval {interval * 1e3:g} ms"
+def _brief(rows: list[dict[str, Any]]) -> None:
+    """One line a row: the figures the issue reads."""
+    for r in rows:
+        print(f"{r['system']}: {r.get('output_tokens_per_s', 0):,.0f} tok/s, "
+              f"{r.get('output_tokens', 0):,} tokens in {r.get('wall_time_s', 0):.2f} s, "
+              f"vs unconstrained {r.get('vs_unconstrained', float('nan')):.3f}, "
+              f"vs same lengths {r.get('vs_same_lengths', float('nan')):.3f}, waiting "
+              f"{r.get('grammar_wait_ms_per_step', 0):.2f} ms a step", flush=True)
+
+
+def _variant_name(workers: int, threads: int) -> str:
+    return f"constrained, {workers} grammar workers x {threads} threads"
 
 
 def _last_seqs(engine, prompts, params):

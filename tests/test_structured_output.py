@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import time
 
 import pytest
 import torch
@@ -197,20 +196,11 @@ def test_prefix_caching_preemption_and_sync_steps_change_nothing(bpe_model, kw):
 
 
 @pytest.mark.parametrize("kw", [{}, dict(num_blocks=12, block_size=16)])
-def test_steps_scheduled_while_masks_fill_change_nothing(bpe_model, monkeypatch, kw):
-    """While a step's sampling waits for the worker's masks the next step is scheduled (after
+def test_steps_scheduled_while_masks_fill_change_nothing(bpe_model, kw):
+    """While a step's sampling waits for the pool's masks the next step is scheduled (after
     this step's placeholders are added): the outputs, log-probabilities included, equal
     those with that off, for constrained rows beside rows with penalties and min_tokens (read
     from the tokens before the placeholders), with n = 2 and with preemption."""
-    from pagedgen.runtime.sampling.structured import Grammars
-
-    fill = Grammars._fill_ahead
-
-    def slow_fill(self, *args):  # the worker still busy when sampling asks for its masks
-        time.sleep(0.005)
-        return fill(self, *args)
-
-    monkeypatch.setattr(Grammars, "_fill_ahead", slow_fill)
     cases = constraints()[:8]
     items = [(prompt(i), SamplingParams(max_tokens=24, temperature=1.0, n=2, logprobs=2,
                                         structured=c)) for i, (c, _) in enumerate(cases)]
@@ -229,6 +219,28 @@ def test_steps_scheduled_while_masks_fill_change_nothing(bpe_model, monkeypatch,
     assert stats[0].steps_scheduled_during_masks > 0 == stats[1].steps_scheduled_during_masks
     if kw:
         assert stats[0].num_preemptions > 0
+
+
+def test_worker_processes_give_the_inline_outputs(bpe_model, monkeypatch):
+    """The grammar pool in two worker processes against inline: the same tokens for sampled
+    constrained rows with n = 2 beside free rows, a cache small enough to preempt, more
+    constrained samples than the first mask buffer holds (it grows), slots reused."""
+    cases = constraints()
+    items = [(prompt(i), SamplingParams(max_tokens=32, temperature=1.0, n=2,
+                                        structured=cases[i % len(cases)][0]))
+             for i in range(40)]
+    items += [(prompt(60 + i), SamplingParams(max_tokens=20, temperature=1.0))
+              for i in range(4)]
+    outs = []
+    for workers in ("0", "2"):
+        monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", workers)
+        eng = make_engine(bpe_model, max_num_seqs=96, num_blocks=40, block_size=16)
+        outs.append([[x.output_token_ids for x in s.samples or [s]] for s in run(eng, items)])
+        summary = eng.grammars.summary()
+        assert summary["grammar_workers"] == int(workers) and eng.grammars.rejected == 0
+        assert eng.stats.num_preemptions > 0
+        eng.grammars.pool.close()
+    assert outs[0] == outs[1]
 
 
 def test_logprobs_are_of_the_masked_distribution(bpe_model):
@@ -340,65 +352,93 @@ def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     assert torch.isfinite(logits[3]).nonzero().flatten().tolist() == [ord("x"), ord("y")]
 
 
-def test_the_worker_keeps_each_state_as_its_matcher_would():
-    """The worker's bookkeeping (no call a row into xgrammar): a token outside the mask the
-    step applied is a refusal, the matcher's state unchanged; a stop token ends its state as
-    the matcher terminates; the next masks follow the tokens taken."""
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_pool_keeps_each_state_as_its_matcher_would(workers):
+    """A token outside the grammar is a refusal; a stop token ends its state as the matcher
+    terminates; the next masks follow the tokens taken, filled ahead from a step's tokens."""
     from pagedgen.runtime.models.tokenizer import ByteTokenizer
     from pagedgen.runtime.sampling.structured import Grammars
 
     tok = ByteTokenizer()
-    g = Grammars(tok, 300)
+    g = Grammars(tok, 300, workers=workers)
     eos = next(iter(tok.eos_token_ids))
     ok, bad, done = (g.state(StructuredOutput("regex", "[ab]c")) for _ in range(3))
-    done.catch_up([ord("a"), ord("c")], g.stop)  # at its end: only the stop token is left
     logits = torch.zeros(3, 300)
     g.apply(logits, [(0, ok, []), (1, bad, []), (2, done, [ord("a"), ord("c")])])
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [eos]
     g.prefetch([(ok, 0), (bad, 0), (done, 2)], torch.tensor([ord("b"), ord("z"), eos]), None)
-    ahead, masks = g._pending.result()  # left for apply to take
+    g.tokens_known()
+    g.pool.join()
     assert (ok.active, bad.rejected, done.ended) == (True, True, True)
-    assert (bad.matcher.is_terminated(), done.matcher.is_terminated()) == (False, True)
-    assert g.rejected == 1 and list(ahead) == [id(ok)]
-    row = ahead[id(ok)][0]
-    allowed = [t for t in range(300) if int(masks[row, t >> 5]) >> (t & 31) & 1]
+    assert g.rejected == 1
+    allowed = [t for t in range(300) if int(g.pool.masks[ok.slot, t >> 5]) >> (t & 31) & 1]
     assert allowed == [ord("c")]
-    g.apply(logits[:1], [(0, ok, [ord("b")])])  # the worker's mask, taken as it is
+    logits = torch.zeros(2, 300)
+    g.apply(logits, [(0, ok, [ord("b")]), (1, bad, [ord("z")])])  # the pool's mask, as it is
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [ord("c")]
+    assert torch.isfinite(logits[1]).all()  # a refused state is left unconstrained
     assert g.prefetched_rows == 1
+    g.pool.close()
 
 
-def test_the_workers_parts_give_the_masks_of_one_serial_pass():
-    """The worker in parts on threads (each accepting, then filling its rows) against one
-    thread doing all: the same masks, ends and refusals, step by step."""
+@pytest.mark.parametrize("workers", [0, 3])
+def test_pool_masks_equal_a_matcher_per_sample(workers):
+    """The pool (inline, and in three worker processes) step by step against one xgrammar
+    matcher per sample kept here: the same masks, ends and refusals, with samples that skip
+    steps (their masks must outlive the buffer's growth), samples released and their slots
+    reused."""
+    import xgrammar as xgr
+
     from pagedgen.runtime.models.tokenizer import ByteTokenizer
-    from pagedgen.runtime.sampling.structured import PART, Grammars
+    from pagedgen.runtime.sampling.structured import Grammars
 
     tok = ByteTokenizer()
     specs = [StructuredOutput("regex", r"[a-c]{2,6}x"), StructuredOutput("choice", '["yes", "no"]'),
              json_c({"type": "integer", "minimum": 0, "maximum": 999})]
-    n = 3 * PART + 5  # four parts on four threads
-    runs = []
-    for threads in (1, 4):
-        g = Grammars(tok, 300, threads=threads)
-        states = [g.state(specs[i % 3]) for i in range(n)]
-        gen = torch.Generator().manual_seed(0)
-        outs: list[list[int]] = [[] for _ in range(n)]
-        masks = []
-        for _ in range(8):
-            rows = [(i, st, outs[i]) for i, st in enumerate(states) if st.active]
-            logits = torch.rand(n, 300, generator=gen)
-            g.apply(logits, rows)
-            masks.append(torch.isfinite(logits))
-            toks = logits.argmax(1)
-            toks[0] = ord("z")  # refused by row 0's regex
-            for i in range(n):
-                outs[i].append(int(toks[i]))
-            g.prefetch([(st, len(outs[i]) - 1) for i, st in enumerate(states)], toks, None)
-        g._join()
-        runs.append((masks, [(st.accepted, st.ended, st.rejected) for st in states],
-                     g.rejected))
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert runs[0][1:] == runs[1][1:] and runs[0][2] >= 1
-    assert any(ended for _, ended, _ in runs[1][1])
+    g = Grammars(tok, 300, workers=workers)
+    states, refs = [], []
+
+    def add(k: int) -> None:
+        for i in range(k):
+            states.append(g.state(specs[i % 3]))
+            refs.append([xgr.GrammarMatcher(g.compile(specs[i % 3])), True])  # matcher, live
+
+    add(40)
+    gen = torch.Generator().manual_seed(0)
+    outs: dict[int, list[int]] = {}
+    want = torch.empty(1, g.words, dtype=torch.int32)
+    checked = 0
+    for step in range(10):
+        if step == 3:
+            add(40)  # more samples than the first buffer's 64 slots: it grows
+        if step == 6:  # a few finish; new ones take their slots
+            for i in range(0, 80, 7):
+                g.release(states[i])
+                refs[i][1] = False
+            add(12)
+        rows = [(i, st, outs.setdefault(i, [])) for i, st in enumerate(states)
+                if refs[i][1] and (i + step) % 5]  # every fifth sits this step out
+        logits = torch.rand(len(states), 300, generator=gen)
+        g.apply(logits, rows)
+        toks = logits.argmax(1)
+        toks[1] = ord("z")  # refused by row 1's choice
+        for i, st, out in rows:
+            m = refs[i][0]
+            m.fill_next_token_bitmask(want)
+            allowed = [t for t in range(300) if int(want[0, t >> 5]) >> (t & 31) & 1]
+            assert torch.isfinite(logits[i]).nonzero().flatten().tolist() == allowed, (step, i)
+            checked += 1
+            out.append(int(toks[i]))
+            refs[i][1] = m.accept_token(out[-1]) and not m.is_terminated()
+        g.prefetch([(st, len(out) - 1) for _, st, out in rows],
+                   torch.tensor([out[-1] for _, _, out in rows]), None)
+        g.tokens_known()
+    g.pool.join()
+    assert checked > 300 and g.pool._capacity == 128
+    live = [st.active for i, st in enumerate(states) if refs[i][1] or i % 7 or i >= 80]
+    assert live == [r[1] for i, r in enumerate(refs) if r[1] or i % 7 or i >= 80]
+    assert g.rejected >= 1 and any(st.ended for st in states)
+    g.pool.close()
 
 
 def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_path):

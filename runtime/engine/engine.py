@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-import torch
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.block_manager import BlockManager
@@ -20,7 +19,7 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
-from pagedgen.runtime.engine.stats import DecodeReads, StepStats
+from pagedgen.runtime.engine.stats import DecodeReads, StepStats, peak_memory_bytes
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
@@ -232,8 +231,7 @@ class Engine:
             s.num_known_tokens >= s.num_computed_tokens + n for s, n in batch.prefills)
 
     def _prefetch_masks(self, handle, placed: list[int]) -> None:
-        """Structured output: the next step's masks are filled in a worker thread from this
-        step's tokens while this thread schedules and launches that step."""
+        """Structured output: the grammar pool takes this step's tokens once they are known."""
         if self._grammars is not None and handle.tokens is not None:
             self._grammars.prefetch([(s.grammar, i) for s, i in zip(handle.sampling, placed)],
                                     handle.tokens, handle.event)
@@ -311,6 +309,8 @@ class Engine:
         """Fill a launched step's placeholders with its tokens (and log-probabilities) and
         apply the stop rules."""
         results = handle.result()
+        if self._grammars is not None:  # the next masks fill from these tokens meanwhile
+            self._grammars.tokens_known()
         now = time.perf_counter()
         finished = []
         for seq, entries in handle.prompt_results():
@@ -335,6 +335,8 @@ class Engine:
                 seq.finish_time = now
                 self.stats.record_finished(seq)
                 finished.append(seq)
+                if seq.grammar is not None:  # its matcher's slot is free again
+                    self._grammars.release(seq.grammar)
         for seq in handle.scored:
             seq.finish_reason, seq.finish_time = "length", now
             self.stats.record_finished(seq)
@@ -462,7 +464,7 @@ class Engine:
             "kv_cache_blocks": self.runner.num_blocks,
             "peak_kv_blocks_used": st.peak_blocks_used,
             "block_size": self.runner.block_size,
-            "peak_memory_bytes": self.peak_memory_bytes(),
+            "peak_memory_bytes": peak_memory_bytes(self.runner.device),
             "cuda_graphs": self.runner.graphs is not None,
             "fused_kernels": self.runner.fused_kernels,
             "cascade_attention": self.runner.builder.cascade,
@@ -490,10 +492,3 @@ class Engine:
         # the runner's phases, unless ``extra`` brought them with the total (``startup``)
         out.setdefault("startup_breakdown_s", dict(runner.startup_phases))
         return out
-
-    def peak_memory_bytes(self) -> int:
-        dev = self.runner.device
-        if dev.type == "cuda":
-            return torch.cuda.max_memory_allocated(dev)
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pagedgen.runtime.engine.sequence import Sequence
 
 
@@ -124,3 +126,11 @@ def process_age() -> float | None:
         return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The run's peak memory: allocated on a CUDA device, the process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
