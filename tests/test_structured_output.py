@@ -335,6 +335,17 @@ def test_bad_constraints_are_one_line_errors(tmp_path, line, msg):
     assert not out.exists()
 
 
+def test_a_bad_worker_count_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", "many")
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "x", "structured_outputs": {"regex": "a+"}}) + "\n")
+    res = runner.invoke(app, ["generate", str(src), "-o", str(tmp_path / "o.jsonl"),
+                              "--device", "cpu"])
+    assert res.exit_code == 1 and "Traceback" not in res.output, res.output
+    assert "PAGEDGEN_GRAMMAR_WORKERS='many': give a count, 0 for inline" in \
+        " ".join(res.output.split())
+
+
 def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     """``Grammars.apply`` against a plain loop over the rows (CPU tensors here; the GPU test
     runs the same on CUDA logits)."""
