@@ -346,6 +346,24 @@ def test_a_bad_worker_count_is_a_one_line_error(tmp_path, monkeypatch):
         " ".join(res.output.split())
 
 
+def test_a_dead_worker_is_a_one_line_error():
+    """A worker killed (say, by the kernel's OOM killer) stops the run with a line that says
+    which and how to run without workers, not a hang."""
+    from pagedgen.errors import PagedgenError
+    from pagedgen.runtime.models.tokenizer import ByteTokenizer
+    from pagedgen.runtime.sampling.structured import Grammars
+
+    g = Grammars(ByteTokenizer(), 300, workers=2)
+    states = [g.state(StructuredOutput("regex", "[ab]+c")) for _ in range(2)]
+    g.apply(torch.zeros(2, 300), [(i, s, [ord("a")]) for i, s in enumerate(states)])
+    g.pool._procs[1].kill()
+    g.pool._procs[1].wait()  # dead before the next step's tokens go to it
+    with pytest.raises(PagedgenError, match=r"grammar worker 1 died \(exit code -9\); .*"
+                       "PAGEDGEN_GRAMMAR_WORKERS=0"):
+        g.apply(torch.zeros(2, 300), [(i, s, [ord("a")] * 2) for i, s in enumerate(states)])
+    g.pool.close()
+
+
 def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     """``Grammars.apply`` against a plain loop over the rows (CPU tensors here; the GPU test
     runs the same on CUDA logits)."""

@@ -33,6 +33,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from pagedgen.errors import PagedgenError
+
 ACTIVE, ENDED, REJECTED = 0, 1, 2  # a matcher after its tokens: still going, stopped, refused
 
 
@@ -111,9 +113,13 @@ def serve(conn_in: Connection, conn_out: Connection) -> None:
     the pipe closes."""
     import xgrammar as xgr
 
-    info_path, stop, threads = conn_in.recv()
-    with open(info_path) as f:
-        table = MatcherTable(xgr.TokenizerInfo.deserialize_json(f.read()), stop, threads)
+    try:
+        info_path, stop, threads = conn_in.recv()
+        with open(info_path) as f:
+            info = f.read()
+    except (EOFError, FileNotFoundError):  # the pool shut down before this worker started
+        return
+    table = MatcherTable(xgr.TokenizerInfo.deserialize_json(info), stop, threads)
     conn_out.send("ready")
     while True:
         try:
@@ -224,7 +230,10 @@ class GrammarPool:
                         _remove(self._info_path)
                 if self._busy[w]:
                     self._answer(w)
-                self._conns[w][0].send(work)
+                try:
+                    self._conns[w][0].send(work)
+                except OSError:  # the pipe broke: it has died
+                    raise self._dead(w)
                 self._work[w], self._busy[w] = Work(), True
 
     def join(self) -> None:
@@ -256,11 +265,15 @@ class GrammarPool:
         try:
             reply = self._conns[w][1].recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"grammar worker {w} died (exit code {self._procs[w].poll()}); "
-                               "structured output cannot go on")
+            raise self._dead(w)
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+    def _dead(self, w: int) -> PagedgenError:
+        return PagedgenError(f"grammar worker {w} died (exit code "
+                             f"{_exit_code(self._procs[w])}); structured output cannot go on "
+                             "(PAGEDGEN_GRAMMAR_WORKERS=0 runs the grammars in this process)")
 
     def _done(self, reply: tuple) -> None:
         ended, rejected, accept_s, fill_s, wall_s = reply
@@ -345,6 +358,13 @@ def _unregister(pinned: list[int]) -> None:
     if pinned[0]:
         torch.cuda.cudart().cudaHostUnregister(pinned[0])
         pinned[0] = 0
+
+
+def _exit_code(p: subprocess.Popen) -> int | None:
+    try:
+        return p.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        return None
 
 
 def _remove(path: str) -> None:
