@@ -1,9 +1,21 @@
-"""Device limits: what memory is free, and measured rooflines (copy bandwidth and matmul
-throughput)."""
+"""Device limits: what memory is free, this process's share of the host's cores, and
+measured rooflines (copy bandwidth and matmul throughput)."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+# How many of pagedgen's processes share this host (set for the -dp / -tp workers it starts;
+# torchrun's LOCAL_WORLD_SIZE says the same for the ranks it starts).
+HOST_PROCESSES = "PAGEDGEN_HOST_PROCESSES"
+
+
+def host_cores() -> int:
+    """This process's share of the host's cores, at least 1."""
+    shares = os.environ.get(HOST_PROCESSES) or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    return max(1, (os.cpu_count() or 1) // max(1, int(shares) if shares.isdigit() else 1))
 
 
 def available_memory(device: torch.device) -> int | None:

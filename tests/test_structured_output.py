@@ -364,6 +364,41 @@ def test_a_dead_worker_is_a_one_line_error():
     g.pool.close()
 
 
+def _host_processes(inbox):  # a -dp worker's target: what it was told of its host's share
+    import os
+
+    yield os.environ.get("PAGEDGEN_HOST_PROCESSES")
+
+
+def test_grammar_workers_take_this_processs_share_of_the_cores(monkeypatch):
+    """One grammar worker a two cores past two, 1 to 8, of the cores this process shares
+    with pagedgen's other processes on the host: the -dp / -tp workers it starts are told
+    how many they are, torchrun's ranks read LOCAL_WORLD_SIZE."""
+    import os
+
+    from pagedgen.runtime.distributed.launch import Workers
+    from pagedgen.runtime.sampling import structured
+
+    monkeypatch.delenv("PAGEDGEN_HOST_PROCESSES", raising=False)
+    with Workers(_host_processes, [(), ()], [None, None]) as w:
+        assert sorted(m for _, m in w.messages()) == ["2", "2"]
+    assert "PAGEDGEN_HOST_PROCESSES" not in os.environ
+    monkeypatch.delenv("PAGEDGEN_GRAMMAR_WORKERS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(structured.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert structured.default_workers() == 7
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert structured.default_workers() == 8
+    monkeypatch.setenv("PAGEDGEN_HOST_PROCESSES", "8")
+    assert structured.default_workers() == 3
+    monkeypatch.delenv("PAGEDGEN_HOST_PROCESSES")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert structured.default_workers() == 1
+    monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", "0")
+    assert structured.default_workers() == 0
+
+
 def test_masks_apply_on_the_device_for_the_constrained_rows_only():
     """``Grammars.apply`` against a plain loop over the rows (CPU tensors here; the GPU test
     runs the same on CUDA logits)."""

@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable, Iterator
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.hardware import HOST_PROCESSES
 
 
 class WorkerError(RuntimeError):
@@ -66,6 +67,8 @@ class Workers:
         self.inboxes = [ctx.Queue() for _ in range(len(args) * tp)]
         self.procs = []
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+        shares = os.environ.get(HOST_PROCESSES)
+        os.environ[HOST_PROCESSES] = str(len(args) * tp)  # their share of the cores
         try:
             for worker, (a, group) in enumerate(zip(args, gpus)):
                 if group is not None:  # a spawned child takes the environment at start
@@ -79,10 +82,11 @@ class Workers:
                     p.start()
                     self.procs.append(p)
         finally:
-            if saved is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = saved
+            for name, value in (("CUDA_VISIBLE_DEVICES", saved), (HOST_PROCESSES, shares)):
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
     def __enter__(self) -> Workers:
         return self

@@ -33,6 +33,7 @@ import torch
 
 from pagedgen.attention.ops.transfer import to_device
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.config import StructuredOutput
 from pagedgen.runtime.sampling.grammar_pool import GrammarPool
 
@@ -101,12 +102,7 @@ def default_workers() -> int:
         return int(env)
     if not torch.cuda.is_available():
         return 0
-    return min(8, max(1, (_cores() - 2) // 2))
-
-
-def _cores() -> int:
-    """This process's share of the host's cores (torchrun starts one process a GPU)."""
-    return max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    return min(8, max(1, (host_cores() - 2) // 2))
 
 
 class Grammars:
@@ -116,7 +112,7 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, threads: int | None = None,
                  workers: int | None = None) -> None:
         xgr = _xgr()
-        cores = _cores()
+        cores = host_cores()
         workers = default_workers() if workers is None else workers
         threads = threads or max(1, min(16, cores) // max(1, workers))
         self.vocab_size = vocab_size
