@@ -28,6 +28,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -58,14 +59,13 @@ class MatcherTable:
     """The matchers of one worker, by slot: takes their tokens and fills their next masks into
     ``masks`` [slots, words] (int32), the rows being the slots."""
 
-    def __init__(self, info: Any, stop: frozenset[int], threads: int,
-                 masks: Any = None) -> None:
+    def __init__(self, info: Any, stop: frozenset[int], threads: int) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         self.info = info
         self.stop = stop
-        self.masks = masks
+        self.masks: Any = None  # the pool's buffer (numpy): from ``attach``, or set inline
         self.grammars: dict[int, Any] = {}
         self.matchers: dict[int, Any] = {}
         self.filler = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -227,7 +227,7 @@ class GrammarPool:
                     self._recv(w)  # "ready": it has read the tokenizer info
                     self._booting[w] = False
                     if not any(self._booting):
-                        _remove(self._info_path)
+                        Path(self._info_path).unlink(missing_ok=True)
                 if self._busy[w]:
                     self._answer(w)
                 try:
@@ -350,7 +350,6 @@ class GrammarPool:
             os.unlink(path)  # every worker has it mapped: the name is no longer needed
 
 
-
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # None: the temp directory
 
 
@@ -367,17 +366,10 @@ def _exit_code(p: subprocess.Popen) -> int | None:
         return None
 
 
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 def _shut_down(conns: list[tuple[Connection, Connection]], procs: list[Any],
                pinned: list[int], info_path: str) -> None:
     _unregister(pinned)
-    _remove(info_path)
+    Path(info_path).unlink(missing_ok=True)
     for send, _ in conns:
         try:
             send.send(None)
