@@ -29,6 +29,22 @@ def profile_configs(profile: str, **engine_overrides) -> tuple[EngineConfig, Sam
     return replace(engine, **engine_overrides), sampling
 
 
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` engine config overrides (``--set``): VALUE as an int, float, bool or text."""
+    out: dict[str, Any] = {}
+    for kv in pairs:
+        key, _, text = kv.partition("=")
+        val: Any = {"true": True, "false": False}.get(text.lower(), text)
+        for cast in (int, float):
+            try:
+                val = cast(text)
+                break
+            except ValueError:
+                pass
+        out[key] = val
+    return out
+
+
 def run_engine(cfg: EngineConfig, prompts: list[list[int]],
                params: SamplingParams | list[SamplingParams], copy_bw: float | None = None,
                repeats: int = 1) -> list[dict[str, Any]]:

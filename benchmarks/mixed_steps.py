@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import free_gpu, profile_configs
+from benchmarks.common import free_gpu, parse_overrides, profile_configs
 from benchmarks.workloads import WORKLOADS
 from pagedgen.attention.ops import profiling
 from pagedgen.runtime import kernel_stats
@@ -274,7 +274,7 @@ def step_timeline(kernels: list[tuple[float, float, str]], kinds: list[str]
     return out
 
 
-def _trace_kernels(trace: Path) -> list[tuple[float, float, str]]:
+def trace_kernels(trace: Path) -> list[tuple[float, float, str]]:
     """Every kernel, copy and memset of a chrome trace: (start, end, name) in microseconds."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
     return [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
@@ -313,7 +313,7 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, ou
             prof.stop()
             trace = out_dir / "mixed-steps-async-trace.json"
             prof.export_chrome_trace(str(trace))
-            kernels = _trace_kernels(trace)
+            kernels = trace_kernels(trace)
             trace.unlink()
             steps = log[first:]
             kinds = ["mixed" if s["prefill_tokens"] else "decode" for s in steps]
@@ -361,17 +361,7 @@ def main() -> None:
         wl = replace(wl, num_prompts=args.num_prompts)
     if args.profile:
         wl = replace(wl, profile=args.profile)
-    overrides: dict[str, Any] = {}
-    for kv in args.set:
-        key, _, text = kv.partition("=")
-        val: Any = {"true": True, "false": False}.get(text.lower(), text)
-        for cast in (int, float):
-            try:
-                val = cast(text)
-                break
-            except ValueError:
-                pass
-        overrides[key] = val
+    overrides = parse_overrides(args.set)
     cfg, sampling = profile_configs(wl.profile, backend=args.backend, **overrides)
     src = resolve_model(wl.profile)
     prompts, params = _requests(wl, src.hf_config.vocab_size, sampling)

@@ -18,12 +18,17 @@ import argparse
 import json
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import build_engine, free_gpu, median_run, print_table, profile_configs
+import torch
+
+from benchmarks.common import build_engine, free_gpu, median_run, parse_overrides, print_table
+from benchmarks.common import profile_configs
 from benchmarks.common import random_prompts, timed_runs
+from benchmarks.mixed_steps import step_timeline, trace_kernels
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
@@ -88,10 +93,16 @@ def main() -> None:
     ap.add_argument("--mask-fill-schedule-off", action="store_true",
                     help="the constrained lines once more without scheduling the next step "
                          "while a step's sampling waits for the grammar worker's masks")
+    ap.add_argument("--set", action="append", default=[],
+                    help="engine config override KEY=VALUE (int, float, bool or text)")
     ap.add_argument("--pool-variants", default="",
                     help="the constrained lines once more per WORKERS:THREADS, e.g. 0:16,4:4: "
                          "the grammar pool in WORKERS processes (0: inline), each filling "
                          "masks on THREADS threads")
+    ap.add_argument("--timeline", default="",
+                    help="FIRST:STEPS: after the timed runs, trace STEPS step calls from the "
+                         "FIRST of the constrained and the same-lengths runs for GPU kernels: "
+                         "where the GPU waits for the host")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     variants = [(int(w), int(t)) for w, t in
@@ -100,7 +111,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     model = tmp / "model"
     model.mkdir()
-    cfg, _ = profile_configs(args.profile, backend=args.backend, load_format="dummy")
+    cfg, _ = profile_configs(args.profile, backend=args.backend, load_format="dummy",
+                             **parse_overrides(args.set))
     hf = resolve_model(cfg.model).hf_config
     (model / "config.json").write_text(json.dumps(hf.to_transformers().to_dict()))
     if args.tokenizer is None:
@@ -162,6 +174,27 @@ def main() -> None:
             engine.grammars.pool.close()
         engine._grammars = default
         engine.grammars  # noqa: B018 - the runner masks with the default pool again
+    timelines = {}
+    if args.timeline and torch.cuda.is_available():
+        first, steps = (int(x) for x in args.timeline.split(":"))
+        for name, params in (("constrained", constrained),
+                             ("unconstrained, the constrained lengths", lengths)):
+            try:
+                timelines[name] = t = timeline(engine, prompts, params, first, steps, tmp)
+            except Exception as e:  # noqa: BLE001 - the timed rows above are kept
+                print(f"timeline, {name}: failed: {type(e).__name__}: {e}", flush=True)
+                continue
+            if not t:
+                print(f"timeline, {name}: the run ended before step call {first + steps}")
+                continue
+            print(f"timeline, {name}: GPU busy {t['gpu_busy_fraction']:.1%} of "
+                  f"{t['gpu_span_ms']:.0f} ms; a step call {t['host_ms_per_call']:.2f} ms on the "
+                  f"host, {t['grammar_wait_ms_per_call']:.2f} of them waiting for masks; GPU "
+                  + "; ".join(f"{k}: {d['steps']} steps, busy {d['busy_ms'] / d['steps']:.2f}, "
+                              f"idle before {d['idle_before_ms'] / d['steps']:.2f}, inside "
+                              f"{d['idle_inside_ms'] / d['steps']:.2f} ms a step; host "
+                              f"{d['host_ms']:.2f}, waiting {d['wait_ms']:.2f} ms a call"
+                              for k, d in t["by_kind"].items()), flush=True)
     texts = [engine.output_text(s) for s in _last_seqs(engine, prompts[:64], constrained[:64])]
     valid = sum(_parses(t) for t in texts)
     del engine
@@ -212,7 +245,8 @@ def main() -> None:
                                                                   if k != "runs"},
                                          "vllm_texts": [r.get("texts") for r in
                                                         peer.get("runs", [])][-1:],
-                                         "parsed": [valid, len(texts)]}, indent=1))
+                                         "parsed": [valid, len(texts)],
+                                         "timeline": timelines}, indent=1))
 
 
 def _brief(rows: list[dict[str, Any]]) -> None:
@@ -223,6 +257,64 @@ def _brief(rows: list[dict[str, Any]]) -> None:
               f"vs unconstrained {r.get('vs_unconstrained', float('nan')):.3f}, "
               f"vs same lengths {r.get('vs_same_lengths', float('nan')):.3f}, waiting "
               f"{r.get('grammar_wait_ms_per_step', 0):.2f} ms a step", flush=True)
+
+
+def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], first: int,
+             steps: int, tmp: Path) -> dict[str, Any]:
+    """The lines run once more, step calls ``first`` to ``first + steps`` traced for GPU
+    kernels only, a marker kernel launched as each call begins (``mixed_steps.step_timeline``):
+    the GPU's busy fraction, its idle time between and inside steps by kind, and each call's
+    host time and wait for the grammar workers' masks."""
+    engine.reset_prefix_cache()
+    engine.reset_stats()
+    engine.add_requests((p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, params)))
+    runner, kinds = engine.runner, []
+    forward = runner.forward
+
+    def logged(batch):
+        kinds.append("mixed" if batch.prefills else "decode")
+        return forward(batch)
+
+    runner.forward = logged
+    pool = engine._grammars.pool if engine._grammars is not None else None
+    i, prof, calls, out, before = 0, None, [], {}, 0
+    try:
+        while engine.has_unfinished():
+            if i == first:
+                prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+                prof.start()
+                before = len(kinds)
+            if prof is not None:
+                torch.cuda._sleep(1)
+            w0, t0 = pool.wait_s if pool else 0.0, time.perf_counter()
+            engine.step()
+            if prof is not None:
+                calls.append((time.perf_counter() - t0, (pool.wait_s if pool else 0.0) - w0))
+            i += 1
+            if prof is not None and i == first + steps:
+                torch.cuda.synchronize()
+                prof.stop()
+                trace = tmp / "structured-trace.json"
+                prof.export_chrome_trace(str(trace))
+                kernels = trace_kernels(trace)
+                trace.unlink()
+                window = kinds[before:before + len(calls)]
+                by_kind = step_timeline(kernels, window)
+                for kind, d in by_kind.items():  # the host's side of the same calls
+                    mine = [c for c, k in zip(calls, window) if k == kind]
+                    d["host_ms"] = 1000 * sum(c for c, _ in mine) / len(mine)
+                    d["wait_ms"] = 1000 * sum(w for _, w in mine) / len(mine)
+                span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
+                busy = sum(d["busy_ms"] for d in by_kind.values())
+                out = {"first_step": first, "steps": len(calls), "gpu_span_ms": span,
+                       "gpu_busy_fraction": busy / span if span else 0.0,
+                       "host_ms_per_call": 1000 * sum(c for c, _ in calls) / len(calls),
+                       "grammar_wait_ms_per_call": 1000 * sum(w for _, w in calls) / len(calls),
+                       "by_kind": by_kind}
+                prof = None
+    finally:
+        del runner.forward  # the class's method again
+    return out
 
 
 def _variant_name(workers: int, threads: int) -> str:
