@@ -17,8 +17,8 @@
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
 # (set: each backend also without cascade decode), PEERS_MIXED_OFF (set: also with steps
-# that carry prefills launched after the last step's tokens), PEERS_GRAPHS (set: also
-# with those steps in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also admitting requests
+# that carry prefills launched after the last step's tokens), PEERS_MIXED_EAGER (set: also
+# with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also admitting requests
 # in input order) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
@@ -29,7 +29,8 @@
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
-# STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off).
+# STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
+# STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -197,9 +198,10 @@ PY
       timed structured "${STRUCT_LIMIT:-560}" python3 -m benchmarks.structured $tok \
         --repeats "${STRUCT_REPEATS:-1}" ${STRUCT_NO_VLLM:+--no-vllm} \
         ${STRUCT_MIXED_OFF:+--mixed-ahead-off} ${STRUCT_SCHED_OFF:+--mask-fill-schedule-off} \
-        ${STRUCT_POOL:+--pool-variants "$STRUCT_POOL"} \
+        ${STRUCT_POOL:+--pool-variants "$STRUCT_POOL"} ${STRUCT_TIMELINE:+--timeline "$STRUCT_TIMELINE"} \
+        ${STRUCT_SET:+--set "$STRUCT_SET"} \
         --json "$S/h100-structured.json"
-      grep -E "tok/s, |^pagedgen:|^vLLM" "$S/structured.log" | cut -c1-220 ;;
+      grep -E "tok/s, |^pagedgen:|^vLLM|^timeline" "$S/structured.log" | cut -c1-400 ;;
     tests)
       timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
       tail -12 "$S/gpu-tests.log" ;;
@@ -210,7 +212,7 @@ PY
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
-        ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_GRAPHS:+--mixed-graphs} \
+        ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_MIXED_EAGER:+--mixed-eager} \
         ${PEERS_GROUPING_OFF:+--prefix-grouping-off} \
         --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150

@@ -191,7 +191,7 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cascade-off": (", cascade decode off", {"cascade_attention": False}),
     "mixed-ahead-off": (", mixed steps not ahead", {"mixed_steps_ahead": False}),
-    "mixed-graphs": (", mixed steps in piecewise graphs", {"mixed_step_graphs": True}),
+    "mixed-eager": (", mixed steps eager", {"mixed_step_graphs": False}),
     "prefix-grouping-off": (", prefix grouping off", {"prefix_grouping": False}),
 }
 
@@ -326,9 +326,9 @@ def main() -> None:
     ap.add_argument("--mixed-ahead-off", action="store_true",
                     help="each backend once more with steps that carry prefills launched "
                          "after the last step's tokens are on the host")
-    ap.add_argument("--mixed-graphs", action="store_true",
-                    help="each backend once more with steps that carry prefills (up to 1,024 "
-                         "tokens) in piecewise CUDA graphs")
+    ap.add_argument("--mixed-eager", action="store_true",
+                    help="each backend once more with steps that carry prefills run eagerly "
+                         "(not in piecewise CUDA graphs)")
     ap.add_argument("--prefix-grouping-off", action="store_true",
                     help="each backend once more admitting requests in input order")
     ap.add_argument("--repeats", type=int, default=3)

@@ -160,8 +160,9 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     # steps with prefills of up to 1,024 tokens replay piecewise CUDA graphs (attention eager):
-    # less host time a step, no gain in async runs measured on an H200 (BENCHMARKS.md), so off
-    mixed_step_graphs: bool = False
+    # None (default) where decode steps have graphs and not under -tp; True: the same, and the
+    # summary says why where they cannot run; False: those steps run eagerly
+    mixed_step_graphs: bool | None = None
     advance_decode_on_device: bool = True  # reuse the last decode step's metadata (advance_step)
     async_scheduling: bool = True  # launch a decode step before the last one's tokens are read
     mixed_steps_ahead: bool = True  # steps with prefills launch ahead too (async scheduling)

@@ -82,7 +82,7 @@ def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
             assert max(abs(x[1] - y[1]) for x, y in zip(top_a, top_b)) < 1e-4
 
 
-@pytest.mark.parametrize("asked", [False, True])
+@pytest.mark.parametrize("asked", [None, False, True])
 def test_the_runner_makes_pieces_only_where_decode_steps_have_graphs(asked):
     eng = Engine(EngineConfig(device="cpu", backend="sdpa", load_format="dummy",
                               max_num_seqs=4, max_num_batched_tokens=64,

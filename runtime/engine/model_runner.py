@@ -123,23 +123,26 @@ class ModelRunner:
                 self.max_model_len, self.block_size, self.scratch_block, self.device)
             self.graphs.capture()
             self._phase("cuda_graphs", t)
-        # why steps with prefills run eagerly although mixed_step_graphs asks otherwise
+        # why steps with prefills run eagerly although mixed_step_graphs: true asked otherwise
         self.piecewise_off: str | None = None
         self.piecewise = self._piecewise_graphs()
 
     def _piecewise_graphs(self) -> PiecewiseGraphs | None:
         """Graphs for steps with prefills (captured per bucket when first needed), where decode
         steps have graphs; not under -tp (its all-reduces are not captured piecewise yet)."""
-        if not self.config.mixed_step_graphs:
+        asked = self.config.mixed_step_graphs
+        if asked is False:
             return None
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        why = None
         if self.graphs is None:
-            self.piecewise_off = "no CUDA graphs in this run"
+            why = "no CUDA graphs in this run"
         elif self.tp.size > 1:
-            self.piecewise_off = "not under -tp yet"
+            why = "not under -tp yet"
         elif len(layers) != len(self.kv_caches):
-            self.piecewise_off = "the model's attention layers do not match its KV caches"
-        if self.piecewise_off:
+            why = "the model's attention layers do not match its KV caches"
+        if why:
+            self.piecewise_off = why if asked else None  # the default says nothing
             return None
         return PiecewiseGraphs(self.model, layers, self.kv_caches,
                                min(MAX_TOKENS, self.config.max_num_batched_tokens),
