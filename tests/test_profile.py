@@ -116,3 +116,17 @@ def test_profile_survives_chunked_prefill(tmp_path):
     assert res.exit_code == 0, res.output
     (r,) = json.loads((tmp_path / "profile.json").read_text())["results"]
     assert r["batches"][0]["prefill_tokens"] == 8 * 300
+
+
+def test_profile_measures_prefill_steps_as_they_launch():
+    """``profile`` times eager prefill steps unless the profile asks for piecewise graphs (the
+    default would capture a bucket inside a timed prefill); steps stay synchronous."""
+    from pagedgen.cli.profile.measure import measured_config
+    from pagedgen.cli.profile.workload import Workload
+    from pagedgen.runtime.config import EngineConfig
+
+    wl = Workload(batch_sizes=[1, 8])
+    for asked, measured in ((None, False), (False, False), (True, True)):
+        cfg = measured_config(EngineConfig(mixed_step_graphs=asked), wl)
+        assert cfg.mixed_step_graphs is measured
+        assert cfg.async_scheduling is False and cfg.max_num_seqs == 8

@@ -37,15 +37,22 @@ def _step(engine, phase: str) -> float:
     return time.perf_counter() - t0
 
 
+def measured_config(cfg, wl: Workload):
+    """The engine config ``profile`` measures with: synchronous steps (each step's latency and
+    kernels are its own) and prefill steps eager, as they launch, unless the profile's engine
+    asks for piecewise graphs (``mixed_step_graphs: true``: a bucket would otherwise be
+    captured inside a timed prefill)."""
+    return dataclasses.replace(cfg, max_num_seqs=max(wl.batch_sizes), async_scheduling=False,
+                               enforce_eager=cfg.enforce_eager or not wl.cuda_graphs,
+                               mixed_step_graphs=bool(cfg.mixed_step_graphs))
+
+
 def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, float]
                 ) -> dict[str, Any]:
     from pagedgen.runtime.config import SamplingParams
     from pagedgen.runtime.engine.engine import Engine
 
-    # synchronous steps: each step's latency and kernels are its own
-    engine = Engine(dataclasses.replace(cfg, max_num_seqs=max(wl.batch_sizes),
-                                        async_scheduling=False,
-                                        enforce_eager=cfg.enforce_eager or not wl.cuda_graphs))
+    engine = Engine(measured_config(cfg, wl))
     r = engine.runner
     name = r.backend.name
     kernel_batch = max(wl.batch_sizes)
