@@ -274,11 +274,28 @@ def step_timeline(kernels: list[tuple[float, float, str]], kinds: list[str]
     return out
 
 
-def trace_kernels(trace: Path) -> list[tuple[float, float, str]]:
+def _trace_kernels(trace: Path) -> list[tuple[float, float, str]]:
     """Every kernel, copy and memset of a chrome trace: (start, end, name) in microseconds."""
     events = json.loads(trace.read_text()).get("traceEvents", [])
     return [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
             if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def traced_window(prof: torch.profiler.profile, trace: Path, kinds: list[str]
+                  ) -> tuple[dict[str, dict[str, Any]], float, float | None]:
+    """Stop ``prof`` (GPU kernels of a window of step calls that each launched a MARKER
+    first; ``kinds``: each call's kind of step) and divide the GPU's time among the steps:
+    ``step_timeline`` per kind, the window's GPU span in ms and the fraction of it the GPU was
+    busy. ``trace`` is where the chrome trace is written, and removed after reading."""
+    _sync()
+    prof.stop()
+    prof.export_chrome_trace(str(trace))
+    kernels = _trace_kernels(trace)
+    trace.unlink()
+    per_kind = step_timeline(kernels, kinds)
+    span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
+    busy = sum(d["busy_ms"] for d in per_kind.values())
+    return per_kind, span, busy / span if span else None
 
 
 def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out_dir: Path
@@ -309,20 +326,13 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, ou
             log[-1]["ms"] = 1000 * (time.perf_counter() - t0)
         i += 1
         if prof is not None and i == profile_from + profile_steps:
-            _sync()
-            prof.stop()
-            trace = out_dir / "mixed-steps-async-trace.json"
-            prof.export_chrome_trace(str(trace))
-            kernels = trace_kernels(trace)
-            trace.unlink()
             steps = log[first:]
             kinds = ["mixed" if s["prefill_tokens"] else "decode" for s in steps]
-            per_kind = step_timeline(kernels, kinds)
-            span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
-            busy = sum(d["busy_ms"] for d in per_kind.values())
+            per_kind, span, busy_fraction = traced_window(
+                prof, out_dir / "mixed-steps-async-trace.json", kinds)
             window = {"first_step": profile_from, "steps": len(steps),
                       "host_ms": sum(s["ms"] for s in steps), "gpu_span_ms": span,
-                      "gpu_busy_fraction": busy / span if span else None,
+                      "gpu_busy_fraction": busy_fraction,
                       "step_call_ms": {k: sum(s["ms"] for s, sk in zip(steps, kinds) if sk == k)
                                        / kinds.count(k) for k in set(kinds)},
                       "by_kind": per_kind}

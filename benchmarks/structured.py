@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import build_engine, free_gpu, median_run, parse_overrides, print_table
 from benchmarks.common import profile_configs
 from benchmarks.common import random_prompts, timed_runs
-from benchmarks.mixed_steps import step_timeline, trace_kernels
+from benchmarks.mixed_steps import traced_window
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
@@ -292,22 +292,15 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
                 calls.append((time.perf_counter() - t0, (pool.wait_s if pool else 0.0) - w0))
             i += 1
             if prof is not None and i == first + steps:
-                torch.cuda.synchronize()
-                prof.stop()
-                trace = tmp / "structured-trace.json"
-                prof.export_chrome_trace(str(trace))
-                kernels = trace_kernels(trace)
-                trace.unlink()
                 window = kinds[before:before + len(calls)]
-                by_kind = step_timeline(kernels, window)
+                by_kind, span, busy_fraction = traced_window(prof, tmp / "structured-trace.json",
+                                                             window)
                 for kind, d in by_kind.items():  # the host's side of the same calls
                     mine = [c for c, k in zip(calls, window) if k == kind]
                     d["host_ms"] = 1000 * sum(c for c, _ in mine) / len(mine)
                     d["wait_ms"] = 1000 * sum(w for _, w in mine) / len(mine)
-                span = (max(e for _, e, _ in kernels) - min(s for s, _, _ in kernels)) / 1000
-                busy = sum(d["busy_ms"] for d in by_kind.values())
                 out = {"first_step": first, "steps": len(calls), "gpu_span_ms": span,
-                       "gpu_busy_fraction": busy / span if span else 0.0,
+                       "gpu_busy_fraction": busy_fraction or 0.0,
                        "host_ms_per_call": 1000 * sum(c for c, _ in calls) / len(calls),
                        "grammar_wait_ms_per_call": 1000 * sum(w for _, w in calls) / len(calls),
                        "by_kind": by_kind}

@@ -169,3 +169,34 @@ def test_gpu_time_divides_into_steps_at_their_markers():
     assert out["decode"]["groups_ms"] == pytest.approx({"GEMM": (4 + 8 + 9) / 2000,
                                                         "attention": 5 / 2000})
     assert out["mixed"]["top_ms"] == [("gemm", 9 / 1000), ("attn", 5 / 1000)]
+
+
+def test_a_traced_window_gives_its_steps_span_and_busy_fraction(tmp_path):
+    """``traced_window`` stops the profiler, reads the trace's kernels, removes the file and
+    divides the GPU's time among the window's steps."""
+    import json
+
+    from benchmarks.mixed_steps import MARKER, traced_window
+
+    events = [{"ph": "X", "cat": "kernel", "ts": s, "dur": e - s, "name": n}
+              for s, e, n in [(0, 1, MARKER), (1, 5, "gemm"), (10, 11, MARKER),
+                              (15, 20, "attn")]]
+    events.append({"ph": "X", "cat": "cpu_op", "ts": 0, "dur": 99, "name": "aten::mm"})
+
+    class Prof:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+        def export_chrome_trace(self, path):
+            with open(path, "w") as f:
+                json.dump({"traceEvents": events}, f)
+
+    prof, trace = Prof(), tmp_path / "trace.json"
+    per_kind, span, busy = traced_window(prof, trace, ["decode", "mixed"])
+    assert prof.stopped and not trace.exists()
+    assert span == 20 / 1000 and busy == pytest.approx(9 / 20)  # markers are not work
+    assert per_kind["decode"]["busy_ms"] == 4 / 1000
+    assert per_kind["mixed"]["idle_before_ms"] == 5 / 1000
+    assert per_kind["mixed"]["idle_inside_ms"] == 4 / 1000

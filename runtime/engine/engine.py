@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
