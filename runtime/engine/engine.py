@@ -202,9 +202,13 @@ class Engine:
         self._computed(batch)
         placed = self._place(handle)
         if self.config.schedule_during_mask_fill and self._grammars is not None \
+                and handle.plan is not None and handle.plan.grammar_rows \
                 and self._grammars.filling:
             # the sampling below waits for the worker's masks: the next step is scheduled
-            # meanwhile (its inputs still come from this step's tokens, launched first)
+            # meanwhile (its inputs still come from this step's tokens, launched first).
+            # Only for a step with grammar rows: its last step's tokens were read above, so no
+            # sequence of the batch scheduled here can stop before it launches (the pool may
+            # stay busy after a run's last constrained row: not a reason to schedule early)
             self._top_up()
             if self.scheduler.has_unfinished():
                 self._ahead = self._schedule()
