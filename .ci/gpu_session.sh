@@ -18,8 +18,9 @@
 # PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
 # (set: each backend also without cascade decode), PEERS_MIXED_OFF (set: also with steps
 # that carry prefills launched after the last step's tokens), PEERS_MIXED_EAGER (set: also
-# with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also admitting requests
-# in input order) from the environment.
+# with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also
+# admitting requests in input order), PEERS_SET (one --set KEY=VALUE: an engine override for
+# both systems' runs) from the environment.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s; MIXED_SYNC_OFF: the
@@ -213,7 +214,7 @@ PY
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
         ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_MIXED_EAGER:+--mixed-eager} \
-        ${PEERS_GROUPING_OFF:+--prefix-grouping-off} \
+        ${PEERS_GROUPING_OFF:+--prefix-grouping-off} ${PEERS_SET:+--set "$PEERS_SET"} \
         --json "$S/h100-peers-$tag.json"
       grep -E "^│" "$S/peers-$tag.log" | cut -c1-150
       python3 - "$S/h100-peers-$tag.json" <<'PY' 2>/dev/null

@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.common import (decode_tile_env, free_gpu, median_run, print_table,
-                               profile_configs, run_engine)
+from benchmarks.common import (decode_tile_env, free_gpu, median_run, parse_overrides,
+                               print_table, profile_configs, run_engine)
 from benchmarks.vllm_peer import run_vllm, same_limits
 from benchmarks.workloads import WORKLOADS, Workload
 
@@ -199,13 +199,15 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
-                 quantization: str | None = None, variants: list[str] = ()) -> None:
+                 quantization: str | None = None, variants: list[str] = (),
+                 overrides: dict[str, Any] | None = None) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
     ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; each backend
-    once more per name in ``variants`` (``VARIANTS``: a setting against the default). Workloads
-    with ``n`` > 1 sample at their temperature (request ``i`` seeded ``i``, in both
-    systems)."""
+    once more per name in ``variants`` (``VARIANTS``: a setting against the default);
+    ``overrides`` (``--set``) change the profile's engine config for every pagedgen run, and
+    vLLM takes its batching limits from the changed config. Workloads with ``n`` > 1 sample at
+    their temperature (request ``i`` seeded ``i``, in both systems)."""
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), wl.output_tokens(outs)
@@ -241,8 +243,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                for v in [None, *variants]]
     for b, tile, variant in runs_of:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
-        suffix, overrides = VARIANTS[variant] if variant else ("", {})
-        cfg = replace(cfg, **overrides)
+        suffix, changes = VARIANTS[variant] if variant else ("", {})
+        cfg = replace(cfg, **(overrides or {}), **changes)
         if wl.kv_cache_tokens:  # the same KV-cache size in tokens for both systems
             cfg = replace(cfg, kv_cache_memory=wl.kv_cache_tokens * kv_bytes_per_token(
                 src.hf_config))
@@ -267,7 +269,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
-        engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
+        engine = {**same_limits(replace(cfg, **(overrides or {}))),
+                  **({"quantization": quantization} if quantization else {})}
         if wl.kv_cache_tokens:
             engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
         res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
@@ -331,6 +334,9 @@ def main() -> None:
                          "(not in piecewise CUDA graphs)")
     ap.add_argument("--prefix-grouping-off", action="store_true",
                     help="each backend once more admitting requests in input order")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine config override for every pagedgen run (repeatable); "
+                         "vLLM takes max_num_seqs and max_num_batched_tokens from it")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -347,7 +353,7 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "transformers": transformers.__version__, "copy_bw_tb_s": bw / 1e12,
             "matmul_tflop_s": flops / 1e12, "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(sys.argv)}
+            "command": " ".join(sys.argv), "overrides": parse_overrides(args.set)}
     print(json.dumps(meta), flush=True)
     rows: list[dict] = []
 
@@ -359,7 +365,8 @@ def main() -> None:
         run_workload(name, WORKLOADS[name], backends, peers, args.repeats, args.peer_repeats,
                      args.hf_batch, flops, bw, rows, save,
                      [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
-                     [v for v in VARIANTS if getattr(args, v.replace("-", "_"))])
+                     [v for v in VARIANTS if getattr(args, v.replace("-", "_"))],
+                     parse_overrides(args.set))
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

@@ -73,11 +73,14 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
 
 
 def cascade_prompts(page: int) -> list[list[int]]:
-    """Twelve prompts behind one prefix of whole pages enough for cascade decode to pay
-    (ROW_TOKENS saved reads per decode) and half a page."""
-    from pagedgen.attention.cascade_layout import ROW_TOKENS
+    """Twelve prompts behind one prefix of whole pages enough for cascade decode to pay (every
+    threshold of cascade_layout: a group's, a level's, per decode) and half a page."""
+    from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, ROW_TOKENS
     g = torch.Generator().manual_seed(11)
-    n = -(-ROW_TOKENS * 12 // (11 * page)) * page + page // 2
+    # shared tokens: at least MIN_TOKENS, and enough that 11 rows reading them once save
+    # what a level must save
+    shared = max(MIN_TOKENS, -(-max((MIN_SEQS - 1) * MIN_TOKENS, 12 * ROW_TOKENS) // 11))
+    n = -(-shared // page) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()
     return [prefix + t[1:] for t in byte_prompts(12, seed=5, max_len=40)]
 
