@@ -274,3 +274,19 @@ def test_a_model_too_large_for_float32_is_judged_without_that_run(monkeypatch):
         assert row.passed and mc.NO_FLOAT32 in row.detail, row
     finally:
         mc.references.cache_clear()
+
+
+def test_a_named_backend_that_cannot_run_here_is_not_a_pass(tmp_path):
+    """`verify --backend flashinfer --device cpu` checks nothing: it must not say PASS or exit 0."""
+    res = invoke("--backend", "flashinfer", *FAST, "--json", tmp_path / "t.json")
+    assert res.exit_code == 3, res.output
+    assert "NOT CHECKED" in res.output and "PASS" not in res.output
+    assert "flashinfer cannot run on cpu" in res.output
+    report = json.loads((tmp_path / "t.json").read_text())
+    assert report["passed"] is False and report["not_checked"] == ["flashinfer"]
+
+
+def test_fp8_checks_asked_for_on_a_cpu_are_not_a_pass():
+    res = invoke("--backend", "eager", *FAST, "-q", "fp8")
+    assert res.exit_code == 3, res.output
+    assert "fp8-linear cannot run on cpu" in res.output

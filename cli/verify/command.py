@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from pagedgen.attention.registry import backend_names, get_backend
 from pagedgen.cli.common import cli_errors, console, out_console
-from pagedgen.cli.verify.fp8_checks import plan_fp8
+from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
 from pagedgen.cli.verify.model_checks import check_tensor_parallel
 from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
 from pagedgen.errors import PagedgenError
@@ -48,7 +48,8 @@ def verify(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
                        "where kernel compiles dominate; 1 on the CPU)."),
 ) -> None:
-    """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch."""
+    """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch, 3
+    when a backend named with --backend (or the FP8 checks of -q fp8) cannot run here."""
     from pagedgen.runtime.config import EngineConfig
 
     names = backend_names()
@@ -81,14 +82,23 @@ def verify(
     n_rows = sum(len(r.rows) for r in checked)
     n_bad = sum(not row.passed for r in checked for row in r.rows)
     skipped = [r.backend for r in reports if r.status == "skipped"]
-    out.print(f"{'[bold red]FAIL' if failed else '[bold green]PASS'}[/]: {n_rows - n_bad}/{n_rows}"
+    # what the user named, not what "all" lists: skipped here means not verified at all
+    unchecked = [n for n in skipped if n == backend or (quantization and n == FP8_CHECKS)]
+    verdict = ("[bold red]FAIL" if failed else "[bold yellow]NOT CHECKED" if unchecked
+               else "[bold green]PASS")
+    out.print(f"{verdict}[/]: {n_rows - n_bad}/{n_rows}"
               f" checks passed on {dev} for {', '.join(r.backend for r in checked) or 'nothing'}"
               + (f"; failing: {', '.join(failed)}" if failed else "")
               + (f"; skipped: {', '.join(skipped)}" if skipped else "")
               + f" ({time.perf_counter() - t0:.1f} s)")
     if json_path:
-        json_path.write_text(json.dumps({"device": str(dev), "passed": not failed,
+        json_path.write_text(json.dumps({"device": str(dev), "passed": not failed and not unchecked,
+                                         "not_checked": unchecked,
                                          "backends": [dataclasses.asdict(r) for r in reports]},
                                         indent=2))
     if failed:
         raise typer.Exit(1)
+    if unchecked:
+        console.print(f"[bold red]error:[/] {', '.join(unchecked)} cannot run on {dev}: "
+                      "nothing of it was checked")
+        raise typer.Exit(3)
