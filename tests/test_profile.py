@@ -130,3 +130,19 @@ def test_profile_measures_prefill_steps_as_they_launch():
         cfg = measured_config(EngineConfig(mixed_step_graphs=asked), wl)
         assert cfg.mixed_step_graphs is measured
         assert cfg.async_scheduling is False and cfg.max_num_seqs == 8
+
+
+def test_an_output_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeypatch):
+    """A file where the directory should go: one line before the model loads, not a
+    traceback (FileExistsError) and not after the profiling ran."""
+    (tmp_path / "taken").write_text("a file\n")
+    loaded = []
+    monkeypatch.setattr("pagedgen.cli.profile.command.run_backend",
+                        lambda *a, **k: loaded.append(a))
+    for where in ("taken", "taken/sub"):
+        res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "eager",
+                                  "--output-dir", str(tmp_path / where)])
+        assert res.exit_code == 1, res.output
+        assert res.output.startswith("error: --output-dir") and "Traceback" not in res.output
+        assert len(res.output.strip().splitlines()) == 1
+    assert not loaded and (tmp_path / "taken").read_text() == "a file\n"

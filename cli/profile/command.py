@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +17,7 @@ from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
 from pagedgen.cli.profile.measure import run_sharded, run_backend
 from pagedgen.cli.profile.report import charts, render
 from pagedgen.cli.profile.workload import workload_from
+from pagedgen.errors import PagedgenError
 
 
 @cli_errors
@@ -85,7 +87,13 @@ def profile(
         names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
     else:
         names = [get_backend(backend or engine_cfg.backend, dev).name]
-    output_dir.mkdir(parents=True, exist_ok=True)
+    try:  # before anything loads: a run's traces must have somewhere to go
+        output_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PagedgenError(f"--output-dir {output_dir}: cannot make a directory there: "
+                            f"{e.strerror or e}")
+    if not os.access(output_dir, os.W_OK | os.X_OK):
+        raise PagedgenError(f"--output-dir {output_dir}: not writable")
     limits: dict[str, float] = {}
     console = out_console()
     if dev.type == "cuda":
