@@ -146,3 +146,25 @@ def test_an_output_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeyp
         assert res.output.startswith("error: --output-dir") and "Traceback" not in res.output
         assert len(res.output.strip().splitlines()) == 1
     assert not loaded and (tmp_path / "taken").read_text() == "a file\n"
+
+
+def test_a_workload_the_model_cannot_take_is_a_one_line_error(tmp_path, monkeypatch):
+    """A shared prefix longer than the prompt (was silently cut), a bad prompt file (was read
+    only after the model loaded) and a prompt longer than the context (was a ValueError
+    traceback): one line each, exit 1."""
+    (tmp_path / "bad.jsonl").write_text('{"prompt": 5}\n')
+    loads = []
+    real_engine = __import__("pagedgen.runtime.engine.engine", fromlist=["Engine"]).Engine
+    monkeypatch.setattr("pagedgen.runtime.engine.engine.Engine",
+                        lambda *a, **k: loads.append(1) or real_engine(*a, **k))
+    cases = [(["--prompt-len", "20", "--shared-prefix-len", "21"], "shared_prefix_len", 0),
+             (["--prompts", str(tmp_path / "bad.jsonl")], "bad.jsonl:1:", 0),
+             (["--prompt-len", "5000"], "the prompt has 5,000 tokens", 1)]
+    for args, says, loaded in cases:
+        loads.clear()
+        res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "sdpa",
+                                  "--batch-sizes", "1", "--output-dir", str(tmp_path), *args])
+        assert res.exit_code == 1, res.output
+        err = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
+        assert len(err) == 1 and says in err[0] and "Traceback" not in res.output, res.output
+        assert len(loads) == loaded, args

@@ -18,6 +18,7 @@ import torch
 
 from pagedgen.attention.ops import profiling
 from pagedgen.cli.profile.workload import Workload, prompts_for
+from pagedgen.errors import PagedgenError
 from pagedgen.runtime import kernel_stats
 
 
@@ -67,7 +68,10 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                                 temperature=0.0, ignore_eos=True)
         engine.reset_prefix_cache()  # each batch size starts cold (its prompts repeat)
         hits_before = engine.stats.prefix_hit_tokens
-        seqs = [engine.add_request(p, params) for p in prompts]
+        try:
+            seqs = [engine.add_request(p, params) for p in prompts]
+        except ValueError as e:  # a prompt (with its decode steps) the model cannot take
+            raise PagedgenError(f"profile workload at batch {batch}: {e}")
         if batch == kernel_batch:
             acts = [torch.profiler.ProfilerActivity.CPU]
             if r.device.type == "cuda":

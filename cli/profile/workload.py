@@ -58,4 +58,10 @@ def workload_from(profile: dict | None, overrides: dict[str, Any]) -> Workload:
     wl.batch_sizes = sorted(set(wl.batch_sizes))
     if wl.measured_steps < 1 or wl.warmup_steps < 0 or wl.output_len < 3:
         raise PagedgenError("need measured_steps >= 1, warmup_steps >= 0 and output_len >= 3")
+    if wl.prompt_len < 1 or not 0 <= wl.shared_prefix_len <= wl.prompt_len:
+        raise PagedgenError(f"need prompt_len >= 1 and shared_prefix_len in 0..prompt_len "
+                            f"(got {wl.prompt_len} and {wl.shared_prefix_len})")
+    if wl.prompts:  # read now, so a bad file fails before the model loads (file:line errors)
+        from pagedgen.cli.formats.reader import read_requests
+        read_requests(Path(wl.prompts))
     return wl
