@@ -215,3 +215,28 @@ def test_byte_level_bpe_token_bytes(tmp_path):
     assert any(p.decode("utf-8", errors="replace") != p.decode("utf-8", errors="ignore")
                for p in pieces)  # some token does split a character
     assert tok.token_bytes(tok.tok.eos_token_id) == b""
+
+
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
+    """Windows editors save UTF-8 with a byte-order mark; it was "invalid JSON (column 1)".
+    Skipped at the start of each input and of a --json-schema file; the lines otherwise run
+    as they would without it."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    write(plain / "p.jsonl", [{"prompt": "one"}, {"prompt": "two"}])
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    (marked / "p.jsonl").write_bytes(b"\xef\xbb\xbf" + (plain / "p.jsonl").read_bytes())
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    (tmp_path / "s.json").write_bytes(b"\xef\xbb\xbf" + schema.encode())
+    outs = []
+    for d in (plain, marked):
+        res = run(d / "p.jsonl", "-o", d / "out.jsonl", *FAST, "--json-schema",
+                  tmp_path / "s.json")
+        assert res.exit_code == 0, res.output
+        outs.append([(r["prompt"], r["token_ids"]) for r in read(d / "out.jsonl")])
+    assert outs[0] == outs[1] and [p for p, _ in outs[0]] == ["one", "two"]
+    # a mark anywhere else is still an error, on its line
+    (tmp_path / "late.jsonl").write_bytes(b'{"prompt": "one"}\n\xef\xbb\xbf{"prompt": "two"}\n')
+    res = run(tmp_path / "late.jsonl", "-o", tmp_path / "late.out.jsonl", *FAST)
+    assert res.exit_code == 1 and "late.jsonl:2: invalid JSON" in res.output, res.output

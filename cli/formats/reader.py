@@ -27,6 +27,7 @@ from pagedgen.errors import PagedgenError
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
+UTF8_BOM = b"\xef\xbb\xbf"  # skipped at the start of an input
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,8 @@ class _Reader:
     def _line(self, source: int, lineno: int, raw: bytes) -> None:
         rf = self.rf
         where = f"{rf.names[source]}:{lineno}"
+        if lineno == 1 and raw.startswith(UTF8_BOM):  # as Windows editors save UTF-8
+            raw = raw[len(UTF8_BOM):]
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:

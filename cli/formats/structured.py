@@ -103,7 +103,7 @@ def _structured_outputs(value: Any, where: str, label: str) -> StructuredOutput:
 def schema_file(path: str) -> StructuredOutput:
     """``--json-schema PATH``: the run's default constraint, from a JSON schema file."""
     try:
-        text = open(path, encoding="utf-8").read()
+        text = open(path, encoding="utf-8-sig").read()  # a leading byte-order mark skipped
     except OSError as e:
         raise PagedgenError(f"--json-schema {path}: {e.strerror or e}")
     return json_schema(text, f"--json-schema {path}")
