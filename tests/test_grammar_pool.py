@@ -18,10 +18,6 @@ pytest.importorskip("xgrammar")
 runner = CliRunner()
 
 
-def json_c(schema: dict) -> StructuredOutput:
-    return StructuredOutput("json", json.dumps(schema, separators=(",", ":")))
-
-
 def test_a_bad_worker_count_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", "many")
     src = tmp_path / "p.jsonl"
@@ -145,7 +141,7 @@ def test_pool_masks_equal_a_matcher_per_sample(workers):
 
     tok = ByteTokenizer()
     specs = [StructuredOutput("regex", r"[a-c]{2,6}x"), StructuredOutput("choice", '["yes", "no"]'),
-             json_c({"type": "integer", "minimum": 0, "maximum": 999})]
+             StructuredOutput("json", '{"type":"integer","minimum":0,"maximum":999}')]
     g = Grammars(tok, 300, workers=workers)
     states, refs = [], []
 

@@ -154,8 +154,10 @@ def test_a_workload_the_model_cannot_take_is_a_one_line_error(tmp_path, monkeypa
     traceback): one line each, exit 1."""
     (tmp_path / "bad.jsonl").write_text('{"prompt": 5}\n')
     loads = []
-    real_engine = __import__("pagedgen.runtime.engine.engine", fromlist=["Engine"]).Engine
-    monkeypatch.setattr("pagedgen.runtime.engine.engine.Engine",
+    from pagedgen.runtime.engine import engine as engine_module
+
+    real_engine = engine_module.Engine
+    monkeypatch.setattr(engine_module, "Engine",
                         lambda *a, **k: loads.append(1) or real_engine(*a, **k))
     cases = [(["--prompt-len", "20", "--shared-prefix-len", "21"], "shared_prefix_len", 0),
              (["--prompts", str(tmp_path / "bad.jsonl")], "bad.jsonl:1:", 0),
