@@ -208,6 +208,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     ``overrides`` (``--set``) change the profile's engine config for every pagedgen run, and
     vLLM takes its batching limits from the changed config. Workloads with ``n`` > 1 sample at
     their temperature (request ``i`` seeded ``i``, in both systems)."""
+    overrides = overrides or {}
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
     in_tok, out_tok = sum(map(len, prompts)), wl.output_tokens(outs)
@@ -244,7 +245,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     for b, tile, variant in runs_of:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
         suffix, changes = VARIANTS[variant] if variant else ("", {})
-        cfg = replace(cfg, **(overrides or {}), **changes)
+        cfg = replace(cfg, **{**overrides, **changes})  # a variant's own setting wins
         if wl.kv_cache_tokens:  # the same KV-cache size in tokens for both systems
             cfg = replace(cfg, kv_cache_memory=wl.kv_cache_tokens * kv_bytes_per_token(
                 src.hf_config))
@@ -269,7 +270,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             if k in res})
     if "vllm" in peers:
         cfg, _ = profile_configs(wl.profile)
-        engine = {**same_limits(replace(cfg, **(overrides or {}))),
+        engine = {**same_limits(replace(cfg, **overrides)),
                   **({"quantization": quantization} if quantization else {})}
         if wl.kv_cache_tokens:
             engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
