@@ -16,7 +16,8 @@
 # verify takes VERIFY_LIMIT (seconds per run, default 400) and VERIFY_RUNS (default "cold
 # warm"); peers takes PEERS_BACKENDS, PEERS_PEERS (empty: none), FA4_TILES, PEERS_TAG,
 # PEERS_LIMIT, PEERS_REPEATS, PEERS_QUANT (fp8: both systems quantize), PEERS_CASCADE_OFF
-# (set: each backend also without cascade decode), PEERS_MIXED_OFF (set: also with steps
+# (set: each backend also without cascade decode), PEERS_MIXED_CASCADE_OFF (set: also without
+# it in steps that carry prefills), PEERS_MIXED_OFF (set: also with steps
 # that carry prefills launched after the last step's tokens), PEERS_MIXED_EAGER (set: also
 # with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also
 # admitting requests in input order), PEERS_SET (one --set KEY=VALUE: an engine override for
@@ -213,6 +214,7 @@ PY
         --backends "${PEERS_BACKENDS:-flash-attn,flashinfer}" --peers "${PEERS_PEERS-vllm}" \
         --repeats "${PEERS_REPEATS:-3}" --fa4-decode-tiles "${FA4_TILES:-}" \
         ${PEERS_QUANT:+--quantization "$PEERS_QUANT"} ${PEERS_CASCADE_OFF:+--cascade-off} \
+        ${PEERS_MIXED_CASCADE_OFF:+--mixed-cascade-off} \
         ${PEERS_MIXED_OFF:+--mixed-ahead-off} ${PEERS_MIXED_EAGER:+--mixed-eager} \
         ${PEERS_GROUPING_OFF:+--prefix-grouping-off} ${PEERS_SET:+--set "$PEERS_SET"} \
         --json "$S/h100-peers-$tag.json"
@@ -222,7 +224,7 @@ import json, sys
 for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["workload"], r["system"], round(r["output_tokens_per_s"]), "tok/s",
           {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k.startswith(
-              ("vs ", "cascade", "decode_kv", "steps", "decode_step", "mixed_graph"))})
+              ("vs ", "cascade", "decode_kv", "steps", "decode_step", "mixed_graph", "wall"))})
 PY
       ;;
     tiles)

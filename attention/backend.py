@@ -97,6 +97,8 @@ class AttentionState:
         # how deep its groups may nest.
         self.supports_cascade = False
         self.max_cascade_levels = 3
+        # Whether it can also run ``metadata.cascade`` over the decodes of a step with prefills.
+        self.supports_mixed_cascade = False
         # FP8 caches store value / scale; readers multiply back.
         self.k_scale = 1.0
         self.v_scale = 1.0

@@ -31,10 +31,12 @@ class PagedBatch:
     decodes: list[ScheduledSeq]
     block_size: int
     cascade: bool = False  # build metadata that marks the pages every decode shares
+    mixed_cascade: bool = False  # ... also with prefills in the step
 
     def metadata(self, device=None):
         return AttentionMetadataBuilder(self.block_size, torch.device(device or self.q.device),
-                                        cascade=self.cascade).build(self.prefills, self.decodes)
+                                        cascade=self.cascade, mixed=self.mixed_cascade
+                                        ).build(self.prefills, self.decodes)
 
 
 def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
@@ -135,6 +137,24 @@ def make_grouped_batch(seed: int, *, num_decodes: int, max_depth: int = 3, num_h
     sched = [ScheduledSeq([perm[p] for p in s.block_table], s.num_context, 1) for s in sched]
     return _decode_batch(gen, sched, next_page[0] + 3, num_heads, num_kv_heads, head_size,
                          block_size, dtype, device, soft_cap)
+
+
+def with_prefills(batch: PagedBatch, seed: int, num_prefills: int = 3, max_new: int = 40
+                  ) -> PagedBatch:
+    """``batch`` (decodes) behind ``num_prefills`` prefill chunks of random sequences with pages
+    of their own (a step that carries prefills and decodes)."""
+    h, d = batch.spec.num_kv_heads, batch.spec.head_size
+    p = make_paged_batch(seed, num_heads=batch.spec.num_heads, num_kv_heads=h, head_size=d,
+                         block_size=batch.block_size, dtype=batch.q.dtype,
+                         device=batch.q.device, num_prefills=num_prefills, num_decodes=0,
+                         max_new=max_new, soft_cap=batch.spec.logits_soft_cap)
+    off = batch.kv_cache.shape[0]
+    prefills = [ScheduledSeq([b + off for b in s.block_table], s.num_context, s.num_new)
+                for s in p.prefills]
+    return PagedBatch(batch.spec, torch.cat([batch.kv_cache, p.kv_cache.to(batch.kv_cache)]),
+                      torch.cat([p.q, batch.q]), torch.cat([p.k, batch.k]),
+                      torch.cat([p.v, batch.v]), prefills, batch.decodes, batch.block_size,
+                      cascade=batch.cascade)
 
 
 def _decode_batch(gen: torch.Generator, sched: list[ScheduledSeq], num_pages: int,

@@ -307,6 +307,7 @@ class FlashAttnState(AttentionState):
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = self.cascade is not None and not any(
             s.sliding_window for s in layer_specs)
+        self.supports_mixed_cascade = self.supports_cascade
         self.cascade_buffers = CascadeBuffers(device)
         self.warmup_s = 0.0
         self.compiled_at_warmup = 0
@@ -322,12 +323,13 @@ class FlashAttnState(AttentionState):
 
     def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
               ) -> AttentionMetadata:
-        """Cascade steps only: the groups' and the suffixes' inputs."""
+        """Cascade steps only: the groups' and the suffixes' inputs (of the decode rows)."""
         md = metadata
         if md.cascade is None:
             return md
+        dec = md.decode_metadata if md.num_prefills else md
         return md.extend(FlashAttnCascadeMetadata,
-                         cascade_inputs=self.cascade_buffers.inputs(md, graph_batch_size))
+                         cascade_inputs=self.cascade_buffers.inputs(dec, graph_batch_size))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -409,15 +411,16 @@ class FlashAttnImpl(AttentionImpl):
                metadata: AttentionMetadata) -> torch.Tensor:
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        if metadata.cascade is not None:  # decode-only
+        cascade = metadata.cascade is not None
+        if cascade and not metadata.num_prefills:
             return st.cascade(q, kv_cache, metadata.cascade_inputs, spec)
-        outs = []
+        outs, t0 = [], metadata.num_prefill_tokens
         if metadata.num_prefills:
-            outs.append(st.prefill(q[:metadata.num_prefill_tokens], k_cache, v_cache,
-                                   metadata.prefill_metadata, spec))
-        if metadata.num_decodes:
-            outs.append(st.decode(q[metadata.num_prefill_tokens:], k_cache, v_cache,
-                                  metadata.decode_metadata, spec))
+            outs.append(st.prefill(q[:t0], k_cache, v_cache, metadata.prefill_metadata, spec))
+        if cascade:  # the decodes of a step with prefills, grouped
+            outs.append(st.cascade(q[t0:], kv_cache, metadata.cascade_inputs, spec))
+        elif metadata.num_decodes:
+            outs.append(st.decode(q[t0:], k_cache, v_cache, metadata.decode_metadata, spec))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -34,8 +34,9 @@ class AttentionMetadata:
     * ``block_tables`` [num_seqs, max_blocks] int32: physical block of each logical block
       (0-padded).
 
-    ``cascade`` (decode-only steps): which decodes share which leading pages, each group's
-    pages to be attended once (attention/cascade_layout.py); None: plain decode.
+    ``cascade``: which decodes share which leading pages, each group's pages to be attended
+    once (attention/cascade_layout.py; its rows are the decode rows, after any prefills, and
+    the decode view carries it); None: plain decode.
     ``cascade_segments``: in a CUDA graph's step, the segments a level its buffers hold (at
     least ``cascade.segments()``; 0 elsewhere).
     """
@@ -140,14 +141,16 @@ class AttentionMetadataBuilder:
     """Builds :class:`AttentionMetadata` for a step from its scheduled sequences (CPU → device).
 
     ``cascade``: find the groups of a decode-only step's decodes that share leading pages
-    (``AttentionMetadata.cascade``); ``max_levels``: how deep groups may nest.
+    (``AttentionMetadata.cascade``); ``mixed``: also of the decodes of a step with prefills;
+    ``max_levels``: how deep groups may nest.
     """
 
     def __init__(self, block_size: int, device: torch.device, cascade: bool = False,
-                 max_levels: int = 3) -> None:
+                 max_levels: int = 3, mixed: bool = False) -> None:
         self.block_size = block_size
         self.device = device
         self.cascade = cascade
+        self.mixed = cascade and mixed
         self.max_levels = max_levels
 
     def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
@@ -171,8 +174,9 @@ class AttentionMetadataBuilder:
         num_prefill_tokens = sum(s.num_new for s in prefills)
         tables_cpu = host_tensor(tables, torch.int32, dev).reshape(len(seqs), max_blocks)
         layout = None
-        if self.cascade and not prefills:
-            layout = find_layout(tables_cpu.numpy(), seq_lens, bs, self.max_levels)
+        if self.cascade and decodes and (self.mixed or not prefills):
+            p = len(prefills)
+            layout = find_layout(tables_cpu.numpy()[p:], seq_lens[p:], bs, self.max_levels)
         return AttentionMetadata(
             num_prefills=len(prefills),
             num_prefill_tokens=num_prefill_tokens,

@@ -65,6 +65,7 @@ class TritonState(AttentionState):
         self.block_m = max(self.block_m, 16 * self.g_tile)
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(x.sliding_window for x in layer_specs)
+        self.supports_mixed_cascade = self.supports_cascade
         self.cascade_buffers = CascadeBuffers(device)
         # per CUDA graph (batch size, levels): static tiles and the layout they hold
         self._graph_tiles: dict[tuple[int, int], list] = {}
@@ -126,8 +127,9 @@ class TritonState(AttentionState):
             arr = torch.tensor([[t[1], t[2]] for t in tiles], dtype=torch.int32)
             arr = arr.to(self.device, non_blocking=True)
             plan.tile_seq, plan.tile_qstart = arr[:, 0].contiguous(), arr[:, 1].contiguous()
-        if md.cascade is not None:  # decode-only
-            plan.cascade = self.cascade_buffers.inputs(md, graph_batch_size)
+        if md.cascade is not None:  # over the decode rows (after any prefills)
+            dec = md.decode_metadata if md.num_prefills else md
+            plan.cascade = self.cascade_buffers.inputs(dec, graph_batch_size)
             plan.group_tiles = self.group_tiles(plan.cascade, graph_batch_size)
             plan.num_splits = self.num_splits(
                 md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
@@ -152,14 +154,17 @@ class TritonImpl(AttentionImpl):
                metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
-        if md.cascade is not None:  # decode-only
+        if md.cascade is not None and not md.num_prefills:
             return self._cascade(q, kv_cache, out, md.plan)
         if md.num_prefills:
             plan = md.plan
             grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
             self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
                           md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
-        if md.num_decodes:
+        if md.cascade is not None:  # the decodes of a step with prefills, grouped
+            t0 = md.num_prefill_tokens
+            self._cascade(q[t0:], kv_cache, out[t0:], md.plan)
+        elif md.num_decodes:
             t0, b = md.num_prefill_tokens, md.num_decodes
             dq, dout = q[t0:], out[t0:]
             dec = md.decode_metadata

@@ -190,6 +190,7 @@ def hf_continuous(model, prompts: list[list[int]], outs: list[int],
 # a pagedgen setting measured against the default: (label suffix, EngineConfig overrides)
 VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "cascade-off": (", cascade decode off", {"cascade_attention": False}),
+    "mixed-cascade-off": (", no cascade in steps with prefills", {"cascade_mixed_steps": False}),
     "mixed-ahead-off": (", mixed steps not ahead", {"mixed_steps_ahead": False}),
     "mixed-eager": (", mixed steps eager", {"mixed_step_graphs": False}),
     "prefix-grouping-off": (", prefix grouping off", {"prefix_grouping": False}),
@@ -263,6 +264,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "graph_capture_s", "load_time_s", "startup_breakdown_s",
                                 "prefill_tokens_per_s", "decode_tokens_per_s", "steps",
                                 "decode_steps", "steps_launched_ahead", "cascade_decode_steps",
+                                "cascade_steps_with_prefills",
                                 "cascade_groups_per_step", "cascade_levels_per_step",
                                 "decode_kv_read_gb_per_step", "decode_kv_plain_gb_per_step",
                                 "mixed_graph_steps", "mixed_graph_buckets",
@@ -327,6 +329,9 @@ def main() -> None:
                     help="pagedgen --quantization fp8 against vLLM quantization='fp8'")
     ap.add_argument("--cascade-off", action="store_true",
                     help="each backend once more with cascade decode off")
+    ap.add_argument("--mixed-cascade-off", action="store_true",
+                    help="each backend once more with the decodes of steps that carry "
+                         "prefills attending their shared pages each (no cascade there)")
     ap.add_argument("--mixed-ahead-off", action="store_true",
                     help="each backend once more with steps that carry prefills launched "
                          "after the last step's tokens are on the host")

@@ -47,6 +47,8 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "decode_host_ms_per_step": "host time per decode step",
            "block_size": "page size (tokens)", "fused_kernels": "fused norm/rotary/SwiGLU",
            "cascade_attention": "cascade decode", "cascade_decode_steps": "steps that cascaded",
+           "cascade_mixed_steps": "cascade in steps with prefills",
+           "cascade_steps_with_prefills": "of which steps with prefills",
            "cascade_groups_per_step": "groups per cascade step",
            "cascade_levels_per_step": "levels per cascade step",
            "cascade_most_levels": "most levels in a step",
@@ -72,7 +74,8 @@ _GROUPS: dict[str, tuple[str, ...]] = {
               "mixed_step_graphs", "mixed_graph_steps", "mixed_graph_buckets",
               "mixed_graph_failed"),
     "shared KV (grouped cascade decode)": (
-        "cascade_attention", "cascade_decode_steps", "cascade_groups_per_step",
+        "cascade_attention", "cascade_mixed_steps", "cascade_decode_steps",
+        "cascade_steps_with_prefills", "cascade_groups_per_step",
         "cascade_levels_per_step", "cascade_most_levels", "decode_kv_read_gb_per_step",
         "decode_kv_plain_gb_per_step"),
     "KV cache and prefix cache": ("kv_cache_blocks", "block_size", "peak_kv_blocks_used",

@@ -173,6 +173,8 @@ class EngineConfig:
     # admit queued requests that share a prompt prefix together (runtime/engine/ordering.py)
     prefix_grouping: bool = True
     cascade_attention: bool = True  # decodes attend the pages they all share once per step
+    # ... also the decodes of steps with prefills (flash-attn and triton; flashinfer: not yet)
+    cascade_mixed_steps: bool = True
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
 
     def validate(self) -> None:

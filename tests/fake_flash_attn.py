@@ -109,7 +109,17 @@ def fa4_flash_attn_fwd(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, s
     out_, lse_ = _run(q, cu_seqlens_q, k, v, seqused_k, page_table, softmax_scale, causal,
                       window_size_left, softcap or 0.0, with_lse=True)
     if cu_seqlens_q is not None:
-        assert isinstance(max_seqlen_q, int) and max_seqlen_q >= int(cu_seqlens_q.diff().max())
+        # the kernel computes the first ``max_seqlen_q`` rows of each sequence (at least):
+        # rows beyond keep what ``out`` / ``lse`` held (NaN here without them)
+        assert isinstance(max_seqlen_q, int) and max_seqlen_q >= 1
+        cu = cu_seqlens_q.tolist()
+        beyond = torch.zeros(q.shape[0], dtype=torch.bool, device=q.device)
+        for a, b in zip(cu, cu[1:]):
+            beyond[a + max_seqlen_q:b] = True
+        if beyond.any():
+            assert lse_.shape[-1] == q.shape[0]
+            out_[beyond] = out[beyond] if out is not None else float("nan")
+            lse_[:, beyond] = lse[:, beyond] if lse is not None else float("nan")
     if out is not None:  # written in place, as the real one does
         assert out.shape == out_.shape and out.dtype == q.dtype
         out_ = out.copy_(out_)

@@ -304,3 +304,26 @@ assert not import_quack_lean()
 import quack
 """)
     assert "quack.__init__ ran" in done.stderr  # the real __init__, unchanged
+
+
+@pytest.mark.parametrize("seed,suffix", [(0, "triton"), (1, "fa4"), (2, "triton")])
+def test_fa4_grouped_cascade_in_a_step_with_prefills_matches_eager(monkeypatch, seed, suffix):
+    """Prefill chunks in front of grouped decodes: FA4's prefill call for the chunks, its
+    cascade (group calls, suffixes, merge) for the decodes, together equal to eager."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_grouped_batch, with_prefills
+    fake_flash_attn.install(monkeypatch, "fa4")
+    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
+    monkeypatch.setattr(cl, "MIN_TOKENS", 1)
+    monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+    b = with_prefills(make_grouped_batch(seed, num_decodes=(6, 12, 25)[seed], num_heads=8,
+                                         num_kv_heads=2, block_size=16), seed, 1 + seed)
+    b.mixed_cascade = True
+    assert b.metadata().cascade is not None
+    st = _state(b, "fa4")
+    assert st.supports_mixed_cascade
+    ref, ref_cache = run_backend(EagerBackend, b)
+    out, cache = run_backend(FlashAttnBackend, b, state=st)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(cache, ref_cache)

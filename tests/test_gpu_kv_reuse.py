@@ -3,6 +3,8 @@ preemption, FP8 caches (pytest -m gpu)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -72,9 +74,10 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
     assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
 
 
-def cascade_prompts(page: int) -> list[list[int]]:
-    """Twelve prompts behind one prefix of whole pages enough for cascade decode to pay (every
-    threshold of cascade_layout: a group's, a level's, per decode) and half a page."""
+def cascade_prompts(page: int, count: int = 12) -> list[list[int]]:
+    """``count`` prompts behind one prefix of whole pages enough for cascade decode to pay among
+    twelve (every threshold of cascade_layout: a group's, a level's, per decode) and half a
+    page."""
     from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, ROW_TOKENS
     g = torch.Generator().manual_seed(11)
     # shared tokens: at least MIN_TOKENS, and enough that 11 rows reading them once save
@@ -82,7 +85,7 @@ def cascade_prompts(page: int) -> list[list[int]]:
     shared = max(MIN_TOKENS, -(-max((MIN_SEQS - 1) * MIN_TOKENS, 12 * ROW_TOKENS) // 11))
     n = -(-shared // page) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()
-    return [prefix + t[1:] for t in byte_prompts(12, seed=5, max_len=40)]
+    return [prefix + t[1:] for t in byte_prompts(count, seed=5, max_len=40)]
 
 
 def cascade_blocks(backend) -> int:
@@ -125,6 +128,33 @@ def test_cascade_decode_matches_plain_decode(name, graphs):
           f"logit difference {worst:.2e}, argmax agreement {agree}/{total}")
     assert a.runner.cascade_steps >= 5 and ref.runner.cascade_steps == 0
     # bf16 with random weights: near-ties flip a few argmaxes (135-139 of 144 measured)
+    assert worst <= 5e-2 and agree >= 0.9 * total
+
+
+@pytest.mark.parametrize("name", gpu_backends())
+def test_cascade_in_steps_with_prefills_matches_plain(name):
+    """Prompts behind a cached prefix admitted about one a step (32 tokens a step) while the
+    first ones decode: the steps that carry prefills (in piecewise graphs) group their decodes
+    too, and step for step the logits equal those of cascade left out of such steps (lockstep,
+    bf16)."""
+    if name == "none":
+        pytest.skip("needs a CUDA GPU")
+    backend = get_backend(name, torch.device("cuda"))
+    kw = dict(backend=name, max_num_seqs=24, max_num_batched_tokens=32, async_scheduling=False,
+              advance_decode_on_device=False, num_blocks=cascade_blocks(backend))
+    a, ref = engine(**kw), engine(cascade_mixed_steps=False, **kw)
+    if not a.runner.attn_state.supports_mixed_cascade:
+        pytest.skip(f"{name} has no cascade in steps with prefills")
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    prompts = cascade_prompts(backend.resolve_block_size(None), 21)
+    for e in (a, ref):  # the prefix's pages into the prefix cache
+        e.generate(prompts[:1], replace(params, max_tokens=1))
+    worst, agree, total = lockstep_logits(a, ref, prompts[1:], params)
+    mixed = a.runner.decode_reads.cascade_mixed
+    print(f"{name}: {mixed} steps with prefills cascaded ({a.runner.piecewise.steps} through "
+          f"the pieces), worst relative logit difference {worst:.2e}, argmax {agree}/{total}")
+    assert mixed >= 2 and ref.runner.decode_reads.cascade_mixed == 0
+    assert a.runner.piecewise is not None and a.runner.piecewise.steps > 0
     assert worst <= 5e-2 and agree >= 0.9 * total
 
 

@@ -179,3 +179,53 @@ def test_engine_cascade_decode_matches_plain(monkeypatch):
     assert outs[0] == outs[1]
     assert steps[0] >= 3 and steps[1] == 0 and levels[0] >= 1
     assert preempted[0] > 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_grouped_cascade_in_a_step_with_prefills_matches_eager(monkeypatch, seed):
+    """A step that carries prefill chunks in front of grouped decodes: the prefills by the
+    prefill kernel, the decodes' groups once each and their own pages apart, equal plain
+    attention; without ``mixed`` the builder leaves such a step plain."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_grouped_batch, with_prefills
+    monkeypatch.setattr(cl, "MIN_TOKENS", 1)
+    monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+    b = with_prefills(make_grouped_batch(seed, num_decodes=(5, 12, 20)[seed], num_heads=8,
+                                         num_kv_heads=2, block_size=16, dtype=DTYPES[-1],
+                                         device=DEVICE), seed, num_prefills=1 + seed)
+    assert b.metadata().cascade is None  # mixed steps plain unless asked
+    b.mixed_cascade = True
+    md = b.metadata()
+    assert md.num_prefills == 1 + seed and md.cascade is not None
+    assert len(md.cascade.order) == md.num_decodes
+    check(b)
+
+
+def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch):
+    """Long prompts behind a shared prefix, admitted in chunks while the first ones' samples
+    decode: the steps that carry prefills group those decodes too, and the greedy tokens
+    equal cascade there off and cascade off altogether (fp32)."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine.engine import Engine
+    from pagedgen.attention.ops import paged_decode
+    monkeypatch.setattr(cl, "MIN_TOKENS", 16)
+    monkeypatch.setattr(cl, "MIN_SEQS", 2)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+    monkeypatch.setattr(paged_decode, "MAX_SPLITS", 1)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, n=2)
+    g = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, 256, (48,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 60)]
+    outs, mixed = [], []
+    for cascade, in_mixed in ((True, True), (True, False), (False, False)):
+        eng = Engine(EngineConfig(backend="triton", device=DEVICE, block_size=16,
+                                  dtype="float32" if DEVICE == "cpu" else "float16",
+                                  num_blocks=48, max_num_seqs=8, max_num_batched_tokens=32,
+                                  cascade_attention=cascade, cascade_mixed_steps=in_mixed))
+        outs.append([[s.output_token_ids for s in r.samples]
+                     for r in eng.generate(prompts, params)])
+        mixed.append(eng.runner.decode_reads.summary()["cascade_steps_with_prefills"])
+    assert outs[0] == outs[1] == outs[2]
+    assert mixed[0] >= 2 and mixed[1] == mixed[2] == 0

@@ -471,6 +471,7 @@ class Engine:
             "cuda_graphs": self.runner.graphs is not None,
             "fused_kernels": self.runner.fused_kernels,
             "cascade_attention": self.runner.builder.cascade,
+            "cascade_mixed_steps": self.runner.builder.mixed,
             **self.runner.decode_reads.summary(),
         }
         runner = self.runner

@@ -92,7 +92,8 @@ class ModelRunner:
         self.builder = AttentionMetadataBuilder(
             self.block_size, self.device,
             cascade=config.cascade_attention and self.attn_state.supports_cascade,
-            max_levels=self.attn_state.max_cascade_levels)
+            max_levels=self.attn_state.max_cascade_levels,
+            mixed=config.cascade_mixed_steps and self.attn_state.supports_mixed_cascade)
         self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
         t = self._phase("memory_profile", t)
         self.decode_reads = DecodeReads(self.block_bytes() // self.block_size * self.tp.size)

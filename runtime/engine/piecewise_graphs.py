@@ -107,7 +107,7 @@ class PiecewiseGraphs:
         return self._buffers[(s.num_heads, s.num_kv_heads, s.head_size)]
 
     def can_run(self, md: AttentionMetadata) -> bool:
-        return md.num_prefills > 0 and md.cascade is None and 0 < md.num_tokens <= self.max_tokens
+        return md.num_prefills > 0 and 0 < md.num_tokens <= self.max_tokens
 
     def bucket(self, tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, tokens)]

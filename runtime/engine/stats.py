@@ -66,6 +66,7 @@ class DecodeReads:
     token_bytes: int
     steps: int = 0  # steps with decode tokens
     cascade_steps: int = 0
+    cascade_mixed: int = 0  # of which steps with prefills
     groups: int = 0  # over the cascade steps
     levels: int = 0
     most_levels: int = 0
@@ -82,6 +83,7 @@ class DecodeReads:
         self.tokens_read += plain
         if md.cascade is not None:
             self.cascade_steps += 1
+            self.cascade_mixed += md.num_prefills > 0
             self.groups += md.cascade.num_groups
             self.levels += md.cascade.num_levels
             self.most_levels = max(self.most_levels, md.cascade.num_levels)
@@ -90,10 +92,11 @@ class DecodeReads:
     def summary(self, since: DecodeReads | None = None) -> dict[str, float | int]:
         """The figures of the run (or of the steps after the copy ``since`` was taken)."""
         d = {k: getattr(self, k) - (getattr(since, k) if since else 0)
-             for k in ("steps", "cascade_steps", "groups", "levels", "tokens_read",
-                       "tokens_plain")}
+             for k in ("steps", "cascade_steps", "cascade_mixed", "groups", "levels",
+                       "tokens_read", "tokens_plain")}
         per_step = self.token_bytes / max(1, d["steps"]) / 1e9
         return {"cascade_decode_steps": d["cascade_steps"],
+                "cascade_steps_with_prefills": d["cascade_mixed"],
                 "cascade_groups_per_step": d["groups"] / max(1, d["cascade_steps"]),
                 "cascade_levels_per_step": d["levels"] / max(1, d["cascade_steps"]),
                 "cascade_most_levels": self.most_levels,
