@@ -74,15 +74,16 @@ def test_prefix_caching_and_samples_under_graphs(name, kv_cache_dtype):
     assert all(r == 0 for r in bm.ref_counts) and bm.num_free_blocks == bm.num_blocks
 
 
-def cascade_prompts(page: int, count: int = 12) -> list[list[int]]:
+def cascade_prompts(page: int, count: int = 12, shared: int = 0) -> list[list[int]]:
     """``count`` prompts behind one prefix of whole pages enough for cascade decode to pay among
-    twelve (every threshold of cascade_layout: a group's, a level's, per decode) and half a
-    page."""
+    twelve (every threshold of cascade_layout: a group's, a level's, per decode; at least
+    ``shared`` tokens) and half a page."""
     from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, ROW_TOKENS
     g = torch.Generator().manual_seed(11)
     # shared tokens: at least MIN_TOKENS, and enough that 11 rows reading them once save
     # what a level must save
-    shared = max(MIN_TOKENS, -(-max((MIN_SEQS - 1) * MIN_TOKENS, 12 * ROW_TOKENS) // 11))
+    shared = max(shared, MIN_TOKENS,
+                 -(-max((MIN_SEQS - 1) * MIN_TOKENS, 12 * ROW_TOKENS) // 11))
     n = -(-shared // page) * page + page // 2
     prefix = [256] + torch.randint(0, 256, (n - 1,), generator=g).tolist()
     return [prefix + t[1:] for t in byte_prompts(count, seed=5, max_len=40)]
@@ -133,10 +134,10 @@ def test_cascade_decode_matches_plain_decode(name, graphs):
 
 @pytest.mark.parametrize("name", gpu_backends())
 def test_cascade_in_steps_with_prefills_matches_plain(name):
-    """Prompts behind a cached prefix admitted about one a step (32 tokens a step) while the
-    first ones decode: the steps that carry prefills (in piecewise graphs) group their decodes
-    too, and step for step the logits equal those of cascade left out of such steps (lockstep,
-    bf16)."""
+    """Prompts behind a cached prefix of 512 tokens admitted about one a step (32 tokens a
+    step) while the first ones decode: the steps that carry prefills (in piecewise graphs)
+    group their decodes too, and step for step the logits equal those of cascade left out of
+    such steps (lockstep, bf16)."""
     if name == "none":
         pytest.skip("needs a CUDA GPU")
     backend = get_backend(name, torch.device("cuda"))
@@ -146,7 +147,7 @@ def test_cascade_in_steps_with_prefills_matches_plain(name):
     if not a.runner.attn_state.supports_mixed_cascade:
         pytest.skip(f"{name} has no cascade in steps with prefills")
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    prompts = cascade_prompts(backend.resolve_block_size(None), 21)
+    prompts = cascade_prompts(backend.resolve_block_size(None), 21, shared=512)
     for e in (a, ref):  # the prefix's pages into the prefix cache
         e.generate(prompts[:1], replace(params, max_tokens=1))
     worst, agree, total = lockstep_logits(a, ref, prompts[1:], params)
