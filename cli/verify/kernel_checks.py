@@ -15,7 +15,7 @@ import torch
 from pagedgen.attention import cascade_layout
 from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.cases import make_grouped_batch, make_paged_batch, make_shared_prefix_batch
-from pagedgen.attention.cases import run_backend
+from pagedgen.attention.cases import run_backend, with_prefills
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import get_backend
 from pagedgen.cli.verify.report import Row, max_error
@@ -132,7 +132,9 @@ def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: in
     """Cascade decode against eager attention: even cases, decodes sharing their first pages
     (one group: the prefix attended once for the batch); odd cases, random nested groups with
     every group the layout finder would keep at its least thresholds (up to three levels,
-    groups of one, rows shuffled). None when the backend's state has no cascade. One head size
+    groups of one, rows shuffled), every other one behind prefill chunks in the same step
+    (grouped there too where the backend supports it). None when the backend's state has no
+    cascade. One head size
     (128 where supported): the groups and the merge do not depend on it, and each shape is one
     more kernel variant to compile (FA4)."""
     backend = get_backend(name, device)
@@ -155,6 +157,9 @@ def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: in
         state = backend.get_state_cls()(backend, [b.spec], page, dtype, dtype, device)
         if not state.supports_cascade:
             return None
+        if i % 4 == 3:  # a step that also carries prefills
+            b = with_prefills(b, seed * 100_003 + i, num_prefills=2)
+            b.mixed_cascade = state.supports_mixed_cascade
         with _all_groups():
             ref, _ = run_backend(EagerBackend, b)
             out, _ = run_backend(backend, b, state)
@@ -179,5 +184,6 @@ def cascade_row(dtype: torch.dtype, parts: list[Partial | None]) -> Row | None:
         return None
     p = Partial.combine(parts)
     tol = KERNEL_TOL[dtype]
-    return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (grouped prefixes)",
+    return Row("kernel", f"{str(dtype).removeprefix('torch.')} cascade decode (grouped prefixes,"
+               " also beside prefills)",
                p.cases, p.worst_abs, p.worst_rel, tol, p.worst_abs <= tol)
