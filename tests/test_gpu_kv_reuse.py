@@ -151,11 +151,11 @@ def test_cascade_in_steps_with_prefills_matches_plain(name):
     for e in (a, ref):  # the prefix's pages into the prefix cache
         e.generate(prompts[:1], replace(params, max_tokens=1))
     worst, agree, total = lockstep_logits(a, ref, prompts[1:], params)
-    mixed = a.runner.decode_reads.cascade_mixed
-    print(f"{name}: {mixed} steps with prefills cascaded ({a.runner.piecewise.steps} through "
-          f"the pieces), worst relative logit difference {worst:.2e}, argmax {agree}/{total}")
+    mixed, pieces = a.runner.decode_reads.cascade_mixed, a.runner.piecewise
+    assert pieces is not None and pieces.steps > 0
+    print(f"{name}: {mixed} steps with prefills cascaded ({pieces.steps} through the pieces), "
+          f"worst relative logit difference {worst:.2e}, argmax {agree}/{total}")
     assert mixed >= 2 and ref.runner.decode_reads.cascade_mixed == 0
-    assert a.runner.piecewise is not None and a.runner.piecewise.steps > 0
     assert worst <= 5e-2 and agree >= 0.9 * total
 
 
