@@ -178,7 +178,9 @@ class CascadeBuffers:
 
     def inputs(self, md: AttentionMetadata, graph_batch_size: int | None) -> CascadeInputs:
         """The step's tensors: into the graph's buffers (``md.cascade_segments`` a level), or
-        fresh for an eager step."""
+        fresh for an eager step; of its decode rows (a step may carry prefills before them)."""
+        if md.num_prefills:
+            md = md.decode_metadata
         if graph_batch_size is None:
             return CascadeInputs.for_step(md)
         key = graph_batch_size, md.cascade.num_levels, md.cascade_segments

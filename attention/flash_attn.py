@@ -327,9 +327,8 @@ class FlashAttnState(AttentionState):
         md = metadata
         if md.cascade is None:
             return md
-        dec = md.decode_metadata if md.num_prefills else md
         return md.extend(FlashAttnCascadeMetadata,
-                         cascade_inputs=self.cascade_buffers.inputs(dec, graph_batch_size))
+                         cascade_inputs=self.cascade_buffers.inputs(md, graph_batch_size))
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
@@ -411,13 +410,10 @@ class FlashAttnImpl(AttentionImpl):
                metadata: AttentionMetadata) -> torch.Tensor:
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        cascade = metadata.cascade is not None
-        if cascade and not metadata.num_prefills:
-            return st.cascade(q, kv_cache, metadata.cascade_inputs, spec)
         outs, t0 = [], metadata.num_prefill_tokens
         if metadata.num_prefills:
             outs.append(st.prefill(q[:t0], k_cache, v_cache, metadata.prefill_metadata, spec))
-        if cascade:  # the decodes of a step with prefills, grouped
+        if metadata.cascade is not None:  # the decodes, grouped
             outs.append(st.cascade(q[t0:], kv_cache, metadata.cascade_inputs, spec))
         elif metadata.num_decodes:
             outs.append(st.decode(q[t0:], k_cache, v_cache, metadata.decode_metadata, spec))

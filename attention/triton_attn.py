@@ -128,8 +128,7 @@ class TritonState(AttentionState):
             arr = arr.to(self.device, non_blocking=True)
             plan.tile_seq, plan.tile_qstart = arr[:, 0].contiguous(), arr[:, 1].contiguous()
         if md.cascade is not None:  # over the decode rows (after any prefills)
-            dec = md.decode_metadata if md.num_prefills else md
-            plan.cascade = self.cascade_buffers.inputs(dec, graph_batch_size)
+            plan.cascade = self.cascade_buffers.inputs(md, graph_batch_size)
             plan.group_tiles = self.group_tiles(plan.cascade, graph_batch_size)
             plan.num_splits = self.num_splits(
                 md.num_decodes, None if graph_batch_size else max(plan.cascade.suffix_lens_cpu))
@@ -154,14 +153,12 @@ class TritonImpl(AttentionImpl):
                metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
-        if md.cascade is not None and not md.num_prefills:
-            return self._cascade(q, kv_cache, out, md.plan)
         if md.num_prefills:
             plan = md.plan
             grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
             self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
                           md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
-        if md.cascade is not None:  # the decodes of a step with prefills, grouped
+        if md.cascade is not None:  # the decodes, grouped
             t0 = md.num_prefill_tokens
             self._cascade(q[t0:], kv_cache, out[t0:], md.plan)
         elif md.num_decodes:
