@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.hardware import default_seats
 
 DEFAULT_MODEL = "tiny"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -154,7 +155,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 128
+    max_num_seqs: int | None = None  # None: by the device (hardware.default_seats)
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
@@ -200,7 +201,7 @@ class EngineConfig:
             if value is not None and not lo <= value <= MAX_INT32:
                 raise PagedgenError(f"--{name.replace('_', '-')} must be in {lo}.."
                                     f"{MAX_INT32:,}, not {value}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise PagedgenError("gpu_memory_utilization must be in (0, 1]")
@@ -209,6 +210,14 @@ class EngineConfig:
                                 f"{self.kv_cache_memory!r}")
         if not -2**63 <= self.seed < 2**63:
             raise PagedgenError("--seed must fit in 64 bits")
+
+    def with_seats(self) -> EngineConfig:
+        """This config with ``max_num_seqs`` set: its own, else the device's default
+        (``hardware.default_seats``), at most ``max_num_batched_tokens``."""
+        if self.max_num_seqs is not None:
+            return self
+        seats = min(default_seats(self.torch_device()), self.max_num_batched_tokens)
+        return dataclasses.replace(self, max_num_seqs=seats)
 
     def context_limit(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own; the engine may lower it to what its KV

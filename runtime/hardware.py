@@ -18,6 +18,17 @@ def host_cores() -> int:
     return max(1, (os.cpu_count() or 1) // max(1, int(shares) if shares.isdigit() else 1))
 
 
+def default_seats(device: torch.device) -> int:
+    """The most sequences a step holds when no profile or option says: vLLM's rule for its
+    offline ``LLM`` class, so a batch job gets as many seats here as it would there: 1,024
+    on a GPU of at least 70 GiB that is not an A100, 256 on other GPUs; 128 on a CPU."""
+    if device.type != "cuda":
+        return 128
+    props = torch.cuda.get_device_properties(device)
+    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+    return 1024 if large else 256
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes free for a new allocation on ``device``: the GPU's free memory with what torch's
     allocator holds cached and unused (a dropped engine's, say), or the host's MemAvailable

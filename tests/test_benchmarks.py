@@ -125,9 +125,11 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
     from pagedgen.runtime.models.loader import resolve_model
 
     cfg, _ = common.profile_configs("llama-3-8b")
-    assert vllm_peer.same_limits(cfg) == {"max_num_seqs": cfg.max_num_seqs,
+    assert cfg.max_num_seqs is None  # the preset leaves the seats to the device...
+    assert vllm_peer.same_limits(cfg) == {"max_num_seqs": 128,  # ...a CPU here
                                           "max_num_batched_tokens": cfg.max_num_batched_tokens,
                                           "enable_prefix_caching": True}
+    assert vllm_peer.same_limits(replace(cfg, max_num_seqs=300))["max_num_seqs"] == 300
     monkeypatch.setattr(vllm_peer, "vllm_site", lambda: None)
     res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {})
     assert "not installed" in res["skipped"]

@@ -132,7 +132,7 @@ CASES = [
     ("json-huge-number", ['{"prompt": "a", "seed": ' + "9" * 5000 + "}"], [],
      r"p\.jsonl:1: invalid JSON"),
     ("yaml-type", None, ["--profile", "{yaml:engine:\n  max_num_seqs: four\n}"],
-     r"profile\.yaml:3: max_num_seqs must be an integer, not 'four'"),
+     r"profile\.yaml:3: max_num_seqs must be an integer or null, not 'four'"),
     ("yaml-syntax", None, ["--profile", "{yaml:engine:\n  max_num_seqs: [1\n}"],
      r"profile\.yaml:\d: invalid YAML"),
     ("yaml-unknown-field", None, ["--profile", "{yaml:sampling:\n  temprature: 1\n}"],
@@ -408,7 +408,7 @@ def test_help_shows_brackets_and_defaults():
     text = " ".join(res.output.split())
     assert "[default: PROMPTS.completions.jsonl;" in text
     assert "[default: the profile's, else tiny]" in text
-    assert "[default: the profile's, else 128;" in text  # --max-num-seqs
+    assert "[default: the profile's, else vLLM's rule: 1024 on a GPU" in text  # --max-num-seqs
 
 
 def test_a_request_that_ends_without_a_line_is_an_error_not_a_gap(tmp_path, monkeypatch):

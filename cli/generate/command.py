@@ -98,8 +98,9 @@ def generate(
         None, help="KV-cache size, e.g. 4GiB [default: what the GPU has left at 90% use "
                    "after the model; on a CPU up to 1 GiB, at least one whole sequence]."),
     max_num_seqs: Optional[int] = typer.Option(
-        None, help="Most sequences in a step [default: the profile's, else 128; cut to the "
-                   "run's sequences]."),
+        None, help="Most sequences in a step [default: the profile's, else vLLM's rule: "
+                   "1024 on a GPU of 70 GiB or more (not an A100), 256 on other GPUs, 128 on a "
+                   "CPU; cut to the run's sequences]."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, help="Most tokens in a step; longer prompts prefill in chunks [default: the "
                    "profile's, else 8192]."),

@@ -59,8 +59,9 @@ class Job:
 
 
 def run(job: Job) -> dict[str, Any] | None:
-    """Run ``job``; its summary (None on a torchrun rank other than 0)."""
-    cfg = job.engine_cfg
+    """Run ``job``; its summary (None on a torchrun rank other than 0). The seats a config
+    leaves to the device are this host's (Ray's actors: each its own)."""
+    cfg = job.engine_cfg if job.ray is not None else job.engine_cfg.with_seats()
     ranks = _torchrun_ranks(cfg, job.tensor_parallel_size, job.data_parallel_size, job.ray)
     lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
     if job.ray is not None:
@@ -219,7 +220,7 @@ def fit_seats(engine_cfg, todo, defaults):
     seqs = 0
     for r in todo:  # stops at the seats: a long file costs nothing here
         seqs += r.sampling(defaults).n
-        if seqs >= engine_cfg.max_num_seqs:
+        if engine_cfg.max_num_seqs is None or seqs >= engine_cfg.max_num_seqs:
             return engine_cfg
     return dataclasses.replace(engine_cfg, max_num_seqs=seqs) if seqs else engine_cfg
 
