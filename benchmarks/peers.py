@@ -262,6 +262,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
                                 "graph_capture_s", "load_time_s", "startup_breakdown_s",
+                                "max_num_seqs", "graphs_captured_in_run",
+                                "graph_capture_in_run_s", "graph_warmups_in_run",
                                 "prefill_tokens_per_s", "decode_tokens_per_s", "steps",
                                 "decode_steps", "steps_launched_ahead", "cascade_decode_steps",
                                 "cascade_steps_with_prefills",
@@ -286,7 +288,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else ""),
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
-                "startup_s": res["startup_s"]})
+                "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"]})
     hf_peers = [p for p in peers if p != "vllm"]
     if hf_peers:
         model = hf_model(src.hf_config)

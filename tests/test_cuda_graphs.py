@@ -1,6 +1,9 @@
-"""Decode CUDA graph buckets (runtime/engine/cuda_graphs.py): which batch sizes get a graph."""
+"""Decode CUDA graphs (runtime/engine/cuda_graphs.py): which batch sizes get a graph, what a
+capture in the middle of a run warms up first, and how many seats a device gives."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,3 +29,116 @@ def test_a_thousand_seats_capture_steps_of_32_beyond_256():
     b = graph_buckets(1024)
     assert b[b.index(256):] == list(range(256, 1025, 32))
     assert len(b) == 47
+
+
+# ---- the seats a device gives (vLLM's rule) -----------------------------------------------
+
+@pytest.mark.parametrize("name, gib, seats", [
+    ("NVIDIA H200", 139.8, 1024), ("NVIDIA H100 80GB HBM3", 79.1, 1024),
+    ("NVIDIA A100-SXM4-80GB", 79.2, 256), ("NVIDIA L4", 22.0, 256),
+    ("NVIDIA GH200 96GB", 94.5, 1024), ("NVIDIA H100 PCIe 64GB", 63.9, 256)])
+def test_default_seats_follow_vllms_rule(monkeypatch, name, gib, seats):
+    import torch
+
+    from pagedgen.runtime import hardware
+    from pagedgen.runtime.config import EngineConfig
+
+    props = SimpleNamespace(name=name, total_memory=int(gib * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert hardware.default_seats(torch.device("cuda")) == seats
+    assert hardware.default_seats(torch.device("cpu")) == 128
+    monkeypatch.setattr(EngineConfig, "torch_device", lambda self: torch.device("cuda"))
+    assert EngineConfig().with_seats().max_num_seqs == seats
+    assert EngineConfig(max_num_seqs=7).with_seats().max_num_seqs == 7  # an explicit count
+    # never more seats than tokens a step holds
+    assert EngineConfig(max_num_batched_tokens=300).with_seats().max_num_seqs == min(seats, 300)
+
+
+def test_gpu_presets_leave_the_seats_to_the_device():
+    from pagedgen.runtime.profiles import configs_from_profile, list_profiles, load_profile
+
+    for name in list_profiles():
+        cfg, _ = configs_from_profile(load_profile(name))
+        assert (cfg.max_num_seqs is None) == (name not in ("tiny", "smollm2-135m")), name
+
+
+# ---- captures in the middle of a run: what warms up first ---------------------------------
+
+class _FakeGraph:
+    fail = 0  # captures left to fail
+    capturing = False
+
+    def capture_begin(self, *pool, capture_error_mode="global"):
+        assert capture_error_mode == "thread_local"  # other threads' CUDA calls stay legal
+        _FakeGraph.capturing = True
+
+    def capture_end(self):
+        _FakeGraph.capturing = False
+        if _FakeGraph.fail:
+            _FakeGraph.fail -= 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    def pool(self):
+        return "pool"
+
+
+class _State:
+    def make_graph_plan(self, *args):
+        pass
+
+    def build(self, md, graph_batch_size=None):
+        return md
+
+
+def _runner(monkeypatch, seats=1024):
+    import contextlib
+
+    import torch
+
+    from pagedgen.runtime.engine import cuda_graphs as cg
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 0))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    eager = []
+
+    def model(ids, pos, caches, md):
+        if not _FakeGraph.capturing:
+            eager.append(len(ids))
+        return torch.zeros(len(ids), 4)
+
+    r = cg.CudaGraphRunner(model, _State(), [], seats, 256, 16, 0, torch.device("cpu"))
+    return r, eager
+
+
+def test_start_up_warms_every_bucket_and_a_run_warms_each_cascade_key_once(monkeypatch):
+    """Start-up captures warm every bucket up eagerly; a cascade graph captured during a run
+    warms up only for the first bucket of its key with each remainder mod 16 (the rest of its
+    forward was warmed up by the bucket's plain graph), and every graph is recorded."""
+    r, eager = _runner(monkeypatch)
+    r.capture()
+    assert len(eager) == len(r.buckets) and set(r.graphs[(0, 0)]) == set(r.buckets)
+    eager.clear()
+    for bs in (1024, 992, 512, 288, 64, 56, 48, 24, 8, 4, 2, 1, 16):
+        r._capture(bs, (1, 8))
+    r._capture(512, (2, 16))  # another key warms up again
+    # 992..288, 64, 48, 16 as 1024 (0 mod 16); 24 and 8 as 56 (8 mod 16)
+    assert eager == [1024, 56, 4, 2, 1, 512]
+    assert len(r.graphs[(1, 8)]) == 13 and len(r.graphs[(2, 16)]) == 1
+    s = r.summary()
+    assert s["graphs_captured_in_run"] == 14 and s["graph_warmups_in_run"] == 6
+
+
+def test_a_capture_that_fails_without_warming_up_warms_up_and_captures_again(monkeypatch):
+    r, eager = _runner(monkeypatch)
+    r._capture(1024, (1, 4))
+    eager.clear()
+    _FakeGraph.fail = 1
+    r._capture(512, (1, 4))  # no warm-up planned: the capture fails, then warms up
+    assert eager == [512] and 512 in r.graphs[(1, 4)] and r.summary()["graph_warmups_in_run"] == 2
+    _FakeGraph.fail = 2  # fails after a warm-up too: the error is the caller's
+    with pytest.raises(RuntimeError, match="capturing"):
+        r._capture(256, (1, 4))
+    _FakeGraph.fail = 0

@@ -182,6 +182,7 @@ def test_cascade_decode_under_async_graphs(name):
     cascade_graphs = None if graphs is None else {
         key: sorted(by_bs) for key, by_bs in graphs.graphs.items() if key != PLAIN}
     print(f"{name}: {on.runner.cascade_steps} cascade steps, cascade graphs (levels, segments):"
-          f" batch sizes {cascade_graphs}, agreement {rate:.3f}")
+          f" batch sizes {cascade_graphs}, agreement {rate:.3f}; captured during the run "
+          f"without waiting: {graphs and graphs.summary()}")
     assert on.runner.cascade_steps >= 15 and rate >= 0.3
     assert graphs is None or cascade_graphs

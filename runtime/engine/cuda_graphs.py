@@ -11,7 +11,15 @@ only (sampling and logits processors run after, eagerly).
 
 A step whose decodes share prefix pages in groups (``metadata.cascade``, attention/cascade.py)
 replays the bucket's cascade graph of as many levels (at most three) and segments a level
-instead, captured the first time a step of that kind runs. Segments come in powers of two from
+instead, captured the first time a step of that kind runs. Such a capture in the middle of a
+run waits for nothing: recording a graph runs no kernel, so the step launched before it keeps
+the GPU busy meanwhile (``torch.cuda.graph`` would synchronize and empty the allocator's cache
+first), and whatever it writes into the static buffers queues behind that step. It warms
+the bucket's kernels up eagerly only where the kernels can differ from a graph captured before:
+the first graph of a cascade key for batch sizes of each remainder mod 16 (Triton specializes
+integer arguments on divisibility by 16 and on 1; the rest of the forward was warmed up by the
+bucket's plain graph at start-up); should a capture without one fail, it warms up and captures
+again. Segments come in powers of two from
 4 up to the bucket + 1 (:func:`cascade_segments`): a graph's varlen group call launches work
 for every segment it holds, used or not (on an H200, FA4 over p's 32 groups: 71 µs a layer
 with 257 segments, 45 µs with 32), so the key grows with the number of groups, by doubling.
@@ -79,8 +87,13 @@ class CudaGraphRunner:
         self.graphs: dict[tuple[int, int], dict[int, torch.cuda.CUDAGraph]] = {PLAIN: {}}
         self.outputs: dict[tuple[int, int], dict[int, torch.Tensor]] = {PLAIN: {}}
         self.pool = None  # one memory pool for every graph (they never replay at once)
+        self.stream: torch.cuda.Stream | None = None  # where graphs are recorded
+        self.warm: set[tuple[tuple[int, int], int]] = set()  # (key, batch size mod 16, or 1)
         self.capture_time_s = 0.0
         self.memory_bytes = 0
+        self.run_captures = 0  # graphs captured in the middle of a run...
+        self.run_capture_s = 0.0  # ...and the host time they took
+        self.run_warmups = 0  # ...of which warmed up first
 
     def _metadata(self, bs: int, seq_lens: list[int], cascade: CascadeLayout | None = None,
                   cascade_segments: int = 0) -> AttentionMetadata:
@@ -95,15 +108,17 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket's plain decode graph (at start-up)."""
+        """Capture every bucket's plain decode graph (at start-up), each warmed up first."""
+        torch.cuda.synchronize(self.device)
         for bs in reversed(self.buckets):  # largest first, so smaller ones reuse its pool
-            self._capture(bs, PLAIN)
+            self._capture(bs, PLAIN, warm=True)
+        torch.cuda.synchronize(self.device)
 
-    def _capture(self, bs: int, key: tuple[int, int]) -> None:
-        """Capture bucket ``bs``'s graph over padding rows (scratch block only): a capture in
-        the middle of a run must not write into any sequence's blocks."""
+    def _capture(self, bs: int, key: tuple[int, int], warm: bool = False) -> None:
+        """Capture bucket ``bs``'s graph ``key`` over padding rows (scratch block only): a
+        capture in the middle of a run must not write into any sequence's blocks. ``warm``:
+        run the forward eagerly first (otherwise only where its kernels may be new)."""
         dev = self.device
-        torch.cuda.synchronize(dev)
         free_before = torch.cuda.mem_get_info(dev)[0]
         t0 = time.perf_counter()
         self._pad(0, bs)
@@ -116,16 +131,52 @@ class CudaGraphRunner:
         md = self.attn_state.build(self._metadata(bs, [1] * bs, empty, segments),
                                    graph_batch_size=bs)
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
-        self.model(*args)  # warm-up (kernel selection, lazy init) outside the graph
-        torch.cuda.synchronize(dev)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs.setdefault(key, {})[bs] = self.model(*args)
-        self.pool = graph.pool()
+        kind = (key, 1 if bs == 1 else 16 + bs % 16)
+        warm = warm or kind not in self.warm
+        if warm:
+            self.model(*args)  # kernel selection, lazy init, compiles: outside the graph
+        try:
+            graph, out = self._record(args)
+        except RuntimeError:
+            if warm:
+                raise
+            warm = True  # a kernel the capture could not compile or load: warm up, again
+            self.model(*args)
+            graph, out = self._record(args)
+        self.warm.add(kind)
         self.graphs.setdefault(key, {})[bs] = graph
-        torch.cuda.synchronize(dev)
-        self.capture_time_s += time.perf_counter() - t0
+        self.outputs.setdefault(key, {})[bs] = out
+        dt = time.perf_counter() - t0
+        self.capture_time_s += dt
         self.memory_bytes += max(0, free_before - torch.cuda.mem_get_info(dev)[0])
+        if key != PLAIN:
+            self.run_captures += 1
+            self.run_capture_s += dt
+            self.run_warmups += warm
+
+    def _record(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Record the model's forward over ``args`` into a new graph of the shared pool, on
+        the capture stream; nothing runs, so nothing waits."""
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            graph.capture_begin(*(() if self.pool is None else (self.pool,)),
+                                capture_error_mode="thread_local")
+            try:
+                out = self.model(*args)
+            finally:
+                graph.capture_end()
+        self.pool = graph.pool()
+        return graph, out
+
+    def summary(self) -> dict[str, float]:
+        """The summary's graph figures: capture time and memory, and the cascade graphs
+        captured during the run (count, host seconds, how many warmed up first)."""
+        return {"graph_capture_s": self.capture_time_s, "graph_memory_bytes": self.memory_bytes,
+                "graphs_captured_in_run": self.run_captures,
+                "graph_capture_in_run_s": self.run_capture_s,
+                "graph_warmups_in_run": self.run_warmups}
 
     def _pad(self, start: int, end: int) -> None:
         """Make rows ``start:end`` padding: one token in the scratch block."""

@@ -35,6 +35,7 @@ class Engine:
         sample (``runtime/sampling/processors.py``); None: no request has any. ``grammars``:
         structured-output constraints already compiled for this model's tokenizer (made at
         the first constrained request otherwise)."""
+        config = config.with_seats()
         if config.max_num_batched_tokens < config.max_num_seqs:
             raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
         if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
@@ -466,7 +467,7 @@ class Engine:
             "prefix_cache_evicted_blocks": st.evicted_blocks,
             "kv_cache_blocks": self.runner.num_blocks,
             "peak_kv_blocks_used": st.peak_blocks_used,
-            "block_size": self.runner.block_size,
+            "block_size": self.runner.block_size, "max_num_seqs": self.config.max_num_seqs,
             "peak_memory_bytes": peak_memory_bytes(self.runner.device),
             "cuda_graphs": self.runner.graphs is not None,
             "fused_kernels": self.runner.fused_kernels,
@@ -476,8 +477,7 @@ class Engine:
         }
         runner = self.runner
         if runner.graphs is not None:
-            out["graph_capture_s"] = runner.graphs.capture_time_s
-            out["graph_memory_bytes"] = runner.graphs.memory_bytes
+            out.update(runner.graphs.summary())
         if runner.piecewise_off:
             out["mixed_step_graphs"] = f"off: {runner.piecewise_off}"
         if runner.piecewise is not None:

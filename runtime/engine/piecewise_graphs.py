@@ -177,10 +177,10 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def _capture(self, tb: int) -> None:
         """Warm bucket ``tb``'s kernels up on the step's inputs (its K/V written, no attention:
-        the output buffers hold what they hold), then capture its pieces."""
+        the output buffers hold what they hold), then capture its pieces. Nothing waits for
+        the GPU: recording runs no kernel (as the decode graphs' captures, cuda_graphs.py)."""
         t0 = time.perf_counter()
         self._forward(tb, _Split())
-        torch.cuda.synchronize(self.device)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         pieces: list[torch.cuda.CUDAGraph] = []
@@ -208,6 +208,5 @@ class PiecewiseGraphs:
                 raise
             pieces[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
         self.pieces[tb], self.outputs[tb] = pieces, hidden
         self.capture_time_s += time.perf_counter() - t0
