@@ -8,11 +8,10 @@ Flavours, detected in this order (``PAGEDGEN_FLASH_ATTN=fa4|fa3|fa2`` picks one)
   a run can need before timing or CUDA-graph capture; compiled kernels are also kept on disk
   (``FLASH_ATTENTION_CUTE_DSL_CACHE_*``) for the next run.
 * ``fa3`` -- FlashAttention-3 (``flash_attn_interface.flash_attn_with_kvcache``; SM90).
-* ``fa2`` -- FlashAttention-2 (``flash_attn``; SM80+); its paged kernels need pages of a
-  multiple of 256 tokens.
+* ``fa2`` -- FlashAttention-2 (``flash_attn``; SM80+); pages of a multiple of 256 tokens.
 
-The backend owns its cache layout: separate K and V caches ``[num_pages, page_size, kv_heads,
-head_dim]``, stacked as one tensor ``[2, num_pages, ...]`` per layer, and its page size.
+The backend owns its page size and cache layout: separate K and V caches ``[num_pages,
+page_size, kv_heads, head_dim]`` stacked as one tensor ``[2, num_pages, ...]`` per layer.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class Flavour:
 
 
 FLAVOURS = (
-    # Page 128 = FA4's key tile on SM90 (hdim 64/128), so pages load by TMA; see BENCHMARKS.md.
+    # Page 128 = FA4's key tile (hdim 64/128): pages load by TMA (SM90: default_page_size).
     Flavour("fa4", "flash_attn.cute", ("flash-attn-4",), (9, 10, 11), None, 128),
     Flavour("fa3", "flash_attn_interface", ("flash_attn_3", "flash-attn-3"), (9,), None, 16),
     Flavour("fa2", "flash_attn", ("flash-attn",), (8, 9, 10, 11, 12), (256, 512), 256,
@@ -118,9 +117,8 @@ def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
 
 
 # ---- the kernel calls, per flavour ------------------------------------------------------------
-# Prefill and decode take q [T, Hq, D] of one kind of sequence, the K and V caches and that
-# part's metadata, and return [T, Hq, D]. Causal masks are aligned bottom-right (queries are the
-# last tokens). FA4 also has a cascade decode (attention/cascade.py); the others return None.
+# Prefill and decode take q [T, Hq, D] of one kind of sequence, the K and V caches and its
+# metadata, and return [T, Hq, D] (causal masks bottom-right); FA4 also decodes by cascade.
 
 def _common(spec: LayerSpec, no_window: tuple) -> dict:
     """The keywords every flavour's calls share; ``no_window``: how the flavour spells "no
@@ -128,6 +126,15 @@ def _common(spec: LayerSpec, no_window: tuple) -> dict:
     window = (spec.sliding_window - 1, 0) if spec.sliding_window else no_window
     return dict(softmax_scale=spec.scale, causal=True, window_size=window,
                 softcap=spec.logits_soft_cap or 0.0)
+
+
+def default_page_size(f: Flavour, device: torch.device) -> int:
+    """The page size flavour ``f`` runs with when none is asked for; FA4 on SM90: 64, where
+    decode's 64-key tile still loads whole pages by TMA. A sequence's last page, and the page
+    where a shared prefix ends, are half empty on average: at 128, KV for fewer sequences at
+    once (workload s on an H100: 10,946 against 12,044 tok/s at 64; BENCHMARKS.md)."""
+    sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return 64 if f.name == "fa4" and sm90 else f.default_block_size
 
 
 def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
@@ -467,7 +474,7 @@ class FlashAttnBackend(AttentionBackend):
     def resolve_block_size(cls, requested: int | None) -> int:
         f, _ = select_flavour(torch.device("cuda"))
         if requested is None and f is not None:
-            return f.default_block_size
+            return default_page_size(f, torch.device("cuda"))
         return super().resolve_block_size(requested)
 
     @classmethod
@@ -489,5 +496,5 @@ class FlashAttnBackend(AttentionBackend):
                 tile = f", decode tile {'x'.join(map(str, t)) if t else 'FA4 own'}"
             except PagedgenError as e:
                 tile = f", {e}"
-        return (f"runs {f.name} {_version(f)}, page size {f.default_block_size}{tile} "
+        return (f"runs {f.name} {_version(f)}, page size {default_page_size(f, device)}{tile} "
                 f"({notes})")

@@ -211,6 +211,15 @@ def test_page_sizes_come_from_the_flavour(monkeypatch):
         FlashAttnBackend.resolve_block_size(16)
 
 
+@pytest.mark.parametrize("cc,page", [((9, 0), 64), ((10, 0), 128)])
+def test_fa4_page_size_is_64_on_sm90(monkeypatch, cc, page):
+    fake_flash_attn.install(monkeypatch, "fa4")
+    _pretend_gpu(monkeypatch, cc)
+    assert FlashAttnBackend.resolve_block_size(None) == page
+    assert FlashAttnBackend.resolve_block_size(128) == 128  # asked for: as asked
+    assert f"page size {page}," in FlashAttnBackend.describe(torch.device("cuda"))
+
+
 def test_flavour_choice_and_reasons(monkeypatch):
     fake_flash_attn.install(monkeypatch, "fa3")
     _pretend_gpu(monkeypatch, (8, 0))
