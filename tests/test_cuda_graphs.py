@@ -135,10 +135,9 @@ def test_a_capture_that_fails_without_warming_up_warms_up_and_captures_again(mon
     r, eager = _runner(monkeypatch)
     r._capture(1024, (1, 4))
     eager.clear()
-    _FakeGraph.fail = 1
+    monkeypatch.setattr(_FakeGraph, "fail", 1)
     r._capture(512, (1, 4))  # no warm-up planned: the capture fails, then warms up
     assert eager == [512] and 512 in r.graphs[(1, 4)] and r.summary()["graph_warmups_in_run"] == 2
     _FakeGraph.fail = 2  # fails after a warm-up too: the error is the caller's
     with pytest.raises(RuntimeError, match="capturing"):
         r._capture(256, (1, 4))
-    _FakeGraph.fail = 0

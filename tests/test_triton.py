@@ -231,7 +231,7 @@ def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch):
     assert mixed[0] >= 2 and mixed[1] == mixed[2] == 0
 
 
-def test_verify_cascade_cases_cover_steps_with_prefills():
+def test_verify_cascade_cases_cover_steps_with_prefills(monkeypatch):
     """``pagedgen verify``'s cascade cases on the triton backend (the interpreter): the grouped
     layouts behind prefill chunks among them, every case equal to eager."""
     from pagedgen.attention import cascade_layout as cl
@@ -245,13 +245,9 @@ def test_verify_cascade_cases_cover_steps_with_prefills():
             seen.append((batch.mixed_cascade, batch.metadata().cascade is not None))
         return real(backend, batch, state)
 
-    kc.run_backend = spy
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(paged_decode, "MAX_SPLITS", 1)
-            part = kc.cascade_cases("triton", torch.device(DEVICE), [3, 1], 0)
-    finally:
-        kc.run_backend = real
+    monkeypatch.setattr(kc, "run_backend", spy)
+    monkeypatch.setattr(paged_decode, "MAX_SPLITS", 1)
+    part = kc.cascade_cases("triton", torch.device(DEVICE), [3, 1], 0)
     assert (cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS) == floors  # restored after the cases
     assert part.cases == 2 and part.worst_abs <= TOL[kc.cascade_dtype(backend())]
     assert (True, True) in seen
