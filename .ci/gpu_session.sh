@@ -22,6 +22,7 @@
 # with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also
 # admitting requests in input order), PEERS_SET (one --set KEY=VALUE: an engine override for
 # both systems' runs) from the environment.
+# fp8-tiles (issue 32): each FP8 GEMM tile at FP8_TILES_M, and the MMA instructions of each.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s; MIXED_SYNC_OFF: the
@@ -136,6 +137,24 @@ for r in json.load(open(sys.argv[1]))["results"]:
                         for k, v in r.get("roofline", {}).items()})
 PY
       done ;;
+    fp8-tiles)
+      # every FP8 GEMM kernel and tile at FP8_TILES_M (default decode's and prefill's M), the
+      # fastest of each kind against bf16 and the plan's choice, and the MMA instructions
+      timed fp8-tiles 400 python3 -m benchmarks.fp8_gemm --every-tile \
+        --m "${FP8_TILES_M:-1,16,64,128,256,1024,8192}" --json "$S/fp8-tiles.json"
+      python3 - "$S/fp8-tiles.json" <<'PY' || tail -5 "$S/fp8-tiles.log"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for name, mma in d["meta"].get("mma", {}).items():
+    print(name, "|", mma)
+for r in d["rows"]:
+    kinds = {k[:-3]: v for k, v in r.items() if k.endswith("_us") and "/" not in k}
+    tiles = sorted((v, k[:-3]) for k, v in r.items() if k.endswith("_us") and "/" in k)
+    print("M", r["M"], {k: round(v, 1) for k, v in kinds.items()}, "plan", r["plan"],
+          f"{r['plan_weight_TBps']:.2f} TB/s;", "fastest tiles",
+          [(t, round(v, 1)) for v, t in tiles[:4]])
+PY
+      ;;
     mixed)
       # issue 34: where workload $MIXED_WORKLOAD's (default s) steps go, by kind and size, with
       # their kernels and host time; MIXED_SET: engine overrides (e.g. mixed_step_graphs=true)

@@ -3,7 +3,10 @@
 For each M, each of the model's four linear layers (qkv, o, gate_up, down; summed) through the
 bf16 GEMM and every FP8 kernel that can run it (``runtime/quantization/fp8.py``), timed from CUDA
 graph replays as the model runs them, plus the kernel the layer's measured plan picks. Prints
-microseconds, each one's speed-up over bf16, and the weight bandwidth reached.
+microseconds, each one's speed-up over bf16, and the weight bandwidth reached;
+``--every-tile`` also each Triton tile's time (``<kind>/<tile>_us``), and the tensor-core
+instructions each Triton kernel was compiled to (``wgmma``: Hopper's asynchronous warpgroup MMA;
+``mma.sync``: the Ampere-style one).
 
     python -m benchmarks.fp8_gemm --profile llama-3-8b --json benchmarks/results/fp8-gemm.json
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -34,12 +38,34 @@ def shapes(profile: str) -> dict[str, tuple[int, int]]:
             "down": (c.hidden_size, c.intermediate_size)}
 
 
+def mma_instructions() -> dict[str, str]:
+    """For each Triton FP8 GEMM kernel this process compiled: the tensor-core instructions in
+    its PTX and its shared memory."""
+    from pagedgen.runtime.quantization import fp8_kernels as k
+
+    out = {}
+    for name in ("_scaled_gemm_kernel", "_scaled_gemm_tma_kernel"):
+        for cache in getattr(getattr(k, name), "device_caches", {}).values():
+            for i, compiled in enumerate(cache[0].values()):
+                ptx = compiled.asm.get("ptx", "")
+                acc = re.search(r"tensor<(\d+x\d+)xf32, #mma", compiled.asm.get("ttgir", ""))
+                ops = sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[\w.]*", ptx)))
+                meta = compiled.metadata
+                out[f"{name} #{i} acc {acc[1] if acc else '?'}"] = (
+                    f"{' '.join(ops) or 'no MMA'}; {getattr(meta, 'shared', '?')} B shared, "
+                    f"{getattr(meta, 'num_warps', '?')} warps, "
+                    f"{getattr(meta, 'num_stages', '?')} stages")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="llama-3-8b")
     ap.add_argument("--m", default="1,8,16,32,64,128,256,512,1024,4096,8192")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--every-tile", action="store_true",
+                    help="each Triton tile's time too, and its kernel's MMA instructions")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("fp8_gemm.py needs a CUDA GPU")
@@ -65,6 +91,8 @@ def main() -> None:
                     for n, lay in layers.items())
             kind = gemm.split("/")[0]
             best[kind] = min(best.get(kind, (math.inf, "")), (t, gemm))
+            if args.every_tile and "/" in gemm:
+                row[f"{gemm}_us"] = 1e6 * t
         for kind, (t, gemm) in best.items():
             row[f"{kind}_us"] = 1e6 * t
             row[f"{kind}_speedup"] = dense / t
@@ -82,6 +110,12 @@ def main() -> None:
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "profile": args.profile, "copy_bw_tb_s": bw / 1e12,
             "shapes": shapes(args.profile)}
+    if args.every_tile:
+        try:
+            meta["mma"] = mma_instructions()
+        except (AttributeError, KeyError, TypeError, IndexError) as e:  # Triton's internals
+            meta["mma"] = {"unread": repr(e)}
+        print(json.dumps(meta["mma"]), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     cols = sorted({c for r in rows for c in r}, key=lambda c: (c != "M", c))

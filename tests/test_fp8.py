@@ -23,6 +23,7 @@ from pagedgen.runtime.quantization import fp8_kernels as k
 from pagedgen.runtime.quantization.config import check_device, quant_config
 
 runner = CliRunner()
+QUANTIZING = ("triton_w8a8", "triton_tma")  # the Triton kinds that quantize per token
 PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not k.HAVE_TRITON,
                                  reason="Triton kernels run on CPU tensors only when interpreted")
@@ -94,6 +95,42 @@ def test_every_tile_computes_the_same_gemm(tile, group, a_quant):
 
 
 @INTERPRETED
+@pytest.mark.parametrize("tile", list(k.TMA_TILES))
+@pytest.mark.parametrize("m,n,kk,group", [
+    (70, 40, 192, None),  # partial M and N tiles, K short of one 256 tile
+    (130, 72, 320, 64),  # block scales, per-token-group activations
+    (9, 48, 272, 128),  # partial last K group
+])
+def test_tma_kernel_computes_the_same_gemm(tile, m, n, kk, group):
+    """The TMA tiles (operands past the tensors' ends read as zeros) against the reference,
+    with per-token activation scales and, for block weights, per-token-group ones."""
+    x = torch.randn(m, kk)
+    wq, ws = k.quantize_weight(torch.randn(n, kk) * 0.1, group)
+    for a_group in {None, group}:
+        a, a_s = k.quantize_activations_ref(x, a_group)
+        got = k.scaled_gemm_tma(a, a_s, wq, ws, torch.float32, group, tile)
+        torch.testing.assert_close(got, k.scaled_gemm_ref(a, a_s, wq, ws, torch.float32, group),
+                                   rtol=1e-4, atol=1e-4)
+
+
+@INTERPRETED
+def test_tma_gemm_takes_misaligned_activations_through_the_plain_kernel():
+    from pagedgen.runtime.quantization.fp8_gemm import run_quantized, standalone_layer
+
+    layer = standalone_layer(torch.randn(40, 96) * 0.1, act_dtype=torch.float32)
+    q, s = k.quantize_activations_ref(torch.randn(5, 96))
+    shifted = torch.empty(5 * 96 + 8, dtype=q.dtype)[8:].view(5, 96)  # 8 bytes off
+    shifted.copy_(q)
+    assert k.tma_fits(q) and not k.tma_fits(shifted)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        k.scaled_gemm_tma(shifted, s, layer.weight, layer.weight_scale, torch.float32)
+    want = k.scaled_gemm_ref(q, s, layer.weight, layer.weight_scale, torch.float32)
+    for acts in (q, shifted):
+        got = run_quantized("triton_tma/64x64x128", layer, k.QuantizedActivations(acts, s))
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@INTERPRETED
 @pytest.mark.parametrize("residual", [False, True])
 def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(residual):
     from pagedgen.runtime.layers import fused_ops as f
@@ -123,7 +160,7 @@ def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(res
 
 
 @INTERPRETED
-@pytest.mark.parametrize("gemm", ["triton_w8a8", "triton_w8a16", "dequantize"])
+@pytest.mark.parametrize("gemm", ["triton_w8a8", "triton_tma", "triton_w8a16", "dequantize"])
 def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm):
     """What the GPU runs, on the CPU: a row- and a column-parallel FP8 layer with a plan, fed
     a tensor or (where the kernel quantizes per token) ``QuantizedActivations``."""
@@ -142,11 +179,11 @@ def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm)
         layer.quant_method.load(layer, "weight", None, w)
         layer.gemm_plan = GemmPlan([(math.inf, gemm)])
         want = k.scaled_gemm_ref(*k.quantize_activations_ref(x), layer.weight,
-                                 layer.weight_scale, torch.float32) if gemm == "triton_w8a8" \
+                                 layer.weight_scale, torch.float32) if gemm in QUANTIZING \
             else x @ k.dequantize(layer.weight, layer.weight_scale, torch.float32).t()
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
         takes = layer.quant_method.takes_quantized_input(layer, 5)
-        assert takes == (gemm == "triton_w8a8")
+        assert takes == (gemm in QUANTIZING)
         if takes:
             q = k.QuantizedActivations(*k.quantize_activations_ref(x))
             torch.testing.assert_close(layer(q), want, rtol=1e-4, atol=1e-4)
@@ -159,12 +196,15 @@ def test_gemm_plans_pick_by_m_and_forced_names_are_checked(monkeypatch):
     assert [plan.choose(m) for m in (1, 2, 64, 65, 5000)] == [
         "triton_w8a16/16x32x256", "rowwise", "rowwise", "triton_w8a8", "triton_w8a8"]
     check_forced("triton_w8a8/64x64x128")
+    check_forced("triton_tma/128x256x128")
     from pagedgen.runtime.quantization.fp8_gemm import _valid  # plans read back from disk
     assert _valid([[1, "triton_w8a16/16x32x256"], [64, "rowwise"]], ["rowwise"])
     assert not _valid([[1, "triton_w8a8/8x8x8"]], ["rowwise"])  # a tile this version lacks
+    assert _valid([[256, "triton_tma/128x64x128"]], ["rowwise"])
     assert not _valid([[1, "rowwise"]], ["triton_w8a8/16x32x256"])  # block weights: no rowwise
     assert not _valid([[64, "rowwise"], [1, "rowwise"]], ["rowwise"]) and not _valid("x", [])
-    for bad in ("cublas", "rowwise/16x32x256", "triton_w8a8/7x7x7"):
+    for bad in ("cublas", "rowwise/16x32x256", "triton_w8a8/7x7x7", "triton_w8a8/128x256x128",
+                "triton_tma/16x32x256"):  # each kind has its own tiles
         with pytest.raises(ValueError, match=ENV_GEMM):
             check_forced(bad)
 

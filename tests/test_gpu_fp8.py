@@ -35,7 +35,8 @@ def config(model: str, **kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("gemm", ["rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8"])
+@pytest.mark.parametrize("gemm", ["rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8",
+                                  "triton_tma"])
 def test_each_fp8_gemm_equals_its_reference(gemm):
     row = gemm_row(gemm, torch.device("cuda"), 21, seed=0)
     print(f"{gemm}: worst rel {row.worst_rel:.2e} over {row.cases} layers")

@@ -36,21 +36,23 @@ def plan_fp8(device: torch.device, model: str, dtype: str, cases: int, steps: in
     if why:
         return BackendReport(NAME, "skipped", why), []
     checks = [Check([(gemm_row, (gemm, device, cases, seed))], single)
-              for gemm in ("rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8")]
+              for gemm in ("rowwise", "rowwise_fast", "triton_w8a16", "triton_w8a8",
+                           "triton_tma")]
     checks.append(Check([(model_row, (model, dtype, device, steps, seed))], single))
     return BackendReport(NAME, "checked", reference="its dequantized reference"), checks
 
 
 def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
     """``cases`` random layers (M from 1 to 700, per-channel or 128-block scales as the
-    kernel takes) through ``gemm`` against ``scaled_gemm_ref`` on the same FP8 operands."""
+    kernel takes; ``triton_tma`` both, in turn) through ``gemm`` against ``scaled_gemm_ref``
+    on the same FP8 operands."""
     from pagedgen.runtime.quantization import fp8_kernels as k
     from pagedgen.runtime.quantization.fp8_gemm import run_gemm, standalone_layer
 
     g = torch.Generator().manual_seed(seed)
-    block = 128 if gemm == "triton_w8a8" else None
     worst_abs = worst_rel = 0.0
     for i in range(cases):
+        block = 128 if gemm == "triton_w8a8" or (gemm == "triton_tma" and i % 2) else None
         m = [1, 3, 16, 64, 100, 256, 700][i % 7]
         n = 16 * int(torch.randint(1, 40, (1,), generator=g))
         kk = 128 * int(torch.randint(1, 12, (1,), generator=g)) + (0 if block else 16 * (i % 3))

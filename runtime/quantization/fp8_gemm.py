@@ -2,7 +2,8 @@
 
 Candidates (``fp8_kernels.py``): ``rowwise`` and ``rowwise_fast`` (torch._scaled_mm, with
 fast accumulation; per-channel weights),
-``triton_w8a8/<tile>`` (activations quantized, FP8 tensor cores) and ``triton_w8a16/<tile>``
+``triton_w8a8/<tile>`` (activations quantized, FP8 tensor cores), ``triton_tma/<tile>`` (the
+same, its tiles loaded by TMA: Hopper and later) and ``triton_w8a16/<tile>``
 (activations as they are, weights converted in registers; small M only), each Triton kernel in
 the tiles that suit the M. At load, each distinct weight shape times every candidate at a few M
 values from CUDA-graph replays (as the model runs them: small-M kernels would otherwise be timed
@@ -27,9 +28,12 @@ from pagedgen.runtime.kernel_plans import graph_time
 from pagedgen.runtime.quantization import fp8_kernels as k
 
 ENV_GEMM = "PAGEDGEN_FP8_GEMM"
-KINDS = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_w8a16", "dequantize")
-M_BUCKETS = (1, 16, 64, 256, 1024)  # the M values each shape's kernels are timed at
-QUANTIZED_INPUT = ("rowwise", "rowwise_fast", "triton_w8a8")  # kinds that quantize per token
+KINDS = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_tma", "triton_w8a16", "dequantize")
+# The M values each shape's kernels are timed at: decode's batches and prefill's chunks (a
+# choice made at 1,024 ran a default 8,192-token chunk 9% slower on an H100)
+M_BUCKETS = (1, 16, 64, 128, 256, 1024, 8192)
+# the kinds that quantize per token (and so take a fused norm's or SwiGLU's quantized output)
+QUANTIZED_INPUT = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_tma")
 
 
 @dataclass
@@ -56,15 +60,24 @@ def candidates(layer: nn.Module, group_k: int | None, m: int) -> list[str]:
                 out.append(f"triton_w8a8/{name}")
                 if m <= 64:
                     out.append(f"triton_w8a16/{name}")
+        if (torch.cuda.get_device_capability(layer.weight.device) >= (9, 0)
+                and k.tma_fits(layer.weight)):
+            out += [f"triton_tma/{name}" for name, (bm, *_) in k.TMA_TILES.items()
+                    if bm <= max(64, m)]
     return out
+
+
+def tiles(kind: str) -> dict[str, tuple]:
+    """The tiles a Triton kind runs in (none for the others)."""
+    return k.TMA_TILES if kind == "triton_tma" else k.TILES if kind.startswith("triton") else {}
 
 
 def check_forced(name: str) -> None:
     kind, _, tile = name.partition("/")
-    if kind not in KINDS or (tile and tile not in k.TILES) or (tile and not
-                                                               kind.startswith("triton")):
+    if kind not in KINDS or (tile and tile not in tiles(kind)):
         raise ValueError(f"${ENV_GEMM}={name}: use one of {', '.join(KINDS)} (the Triton ones "
-                         f"optionally /TILE, TILE one of {', '.join(k.TILES)})")
+                         f"optionally /TILE, TILE one of {', '.join(k.TILES)}; triton_tma's "
+                         f"{', '.join(k.TMA_TILES)})")
 
 
 def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
@@ -102,11 +115,11 @@ def _valid(saved, cands: list[str]) -> bool:
         names = [g for _, g in saved]
     except (TypeError, ValueError):
         return False
-    known = set(cands) | {f"triton_{w}/{t}" for w in ("w8a8", "w8a16") for t in k.TILES}
+    known = set(cands) | {f"{kind}/{t}" for kind in KINDS for t in tiles(kind)}
     return bool(ms) and ms == sorted(ms) and all(g in known for g in names)
 
 
-PLAN_VERSION = 1  # part of the disk key: a change to the candidates or kernels bumps it
+PLAN_VERSION = 2  # part of the disk key: a change to the candidates or kernels bumps it
 CACHE = "fp8-gemm-plans.json"
 
 
@@ -133,6 +146,11 @@ def run_quantized(gemm: str, layer: nn.Module, x: k.QuantizedActivations,
     if kind.startswith("rowwise"):
         return k.rowwise_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype,
                               kind == "rowwise_fast")
+    if kind == "triton_tma":
+        if k.tma_fits(x.q):
+            return k.scaled_gemm_tma(x.q, x.scale, layer.weight, layer.weight_scale,
+                                     layer.act_dtype, group_k, tile or None)
+        tile = ""  # activations TMA cannot load (a view off 16 bytes): the same math
     return k.scaled_gemm(x.q, x.scale, layer.weight, layer.weight_scale, layer.act_dtype,
                          group_k, tile or None)
 

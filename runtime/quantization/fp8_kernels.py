@@ -13,6 +13,8 @@ GEMMs (``x`` ``[M, K]`` in bf16/fp16, the result in ``x``'s dtype):
   ``rowwise_fast`` the same with fast accumulation.
 * ``triton_w8a8``: activations quantized per token-group, then ``scaled_gemm`` below, which
   multiplies e4m3 tiles on the tensor cores and applies both scales per K group (block weights).
+* ``triton_tma``: the same arithmetic as ``triton_w8a8``, its operands' tiles loaded by
+  Hopper's tensor memory accelerator into a software pipeline (``scaled_gemm_tma``).
 * ``triton_w8a16``: ``scaled_gemm`` with ``x`` as it is and each e4m3 weight tile converted in
   registers (no activation quantization: for small M, where the GEMM is weight-bandwidth-bound).
 The torch references (``*_ref``) define the math; the tests run the kernels against them on the
@@ -166,6 +168,43 @@ if HAVE_TRITON:
         tl.store(C + rm[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
 
+    @triton.jit
+    def _scaled_gemm_tma_kernel(a_desc, AS, w_desc, WS, C, M, N, K, group_k, num_groups,
+                                a_groups, stride_cm, PER_ROW: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BAND_M: tl.constexpr):
+        """``_scaled_gemm_kernel``'s W8A8 arithmetic, both operands' tiles loaded by TMA
+        (``a_desc`` over A [M, K], ``w_desc`` over W [N, K]; past the ends they read as
+        zeros). One program per output tile, in bands of ``BAND_M`` row tiles: the programs
+        next to each other share a weight tile, which DRAM then sends once."""
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        band = BAND_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // band) * BAND_M
+        rows = tl.minimum(tiles_m - first_m, BAND_M)
+        pid_m = first_m + (pid % band) % rows
+        pid_n = (pid % band) // rows
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            a = a_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+            if PER_ROW:
+                acc = tl.dot(a, w.T, acc)
+            else:
+                g = k0 // group_k
+                ws = tl.load(WS + rn * num_groups + g, mask=n_ok, other=0.0)
+                asc = tl.load(AS + rm * a_groups + g % a_groups, mask=m_ok, other=0.0)
+                acc += tl.dot(a, w.T) * asc[:, None] * ws[None, :]
+        if PER_ROW:
+            acc = acc * tl.load(WS + rn, mask=n_ok, other=0.0)[None, :]
+            acc = acc * tl.load(AS + rm, mask=m_ok, other=0.0)[:, None]
+        tl.store(C + rm[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
 
 def quantize_activations(x: torch.Tensor, group_k: int | None = None,
                          static_scale: torch.Tensor | None = None
@@ -191,6 +230,23 @@ TILES = {"16x32x256": (16, 32, 256, 4, 4), "16x64x128": (16, 64, 128, 4, 4),
          "64x128x128": (64, 128, 128, 4, 3), "128x128x128": (128, 128, 128, 8, 3)}
 
 
+def _fitted_tile(tile: tuple, k: int, group_k: int | None, a_scale: torch.Tensor | None,
+                 groups: int) -> tuple[int, tuple]:
+    """``group_k`` (None: one group of all ``k`` columns) and ``tile`` with its K tile within
+    one group, once the activation scales are checked against the weight's ``groups``."""
+    if a_scale is not None and a_scale.shape[1] not in (1, groups):
+        raise ValueError(f"activation scales {list(a_scale.shape)} do not match the weight's "
+                         f"{groups} K groups")
+    bm, bn, bk, warps, stages = tile
+    if group_k is None:
+        group_k = k
+    else:
+        bk = min(bk, group_k)
+    if group_k != k and group_k % bk:
+        raise ValueError(f"K group {group_k} is not a multiple of the kernel's K tile {bk}")
+    return group_k, (bm, bn, bk, warps, stages)
+
+
 def default_tile(m: int) -> str:
     return "16x64x128" if m <= 16 else "64x64x128" if m <= 64 else "128x128x128"
 
@@ -205,16 +261,8 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
     m, k = a.shape
     n = w.shape[0]
     groups = w_scale.shape[1]
-    if a_scale is not None and a_scale.shape[1] not in (1, groups):
-        raise ValueError(f"activation scales {list(a_scale.shape)} do not match the weight's "
-                         f"{groups} K groups")
-    bm, bn, bk, warps, stages = TILES[tile or default_tile(m)]
-    if group_k is None:
-        group_k = k
-    else:
-        bk = min(bk, group_k)
-    if group_k != k and group_k % bk:
-        raise ValueError(f"K group {group_k} is not a multiple of the kernel's K tile {bk}")
+    group_k, (bm, bn, bk, warps, stages) = _fitted_tile(TILES[tile or default_tile(m)], k,
+                                                        group_k, a_scale, groups)
     if m and bk < 16:
         raise ValueError(f"K tile {bk} is below the tensor cores' 16")
     c = torch.empty(m, n, dtype=out_dtype, device=a.device)
@@ -226,6 +274,45 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             group_k, groups, a_groups, a.stride(0), w.stride(0), c.stride(0),
             A_QUANT=a_scale is not None, PER_ROW=groups == 1 and a_groups == 1,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return c
+
+
+# The TMA kernel's tiles (same notation). M = 64: narrow tiles, so that at least a program per
+# SM streams the weight; M = 256: 64 or 128 rows against N = 4,096's 32-64 column tiles.
+TMA_TILES = {"64x32x256": (64, 32, 256, 4, 4), "64x64x128": (64, 64, 128, 4, 4),
+             "64x128x128": (64, 128, 128, 4, 4), "128x64x128": (128, 64, 128, 4, 4),
+             "128x128x128": (128, 128, 128, 8, 4), "128x256x128": (128, 256, 128, 8, 3)}
+
+
+def tma_fits(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can load these 2-D tensors: rows contiguous, 16-byte aligned."""
+    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def scaled_gemm_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+                    w_scale: torch.Tensor, out_dtype: torch.dtype,
+                    group_k: int | None = None, tile: str | None = None) -> torch.Tensor:
+    """``scaled_gemm`` on quantized activations (e4m3 ``a`` with ``a_scale``), its tiles loaded
+    by TMA (``tma_fits`` both operands); ``tile``: a ``TMA_TILES`` name (None: by M)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    m, k = a.shape
+    n = w.shape[0]
+    groups = w_scale.shape[1]
+    if not tma_fits(a, w):
+        raise ValueError("TMA loads need rows 16-byte aligned (K a multiple of 16)")
+    group_k, (bm, bn, bk, warps, stages) = _fitted_tile(
+        TMA_TILES[tile or ("64x64x128" if m <= 64 else "64x128x128")], k, group_k, a_scale,
+        groups)
+    c = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if m:
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _scaled_gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(a, [bm, bk]), a_scale,
+            TensorDescriptor.from_tensor(w, [bn, bk]), w_scale, c, m, n, k, group_k, groups,
+            a_scale.shape[1], c.stride(0), PER_ROW=groups == 1 and a_scale.shape[1] == 1,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BAND_M=8, num_warps=warps, num_stages=stages)
     return c
 
 
