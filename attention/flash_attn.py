@@ -34,9 +34,8 @@ from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.ops import paged_decode
-from pagedgen.attention.ops.kv_cache import triton_writes, write_kv_triton
+from pagedgen.attention.ops.kv_cache import write_kv_split
 from pagedgen.errors import PagedgenError
-from pagedgen.attention.ops.profiling import scope
 
 INSTALL_HINT = "pip install 'pagedgen[flash-attn]'"
 ENV_FLAVOUR = "PAGEDGEN_FLASH_ATTN"
@@ -117,8 +116,8 @@ def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
 
 
 # ---- the kernel calls, per flavour ------------------------------------------------------------
-# Prefill and decode take q [T, Hq, D] of one kind of sequence, the K and V caches and its
-# metadata, and return [T, Hq, D] (causal masks bottom-right); FA4 also decodes by cascade.
+# Prefill and decode take q [T, Hq, D] of one kind of sequence, the K and V caches, metadata
+# (and ``out`` rows to fill), return [T, Hq, D] (causal, bottom-right); FA4 also cascades.
 
 def _common(spec: LayerSpec, no_window: tuple) -> dict:
     """The keywords every flavour's calls share; ``no_window``: how the flavour spells "no
@@ -180,19 +179,22 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
     def dec(q, *args, **kw):  # the tile is for head sizes up to 128 (FA4's own beyond)
         return (tiled if q.shape[-1] <= 128 else fn)(q, *args, **kw)
 
-    def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+    def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec, out=None
+                ) -> torch.Tensor:
         return fn(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
                   max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
-                  page_table=md.block_tables, **_common(spec, (None, None)))[0]
+                  page_table=md.block_tables, out=out, **_common(spec, (None, None)))[0]
 
-    def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec) -> torch.Tensor:
+    def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec, out=None
+               ) -> torch.Tensor:
         # q as [B, 1, H, D] (no cu_seqlens): shapes fixed by the batch, so CUDA graphs can hold
         # it. With split_kv the KV is split when the batch alone cannot fill the GPU.
         return dec(q.unsqueeze(1), k_cache, v_cache, seqused_k=md.seq_lens,
                    page_table=md.block_tables, num_splits=num_splits,
+                   out=None if out is None else out.unsqueeze(1),
                    **_common(spec, (None, None)))[0].squeeze(1)
 
-    def cascade(q, kv_cache, x: CascadeInputs, spec: LayerSpec) -> torch.Tensor:
+    def cascade(q, kv_cache, x: CascadeInputs, spec: LayerSpec, out=None) -> torch.Tensor:
         # per level, each group's queries as one non-causal sequence over its pages, read once
         b, h, d = q.shape
         k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -205,7 +207,7 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
                 seqused_k=x.kv_lens[i], page_table=x.tables[i], softmax_scale=spec.scale,
                 causal=False, softcap=spec.logits_soft_cap or None, return_lse=True,
                 tile_mn=tile, out=levels[i], lse=lse[i])
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         if suffix == "triton":  # each row's own pages, split by the batch alone (graph-safe)
             splits = paged_decode.num_splits(b, spec, q.device)
             suf, suf_lse = paged_decode.partials(splits, b, spec, q.device)
@@ -222,9 +224,8 @@ def _fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
 
 
 def cascade_suffix_kernel() -> str:
-    """What attends each row's own pages in FA4's cascade decode: ``triton``, our paged decode
-    (attention/ops/paged_decode.py: faster on the short runs of own tokens cascade leaves), or
-    ``fa4``, FA4's decode with the decode tile (``$PAGEDGEN_FA4_CASCADE_SUFFIX``)."""
+    """What attends each row's own pages in FA4's cascade decode (``$PAGEDGEN_FA4_CASCADE_SUFFIX``):
+    ``triton``, ops/paged_decode.py (faster on the short runs cascade leaves), or ``fa4``."""
     want = os.environ.get(ENV_CASCADE_SUFFIX) or "triton"
     if want not in ("triton", "fa4"):
         raise PagedgenError(f"{ENV_CASCADE_SUFFIX}={want}: expected 'triton' or 'fa4'")
@@ -255,7 +256,7 @@ def _fa3_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
         return fn(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=md.seq_lens,
                   page_table=md.block_tables, num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
-    return prefill, decode, None
+    return _copied(prefill), _copied(decode), None
 
 
 def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
@@ -271,10 +272,15 @@ def _fa2_calls(mod, split_kv: bool) -> tuple[Callable, Callable]:
                                            cache_seqlens=md.seq_lens, block_table=md.block_tables,
                                            num_splits=0, **_common(spec, (-1, -1))).squeeze(1)
 
-    return prefill, decode, None
+    return _copied(prefill), _copied(decode), None
 
 
 _CALLS = {"fa4": _fa4_calls, "fa3": _fa3_calls, "fa2": _fa2_calls}
+
+
+def _copied(call: Callable) -> Callable:
+    """An FA2/FA3 call (which take no output tensor) with FA4's ``out``: copied into it."""
+    return lambda *args, out=None: call(*args) if out is None else out.copy_(call(*args))
 
 
 def _compiled_variants(mod) -> int:
@@ -397,17 +403,6 @@ class FlashAttnState(AttentionState):
         return out
 
 
-def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                   v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store new tokens' k/v [T, H, D] at their slots in separate [pages, page, H, D] caches."""
-    if triton_writes(k_cache, k):
-        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
-        return
-    with scope("kv_cache_write"):
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
-
-
 class FlashAttnImpl(AttentionImpl):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -417,14 +412,19 @@ class FlashAttnImpl(AttentionImpl):
                metadata: AttentionMetadata) -> torch.Tensor:
         st, spec = self.state, self.spec
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        outs, t0 = [], metadata.num_prefill_tokens
-        if metadata.num_prefills:
-            outs.append(st.prefill(q[:t0], k_cache, v_cache, metadata.prefill_metadata, spec))
+        t0 = metadata.num_prefill_tokens
+        if t0 == q.shape[0]:
+            return st.prefill(q, k_cache, v_cache, metadata.prefill_metadata, spec)
+        # with prefills, the decodes write their rows of the same tensor (no concatenation)
+        out = torch.empty_like(q) if t0 else None
+        if t0:
+            st.prefill(q[:t0], k_cache, v_cache, metadata.prefill_metadata, spec, out=out[:t0])
+        rows = None if out is None else out[t0:]
         if metadata.cascade is not None:  # the decodes, grouped
-            outs.append(st.cascade(q[t0:], kv_cache, metadata.cascade_inputs, spec))
-        elif metadata.num_decodes:
-            outs.append(st.decode(q[t0:], k_cache, v_cache, metadata.decode_metadata, spec))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+            dec = st.cascade(q[t0:], kv_cache, metadata.cascade_inputs, spec, out=rows)
+        else:
+            dec = st.decode(q[t0:], k_cache, v_cache, metadata.decode_metadata, spec, out=rows)
+        return dec if out is None else out
 
 
 class FlashAttnBackend(AttentionBackend):

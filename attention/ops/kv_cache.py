@@ -55,6 +55,17 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
             HP=triton.next_power_of_2(h), D=d)
 
 
+def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store new tokens' k/v [T, H, D] at their slots in separate [pages, page, H, D] caches."""
+    if triton_writes(k_cache, k):
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+        return
+    with scope("kv_cache_write"):
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
 def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:
     num_blocks, _, block_size, h, d = kv_cache.shape
     rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
