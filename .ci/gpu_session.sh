@@ -22,7 +22,8 @@
 # with those steps eager, not in piecewise CUDA graphs), PEERS_GROUPING_OFF (set: also
 # admitting requests in input order), PEERS_SET (one --set KEY=VALUE: an engine override for
 # both systems' runs) from the environment.
-# fp8-tiles (issue 32): each FP8 GEMM tile at FP8_TILES_M, and the MMA instructions of each.
+# fp8-tiles (issue 32): each FP8 GEMM tile at FP8_TILES_M (FP8_TMA_TILES: more TMA tiles,
+# fp8_gemm.py's --tma-tiles), and the MMA instructions of each.
 # fp8 (issue 32): the FP8 GEMM benchmark, verify -q fp8 and the 8B preset's decode steps at
 # batch 1, 64 and 256 under torch.profiler with FP8 weights, against the FP8 roofline.
 # mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s; MIXED_SYNC_OFF: the
@@ -141,7 +142,8 @@ PY
       # every FP8 GEMM kernel and tile at FP8_TILES_M (default decode's and prefill's M), the
       # fastest of each kind against bf16 and the plan's choice, and the MMA instructions
       timed fp8-tiles 400 python3 -m benchmarks.fp8_gemm --every-tile \
-        --m "${FP8_TILES_M:-1,16,64,128,256,1024,8192}" --json "$S/fp8-tiles.json"
+        --m "${FP8_TILES_M:-1,16,64,128,256,1024,8192}" --tma-tiles "${FP8_TMA_TILES:-}" \
+        --json "$S/fp8-tiles.json"
       python3 - "$S/fp8-tiles.json" <<'PY' || tail -5 "$S/fp8-tiles.log"
 import json, sys
 d = json.load(open(sys.argv[1]))

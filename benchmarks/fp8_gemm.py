@@ -66,7 +66,14 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--every-tile", action="store_true",
                     help="each Triton tile's time too, and its kernel's MMA instructions")
+    ap.add_argument("--tma-tiles", default="",
+                    help="more TMA tiles to try, NAME=BM,BN,BK,WARPS,STAGES;... (this run only)")
     args = ap.parse_args()
+    from pagedgen.runtime.quantization import fp8_kernels
+
+    for spec in filter(None, args.tma_tiles.split(";")):
+        name, _, dims = spec.partition("=")
+        fp8_kernels.TMA_TILES[name] = tuple(int(v) for v in dims.split(","))
     if not torch.cuda.is_available():
         sys.exit("fp8_gemm.py needs a CUDA GPU")
     bw = copy_bandwidth()
