@@ -40,6 +40,7 @@ def lockstep_logits(a: Engine, ref: Engine, prompts: list[list[int]], params: Sa
         if la is None or lb is None:  # a step that sampled nothing (a prefill chunk)
             assert la is lb
             continue
+        la, lb = la.float(), lb.float()  # as sampled: the model's dtype where nothing upcast
         worst = max(worst, (la - lb).abs().max().item() / lb.abs().max().item())
         agree += (la.argmax(-1) == lb.argmax(-1)).sum().item()
         total += la.shape[0]
@@ -60,7 +61,8 @@ def graphs_vs_eager(g: Engine, e: Engine, prompts: list[list[int]], params: Samp
     while g.has_unfinished():
         g.step()
         e.step()
-        worst = max(worst, (g.runner.last_logits - e.runner.last_logits).abs().max().item())
+        diff = g.runner.last_logits.float() - e.runner.last_logits.float()
+        worst = max(worst, diff.abs().max().item())
     assert g.runner.host_steps["decode"] > 10
     for sg, se in pairs:
         assert sg.output_token_ids == se.output_token_ids

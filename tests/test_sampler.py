@@ -81,3 +81,67 @@ def test_fused_kernel_samples_what_the_torch_path_samples():
                                  [0, 5, 9, 1, 2, 3, 100, 4, 7], dev,
                                  min_ps=[min_p] * n if min_p else None)
         assert sample(logits, sb, fused=True).tolist() == sample(logits, sb, fused=False).tolist()
+
+
+def test_model_dtype_logits_sample_what_their_float32_copy_samples():
+    """A step's logits come in the model's dtype (``compute_logits(float32=False)``): greedy
+    rows and the fused kernel read them as they are, every other path upcasts first. Each path
+    picks from bf16 and fp16 logits exactly what it picks from their float32 copy (over 256
+    rows of close logits, where tempering in 16 bits would flip some rows' picks)."""
+    import importlib.util
+    import os
+    fused_ok = importlib.util.find_spec("triton") is not None and (
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1")
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator().manual_seed(3)
+    n, v = 256, 257
+    temps = [0.0, 1.0, 0.7, 1.3] * (n // 4)
+    settings = {"greedy": dict(temps=[0.0] * n), "tempered": {}, "top_k": dict(top_k=20),
+                "top_p": dict(top_p=0.8), "min_p": dict(min_p=0.05)}
+    for dtype in (torch.bfloat16, torch.float16):
+        logits = torch.randn(n, v, generator=g).to(dtype).to(dev)
+        for name, s in settings.items():
+            sb = SamplingBatch.build(s.get("temps", temps), [s.get("top_k", 0)] * n,
+                                     [s.get("top_p", 1.0)] * n, list(range(n)), [2] * n, dev,
+                                     min_ps=[s["min_p"]] * n if "min_p" in s else None)
+            # the kernel's paths (once: the interpreter is slow; it reads fp16 as bf16)
+            kernel = fused_ok and name in ("tempered", "min_p") and dtype == torch.bfloat16
+            for fused in ((False, True) if kernel else (False,)):
+                want = sample(logits.float(), sb, fused=fused).tolist()
+                assert sample(logits, sb, fused=fused).tolist() == want, (dtype, name, fused)
+
+
+def test_a_bf16_engine_samples_from_bf16_logits_as_it_would_from_float32(monkeypatch):
+    """The engine asks the model for logits in its dtype (no [rows, vocab] float32 copy a
+    step): a bf16 run keeps them in bf16 where nothing changes them, and its tokens and
+    log-probabilities (greedy, tempered, top-k, with and without penalties) are those of the
+    same run handed float32 logits."""
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine.engine import Engine
+
+    prompts = [[256, 72, 101, 108], [256, 87, 111], [256, 1, 2, 3, 4, 5]]
+    params = [SamplingParams(max_tokens=8, temperature=t, top_k=k, seed=5, ignore_eos=True,
+                             logprobs=2, presence_penalty=pp)
+              for t, k, pp in ((0.0, 0, 0.0), (1.0, 0, 0.0), (0.8, 5, 0.0), (1.0, 0, 0.4))]
+
+    def run(float32: bool):
+        eng = Engine(EngineConfig(model="tiny", device="cpu", dtype="bfloat16", num_blocks=64,
+                                  max_num_seqs=8))
+        if float32:
+            real = eng.runner.model.compute_logits
+            monkeypatch.setattr(eng.runner.model, "compute_logits",
+                                lambda h, float32=True: real(h, True))
+        seqs = [eng.add_request(p, sp) for sp in params for p in prompts]
+        dtypes = set()
+        while eng.has_unfinished():
+            eng.step()
+            if eng.runner.last_logits is not None:
+                dtypes.add(eng.runner.last_logits.dtype)
+        return ([s.output_token_ids for s in seqs],
+                [s.logprobs for s in seqs], dtypes)
+
+    tokens, lps, dtypes = run(False)
+    assert dtypes == {torch.bfloat16, torch.float32}  # float32 only where penalties applied
+    want_tokens, want_lps, want_dtypes = run(True)
+    assert want_dtypes == {torch.float32}
+    assert tokens == want_tokens and lps == want_lps

@@ -265,3 +265,34 @@ def test_a_resume_record_with_logit_bias_matches_itself():
     assert _difference(json.loads(json.dumps(new)), new) is None
     other = {**new, "settings": {**settings, "logit_bias": {65: 2.0}}}
     assert "logit_bias" in _difference(json.loads(json.dumps(new)), other)
+
+
+def test_controls_and_processors_change_model_dtype_logits_in_float32():
+    """Sampling takes logits in the model's dtype; where controls or processors will change
+    them it upcasts first, so a penalty or bias is not rounded to bf16: the planned logits are
+    those of the float32 path, bit for bit, and processors see float32."""
+    from types import SimpleNamespace
+
+    from pagedgen.runtime.sampling.step import plan_sampling
+    seen = []
+
+    def processor(output_token_ids, row):
+        seen.append(row.dtype)
+        row[3] += 0.3
+
+    rs = rows(repetition_penalty=1.3, presence_penalty=0.45, logit_bias={5: 0.3}, min_tokens=4)
+    seqs = [SimpleNamespace(**vars(r), controlled=r.controlled, seed=i, num_output_tokens=len(
+        r.output_token_ids), logits_processors=[processor] if i % 2 else [], grammar=None,
+        is_finished=False) for i, r in enumerate(rs)]
+    x = logits_for(len(rs)).to(torch.bfloat16)
+    plan = plan_sampling(x, seqs, torch.device("cpu"), True, {EOS})
+    ref = x.float()
+    controls.apply(ref, seqs, {EOS})
+    ref[1, 3] += 0.3
+    ref[3, 3] += 0.3
+    assert plan.logits.dtype == torch.float32 and torch.equal(plan.logits, ref)
+    assert seen == [torch.float32, torch.float32]
+    plain = plan_sampling(x, [SimpleNamespace(**{**vars(s), "controlled": False,
+                                                 "logits_processors": []}) for s in seqs],
+                          torch.device("cpu"), True, {EOS})
+    assert plain.logits is x  # nothing to change: no float32 copy

@@ -343,7 +343,9 @@ class ModelRunner:
                 picked = hidden[rows[0]:rows[0] + len(rows)]
             else:
                 picked = hidden[to_device(rows, torch.long, self.device)]
-            handle.logits = self.model.compute_logits(picked)
+            # in the model's dtype: sampling upcasts only what needs it (a [rows, vocab]
+            # float32 copy a step saved where greedy rows or the fused sampler take them)
+            handle.logits = self.model.compute_logits(picked, float32=False)
         return handle
 
     @torch.inference_mode()
@@ -362,7 +364,8 @@ class ModelRunner:
             self.plan_sampling(handle)
             out = finish_sampling(handle.plan, self.device, self.tp, self.grammars,
                                   None if self.fused_kernels else False)
-            self.last_logits, self.last_sampled = handle.logits, handle.sampling  # verify
+            # verify's: as sampled (controls and masks applied), in float32 or the model's dtype
+            self.last_logits, self.last_sampled = handle.plan.logits, handle.sampling
             handle.logits = handle.plan = None
             self.last_tokens = out.tokens  # on the device: the next step's pending inputs
             handle.tokens, handle.logprobs = out.tokens, out.logprobs

@@ -36,8 +36,9 @@ class VocabParallelEmbedding(nn.Module):
         x = F.embedding(local.clamp(0, self.rows - 1), self.weight) * inside.unsqueeze(-1)
         return self.tp.all_reduce(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits over the whole vocabulary: this rank's slice computed here, the
-        others gathered."""
-        local = F.linear(hidden, self.weight).float()
-        return self.tp.all_gather(local)[..., :self.vocab_size]
+    def logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits over the whole vocabulary: this rank's slice computed here, the others
+        gathered; float32, or the model's dtype where ``float32`` is False (a step's sampling
+        upcasts only what needs it)."""
+        local = F.linear(hidden, self.weight)
+        return self.tp.all_gather(local.float() if float32 else local)[..., :self.vocab_size]

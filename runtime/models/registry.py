@@ -35,8 +35,9 @@ class CausalLM(Protocol):
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
         """A step's hidden states [T, hidden]."""
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [rows, vocab] (gathered in full on every rank)."""
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [rows, vocab] (gathered in full on every rank): float32, or where
+        ``float32`` is False whatever dtype the family computes them in."""
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None: ...
 

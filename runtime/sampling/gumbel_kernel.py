@@ -46,6 +46,7 @@ if HAVE_TRITON:
             col = start + tl.arange(0, BLOCK_V)
             ok = col < V
             x = tl.load(Logits + r * stride_l + col, mask=ok, other=float("-inf"))
+            x = x.to(tl.float32)
             bits = _hash32(row * 0x27D4EB2F + col.to(tl.int64) * 0x165667B1 + 0x1B873593, m32)
             u = (bits.to(tl.float64) + 0.5) / 4294967296.0
             u = tl.minimum(u, 1.0 - 1.0 / 16777216.0).to(tl.float32)
@@ -79,9 +80,11 @@ def row_hashes(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
 
 def gumbel_argmax(logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor,
                   steps: torch.Tensor) -> torch.Tensor:
-    """Token ids [B] for float32 ``logits`` [B, V] (rows contiguous): sampled at each row's
-    temperature with its seed's noise at its step, greedy where the temperature is 0."""
-    logits = logits.contiguous()
+    """Token ids [B] for ``logits`` [B, V] (float32, or a 16-bit dtype read as float32): sampled
+    at each row's temperature with its seed's noise at its step, greedy where the temperature
+    is 0."""
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
     b, v = logits.shape
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     gumbel_argmax_kernel[(b,)](logits, logits.stride(0), temperatures.float().contiguous(),

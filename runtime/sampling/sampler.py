@@ -77,7 +77,9 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, fused: bool | None = None) -> torch.Tensor:
-    """logits [B, V] float32 → token ids [B]. ``fused``: temperature sampling without top-k or
+    """logits [B, V] → token ids [B]. The logits may be in float32 or the model's dtype:
+    greedy rows and the fused kernel read them as they are (their float32 values are exact),
+    every other path upcasts them first. ``fused``: temperature sampling without top-k or
     top-p in one Triton kernel (gumbel_kernel.py; default: on CUDA with Triton)."""
     if fused is None:
         fused = logits.is_cuda and gumbel_kernel.HAVE_TRITON
@@ -85,11 +87,13 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, fused: bool | None = None) -
         return logits.argmax(dim=-1)
     if fused and not sb.any_top_k_or_p:
         if sb.min_ps is not None:  # min-p judges the tempered distribution
+            logits = logits.float()
             temps = torch.where(sb.temperatures > 0, sb.temperatures, 1.0)
             kept = apply_min_p(logits / temps[:, None], sb.min_ps)
             logits = logits.masked_fill(kept.isneginf() & (sb.temperatures[:, None] > 0),
                                         float("-inf"))
         return gumbel_kernel.gumbel_argmax(logits, sb.temperatures, sb.seeds, sb.steps)
+    logits = logits.float()
     greedy = logits.argmax(dim=-1)
     temps = torch.where(sb.temperatures > 0, sb.temperatures, 1.0)
     logits = logits / temps[:, None]

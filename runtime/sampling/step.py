@@ -44,24 +44,26 @@ class SamplingPlan:
 def plan_sampling(logits: torch.Tensor, seqs: Sequence[Any], device: torch.device,
                   with_processors: bool, eos_ids: set[int] = frozenset(),
                   grammars: Grammars | None = None) -> SamplingPlan:
-    """Everything of a step's sampling that reads ``seqs`` (one row of ``logits`` each);
-    ``with_processors``: whether any sequence may have processors; ``eos_ids``: the tokens
-    ``min_tokens`` holds back; ``grammars``: the run's compiled constraints (None: no
-    sequence has one)."""
+    """Everything of a step's sampling that reads ``seqs`` (one row of ``logits`` each, in
+    float32 or the model's dtype: upcast here when controls, processors or grammars will
+    change them, else where the sampler needs it); ``with_processors``: whether any sequence
+    may have processors; ``eos_ids``: the tokens ``min_tokens`` holds back; ``grammars``: the
+    run's compiled constraints (None: no sequence has one)."""
     controlled = any(s.controlled for s in seqs)
-    if controlled:
-        with scope("sampling_controls"):
-            controls.apply(logits, seqs, eos_ids)
-    if with_processors:
-        rows = [(i, s.logits_processors, s.output_token_ids)
-                for i, s in enumerate(seqs) if s.logits_processors]
-        if rows:
-            with scope("logits_processors"):
-                processors.apply(logits, rows)
+    processed = [(i, s.logits_processors, s.output_token_ids)
+                 for i, s in enumerate(seqs) if s.logits_processors] if with_processors else []
     grammar_rows = []
     if grammars is not None:  # the tokens so far, as they are now
         grammar_rows = [(i, s.grammar, list(s.output_token_ids)) for i, s in enumerate(seqs)
                         if s.grammar is not None and not s.is_finished]
+    if controlled or processed or grammar_rows:  # what changes logits works on float32 ones
+        logits = logits.float()
+    if controlled:
+        with scope("sampling_controls"):
+            controls.apply(logits, seqs, eos_ids)
+    if processed:
+        with scope("logits_processors"):
+            processors.apply(logits, processed)
     rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
     return SamplingPlan(logits, grammar_rows, sampling_batch(seqs, device, controlled), rows,
                         max((seqs[r].params.logprobs for r in rows), default=0))

@@ -98,8 +98,9 @@ class Gemma2ForCausalLM(llama.LlamaForCausalLM):
         # the scale rounded to the activation dtype first, as transformers does
         return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype).item()
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        # the soft cap's tanh runs in float32 whatever the caller asks
+        logits = super().compute_logits(hidden, float32 or bool(self.final_soft_cap))
         if self.final_soft_cap:
             cap = self.final_soft_cap
             logits = torch.tanh(logits / cap) * cap

@@ -143,7 +143,7 @@ class Model(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → float32 logits.
+    """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → logits.
     With a tensor-parallel group of more than one rank, this is one rank's shard
     (runtime/layers/sharding.py); logits are gathered in full on every rank."""
 
@@ -270,9 +270,9 @@ class LlamaForCausalLM(nn.Module):
                     p.numel() * p.element_size() for p in m.parameters())
         return int(total)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return head.logits(hidden)
+        return head.logits(hidden, float32)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Checkpoint tensors into our parameters (``weights.load_checkpoint``)."""
