@@ -1,10 +1,31 @@
 """The one exception type the CLI turns into a one-line error (no traceback)."""
 
+import signal
+
 
 class PagedgenError(Exception):
     """A user-facing error: bad input, missing files, an unavailable backend."""
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised in the main thread (like KeyboardInterrupt for SIGINT) so that a run
-    ends as after Ctrl-C: output closed, workers stopped, one line, exit code 143."""
+    """SIGTERM or SIGHUP (a closed terminal), raised in the main thread (as KeyboardInterrupt
+    is for SIGINT) so that a run ends as after Ctrl-C: output closed, workers stopped, one
+    line, exit code 128 + the signal's number (143, 129)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = int(signum)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def words(self) -> str:
+        """How the run ended, for its last line."""
+        return "hung up (SIGHUP)" if self.signum == signal.SIGHUP else \
+            f"terminated ({self.name})"

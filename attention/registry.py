@@ -77,6 +77,39 @@ def _auto_flavour_ok(name: str, device: torch.device) -> bool:
     return flavours is None or _load(name).flavour(device).name in flavours
 
 
+def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch.dtype,
+                      kv_dtype: torch.dtype, model: str) -> type[AttentionBackend]:
+    """``get_backend`` for a model of these layer ``specs``: ``auto`` passes over backends
+    that cannot run one of its layers (a soft cap, a window, a head size, the dtype, an FP8
+    KV cache) for the next that can; a named one that cannot is a one-line error."""
+    def why_not(cls: type[AttentionBackend]) -> str | None:
+        for spec in specs:
+            why = cls.check_layer(spec, dtype)
+            if why:
+                return why
+        if kv_dtype.itemsize == 1 and not cls.supports_fp8_kv_cache:
+            return "no FP8 KV cache"
+        return None
+
+    if name != "auto":
+        cls = get_backend(name, device)
+        why = why_not(cls)
+        if why:
+            raise PagedgenError(f"backend '{cls.name}' cannot run {model}: {why}")
+        return cls
+    reasons = []
+    for cand in _AUTO_ORDER.get(device.type, ["eager"]):
+        if cand in _BACKENDS and unavailable_reason(cand, device) is None \
+                and _auto_flavour_ok(cand, device):
+            cls = _load(cand)
+            why = why_not(cls)
+            if why is None:
+                return cls
+            reasons.append(f"{cand}: {why}")
+    raise PagedgenError(f"no attention backend here runs {model} on {device} "
+                        f"({'; '.join(reasons) or 'none is available'})")
+
+
 def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend called ``name`` (or the best for ``device`` when ``auto``). Loads only the
     backends it considers (a named one; for ``auto``, candidates up to the first that runs),

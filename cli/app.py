@@ -14,9 +14,24 @@ from pagedgen.cli.profile.command import profile
 from pagedgen.cli.verify.command import verify
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  rich_markup_mode=None,
+                  rich_markup_mode=None, context_settings={"help_option_names": ["-h", "--help"]},
                   help="Offline batch LLM generation and attention profiling over a paged KV "
                        "cache.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from pagedgen import __version__
+
+        typer.echo(f"pagedgen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", "-V", callback=_version,
+                                       is_eager=True, help="Print the version and exit.")
+          ) -> None:
+    """Offline batch LLM generation and attention profiling over a paged KV cache."""
 
 
 @app.command()

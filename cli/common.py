@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Callable, Optional
 
 import typer
@@ -37,9 +38,9 @@ def cli_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             console.print("[yellow]interrupted[/]", soft_wrap=True)
             raise typer.Exit(130)
-        except Terminated:
-            console.print("[yellow]terminated (SIGTERM)[/]")
-            raise typer.Exit(143)
+        except Terminated as e:
+            console.print(f"[yellow]{e.words}[/]")
+            raise typer.Exit(e.exit_code)
 
     return wrapper
 
@@ -48,6 +49,7 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
                         sampling_overrides: dict):
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
     options, every value checked (types, ranges, names) before anything loads."""
+    from pagedgen import PROFILES_DIR
     from pagedgen.attention.registry import backend_names
     from pagedgen.runtime.config import DEFAULT_MODEL
     from pagedgen.runtime.profiles import (apply_fields, configs_from_profile, list_profiles,
@@ -60,11 +62,18 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
     engine, sampling = configs_from_profile(prof)  # checks the profile's own values
     if model is not None:
         engine.model = model
-    engine = apply_fields(engine, {k: v for k, v in engine_overrides.items() if v is not None},
-                          "options")
+    given = {k: v for k, v in engine_overrides.items() if v is not None}
+    engine = apply_fields(engine, given, "options")
     sampling = apply_fields(sampling, {k: v for k, v in sampling_overrides.items()
                                        if v is not None}, "options")
-    engine.validate()
+    # where each engine field was set, for errors: a profile's line, else the option
+    lines = (prof or {}).get("_lines") or {}
+    where = prof and (f"profile {Path(prof['_path']).stem}"
+                      if Path(prof["_path"]).parent == PROFILES_DIR else prof["_path"])
+    origin = {k[7:]: f"{where}:{line}: {k}" for k, line in lines.items()
+              if k.startswith("engine.")}
+    origin.update({k: "--" + k.replace("_", "-") for k in given})
+    engine.validate(origin)
     if engine.backend != "auto" and engine.backend not in backend_names():
         raise PagedgenError(f"unknown backend '{engine.backend}'; choose auto or one of "
                             f"{', '.join(backend_names())} (`pagedgen backends` says which "

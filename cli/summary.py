@@ -1,4 +1,9 @@
-"""The end-of-run summary as a Rich table (its figures: ``runtime/engine/stats.py``)."""
+"""The end-of-run summary as a Rich table (its figures: ``runtime/engine/stats.py``).
+
+By default the table is compact: the rows a user reads after every run (what ran, how much,
+how fast, memory, start-up), rows of features the run did not use left out, as wide as the
+terminal up to 100 columns (80 fit). ``full=True`` shows every figure, as ``--json`` gives
+them."""
 
 from __future__ import annotations
 
@@ -95,30 +100,77 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                  "attention_kernels_compiled_later"),
 }
 TABLE_WIDTH = 100
+MIN_WIDTH = 60
+
+# The compact table's rows, by group; a row shows only where its value says a feature ran
+# (``_used``). Every other figure is in --json.
+_COMPACT: dict[str, tuple[str, ...]] = {
+    "run": ("model", "backend", "device", "threads", "tensor_parallel_size", "data_parallel_size",
+            "all_reduce", "dtype", "quantization", "requests", "samples", "prompt_tokens",
+            "output_tokens", "skipped_resumed", "preemptions", "structured_samples",
+            "grammar_unsatisfiable_samples", "grammar_rejected_samples", "output",
+            "output_stream"),
+    "throughput (tokens/s)": ("output_tokens_per_s", "output_tokens_per_s_while_busy"),
+    "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s"),
+    "KV cache": ("kv_cache_blocks", "peak_kv_blocks_used",
+                 "prefix_cache_hit_rate", "cascade_decode_steps"),
+    "memory": ("peak_memory_bytes",),
+    "start-up": ("startup_s",),
+}
+_COMPACT_LABELS = {"output_tokens_per_s": "output tokens/s", "total_tokens_per_s": "total tokens/s",
+                   "output_tokens_per_s_while_busy": "output tokens/s while busy",
+                   "peak_memory_bytes": "peak memory", "startup_s": "start-up (command to first "
+                                                                   "step)"}
+_UNUSED = {"quantization": ("none",), "samples": (), "skipped_resumed": (0,),
+           "preemptions": (0,), "grammar_unsatisfiable_samples": (0,),
+           "grammar_rejected_samples": (0,), "prefix_cache_hit_rate": (0, 0.0),
+           "cascade_decode_steps": (0,), "peak_memory_bytes": (0,)}
 
 
-def summary_table(summary: dict[str, Any], title: str = "pagedgen generate") -> Table:
-    """The summary as a two-column table in groups (run, throughput, latency, steps, KV cache,
-    memory, start-up), at most ``TABLE_WIDTH`` columns wide; a dict value (a breakdown) is
+def _used(summary: dict[str, Any], key: str) -> bool:
+    value = summary.get(key)
+    if value is None:
+        return False
+    if key == "samples":  # only when n > 1 made more samples than requests
+        return value != summary.get("requests")
+    return value not in _UNUSED.get(key, ())
+
+
+def summary_table(summary: dict[str, Any], title: str = "pagedgen generate",
+                  full: bool = False, width: int | None = None) -> Table:
+    """The summary as a two-column table in groups, at most ``width`` (default
+    ``TABLE_WIDTH``) columns wide: the compact rows, or with ``full`` every figure (run,
+    throughput, latency, steps, KV cache, memory, start-up); a dict value (a breakdown) is
     one row per part."""
-    grouped = {k for keys in _GROUPS.values() for k in keys}
-    sections = {"run": [k for k in summary if k not in grouped]}
-    sections.update({name: [k for k in keys if k in summary] for name, keys in _GROUPS.items()})
-    table = Table(title=title, show_header=False, title_justify="left", width=TABLE_WIDTH)
+    width = max(MIN_WIDTH, min(width or TABLE_WIDTH, TABLE_WIDTH))
+    if full:
+        grouped = {k for keys in _GROUPS.values() for k in keys}
+        sections = {"run": [k for k in summary if k not in grouped]}
+        sections.update({name: [k for k in keys if k in summary]
+                         for name, keys in _GROUPS.items()})
+    else:
+        sections = {name: [k for k in keys if _used(summary, k)]
+                    for name, keys in _COMPACT.items()}
+        sections["run"] += sorted(k for k in summary if k.startswith("replica_"))
+    table = Table(title=title, show_header=False, title_justify="left", width=width,
+                  caption=None if full else "every figure: --json", caption_justify="left")
     table.add_column(ratio=1, overflow="fold")
     table.add_column(justify="right", ratio=1, overflow="fold")
+    indent = "  " if full else ""
     for name, keys in sections.items():
         if not keys:
             continue
-        table.add_row(f"[bold]{name}[/]", "")
+        if full:  # the compact table is short enough without group rows
+            table.add_row(f"[bold]{name}[/]", "")
         for key in keys:
             value = summary[key]
-            label = _LABELS.get(key) or key.replace("_per_s", "").replace("_", " ")
+            label = (not full and _COMPACT_LABELS.get(key)) or _LABELS.get(key) \
+                or key.replace("_per_s", "").replace("_", " ")
             if isinstance(value, dict):
                 unit = key[key.rfind("_"):]
                 for part, v in value.items():
-                    table.add_row(f"  {label}: {part.replace('_', ' ')}",
+                    table.add_row(f"{indent}{label}: {part.replace('_', ' ')}",
                                   escape(format_value(unit, v)))
             else:
-                table.add_row(f"  {escape(label)}", escape(format_value(key, value)))
+                table.add_row(f"{indent}{escape(label)}", escape(format_value(key, value)))
     return table

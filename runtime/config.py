@@ -22,6 +22,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 MAX_SAMPLES = 128  # the largest `n` (parallel samples of one request)
 MAX_LOGPROBS = 20  # the most top alternatives per token (`logprobs`, `prompt_logprobs`)
 MAX_INT32 = 2**31 - 1
+MAX_BLOCK_SIZE = 1024  # tokens per KV page (vLLM's largest is 256; FA2 needs 256)
+MAX_SEATS = 65536  # sequences in a step
+MAX_BATCHED_TOKENS = 1 << 20  # tokens in a step
 # structured output: the kinds of constraint a line can give (runtime/sampling/structured.py)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -177,39 +180,60 @@ class EngineConfig:
     # ... also the decodes of steps with prefills (flash-attn and triton; flashinfer: not yet)
     cascade_mixed_steps: bool = True
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
+    threads: int | None = None  # torch's CPU threads; None: the cores other processes leave
 
-    def validate(self) -> None:
-        """Raise PagedgenError naming the first option out of range (before anything loads)."""
+    def validate(self, origin: dict[str, str] | None = None) -> None:
+        """Raise PagedgenError naming the first setting out of range (before anything loads),
+        as the user set it: ``origin`` maps a field to where it came from (``--num-blocks``,
+        ``prof.yaml:3: engine.num_blocks``); a field it lacks was left at its default."""
+        origin = origin or {}
+
+        def named(name: str) -> str:
+            return origin.get(name) or f"--{name.replace('_', '-')}"
+
+        def source(name: str) -> str:
+            return origin.get(name, "the default")
+
         try:
             check_types(self)
         except ValueError as e:
-            raise PagedgenError(f"options: {e}")
+            field = str(e).split(" ", 1)[0]
+            raise PagedgenError(f"{named(field)}: {str(e).split(' ', 1)[1]}"
+                                if field in origin else f"options: {e}")
         if self.load_format not in LOAD_FORMATS:
-            raise PagedgenError(f"unknown load format '{self.load_format}'; use "
-                                f"{', '.join(LOAD_FORMATS)}")
+            raise PagedgenError(f"{named('load_format')}: unknown load format "
+                                f"'{self.load_format}'; use {', '.join(LOAD_FORMATS)}")
         if self.quantization not in (None, "fp8"):
-            raise PagedgenError(f"unknown quantization '{self.quantization}'; use fp8 (or "
-                                "none: the checkpoint's own)")
+            raise PagedgenError(f"{named('quantization')}: unknown quantization "
+                                f"'{self.quantization}'; use fp8 (or none: the checkpoint's own)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
         self.cache_dtype(torch.float32)  # names the choices when unknown
         self.torch_device()
-        for name, lo in (("block_size", 1), ("num_blocks", 2), ("max_num_seqs", 1),
-                         ("max_num_batched_tokens", 1), ("max_model_len", 2),
-                         ("tensor_parallel_size", 1)):
+        for name, lo, hi in (("block_size", 1, MAX_BLOCK_SIZE), ("num_blocks", 2, MAX_INT32),
+                             ("max_num_seqs", 1, MAX_SEATS),
+                             ("max_num_batched_tokens", 1, MAX_BATCHED_TOKENS),
+                             ("max_model_len", 2, MAX_INT32),
+                             ("tensor_parallel_size", 1, 64), ("threads", 1, 4096)):
             value = getattr(self, name)
-            if value is not None and not lo <= value <= MAX_INT32:
-                raise PagedgenError(f"--{name.replace('_', '-')} must be in {lo}.."
-                                    f"{MAX_INT32:,}, not {value}")
+            if value is not None and not lo <= value <= hi:
+                raise PagedgenError(f"{named(name)} must be in {lo}..{hi:,}, not {value:,}")
         if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
-            raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
+            raise PagedgenError(
+                f"{named('max_num_seqs')} {self.max_num_seqs:,} is more than "
+                f"max_num_batched_tokens ({self.max_num_batched_tokens:,}: "
+                f"{source('max_num_batched_tokens')}): a step gives each sequence at least one "
+                "token; lower max_num_seqs or raise --max-num-batched-tokens")
         if not 0 < self.gpu_memory_utilization <= 1:
-            raise PagedgenError("gpu_memory_utilization must be in (0, 1]")
+            raise PagedgenError(f"{named('gpu_memory_utilization')} must be in (0, 1]")
         if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) < 1:
-            raise PagedgenError(f"--kv-cache-memory must be positive, not "
+            raise PagedgenError(f"{named('kv_cache_memory')} must be positive, not "
                                 f"{self.kv_cache_memory!r}")
+        if self.kv_cache_memory is not None and self.num_blocks is not None:
+            raise PagedgenError(f"{named('kv_cache_memory')} and {named('num_blocks')} both "
+                                "size the KV cache: give one")
         if not -2**63 <= self.seed < 2**63:
-            raise PagedgenError("--seed must fit in 64 bits")
+            raise PagedgenError(f"{named('seed')} must fit in 64 bits")
 
     def with_seats(self) -> EngineConfig:
         """This config with ``max_num_seqs`` set: its own, else the device's default
@@ -225,12 +249,7 @@ class EngineConfig:
         return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 4096))
 
     def torch_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        dev = torch.device(self.device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise PagedgenError("--device cuda requested but CUDA is not available here")
-        return dev
+        return parse_device(self.device)
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -246,6 +265,25 @@ class EngineConfig:
             return _DTYPES[self.kv_cache_dtype]
         raise PagedgenError(f"unknown KV-cache dtype '{self.kv_cache_dtype}'; use auto, fp8, "
                             "float32, float16 or bfloat16")
+
+
+def parse_device(name: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a torch device that exists here; any other
+    name, or a GPU this machine lacks, is a one-line error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    m = re.fullmatch(r"(cpu|cuda)(?::(\d{1,4}))?", str(name))
+    if m is None or (m.group(1) == "cpu" and m.group(2) not in (None, "0")):
+        raise PagedgenError(f"unknown device '{name}'; use auto, cpu, cuda or cuda:N")
+    if m.group(1) == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise PagedgenError(f"--device {name}: CUDA is not available here (use --device cpu)")
+    index = int(m.group(2) or 0)
+    if index >= torch.cuda.device_count():
+        raise PagedgenError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+                            f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return torch.device("cuda", index) if m.group(2) is not None else torch.device("cuda")
 
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,

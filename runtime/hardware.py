@@ -12,10 +12,26 @@ import torch
 HOST_PROCESSES = "PAGEDGEN_HOST_PROCESSES"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, within its cgroup's quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:  # cgroup v2: "quota period" (or "max")
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(quota) // int(period)))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
 def host_cores() -> int:
     """This process's share of the host's cores, at least 1."""
     shares = os.environ.get(HOST_PROCESSES) or os.environ.get("LOCAL_WORLD_SIZE") or "1"
-    return max(1, (os.cpu_count() or 1) // max(1, int(shares) if shares.isdigit() else 1))
+    return max(1, usable_cores() // max(1, int(shares) if shares.isdigit() else 1))
 
 
 def default_seats(device: torch.device) -> int:

@@ -69,9 +69,11 @@ def test_grammar_workers_take_this_processs_share_of_the_cores(monkeypatch):
     monkeypatch.delenv("PAGEDGEN_GRAMMAR_WORKERS", raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(structured.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    from pagedgen.runtime import hardware  # the cores this process may use
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 16)
     assert structured.default_workers() == 7
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 64)
     assert structured.default_workers() == 8
     monkeypatch.setenv("PAGEDGEN_HOST_PROCESSES", "8")
     assert structured.default_workers() == 3

@@ -104,8 +104,8 @@ CASES = [
      r"\d+\]; the config makes it"),
     ("config-hidden-size", None, ["-o", "{out}", "--overwrite", "--model", "{ckpt:hidden}"],
      r"model\.safetensors: tensor '[\w.]+' has shape"),
-    ("output-exists", None, ["-o", "{out}"], r"already holds completions; --resume finishes "
-                                              r"it, --overwrite replaces it"),
+    ("output-exists", None, ["-o", "{out}"], r"already holds completions of this input; "
+                                              r"--resume finishes it, --overwrite replaces it"),
     ("resume-foreign-input", [{"id": 0, "prompt": "other"}], ["-o", "{out}", "--resume"],
      r"was made from another input"),
     ("resume-other-settings", None, ["-o", "{out}", "--resume", "--temperature", "0.5"],
@@ -393,7 +393,7 @@ def test_summary_is_grouped_and_fits_100_columns(tmp_path):
     res = invoke(src, *FAST, "--json")
     summary = json.loads(res.stdout[res.stdout.index("{"):])
     console = Console(width=200, record=True, file=open(os.devnull, "w"))
-    console.print(summary_table(summary))
+    console.print(summary_table(summary, full=True))
     text = console.export_text()
     assert max(map(len, text.splitlines())) <= 100
     for group in ("run", "throughput (tokens/s)", "latency", "KV cache and prefix cache",

@@ -14,11 +14,11 @@ import time
 from typing import Any
 
 from pagedgen.cli.formats import structured
-from pagedgen.cli.formats.records import entries
+from pagedgen.cli.formats.records import entries, token_text
 from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
                                           set_prompt, set_sampling, token_ids, user_fields)
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.engine.sequence import FINISH_REASONS, Sequence
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}
@@ -188,7 +188,7 @@ def is_complete(obj: dict[str, Any]) -> bool:
     return (isinstance(obj.get("custom_id"), str) and obj.get("error") is None
             and isinstance(body, dict) and isinstance(body.get("choices"), list)
             and bool(body["choices"]) and all(isinstance(c, dict) and c.get("finish_reason")
-                                              in ("stop", "length") for c in body["choices"]))
+                                              in FINISH_REASONS for c in body["choices"]))
 
 
 def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
@@ -196,7 +196,8 @@ def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
     if seq.logprobs is not None:
         def item(t: int, lp: float) -> dict[str, Any]:
             b = engine.tokenizer.token_bytes(t)
-            return {"token": _text(b), "logprob": lp, "bytes": list(b)}
+            return {"token": b.decode("utf-8", errors="replace"), "logprob": lp,
+                    "bytes": list(b)}
 
         logprobs = {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]}
                                 for t, (lp, top) in zip(seq.output_token_ids, seq.logprobs)],
@@ -211,7 +212,7 @@ def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
     logprobs = None
     if seq.logprobs is not None:
         def dec(t: int) -> str:
-            return _text(engine.tokenizer.token_bytes(t))
+            return token_text(engine.tokenizer, t)
 
         tokens = [dec(t) for t in seq.output_token_ids]
         offsets, pos = [], 0
@@ -223,8 +224,3 @@ def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
                     "text_offset": offsets}
     return {"index": seq.sample_index, "text": text, "logprobs": logprobs,
             "finish_reason": seq.finish_reason}
-
-
-def _text(token_bytes: bytes) -> str:
-    """A token's text: its bytes as UTF-8, U+FFFD for a part of a character."""
-    return token_bytes.decode("utf-8", errors="replace")

@@ -1,13 +1,18 @@
 """The completions file: lines appended as requests finish, put in input order at the end.
 
 The file is created (or emptied, with ``--overwrite``) at the first write, after every check
-(``output_claim.py``). Each step's finished lines go out in one ``os.write`` with SIGINT and
-SIGTERM held (a crash or Ctrl-C loses nothing finished and cuts no line). The writer remembers
-the byte offset of every request's line (8 bytes a request), so the final reorder is one linear
-pass that copies lines in input order, never holding them in memory, and is skipped when the
-file is already in order. ``--resume`` parses every line once: a whole record of this input is
-kept; a damaged, foreign or repeated line anywhere, or a last line a crash cut short, is dropped
-and its request run again.
+(``output_claim.py``), where the user's path leads (a symlink's target). Each step's finished
+lines go out in one appending ``os.write`` with SIGINT and SIGTERM held (a crash or Ctrl-C loses
+nothing finished and cuts no line); before each, the writer checks that its file is still the
+one it writes and holds exactly what it wrote, and stops with a one-line error if another
+program removed, replaced or truncated it. The writer remembers the byte offset of every
+request's line (8 bytes a request), so the final reorder is one linear pass that copies lines
+in input order into a temporary file (the output's mode and owner), never holding them in
+memory, and is skipped when the file is already in order. ``--resume`` parses every line once:
+a whole record of this input is kept; a damaged, foreign or repeated line anywhere, or a last
+line a crash cut short, is dropped and its request run again; the file is left in input order
+even when nothing is left to run. A stream (``output_target.py``) gets its lines in completion
+order (``StreamWriter``).
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import threading
 from array import array
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from pagedgen.cli.formats.output_claim import OutputClaim, OutputLock
+from pagedgen.cli.formats.output_claim import OutputClaim, OutputLock, reorder_path
+from pagedgen.cli.formats.output_target import OutputTarget
 from pagedgen.cli.formats.reader import STRICT_JSON
 from pagedgen.errors import PagedgenError
 
@@ -38,6 +45,7 @@ class OutputWriter:
         first field)."""
         self.claim = claim
         self.path = claim.path
+        self.given = claim.given  # as the user wrote it
         self.index_of = index_of
         self.key = key
         self.is_complete = is_complete
@@ -47,6 +55,7 @@ class OutputWriter:
         self.failed = False
         self._dirty = False  # the file holds lines the reorder must drop
         self._fd: int | None = None
+        self._ident: tuple[int, int] | None = None  # (device, inode) of the file written
         self._closed = False
         self._end = 0  # where the resumed file's last whole line ends
         if not claim.fresh():
@@ -54,7 +63,7 @@ class OutputWriter:
                 self._end = self._scan()
             except OSError as e:
                 claim.release()
-                raise PagedgenError(f"{self.path}: cannot read: {e.strerror or e}")
+                raise PagedgenError(f"{self.given}: cannot read: {e.strerror or e}")
             except BaseException:
                 claim.release()
                 raise
@@ -67,7 +76,8 @@ class OutputWriter:
         with self.path.open("rb") as f:
             for raw in f:
                 if not raw.endswith(b"\n"):
-                    break  # a partial last line from an interrupted run
+                    self._dirty = True  # a partial last line from an interrupted run
+                    break
                 index = self._valid_index(raw)
                 if index is None or self.offsets[index] >= 0:
                     self._dirty = True  # damaged, foreign or repeated: the reorder drops it
@@ -95,17 +105,42 @@ class OutputWriter:
         return self.offsets[index] >= 0
 
     def _open(self) -> None:
-        """Create or append: the claim's folders and lock, then the file (emptied unless
-        resumed; a resumed file loses a cut-short last line), then the resume record."""
+        """Create or append (signals free: nothing here holds them): the claim's folders and
+        lock, then the file (emptied unless resumed; a resumed file loses a cut-short last
+        line), then the resume record. A killed reordering's leftover goes."""
         self.claim.open()
+        reorder_path(self.path).unlink(missing_ok=True)
         try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
             os.ftruncate(self._fd, self._end)
-            os.lseek(self._fd, self._end, os.SEEK_SET)
+            st = os.fstat(self._fd)
         except OSError as e:
-            raise PagedgenError(f"{self.path}: cannot write: {e.strerror or e}")
+            raise PagedgenError(f"{self.given}: cannot write: {e.strerror or e}")
+        self._ident = (st.st_dev, st.st_ino)
         if not self._end:
             self.claim.write_record()
+
+    def _check_intact(self) -> None:
+        """PagedgenError (and no more writing) when another program removed, replaced or
+        truncated the file, or wrote to it, since the last write (logrotate's copytruncate,
+        an editor, ``rm``): what is in it is left as it is."""
+        try:
+            size = os.fstat(self._fd).st_size
+            now = os.stat(self.path)
+            same = (now.st_dev, now.st_ino) == self._ident
+        except OSError:
+            same = False
+        if not same:
+            self.failed = True
+            raise PagedgenError(f"{self.given}: removed or replaced by another program during "
+                                f"the run; stopped writing ({self.num_done} lines went to the "
+                                "file it replaced): run again to redo them")
+        if size != self._pos:
+            self.failed = True
+            raise PagedgenError(f"{self.given}: truncated or written to by another program "
+                                f"during the run (it holds {size:,} bytes where this run wrote "
+                                f"{self._pos:,}); stopped writing: --resume redoes what is "
+                                "missing")
 
     def write_lines(self, lines: list[tuple[int, str]]) -> None:
         """Append finished requests' (input index, JSON text) lines in one write, with
@@ -115,18 +150,16 @@ class OutputWriter:
             return
         encoded = [(text + "\n").encode() for _, text in lines]
         data = b"".join(encoded)
-        with _signals_held():
-            if self._fd is None:
-                self._open()
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(self._fd, view):]
-            except OSError as e:
-                self.failed = True
-                raise PagedgenError(
-                    f"{self.path}: cannot write: {e.strerror or e}; the {self.num_done} lines "
-                    "written before are kept (run again with --resume to finish)")
+        if self._fd is None:
+            self._open()
+        self._check_intact()
+        try:
+            write_all(self._fd, data)
+        except OSError as e:
+            self.failed = True
+            raise PagedgenError(
+                f"{self.given}: cannot write: {e.strerror or e}; the {self.num_done} lines "
+                "written before are kept (run again with --resume to finish)")
         for (index, _), line in zip(lines, encoded):
             self.offsets[index] = self._pos
             self._pos += len(line)
@@ -135,47 +168,81 @@ class OutputWriter:
     def close(self, reorder: bool = True) -> None:
         """Close the file and put its lines in input order, dropping damaged ones (skipped
         after a failed write, or with ``reorder`` False, as after Ctrl-C: the file then keeps
-        its lines in completion order, which ``--resume`` reads as well); release the lock."""
+        its lines in completion order, which ``--resume`` puts in order); release the lock.
+        A resumed file is put in order even when this run wrote nothing."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._fd is None and self._dirty and reorder and not self.failed:
-                self._open()  # a resumed file with lines to drop and nothing new to add
             if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
-                if reorder and not self.failed and (
-                        self._dirty or not _increasing(self._order())):
-                    self._reorder()
+                try:
+                    if reorder and not self.failed:
+                        self._check_intact()
+                finally:
+                    os.close(self._fd)
+                    self._fd = None
+            elif not (reorder and self._pos and not self.failed):
+                return
+            if reorder and not self.failed and self._pos and (
+                    self._dirty or not _increasing(self._order())):
+                self._reorder()
+            elif reorder and not self.failed:
+                reorder_path(self.path).unlink(missing_ok=True)  # a killed reorder's
         finally:
             self.claim.release()
 
     def _reorder(self) -> None:
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        """The lines in input order, through a temporary file that takes the output's mode
+        and owner and then replaces it (atomic: a kill leaves the output as it was)."""
+        tmp = reorder_path(self.path)
         try:
-            with self.path.open("rb") as src, tmp.open("wb") as dst:
+            st = os.stat(self.path)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with self.path.open("rb") as src, os.fdopen(fd, "wb") as dst:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode))
+                if (st.st_uid, st.st_gid) != (os.geteuid(), os.getegid()):
+                    try:
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    except PermissionError:  # not ours to give away: ours, as before
+                        pass
                 for off in self._order():
                     src.seek(off)
                     dst.write(src.readline())
+                dst.flush()
+                os.fsync(fd)
             os.replace(tmp, self.path)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise PagedgenError(f"{self.path}: cannot put the lines in input order: "
-                                f"{e.strerror or e}; every line is there, in completion order")
+            raise PagedgenError(f"{self.given}: cannot put the lines in input order: "
+                                f"{e.strerror or e}; every line is there, in completion order "
+                                "(--resume puts them in order)")
+
+    def resume_hint(self, total: int) -> str:
+        return (f"{self.num_done} of {total} requests are in {self.given}; run again with "
+                "--resume to finish")
 
     def _order(self) -> Iterator[int]:
         """Line offsets in input order."""
         return (o for o in self.offsets if o >= 0)
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """``data`` to ``fd`` whole, with SIGINT and SIGTERM held until it is (never half a line
+    from a signal)."""
+    with _signals_held():
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+
+
 @contextlib.contextmanager
 def _signals_held():
-    """SIGINT and SIGTERM delivered after the block, not inside it (main thread only)."""
+    """SIGINT, SIGTERM and SIGHUP delivered after the block, not inside it (main thread
+    only)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = {signal.SIGINT, signal.SIGTERM}
+    held = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
     try:
         yield
@@ -190,6 +257,50 @@ def _increasing(xs: Iterable[int]) -> bool:
             return False
         prev = x
     return True
+
+
+class StreamWriter:
+    """Lines to a stream (a terminal, a pipe or FIFO, standard output, a character device) in
+    completion order, each step's in one write with signals held: there is no lock, no resume
+    record and no reordering, as none can work on a stream (``output_target.py``)."""
+
+    def __init__(self, target: OutputTarget) -> None:
+        self.target = target
+        self.path = target.given
+        self.given = target.given
+        self.num_done = 0
+        self.num_dropped = 0
+        self.failed = False
+        self._fd: int | None = None
+
+    def open(self) -> None:
+        """Open now, before the model loads: a FIFO waits here for its reader."""
+        if self._fd is None:
+            self._fd = self.target.open_stream()
+
+    def is_done(self, index: int) -> bool:
+        return False
+
+    def write_lines(self, lines: list[tuple[int, str]]) -> None:
+        if not lines:
+            return
+        self.open()
+        try:
+            write_all(self._fd, "".join(text + "\n" for _, text in lines).encode())
+        except OSError as e:
+            self.failed = True
+            raise PagedgenError(f"{self.given}: cannot write: {e.strerror or e}; "
+                                f"{self.num_done} lines were written before")
+        self.num_done += len(lines)
+
+    def close(self, reorder: bool = True) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None and fd != self.target.fd:  # standard output stays open
+            os.close(fd)
+
+    def resume_hint(self, total: int) -> str:
+        return (f"{self.num_done} of {total} requests were written to {self.given} "
+                f"({self.target.stream}: in completion order; a stream cannot be resumed)")
 
 
 class ShardWriter:
@@ -243,3 +354,6 @@ class ShardWriter:
 
     def close(self, reorder: bool = True) -> None:
         self.lock.release()
+
+    def resume_hint(self, total: int) -> str:
+        return f"{self.num_done} of {total} requests are in shards under {self.path}/"

@@ -6,7 +6,8 @@ model load, and touches nothing the user owns: it reads the output and its resum
 holds an exclusive lock (``flock``) on a hidden lock file beside the output (``.NAME.lock``,
 holding the writer's process id; removed when the run ends). The output itself is created or
 truncated by the writer at its first write, once every check that can fail before the first
-step has passed.
+step has passed. Its path is the regular file ``output_target.resolve_output`` found (a
+symlink's target), whose sidecar names were checked there.
 
 The resume record (``NAME.resume.json``, written when the output is first opened) ties the
 output to its input (a SHA-256 of every input byte) and to the settings that choose the results
@@ -26,17 +27,24 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagedgen.cli.formats.output_target import OutputTarget, resolve_output, sidecar
 from pagedgen.errors import PagedgenError
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 
 
 def record_path(output: Path) -> Path:
-    return output.with_name(output.name + ".resume.json")
+    return sidecar(output, "", ".resume.json")
 
 
 def lock_path(output: Path) -> Path:
-    return output.with_name(f".{output.name}.lock")
+    return sidecar(output, ".", ".lock")
+
+
+def reorder_path(output: Path) -> Path:
+    """Where the final reordering writes before it replaces the output (a killed one leaves
+    it; the next run that holds the lock removes it)."""
+    return sidecar(output, ".", ".tmp")
 
 
 def _identity(path: Path) -> tuple[int, int] | None:
@@ -113,18 +121,24 @@ def _read_holder(fd: int) -> str:
 class OutputClaim:
     """The checks on an output path that must pass before any work: see the module's text.
 
-    ``inputs``: (device, inode) of every input; ``fingerprint``: the inputs' SHA-256;
-    ``settings``: what chooses the results (compared on ``--resume``)."""
+    ``output``: a regular-file target (or a path, resolved here); ``inputs``: (device, inode)
+    of every input; ``fingerprint``: the inputs' SHA-256; ``settings``: what chooses the
+    results (compared on ``--resume``)."""
 
-    def __init__(self, path: Path, inputs: list[tuple[int, int] | None], fingerprint: str,
-                 settings: dict[str, Any], resume: bool, overwrite: bool) -> None:
+    def __init__(self, output: OutputTarget | Path | str, inputs: list[tuple[int, int] | None],
+                 fingerprint: str, settings: dict[str, Any], resume: bool,
+                 overwrite: bool) -> None:
         if resume and overwrite:
             raise PagedgenError("--resume keeps the output's lines and --overwrite replaces "
                                 "them: give one")
-        self.path, self.resume, self.overwrite = path, resume, overwrite
+        target = output if isinstance(output, OutputTarget) else resolve_output(str(output))
+        if target.path is None:
+            raise PagedgenError(f"{target.given}: is {target.stream}, not a file to claim")
+        self.given = target.given
+        self.path, self.resume, self.overwrite = target.path, resume, overwrite
         self.record = {"version": RECORD_VERSION, "inputs_sha256": fingerprint,
                        "settings": settings}
-        self.lock = OutputLock(path)
+        self.lock = OutputLock(self.path)
         self._check_path(inputs)
         try:
             if self.path.parent.is_dir():
@@ -135,24 +149,22 @@ class OutputClaim:
             raise
 
     def _check_path(self, inputs: list[tuple[int, int] | None]) -> None:
-        path = self.path
+        path, given = self.path, self.given
         if path.is_dir():
-            raise PagedgenError(f"{path}: is a directory; --output needs a file path")
+            raise PagedgenError(f"{given}: is a directory; --output needs a file path")
         me = _identity(path)
         if me is not None and me in inputs:
-            raise PagedgenError(f"{path}: is the prompts file (the same file, by a link or "
+            raise PagedgenError(f"{given}: is the prompts file (the same file, by a link or "
                                 "another path); give another --output")
-        if me is not None:
-            if not os.access(path, os.W_OK):
-                raise PagedgenError(f"{path}: not writable")
-            return
         parent = path.parent
         while not parent.exists():  # the writer creates the missing folders
             parent = parent.parent
         if not parent.is_dir():
-            raise PagedgenError(f"{path}: cannot be created ({parent} is not a directory)")
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise PagedgenError(f"{path}: cannot be created ({parent} is not writable)")
+            raise PagedgenError(f"{given}: cannot be created ({parent} is not a directory)")
+        if not os.access(parent, os.W_OK | os.X_OK):  # its lock and record go beside it
+            raise PagedgenError(f"{given}: cannot write beside it ({parent} is not writable)")
+        if me is not None and not os.access(path, os.W_OK):
+            raise PagedgenError(f"{given}: not writable")
 
     def _has_lines(self) -> bool:
         try:
@@ -162,25 +174,29 @@ class OutputClaim:
 
     def _check_existing(self) -> None:
         """An output with lines is kept (``--resume``, same input and settings) or replaced
-        (``--overwrite``), never silently either."""
+        (``--overwrite``), never silently either; each error's hint works when followed."""
         if not self._has_lines() or self.overwrite:
             return
-        if not self.resume:
-            raise PagedgenError(f"{self.path}: already holds completions; --resume finishes "
-                                "it, --overwrite replaces it")
+        given = self.given
         rec_path = record_path(self.path)
         try:
             old = json.loads(rec_path.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise PagedgenError(f"{self.path}: has no resume record ({rec_path.name}), so it "
-                                "cannot be matched to this input; --overwrite replaces it")
-        except (OSError, ValueError) as e:
+            raise PagedgenError(f"{given}: already holds lines with no resume record "
+                                f"({rec_path.name}), so they cannot be matched to this input; "
+                                "--overwrite replaces them, or give another --output")
+        except (OSError, ValueError, UnicodeDecodeError) as e:
             raise PagedgenError(f"{rec_path}: unreadable resume record ({e}); --overwrite "
-                                "replaces the output")
+                                "replaces the output, or give another --output")
         why = _difference(old, self.record)
         if why:
-            raise PagedgenError(f"--resume: {self.path} was made {why}; run with what made "
-                                "it, or --overwrite to start over")
+            what = "--resume: " if self.resume else ""
+            raise PagedgenError(f"{what}{given} holds completions and was made {why}; run "
+                                "with what made it to finish it, --overwrite to replace it, "
+                                "or give another --output")
+        if not self.resume:
+            raise PagedgenError(f"{given}: already holds completions of this input; --resume "
+                                "finishes it, --overwrite replaces it")
 
     def fresh(self) -> bool:
         """Whether the writer starts an empty file (else it appends to resumed lines)."""
@@ -193,7 +209,7 @@ class OutputClaim:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise PagedgenError(f"{self.path}: cannot write: {e.strerror or e}")
+            raise PagedgenError(f"{self.given}: cannot write: {e.strerror or e}")
         if not self.lock.held:
             self.lock.acquire()
             self._check_existing()  # another run may have written it since our checks

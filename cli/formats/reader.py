@@ -81,23 +81,25 @@ class RequestFile:
         return f"{self.names[r.source]}:{r.line}"
 
 
-def input_files(spec: str) -> list[InputSource]:
+def input_files(spec: str, note: Callable[[str], None] | None = None) -> list[InputSource]:
     """The inputs of ``spec``: ``-`` (standard input), a file (or a pipe such as
     ``/dev/stdin``), a directory (its ``*.jsonl``, sorted) or a glob pattern (its matches,
-    sorted)."""
+    sorted); a directory's or glob's earlier outputs are left out (``note`` says so)."""
     if spec == "-":
         return [InputSource.stdin()]
     path = Path(spec)
     if any(c in spec for c in "*?["):
         files = sorted(p for p in Path(path.anchor or ".").glob(
             str(path.relative_to(path.anchor)) if path.anchor else spec) if p.is_file())
+        files = _without_outputs(files, spec, note)
         if not files:
             raise PagedgenError(f"{spec}: no file matches")
         return [InputSource.of_path(p) for p in files]
     if path.is_dir():
-        files = sorted(p for p in path.glob("*.jsonl") if p.is_file())
+        files = _without_outputs(sorted(p for p in path.glob("*.jsonl") if p.is_file()), spec,
+                                 note)
         if not files:
-            raise PagedgenError(f"{spec}: a directory without .jsonl files")
+            raise PagedgenError(f"{spec}: a directory without .jsonl files of prompts")
         return [InputSource.of_path(p) for p in files]
     if not path.exists():
         raise PagedgenError(f"{spec}: no such file")
@@ -105,6 +107,25 @@ def input_files(spec: str) -> list[InputSource]:
         return [InputSource.of_path(path)]
     except OSError as e:
         raise PagedgenError(f"{spec}: cannot read: {e.strerror or e}")
+
+
+def is_output_file(path: Path) -> bool:
+    """Whether ``path`` is a completions file pagedgen wrote: the default output name, or a
+    resume record beside it."""
+    return path.name.endswith(".completions.jsonl") or \
+        path.with_name(path.name + ".resume.json").is_file()
+
+
+def _without_outputs(files: list[Path], spec: str, note: Callable[[str], None] | None
+                     ) -> list[Path]:
+    """``files`` of a directory or glob without the completions files of earlier runs (which
+    would otherwise run again as prompts); ``note`` hears which it leaves out."""
+    keep = [p for p in files if not is_output_file(p)]
+    if len(keep) < len(files) and note is not None:
+        names = [p.name for p in files if is_output_file(p)]
+        note(f"{spec}: leaving out {len(names)} earlier output file(s) "
+             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    return keep
 
 
 def read_requests(inputs: Path | list[Path] | list[InputSource],
@@ -173,6 +194,8 @@ class _Reader:
         if not text.strip():
             return
         obj = parse_json(text, where)
+        if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate
+            check_encodable(obj, where)
         batch_line = openai_batch.is_batch_line(obj)
         if self.fmt is None:
             self.fmt = "openai" if batch_line else "pagedgen"
@@ -211,6 +234,35 @@ def parse_json(text: str, where: str) -> Any:
     if text.count("[") + text.count("{") > MAX_DEPTH and _depth(obj) > MAX_DEPTH:
         raise PagedgenError(f"{where}: invalid JSON: nested deeper than {MAX_DEPTH} levels")
     return obj
+
+
+def check_encodable(obj: Any, where: str) -> None:
+    """A ``where:`` error for a string (value or key) that holds a lone surrogate (JSON's
+    ``"\\udc80"`` escape): it is no Unicode text, so it could never be written back out."""
+    stack, path = [(obj, "")], ""
+    while stack:
+        o, path = stack.pop()
+        if isinstance(o, dict):
+            for k, v in o.items():
+                _encodable(k, f"{path}.{k}" if path else str(k), where, key=True)
+                stack.append((v, f"{path}.{k}" if path else str(k)))
+        elif isinstance(o, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(o))
+        elif isinstance(o, str):
+            _encodable(o, path, where)
+
+
+def _encodable(s: Any, path: str, where: str, key: bool = False) -> None:
+    if not isinstance(s, str):
+        return
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        what = "a key" if key else "field"
+        name = path.encode("utf-8", "backslashreplace").decode()
+        raise PagedgenError(f"{where}: {what} '{name}' holds a lone surrogate "
+                            f"({s[e.start].encode('unicode_escape').decode()}, half of a "
+                            "UTF-16 pair): not Unicode text, so it cannot be written out")
 
 
 def _no_constant(name: str) -> Any:

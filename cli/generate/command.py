@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from typing import Optional
 
 import typer
 
-from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
+from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
 from pagedgen.cli.formats.request import InputOptions
 from pagedgen.cli.formats.structured import schema_file
 from pagedgen.cli.generate.runs import Job, run
@@ -148,7 +149,11 @@ def generate(
         None, "--tensor-parallel-size", "-tp", help="GPUs one model is sharded over (worker "
                                                      "processes joined by NCCL; gloo on CPU) "
                                                      "[default: 1]."),
-    json_summary: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    threads: Optional[int] = typer.Option(
+        None, help="CPU threads for torch [default: on a CPU, the cores of this process that "
+                   "other processes leave free, measured at start-up]."),
+    json_summary: bool = typer.Option(False, "--json", help="Print every figure of the "
+                                                            "summary as JSON."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
     engine_cfg, defaults, _ = engine_and_sampling(
@@ -160,7 +165,8 @@ def generate(
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
-             cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size),
+             cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
+             threads=threads),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              min_p=min_p, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
@@ -178,7 +184,9 @@ def generate(
     summary = run(job)
     if summary is None:  # a torchrun rank other than 0: rank 0 reports
         return
-    if json_summary:
-        print(json.dumps(summary, indent=2))
+    to_stderr = summary.get("output_stream", "").startswith("standard output")
+    if json_summary:  # beside lines written to standard output, the summary goes to stderr
+        print(json.dumps(summary, indent=2), file=sys.stderr if to_stderr else sys.stdout)
     else:
-        out_console().print(summary_table(summary))
+        shown = console if to_stderr else out_console()
+        shown.print(summary_table(summary, width=shown.width if shown.is_terminal else None))

@@ -13,17 +13,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.markup import escape
 
 from pagedgen.cli.common import console
 from pagedgen.cli.formats.lines import line_check, line_maker
-from pagedgen.cli.formats.output import OutputWriter, ShardWriter
+from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.cli.formats.output_claim import OutputClaim
+from pagedgen.cli.formats.output_target import OutputTarget, resolve_output
 from pagedgen.cli.formats.reader import (InputSource, RequestFile, check_requests, input_files,
                                          read_requests, tokenize_requests)
 from pagedgen.cli.formats.request import InputOptions, Request
@@ -64,6 +65,9 @@ def run(job: Job) -> dict[str, Any] | None:
     cfg = job.engine_cfg if job.ray is not None else job.engine_cfg.with_seats()
     ranks = _torchrun_ranks(cfg, job.tensor_parallel_size, job.data_parallel_size, job.ray)
     lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
+    if job.ray is None and job.replicas != 1:
+        raise PagedgenError("--replicas counts Ray replicas: give --ray too, or -dp N for "
+                            "replicas on this host")
     if job.ray is not None:
         ray_data.check(job.replicas)
         if job.data_parallel_size != 1:
@@ -72,17 +76,26 @@ def run(job: Job) -> dict[str, Any] | None:
             raise PagedgenError("--ray runs one GPU per replica: -tp is for local runs")
     workers = ranks is None and (job.data_parallel_size != 1 or cfg.tensor_parallel_size != 1)
     dp_gpus = data_parallel.check(job.data_parallel_size, cfg) if workers else None
-    sources = input_files(job.prompts)
+    sources = input_files(job.prompts, lambda text: console.print(
+        f"note: {text}", highlight=False, markup=False, soft_wrap=True))
     shards = job.output is not None and job.output.endswith("/")
     out_path = _output_path(job.prompts, sources, job.output)
     if shards and (job.ray is None or job.resume or job.overwrite):
         raise PagedgenError("an output directory (--output ending in /) needs --ray and "
                             "cannot --resume or --overwrite; give a file to resume")
+    target = None if shards else resolve_output(out_path)
+    if target is not None and target.is_stream:
+        if job.resume:
+            raise PagedgenError(f"{target.given}: is {target.stream}; a stream cannot be "
+                                "resumed: give a file to --resume")
+        if job.overwrite:
+            console.print(f"[yellow]note:[/] {escape(target.given)} is {target.stream}: "
+                          "--overwrite does nothing there", highlight=False, soft_wrap=True)
 
     # -dp workers start now: their imports and model loads overlap reading the input
     dp = data_parallel.DataParallel(cfg, job.defaults, job.data_parallel_size, dp_gpus) \
         if dp_gpus is not None else None
-    writer: OutputWriter | ShardWriter | None = None
+    writer: OutputWriter | ShardWriter | StreamWriter | None = None
     rf: RequestFile | None = None
     try:
         t_read = time.perf_counter()
@@ -90,11 +103,7 @@ def run(job: Job) -> dict[str, Any] | None:
             task = progress.add_task("reading", total=sum(s.size or 0 for s in sources) or None)
             rf = read_requests(sources, lambda n: progress.update(task, completed=n), job.opts)
             if lead:  # the output is claimed before anything slow: it may refuse this run
-                writer = ShardWriter(out_path) if shards else OutputWriter(
-                    OutputClaim(out_path, [s.identity for s in sources], rf.fingerprint,
-                                result_settings(cfg, job.defaults, job.opts), job.resume,
-                                job.overwrite),
-                    rf.index_of, *line_check(rf.format))
+                writer = _writer(target, out_path, sources, rf, cfg, job)
             input_s = time.perf_counter() - t_read
             t_load = time.perf_counter()
             src = resolve_model(cfg.model)
@@ -103,13 +112,21 @@ def run(job: Job) -> dict[str, Any] | None:
             tokenizer = load_tokenizer(src)
             load_s = time.perf_counter() - t_load
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
+            _check_context(cfg, src)
+            if rf.format != "openai" and job.opts.served_model_name is not None:
+                console.print("[yellow]note:[/] --served-model-name applies to OpenAI batch "
+                              "files; this input is in pagedgen's format", highlight=False)
             t_tok = time.perf_counter()
-            with ThreadPoolExecutor(1) as pool:  # grammars compile while prompts tokenize
-                compiling = pool.submit(compile_constraints, rf, tokenizer, vocab,
-                                        job.defaults.structured)
-                task = progress.add_task("tokenizing", total=len(rf))
-                tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
-                grammars = compiling.result()
+            # grammars compile while prompts tokenize, in daemon threads: Ctrl-C or SIGTERM
+            # ends the run at once, however long a constraint takes to compile
+            bar = progress.add_task("compiling constraints", total=None, visible=False)
+            compiling = _Background(compile_constraints, rf, tokenizer, vocab,
+                                    job.defaults.structured,
+                                    lambda n, total: progress.update(
+                                        bar, completed=n, total=total, visible=True))
+            task = progress.add_task("tokenizing", total=len(rf))
+            tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
+            grammars = compiling.wait()
             check_requests(rf, lambda r: check_request(r.prompt_token_ids,
                                                        r.sampling(job.defaults), limit, vocab,
                                                        cfg.max_num_seqs))
@@ -131,7 +148,9 @@ def run(job: Job) -> dict[str, Any] | None:
         if ranks is not None:
             _lead_todo(ranks, rf, todo)
         extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
-                 "output": str(out_path) + ("/" if shards else "")}
+                 "output": out_path,
+                 **({"output_stream": f"{target.stream}, lines in completion order"}
+                    if target is not None and target.is_stream else {})}
         if job.ray is not None or dp is not None:
             replicas = dp or ray_data.RayReplicas(cfg, job.defaults, job.ray, job.replicas)
             _, wall = stream_output(writer, len(todo), replicas.run(todo, record), job.quiet)
@@ -149,6 +168,33 @@ def run(job: Job) -> dict[str, Any] | None:
             parallel.shutdown()  # the interpreter's exit aborted ranks ("terminate called")
 
 
+def _check_context(cfg: EngineConfig, src) -> None:
+    """``--max-model-len`` within the model's context (as vLLM checks it)."""
+    own = getattr(src.hf_config, "max_position_embeddings", None)
+    if cfg.max_model_len is not None and own and cfg.max_model_len > own:
+        raise PagedgenError(f"--max-model-len {cfg.max_model_len:,} is more than {src.name}'s "
+                            f"context ({own:,} tokens, max_position_embeddings)")
+
+
+def _writer(target: OutputTarget | None, out_path: str, sources: list[InputSource],
+            rf: RequestFile, cfg: EngineConfig, job: Job):
+    """The output's writer, once the input is read: shards, a stream (opened now: a FIFO
+    waits for its reader here, before the model loads) or a claimed file."""
+    if target is None:
+        return ShardWriter(Path(out_path.rstrip("/")))
+    if target.is_stream:
+        writer = StreamWriter(target)
+        if target.stream == "a FIFO":
+            console.print(f"{escape(target.given)}: waiting for a reader of the FIFO",
+                          highlight=False, soft_wrap=True)
+        writer.open()
+        return writer
+    return OutputWriter(OutputClaim(target, [s.identity for s in sources], rf.fingerprint,
+                                    result_settings(cfg, job.defaults, job.opts), job.resume,
+                                    job.overwrite),
+                        rf.index_of, *line_check(rf.format))
+
+
 def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineConfig,
               defaults: SamplingParams, record, src, tokenizer, grammars: Grammars | None,
               load_s: float, extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
@@ -163,18 +209,46 @@ def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineCo
                                                           r.sampling(defaults)), todo)
     load_s += time.perf_counter() - t_load
     batches = (([(i, json.dumps(line, ensure_ascii=False)) for i, line, _ in step],
-                engine.stats.output_tokens) for step in rep.stream(todo))
+                engine.stats.tokens_generated) for step in rep.stream(todo))
     start, wall = stream_output(writer, len(todo), batches, quiet)
     return engine.summary(wall, start, {**extra, "load_time_s": load_s,
                                         **startup(engine.stats.first_step_wall_time,
                                                   engine.runner.startup_phases)})
 
 
+class _Background(threading.Thread):
+    """``fn(*args)`` in a daemon thread; ``wait`` returns its result (or raises its error),
+    waking every tenth of a second so that a signal reaches the main thread at once."""
+
+    def __init__(self, fn: Callable, *args) -> None:
+        super().__init__(daemon=True, name=getattr(fn, "__name__", "background"))
+        self.fn, self.args = fn, args
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+            self.error = e
+
+    def wait(self) -> Any:
+        while self.is_alive():
+            self.join(0.1)
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
 def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
-                        default: StructuredOutput | None = None) -> Grammars | None:
+                        default: StructuredOutput | None = None,
+                        progress: Callable[[int, int], None] | None = None
+                        ) -> Grammars | None:
     """Every distinct structured-output constraint of ``rf`` (and the run's ``default``,
     ``--json-schema``) compiled for ``tokenizer`` (None: there is none); the first line whose
-    constraint does not compile is a file:line error."""
+    constraint does not compile is a file:line error. ``progress(done, total)`` hears how
+    many have compiled."""
     first: dict[StructuredOutput, Request] = {}
     for r in rf.requests:
         c = (r.overrides or {}).get("structured")
@@ -182,13 +256,17 @@ def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
             first[c] = r
     if not first and default is None:
         return None
+    total = len(first) + (default is not None and default not in first)
+    if progress is not None:
+        progress(0, total)
     grammars = Grammars(tokenizer, vocab_size)
     if default is not None:
         try:
             grammars.compile(default)
         except ValueError as e:
             raise PagedgenError(f"--json-schema: {e}")
-    errors = grammars.compile_all(first)
+    base = int(default is not None and default not in first)
+    errors = grammars.compile_all(first, progress and (lambda n: progress(base + n, total)))
     if errors:
         c = min(errors, key=lambda c: first[c].index)
         raise PagedgenError(f"{rf.where(first[c])}: {errors[c]}")
@@ -203,12 +281,14 @@ def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: In
     if Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())
     dtype = engine_cfg.torch_dtype(engine_cfg.torch_device())
+    sampling = dataclasses.asdict(defaults)
+    sampling["request_seed"] = sampling.pop("seed")  # a profile's; --seed is the run's
     return {"model": model, "load_format": engine_cfg.load_format,
             "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
             "quantization": engine_cfg.quantization,
             "seed": engine_cfg.seed, "max_model_len": engine_cfg.max_model_len,
-            **dataclasses.asdict(defaults), "prompt_field": opts.prompt_field,
+            **sampling, "prompt_field": opts.prompt_field,
             "messages_field": opts.messages_field, "strict_fields": opts.strict_fields,
             "served_model_name": opts.served_model_name}
 
@@ -254,17 +334,17 @@ def _lead_todo(ranks, rf, todo):
     return [by_index[i] for i in box[0]]
 
 
-def _output_path(spec: str, sources: list[InputSource], output: str | None) -> Path:
+def _output_path(spec: str, sources: list[InputSource], output: str | None) -> str:
     """``--output``, or beside a single input file (or a directory) as
     ``NAME.completions.jsonl`` (``OutputClaim`` makes sure it is none of the inputs)."""
     if output is not None:
-        return Path(output)
+        return output
     if spec == "-" or (len(sources) == 1 and not Path(spec).is_file()
                        and not Path(spec).is_dir()):
         raise PagedgenError(f"{spec}: reading from a pipe or standard input: give --output")
     if len(sources) == 1 and Path(spec).is_file():
         path = sources[0].path
-        return path.with_name(path.stem + ".completions.jsonl")
+        return str(path.with_name(path.stem + ".completions.jsonl"))
     if Path(spec).is_dir():
-        return Path(spec.rstrip("/") + ".completions.jsonl")
+        return spec.rstrip("/") + ".completions.jsonl"
     raise PagedgenError(f"{spec}: give --output for a glob of input files")

@@ -11,15 +11,16 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgress
                            TextColumn, TimeElapsedColumn, TimeRemainingColumn)
 
 from pagedgen.cli.common import console
-from pagedgen.cli.formats.output import OutputWriter, ShardWriter
+from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.errors import PagedgenError
 
+Writer = OutputWriter | ShardWriter | StreamWriter
 # Each batch of finished requests: their (input index, JSON text) lines and the output tokens
 # of the run so far.
 Batches = Iterable[tuple[list[tuple[int, str]], int]]
 
 
-def stream_output(writer: OutputWriter | ShardWriter, total: int, batches: Batches,
+def stream_output(writer: Writer, total: int, batches: Batches,
                   quiet: bool) -> tuple[float, float]:
     """Write each batch of ``batches`` as it comes (one write each), with a progress bar (live
     tok/s) on a terminal. Ctrl-C or an error keeps what was written. Returns (start, wall
@@ -58,7 +59,7 @@ def startup_progress(quiet: bool) -> Progress:
                     disable=quiet or not console.is_terminal)
 
 
-def close_quietly(writer: OutputWriter | ShardWriter) -> None:
+def close_quietly(writer: Writer) -> None:
     """Close after an error or a signal, lines left in completion order (``--resume`` puts
     them in order); the error in flight is the one to show."""
     try:
@@ -67,17 +68,17 @@ def close_quietly(writer: OutputWriter | ShardWriter) -> None:
         pass
 
 
-def interrupted(e: BaseException, writer: OutputWriter | ShardWriter | None,
+def interrupted(e: BaseException, writer: Writer | None,
                 total: int) -> None:
-    """Ctrl-C (exit code 130) or SIGTERM (143) at any phase: one line saying what is kept."""
-    what = "interrupted" if isinstance(e, KeyboardInterrupt) else "terminated (SIGTERM)"
-    code = 130 if isinstance(e, KeyboardInterrupt) else 143
+    """Ctrl-C (exit code 130), SIGTERM (143) or SIGHUP (129) at any phase: one line saying
+    what is kept."""
+    what = "interrupted" if isinstance(e, KeyboardInterrupt) else e.words
+    code = 130 if isinstance(e, KeyboardInterrupt) else e.exit_code
     if writer is None or writer.num_done == 0:
         console.print(f"[yellow]{what}:[/] no completions were written", highlight=False,
                       soft_wrap=True)
     else:
         close_quietly(writer)
-        console.print(f"[yellow]{what}:[/] {writer.num_done} of {total} requests are in "
-                      f"{escape(str(writer.path))}; run again with --resume to finish",
+        console.print(f"[yellow]{what}:[/] {escape(writer.resume_hint(total))}",
                       highlight=False, soft_wrap=True)
     raise typer.Exit(code)

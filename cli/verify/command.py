@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from pagedgen.attention.registry import backend_names, get_backend
 from pagedgen.cli.common import cli_errors, console, out_console
+from pagedgen.cli.formats.output_target import check_creatable, write_result
 from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
 from pagedgen.cli.verify.model_checks import check_tensor_parallel
 from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
@@ -63,6 +64,8 @@ def verify(
         raise typer.Exit(2)
     try:
         dev = EngineConfig(device=device or "auto").torch_device()
+        if json_path is not None:  # before the checks: their results must have a place
+            check_creatable(json_path, "--json")
         t0 = time.perf_counter()
         out = out_console()
         plans = [plan_backend(n, dev, model, dtype, cases, steps, seed, not model_only)
@@ -92,10 +95,14 @@ def verify(
               + (f"; skipped: {', '.join(skipped)}" if skipped else "")
               + f" ({time.perf_counter() - t0:.1f} s)")
     if json_path:
-        json_path.write_text(json.dumps({"device": str(dev), "passed": not failed and not unchecked,
-                                         "not_checked": unchecked,
-                                         "backends": [dataclasses.asdict(r) for r in reports]},
-                                        indent=2))
+        try:
+            write_result(json_path, json.dumps({
+                "device": str(dev), "passed": not failed and not unchecked,
+                "not_checked": unchecked,
+                "backends": [dataclasses.asdict(r) for r in reports]}, indent=2), "--json")
+        except PagedgenError as e:
+            console.print(f"[bold red]error:[/] {escape(str(e))}")
+            raise typer.Exit(2)
     if failed:
         raise typer.Exit(1)
     if unchecked:

@@ -24,6 +24,7 @@ from pagedgen.cli.verify.kernel_checks import (cascade_cases, cascade_dtype, cas
                                                page_sizes)
 from pagedgen.cli.verify.model_checks import check_model, check_prefix_cache
 from pagedgen.cli.verify.report import BackendReport, Row, render
+from pagedgen.runtime.children import die_with_parent
 from pagedgen.errors import PagedgenError
 
 
@@ -169,6 +170,7 @@ def _share_cores(jobs: int) -> None:
     """In a worker: its share of the cores for build tools and torch, so ``jobs`` workers
     compiling at once do not start ``jobs`` x cores compilers (FlashInfer's JIT runs ninja
     with ``MAX_JOBS`` jobs, else one per core, each nvcc taking GBs of host memory)."""
+    die_with_parent()
     cores = int(os.environ.get("MAX_JOBS", "0")) or os.cpu_count() or 1
     share = max(1, cores // jobs)
     os.environ["MAX_JOBS"] = str(share)

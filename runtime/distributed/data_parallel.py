@@ -18,8 +18,10 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.distributed.launch import WorkerError, Workers
 from pagedgen.runtime.distributed.replica import RecordFn, Replica, Request
 from pagedgen.runtime.engine.stats import startup
+from pagedgen.runtime.hardware import host_cores
 
 PREFIX_TOKENS = 128  # prompts longer than twice this, with the same first tokens, travel together
+PROGRESS_S = 0.5  # a worker reports its tokens this often while no request finishes
 
 
 def check(replicas: int, engine_config: EngineConfig) -> list[list[int] | None]:
@@ -55,6 +57,12 @@ def check(replicas: int, engine_config: EngineConfig) -> list[list[int] | None]:
         if why:
             raise PagedgenError(f"backend '{name}' cannot run here: {why}")
     if not on_gpu:
+        cores = host_cores()
+        if replicas * tp > cores:
+            sizes = f"-dp {replicas}" + (f" -tp {tp}" if tp > 1 else "")
+            raise PagedgenError(f"{sizes} starts {replicas * tp} worker processes on the CPU; "
+                                f"this process has {cores} core(s): give at most {cores} "
+                                "(each worker needs a core of its own)")
         return [None] * replicas
     need = replicas * tp
     if need > have:
@@ -117,10 +125,13 @@ def replica_main(engine_config: EngineConfig, defaults: SamplingParams, inbox
     rep = Replica(engine_config, defaults)
     yield ("started", rep.name, rep.load_s)
     rep.record, requests = inbox.get()
-    t0 = time.perf_counter()
+    t0 = last = time.perf_counter()
     for step in rep.stream(requests):
         if step:
             yield ("lines", [(i, json.dumps(line, ensure_ascii=False), n) for i, line, n in step])
+        elif time.perf_counter() - last > PROGRESS_S:  # tokens while nothing finishes
+            last = time.perf_counter()
+            yield ("tokens", rep.engine.stats.tokens_generated)
     busy = time.perf_counter() - t0
     summary = rep.engine.summary(busy, t0, {"load_time_s": rep.load_s})
     yield ("finished", busy, summary, rep.engine.stats.first_step_wall_time)
@@ -155,15 +166,22 @@ class DataParallel:
                     r["name"], r["load_s"] = msg[1], msg[2]
                 elif msg[0] == "finished":
                     r["busy_s"], r["summary"], r["first_step"] = msg[1:]
+                elif msg[0] == "tokens":  # progress: tokens made, finished or not
+                    r["generated"] = msg[1]
+                    yield [], self._progress()
                 else:
                     r["requests"] += len(msg[1])
                     n = sum(t for _, _, t in msg[1])
                     r["output_tokens"] += n
                     self.output_tokens += n
-                    yield [(i, text) for i, text, _ in msg[1]], self.output_tokens
+                    yield [(i, text) for i, text, _ in msg[1]], self._progress()
         except WorkerError as e:
             what = "data parallel" if self.replicas > 1 else "tensor parallel"
             raise PagedgenError(f"{what}: {e}")
+
+    def _progress(self) -> int:
+        """Output tokens so far: each replica's generated count, or its finished lines'."""
+        return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
     def summary(self, requests: int, wall: float, extra: dict[str, Any]) -> dict[str, Any]:
         """The run's summary: a single replica's engine summary (``-tp`` alone), else the

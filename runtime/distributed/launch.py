@@ -21,6 +21,7 @@ import traceback
 from typing import Any, Callable, Iterator
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.children import die_with_parent
 from pagedgen.runtime.hardware import HOST_PROCESSES
 
 
@@ -30,6 +31,7 @@ class WorkerError(RuntimeError):
 
 def _main(target: Callable[..., Iterator[Any]], args: tuple, proc: int, q, inbox,
           tp: tuple[int, int, str, bool]) -> None:
+    die_with_parent()
     tp_rank, tp_size, init_method, on_gpu = tp
     try:
         if tp_size > 1:

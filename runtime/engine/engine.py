@@ -18,7 +18,8 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
-from pagedgen.runtime.engine.stats import DecodeReads, StepStats, peak_memory_bytes
+from pagedgen.runtime.engine.report import run_summary
+from pagedgen.runtime.engine.stats import DecodeReads, StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
@@ -72,6 +73,11 @@ class Engine:
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.src.hf_config.vocab_size)
         self.runner.grammars = self._grammars
+        return self._grammars
+
+    @property
+    def grammars_used(self) -> Grammars | None:
+        """The run's compiled constraints, if any request had one (none made here)."""
         return self._grammars
 
     @property
@@ -322,8 +328,13 @@ class Engine:
         for (seq, token, entry), i in zip(results, placed):
             if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
                 continue  # dropped: the sequence stopped at an earlier token
+            if seq.grammar is not None and seq.grammar.dead_at is not None \
+                    and i >= seq.grammar.dead_at and seq.finish_reason is None:
+                finished.append(self._unsatisfiable(seq, i, now))
+                continue
             seq.output_token_ids[i] = token
             seq.token_ids[seq.num_prompt_tokens + i] = token
+            self.stats.tokens_generated += 1
             if entry is not None:  # entries come in output order, as the tokens do
                 seq.logprobs.append(entry)
             self._cache_blocks(seq)
@@ -346,6 +357,18 @@ class Engine:
             self.stats.record_finished(seq)
             finished.append(seq)
         return finished
+
+    def _unsatisfiable(self, seq: Sequence, i: int, now: float) -> Sequence:
+        """End ``seq`` before its output token ``i``, which its grammar allows no choice for
+        (the token sampled there, and any placeholder after it, are dropped)."""
+        extra = seq.num_output_tokens - i
+        del seq.output_token_ids[i:], seq.token_ids[-extra:]
+        seq.finish_reason, seq.finish_time = "unsatisfiable", now
+        if not seq.is_finished:
+            self.scheduler.finish(seq)
+        self.stats.record_finished(seq)
+        self._grammars.release(seq.grammar)
+        return seq
 
     def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:
         """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``:
@@ -428,71 +451,6 @@ class Engine:
 
     def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
-        """The run's figures from the engine's counters (requests finished since ``start``, the
-        ``time.perf_counter()`` at which the run began)."""
-        st = self.stats
-        prompt_tokens, output_tokens = st.prompt_tokens, st.output_tokens
-        out = {
-            "model": self.src.name,
-            "backend": self.runner.backend.name,
-            "device": str(self.runner.device),
-            **({"tensor_parallel_size": self.runner.tp.size,
-                "all_reduce": self.runner.tp.all_reduce_kind}
-               if self.runner.tp.size > 1 else {}),
-            "dtype": str(self.runner.dtype).removeprefix("torch."),
-            "quantization": self.runner.quant.name if self.runner.quant else "none",
-            **({"quantization_scheme": self.runner.quant.scheme.describe()}
-               if self.runner.quant else {}),
-            "requests": st.requests_finished,
-            "samples": st.samples_finished,
-            "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens,
-            "wall_time_s": wall,
-            "prefill_tokens_per_s": st.prefill_tokens / st.prefill_time if st.prefill_time else 0.0,
-            "decode_tokens_per_s": st.decode_tokens / st.decode_time if st.decode_time else 0.0,
-            "output_tokens_per_s": output_tokens / wall if wall else 0.0,
-            "total_tokens_per_s": (prompt_tokens + output_tokens) / wall if wall else 0.0,
-            "mean_ttft_s": (st.first_token_time_sum / st.requests_with_first_token - start
-                            if st.requests_with_first_token else 0.0),
-            "mean_tpot_s": st.tpot_sum / st.requests_with_tpot if st.requests_with_tpot else 0.0,
-            "steps": st.num_steps,
-            "steps_launched_ahead": st.overlapped_steps,
-            "steps_scheduled_during_masks": st.steps_scheduled_during_masks,
-            "preemptions": st.num_preemptions,
-            "prefix_caching": self.block_manager.prefix_caching,
-            "prefix_grouping": self.config.prefix_grouping,
-            "prefix_cache_hit_rate": (st.prefix_hit_tokens / st.prefix_queried_tokens
-                                      if st.prefix_queried_tokens else 0.0),
-            "prefix_cache_hit_tokens": st.prefix_hit_tokens,
-            "prefix_cache_evicted_blocks": st.evicted_blocks,
-            "kv_cache_blocks": self.runner.num_blocks,
-            "peak_kv_blocks_used": st.peak_blocks_used,
-            "block_size": self.runner.block_size, "max_num_seqs": self.config.max_num_seqs,
-            "peak_memory_bytes": peak_memory_bytes(self.runner.device),
-            "cuda_graphs": self.runner.graphs is not None,
-            "fused_kernels": self.runner.fused_kernels,
-            "cascade_attention": self.runner.builder.cascade,
-            "cascade_mixed_steps": self.runner.builder.mixed,
-            **self.runner.decode_reads.summary(),
-        }
-        runner = self.runner
-        if runner.graphs is not None:
-            out.update(runner.graphs.summary())
-        if runner.piecewise_off:
-            out["mixed_step_graphs"] = f"off: {runner.piecewise_off}"
-        if runner.piecewise is not None:
-            pw = runner.piecewise
-            out["mixed_graph_steps"] = pw.steps
-            out["mixed_graph_buckets"] = len(pw.pieces)
-            out["mixed_graph_capture_s"] = pw.capture_time_s
-            if pw.failed:
-                out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
-        out.update(runner.attn_state.compile_stats())
-        if self._grammars is not None:
-            out.update(self._grammars.summary())
-        if runner.host_steps["decode"]:
-            out["decode_host_ms_per_step"] = runner.host_ms_per_step("decode")
-        out.update(extra or {})
-        # the runner's phases, unless ``extra`` brought them with the total (``startup``)
-        out.setdefault("startup_breakdown_s", dict(runner.startup_phases))
-        return out
+        """The run's figures (``report.py``): requests finished since ``start``, the
+        ``time.perf_counter()`` at which the run began."""
+        return run_summary(self, wall, start, extra)

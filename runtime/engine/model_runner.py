@@ -17,7 +17,7 @@ from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.ops.profiling import scope
 from pagedgen.attention.ops.transfer import to_device
-from pagedgen.attention.registry import get_backend
+from pagedgen.attention.registry import backend_for_model
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
 from pagedgen.runtime.distributed import parallel
@@ -27,6 +27,8 @@ from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads
+from pagedgen.runtime.cpu_load import default_threads
+from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.engine.step import StepHandle
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.attention import PagedAttention
@@ -43,10 +45,12 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, src: ModelSource) -> None:
         self.config = config
         self.device = config.torch_device()
+        if self.device.type == "cpu":  # the cores this process gets, not those others use
+            torch.set_num_threads(config.threads or default_threads(host_cores()))
+        elif config.threads:
+            torch.set_num_threads(config.threads)
         self.dtype = config.torch_dtype(self.device)
         self.kv_dtype = config.cache_dtype(self.dtype)
-        self.backend: type[AttentionBackend] = get_backend(config.backend, self.device)
-        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
         hf = src.hf_config
         self.tp = parallel.current()
         if self.tp.size != config.tensor_parallel_size:
@@ -57,12 +61,9 @@ class ModelRunner:
             self.specs = registry.model_class(hf).layer_specs(hf, self.tp.size)
         except ValueError as e:  # a size the model's heads do not divide
             raise PagedgenError(f"{src.name}: {e}")
-        for spec in self.specs:
-            why = self.backend.check_layer(spec, self.dtype)
-            if why:
-                raise PagedgenError(f"backend '{self.backend.name}' cannot run {src.name}: {why}")
-        if self.kv_dtype.itemsize == 1 and not self.backend.supports_fp8_kv_cache:
-            raise PagedgenError(f"backend '{self.backend.name}' has no FP8 KV cache")
+        self.backend: type[AttentionBackend] = backend_for_model(
+            config.backend, self.device, self.specs, self.dtype, self.kv_dtype, src.name)
+        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
         self.context_len = config.context_limit(hf)  # the model's (or --max-model-len)
         self.max_model_len = self.context_len  # lowered below to what the KV cache holds
         # Seconds each start-up phase took (the summary's start-up breakdown).
@@ -73,7 +74,7 @@ class ModelRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.quant = model_quantization(src, config.quantization)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
-                                 self.tp, self.quant)
+                                 self.tp, self.quant, self._asked_kv_cache())
         self.model.setup_rotary(self.max_model_len, self.device)
         t = self._phase("model", t)
         self.fused_kernels = (config.fused_kernels
@@ -175,6 +176,16 @@ class ModelRunner:
         return sum(math.prod(self.backend.get_kv_cache_shape(
             1, self.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
         ) * self.kv_dtype.itemsize
+
+    def _asked_kv_cache(self) -> tuple[int, str] | None:
+        """(bytes, option) of a KV cache an option sizes, checked against free memory with
+        the weights before they load."""
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks * self.block_bytes(), f"--num-blocks {cfg.num_blocks:,}"
+        if cfg.kv_cache_memory is not None:
+            return parse_bytes(cfg.kv_cache_memory), f"--kv-cache-memory {cfg.kv_cache_memory}"
+        return None
 
     def _num_blocks(self) -> int:
         cfg = self.config

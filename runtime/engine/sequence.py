@@ -17,6 +17,11 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# why a sample ended: EOS, a stop token or string; max_tokens or the context; its structured
+# output's grammar allowing no next token
+FINISH_REASONS = ("stop", "length", "unsatisfiable")
+
+
 @dataclass(eq=False)  # identity: queues of thousands must never compare token lists
 class Sequence:
     seq_id: int
@@ -28,7 +33,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: str | None = None  # one of FINISH_REASONS
     stop_text_end: int | None = None  # where a stop string starts in the output text
     num_preemptions: int = 0
     arrival_time: float = 0.0

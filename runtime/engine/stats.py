@@ -36,7 +36,8 @@ class StepStats:
     requests_finished: int = 0  # a request counts when its first sample finishes
     samples_finished: int = 0
     prompt_tokens: int = 0
-    output_tokens: int = 0
+    output_tokens: int = 0  # of finished samples
+    tokens_generated: int = 0  # every output token known so far (progress while decoding)
     first_token_time_sum: float = 0.0  # over the requests that got a token
     requests_with_first_token: int = 0
     tpot_sum: float = 0.0  # time per output token after the first, over requests with >1

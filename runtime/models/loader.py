@@ -20,6 +20,7 @@ from pagedgen.runtime import hardware
 from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, model_config
 from pagedgen.runtime.models import gguf_file, registry
+from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.layers.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.distributed.parallel import TensorParallel
 from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
@@ -127,10 +128,12 @@ def weights_format(src: ModelSource, load_format: str) -> str:
 
 def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: torch.device,
                 seed: int = 0, tp: TensorParallel | None = None,
-                quant: QuantConfig | None = None) -> registry.CausalLM:
+                quant: QuantConfig | None = None,
+                kv_cache: tuple[int, str] | None = None) -> registry.CausalLM:
     """Build the modules (this rank's shard under tensor parallelism) on ``device`` in
     ``dtype`` (linear layers as ``quant`` says: ``model_quantization``) and fill them from the
-    checkpoint or at random."""
+    checkpoint or at random. ``kv_cache``: (bytes, the option that asks for them) of a KV cache
+    sized by an option, which must fit beside the weights."""
     load_format = weights_format(src, load_format)
     check_device(quant, device)
     default_dtype = torch.get_default_dtype()
@@ -142,13 +145,14 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         raise PagedgenError(f"{src.name}: {e}")
     finally:
         torch.set_default_dtype(default_dtype)
-    check_fits(model, device, src.name, tp)
+    check_fits(model, device, src.name, tp, kv_cache)
     _allocate(model, device)
     if load_format == "dummy":
         _init_dummy(model, seed, dtype)
     elif load_format == "gguf":
         try:
-            model.load_weights(gguf_file.iter_tensors(src.checkpoint, src.hf_config))
+            model.load_weights((name, FiniteChecked(t)) for name, t in
+                               gguf_file.iter_tensors(src.checkpoint, src.hf_config))
         except ValueError as e:
             raise PagedgenError(f"{src.checkpoint}: {e}")
     else:
@@ -176,7 +180,8 @@ def model_quantization(src: ModelSource, requested: str | None) -> QuantConfig |
 
 
 def check_fits(model: torch.nn.Module, device: torch.device, name: str,
-               tp: TensorParallel | None = None) -> None:
+               tp: TensorParallel | None = None,
+               kv_cache: tuple[int, str] | None = None) -> None:
     """A one-line error, before any allocation, when the model's weights (built on the meta
     device: this rank's shard, in the run's dtype and quantization; every rank's on a CPU)
     exceed the memory free on ``device``; otherwise a CPU run of a large preset is killed by
@@ -187,11 +192,19 @@ def check_fits(model: torch.nn.Module, device: torch.device, name: str,
     if device.type == "cpu":  # a CPU run's ranks share this machine
         need *= ranks
     free = hardware.available_memory(device)
-    if free is None or need <= free:
+    kv, option = kv_cache or (0, "")
+    if device.type == "cpu":
+        kv *= ranks
+    if free is None or need + kv <= free:
         return
 
     def size(n: int) -> str:
         return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+    if kv and need <= free:
+        where = "this machine" if device.type == "cpu" else str(device)
+        raise PagedgenError(f"{option} asks for {size(kv)} of KV cache; {where} has "
+                            f"{size(free - need)} free beside {name}'s weights: give less")
 
     shard = "" if ranks == 1 else f" ({ranks} tensor-parallel ranks)" if device.type == "cpu" \
         else " (this rank's shard)"
@@ -311,7 +324,7 @@ def _iter_safetensors(files: list[Path], where: list[Path]):
         try:
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():
-                    yield name, st.get_slice(name)
+                    yield name, FiniteChecked(st.get_slice(name))
         except (SafetensorError, OSError) as e:
             raise PagedgenError(f"{f}: cannot read the weights: {str(e).splitlines()[0]} "
                                 "(truncated or not a safetensors file?)")

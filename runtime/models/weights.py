@@ -88,6 +88,46 @@ DENSE_FP8 = ("is FP8, but this model holds its layer dense: the checkpoint's "
 FP8_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 
 
+class FiniteChecked:
+    """A checkpoint tensor (a lazy safetensors slice, a GGUF tensor) whose every read
+    (``[:]``, ``[rows]``) is checked for NaN and infinities as it loads: damaged bytes would
+    otherwise run as a model that answers nothing (a ValueError names the first bad element;
+    the loader names the file and the tensor)."""
+
+    def __init__(self, tensor) -> None:
+        self._tensor = tensor
+
+    def __getitem__(self, index):
+        out = self._tensor[index]
+        bad = first_nonfinite(out)
+        if bad is not None:
+            raise ValueError(f"holds a non-finite value ({bad[1]}) at {list(bad[0])}: the "
+                             "file is damaged")
+        return out
+
+    def __getattr__(self, name: str):
+        return getattr(self._tensor, name)
+
+
+def first_nonfinite(t: torch.Tensor) -> tuple[tuple[int, ...], str] | None:
+    """(index, "nan"/"inf") of a tensor's first non-finite element, or None; one cheap pass
+    (``aminmax`` propagates NaN) in the common case of none."""
+    if t.numel() == 0 or not (t.is_floating_point()):
+        return None
+    if t.element_size() == 1:  # FP8: NaN bit patterns (e4m3fn has no infinity)
+        bits = t.view(torch.uint8)
+        mask = 0x7C if t.dtype == torch.float8_e5m2 else 0x7F
+        bad = (bits & mask) == mask
+        if not bool(bad.any()):
+            return None
+        return tuple(bad.nonzero()[0].tolist()), "nan or inf"
+    lo, hi = torch.aminmax(t)
+    if bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)):
+        return None
+    at = (~torch.isfinite(t)).nonzero()[0]
+    return tuple(at.tolist()), "nan" if bool(t[tuple(at.tolist())].isnan()) else "inf"
+
+
 def tensor_dtype(tensor) -> torch.dtype | str | None:
     """A torch tensor's dtype, or a lazy safetensors slice's (as torch's where it is FP8);
     None for a source that dequantizes as it reads (GGUF)."""

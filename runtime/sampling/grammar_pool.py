@@ -70,9 +70,10 @@ class MatcherTable:
         self.matchers: dict[int, Any] = {}
         self.filler = xgr.BatchGrammarMatcher(max_threads=threads)
 
-    def run(self, work: Work) -> tuple[list[int], list[int], float, float]:
-        """Do ``work``; returns the slots that ended, those that refused a token, and the
-        seconds spent taking tokens and filling masks."""
+    def run(self, work: Work) -> tuple[list[int], list[int], list[int], float, float]:
+        """Do ``work``; returns the slots that ended, those that refused a token, those whose
+        next mask allows no token (a dead end: no text can complete the grammar from here),
+        and the seconds spent taking tokens and filling masks."""
         if work.attach is not None:
             path, shape = work.attach
             self.masks = np.memmap(path, dtype=np.int32, mode="r+", shape=shape)
@@ -99,12 +100,14 @@ class MatcherTable:
             else:
                 rejected.append(slot)
         t1 = time.perf_counter()
+        dead = []
         if live:
             self.filler.batch_fill_next_token_bitmask([self.matchers[s] for s in live],
                                                       self.masks, live)
+            dead = [s for s in live if not self.masks[s].any()]
         for slot in work.closes:  # after the tokens: a sample may take its last ones and end
             self.matchers.pop(slot, None)
-        return ended, rejected, t1 - t0, time.perf_counter() - t1
+        return ended, rejected, dead, t1 - t0, time.perf_counter() - t1
 
 
 def serve(conn_in: Connection, conn_out: Connection) -> None:
@@ -130,11 +133,11 @@ def serve(conn_in: Connection, conn_out: Connection) -> None:
             return
         t0 = time.perf_counter()
         try:
-            ended, rejected, accept_s, fill_s = table.run(work)
+            result = table.run(work)
         except Exception as e:  # noqa: BLE001 - sent back whole, raised in the engine
             conn_out.send(RuntimeError(f"grammar worker: {type(e).__name__}: {e}"))
             continue
-        conn_out.send((ended, rejected, accept_s, fill_s, time.perf_counter() - t0))
+        conn_out.send(result + (time.perf_counter() - t0,))
 
 
 class GrammarPool:
@@ -142,7 +145,7 @@ class GrammarPool:
 
     ``source(key)`` gives the compiled grammar a state's key names; ``info`` is xgrammar's
     tokenizer info. States are the engine's ``GrammarState``: the pool reads and sets their
-    ``key``, ``slot``, ``accepted``, ``ended`` and ``rejected``."""
+    ``key``, ``slot``, ``accepted``, ``ended``, ``rejected`` and ``dead_at``."""
 
     def __init__(self, info: Any, stop: frozenset[int], words: int, source: Callable[[int], Any],
                  workers: int, threads: int, pin: bool) -> None:
@@ -164,6 +167,7 @@ class GrammarPool:
         self._known: list[set[int]] = [set() for _ in range(n)]
         self.accept_s = self.fill_s = self.worker_s = self.wait_s = 0.0
         self.rejected = 0  # states whose matcher refused a token
+        self.dead_ends = 0  # states that reached a place no token can continue
         if workers == 0:
             self._table = MatcherTable(info, stop, threads)
             self._conns: list[Any] = []
@@ -276,7 +280,7 @@ class GrammarPool:
                              "(PAGEDGEN_GRAMMAR_WORKERS=0 runs the grammars in this process)")
 
     def _done(self, reply: tuple) -> None:
-        ended, rejected, accept_s, fill_s, wall_s = reply
+        ended, rejected, dead, accept_s, fill_s, wall_s = reply
         for slot in ended:
             if (s := self._states.get(slot)) is not None:
                 s.ended = True
@@ -284,6 +288,10 @@ class GrammarPool:
             if (s := self._states.get(slot)) is not None:
                 s.rejected = True
                 self.rejected += 1
+        for slot in dead:  # its next token (output index ``accepted``) has no valid choice
+            if (s := self._states.get(slot)) is not None and s.dead_at is None:
+                s.dead_at = s.accepted
+                self.dead_ends += 1
         self.accept_s += accept_s
         self.fill_s += fill_s
         self.worker_s += wall_s
@@ -385,7 +393,10 @@ def _shut_down(conns: list[tuple[Connection, Connection]], procs: list[Any],
 if __name__ == "__main__":  # a worker: messages on stdin, answers on stdout
     import signal
 
+    from pagedgen.runtime.children import die_with_parent
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine's; stdin's end is ours
+    die_with_parent()
     _out = os.dup(1)
     os.dup2(2, 1)  # anything printed goes to stderr, not into the answers
     serve(Connection(os.dup(0), writable=False), Connection(_out, readable=False))

