@@ -35,6 +35,10 @@
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
 # STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
 # STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
+# tp, tp-vllm, tp-more, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): 8B at tp 1
+# and 2 (profile, decode at batch 1 and 64, workload a, the fused all-reduce), vLLM at tp 2,
+# 70B / FP8 / Qwen3-30B-A3B under tp 2 and -dp 2; the two-GPU tests and verify -tp 2.
+# stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -287,6 +291,45 @@ for r in d['results']:
         t = v.get('gpu_time_us', v.get('cpu_time_us', 0))
         print(ph, round(t / 1000, 2), 'ms:', g)" "$S/$name/profile.json" \
         || tail -5 "$S/$name.log" ;;
+    tp)  # issue 62: 8B at tp 1 and 2 (decode at batch 1 and 64, workload a), vLLM tp 2
+      timed tp-profile 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:1,llama-3-8b:2 --batches 1 --skip decode,generate \
+        --json "$S/tp-profile.json"
+      timed tp-8b 420 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:1,llama-3-8b:2 --batches 1,64 --skip profile --json "$S/tp-8b.json"
+      timed tp-fused 200 env PAGEDGEN_FUSED_ALL_REDUCE=1 python3 -m benchmarks.tensor_parallel \
+        --backend "${TP_BACKEND:-auto}" --runs llama-3-8b:2 --batches 1,64 \
+        --skip profile,generate --json "$S/tp-fused.json"
+      grep -h "llama-3-8b" "$S"/tp-*.log | cut -c1-200 ;;
+    tp-vllm)  # vLLM at tp 2 (TP_SAFE) on the same requests
+      timed tp-vllm 580 python3 -m benchmarks.tensor_parallel --runs llama-3-8b:2 \
+        --batches 1,64 --skip profile,decode,generate --vllm --json "$S/tp-vllm.json"
+      grep -h "vLLM\|skipped" "$S/tp-vllm.log" | cut -c1-300 ;;
+    tp-more)  # 70B at tp 2, FP8 under tp, MoE under tp, -dp 2 against one GPU
+      timed tp-70b 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-70b:2 --batches 1 --skip profile --json "$S/tp-70b.json"
+      timed tp-fp8 240 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:2 --batches 1 --skip profile --quantization fp8 \
+        --json "$S/tp-fp8.json"
+      timed tp-moe 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs qwen3-30b-a3b:1,qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
+        --json "$S/tp-moe.json"
+      timed dp 300 python3 -m benchmarks.replicas --workload a --backend "${TP_BACKEND:-auto}" \
+        --replicas 2 --no-ray --repeat 4 --json "$S/dp.json"
+      grep -h "llama-3\|qwen3\|tok/s" "$S"/tp-70b.log "$S"/tp-fp8.log "$S"/tp-moe.log \
+        "$S"/dp.log | cut -c1-200 ;;
+    tp-tests)  # the two-GPU tests and verify -tp 2
+      timed tp-pytest 300 python3 -m pytest -m gpu -q tests/test_gpu_tensor_parallel.py
+      timed tp-verify 240 pagedgen verify --backend "${VERIFY_BACKEND:-flash-attn}" -tp 2 \
+        --model-only --json "$S/tp-verify.json"
+      tail -3 "$S/tp-pytest.log"; grep -h "PASS\|FAIL\|tensor parallel" "$S/tp-verify.log" ;;
+    stop)  # issue 58: workload a with a stop string that never matches, vLLM on GPU 1
+      CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m benchmarks.stop_strings --gpu \
+        --system vllm --json "$S/stop-vllm.json" > "$S/stop-vllm.log" 2>&1 &
+      timed stop-pagedgen 300 env CUDA_VISIBLE_DEVICES=0 python3 -m benchmarks.stop_strings --gpu \
+        --system pagedgen --json "$S/stop-pagedgen.json"
+      wait
+      grep -h '^{' "$S"/stop-*.log | cut -c1-250 ;;
     attention)
       timed attention-a 120 python3 -m benchmarks.attention_kernels --page-sizes 0 \
         --backends flash-attn,flashinfer,triton --heads 32/8 \

@@ -29,6 +29,15 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+# NVLink multicast off in vLLM's processes too (pagedgen's: runtime/distributed/parallel.py):
+# its NVLS all-reduce paths fail on the lent multi-GPU hosts
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                "NVSHMEM_DISABLE_NVLS": "1"}
+# vLLM's tensor parallelism without the multicast-dependent paths: its custom all-reduce
+# (which picks FlashInfer's mnnvl all-reduce there) and its all-reduce + RMSNorm fusion; at
+# its defaults it crashed while capturing CUDA graphs on the 2 x H200 host (issue 62)
+TP_SAFE = {"disable_custom_all_reduce": True,
+           "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
@@ -53,10 +62,17 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
                 enable_prefix_caching=True)
 
 
-def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dict[str, Any],
-             repeats: int = 3, timeout: float = 590.0, requests: dict[str, Any] | None = None,
-             tokenizer_dir: Path | None = None) -> dict[str, Any]:
-    """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed."""
+def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
+             engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
+             requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
+             sampling: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed.
+    ``workload``: a name in workloads.py, or a Workload's fields (``num_prompts``,
+    ``input_len``, ``output_len``), or a list of them run on one engine (each run says its
+    ``workload``); ``sampling``: more SamplingParams fields for every request (``stop``,
+    ``detokenize``), or a list of such sets, each run in turn (each run says its index).
+    With ``tensor_parallel_size`` > 1 in ``engine`` vLLM's own worker processes start, with
+    NVLink multicast off in each (``NO_MULTICAST``)."""
     site = vllm_site()
     if site is None:
         return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
@@ -72,10 +88,11 @@ def run_vllm(workload: str, num_prompts: int | None, hf_config: Any, engine: dic
                     (model / f.name).write_bytes(f.read_bytes())
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
                 "vocab": cfg["vocab_size"], "engine": engine, "repeats": repeats,
-                "requests": requests, "tokenizer": tokenizer_dir is not None}
+                "requests": requests, "tokenizer": tokenizer_dir is not None,
+                "sampling": sampling or {}}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "HF_HUB_OFFLINE": "1"}
+               "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
         if site:
             env["PYTHONPATH"] = site
         res = subprocess.run([sys.executable, "-m", "benchmarks.vllm_peer",
@@ -93,17 +110,24 @@ def _worker(spec_path: str, out_path: str) -> None:
     import vllm
     from vllm.inputs import TokensPrompt
 
-    from benchmarks.workloads import workload  # vLLM's process: no pagedgen imports
+    from benchmarks.workloads import Workload, workload  # vLLM's process: no pagedgen imports
 
     spec = json.loads(Path(spec_path).read_text())
     given = spec.get("requests")
+    jobs = []  # (workload label, prompts, output lengths, variants, temperature, n)
     if given:  # each variant: every request's schema or None
-        prompts, outs, variants = given["prompts"], given["outs"], given["variants"]
-        temperature, n = 0.0, 1
+        jobs.append(("", given["prompts"], given["outs"], given["variants"], 0.0, 1))
     else:
-        wl = workload(spec["workload"], spec["num_prompts"])
-        prompts, outs = wl.requests(spec["vocab"])
-        variants, temperature, n = {"": [None] * len(prompts)}, wl.temperature, wl.n
+        names = spec["workload"] if isinstance(spec["workload"], list) else [spec["workload"]]
+        for name in names:
+            wl = workload(name, spec["num_prompts"]) if isinstance(name, str) else Workload(
+                "custom", **{k: tuple(v) if isinstance(v, list) else v for k, v in name.items()})
+            prompts, outs = wl.requests(spec["vocab"])
+            jobs.append((name if isinstance(name, str) else f"{wl.num_prompts} prompts",
+                         prompts, outs, {"": [None] * len(prompts)}, wl.temperature, wl.n))
+    # SamplingParams fields for every request: one set, or a list of sets run one after another
+    samplings = spec.get("sampling") or {}
+    samplings = samplings if isinstance(samplings, list) else [samplings]
     extra = {}
     if given:  # JSON without free whitespace, as pagedgen's default (else vLLM pads forever)
         from vllm.config import StructuredOutputsConfig
@@ -121,26 +145,30 @@ def _worker(spec_path: str, out_path: str) -> None:
         return {"structured_outputs": StructuredOutputsParams(json=schema,
                                                               disable_any_whitespace=True)}
 
-    inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     runs = []
     for _ in range(spec["repeats"]):
-        for variant, schemas in variants.items():
-            params = [vllm.SamplingParams(max_tokens=k, ignore_eos=not given,
-                                          temperature=temperature, n=n,
-                                          seed=i if temperature else None,
-                                          detokenize=bool(given), **structured(s))
-                      for i, (k, s) in enumerate(zip(outs, schemas))]
-            llm.reset_prefix_cache()  # every run starts cold, as the first
-            t = time.perf_counter()
-            results = llm.generate(inputs, params, use_tqdm=False)
-            wall = time.perf_counter() - t
-            tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-            runs.append({"wall_time_s": wall, "output_tokens": tokens,
-                         "output_tokens_per_s": tokens / wall, "variant": variant,
-                         **({"texts": [r.outputs[0].text for r in results[:64]]}
-                            if given else {})})
-            print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),
-                  file=sys.stderr, flush=True)
+        for label, prompts, outs, variants, temperature, n in jobs:
+            inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            for variant, schemas in variants.items():
+                for k_opts, sampling in enumerate(samplings):
+                    opts = {"detokenize": bool(given), **sampling}
+                    params = [vllm.SamplingParams(max_tokens=k, ignore_eos=not given,
+                                                  temperature=temperature, n=n,
+                                                  seed=i if temperature else None,
+                                                  **opts, **structured(s))
+                              for i, (k, s) in enumerate(zip(outs, schemas))]
+                    llm.reset_prefix_cache()  # every run starts cold, as the first
+                    t = time.perf_counter()
+                    results = llm.generate(inputs, params, use_tqdm=False)
+                    wall = time.perf_counter() - t
+                    tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
+                    runs.append({"wall_time_s": wall, "output_tokens": tokens,
+                                 "output_tokens_per_s": tokens / wall, "variant": variant,
+                                 "workload": label, "sampling": k_opts,
+                                 **({"texts": [r.outputs[0].text for r in results[:64]]}
+                                    if given else {})})
+                    print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),
+                          file=sys.stderr, flush=True)
     Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
                                           "engine": spec["engine"], "runs": runs}))
 

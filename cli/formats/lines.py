@@ -9,11 +9,12 @@ from typing import Any, Callable
 from pagedgen.cli.formats import openai_batch, records
 
 
-def line_maker(fmt: str, served_model_name: str | None = None) -> Callable[..., dict[str, Any]]:
-    """``record(engine, samples)`` for input format ``fmt`` ("pagedgen" or "openai"); a
-    module-level function or a partial of one, so that worker processes can take it."""
+def line_maker(fmt: str, model_name: str = "") -> Callable[..., dict[str, Any]]:
+    """``record(request_output)`` for input format ``fmt`` ("pagedgen" or "openai"); a
+    module-level function or a partial of one, so that worker processes can take it.
+    ``model_name``: what OpenAI lines report when their body names no model."""
     if fmt == "openai":
-        return functools.partial(openai_batch.record, model=served_model_name)
+        return functools.partial(openai_batch.record, model=model_name)
     return records.record
 
 

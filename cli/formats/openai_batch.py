@@ -14,11 +14,12 @@ import time
 from typing import Any
 
 from pagedgen.cli.formats import structured
-from pagedgen.cli.formats.records import entries, token_text
+from pagedgen.cli.formats.records import entries
 from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
                                           set_prompt, set_sampling, token_ids, user_fields)
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine.sequence import FINISH_REASONS, Sequence
+from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput
+from pagedgen.runtime.engine.sequence import FINISH_REASONS
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}
@@ -154,25 +155,22 @@ def _set_logprobs(req: Request, body: dict, endpoint: str, where: str) -> None:
 
 # ---- output ---------------------------------------------------------------------------------
 
-def record(engine, samples: list[Sequence], model: str | None = None) -> dict[str, Any]:
+def record(out: RequestOutput, model: str = "") -> dict[str, Any]:
     """The batch output line for one request (all its samples finished); ``model``: the name
-    to report when the request's body named none (default: the engine's model)."""
-    first = samples[0]
-    req = first.request
-    num_out = sum(s.num_output_tokens for s in samples)
+    to report when the request's body named none (the served name, else the model's)."""
+    req = out.request
     chat = req.endpoint == "chat"
     body: dict[str, Any] = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{req.index}",
         "object": "chat.completion" if chat else "text_completion",
         "created": int(time.time()),
-        "model": req.model or model or engine.src.name,
-        "choices": [_chat_choice(engine, s) if chat else _completion_choice(engine, s)
-                    for s in samples],
-        "usage": {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": num_out,
-                  "total_tokens": first.num_prompt_tokens + num_out}}
-    if first.prompt_logprobs is not None:  # vLLM's extension
-        body["prompt_logprobs"] = [None] + entries(first.prompt_token_ids[1:],
-                                                   first.prompt_logprobs)
+        "model": req.model or model,
+        "choices": [_chat_choice(c) if chat else _completion_choice(c) for c in out.outputs],
+        "usage": {"prompt_tokens": out.num_prompt_tokens,
+                  "completion_tokens": out.num_output_tokens,
+                  "total_tokens": out.num_prompt_tokens + out.num_output_tokens}}
+    if out.prompt_logprobs is not None:  # vLLM's extension
+        body["prompt_logprobs"] = [None] + entries(out.prompt_logprobs)
     line = {"custom_id": req.id, "id": f"batch_req_{req.index}",
             "response": {"status_code": 200, "request_id": f"req_{req.index}", "body": body},
             "error": None}
@@ -191,36 +189,31 @@ def is_complete(obj: dict[str, Any]) -> bool:
                                               in FINISH_REASONS for c in body["choices"]))
 
 
-def _chat_choice(engine, seq: Sequence) -> dict[str, Any]:
+def _chat_choice(c: CompletionOutput) -> dict[str, Any]:
     logprobs = None
-    if seq.logprobs is not None:
-        def item(t: int, lp: float) -> dict[str, Any]:
-            b = engine.tokenizer.token_bytes(t)
+    if c.logprobs is not None:
+        def item(b: bytes, lp: float) -> dict[str, Any]:
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp,
                     "bytes": list(b)}
 
-        logprobs = {"content": [{**item(t, lp), "top_logprobs": [item(i, l) for i, l in top]}
-                                for t, (lp, top) in zip(seq.output_token_ids, seq.logprobs)],
+        logprobs = {"content": [{**item(e.token_bytes, e.logprob), "top_logprobs": [
+            item(b, lp) for b, (_, lp) in zip(e.top_bytes, e.top)]} for e in c.logprobs],
                     "refusal": None}
-    return {"index": seq.sample_index,
-            "message": {"role": "assistant", "content": engine.output_text(seq)},
-            "logprobs": logprobs, "finish_reason": seq.finish_reason}
+    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def _completion_choice(engine, seq: Sequence) -> dict[str, Any]:
-    text = engine.output_text(seq)
+def _completion_choice(c: CompletionOutput) -> dict[str, Any]:
     logprobs = None
-    if seq.logprobs is not None:
-        def dec(t: int) -> str:
-            return token_text(engine.tokenizer, t)
-
-        tokens = [dec(t) for t in seq.output_token_ids]
+    if c.logprobs is not None:
+        tokens = [e.token for e in c.logprobs]
         offsets, pos = [], 0
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        logprobs = {"tokens": tokens, "token_logprobs": [lp for lp, _ in seq.logprobs],
-                    "top_logprobs": [{dec(i): l for i, l in top} for _, top in seq.logprobs],
+        logprobs = {"tokens": tokens, "token_logprobs": [e.logprob for e in c.logprobs],
+                    "top_logprobs": [dict(zip(e.top_tokens, (lp for _, lp in e.top)))
+                                     for e in c.logprobs],
                     "text_offset": offsets}
-    return {"index": seq.sample_index, "text": text, "logprobs": logprobs,
-            "finish_reason": seq.finish_reason}
+    return {"index": c.index, "text": c.text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason}

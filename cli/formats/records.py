@@ -9,35 +9,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedgen.runtime.engine.sequence import FINISH_REASONS, Sequence
+from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedgen.runtime.engine.sequence import FINISH_REASONS
 
 
-def record(engine, samples: list[Sequence]) -> dict[str, Any]:
+def record(out: RequestOutput) -> dict[str, Any]:
     """pagedgen's output line for one request."""
-    first = samples[0]
-    req = first.request
-    line: dict[str, Any] = {
-        "id": req.id,
-        "prompt": req.prompt if req.prompt is not None
-        else engine.tokenizer.decode(first.prompt_token_ids),
-        "num_prompt_tokens": first.num_prompt_tokens}
-    if first.prompt_logprobs is not None:
-        line["prompt_logprobs"] = [None] + entries(first.prompt_token_ids[1:],
-                                                   first.prompt_logprobs, engine.tokenizer)
-    if first.samples is None:
-        line.update(choice(engine, first))
+    req = out.request
+    line: dict[str, Any] = {"id": req.id, "prompt": out.prompt,
+                            "num_prompt_tokens": out.num_prompt_tokens}
+    if out.prompt_logprobs is not None:
+        line["prompt_logprobs"] = [None] + entries(out.prompt_logprobs)
+    if out.n == 1:
+        line.update(choice(out.outputs[0]))
     else:
-        line["choices"] = [{"index": s.sample_index, **choice(engine, s)} for s in samples]
+        line["choices"] = [{"index": c.index, **choice(c)} for c in out.outputs]
     if req.metadata is not None:
         line["metadata"] = req.metadata
     return line
 
 
-def choice(engine, seq: Sequence) -> dict[str, Any]:
-    out = {"text": engine.output_text(seq), "token_ids": seq.output_token_ids,
-           "num_output_tokens": seq.num_output_tokens, "finish_reason": seq.finish_reason}
-    if seq.logprobs is not None:
-        out["logprobs"] = entries(seq.output_token_ids, seq.logprobs, engine.tokenizer)
+def choice(c: CompletionOutput) -> dict[str, Any]:
+    out = {"text": c.text, "token_ids": c.token_ids, "num_output_tokens": c.num_output_tokens,
+           "finish_reason": c.finish_reason}
+    if c.logprobs is not None:
+        out["logprobs"] = entries(c.logprobs)
     return out
 
 
@@ -53,22 +49,9 @@ def is_complete(obj: dict[str, Any]) -> bool:
         for c in choices)
 
 
-def entries(token_ids: list[int], logprobs: list, tokenizer=None) -> list[dict[str, Any]]:
+def entries(logprobs: list[TokenLogprob]) -> list[dict[str, Any]]:
     """``{"token_id", "token", "logprob", "top": [[id, logprob], ...], "top_tokens": [...]}``
     per token; ``token`` and ``top_tokens`` are the tokens' text (their bytes as UTF-8, U+FFFD
-    for part of a character, as OpenAI's lines give it), where there is a ``tokenizer``."""
-    if tokenizer is None:
-        return [{"token_id": t, "logprob": lp, "top": top}
-                for t, (lp, top) in zip(token_ids, logprobs)]
-
-    def text(t: int) -> str:
-        return token_text(tokenizer, t)
-
-    return [{"token_id": t, "token": text(t), "logprob": lp, "top": top,
-             "top_tokens": [text(i) for i, _ in top]}
-            for t, (lp, top) in zip(token_ids, logprobs)]
-
-
-def token_text(tokenizer, token_id: int) -> str:
-    """One token's text: its bytes as UTF-8, U+FFFD for a part of a character."""
-    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+    for part of a character, as OpenAI's lines give it)."""
+    return [{"token_id": e.token_id, "token": e.token, "logprob": e.logprob, "top": e.top,
+             "top_tokens": e.top_tokens} for e in logprobs]

@@ -132,7 +132,7 @@ def run(job: Job) -> dict[str, Any] | None:
                                                        cfg.max_num_seqs))
             input_s += time.perf_counter() - t_tok
 
-        record = line_maker(rf.format, job.opts.served_model_name)
+        record = line_maker(rf.format, job.opts.served_model_name or src.name)
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
             todo = _lead_todo(ranks, rf, None)
             rep = Replica(fit_seats(cfg, todo, job.defaults), job.defaults, record, src,

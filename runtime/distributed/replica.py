@@ -1,5 +1,5 @@
 """One engine replica: validated, tokenized requests in, their output lines out, in the format
-its caller gives (``record(engine, samples)``: pagedgen's or OpenAI's lines, ``cli/formats``).
+its caller gives (``record(request_output)``: pagedgen's or OpenAI's lines, ``cli/formats``).
 Ray actors (``ray_data.py``), data-parallel workers (``-dp``) and a local run each hold one."""
 
 from __future__ import annotations
@@ -10,13 +10,14 @@ from typing import Any, Callable, Iterator, Protocol
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.engine.outputs import RequestOutput
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.loader import ModelSource
 from pagedgen.runtime.models.tokenizer import Tokenizer
 from pagedgen.runtime.sampling.structured import Grammars
 
-# The output line of one request whose samples have all finished (picklable: workers get it).
-RecordFn = Callable[[Engine, list[Sequence]], dict[str, Any]]
+# The output line of one finished request (picklable: workers get it).
+RecordFn = Callable[[RequestOutput], dict[str, Any]]
 
 
 class Request(Protocol):
@@ -49,8 +50,8 @@ class Replica:
         eng.add_requests((r.prompt_token_ids, r.sampling(self.defaults), r, r.index)
                          for r in requests)
         while eng.has_unfinished():
-            yield [(g[0].request.index, self.record(eng, g), sum(s.num_output_tokens for s in g))
-                   for g in finished_requests(eng.step())]
+            yield [(g[0].request.index, self.record(eng.request_output(g)),
+                    sum(s.num_output_tokens for s in g)) for g in finished_requests(eng.step())]
 
     def run(self, requests: list[Request]) -> tuple[list[dict[str, Any]], list[int], float]:
         """Output lines of ``requests`` in their order, each one's output tokens, and the

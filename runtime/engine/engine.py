@@ -18,6 +18,8 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
+from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from pagedgen.runtime.engine.outputs import RequestOutput, request_output
 from pagedgen.runtime.engine.report import run_summary
 from pagedgen.runtime.engine.stats import DecodeReads, StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
@@ -102,10 +104,17 @@ class Engine:
         if params.min_tokens:
             self.runner.eos_ids = self.tokenizer.eos_token_ids  # what min_tokens holds back
         samples = []
+        stops = StopChecker(params.stop, params.include_stop_str_in_output) \
+            if params.stop else None
         for i in range(params.n):
             samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
                                     arrival_time=now, sample_index=i,
                                     bad_words_ids=bad_words))
+            if stops is not None:  # the text as it comes, for the stop strings
+                samples[-1].stop_checker = stops
+                samples[-1].detok = IncrementalDetokenizer(
+                    self.tokenizer, params.skip_special_tokens,
+                    params.spaces_between_special_tokens)
             if self.processor_factory is not None:
                 samples[-1].logits_processors = self.processor_factory(request, params, i)
             if params.structured is not None:
@@ -335,6 +344,8 @@ class Engine:
             seq.output_token_ids[i] = token
             seq.token_ids[seq.num_prompt_tokens + i] = token
             self.stats.tokens_generated += 1
+            if seq.detok is not None:
+                seq.detok.add(token)
             if entry is not None:  # entries come in output order, as the tokens do
                 seq.logprobs.append(entry)
             self._cache_blocks(seq)
@@ -382,7 +393,8 @@ class Engine:
             seq.finish_reason = "stop"
             if not p.include_stop_str_in_output:  # the text ends before the stop token's
                 seq.stop_text_end = len(self._text(seq, seq.output_token_ids[:n_out - 1]))
-        elif p.stop and (hit := self._find_stop(seq, n_out)) is not None:
+        elif seq.stop_checker is not None and (hit := seq.stop_checker.check(
+                seq.detok.text, seq.detok.new)) is not None:
             seq.finish_reason, seq.stop_text_end = "stop", hit
         if seq.finish_reason is None and self._at_length_limit(seq, n_out):
             seq.finish_reason = "length"
@@ -392,23 +404,20 @@ class Engine:
         """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
         return n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len
 
-    def _find_stop(self, seq: Sequence, n_out: int) -> int | None:
-        """Where the text ends at the first stop string (after it, with
-        ``include_stop_str_in_output``), or None."""
-        text = self._text(seq, seq.output_token_ids[:n_out])
-        hits = [(i, len(s)) for s in seq.params.stop if (i := text.find(s)) >= 0]
-        if not hits:
-            return None
-        i, n = min(hits)
-        return i + n if seq.params.include_stop_str_in_output else i
-
     def _text(self, seq: Sequence, ids: list[int]) -> str:
         p = seq.params
         return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
 
     def output_text(self, seq: Sequence) -> str:
-        text = self._text(seq, seq.output_token_ids)
+        """A finished sample's text: decoded as it came (with stop strings) or now, cut where
+        its stop string or stop token ends it."""
+        text = seq.detok.finish() if seq.detok is not None \
+            else self._text(seq, seq.output_token_ids)
         return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+
+    def request_output(self, samples: list[Sequence]) -> RequestOutput:
+        """The output of a request whose ``samples`` have all finished (``outputs.py``)."""
+        return request_output(samples, self.tokenizer, self.output_text)
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None,
             on_step: Callable[[list[Sequence]], None] | None = None) -> None:

@@ -59,6 +59,10 @@ class Sequence:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     # params.structured's matcher (runtime.sampling.structured.GrammarState), one per sample
     grammar: Any = None
+    # with stop strings: the text as tokens come (detokenizer.IncrementalDetokenizer) and the
+    # search for them (detokenizer.StopChecker)
+    detok: Any = None
+    stop_checker: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place
