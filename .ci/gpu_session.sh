@@ -292,14 +292,13 @@ for r in d['results']:
         print(ph, round(t / 1000, 2), 'ms:', g)" "$S/$name/profile.json" \
         || tail -5 "$S/$name.log" ;;
     tp)  # issue 62: 8B at tp 1 and 2 (decode at batch 1 and 64, workload a), vLLM tp 2
-      timed tp-profile 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
-        --runs llama-3-8b:1,llama-3-8b:2 --batches 1 --skip decode,generate \
-        --json "$S/tp-profile.json"
+      timed tp-profile 150 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:2 --batches 1 --skip decode,generate --json "$S/tp-profile.json"
       timed tp-8b 420 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs llama-3-8b:1,llama-3-8b:2 --batches 1,64 --skip profile --json "$S/tp-8b.json"
-      timed tp-fused 200 env PAGEDGEN_FUSED_ALL_REDUCE=1 python3 -m benchmarks.tensor_parallel \
-        --backend "${TP_BACKEND:-auto}" --runs llama-3-8b:2 --batches 1,64 \
-        --skip profile,generate --json "$S/tp-fused.json"
+      [ -n "${TP_FUSED:-}" ] && timed tp-fused 200 env PAGEDGEN_FUSED_ALL_REDUCE=1 python3 -m \
+        benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" --runs llama-3-8b:2 \
+        --batches 1,64 --skip profile,generate --json "$S/tp-fused.json"
       grep -h "llama-3-8b" "$S"/tp-*.log | cut -c1-200 ;;
     tp-vllm)  # vLLM at tp 2 (TP_SAFE) on the same requests
       timed tp-vllm 580 python3 -m benchmarks.tensor_parallel --runs llama-3-8b:2 \
@@ -320,6 +319,9 @@ for r in d['results']:
         "$S"/dp.log | cut -c1-200 ;;
     tp-tests)  # the two-GPU tests and verify -tp 2
       timed tp-pytest 300 python3 -m pytest -m gpu -q tests/test_gpu_tensor_parallel.py
+      timed gpu-misc 200 python3 -m pytest -m gpu -q tests/test_gpu_structured.py \
+        tests/test_gpu_logprobs.py tests/test_gpu_backends.py
+      tail -2 "$S/gpu-misc.log"
       timed tp-verify 240 pagedgen verify --backend "${VERIFY_BACKEND:-flash-attn}" -tp 2 \
         --model-only --json "$S/tp-verify.json"
       tail -3 "$S/tp-pytest.log"; grep -h "PASS\|FAIL\|tensor parallel" "$S/tp-verify.log" ;;
