@@ -1,8 +1,17 @@
-"""pagedgen: offline batch LLM generation and attention profiling over a paged KV cache."""
+"""pagedgen: offline batch LLM generation and attention profiling over a paged KV cache.
 
-from pathlib import Path
+The command line is ``pagedgen`` (``cli/``); the Python API is ``pagedgen.LLM`` (``cli/api.py``,
+imported at first use: ``import pagedgen`` alone loads no torch).
+"""
 
-__version__ = "0.1.0"
+from pagedgen.meta import PACKAGE_DIR, PROFILES_DIR, __version__
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-PROFILES_DIR = PACKAGE_DIR / "profiles"
+__all__ = ["LLM", "PACKAGE_DIR", "PROFILES_DIR", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from pagedgen.cli.api import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedgen' has no attribute {name!r}")

@@ -308,8 +308,8 @@ for r in d['results']:
       timed tp-70b 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs llama-3-70b:2 --batches 1 --skip profile --json "$S/tp-70b.json"
       timed tp-fp8 240 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
-        --runs llama-3-8b:2 --batches 1 --skip profile --quantization fp8 \
-        --json "$S/tp-fp8.json"
+        --runs llama-3-8b:1,llama-3-8b:2 --batches 1 --skip profile --quantization fp8 \
+        --dir /tmp/tp-bench-fp8 --json "$S/tp-fp8.json"
       timed tp-moe 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs qwen3-30b-a3b:1,qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
         --json "$S/tp-moe.json"
@@ -317,7 +317,11 @@ for r in d['results']:
         --replicas 2 --no-ray --repeat 4 --json "$S/dp.json"
       grep -h "llama-3\|qwen3\|tok/s" "$S"/tp-70b.log "$S"/tp-fp8.log "$S"/tp-moe.log \
         "$S"/dp.log | cut -c1-200 ;;
-    tp-tests)  # the two-GPU tests and verify -tp 2
+    tp-tests)  # the two-GPU tests and verify -tp 2 (and FP8 under tp, in its own folder)
+      timed tp-fp8 240 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:1,llama-3-8b:2 --batches 1 --skip profile --quantization fp8 \
+        --dir /tmp/tp-bench-fp8 --json "$S/tp-fp8.json"
+      grep -h "llama-3" "$S"/tp-fp8.log | cut -c1-200
       timed tp-pytest 300 python3 -m pytest -m gpu -q tests/test_gpu_tensor_parallel.py
       timed gpu-misc 200 python3 -m pytest -m gpu -q tests/test_gpu_structured.py \
         tests/test_gpu_logprobs.py tests/test_gpu_backends.py

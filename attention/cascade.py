@@ -16,14 +16,14 @@ group one segment over its pages, the decodes between groups filler segments ove
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pagedgen import envs
 from pagedgen.attention.cascade_layout import CascadeLayout
 from pagedgen.attention.metadata import AttentionMetadata
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.transfer import to_device
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _layout_tensors(lay: CascadeLayout, n: int, b: int, segs: int, width: int,
 
 # heads a program of the merge kernel takes (when they divide the heads): 256 decodes x 32
 # heads merged in 4.9 µs with 4, 7.5 µs with 1 on an H200 (benchmarks/cascade_kernels.py)
-MERGE_HEADS = int(os.environ.get("PAGEDGEN_CASCADE_MERGE_HEADS", "4"))
+MERGE_HEADS = int(envs.CASCADE_MERGE_HEADS.get() or 4)
 
 
 class CascadeBuffers:

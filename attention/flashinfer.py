@@ -18,12 +18,12 @@ first JIT compile about 110 s). Compiled kernels are cached in FlashInfer's JIT 
 from __future__ import annotations
 
 import importlib.util
-import os
 from itertools import accumulate
 from dataclasses import dataclass, field
 
 import torch
 
+from pagedgen import envs
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState, LayerSpec
 from pagedgen.attention.cascade import CascadeBuffers
 from pagedgen.attention.metadata import AttentionMetadata
@@ -82,7 +82,7 @@ class FlashInferState(AttentionState):
         import flashinfer
 
         self.fi = flashinfer
-        self.prefill_backend = os.environ.get("PAGEDGEN_FLASHINFER_PREFILL", "fa2")
+        self.prefill_backend = envs.FLASHINFER_PREFILL.get() or "fa2"
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.keys = sorted({_key(s) for s in layer_specs})
         self.spec = layer_specs[0]

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from pagedgen.attention.cascade_layout import CascadeLayout, find_layout
-from pagedgen.attention.ops.transfer import host_tensor, to_device, upload
+from pagedgen.transfer import host_tensor, to_device, upload
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pagedgen.errors import PagedgenError
 # makes its own backend unavailable.
 _BACKENDS: dict[str, str] = {
     "flashinfer": "pagedgen.attention.flashinfer:FlashInferBackend",
-    "flash-attn": "pagedgen.attention.flash_attn:FlashAttnBackend",
+    "flash-attn": "pagedgen.attention.flash_attn.backend:FlashAttnBackend",
     "triton": "pagedgen.attention.triton_attn:TritonBackend",
     "sdpa": "pagedgen.attention.sdpa:SdpaBackend",
     "eager": "pagedgen.attention.eager:EagerBackend",

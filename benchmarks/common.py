@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
-from pagedgen.attention.flash_attn import ENV_DECODE_TILE
+from pagedgen.attention.flash_attn.fa4 import ENV_DECODE_TILE
 from pagedgen.cli.summary import format_value
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.profiles import configs_from_profile, load_profile
@@ -93,9 +93,8 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     cache (``prefix_caching`` turns it on or off); for each run, the summary ``pagedgen
     generate`` prints, and with ``copy_bw`` (bytes/s) the decode steps' fraction of the memory
     roofline."""
-    r = engine.runner
     per_request = params if isinstance(params, list) else [params] * len(prompts)
-    kv_per_token = r.block_bytes() / r.block_size
+    kv_per_token = engine.kv_bytes_per_token()
     runs = []
     for _ in range(repeats):
         engine.reset_prefix_cache(prefix_caching)  # each repeat starts cold, as the first did
@@ -120,8 +119,8 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
                                            for x in (s.samples or [s])))
         if copy_bw and st.decode_steps:
             # weights at the mean decode batch (a MoE step reads the experts its tokens chose)
-            weight_bytes = r.model.step_weight_bytes(max(1, round(st.decode_tokens
-                                                                  / st.decode_steps)))
+            weight_bytes = engine.step_weight_bytes(max(1, round(st.decode_tokens
+                                                                 / st.decode_steps)))
             bound = (st.decode_steps * weight_bytes + st.decode_kv_tokens * kv_per_token) / copy_bw
             res["decode_step_ms"] = 1000 * st.decode_time / st.decode_steps
             res["decode_roofline_fraction"] = bound / st.decode_time

@@ -68,14 +68,14 @@ def main() -> None:
     for r in rows[:3]:
         r["vs_no_logprobs"] = r["output_tokens_per_s"] / base_tps
     print_table(f"log-probabilities on workload ({args.workload}), {cfg.model}, "
-                f"{engine.runner.backend.name}, median of {args.repeats}",
+                f"{engine.backend_name}, median of {args.repeats}",
                 rows, ["case", "wall_time_s", "output_tokens_per_s", "vs_no_logprobs",
                        "prefill_tokens_per_s", "total_tokens_per_s"])
     print(f"greedy tokens unchanged by logprobs: {len(digests) == 1}")
     if args.json:
         for r in rows:
             r.pop("outputs_digest")
-        args.json.write_text(json.dumps({"backend": engine.runner.backend.name,
+        args.json.write_text(json.dumps({"backend": engine.backend_name,
                                          "profile": args.profile, "rows": rows,
                                          "greedy_tokens_unchanged": len(digests) == 1},
                                         indent=2))

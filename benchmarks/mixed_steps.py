@@ -30,7 +30,7 @@ import torch
 
 from benchmarks.common import free_gpu, parse_overrides, profile_configs
 from benchmarks.workloads import WORKLOADS
-from pagedgen.attention.ops import profiling
+from pagedgen import profiling
 from pagedgen.runtime import kernel_stats
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.models.loader import resolve_model

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-# NVLink multicast off in vLLM's processes too (pagedgen's: runtime/distributed/parallel.py):
+# NVLink multicast off in vLLM's processes too (pagedgen's: runtime/collectives/parallel.py):
 # its NVLS all-reduce paths fail on the lent multi-GPU hosts
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                 "NVSHMEM_DISABLE_NVLS": "1"}

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from pagedgen import envs
 from pagedgen.cli.common import cli_errors, out_console
 from pagedgen.cli.generate.command import generate
 from pagedgen.cli.profile.command import profile
@@ -21,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 
 def _version(value: bool) -> None:
     if value:
-        from pagedgen import __version__
+        from pagedgen.meta import __version__
 
         typer.echo(f"pagedgen {__version__}")
         raise typer.Exit()
@@ -38,7 +39,8 @@ def _main(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 @cli_errors
 def backends(device: Optional[str] = typer.Option(
         None, help="auto, cpu, cuda or cuda:N [default: auto].")) -> None:
-    """List the attention backends and whether each runs here (and why not)."""
+    """List the attention backends and whether each runs here (and why not), and the
+    environment variables pagedgen reads."""
     from pagedgen.attention.registry import backend_status, get_backend
     from pagedgen.runtime.config import EngineConfig
 
@@ -51,6 +53,14 @@ def backends(device: Optional[str] = typer.Option(
     out = out_console()
     out.print(table)
     out.print(f"auto → {get_backend('auto', dev).name}")
+    env = Table(title="environment variables (none is needed; each overrides a choice)",
+                title_justify="left")
+    for col in ("variable", "now", "meaning", "unset"):
+        env.add_column(col, overflow="fold")
+    for var in envs.ALL:
+        env.add_row(var.name, escape(var.get() or "-"), escape(var.meaning),
+                    escape(var.default))
+    out.print(env)
 
 
 app.command()(generate)

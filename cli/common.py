@@ -49,7 +49,7 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
                         sampling_overrides: dict):
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
     options, every value checked (types, ranges, names) before anything loads."""
-    from pagedgen import PROFILES_DIR
+    from pagedgen.meta import PROFILES_DIR
     from pagedgen.attention.registry import backend_names
     from pagedgen.runtime.config import DEFAULT_MODEL
     from pagedgen.runtime.profiles import (apply_fields, configs_from_profile, list_profiles,

@@ -48,7 +48,7 @@ def main() -> int:
         held = signal.pthread_sigmask(signal.SIG_BLOCK, set(_SIGNALS))
         try:
             if len(sys.argv) == 2 and sys.argv[1] in ("--version", "-V"):
-                from pagedgen import __version__
+                from pagedgen.meta import __version__
                 print(f"pagedgen {__version__}")
                 return 0
             from pagedgen.cli.app import app

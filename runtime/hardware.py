@@ -7,9 +7,11 @@ import os
 
 import torch
 
+from pagedgen import envs
+
 # How many of pagedgen's processes share this host (set for the -dp / -tp workers it starts;
 # torchrun's LOCAL_WORLD_SIZE says the same for the ranks it starts).
-HOST_PROCESSES = "PAGEDGEN_HOST_PROCESSES"
+HOST_PROCESSES = envs.HOST_PROCESSES.name
 
 
 def usable_cores() -> int:
@@ -30,7 +32,7 @@ def usable_cores() -> int:
 
 def host_cores() -> int:
     """This process's share of the host's cores, at least 1."""
-    shares = os.environ.get(HOST_PROCESSES) or os.environ.get("LOCAL_WORLD_SIZE") or "1"
+    shares = envs.HOST_PROCESSES.get() or os.environ.get("LOCAL_WORLD_SIZE") or "1"
     return max(1, usable_cores() // max(1, int(shares) if shares.isdigit() else 1))
 
 

@@ -1,7 +1,7 @@
 """Attribute every GPU kernel of a torch.profiler trace to a phase and a group.
 
 A kernel's phase is the ``pagedgen.<phase>`` range around the step that launched it; its group
-is the innermost ``pg:<group>`` scope around its launch (attention/ops/profiling.py), else a
+is the innermost ``pg:<group>`` scope around its launch (profiling.py), else a
 group learned from an eager reference forward for kernels replayed from a CUDA graph (whose
 launches carry no scope: the replay's kernels are matched position by position with the
 reference, or by name), else a guess from the kernel's name.
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedgen.attention.ops.profiling import PREFIX
+from pagedgen.profiling import PREFIX
 
 GROUPS = ("attention", "GEMM", "FP8 GEMM", "MoE", "normalization", "activation", "rotary",
           "sampling", "KV-cache write", "all-reduce", "memory copy", "other")

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from pagedgen import PROFILES_DIR
+from pagedgen.meta import PROFILES_DIR
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams, type_error
 

@@ -214,7 +214,7 @@ def test_summary_reports_startup_from_the_command(tmp_path):
 def test_engine_seats_fit_the_runs_sequences(tmp_path, monkeypatch):
     """max_num_seqs is cut to the run's sequences (n per request; after --resume, the ones
     left), so a short run captures no CUDA graphs for batches it cannot form."""
-    import pagedgen.cli.generate.runs as gen
+    import pagedgen.runtime.drivers.driver as gen
 
     seats = []
 

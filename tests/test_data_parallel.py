@@ -8,7 +8,7 @@ from array import array
 import torch
 from typer.testing import CliRunner
 
-from pagedgen.runtime.distributed.data_parallel import PREFIX_TOKENS, deal
+from pagedgen.runtime.drivers.data_parallel import PREFIX_TOKENS, deal
 from pagedgen.cli.app import app
 from pagedgen.cli.formats.request import Request
 from pagedgen.runtime.config import SamplingParams

@@ -12,9 +12,9 @@ import torch
 
 import fake_flash_attn
 from conftest import make_paged_batch, padded_decodes, run_backend
-from pagedgen.attention import flash_attn as fa
+from pagedgen.attention.flash_attn import fa4, flavours
 from pagedgen.attention.eager import EagerBackend
-from pagedgen.attention.flash_attn import FlashAttnBackend, FlashAttnState
+from pagedgen.attention.flash_attn.backend import FlashAttnBackend, FlashAttnState
 from pagedgen.attention.cases import backend_cache
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.cuda_graphs import cascade_segments
@@ -22,14 +22,14 @@ from pagedgen.runtime.engine.cuda_graphs import cascade_segments
 
 @pytest.fixture(autouse=True)
 def _fresh_selection():
-    fa.select_flavour.cache_clear()
+    flavours.select_flavour.cache_clear()
     yield
-    fa.select_flavour.cache_clear()
+    flavours.select_flavour.cache_clear()
 
 
 def _state(batch, flavour: str) -> FlashAttnState:
     return FlashAttnState(FlashAttnBackend, [batch.spec], batch.block_size, batch.q.dtype,
-                          batch.kv_cache.dtype, batch.q.device, flavour=fa._BY_NAME[flavour])
+                          batch.kv_cache.dtype, batch.q.device, flavour=flavours.BY_NAME[flavour])
 
 
 @pytest.mark.parametrize("flavour,page", [("fa4", 16), ("fa4", 128), ("fa3", 16), ("fa2", 256)])
@@ -53,7 +53,7 @@ def test_fa4_decode_tile_calls_match_eager(monkeypatch, opts):
     """``$PAGEDGEN_FA4_DECODE_TILE`` routes decodes (and cascade suffixes) through FA4's
     ``_flash_attn_fwd`` with ``tile_mn``; the same keywords mean the same attention."""
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_DECODE_TILE, "64x128")
+    monkeypatch.setenv(fa4.ENV_DECODE_TILE, "64x128")
     b = make_paged_batch(4, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
                          num_prefills=2, num_decodes=5, max_context=45, max_new=30, **opts)
     st = _state(b, "fa4")
@@ -68,11 +68,11 @@ def test_fa4_decode_tile_calls_match_eager(monkeypatch, opts):
 def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
     _pretend_gpu(monkeypatch, cc)
     if env:
-        monkeypatch.setenv(fa.ENV_DECODE_TILE, env)
+        monkeypatch.setenv(fa4.ENV_DECODE_TILE, env)
     else:
-        monkeypatch.delenv(fa.ENV_DECODE_TILE, raising=False)
-    assert fa.fa4_decode_tile(torch.device("cuda")) == tile
-    assert fa.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
+        monkeypatch.delenv(fa4.ENV_DECODE_TILE, raising=False)
+    assert fa4.fa4_decode_tile(torch.device("cuda")) == tile
+    assert fa4.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
     fake_flash_attn.install(monkeypatch, "fa4")
     shown = "x".join(map(str, tile)) if tile else "FA4 own"
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
@@ -83,19 +83,19 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
 def test_fa4_group_tile_default_is_64x128_on_sm90(monkeypatch, cc, env, tile):
     _pretend_gpu(monkeypatch, cc)
     if env:
-        monkeypatch.setenv(fa.ENV_GROUP_TILE, env)
+        monkeypatch.setenv(fa4.ENV_GROUP_TILE, env)
     else:
-        monkeypatch.delenv(fa.ENV_GROUP_TILE, raising=False)
-    assert fa.fa4_group_tile(torch.device("cuda")) == tile
-    monkeypatch.setenv(fa.ENV_GROUP_TILE, "64")
+        monkeypatch.delenv(fa4.ENV_GROUP_TILE, raising=False)
+    assert fa4.fa4_group_tile(torch.device("cuda")) == tile
+    monkeypatch.setenv(fa4.ENV_GROUP_TILE, "64")
     with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_GROUP_TILE=64: expected"):
-        fa.fa4_group_tile(torch.device("cuda"))
+        fa4.fa4_group_tile(torch.device("cuda"))
 
 
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])
 def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_DECODE_TILE, value)
+    monkeypatch.setenv(fa4.ENV_DECODE_TILE, value)
     b = make_paged_batch(0, num_heads=4, num_kv_heads=4, block_size=16)
     with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_DECODE_TILE"):
         _state(b, "fa4")
@@ -105,7 +105,7 @@ def test_fa4_decode_tile_rejects_bad_values(monkeypatch, value):
 
 def test_fa4_cascade_suffix_kernel_rejects_bad_values(monkeypatch):
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, "cutlass")
+    monkeypatch.setenv(fa4.ENV_CASCADE_SUFFIX, "cutlass")
     b = make_paged_batch(0, num_heads=4, num_kv_heads=4, block_size=16)
     with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_CASCADE_SUFFIX=cutlass: expected"):
         _state(b, "fa4")
@@ -129,8 +129,8 @@ def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile, suffix):
     Triton kernels in Triton's interpreter)."""
     from pagedgen.attention.cases import make_shared_prefix_batch
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_DECODE_TILE, tile)
-    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
+    monkeypatch.setenv(fa4.ENV_DECODE_TILE, tile)
+    monkeypatch.setenv(fa4.ENV_CASCADE_SUFFIX, suffix)
     for seed in range(2):
         b = make_shared_prefix_batch(seed, shared_pages=-(-256 // page) + seed, num_decodes=9,
                                      num_heads=8, num_kv_heads=2, block_size=page,
@@ -152,8 +152,8 @@ def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed, suffix):
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_grouped_batch
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
-    monkeypatch.setenv(fa.ENV_GROUP_TILE, "64x128" if seed % 2 else "fa4")
+    monkeypatch.setenv(fa4.ENV_CASCADE_SUFFIX, suffix)
+    monkeypatch.setenv(fa4.ENV_GROUP_TILE, "64x128" if seed % 2 else "fa4")
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
@@ -225,12 +225,12 @@ def test_flavour_choice_and_reasons(monkeypatch):
     _pretend_gpu(monkeypatch, (8, 0))
     why = FlashAttnBackend.unavailable_reason(torch.device("cuda"))
     assert "fa3: runs on SM9x, not SM80" in why
-    fa.select_flavour.cache_clear()
+    flavours.select_flavour.cache_clear()
     _pretend_gpu(monkeypatch, (9, 0))
-    assert fa.select_flavour(torch.device("cuda"))[0].name == "fa3"
+    assert flavours.select_flavour(torch.device("cuda"))[0].name == "fa3"
     assert FlashAttnBackend.resolve_block_size(None) == 16
-    fa.select_flavour.cache_clear()
-    monkeypatch.setenv(fa.ENV_FLAVOUR, "fa4")
+    flavours.select_flavour.cache_clear()
+    monkeypatch.setenv(flavours.ENV_FLAVOUR, "fa4")
     assert "fa4: flash_attn.cute is not installed" in \
         FlashAttnBackend.unavailable_reason(torch.device("cuda"))
 
@@ -322,7 +322,7 @@ def test_fa4_grouped_cascade_in_a_step_with_prefills_matches_eager(monkeypatch, 
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_grouped_batch, with_prefills
     fake_flash_attn.install(monkeypatch, "fa4")
-    monkeypatch.setenv(fa.ENV_CASCADE_SUFFIX, suffix)
+    monkeypatch.setenv(fa4.ENV_CASCADE_SUFFIX, suffix)
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)

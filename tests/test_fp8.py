@@ -164,9 +164,9 @@ def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(res
 def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm):
     """What the GPU runs, on the CPU: a row- and a column-parallel FP8 layer with a plan, fed
     a tensor or (where the kernel quantizes per token) ``QuantizedActivations``."""
-    from pagedgen.runtime.distributed.parallel import TensorParallel
+    from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
-    from pagedgen.runtime.layers.sharding import Segment
+    from pagedgen.runtime.collectives.sharding import Segment
     from pagedgen.runtime.quantization.fp8 import Fp8
     from pagedgen.runtime.quantization.fp8_gemm import GemmPlan
 
@@ -273,7 +273,7 @@ def test_dummy_fp8_weights_are_the_dense_dummy_weights_quantized():
 
 def assert_tp2_trace_equals_tp1(ckpt: str, label: str, steps: int = 5) -> None:
     """The checkpoint's greedy trace over two gloo ranks equals one rank's."""
-    from pagedgen.runtime.distributed.launch import Workers
+    from pagedgen.runtime.drivers.launch import Workers
     from pagedgen.cli.verify.model_checks import trace_worker
 
     with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, steps, None)],

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from pagedgen.runtime.distributed import fused_all_reduce as far
-from pagedgen.runtime.distributed.launch import Workers
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives import fused_all_reduce as far
+from pagedgen.runtime.drivers.launch import Workers
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.moe import SparseMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
@@ -54,7 +54,7 @@ def test_fused_kernel_refuses_more_ranks_than_it_reads():
 
 def _chain_worker(inbox):
     """Each rank's partial sums (seeded by rank) through ``all_reduce_add_rms_norm``."""
-    from pagedgen.runtime.distributed import parallel
+    from pagedgen.runtime.collectives import parallel
     tp = parallel.current()
     g = torch.Generator().manual_seed(100 + tp.rank)
     partial = torch.randn(6, 32, generator=g)

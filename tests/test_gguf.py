@@ -15,9 +15,9 @@ from gguf_models import write_gguf
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.layers.sharding import copy_shard, shard_map
+from pagedgen.runtime.collectives.sharding import copy_shard, shard_map
 from pagedgen.runtime.models.loader import build_model, resolve_model
 
 PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 80))]

@@ -24,7 +24,7 @@ from pagedgen.runtime.engine.engine import Engine
 def _reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs a CUDA GPU"
-    from pagedgen.attention.flash_attn import FlashAttnBackend
+    from pagedgen.attention.flash_attn.backend import FlashAttnBackend
     return FlashAttnBackend.unavailable_reason(torch.device("cuda"))
 
 
@@ -37,7 +37,7 @@ MATRIX = [(heads, head, [torch.float16, torch.bfloat16][i % 2], [16, 128][(i // 
 
 
 def backend():
-    from pagedgen.attention.flash_attn import FlashAttnBackend
+    from pagedgen.attention.flash_attn.backend import FlashAttnBackend
     return FlashAttnBackend
 
 
@@ -116,13 +116,13 @@ def test_cuda_graphs_give_the_same_tokens_and_logits_as_eager():
 def test_fa4_state_imports_no_dynamo():
     """The FA4 state imports quack lean (attention/fa4_import.py): building it and running a
     compiled kernel import no torch._dynamo; quack's kernels still resolve on access."""
-    from pagedgen.attention.flash_attn import FlashAttnBackend
+    from pagedgen.attention.flash_attn.backend import FlashAttnBackend
     if FlashAttnBackend.flavour(torch.device("cuda")).name != "fa4":
         pytest.skip("the flavour here is not FA4")
     code = """
 import sys, torch
 from pagedgen.attention.cases import make_paged_batch, run_backend
-from pagedgen.attention.flash_attn import FlashAttnBackend
+from pagedgen.attention.flash_attn.backend import FlashAttnBackend
 run_backend(FlashAttnBackend, make_paged_batch(0, num_heads=8, num_kv_heads=8, head_size=128,
             dtype=torch.bfloat16, device="cuda", block_size=128, num_prefills=3,
             num_decodes=6, max_context=389, max_new=259))

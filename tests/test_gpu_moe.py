@@ -65,7 +65,7 @@ def test_layer_runs_torch_grouped_gemm_where_planned_but_not_inside_a_graph():
     from pagedgen.runtime.layers import moe_grouped_mm
     from pagedgen.runtime.layers.moe import FusedMoE
     from pagedgen.runtime.layers.moe_plan import MoePlan
-    from pagedgen.runtime.distributed.parallel import TensorParallel
+    from pagedgen.runtime.collectives.parallel import TensorParallel
 
     x, w13, w2, weights, ids = _layer(8, 2, 1024, 1792, 600)
     if not moe_grouped_mm.available(w13):

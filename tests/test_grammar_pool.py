@@ -59,7 +59,7 @@ def test_grammar_workers_take_this_processs_share_of_the_cores(monkeypatch):
     how many they are, torchrun's ranks read LOCAL_WORLD_SIZE."""
     import os
 
-    from pagedgen.runtime.distributed.launch import Workers
+    from pagedgen.runtime.drivers.launch import Workers
     from pagedgen.runtime.sampling import structured
 
     monkeypatch.delenv("PAGEDGEN_HOST_PROCESSES", raising=False)

@@ -1,6 +1,8 @@
-"""The house rules, read from the source: imports point down (errors < attention < runtime <
-cli < benchmarks), no module imports itself back through others (function-local imports
-included), no module over 500 lines, and every package folder is in the wheel."""
+"""The house rules, read from the source: imports point down (the root's helpers < attention <
+runtime < cli < benchmarks < the package's ``__init__``, its public face; inside runtime, its
+base modules < collectives < quantization < layers < models < sampling < engine < drivers), no
+module imports itself back through others (function-local imports included), no module over
+500 lines, and every package folder is in the wheel."""
 
 from __future__ import annotations
 
@@ -10,7 +12,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"pagedgen": 0, "pagedgen.errors": 0, "pagedgen.attention": 1, "pagedgen.runtime": 2,
+LAYERS = {"pagedgen.errors": 0, "pagedgen.meta": 0, "pagedgen.envs": 0,
+          "pagedgen.profiling": 0, "pagedgen.transfer": 0,  # the root's helpers
+          "pagedgen": 5,  # the package itself: the public face (pagedgen.LLM), over all
+          "pagedgen.attention": 1,
+          # runtime: config, hardware, profiles, ... then its subpackages, bottom up
+          "pagedgen.runtime": 2, "pagedgen.runtime.collectives": 2.1,
+          "pagedgen.runtime.quantization": 2.2, "pagedgen.runtime.layers": 2.3,
+          "pagedgen.runtime.models": 2.4, "pagedgen.runtime.sampling": 2.5,
+          "pagedgen.runtime.engine": 2.6, "pagedgen.runtime.drivers": 2.7,
           "pagedgen.cli": 3, "pagedgen.ray": 3, "benchmarks": 4}
 FOLDERS = {"attention": "pagedgen.attention", "runtime": "pagedgen.runtime",
            "cli/ray": "pagedgen.ray", "cli": "pagedgen.cli", "benchmarks": "benchmarks"}
@@ -28,7 +38,7 @@ def module_name(path: Path) -> str:
 
 
 def sources() -> dict[str, Path]:
-    files = [ROOT / "__init__.py", ROOT / "errors.py"]
+    files = sorted(ROOT.glob("*.py"))  # the root's modules: __init__, errors, helpers
     for folder in ("attention", "runtime", "cli", "benchmarks"):
         files += sorted((ROOT / folder).rglob("*.py"))
     return {module_name(f): f for f in files}
@@ -100,13 +110,24 @@ def test_the_wheel_lists_every_package_folder():
     assert folders <= listed, folders - listed
 
 
-@pytest.mark.parametrize("planted", ["up", "cycle"])
+def test_every_runtime_subpackage_has_its_place():
+    """A new subpackage of runtime must be placed in the order above (else it would sit with
+    runtime's base modules, below everything it imports)."""
+    subs = {".".join(m.split(".")[:3]) for m in SOURCES if m.startswith("pagedgen.runtime.")
+            and SOURCES[m].name == "__init__.py"}
+    assert subs <= set(LAYERS), subs - set(LAYERS)
+
+
+@pytest.mark.parametrize("planted", ["up", "up-inside-runtime", "cycle"])
 def test_the_checks_catch_a_planted_breach(planted, monkeypatch):
-    """An upward import (attention → runtime) and a circle (runtime.config ↔ runtime.profiles)
-    planted in the graph fail the checks above."""
+    """An upward import (attention → runtime; runtime.models → runtime.engine) and a circle
+    (runtime.config ↔ runtime.profiles) planted in the graph fail the checks above."""
     graph = {m: list(deps) for m, deps in GRAPH.items()}
     if planted == "up":
         graph["pagedgen.attention.backend"].append(("pagedgen.runtime.config", 1))
+        check = test_every_import_points_down
+    elif planted == "up-inside-runtime":
+        graph["pagedgen.runtime.models.loader"].append(("pagedgen.runtime.engine.engine", 1))
         check = test_every_import_points_down
     else:
         graph["pagedgen.runtime.config"].append(("pagedgen.runtime.profiles", 1))
@@ -114,3 +135,23 @@ def test_the_checks_catch_a_planted_breach(planted, monkeypatch):
     monkeypatch.setitem(globals(), "GRAPH", graph)
     with pytest.raises(AssertionError):
         check()
+
+
+def test_every_environment_variable_pagedgen_reads_is_listed():
+    """``envs.py`` lists every ``PAGEDGEN_*`` variable a module names (``pagedgen backends``
+    prints the list), and only it reads them from ``os.environ``."""
+    import re
+
+    from pagedgen import envs
+
+    listed = {v.name for v in envs.ALL}
+    named, readers = set(), []
+    for m, path in SOURCES.items():
+        if m.startswith("benchmarks"):
+            continue
+        text = path.read_text()
+        named |= set(re.findall(r"PAGEDGEN_[A-Z0-9_]+", text))
+        if m != "pagedgen.envs" and re.search(r"environ(\.get)?\(?\[?\s*[\"']PAGEDGEN_", text):
+            readers.append(m)
+    assert named <= listed, named - listed
+    assert not readers, readers

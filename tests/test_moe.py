@@ -12,7 +12,7 @@ import torch
 
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe

@@ -131,7 +131,7 @@ def test_an_overwrite_with_a_too_long_name_keeps_the_old_file(tmp_path, clean):
 @pytest.mark.parametrize("change", ["truncate", "remove", "replace"])
 def test_an_output_changed_under_the_run_stops_it_with_one_line(tmp_path, clean, monkeypatch,
                                                                change):
-    import pagedgen.cli.generate.runs as gen
+    import pagedgen.runtime.drivers.driver as gen
 
     src, _ = clean
     out = tmp_path / "o.jsonl"

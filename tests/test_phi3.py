@@ -11,7 +11,7 @@ import torch
 
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from test_gemma2 import BACKENDS

@@ -258,7 +258,7 @@ def test_resume_redoes_a_line_damaged_in_the_middle(tmp_path):
 def test_interrupts_in_process_keep_the_output_resumable(tmp_path, monkeypatch):
     """Ctrl-C while the model loads, and SIGTERM mid-run (as ``Terminated``): one line, exit
     codes 130 and 143, the output as it was or with whole lines only; --resume finishes it."""
-    import pagedgen.cli.generate.runs as gen
+    import pagedgen.runtime.drivers.driver as gen
     from pagedgen.errors import Terminated
 
     src = write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"p{i}", "max_tokens": 2 + i % 5}
@@ -414,7 +414,7 @@ def test_help_shows_brackets_and_defaults():
 def test_a_request_that_ends_without_a_line_is_an_error_not_a_gap(tmp_path, monkeypatch):
     """If the engine ever ends a request without its line (as a scheduler bug once did: a
     sample that never ran), the run says so and fails; --resume then runs the missing one."""
-    from pagedgen.runtime.distributed import replica
+    from pagedgen.runtime.drivers import replica
 
     src = write(tmp_path / "p.jsonl", [{"id": i, "prompt": f"p{i}"} for i in range(4)])
     out = tmp_path / "o.jsonl"

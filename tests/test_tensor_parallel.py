@@ -20,9 +20,9 @@ from pagedgen.cli.app import app
 from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.distributed.launch import WorkerError, Workers, free_port
+from pagedgen.runtime.drivers.launch import WorkerError, Workers, free_port
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 
 runner = CliRunner()
 PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
@@ -212,7 +212,7 @@ def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
 
 
 def barrier_or_fail(inbox, error: type[Exception] = RuntimeError):
-    from pagedgen.runtime.distributed import parallel
+    from pagedgen.runtime.collectives import parallel
     import torch.distributed as dist
 
     if parallel.current().rank == 1:

@@ -10,7 +10,7 @@ import importlib.util
 
 import torch
 
-from pagedgen.attention.ops.profiling import scope
+from pagedgen.profiling import scope
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

@@ -4,14 +4,13 @@ Options (checked by the command) → read and validate the input → claim the o
 refuse the run) → tokenize every prompt (the model's tokenizer, before its weights load) →
 load the engine → stream the requests into it lazily, appending each finished line as it comes
 → put the file in input order → summary. The requests run on an engine in this process, on
-``-dp``/``-tp`` worker processes (``runtime/distributed/data_parallel.py``), on Ray Data
-replicas (``--ray``: ``runtime/distributed/ray_data.py``), or as one rank of ``torchrun``.
+``-dp``/``-tp`` worker processes (``runtime/drivers/data_parallel.py``), on Ray Data
+replicas (``--ray``: ``runtime/drivers/ray_data.py``), or as one rank of ``torchrun``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 import threading
 from dataclasses import dataclass
@@ -32,10 +31,9 @@ from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_pr
                                           stream_output)
 from pagedgen.errors import PagedgenError, Terminated
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
-from pagedgen.runtime.distributed import data_parallel, parallel, ray_data
-from pagedgen.runtime.distributed.replica import Replica
-from pagedgen.runtime.engine.requests import check_request
-from pagedgen.runtime.engine.stats import startup
+from pagedgen.runtime.collectives import parallel
+from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, checked_request,
+                                             start_driver)
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
                                             weights_format)
@@ -65,17 +63,7 @@ def run(job: Job) -> dict[str, Any] | None:
     cfg = job.engine_cfg if job.ray is not None else job.engine_cfg.with_seats()
     ranks = _torchrun_ranks(cfg, job.tensor_parallel_size, job.data_parallel_size, job.ray)
     lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
-    if job.ray is None and job.replicas != 1:
-        raise PagedgenError("--replicas counts Ray replicas: give --ray too, or -dp N for "
-                            "replicas on this host")
-    if job.ray is not None:
-        ray_data.check(job.replicas)
-        if job.data_parallel_size != 1:
-            raise PagedgenError("--ray and -dp are two ways to run replicas: give one")
-        if cfg.tensor_parallel_size != 1:
-            raise PagedgenError("--ray runs one GPU per replica: -tp is for local runs")
-    workers = ranks is None and (job.data_parallel_size != 1 or cfg.tensor_parallel_size != 1)
-    dp_gpus = data_parallel.check(job.data_parallel_size, cfg) if workers else None
+    check_mode(job.data_parallel_size, cfg.tensor_parallel_size, job.ray, job.replicas)
     sources = input_files(job.prompts, lambda text: console.print(
         f"note: {text}", highlight=False, markup=False, soft_wrap=True))
     shards = job.output is not None and job.output.endswith("/")
@@ -92,9 +80,9 @@ def run(job: Job) -> dict[str, Any] | None:
             console.print(f"[yellow]note:[/] {escape(target.given)} is {target.stream}: "
                           "--overwrite does nothing there", highlight=False, soft_wrap=True)
 
-    # -dp workers start now: their imports and model loads overlap reading the input
-    dp = data_parallel.DataParallel(cfg, job.defaults, job.data_parallel_size, dp_gpus) \
-        if dp_gpus is not None else None
+    # -dp / -tp workers start now: their imports and model loads overlap reading the input
+    driver: Driver | None = start_driver(cfg, job.defaults, job.data_parallel_size, job.ray,
+                                         job.replicas, ranks is not None)
     writer: OutputWriter | ShardWriter | StreamWriter | None = None
     rf: RequestFile | None = None
     try:
@@ -127,43 +115,41 @@ def run(job: Job) -> dict[str, Any] | None:
             task = progress.add_task("tokenizing", total=len(rf))
             tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
             grammars = compiling.wait()
-            check_requests(rf, lambda r: check_request(r.prompt_token_ids,
-                                                       r.sampling(job.defaults), limit, vocab,
-                                                       cfg.max_num_seqs))
+            check_requests(rf, lambda r: checked_request(r, job.defaults, limit, vocab,
+                                                         cfg.max_num_seqs))
             input_s += time.perf_counter() - t_tok
 
         record = line_maker(rf.format, job.opts.served_model_name or src.name)
+        if lead:
+            todo = [r for r in rf.requests if not writer.is_done(r.index)]
+            if writer.num_dropped:
+                console.print(f"[yellow]{escape(str(out_path))}:[/] {writer.num_dropped} "
+                              "damaged or repeated line(s) are dropped; their requests run "
+                              "again", highlight=False, soft_wrap=True)
+        todo = _lead_todo(ranks, rf, todo if lead else None) if ranks is not None else todo
+        if driver is None:  # an engine here (a torchrun rank's shard of one)
+            driver = LocalDriver(fit_seats(cfg, todo, job.defaults), job.defaults, src,
+                                 tokenizer, grammars, load_s)
+            with console.status(f"loading {escape(src.name)} ..."):
+                driver.load()
+        check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
-            todo = _lead_todo(ranks, rf, None)
-            rep = Replica(fit_seats(cfg, todo, job.defaults), job.defaults, record, src,
-                          tokenizer, grammars)
-            for _ in rep.stream(todo):
+            for _ in driver.run(todo, record):
                 pass
             return None
-        todo = [r for r in rf.requests if not writer.is_done(r.index)]
-        if writer.num_dropped:
-            console.print(f"[yellow]{escape(str(out_path))}:[/] {writer.num_dropped} damaged or "
-                          "repeated line(s) are dropped; their requests run again",
-                          highlight=False, soft_wrap=True)
-        if ranks is not None:
-            _lead_todo(ranks, rf, todo)
         extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
                  "output": out_path,
                  **({"output_stream": f"{target.stream}, lines in completion order"}
                     if target is not None and target.is_stream else {})}
-        if job.ray is not None or dp is not None:
-            replicas = dp or ray_data.RayReplicas(cfg, job.defaults, job.ray, job.replicas)
-            _, wall = stream_output(writer, len(todo), replicas.run(todo, record), job.quiet)
-            return replicas.summary(len(todo), wall, extra)
-        return _run_here(rf, todo, writer, fit_seats(cfg, todo, job.defaults), job.defaults,
-                         record, src, tokenizer, grammars, load_s, extra, job.quiet)
+        start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
+        return driver.summary(len(todo), wall, start, extra)
     except (KeyboardInterrupt, Terminated) as e:
         interrupted(e, writer, len(rf) if rf is not None else 0)
     finally:
         if writer is not None:
             close_quietly(writer)  # after an error; a finished run closed it already
-        if dp is not None:
-            dp.stop()
+        if driver is not None:
+            driver.stop()
         if ranks is not None:  # leave the torchrun group before exit: a group torn down by
             parallel.shutdown()  # the interpreter's exit aborted ranks ("terminate called")
 
@@ -193,27 +179,6 @@ def _writer(target: OutputTarget | None, out_path: str, sources: list[InputSourc
                                     result_settings(cfg, job.defaults, job.opts), job.resume,
                                     job.overwrite),
                         rf.index_of, *line_check(rf.format))
-
-
-def _run_here(rf: RequestFile, todo: list[Request], writer, engine_cfg: EngineConfig,
-              defaults: SamplingParams, record, src, tokenizer, grammars: Grammars | None,
-              load_s: float, extra: dict[str, Any], quiet: bool) -> dict[str, Any]:
-    """Run the requests on an engine in this process; returns the summary."""
-    t_load = time.perf_counter()
-    with console.status(f"loading {engine_cfg.model} ..."):
-        rep = Replica(engine_cfg, defaults, record, src, tokenizer, grammars)
-    engine = rep.engine
-    if engine.max_model_len < engine_cfg.context_limit(src.hf_config):
-        # the KV cache holds less than the model's context: the error names the memory
-        check_requests(rf, lambda r: engine.check_request(r.prompt_token_ids,
-                                                          r.sampling(defaults)), todo)
-    load_s += time.perf_counter() - t_load
-    batches = (([(i, json.dumps(line, ensure_ascii=False)) for i, line, _ in step],
-                engine.stats.tokens_generated) for step in rep.stream(todo))
-    start, wall = stream_output(writer, len(todo), batches, quiet)
-    return engine.summary(wall, start, {**extra, "load_time_s": load_s,
-                                        **startup(engine.stats.first_step_wall_time,
-                                                  engine.runner.startup_phases)})
 
 
 class _Background(threading.Thread):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedgen.attention.ops import profiling
+from pagedgen import profiling
 from pagedgen.cli.profile.workload import Workload, prompts_for
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import kernel_stats
@@ -29,7 +29,7 @@ def _percentile(xs: list[float], p: float) -> float:
 
 def _step(engine, phase: str) -> float:
     """One engine step inside a ``pagedgen.<phase>`` range; seconds (synchronized)."""
-    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
     with torch.profiler.record_function(f"pagedgen.{phase}"):
@@ -258,7 +258,7 @@ def run_sharded(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                  ) -> dict[str, Any]:
     """``run_backend`` on every rank of a tensor-parallel group (worker processes on GPUs
     0..N-1, or gloo on the CPU); rank 0's result."""
-    from pagedgen.runtime.distributed import data_parallel
+    from pagedgen.runtime.drivers import data_parallel
 
     return data_parallel.run_on_ranks(_profile_worker, (cfg, wl, out_dir, seed, limits), cfg)
 

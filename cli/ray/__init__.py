@@ -1,6 +1,6 @@
 """pagedgen on Ray Data: ``pagedgen.ray.Generator`` for pipelines of your own
 (``cli/ray/generator.py``); ``pagedgen generate --ray`` runs on
-``runtime/distributed/ray_data.py``. (This folder is the package ``pagedgen.ray``.)"""
+``runtime/drivers/ray_data.py``. (This folder is the package ``pagedgen.ray``.)"""
 
 from pagedgen.ray.generator import Generator
 

@@ -8,7 +8,7 @@ own (``pip install 'pagedgen[ray]'``)::
                          batch_size=512)
 
 Rows are read as pagedgen's JSONL lines are (``cli/formats``), so it lives with the formats;
-the engine plumbing of ``pagedgen generate --ray`` is ``runtime/distributed/ray_data.py``.
+the engine plumbing of ``pagedgen generate --ray`` is ``runtime/drivers/ray_data.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from pagedgen.cli.formats import records
 from pagedgen.cli.formats.reader import RequestFile, check_requests, parse_line, tokenize_requests
 from pagedgen.cli.formats.request import InputOptions
-from pagedgen.runtime.distributed.replica import Replica
+from pagedgen.runtime.drivers.replica import Replica
 from pagedgen.runtime.engine.requests import check_request
 
 

@@ -14,7 +14,7 @@ import gc
 import torch
 
 from pagedgen.cli.verify.report import Row, max_error
-from pagedgen.runtime.distributed import data_parallel
+from pagedgen.runtime.drivers import data_parallel
 from pagedgen.runtime.sampling.processors import LogitsProcessor
 
 
@@ -72,9 +72,8 @@ def trace(engine, prompts: list[list[int]], steps: int,
     logits: dict[tuple[int, int], torch.Tensor] = {}
     # the engine's factory and switch (what Engine(processor_factory=...) sets): the
     # checks trace engines they did not make
-    engine.processor_factory = lambda i, params, sample: [
-        Recorder(i, logits, None if forced is None else forced[i])]
-    engine.runner.processors_enabled = True
+    engine.set_processor_factory(lambda i, params, sample: [
+        Recorder(i, logits, None if forced is None else forced[i])])
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
     seqs = [engine.add_request(p, params, request=i) for i, p in enumerate(prompts)]
     engine.run()
@@ -188,11 +187,10 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
 
     base, ref32 = references(model, dtype, str(device), steps, seed)
     eng = Engine(model_config(backend_name, model, dtype, device, seed, graphs))
-    label = f"model {eng.src.name} {str(eng.runner.dtype).removeprefix('torch.')}, " \
+    label = f"model {eng.src.name} {str(eng.dtype).removeprefix('torch.')}, " \
             f"CUDA graphs {'on' if graphs else 'off'}"
     got = trace(eng, model_prompts(seed), steps, (ref32 or base)[1])
-    return judge(got, base, ref32, MODEL_TOL[eng.runner.dtype], label,
-                 eng.runner.dtype != torch.float32)
+    return judge(got, base, ref32, MODEL_TOL[eng.dtype], label, eng.dtype != torch.float32)
 
 
 def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: torch.device,
@@ -238,7 +236,7 @@ def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.
     cached_engine.generate([warm], SamplingParams(max_tokens=1, ignore_eos=True))
     cached = trace(cached_engine, [prompt], steps, (ref32 or fresh)[1])
     hit = cached_engine.stats.prefix_hit_tokens  # the warm-up prompt found nothing cached
-    row = judge(cached, fresh, ref32, MODEL_TOL[cached_engine.runner.dtype],
+    row = judge(cached, fresh, ref32, MODEL_TOL[cached_engine.dtype],
                 f"prefix-cached prefill, page {page_size}", below)
     row.passed = row.passed and hit == 2 * page_size
     row.detail = f"{hit} of {len(prompt)} prompt tokens from the cache; {row.detail}"

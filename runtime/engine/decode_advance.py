@@ -15,7 +15,7 @@ import torch
 
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.runtime.engine.sequence import Sequence
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.transfer import to_device
 
 
 @dataclass

@@ -18,8 +18,8 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
-from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from pagedgen.runtime.engine.outputs import RequestOutput, request_output
+from pagedgen.runtime.engine.output_stage import OutputStage
+from pagedgen.runtime.engine.outputs import RequestOutput
 from pagedgen.runtime.engine.report import run_summary
 from pagedgen.runtime.engine.stats import DecodeReads, StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
@@ -46,6 +46,7 @@ class Engine:
         self.config = config
         self.src = src or resolve_model(config.model)
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
+        self._output: OutputStage | None = None
         self.runner = ModelRunner(config, self.src)
         self.processor_factory = processor_factory
         self._grammars = grammars
@@ -69,6 +70,13 @@ class Engine:
         return self._tokenizer
 
     @property
+    def output(self) -> OutputStage:
+        """The stop rules and texts (made with the tokenizer, at first use)."""
+        if self._output is None:
+            self._output = OutputStage(self.tokenizer, lambda: self.max_model_len)
+        return self._output
+
+    @property
     def grammars(self) -> Grammars:
         """The run's structured-output constraints, compiled once each; the sampler masks the
         constrained rows with them."""
@@ -76,6 +84,39 @@ class Engine:
             self._grammars = Grammars(self.tokenizer, self.src.hf_config.vocab_size)
         self.runner.grammars = self._grammars
         return self._grammars
+
+    # ---- what callers read of the engine (not of its runner) ----------------------------
+
+    @property
+    def device(self):
+        return self.runner.device
+
+    @property
+    def dtype(self):
+        return self.runner.dtype
+
+    @property
+    def backend_name(self) -> str:
+        return self.runner.backend.name
+
+    @property
+    def startup_phases(self) -> dict[str, float]:
+        """Seconds each start-up phase took (model, attention, memory profile, KV cache)."""
+        return self.runner.startup_phases
+
+    def step_weight_bytes(self, tokens: int = 1) -> int:
+        """Weight bytes a forward of ``tokens`` tokens reads (this rank's; a MoE layer's
+        experts as its tokens are expected to choose them)."""
+        return self.runner.model.step_weight_bytes(tokens)
+
+    def kv_bytes_per_token(self) -> float:
+        """KV-cache bytes one token takes over every layer (this rank's)."""
+        return self.runner.block_bytes() / self.runner.block_size
+
+    def set_processor_factory(self, factory: ProcessorFactory | None) -> None:
+        """Logits processors for the requests added from now on (``processors.py``)."""
+        self.processor_factory = factory
+        self.runner.processors_enabled = factory is not None
 
     @property
     def grammars_used(self) -> Grammars | None:
@@ -104,22 +145,16 @@ class Engine:
         if params.min_tokens:
             self.runner.eos_ids = self.tokenizer.eos_token_ids  # what min_tokens holds back
         samples = []
-        stops = StopChecker(params.stop, params.include_stop_str_in_output) \
-            if params.stop else None
         for i in range(params.n):
             samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
                                     arrival_time=now, sample_index=i,
                                     bad_words_ids=bad_words))
-            if stops is not None:  # the text as it comes, for the stop strings
-                samples[-1].stop_checker = stops
-                samples[-1].detok = IncrementalDetokenizer(
-                    self.tokenizer, params.skip_special_tokens,
-                    params.spaces_between_special_tokens)
             if self.processor_factory is not None:
                 samples[-1].logits_processors = self.processor_factory(request, params, i)
             if params.structured is not None:
                 samples[-1].grammar = self.grammars.state(params.structured)
             self._next_id += 1
+        self.output.prepare(samples, params)  # stop strings: each sample's text as it comes
         seq = samples[0]
         if params.n > 1:
             seq.forks = samples[1:]
@@ -320,7 +355,7 @@ class Engine:
                 continue
             seq.append_token(PENDING_TOKEN)
             placed.append(seq.num_output_tokens - 1)
-            if self._at_length_limit(seq, seq.num_output_tokens):
+            if self.output.at_length_limit(seq, seq.num_output_tokens):
                 self.scheduler.finish(seq)
         return placed
 
@@ -344,14 +379,12 @@ class Engine:
             seq.output_token_ids[i] = token
             seq.token_ids[seq.num_prompt_tokens + i] = token
             self.stats.tokens_generated += 1
-            if seq.detok is not None:
-                seq.detok.add(token)
             if entry is not None:  # entries come in output order, as the tokens do
                 seq.logprobs.append(entry)
             self._cache_blocks(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if seq.finish_reason is None and self._check_stop(seq, token, i + 1):
+            if seq.finish_reason is None and self.output.token(seq, token, i + 1):
                 extra = seq.num_output_tokens - (i + 1)  # placeholders of later steps
                 if extra:
                     del seq.output_token_ids[i + 1:], seq.token_ids[-extra:]
@@ -381,43 +414,13 @@ class Engine:
         self._grammars.release(seq.grammar)
         return seq
 
-    def _check_stop(self, seq: Sequence, token: int, n_out: int) -> bool:
-        """Whether ``seq`` stops at its output token ``n_out`` (1-based), which is ``token``:
-        EOS, a stop token or a stop string (none before ``min_tokens``), or its length."""
-        p = seq.params
-        if n_out < p.min_tokens:
-            pass
-        elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            seq.finish_reason = "stop"
-            if not p.include_stop_str_in_output:  # the text ends before the stop token's
-                seq.stop_text_end = len(self._text(seq, seq.output_token_ids[:n_out - 1]))
-        elif seq.stop_checker is not None and (hit := seq.stop_checker.check(
-                seq.detok.text, seq.detok.new)) is not None:
-            seq.finish_reason, seq.stop_text_end = "stop", hit
-        if seq.finish_reason is None and self._at_length_limit(seq, n_out):
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
-
-    def _at_length_limit(self, seq: Sequence, n_out: int) -> bool:
-        """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
-        return n_out >= seq.params.max_tokens or seq.num_prompt_tokens + n_out >= self.max_model_len
-
-    def _text(self, seq: Sequence, ids: list[int]) -> str:
-        p = seq.params
-        return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
-
     def output_text(self, seq: Sequence) -> str:
-        """A finished sample's text: decoded as it came (with stop strings) or now, cut where
-        its stop string or stop token ends it."""
-        text = seq.detok.finish() if seq.detok is not None \
-            else self._text(seq, seq.output_token_ids)
-        return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+        """A finished sample's text (``output_stage.py``)."""
+        return self.output.text(seq)
 
     def request_output(self, samples: list[Sequence]) -> RequestOutput:
         """The output of a request whose ``samples`` have all finished (``outputs.py``)."""
-        return request_output(samples, self.tokenizer, self.output_text)
+        return self.output.request_output(samples)
 
     def run(self, on_finish: Callable[[Sequence], None] | None = None,
             on_step: Callable[[list[Sequence]], None] | None = None) -> None:

@@ -15,12 +15,12 @@ import torch
 
 from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.profiling import scope
+from pagedgen.transfer import to_device
 from pagedgen.attention.registry import backend_for_model
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, parse_bytes
-from pagedgen.runtime.distributed import parallel
+from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs

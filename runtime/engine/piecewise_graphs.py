@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from pagedgen.attention.metadata import AttentionMetadata
-from pagedgen.attention.ops.profiling import scope
+from pagedgen.profiling import scope
 
 MAX_TOKENS = 1024  # larger steps run eagerly: their GPU time exceeds the host's
 STEP = 64

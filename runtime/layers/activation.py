@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedgen.attention.ops.profiling import scope
+from pagedgen.profiling import scope
 from pagedgen.runtime.layers import fused_ops
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from pagedgen.attention.backend import AttentionImpl, LayerSpec
 from pagedgen.attention.metadata import AttentionMetadata
-from pagedgen.attention.ops.profiling import scope
+from pagedgen.profiling import scope
 
 
 class PagedAttention(nn.Module):

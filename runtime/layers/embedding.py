@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.runtime.distributed.parallel import TensorParallel
-from pagedgen.runtime.layers.sharding import Segment
+from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import Segment
 
 
 class VocabParallelEmbedding(nn.Module):

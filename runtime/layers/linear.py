@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedgen.runtime.distributed.parallel import TensorParallel
-from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.quantization import QuantizationMethod, get_method
 from pagedgen.runtime.quantization.fp8_kernels import QuantizedActivations
 

@@ -10,14 +10,11 @@ Mixtral's ``experts.{e}.w1.weight``), or stacked as transformers 5 holds them
 (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]); ``FusedMoE`` loads
 either (``load_checkpoint_tensor``) and names the ones missing (``checkpoint_units``).
 
-FP8 experts (``fp8``: the checkpoint's scheme, or ``--quantization fp8``) hold e4m3 weights
-with float32 scales whose rows follow the weights' (``w13_weight_scale`` [E, 2 * I_rank,
-K groups], ``w2_weight_scale`` [E, H, K groups]: one group per row, or per block of the
-checkpoint's ``weight_block_size``), loaded or quantized per expert tensor as an FP8 linear
-layer's are. The kernels multiply them without dequantizing: weights converted in registers,
-or activations quantized per token for the FP8 tensor cores, as the plan measures faster. A
-checkpoint's static ``input_scale`` of an expert is read and not used (activations are
-quantized dynamically, per token). On the CPU the weights are dequantized for the loop.
+The experts' weight format is a ``MoeMethod`` (``runtime/quantization``), chosen as a linear
+layer's method is (``QuantConfig.moe_method_for``): dense in the model's dtype, or FP8
+(``fp8_moe.py``: e4m3 with scales the kernels multiply without dequantizing). The layer keeps
+the stacking, the tensor-parallel split and the checkpoint's names; the method keeps the
+storage and the loading of each expert tensor.
 """
 
 from __future__ import annotations
@@ -27,15 +24,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.profiling import scope
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
-from pagedgen.runtime.layers.sharding import Segment, check_shape, load_segment, split
-from pagedgen.runtime.quantization.fp8 import Fp8Scheme, load_scale, load_weight
-from pagedgen.runtime.quantization.fp8_kernels import E4M3
-from pagedgen.runtime.quantization.unquantized import Unquantized
+from pagedgen.runtime.collectives.sharding import Segment, split
+from pagedgen.runtime.quantization.base import MoeMethod
+from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 GATE, UP, DOWN = "gate", "up", "down"
 HF_NAMES = {GATE: "gate_proj", UP: "up_proj", DOWN: "down_proj"}
@@ -50,31 +46,18 @@ def expected_active_experts(num_experts: int, top_k: int, tokens: int) -> float:
 
 class FusedMoE(nn.Module):
     """Every expert's SwiGLU MLP: ``w13_weight`` [E, 2 * I_rank, H] (this rank's gate rows,
-    then its up rows), ``w2_weight`` [E, H, I_rank]. ``names``: the checkpoint's per-expert
-    tensor names. ``use_triton``: the grouped GEMM kernels (None: on CUDA tensors), else the
-    per-expert loop. ``fp8``: the experts' FP8 scheme (None: the model's dtype)."""
+    then its up rows), ``w2_weight`` [E, H, I_rank], kept as ``method`` says (None: dense).
+    ``names``: the checkpoint's per-expert tensor names. ``use_triton``: the grouped GEMM
+    kernels (None: on CUDA tensors), else the per-expert loop."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  tp: TensorParallel, names: dict[str, str] = HF_NAMES,
-                 fp8: Fp8Scheme | None = None) -> None:
+                 method: MoeMethod | None = None) -> None:
         super().__init__()
         seg = split(intermediate, tp, "moe_intermediate_size")
-        self.num_experts, self.top_k, self.names, self.fp8 = num_experts, top_k, names, fp8
-        dtype = E4M3 if fp8 else None
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * seg.size, hidden,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, seg.size, dtype=dtype),
-                                      requires_grad=False)
-        self.group_k = fp8.block[1] if fp8 and fp8.block else None
-        if fp8:
-            groups = (lambda k: 1) if self.group_k is None else (
-                lambda k: -(-k // self.group_k))
-            self.w13_weight_scale = nn.Parameter(torch.empty(
-                num_experts, 2 * seg.size, groups(hidden), dtype=torch.float32),
-                requires_grad=False)
-            self.w2_weight_scale = nn.Parameter(torch.empty(
-                num_experts, hidden, groups(seg.size), dtype=torch.float32),
-                requires_grad=False)
+        self.num_experts, self.top_k, self.names = num_experts, top_k, names
+        self.method = method or UnquantizedMoe()
+        self.method.create_weights(self, num_experts, hidden, seg.size)
         self.shards = {"w13_weight": (1, [Segment(GATE, intermediate, seg.start, seg.size, 0),
                                           Segment(UP, intermediate, seg.start, seg.size,
                                                   seg.size)]),
@@ -86,11 +69,10 @@ class FusedMoE(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
-        scales = self.scales
+        scales = self.method.scales(self)
         with scope("moe"):
             if not triton:
-                w13, w2 = (self.w13_weight, self.w2_weight) if scales is None else \
-                    scales.dequantize(self.w13_weight, self.w2_weight, x.dtype)
+                w13, w2 = self.method.dense(self, x.dtype)
                 y = mk.reference(x, w13, w2, weights, ids)
                 return y if out is None else out.copy_(y)
             if not mk.HAVE_TRITON:
@@ -104,13 +86,6 @@ class FusedMoE(nn.Module):
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.fp8_input(x.shape[0]))
-
-    @property
-    def scales(self) -> mk.ExpertScales | None:
-        """The FP8 experts' scales (None: weights in the model's dtype)."""
-        if self.fp8 is None:
-            return None
-        return mk.ExpertScales(self.w13_weight_scale, self.w2_weight_scale, self.group_k)
 
     @property
     def expert_numel(self) -> int:
@@ -127,12 +102,9 @@ class FusedMoE(nn.Module):
 
     def checkpoint_units(self) -> dict[Any, str]:
         """Each tensor this layer needs → its checkpoint name after our prefix."""
-        units = {(e, part): f"{e}.{name}.weight"
-                 for e in range(self.num_experts) for part, name in self.names.items()}
-        if self.fp8 is not None and self.fp8.serialized:
-            units.update({(e, part, "scale"): f"{e}.{name}.{self.fp8.scale_name}"
-                          for e in range(self.num_experts) for part, name in self.names.items()})
-        return units
+        return {(e, part, kind): f"{e}.{name}.{kind}" for e in range(self.num_experts)
+                for part, name in self.names.items()
+                for kind in ("weight", *self.method.extra_kinds())}
 
     def load_checkpoint_tensor(self, rest: str, tensor) -> list[Any]:
         """Load the checkpoint tensor named ``rest`` after our prefix; the units it filled.
@@ -144,38 +116,25 @@ class FusedMoE(nn.Module):
         part = next((p for p, n in self.names.items() if module == n), None)
         if not e.isdigit() or int(e) >= self.num_experts or part is None:
             raise KeyError(rest)
-        if kind == "weight":
-            self._load_expert(int(e), part, tensor)
-            return [(int(e), part)]
-        if self.fp8 is not None and self.fp8.serialized and kind == self.fp8.scale_name:
-            self._load_expert(int(e), part, tensor, scale=True)
-            return [(int(e), part, "scale")]
-        if self.fp8 is not None and self.fp8.static_input and kind == "input_scale":
-            return []  # activations are quantized per token (module docstring)
+        if kind in ("weight", *self.method.extra_kinds()):
+            self._load_expert(int(e), part, tensor, kind)
+            return [(int(e), part, kind)]
+        if kind in self.method.skipped_kinds():
+            return []
         raise KeyError(rest)
 
-    def _load_expert(self, e: int, part: str, tensor, scale: bool = False) -> None:
-        """Expert ``e``'s checkpoint tensor ``part`` (its weight, or with ``scale`` its FP8
-        scale) into its slice of our stacked parameter, as a sharded linear layer's parameter
-        is loaded (only this rank's rows or columns)."""
-        name = "w2_weight" if part == DOWN else "w13_weight"
-        dim, segs = self.shards[name]
-        shard, key = (dim - 1, segs), (None if part == DOWN else part)  # dims of one expert
-        expert = getattr(self, name).data[e]
-        if self.fp8 is None:
-            check_shape(expert, shard, key, tensor)
-            load_segment(expert, shard, key, tensor)
-            return
-        scales = getattr(self, f"{name}_scale").data[e]
-        if scale:
-            load_scale(self.fp8, scales, tuple(expert.shape), shard, key, tensor)
-        else:
-            load_weight(self.fp8, expert, scales, shard, key, tensor)
+    def _load_expert(self, e: int, part: str, tensor, kind: str = "weight") -> None:
+        """Expert ``e``'s checkpoint tensor ``part`` (its ``kind``: weight, or a tensor of
+        the method's) into its slice of our stacked parameters, as a sharded linear layer's
+        parameter is loaded (only this rank's rows or columns)."""
+        dim, segs = self.shards["w2_weight" if part == DOWN else "w13_weight"]
+        self.method.load(self, e, part, kind, tensor, (dim - 1, segs),  # dims of one expert
+                         None if part == DOWN else part)
 
     def load_drawn(self, name: str, full: torch.Tensor) -> None:
         """Dummy weights: the unsharded ``full`` tensor drawn for parameter ``name``
         (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) through the checkpoint path, so
-        FP8 experts are quantized as a checkpoint's would be."""
+        quantized experts are stored as a checkpoint's would be."""
         self._load_stacked("down_proj" if name == "w2_weight" else "gate_up_proj", full)
 
     def _load_stacked(self, rest: str, tensor) -> list[Any]:
@@ -194,7 +153,7 @@ class FusedMoE(nn.Module):
         for part, t in parts:
             for e in range(self.num_experts):
                 self._load_expert(e, part, t[e])
-        return [(e, p) for p, _ in parts for e in range(self.num_experts)]
+        return [(e, p, "weight") for p, _ in parts for e in range(self.num_experts)]
 
 
 class SparseMoeBlock(nn.Module):
@@ -203,7 +162,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES,
-                 fp8: Fp8Scheme | None = None) -> None:
+                 method: MoeMethod | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the "
@@ -212,7 +171,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = ColumnParallelLinear(hidden, [(None, Segment(None, num_experts, 0,
                                                                  num_experts, 0))],
                                          False, Unquantized())
-        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names, fp8)
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names, method)
         self.defer_reduce = False  # True: partial sums, reduced by the RMSNorm after it
 
     def takes_quantized_input(self, m: int) -> bool:

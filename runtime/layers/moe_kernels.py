@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
-from pagedgen.runtime.quantization.fp8_kernels import (dequantize, quantize_activations,
-                                                      quantize_weight)
+from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
+from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 try:
     import triton
@@ -296,35 +296,6 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
                         block_experts, cursor, n, num_experts, nb, E_PAD=e_pad,
                         BLOCK_M=block_m, CHUNK=256, B_CHUNK=32, num_warps=8)
     return slots, block_experts
-
-
-@dataclass(frozen=True)
-class ExpertScales:
-    """FP8 experts' float32 weight scales, rows as their weights' (``w13`` [E, 2I, G(H)],
-    ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row)."""
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    group_k: int | None = None
-
-    @classmethod
-    def quantize(cls, w13: torch.Tensor, w2: torch.Tensor, group_k: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
-        """e4m3 copies of both stacked weights and their scales (per row, or per row and K
-        group of ``group_k`` columns): experts whole on one device (tests, benchmarks)."""
-        out = []
-        for w in (w13, w2):
-            q, s = quantize_weight(w.reshape(-1, w.shape[2]), group_k)
-            out.append((q.view(w.shape), s.view(w.shape[0], w.shape[1], -1)))
-        return out[0][0], out[1][0], cls(out[0][1], out[1][1], group_k)
-
-    def dequantize(self, w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Both weights as ``dtype`` tensors (the per-expert loop's input on the CPU)."""
-        return tuple(
-            dequantize(w.reshape(-1, w.shape[2]), s.reshape(-1, s.shape[2]), dtype,
-                       self.group_k).view(w.shape)
-            for w, s in ((w13, self.w13), (w2, self.w2)))
 
 
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,

@@ -14,16 +14,16 @@ disk per GPU and library versions (``runtime/kernel_plans.py``: ``moe-plans.json
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 
+from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_kernels import Tiles
 
-ENV_TILES = "PAGEDGEN_MOE_TILES"
+ENV_TILES = envs.MOE_TILES.name
 CACHE = "moe-plans.json"
 PLAN_VERSION = 4  # part of the disk key: a change to the candidates or the kernel bumps it
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
@@ -69,7 +69,7 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
              act_dtype: torch.dtype = torch.bfloat16) -> MoePlan:
     """The tiles at each token count for experts ``w13`` / ``w2`` (FP8 with ``scales``, taking
     ``act_dtype`` activations; timed once per shape and machine)."""
-    forced = os.environ.get(ENV_TILES) or None
+    forced = envs.MOE_TILES.get()
     if forced is not None:
         if forced not in CANDIDATES:
             raise ValueError(f"${ENV_TILES}={forced}: use one of {', '.join(CANDIDATES)}")

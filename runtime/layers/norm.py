@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.profiling import scope
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import fused_ops
 
 

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from pagedgen.attention.ops.profiling import scope
+from pagedgen.profiling import scope
 from pagedgen.runtime.layers import fused_ops
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")

@@ -21,8 +21,8 @@ from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, model_config
 from pagedgen.runtime.models import gguf_file, registry
 from pagedgen.runtime.models.weights import FiniteChecked
-from pagedgen.runtime.layers.sharding import copy_shard, full_shape, shard_map
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
@@ -264,8 +264,9 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
                     _load_parts(layer, draw(full_shape(p, shards.get(name)), p.device).to(dtype))
                 elif attr == "bias":
                     p.zero_()
-            elif getattr(layer, "fp8", None) is not None and hasattr(layer, "load_drawn"):
-                if attr in layer.shards:  # FP8 experts: weights quantized, scales with them
+            elif getattr(getattr(layer, "method", None), "quantized", False) \
+                    and hasattr(layer, "load_drawn"):
+                if attr in layer.shards:  # quantized experts: stored as a checkpoint's are
                     layer.load_drawn(attr, draw(full_shape(p, shards[name]), p.device).to(dtype))
             elif "norm" in name:
                 p.fill_(1.0)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from pagedgen.runtime.layers.sharding import check_shape, load_segment, shard_map
+from pagedgen.runtime.collectives.sharding import check_shape, load_segment, shard_map
 
 Stacked = dict[str, tuple[str, Any]]  # checkpoint module name → (our fused module, part key)
 
@@ -42,7 +42,8 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
         dtype = tensor_dtype(tensor)
         fp8 = dtype in FP8_DTYPES
         if owner is not None:
-            if fp8 and getattr(owners[owner], "fp8", None) is None:
+            method = getattr(owners[owner], "method", None)
+            if fp8 and (method is None or method.name != "fp8"):
                 raise ValueError(DENSE_FP8)
             units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
             return [(owner, u) for u in units]

@@ -1,6 +1,8 @@
-"""The quantization-method interface a linear layer plugs in (after vLLM's
-``LinearMethodBase``, simpler): the method decides how the weight is stored, loaded and
-multiplied."""
+"""The weight-format interfaces the layers plug in (after vLLM's ``LinearMethodBase`` and
+``FusedMoEMethodBase``, simpler): a linear layer's ``QuantizationMethod`` decides how its
+weight is stored, loaded and multiplied; a MoE layer's ``MoeMethod`` how its experts' stacked
+weights are stored and loaded, and what the grouped GEMMs read beside them (``scales``). A
+weight format is one module with one of each."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedgen.runtime.layers.sharding import check_shape, load_segment
+from pagedgen.runtime.collectives.sharding import check_shape, load_segment
 
 
 class QuantizationMethod(ABC):
@@ -54,3 +56,45 @@ class QuantizationMethod(ABC):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Turn loaded checkpoint weights into the method's form, pick kernels."""
+
+
+class MoeMethod(ABC):
+    """How a MoE layer keeps its experts: ``w13_weight`` [E, 2I, H] (gate rows, then up rows)
+    and ``w2_weight`` [E, H, I] in the method's dtype, and whatever else it needs."""
+
+    name: ClassVar[str]
+    quantized: ClassVar[bool] = False  # stored in another form than the model's dtype
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,
+                       width: int) -> None:
+        """Register ``w13_weight``, ``w2_weight`` (this rank's ``width`` of each expert's
+        intermediate features) and the method's other parameters."""
+
+    def extra_kinds(self) -> tuple[str, ...]:
+        """Checkpoint tensors an expert's projection holds beside ``weight`` (after its name,
+        ``experts.{e}.gate_proj.``), each loaded by ``load``; every one must be there."""
+        return ()
+
+    def skipped_kinds(self) -> tuple[str, ...]:
+        """Checkpoint tensors read and not used (a static input scale, say)."""
+        return ()
+
+    def load(self, layer: nn.Module, e: int, part: str, kind: str, tensor: Any, shard,
+             key: Any) -> None:
+        """Expert ``e``'s checkpoint tensor ``kind`` ("weight" or an extra kind) of projection
+        ``part`` into our stacked parameter (this rank's rows or columns: ``shard``, part
+        ``key``). ValueError when it does not fit."""
+        param = (layer.w2_weight if part == "down" else layer.w13_weight).data[e]
+        check_shape(param, shard, key, tensor)
+        load_segment(param, shard, key, tensor)
+
+    def scales(self, layer: nn.Module) -> Any:
+        """What the grouped GEMMs read beside the weights (None: weights in the model's
+        dtype)."""
+        return None
+
+    def dense(self, layer: nn.Module, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both stacked weights as ``dtype`` tensors (the CPU's per-expert loop)."""
+        return layer.w13_weight, layer.w2_weight

@@ -1,6 +1,6 @@
 """Which quantization a model runs with: the checkpoint's own (its config's
 ``quantization_config``) or the one asked for (``--quantization``), and for each linear layer
-the method it gets (``QuantConfig.method_for``).
+the method it gets (``QuantConfig.method_for``; a MoE layer's experts: ``moe_method_for``).
 
 Checkpoint formats read (FP8 only; anything else is a one-line error naming the field):
 * Hugging Face ``{"quant_method": "fp8", "weight_block_size": [128, 128],
@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.quantization.base import QuantizationMethod
+from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
 from pagedgen.runtime.quantization.fp8 import ONLINE, Fp8, Fp8Scheme
+from pagedgen.runtime.quantization.fp8_moe import Fp8Moe
 
 QUANTIZATIONS = ("fp8",)  # what --quantization accepts
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
@@ -50,6 +51,11 @@ class QuantConfig:
             raise PagedgenError(f"the checkpoint quantizes only some of {', '.join(names)}; "
                                 "fused projections must be quantized alike")
         return Fp8(self.scheme)
+
+    def moe_method_for(self, names: list[str]) -> MoeMethod | None:
+        """The method of a MoE layer's experts, whose checkpoint tensors are ``names``
+        (every expert's projections); None: dense, as the checkpoint leaves them."""
+        return Fp8Moe(self.scheme) if self.method_for(names) is not None else None
 
     def _ignored(self, name: str) -> bool:
         for pattern in self.ignore:

@@ -22,15 +22,15 @@ the activations' dtype.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.runtime.layers.sharding import Shard, take_segment
+from pagedgen import envs
+from pagedgen.profiling import scope
+from pagedgen.runtime.collectives.sharding import Shard, take_segment
 from pagedgen.runtime.quantization import fp8_kernels as k
 from pagedgen.runtime.quantization.base import QuantizationMethod
 from pagedgen.runtime.quantization.fp8_gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
@@ -60,7 +60,7 @@ class Fp8Scheme:
 
 
 ONLINE = Fp8Scheme()
-ENV_FUSED_INPUT = "PAGEDGEN_FP8_FUSED_INPUT"  # 0: norms and SwiGLU never quantize for the GEMM
+ENV_FUSED_INPUT = envs.FP8_FUSED_INPUT.name
 
 
 class Fp8(QuantizationMethod):
@@ -127,7 +127,7 @@ class Fp8(QuantizationMethod):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if layer.weight.device.type == "cuda":
             layer.gemm_plan = plan_gemm(layer, self.group_k)
-            layer.fused_input = os.environ.get(ENV_FUSED_INPUT, "1") != "0"
+            layer.fused_input = envs.FP8_FUSED_INPUT.get() != "0"
 
     # ---- compute ----
 

@@ -16,18 +16,18 @@ only the first start on a machine pays for the timing. ``$PAGEDGEN_FP8_GEMM`` fo
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.kernel_plans import graph_time
 from pagedgen.runtime.quantization import fp8_kernels as k
 
-ENV_GEMM = "PAGEDGEN_FP8_GEMM"
+ENV_GEMM = envs.FP8_GEMM.name
 KINDS = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_tma", "triton_w8a16", "dequantize")
 # The M values each shape's kernels are timed at: decode's batches and prefill's chunks (a
 # choice made at 1,024 ran a default 8,192-token chunk 9% slower on an H100)
@@ -82,7 +82,7 @@ def check_forced(name: str) -> None:
 
 def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
     """The kernel for each M on this layer's weight (timed once per shape and machine)."""
-    forced = os.environ.get(ENV_GEMM) or None
+    forced = envs.FP8_GEMM.get()
     if forced is not None:
         check_forced(forced)
         if forced.startswith("rowwise") and group_k is not None:

@@ -1,4 +1,4 @@
-"""Dense weights in the model's dtype: a plain GEMM."""
+"""Dense weights in the model's dtype: a plain GEMM; experts stacked as they load."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedgen.runtime.quantization.base import QuantizationMethod
+from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
 
 
 class Unquantized(QuantizationMethod):
@@ -23,3 +23,14 @@ class Unquantized(QuantizationMethod):
         if out is None:
             return F.linear(x, layer.weight, bias)
         return torch.mm(x, layer.weight.t(), out=out)
+
+
+class UnquantizedMoe(MoeMethod):
+    name = "none"
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,
+                       width: int) -> None:
+        layer.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * width, hidden),
+                                        requires_grad=False)
+        layer.w2_weight = nn.Parameter(torch.empty(num_experts, hidden, width),
+                                       requires_grad=False)

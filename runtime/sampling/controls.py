@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.transfer import to_device
 
 
 def apply(logits: torch.Tensor, seqs: Sequence[Any], eos_ids: set[int]) -> None:

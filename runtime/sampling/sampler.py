@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.transfer import to_device
 from pagedgen.runtime.sampling import gumbel_kernel
 
 

@@ -13,8 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen.profiling import scope
+from pagedgen.transfer import to_device
 from pagedgen.runtime.sampling import controls, logprobs, processors
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample

@@ -26,7 +26,6 @@ the grammar refused (only if every token was masked) stops its matcher for good:
 from __future__ import annotations
 
 import json
-import os
 import re
 import threading
 import time
@@ -34,7 +33,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-from pagedgen.attention.ops.transfer import to_device
+from pagedgen import envs
+from pagedgen.transfer import to_device
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.config import StructuredOutput
@@ -126,7 +126,7 @@ class GrammarState:
 def default_workers() -> int:
     """Grammar worker processes: ``PAGEDGEN_GRAMMAR_WORKERS``, else 0 (inline) without CUDA
     and, with it, one for each two of this rank's cores past the engine's two, 1 to 8."""
-    env = os.environ.get("PAGEDGEN_GRAMMAR_WORKERS")
+    env = envs.GRAMMAR_WORKERS.get()
     if env is not None:
         if not env.isdigit():
             raise PagedgenError(f"PAGEDGEN_GRAMMAR_WORKERS={env!r}: give a count, 0 for inline")

@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedgen.attention.backend import AttentionType, LayerSpec
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.activation import GeluTanhAndMul
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.models.families import llama

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import RotaryEmbedding
 from pagedgen.runtime.models.families import gemma2, llama

@@ -16,14 +16,14 @@ from torch import nn
 from pagedgen.attention.backend import AttentionImpl, AttentionType, LayerSpec
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.activation import SiluAndMul
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
-from pagedgen.runtime.layers.sharding import Segment, split
+from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
@@ -145,7 +145,7 @@ class Model(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-family causal LM: ``forward`` → hidden states, ``compute_logits`` → logits.
     With a tensor-parallel group of more than one rank, this is one rank's shard
-    (runtime/layers/sharding.py); logits are gathered in full on every rank."""
+    (runtime/collectives/sharding.py); logits are gathered in full on every rank."""
 
     decoder_layer = DecoderLayer  # a family on Llama's skeleton names its own layer
     # checkpoint name → (our fused parameter, shard id)

@@ -11,7 +11,7 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import MIXTRAL_NAMES
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import MoeForCausalLM, check_experts

@@ -18,7 +18,7 @@ from typing import Any
 from torch import nn
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import HF_NAMES, SparseMoeBlock
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.hf_config import check_int
@@ -54,10 +54,9 @@ class MoeForCausalLM(llama.LlamaForCausalLM):
         experts, top_k, width = (getattr(config, f) for f in cls.moe_fields)
         names = [f"{prefix}.experts.{e}.{n}" for e in range(experts)
                  for n in cls.expert_names.values()]
-        method = quant.method_for(names) if quant else None
         return SparseMoeBlock(config.hidden_size, experts, top_k, width,
                               bool(getattr(config, "norm_topk_prob", True)), tp,
-                              cls.expert_names, method.scheme if method else None)
+                              cls.expert_names, quant.moe_method_for(names) if quant else None)
 
 
 def is_sparse(config, i: int) -> bool:

@@ -19,8 +19,8 @@ import numpy as np
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.distributed.data_parallel import replicas_summary
-from pagedgen.runtime.distributed.replica import RecordFn, Replica, Request
+from pagedgen.runtime.drivers.data_parallel import replicas_summary
+from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
 
 
 def check(replicas: int) -> None:
@@ -126,7 +126,14 @@ class RayReplicas:
                 raise
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
-    def summary(self, requests: int, wall: float, extra: dict[str, Any]) -> dict[str, Any]:
+    def check(self, request: Request) -> None:
+        """Each actor's engine checks its own requests."""
+
+    def stop(self) -> None:
+        """Ray's actors end with its pipeline."""
+
+    def summary(self, requests: int, wall: float, start: float,
+                extra: dict[str, Any]) -> dict[str, Any]:
         return replicas_summary(self.engine_config,
                                 {"ray": self.address, "replicas": self.replicas},
                                 [self.per[k] for k in sorted(self.per)], requests,

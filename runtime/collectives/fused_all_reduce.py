@@ -14,9 +14,10 @@ have, so it runs only when ``PAGEDGEN_FUSED_ALL_REDUCE=1`` asks for it.
 
 from __future__ import annotations
 
-import os
 
 import torch
+
+from pagedgen import envs
 
 try:
     import triton
@@ -25,14 +26,14 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-ENV = "PAGEDGEN_FUSED_ALL_REDUCE"
+ENV = envs.FUSED_ALL_REDUCE.name
 MAX_RANKS = 8
 MAX_PROGRAMS = 128  # each program's barrier takes 2 x ranks signal slots
 
 
 def requested() -> bool:
     """Whether the fused kernel may run (not yet measured on two GPUs: opt-in)."""
-    return os.environ.get(ENV, "0") == "1" and HAVE_TRITON
+    return envs.FUSED_ALL_REDUCE.get() == "1" and HAVE_TRITON
 
 
 def signal_slots(ranks: int) -> int:

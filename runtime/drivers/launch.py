@@ -35,7 +35,7 @@ def _main(target: Callable[..., Iterator[Any]], args: tuple, proc: int, q, inbox
     tp_rank, tp_size, init_method, on_gpu = tp
     try:
         if tp_size > 1:
-            from pagedgen.runtime.distributed import parallel
+            from pagedgen.runtime.collectives import parallel
             parallel.init(tp_rank, tp_size, init_method, tp_rank if on_gpu else None)
         for message in target(*args, inbox):
             if tp_rank == 0:  # the other ranks compute the same results: one reports

@@ -18,14 +18,15 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from pagedgen.attention.ops.profiling import scope
-from pagedgen.runtime.distributed import fused_all_reduce
+from pagedgen import envs
+from pagedgen.profiling import scope
+from pagedgen.runtime.collectives import fused_all_reduce
 
 # All-reduces up to this size (every decode step's; prefill chunks of up to a few hundred
 # tokens) run as one peer-to-peer kernel over symmetric memory instead of NCCL's ring;
 # PAGEDGEN_ALL_REDUCE=nccl sends them all to NCCL.
 ONE_SHOT_MAX_BYTES = 8 << 20
-ENV_ALL_REDUCE = "PAGEDGEN_ALL_REDUCE"
+ENV_ALL_REDUCE = envs.ALL_REDUCE.name
 # NVLink multicast (NVLS) stays off in every rank: NCCL's NVLS algorithms, symmetric memory's
 # multicast objects and NVSHMEM's are set up per process and fail on the lent multi-GPU hosts
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -51,7 +52,7 @@ class TensorParallel:
         (and always on the CPU). A collective: every rank calls it."""
         if self.size == 1 or device.type != "cuda":
             return
-        if os.environ.get(ENV_ALL_REDUCE, "auto") == "nccl":
+        if envs.ALL_REDUCE.get() == "nccl":
             self.all_reduce_kind = f"nccl ({ENV_ALL_REDUCE}=nccl)"
             return
         if dtype in self._buffers:  # another engine in this process: same buffer

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedgen.runtime.distributed.parallel import TensorParallel
+from pagedgen.runtime.collectives.parallel import TensorParallel
 
 
 @dataclass(frozen=True)

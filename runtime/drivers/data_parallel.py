@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.distributed.launch import WorkerError, Workers
-from pagedgen.runtime.distributed.replica import RecordFn, Replica, Request
+from pagedgen.runtime.drivers.launch import WorkerError, Workers
+from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
 from pagedgen.runtime.engine.stats import startup
 from pagedgen.runtime.hardware import host_cores
 
@@ -183,7 +183,11 @@ class DataParallel:
         """Output tokens so far: each replica's generated count, or its finished lines'."""
         return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
-    def summary(self, requests: int, wall: float, extra: dict[str, Any]) -> dict[str, Any]:
+    def check(self, request: Request) -> None:
+        """Each worker's engine checks its own requests."""
+
+    def summary(self, requests: int, wall: float, start: float,
+                extra: dict[str, Any]) -> dict[str, Any]:
         """The run's summary: a single replica's engine summary (``-tp`` alone), else the
         replicas' figures with a line each."""
         tp = self.engine_config.tensor_parallel_size

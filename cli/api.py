@@ -1,0 +1,129 @@
+"""The Python API, in vLLM's shape: ``pagedgen.LLM``::
+
+    from pagedgen import LLM
+    llm = LLM(model="tiny")                     # a preset, checkpoint directory or .gguf file
+    outs = llm.generate(["Hello", "The capital of France is"], max_tokens=16, temperature=0)
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason, outs[0].outputs  # RequestOutput
+
+Prompts are strings, lists of token ids, or request dicts with the fields of a JSONL line
+(``prompt`` | ``prompt_token_ids`` | ``messages``, sampling fields, ``structured_outputs`` ...),
+read and checked by the same code as the command's input (``cli/formats``): a bad one is a
+``PagedgenError`` naming its position before anything runs. Sampling settings given as keyword
+arguments (or ``sampling_params``: one dict for all, or one per prompt) apply where a request
+sets none. The engine is built once and reused by every ``generate``; requests run batched
+exactly as ``pagedgen generate`` runs a file's lines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pagedgen.cli.common import engine_and_sampling
+from pagedgen.cli.formats.reader import RequestFile, check_requests, parse_line, tokenize_requests
+from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, check_sampling,
+                                          set_sampling)
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
+from pagedgen.runtime.engine.outputs import RequestOutput
+
+Prompt = str | Sequence[int] | dict[str, Any]
+
+
+class LLM:
+    """An engine in this process. ``model``: a preset (default ``tiny``), a checkpoint
+    directory or a GGUF file; ``profile``: a run profile; ``engine_options``: EngineConfig
+    fields as ``pagedgen generate``'s options name them (``backend``, ``device``, ``dtype``,
+    ``quantization``, ``max_num_seqs``, ``kv_cache_memory``, ...)."""
+
+    def __init__(self, model: str | None = None, profile: str | None = None,
+                 **engine_options: Any) -> None:
+        cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {})
+        self.options = InputOptions()
+        self._driver = LocalDriver(cfg.with_seats(), self.defaults)
+        self._driver.load()
+        self.engine = self._driver.engine
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
+                 **sampling: Any) -> list[RequestOutput]:
+        """Run every prompt; their outputs in the prompts' order. ``sampling_params``: the
+        sampling fields of every prompt (a dict) or of each (a list, one per prompt);
+        keyword arguments (``max_tokens=16``, ``temperature=0``, ``n=4``, ``logprobs=2``,
+        ``stop=[...]``, ...) apply to every prompt; a request dict's own fields win."""
+        items = [prompts] if _single(prompts) else list(prompts)
+        if not items:
+            return []
+        per = _per_prompt(sampling_params, len(items))
+        reqs = []
+        for i, (item, extra) in enumerate(zip(items, per)):
+            where = f"prompt {i}"
+            line = _as_line(item, where)
+            req = parse_line({**line, "id": line.get("id", i)}, i, i + 1, where, self.options)
+            for name, value in {**sampling, **extra}.items():
+                if name not in (req.overrides or {}):
+                    _set(req, name, value, where)
+            reqs.append(req)
+        rf = _Prompts(["prompts"], reqs, {r.id: r.index for r in reqs})
+        eng = self.engine
+        tokenize_requests(rf, eng.tokenizer)
+        vocab, limit = eng.src.hf_config.vocab_size, eng.max_model_len
+        check_requests(rf, lambda r: checked_request(r, self.defaults, limit, vocab,
+                                                     eng.config.max_num_seqs))
+        constraints = {c: r for r in reqs
+                       if (c := (r.overrides or {}).get("structured")) is not None}
+        if constraints:  # each compiled once, a bad one named before the run
+            errors = eng.grammars.compile_all(constraints)
+            if errors:
+                c = min(errors, key=lambda c: constraints[c].index)
+                raise PagedgenError(f"{rf.where(constraints[c])}: {errors[c]}")
+        out: list[RequestOutput | None] = [None] * len(reqs)
+        for step in self._driver.outputs(reqs):
+            for index, result in step:
+                out[index] = result
+        return out  # type: ignore[return-value]
+
+
+class _Prompts(RequestFile):
+    """The prompts of one call, each named by its position in errors."""
+
+    def where(self, r) -> str:
+        return f"prompt {r.index}"
+
+
+def _single(prompts: Any) -> bool:
+    """Whether ``prompts`` is one prompt (a string, a dict, or a list of token ids)."""
+    if isinstance(prompts, (str, dict)):
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompts)
+
+
+def _as_line(item: Any, where: str) -> dict[str, Any]:
+    if isinstance(item, str):
+        return {"prompt": item}
+    if isinstance(item, dict):
+        return dict(item)
+    if isinstance(item, (list, tuple)):
+        return {"prompt_token_ids": list(item)}
+    raise PagedgenError(f"{where}: a prompt is a string, a list of token ids or a request "
+                        f"dict, not {type(item).__name__}")
+
+
+def _per_prompt(params: Any, n: int) -> list[dict[str, Any]]:
+    if params is None:
+        return [{}] * n
+    if isinstance(params, dict):
+        return [params] * n
+    params = list(params)
+    if len(params) != n or not all(isinstance(p, dict) for p in params):
+        raise PagedgenError(f"sampling_params: one dict for every prompt, or a list of {n} "
+                            "dicts (one per prompt)")
+    return params
+
+
+def _set(req, name: str, value: Any, where: str) -> None:
+    if name not in SAMPLING_FIELDS:
+        raise PagedgenError(f"{where}: unknown sampling field '{name}'; known: "
+                            f"{', '.join(SAMPLING_FIELDS)}")
+    set_sampling(req, name, value, where)
+    check_sampling(req, where)

