@@ -57,8 +57,8 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
     """vLLM engine arguments with pagedgen's batching limits (``EngineConfig``), prefix
     caching on (as both run by default); the seats this device gives when the config leaves
     them to it (``EngineConfig.with_seats``)."""
-    return dict(max_num_seqs=engine_config.with_seats().max_num_seqs,
-                max_num_batched_tokens=engine_config.max_num_batched_tokens,
+    cfg = engine_config.with_seats()
+    return dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_prefix_caching=True)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.hardware import default_seats
+from pagedgen.runtime.hardware import default_batched_tokens, default_seats
 
 DEFAULT_MODEL = "tiny"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -159,7 +159,7 @@ class EngineConfig:
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int | None = None  # None: by the device (hardware.default_seats)
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int | None = None  # None: by the device (default_batched_tokens)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
@@ -218,7 +218,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not lo <= value <= hi:
                 raise PagedgenError(f"{named(name)} must be in {lo}..{hi:,}, not {value:,}")
-        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None \
+                and self.max_num_batched_tokens < self.max_num_seqs:
             raise PagedgenError(
                 f"{named('max_num_seqs')} {self.max_num_seqs:,} is more than "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens:,}: "
@@ -236,12 +237,15 @@ class EngineConfig:
             raise PagedgenError(f"{named('seed')} must fit in 64 bits")
 
     def with_seats(self) -> EngineConfig:
-        """This config with ``max_num_seqs`` set: its own, else the device's default
-        (``hardware.default_seats``), at most ``max_num_batched_tokens``."""
-        if self.max_num_seqs is not None:
+        """This config with the limits a device decides set: ``max_num_batched_tokens``
+        (``hardware.default_batched_tokens``) and ``max_num_seqs`` (``default_seats``, at
+        most the tokens), each where no profile or option set it."""
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
             return self
-        seats = min(default_seats(self.torch_device()), self.max_num_batched_tokens)
-        return dataclasses.replace(self, max_num_seqs=seats)
+        device = self.torch_device()
+        tokens = self.max_num_batched_tokens or default_batched_tokens(device)
+        seats = self.max_num_seqs or min(default_seats(device), tokens)
+        return dataclasses.replace(self, max_num_seqs=seats, max_num_batched_tokens=tokens)
 
     def context_limit(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own; the engine may lower it to what its KV

@@ -36,15 +36,26 @@ def host_cores() -> int:
     return max(1, usable_cores() // max(1, int(shares) if shares.isdigit() else 1))
 
 
+def _large_gpu(device: torch.device) -> bool:
+    """vLLM's large class: a GPU of at least 70 GiB that is not an A100 (H100, H200, ...)."""
+    props = torch.cuda.get_device_properties(device)
+    return props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
+
+
 def default_seats(device: torch.device) -> int:
     """The most sequences a step holds when no profile or option says: vLLM's rule for its
     offline ``LLM`` class, so a batch job gets as many seats here as it would there: 1,024
     on a GPU of at least 70 GiB that is not an A100, 256 on other GPUs; 128 on a CPU."""
     if device.type != "cuda":
         return 128
-    props = torch.cuda.get_device_properties(device)
-    large = props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
-    return 1024 if large else 256
+    return 1024 if _large_gpu(device) else 256
+
+
+def default_batched_tokens(device: torch.device) -> int:
+    """The most tokens a step holds (its prefill chunk budget) when no profile or option
+    says: vLLM's rule for its ``LLM`` class, 16,384 on the large GPUs (as ``default_seats``),
+    8,192 on other GPUs and on a CPU."""
+    return 16384 if device.type == "cuda" and _large_gpu(device) else 8192
 
 
 def available_memory(device: torch.device) -> int | None:

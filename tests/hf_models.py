@@ -17,7 +17,8 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
 
     COMMON = {**globals()["COMMON"], **overrides}
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
-                       "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8}[kind])
+                       "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8,
+                       "qwen2_moe": 9}[kind])
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -49,6 +50,12 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                                 num_experts_per_tok=3, norm_topk_prob=True,
                                 mlp_only_layers=[1])
         model = tf.Qwen3MoeForCausalLM(cfg)
+    elif kind == "qwen2_moe":  # 8 experts, 3 per token, a shared expert, a dense layer
+        cfg = tf.Qwen2MoeConfig(**{**COMMON, "num_hidden_layers": 3}, moe_intermediate_size=48,
+                                shared_expert_intermediate_size=64, num_experts=8,
+                                num_experts_per_tok=3, norm_topk_prob=False,
+                                mlp_only_layers=[1])
+        model = tf.Qwen2MoeForCausalLM(cfg)
     elif kind == "mixtral":  # 4 experts, 2 per token, a window
         cfg = tf.MixtralConfig(**{**COMMON, "intermediate_size": 64}, head_dim=64,
                                num_local_experts=4,

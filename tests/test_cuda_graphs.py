@@ -37,7 +37,7 @@ def test_a_thousand_seats_capture_steps_of_32_beyond_256():
     ("NVIDIA H200", 139.8, 1024), ("NVIDIA H100 80GB HBM3", 79.1, 1024),
     ("NVIDIA A100-SXM4-80GB", 79.2, 256), ("NVIDIA L4", 22.0, 256),
     ("NVIDIA GH200 96GB", 94.5, 1024), ("NVIDIA H100 PCIe 64GB", 63.9, 256)])
-def test_default_seats_follow_vllms_rule(monkeypatch, name, gib, seats):
+def test_default_seats_and_step_tokens_follow_vllms_rule(monkeypatch, name, gib, seats):
     import torch
 
     from pagedgen.runtime import hardware
@@ -52,14 +52,20 @@ def test_default_seats_follow_vllms_rule(monkeypatch, name, gib, seats):
     assert EngineConfig(max_num_seqs=7).with_seats().max_num_seqs == 7  # an explicit count
     # never more seats than tokens a step holds
     assert EngineConfig(max_num_batched_tokens=300).with_seats().max_num_seqs == min(seats, 300)
+    tokens = 16384 if seats == 1024 else 8192  # vLLM's LLM class: its prefill chunk budget
+    assert hardware.default_batched_tokens(torch.device("cuda")) == tokens
+    assert hardware.default_batched_tokens(torch.device("cpu")) == 8192
+    assert EngineConfig().with_seats().max_num_batched_tokens == tokens
+    assert EngineConfig(max_num_batched_tokens=300).with_seats().max_num_batched_tokens == 300
 
 
-def test_gpu_presets_leave_the_seats_to_the_device():
+def test_gpu_presets_leave_the_seats_and_step_tokens_to_the_device():
     from pagedgen.runtime.profiles import configs_from_profile, list_profiles, load_profile
 
     for name in list_profiles():
         cfg, _ = configs_from_profile(load_profile(name))
         assert (cfg.max_num_seqs is None) == (name not in ("tiny", "smollm2-135m")), name
+        assert (cfg.max_num_batched_tokens is None) == (name != "tiny"), name
 
 
 # ---- captures in the middle of a run: what warms up first ---------------------------------

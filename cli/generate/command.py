@@ -104,7 +104,8 @@ def generate(
                    "CPU; cut to the run's sequences]."),
     max_num_batched_tokens: Optional[int] = typer.Option(
         None, help="Most tokens in a step; longer prompts prefill in chunks [default: the "
-                   "profile's, else 8192]."),
+                   "profile's, else vLLM's rule: 16384 on a GPU of 70 GiB or more (not an "
+                   "A100), 8192 on other GPUs and a CPU]."),
     max_model_len: Optional[int] = typer.Option(
         None, help="Longest sequence, prompt and output [default: the model's context]."),
     enforce_eager: Optional[bool] = typer.Option(

@@ -63,7 +63,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     for batch in wl.batch_sizes:
         prompts = prompts_for(engine, wl, batch, seed)
         # sequences admitted early also decode during the later prefill chunks: leave room
-        chunks = -(-sum(map(len, prompts)) // cfg.max_num_batched_tokens) + 1
+        chunks = -(-sum(map(len, prompts)) // engine.config.max_num_batched_tokens) + 1
         params = SamplingParams(max_tokens=chunks + wl.warmup_steps + decode_steps + 2,
                                 temperature=0.0, ignore_eos=True)
         engine.reset_prefix_cache()  # each batch size starts cold (its prompts repeat)

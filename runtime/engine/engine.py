@@ -73,7 +73,8 @@ class Engine:
     def output(self) -> OutputStage:
         """The stop rules and texts (made with the tokenizer, at first use)."""
         if self._output is None:
-            self._output = OutputStage(self.tokenizer, lambda: self.max_model_len)
+            runner = self.runner  # not the engine: no cycle keeps it alive past its run
+            self._output = OutputStage(self.tokenizer, lambda: runner.max_model_len)
         return self._output
 
     @property

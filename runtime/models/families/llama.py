@@ -41,7 +41,8 @@ class Attention(nn.Module):
         h, d = config.hidden_size, spec.head_size
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = bias or config.model_type == "qwen2"
+        qkv_bias = bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias",
+                                                                        False))
         kv_full = num_kv_heads(config) * d
         q = split(config.num_attention_heads * d, tp, "query features")
         # this rank's KV heads, or the one it replicates when there are fewer than ranks
@@ -74,15 +75,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    """SwiGLU of ``intermediate`` features (default: the config's ``intermediate_size``)."""
+
     def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", intermediate: int | None = None,
+                 field: str = "intermediate_size") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        inter = split(config.intermediate_size, tp, "intermediate_size")
+        width = intermediate or config.intermediate_size
+        inter = split(width, tp, field)
         self.gate_up_proj = ColumnParallelLinear(
             config.hidden_size, [(0, inter), (1, inter)], bias,
             linear_method(quant, prefix, ["gate_proj", "up_proj"]))
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp,
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias, tp,
                                            linear_method(quant, prefix, ["down_proj"]))
         self.act = SiluAndMul()
 
@@ -95,6 +100,12 @@ class MLP(nn.Module):
         down = self.down_proj
         quant = self.act.fused and down.quant_method.takes_quantized_input(down, gate_up.shape[0])
         return down(self.act(gate_up, quant))
+
+    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the MLP's output (not reduced, not in the symmetric
+        buffer: a block that adds them to another output reduces the sum once)."""
+        down = self.down_proj
+        return down.quant_method.apply(down, self.act(self.gate_up_proj(x)), None)
 
 
 class DecoderLayer(nn.Module):
