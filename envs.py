@@ -47,6 +47,9 @@ ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "auto: one-shot over symmetric memory
 FUSED_ALL_REDUCE = EnvVar("PAGEDGEN_FUSED_ALL_REDUCE", "0",
                           "1: the all-reduce fused with the residual add and RMSNorm after it "
                           "(not measured faster on two GPUs)")
+GATED_DELTA = EnvVar("PAGEDGEN_GATED_DELTA", "triton (+ fla's chunked prefill where installed) "
+                     "on a GPU, torch on a CPU",
+                     "torch or triton: the linear-attention (Gated DeltaNet) kernels")
 GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two, 1-8, with "
                          "CUDA; 0 without", "grammar worker processes (0: in the engine's)")
 HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",
@@ -54,5 +57,5 @@ HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its w
 
 ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_GROUP_TILE, FA4_CASCADE_SUFFIX,
                            FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM, FP8_FUSED_INPUT,
-                           MOE_TILES, ALL_REDUCE, FUSED_ALL_REDUCE, GRAMMAR_WORKERS,
+                           MOE_TILES, ALL_REDUCE, FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS,
                            HOST_PROCESSES)

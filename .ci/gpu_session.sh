@@ -39,6 +39,9 @@
 # and 2 (profile, decode at batch 1 and 64, workload a, the fused all-reduce), vLLM at tp 2,
 # 70B / FP8 / Qwen3-30B-A3B under tp 2 and -dp 2; the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
+# gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
+# workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
+# and start with `source .whl/gdn/setup-device.sh`.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -344,6 +347,32 @@ for r in d['results']:
         --backends flash-attn,flashinfer,triton --heads 16/8 \
         --shapes decode:256x1100,decode:64x1100 --json "$S/attention-c.json"
       grep -h '^{' "$S"/attention-*.log | cut -c1-150 ;;
+    gdn)
+      # issue 60: the gated-delta GPU tests; $GDN_MODEL's (default qwen3.5-9b) decode steps at
+      # batch 1 and 256 under torch.profiler against the weight-plus-state floor; workloads
+      # $GDN_WORKLOADS (default h) through pagedgen alone (PEERS_PEERS: vllm to add the peer)
+      timed gdn-tests "${GDN_TESTS_LIMIT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_gpu_gated_delta.py
+      tail -4 "$S/gdn-tests.log"
+      m=${GDN_MODEL:-qwen3.5-9b}
+      timed "gdn-profile-$m" "${GDN_LIMIT:-300}" pagedgen profile --model "$m" \
+        --backend "${BACKEND:-triton}" --batch-sizes 1,256 --prompt-len 1024 --output-len 24 \
+        --output-dir "/tmp/profile-$m"
+      cp "/tmp/profile-$m/profile.json" "$S/profile-$m.json" 2>/dev/null
+      python3 - "$S/profile-$m.json" <<'PY' || tail -5 "$S/gdn-profile-$m.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    for b in r["batches"]:
+        print("batch", b["batch"], "prefill tok/s", round(b["prefill_tok_s"]), "step ms",
+              round(b["step_ms_p50"], 3), "floor ms", round(b.get("decode_roofline_ms", 0), 3),
+              "of floor", round(b.get("decode_roofline_fraction", 0), 2))
+    print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
+    print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
+PY
+      timed gdn-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers \
+        --workloads "${GDN_WORKLOADS:-h}" --backends "${BACKEND:-triton}" \
+        --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/gdn-peers.json"
+      grep -E "^│|^\|" "$S/gdn-peers.log" | cut -c1-200 | tail -8 ;;
     *) echo "unknown step '$step'" ;;
   esac
 done

@@ -39,6 +39,8 @@ class AttentionMetadata:
     the decode view carries it); None: plain decode.
     ``cascade_segments``: in a CUDA graph's step, the segments a level its buffers hold (at
     least ``cascade.segments()``; 0 elsewhere).
+    ``state_slots`` [num_seqs] int32: each sequence's slot of recurrent state (models with
+    linear-attention layers: attention/recurrent/state.py); None for other models.
     """
 
     num_prefills: int
@@ -54,8 +56,10 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     cascade: CascadeLayout | None = None
     cascade_segments: int = 0
+    state_slots: torch.Tensor | None = None
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+    _recurrent: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -81,6 +85,25 @@ class AttentionMetadata:
     @property
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
+
+    def recurrent_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(``state_slots``; has_state [num_seqs] int32: 1 where the sequence computed tokens
+        before this step, so its slot holds its state; token → sequence [num_tokens] int32)
+        for layers with recurrent state: made once a step, at the first such layer."""
+        if self._recurrent is None:
+            dev, n = self.context_lens.device, self.num_seqs
+            seqs = torch.arange(n, dtype=torch.int32, device=dev)
+            token_seq = seqs if self.num_prefills == 0 else torch.repeat_interleave(
+                seqs, self.query_start_loc.diff(), output_size=self.num_tokens)
+            self._recurrent = (self.state_slots, (self.context_lens > 0).to(torch.int32),
+                               token_seq)
+        return self._recurrent
+
+    def forget_step_tensors(self) -> None:
+        """Drop the tensors a forward made from this metadata (``recurrent_inputs``): a CUDA
+        graph recorded over it after an eager warm-up must make its own, inside the graph,
+        or it would read the warm-up's, freed once the capture is done."""
+        self._recurrent = None
 
     @property
     def prefill_metadata(self) -> AttentionMetadata | None:
@@ -118,7 +141,8 @@ class AttentionMetadata:
             seq_lens_cpu=self.seq_lens_cpu[s0:s1],
             query_lens_cpu=self.query_lens_cpu[s0:s1],
             cascade=None if is_prefill else self.cascade,
-            _prefill=None, _decode=None,
+            state_slots=None if self.state_slots is None else self.state_slots[s0:s1],
+            _prefill=None, _decode=None, _recurrent=None,
         )
 
     def extend(self, cls: type[AttentionMetadata], **fields) -> AttentionMetadata:
@@ -135,6 +159,7 @@ class ScheduledSeq:
     block_table: Sequence[int]
     num_context: int  # tokens already in the cache
     num_new: int  # tokens computed this step
+    state_slot: int | None = None  # its recurrent-state slot (models with linear attention)
 
 
 class AttentionMetadataBuilder:
@@ -172,6 +197,7 @@ class AttentionMetadataBuilder:
             return to_device(x, dtype, dev)
 
         num_prefill_tokens = sum(s.num_new for s in prefills)
+        recurrent = bool(seqs) and seqs[0].state_slot is not None
         tables_cpu = host_tensor(tables, torch.int32, dev).reshape(len(seqs), max_blocks)
         layout = None
         if self.cascade and decodes and (self.mixed or not prefills):
@@ -190,4 +216,5 @@ class AttentionMetadataBuilder:
             seq_lens_cpu=seq_lens,
             query_lens_cpu=[s.num_new for s in seqs],
             cascade=layout,
+            state_slots=t([s.state_slot for s in seqs], torch.int32) if recurrent else None,
         )

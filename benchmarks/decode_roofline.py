@@ -1,9 +1,10 @@
 """Decode-step time against the memory roofline (issue 3).
 
 Batch B sequences with a context of C tokens on the Llama-3-8B-shaped dummy model: each decode
-step reads every weight once plus every sequence's K/V, so its lower bound is
-(weight bytes + KV bytes) / measured copy bandwidth. Prints measured step time and the fraction
-of that bound reached.
+step reads every weight once plus every sequence's K/V (and, in a hybrid model, reads and
+writes every sequence's linear-attention state), so its lower bound is
+(weight bytes + KV bytes + state bytes) / measured copy bandwidth. Prints measured step time
+and the fraction of that bound reached.
 
     python -m benchmarks.decode_roofline --batch 64 --context 2048
 """
@@ -67,12 +68,16 @@ def main() -> None:
     weight_bytes = r.model.step_weight_bytes()
     per_token_kv = r.block_bytes() // r.block_size
     kv_bytes = args.batch * (args.context + args.steps // 2) * per_token_kv
-    bound = (weight_bytes + kv_bytes) / bw
+    rec = r.recurrent  # linear-attention layers: each sequence's state read and written
+    state_bytes = 0 if rec is None else args.batch * sum(
+        s.state_bytes_per_token(rec.states.dtype) for s in rec.states.specs)
+    bound = (weight_bytes + kv_bytes + state_bytes) / bw
     res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None,
            "fused_kernels": r.fused_kernels, "batch": args.batch,
            "context": args.context, "step_ms": step * 1000, "step_ms_p90": 1000 * sorted(times)[
                int(0.9 * (len(times) - 1))], "weight_gb": weight_bytes / 1e9,
-           "kv_gb": kv_bytes / 1e9, "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,
+           "kv_gb": kv_bytes / 1e9, "state_gb": state_bytes / 1e9,
+           "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,
            "roofline_fraction": bound / step,
            "decode_host_ms": r.host_ms_per_step("decode")}
     print(json.dumps(res, indent=2))

@@ -16,6 +16,9 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
      fewer than the documents (long shared prefixes under a memory budget)
   m: Qwen3-30B-A3B shape (MoE: 128 experts, 8 per token), (a)'s requests
   x: Mixtral-8x7B shape (MoE: 8 experts, 2 per token; needs an H200), (a)'s requests
+  h: Qwen3.5-9B shape (hybrid: Gated DeltaNet linear attention, 3 layers to 1), (a)'s requests
+  j: Qwen3.5-35B-A3B shape (hybrid MoE: 256 experts, 8 per token, a shared expert), (a)'s
+  l: Qwen3.5-9B shape, 32 prompts x random 8,192-30,000 input, 128 output (long prompts)
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ WORKLOADS = {
                   system_len=(1024, 1024), questions=4, kv_cache_tokens=196_608),
     "m": Workload("qwen3-30b-a3b", 256, (128, 1024), (256, 256)),
     "x": Workload("mixtral-8x7b", 256, (128, 1024), (256, 256)),
+    "h": Workload("qwen3.5-9b", 256, (128, 1024), (256, 256)),
+    "j": Workload("qwen3.5-35b-a3b", 256, (128, 1024), (256, 256)),
+    "l": Workload("qwen3.5-9b", 32, (8192, 30000), (128, 128)),
 }
 
 

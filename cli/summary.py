@@ -26,7 +26,7 @@ def format_value(key: str, value: Any) -> str:
     if key.endswith("_rate"):
         return f"{value:.1%}"
     if key.endswith("_bytes"):
-        return f"{value / 2**30:.2f} GiB"
+        return f"{value / 2**30:.2f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
     if key.endswith("_per_s"):
         return f"{value:,.1f}"
     if key.endswith("_s"):
@@ -71,7 +71,11 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "mixed_graph_steps": "steps with prefills in piecewise graphs",
            "mixed_graph_buckets": "piecewise token buckets captured",
            "mixed_graph_capture_s": "piecewise graph capture",
-           "mixed_graph_failed": "piecewise captures failed"}
+           "mixed_graph_failed": "piecewise captures failed",
+           "kv_cache_bytes": "KV cache", "recurrent_state_bytes": "linear-attention state",
+           "recurrent_state_slots": "state slots (seats + scratch)",
+           "recurrent_state_bytes_per_slot": "state per slot",
+           "max_num_seqs_lowered": "seats lowered to fit the state"}
 
 # The table's groups, each the summary keys it shows (keys in no group go to "run").
 _GROUPS: dict[str, tuple[str, ...]] = {
@@ -93,7 +97,10 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                                   "prefix_caching", "prefix_grouping",
                                   "prefix_cache_hit_rate",
                                   "prefix_cache_hit_tokens", "prefix_cache_evicted_blocks"),
-    "memory": ("peak_memory_bytes", "graph_memory_bytes"),
+    "memory": ("peak_memory_bytes", "kv_cache_bytes", "recurrent_state_bytes",
+               "recurrent_state_bytes_per_slot", "graph_memory_bytes"),
+    "linear attention": ("linear_attention_layers", "linear_attention_kernels",
+                         "recurrent_state_slots", "max_num_seqs_lowered"),
     "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
                  "graph_capture_s", "mixed_graph_capture_s", "attention_warmup_s",
                  "attention_kernels_compiled_at_warmup",
@@ -114,7 +121,8 @@ _COMPACT: dict[str, tuple[str, ...]] = {
     "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s"),
     "KV cache": ("kv_cache_blocks", "peak_kv_blocks_used",
                  "prefix_cache_hit_rate", "cascade_decode_steps"),
-    "memory": ("peak_memory_bytes",),
+    "memory": ("peak_memory_bytes", "kv_cache_bytes", "recurrent_state_bytes",
+               "max_num_seqs_lowered"),
     "start-up": ("startup_s",),
 }
 _COMPACT_LABELS = {"output_tokens_per_s": "output tokens/s", "total_tokens_per_s": "total tokens/s",

@@ -19,17 +19,21 @@ from typing import Any
 
 from pagedgen.profiling import PREFIX
 
-GROUPS = ("attention", "GEMM", "FP8 GEMM", "MoE", "normalization", "activation", "rotary",
-          "sampling", "KV-cache write", "all-reduce", "memory copy", "other")
+GROUPS = ("attention", "linear attention", "GEMM", "FP8 GEMM", "MoE", "normalization",
+          "activation", "rotary", "sampling", "KV-cache write", "all-reduce", "memory copy",
+          "other")
 _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "activation": "activation", "rotary": "rotary", "sampling": "sampling",
                 "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce",
                 "logits_processors": "sampling", "sampling_controls": "sampling",
                 "structured_output": "sampling",
-                "fp8_gemm": "FP8 GEMM", "moe": "MoE"}
+                "fp8_gemm": "FP8 GEMM", "moe": "MoE", "linear_attention": "linear attention"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
     ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
+    # ours (attention/recurrent/triton_kernels.py) and flash-linear-attention's chunked ones
+    ("linear attention", re.compile(r"gated_delta|conv_kernel|conv_state_kernel|chunk_fwd|"
+                                    r"chunk_local_cumsum|solve_tril|recompute_w_u|kkt", re.I)),
     ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel",
                              re.I)),
     ("FP8 GEMM", re.compile(r"scaled_gemm|_quant_kernel|e4m3|fp8_?gemm|f8f8", re.I)),

@@ -18,7 +18,14 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     COMMON = {**globals()["COMMON"], **overrides}
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
                        "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8,
-                       "qwen2_moe": 9}[kind])
+                       "qwen2_moe": 9, "qwen3_5_text": 10, "qwen3_5_moe_text": 11,
+                       "qwen3_next": 12}[kind])
+    # hybrid: three Gated DeltaNet layers, then a gated full-attention one (a quarter rotates)
+    hybrid = dict(COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
+                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+    hybrid.update(overrides)
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=48)
     if kind == "llama":
         cfg = tf.LlamaConfig(**COMMON, head_dim=32, tie_word_embeddings=False)
         model = tf.LlamaForCausalLM(cfg)
@@ -61,6 +68,16 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                                num_local_experts=4,
                                num_experts_per_tok=2, sliding_window=12)
         model = tf.MixtralForCausalLM(cfg)
+    elif kind == "qwen3_5_text":
+        cfg = tf.Qwen3_5TextConfig(**hybrid)
+        model = tf.Qwen3_5ForCausalLM(cfg)
+    elif kind == "qwen3_5_moe_text":  # 4 experts, 2 per token, a shared expert, every layer
+        del hybrid["intermediate_size"]
+        cfg = tf.Qwen3_5MoeTextConfig(**hybrid, **experts)
+        model = tf.Qwen3_5MoeForCausalLM(cfg)
+    elif kind == "qwen3_next":  # projections fused per key-head group; a dense layer
+        cfg = tf.Qwen3NextConfig(**hybrid, **experts, mlp_only_layers=[1])
+        model = tf.Qwen3NextForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)
@@ -68,6 +85,8 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
         for name, p in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("A_log"):  # slow decays: a linear layer's state must last
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.1).log())
     model.save_pretrained(path, safe_serialization=True)
     if with_tokenizer:
         save_tokenizer(path, cfg.vocab_size)

@@ -125,9 +125,9 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
     from pagedgen.runtime.models.loader import resolve_model
 
     cfg, _ = common.profile_configs("llama-3-8b")
-    assert cfg.max_num_seqs is None  # the preset leaves the seats to the device...
-    assert vllm_peer.same_limits(cfg) == {"max_num_seqs": 128,  # ...a CPU here
-                                          "max_num_batched_tokens": cfg.max_num_batched_tokens,
+    # the preset leaves the seats and the step's tokens to the device: a CPU's here
+    assert cfg.max_num_seqs is None and cfg.max_num_batched_tokens is None
+    assert vllm_peer.same_limits(cfg) == {"max_num_seqs": 128, "max_num_batched_tokens": 8192,
                                           "enable_prefix_caching": True}
     assert vllm_peer.same_limits(replace(cfg, max_num_seqs=300))["max_num_seqs"] == 300
     monkeypatch.setattr(vllm_peer, "vllm_site", lambda: None)

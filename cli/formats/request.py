@@ -84,12 +84,30 @@ def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> N
     elif kind == "prompt_token_ids":
         req.prompt_token_ids = token_ids(value, where, label)
     else:
+        if isinstance(value, list):
+            value = [_text_content(m, where, label) for m in value]
         if not isinstance(value, list) or not value or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str) for m in value):
             raise PagedgenError(f"{where}: {label} must be a non-empty list of "
                                 "{\"role\": str, \"content\": str} objects")
         req.messages = value
+
+
+def _text_content(message: Any, where: str, label: str) -> Any:
+    """A message whose content is a list of parts (OpenAI's form) with its text parts joined;
+    any other part (an image) is an error: pagedgen runs text prompts only."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for part in message["content"]:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise PagedgenError(f"{where}: {label}: a content part of type {kind!r} is not "
+                                "supported: pagedgen runs text prompts only (a multimodal "
+                                "checkpoint's language model)")
+        texts.append(part["text"])
+    return {**message, "content": "".join(texts)}
 
 
 def token_ids(value: Any, where: str, label: str) -> array:

@@ -101,7 +101,8 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
         if "copy_bw" in limits:
             weights = r.model.step_weight_bytes(batch)
             kv = batch * ctx * r.block_bytes() / r.block_size
-            row["decode_roofline_ms"] = 1000 * (weights + kv) / limits["copy_bw"]
+            state = batch * _state_bytes(r)  # linear-attention state: read and written
+            row["decode_roofline_ms"] = 1000 * (weights + kv + state) / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
         per_batch.append(row)
     result: dict[str, Any] = {"backend": name, "cuda_graphs": r.graphs is not None,
@@ -208,8 +209,20 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
         out["prefill_gemm_tflop_s"] = flops / t / 1e12
         out["prefill_gemm_peak_fraction"] = flops / t / linear_peak
     out.update(_moe_roofline(r.model, dec, pre, steps, batch, n_tok, limits))
+    lin_s = dec["groups_us"]["linear attention"] / 1e6 / steps
+    if lin_s:  # each sequence's state read and written once a step
+        out["decode_linear_attention_tb_s"] = batch * _state_bytes(r) / lin_s / 1e12
+        out["decode_linear_attention_bw_fraction"] = (batch * _state_bytes(r) / lin_s
+                                                      / limits["copy_bw"])
     out["decode_step_roofline_fraction"] = row.get("decode_roofline_fraction")
     return out
+
+
+def _state_bytes(runner) -> int:
+    """Bytes of linear-attention state a decode step reads and writes per sequence."""
+    rec = runner.recurrent
+    return 0 if rec is None else sum(s.state_bytes_per_token(rec.states.dtype)
+                                     for s in rec.states.specs)
 
 
 def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: int,

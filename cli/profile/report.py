@@ -80,6 +80,11 @@ def render(results: list[dict[str, Any]], console: Console) -> None:
                 parts.append(f"decode FP8 GEMMs read weights at {rf['decode_fp8_gemm_tb_s']:.2f}"
                              f" TB/s = {100 * rf['decode_fp8_gemm_bw_fraction']:.0f}% of copy "
                              "bandwidth")
+            if "decode_linear_attention_tb_s" in rf:
+                parts.append(f"decode linear attention moves its state at "
+                             f"{rf['decode_linear_attention_tb_s']:.2f} TB/s = "
+                             f"{100 * rf['decode_linear_attention_bw_fraction']:.0f}% of copy "
+                             "bandwidth")
             if rf.get("decode_step_roofline_fraction"):
                 parts.append(f"whole decode step at batch {res['kernel_batch']}: "
                              f"{100 * rf['decode_step_roofline_fraction']:.0f}% of the memory "

@@ -16,6 +16,7 @@ from pagedgen.attention.registry import backend_names, get_backend
 from pagedgen.cli.common import cli_errors, console, out_console
 from pagedgen.cli.formats.output_target import check_creatable, write_result
 from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
+from pagedgen.cli.verify.linear_checks import plan_linear
 from pagedgen.cli.verify.model_checks import check_tensor_parallel
 from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
 from pagedgen.errors import PagedgenError
@@ -72,6 +73,8 @@ def verify(
                  for n in (names if backend == "all" else [backend])]
         if quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
+        if dev.type == "cuda" and backend == "all" and not model_only:
+            plans.append(plan_linear(dev, cases, seed))  # linear attention's own kernels
         reports = run_plans(plans, jobs or (1 if model_only else default_jobs(dev)), out,
                             lambda name: check_tensor_parallel(
                                 name, model, dtype, dev, steps, seed, tensor_parallel_size,

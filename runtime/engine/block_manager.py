@@ -23,10 +23,16 @@ class BlockManager:
     and with ``prefix_caching`` sequences share the cached blocks of a common prefix.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
+                 state_slots: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        # a model with linear-attention layers: a recurrent-state slot per running sequence
+        # (one per seat: the scheduler's seats bound how many are held), taken with its first
+        # blocks and freed with them
+        self.has_state = state_slots > 0
+        self.free_slots = list(range(state_slots - 1, -1, -1))
         self.ref_counts = [0] * num_blocks
         # blocks with no reference, in the order they are handed out (front first)
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
@@ -53,6 +59,13 @@ class BlockManager:
             raise RuntimeError(f"out of KV-cache blocks: need {n}, have {self.num_free_blocks}")
         for _ in range(n):
             seq.block_table.append(self._take_free())
+        if self.has_state and seq.state_slot is None:
+            seq.state_slot = self._take_slot()
+
+    def _take_slot(self) -> int:
+        if not self.free_slots:
+            raise RuntimeError("no recurrent-state slot free: more running sequences than seats")
+        return self.free_slots.pop()
 
     def _take_free(self) -> int:
         block, _ = self.free_blocks.popitem(last=False)
@@ -76,6 +89,9 @@ class BlockManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
+        if seq.state_slot is not None:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     # ---- prefix caching -------------------------------------------------------------------
 
@@ -146,6 +162,8 @@ class BlockManager:
             child.block_table.append(dst)
             copies.append((parent.block_table[full], dst))
         child.num_computed_tokens = num_tokens
+        if self.has_state:  # its state is copied in once the step has run
+            child.state_slot = self._take_slot()
         child.block_keys = parent.block_keys[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         return copies

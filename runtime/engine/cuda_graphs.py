@@ -65,7 +65,8 @@ class CudaGraphRunner:
 
     def __init__(self, model: nn.Module, attn_state: AttentionState,
                  kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
-                 block_size: int, scratch_block: int, device: torch.device) -> None:
+                 block_size: int, scratch_block: int, device: torch.device,
+                 scratch_slot: int | None = None) -> None:
         self.model, self.attn_state, self.kv_caches = model, attn_state, kv_caches
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
@@ -83,6 +84,10 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
                                        dtype=torch.int32, device=dev)
+        # linear-attention layers: each row's state slot (padding rows: the scratch slot)
+        self.scratch_slot = scratch_slot
+        self.state_slots = None if scratch_slot is None else torch.full(
+            (n,), scratch_slot, dtype=torch.int32, device=dev)
         # by cascade (levels, segments a level; (0, 0): plain decode), then bucket
         self.graphs: dict[tuple[int, int], dict[int, torch.cuda.CUDAGraph]] = {PLAIN: {}}
         self.outputs: dict[tuple[int, int], dict[int, torch.Tensor]] = {PLAIN: {}}
@@ -104,7 +109,8 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
             block_tables=self.block_tables[:bs], block_size=self.block_size,
             seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade,
-            cascade_segments=cascade_segments)
+            cascade_segments=cascade_segments,
+            state_slots=None if self.state_slots is None else self.state_slots[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -157,6 +163,7 @@ class CudaGraphRunner:
     def _record(self, args: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Record the model's forward over ``args`` into a new graph of the shared pool, on
         the capture stream; nothing runs, so nothing waits."""
+        args[3].forget_step_tensors()  # made by a warm-up: the graph makes its own
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
@@ -184,7 +191,10 @@ class CudaGraphRunner:
         self.positions[start:end].zero_()
         self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
         self.seq_lens[start:end].fill_(1)
+        self.context_lens[start:end].zero_()
         self.block_tables[start:end].fill_(self.scratch_block)
+        if self.state_slots is not None:
+            self.state_slots[start:end].fill_(self.scratch_slot)
 
     def can_run(self, md: AttentionMetadata) -> bool:
         return md.num_prefills == 0 and 0 < md.num_decodes <= self.max_bs
@@ -207,6 +217,8 @@ class CudaGraphRunner:
         self.seq_lens[:n].copy_(md.seq_lens)
         self.context_lens[:n].copy_(md.context_lens)
         self.block_tables[:n, :width].copy_(md.block_tables)
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(md.state_slots)
         pad = bs - n
         if pad:
             self._pad(n, bs)

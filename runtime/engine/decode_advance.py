@@ -87,7 +87,8 @@ class DecodeAdvancer:
             slot_mapping=slots, query_start_loc=old.query_start_loc, seq_lens=old.seq_lens + 1,
             context_lens=old.context_lens + 1, block_tables=tables, block_size=bs,
             seq_lens_cpu=[s.num_tokens for s in seqs], query_lens_cpu=old.query_lens_cpu,
-            cascade=old.cascade)  # shared full pages never change
+            cascade=old.cascade,  # shared full pages never change
+            state_slots=old.state_slots)  # nor do the sequences' state slots
         ids = last.next_ids
         self.num_advanced += 1
         self.last = _DecodeBatch(last.seqs, positions, md, [len(s.block_table) for s in seqs])

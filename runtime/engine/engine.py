@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -51,8 +52,15 @@ class Engine:
         self.processor_factory = processor_factory
         self._grammars = grammars
         self.runner.processors_enabled = processor_factory is not None
-        self.block_manager = BlockManager(self.runner.num_blocks - 1,  # -1: the scratch block
-                                          self.runner.block_size, config.prefix_caching)
+        recurrent = self.runner.recurrent
+        if recurrent is not None and recurrent.seats < config.max_num_seqs:  # did not fit
+            self.config = config = dataclasses.replace(config, max_num_seqs=recurrent.seats)
+        # Linear-attention layers keep no state at a prefix's end, so a prefix's cached pages
+        # alone cannot resume a sequence: no prefix caching for them (the summary says so).
+        self.block_manager = BlockManager(
+            self.runner.num_blocks - 1,  # -1: the scratch block
+            self.runner.block_size, config.prefix_caching and recurrent is None,
+            state_slots=0 if recurrent is None else config.max_num_seqs)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.stats = StepStats()

@@ -24,6 +24,7 @@ from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from pagedgen.runtime.engine.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads
@@ -58,7 +59,9 @@ class ModelRunner:
                                 f"process is one of {self.tp.size} ranks (-tp N starts its own "
                                 f"workers)")
         try:
-            self.specs = registry.model_class(hf).layer_specs(hf, self.tp.size)
+            model_cls = registry.model_class(hf)
+            self.specs = model_cls.layer_specs(hf, self.tp.size)
+            state_specs = model_cls.state_specs(hf, self.tp.size)
         except ValueError as e:  # a size the model's heads do not divide
             raise PagedgenError(f"{src.name}: {e}")
         self.backend: type[AttentionBackend] = backend_for_model(
@@ -85,8 +88,15 @@ class ModelRunner:
             self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
         impl_cls = self.backend.get_impl_cls()
         self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
+        # linear-attention layers: a state slot per seat, before the KV cache takes the rest
+        self.max_num_seqs = config.max_num_seqs
+        self.recurrent: RecurrentSlots | None = None
+        if state_specs:
+            self.recurrent = bind_recurrent(self.model, state_specs, config.max_num_seqs,
+                                            self.dtype, self.device)
+            self.max_num_seqs = self.recurrent.seats
         # Kernels that compile at first use compile now, before memory profiling and capture.
-        self.attn_state.warmup(config.max_num_seqs, config.max_num_batched_tokens,
+        self.attn_state.warmup(self.max_num_seqs, config.max_num_batched_tokens,
                                self.max_model_len)
         t = self._phase("attention", t)
         # Decode steps whose sequences share prefix pages attend them once (cascade attention).
@@ -119,10 +129,12 @@ class ModelRunner:
             if config.advance_decode_on_device else None
         self.graphs: CudaGraphRunner | None = None
         if self.backend.supports_cuda_graphs and self.device.type == "cuda" \
-                and not config.enforce_eager:
+                and not config.enforce_eager and (self.recurrent is None
+                                                  or self.recurrent.kernels.scan != "torch"):
             self.graphs = CudaGraphRunner(
-                self.model, self.attn_state, self.kv_caches, config.max_num_seqs,
-                self.max_model_len, self.block_size, self.scratch_block, self.device)
+                self.model, self.attn_state, self.kv_caches, self.max_num_seqs,
+                self.max_model_len, self.block_size, self.scratch_block, self.device,
+                None if self.recurrent is None else self.recurrent.scratch_slot)
             self.graphs.capture()
             self._phase("cuda_graphs", t)
         # why steps with prefills run eagerly although mixed_step_graphs: true asked otherwise
@@ -141,6 +153,8 @@ class ModelRunner:
             why = "no CUDA graphs in this run"
         elif self.tp.size > 1:
             why = "not under -tp yet"
+        elif self.recurrent is not None:
+            why = "not with linear-attention layers yet"
         elif len(layers) != len(self.kv_caches):
             why = "the model's attention layers do not match its KV caches"
         if why:
@@ -197,7 +211,7 @@ class ModelRunner:
             n = self._profile_free_memory() // self.block_bytes()
         else:  # CPU: what the batch could use, at most 1 GiB, at least one whole sequence
             per_seq = math.ceil(self.max_model_len / self.block_size)
-            want = cfg.max_num_seqs * per_seq + 1  # +1: the scratch block
+            want = self.max_num_seqs * per_seq + 1  # +1: the scratch block
             n = max(min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes()), per_seq + 1)
         return max(0, int(n))
 
@@ -205,7 +219,7 @@ class ModelRunner:
         """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
         cfg = self.config
         bs = self.block_size
-        tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * self.max_model_len)
+        tokens = min(cfg.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
         seq_len = min(self.max_model_len, tokens)
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         blocks = sum(math.ceil(n / bs) for n in lens)
@@ -213,14 +227,14 @@ class ModelRunner:
         table, start, seqs = list(range(blocks)), 0, []
         for n in lens:
             nb = math.ceil(n / bs)
-            seqs.append(ScheduledSeq(table[start:start + nb], 0, n))
+            seqs.append(ScheduledSeq(table[start:start + nb], 0, n, self._scratch_slot))
             start += nb
         md = self.attn_state.build(self.builder.build(seqs, []))
         ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
         with torch.inference_mode():
             h = self.model(ids, pos, caches, md)
-            self.model.compute_logits(h[:cfg.max_num_seqs])
+            self.model.compute_logits(h[:self.max_num_seqs])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         del caches, h
@@ -229,6 +243,10 @@ class ModelRunner:
         used_elsewhere = total - torch.cuda.mem_get_info(self.device)[0] \
             - torch.cuda.memory_reserved(self.device)
         return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+
+    @property
+    def _scratch_slot(self) -> int | None:
+        return None if self.recurrent is None else self.recurrent.scratch_slot
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         return [torch.zeros(self.backend.get_kv_cache_shape(
@@ -266,13 +284,13 @@ class ModelRunner:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
             pos += range(start, start + n)
-            prefills.append(ScheduledSeq(seq.block_table, start, n))
+            prefills.append(ScheduledSeq(seq.block_table, start, n, seq.state_slot))
         for seq in batch.decodes:
             if seq.token_ids[-1] == PENDING_TOKEN:
                 pending.append((len(ids), seq))
             ids.append(seq.token_ids[-1])
             pos.append(seq.num_tokens - 1)
-            decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1))
+            decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1, seq.state_slot))
         md = self.builder.build(prefills, decodes)
         ids_t = to_device(ids, torch.long, self.device)
         if pending:
@@ -328,6 +346,8 @@ class ModelRunner:
         if batch.block_copies:  # forked samples' copies of the last prompt block, now written
             self.backend.copy_blocks(self.kv_caches, to_device(batch.block_copies, torch.int64,
                                                                self.device))
+        if batch.state_copies:  # and of their parent's recurrent state
+            self.recurrent.states.copy(to_device(batch.state_copies, torch.int64, self.device))
         # the last token of every sequence whose uncomputed tokens all ran this step (and of
         # the samples forked from it: the same row)
         rows, sampling, scored, prompt_lps = [], [], [], []

@@ -52,6 +52,7 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         "prefix_cache_hit_tokens": st.prefix_hit_tokens,
         "prefix_cache_evicted_blocks": st.evicted_blocks,
         "kv_cache_blocks": engine.runner.num_blocks,
+        "kv_cache_bytes": engine.runner.num_blocks * engine.runner.block_bytes(),
         "peak_kv_blocks_used": st.peak_blocks_used,
         "block_size": engine.runner.block_size, "max_num_seqs": engine.config.max_num_seqs,
         "peak_memory_bytes": peak_memory_bytes(engine.runner.device),
@@ -74,6 +75,10 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         if pw.failed:
             out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
     out.update(runner.attn_state.compile_stats())
+    if runner.recurrent is not None:
+        out.update(runner.recurrent.summary())
+        if engine.config.prefix_caching:
+            out["prefix_caching"] = "off: linear-attention layers keep no state at a prefix"
     if engine.grammars_used is not None:
         out.update(engine.grammars_used.summary())
     if runner.host_steps["decode"]:

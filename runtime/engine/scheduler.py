@@ -31,6 +31,7 @@ class ScheduledBatch:
     # the (src, dst) block copies to make once the step's K/V are written
     forked: dict[Sequence, list[Sequence]] = field(default_factory=dict)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) state slots
     # prefix cache: tokens of the sequences admitted (from scratch) this step, how many of them
     # the cache held, and cached blocks evicted for new contents
     prefix_queried_tokens: int = 0
@@ -164,6 +165,8 @@ class Scheduler:
         children, parent.forks = parent.forks, []
         for child in children:
             batch.block_copies += self.bm.fork(parent, child, parent.num_tokens)
+            if child.state_slot is not None:
+                batch.state_copies.append((parent.state_slot, child.state_slot))
             child.status = SequenceStatus.RUNNING
             self.running[child] = None
         self.reserved_seats -= len(children)

@@ -33,6 +33,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # its recurrent-state slot (models with linear attention)
     finish_reason: str | None = None  # one of FINISH_REASONS
     stop_text_end: int | None = None  # where a stop string starts in the output text
     num_preemptions: int = 0

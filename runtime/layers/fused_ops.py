@@ -163,6 +163,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float,
         x = x + residual
     xf = x.float()
     y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = y.to(x.dtype)  # a float32 weight (an offset norm's 1 + w) rounds once, at the end
     if quantize:
         y = QuantizedActivations(*quantize_activations_ref(y.reshape(-1, y.shape[-1])))
     return y if residual is None else (y, x)

@@ -52,6 +52,10 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     """The complete config of a supported family from a config's own fields; ``where`` (a file)
     starts every error message."""
     model_type = fields.get("model_type")
+    inner = registry.language_model_type(model_type) if isinstance(model_type, str) else None
+    if inner is not None:
+        fields = language_model_fields(fields, inner, where)
+        model_type = inner
     supported = ", ".join(registry.supported_model_types())
     if model_type is None:
         raise PagedgenError(f"{where}: has no model_type (supported: {supported})")
@@ -76,6 +80,22 @@ def model_config(fields: dict[str, Any], where: str) -> ModelConfig:
     f["rope_parameters"] = _rope_parameters(f, where)
     fam.normalize(f, model_type, where)
     return ModelConfig(**f)
+
+
+def language_model_fields(fields: dict[str, Any], model_type: str, where: str
+                          ) -> dict[str, Any]:
+    """A multimodal checkpoint's language-model config: its ``text_config`` (the vision
+    tower's is not read), with the top level's ``tie_word_embeddings`` unless it has its own."""
+    text = fields.get("text_config")
+    if not isinstance(text, dict):
+        raise PagedgenError(f"{where}: a {fields['model_type']} config needs a text_config "
+                            "mapping (its language model's config)")
+    out = {**text, "model_type": model_type}
+    if "tie_word_embeddings" in fields:
+        out.setdefault("tie_word_embeddings", fields["tie_word_embeddings"])
+    if "quantization_config" in fields:
+        out.setdefault("quantization_config", fields["quantization_config"])
+    return out
 
 
 def check_int(f: dict[str, Any], key: str, where: str, zero: bool = False) -> int:

@@ -45,6 +45,14 @@ class CausalLM(Protocol):
 
     def bind_attention(self, impls: list[AttentionImpl]) -> None: ...
 
+    @classmethod
+    def state_specs(cls, config: Any, tp_size: int) -> list:
+        """Each linear-attention layer's recurrent-state shape (``GatedDeltaSpec``; none for
+        a model of attention layers only)."""
+
+    def bind_recurrent(self, impls: list, states: list) -> None:
+        """Each linear-attention layer's core and its state (``attention/recurrent``)."""
+
     def use_fused_kernels(self, enabled: bool) -> None: ...
 
     def defer_all_reduces(self) -> None: ...
@@ -63,7 +71,9 @@ class ModelFamily:
     applied in place after the defaults (a PagedgenError starting with ``where`` when one is
     broken); ``model_cls``: builds the model from (config, tensor-parallel group);
     ``activations``: the ``hidden_act`` values it runs; ``partial_rotary``: whether heads may
-    rotate only part of their features."""
+    rotate only part of their features; ``multimodal``: the model_type of a multimodal
+    checkpoint → that of its language model, whose config is the checkpoint's
+    ``text_config`` (pagedgen runs it on text)."""
 
     name: str
     model_types: dict[str, dict[str, Any]]
@@ -71,9 +81,11 @@ class ModelFamily:
     normalize: Callable[[dict[str, Any], str, str], None] = field(default=_no_rules)
     activations: tuple[str, ...] = ("silu",)
     partial_rotary: bool = False  # runs a partial_rotary_factor below 1
+    multimodal: dict[str, str] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # by model_type
+_MULTIMODAL: dict[str, str] = {}  # a multimodal checkpoint's model_type → its language model's
 _DISCOVERED = False
 
 
@@ -81,6 +93,7 @@ def register(family: ModelFamily) -> ModelFamily:
     """Called by a family's module when it is imported."""
     for model_type in family.model_types:
         _FAMILIES[model_type] = family
+    _MULTIMODAL.update(family.multimodal)
     return family
 
 
@@ -103,6 +116,12 @@ def family(model_type: str) -> ModelFamily | None:
 def supported_model_types() -> tuple[str, ...]:
     _discover()
     return tuple(_FAMILIES)
+
+
+def language_model_type(model_type: str) -> str | None:
+    """The model_type of a supported multimodal checkpoint's language model, or None."""
+    _discover()
+    return _MULTIMODAL.get(model_type)
 
 
 def model_class(config: Any) -> type:

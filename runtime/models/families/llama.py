@@ -149,7 +149,7 @@ class Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             lm_cls.decoder_layer(config, s, tp, quant, f"model.layers.{i}")
-            for i, s in enumerate(lm_cls.layer_specs(config, tp.size)))
+            for i, s in enumerate(lm_cls.decoder_specs(config, tp.size)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -213,6 +213,20 @@ class LlamaForCausalLM(nn.Module):
                 logits_soft_cap=getattr(config, "attn_logit_softcapping", None),
                 attn_type=AttentionType.DECODER))
         return specs
+
+    @classmethod
+    def decoder_specs(cls, config, tp_size: int = 1) -> list[LayerSpec | None]:
+        """Each decoder layer's attention spec, None for a layer whose token mixer keeps a
+        recurrent state instead of paged K/V (a hybrid family's linear attention)."""
+        return cls.layer_specs(config, tp_size)
+
+    @classmethod
+    def state_specs(cls, config, tp_size: int = 1) -> list:
+        """The recurrent-state shape of each linear-attention layer (none here)."""
+        return []
+
+    def bind_recurrent(self, impls: list, states: list) -> None:
+        """Each linear-attention layer's core and its state slots (none here)."""
 
     def use_fused_kernels(self, enabled: bool) -> None:
         """Norms, rotary and activation as fused Triton kernels (True) or torch ops (False)."""

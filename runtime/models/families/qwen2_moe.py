@@ -26,21 +26,26 @@ from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 
 
+def shared_expert_moe(config, tp: TensorParallel, quant: QuantConfig | None, prefix: str,
+                      renormalize: bool) -> SharedExpertMoeBlock:
+    """The routed experts under ``prefix`` (``model.layers.{i}.mlp``) beside their shared
+    expert (the families with Qwen2-MoE's block use it too)."""
+    experts, top_k, width = (getattr(config, f) for f in MoeForCausalLM.moe_fields)
+    names = [f"{prefix}.experts.{e}.{n}" for e in range(experts)
+             for n in MoeForCausalLM.expert_names.values()]
+    shared = llama.MLP(config, tp, quant, f"{prefix}.shared_expert",
+                       config.shared_expert_intermediate_size, "shared_expert_intermediate_size")
+    return SharedExpertMoeBlock(config.hidden_size, experts, top_k, width, renormalize, tp=tp,
+                                method=quant.moe_method_for(names) if quant else None,
+                                shared_expert=shared)
+
+
 class DecoderLayer(llama.DecoderLayer):
     def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
         if not is_sparse(config, layer_index(prefix)):
             return llama.MLP(config, tp, quant, prefix)
-        experts, top_k, width = (getattr(config, f) for f in Qwen2MoeForCausalLM.moe_fields)
-        names = [f"{prefix}.experts.{e}.{n}" for e in range(experts)
-                 for n in Qwen2MoeForCausalLM.expert_names.values()]
-        shared = llama.MLP(config, tp, quant, f"{prefix}.shared_expert",
-                           config.shared_expert_intermediate_size,
-                           "shared_expert_intermediate_size")
-        return SharedExpertMoeBlock(config.hidden_size, experts, top_k, width,
-                                    bool(config.norm_topk_prob), tp=tp,
-                                    method=quant.moe_method_for(names) if quant else None,
-                                    shared_expert=shared)
+        return shared_expert_moe(config, tp, quant, prefix, bool(config.norm_topk_prob))
 
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
@@ -68,6 +73,12 @@ def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     if f["sliding_window"] is None:
         f["layer_types"] = ["full_attention"] * f["num_hidden_layers"]
     llama.check_window(f, where)
+    check_shared_experts(f, where)
+
+
+def check_shared_experts(f: dict[str, Any], where: str) -> None:
+    """The expert fields of Qwen2-MoE's layout (Qwen3-Next's too): counts and widths, the
+    shared expert's, which layers are sparse."""
     check_experts(f, where)
     check_int(f, "moe_intermediate_size", where)
     check_int(f, "shared_expert_intermediate_size", where)

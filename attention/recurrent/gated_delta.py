@@ -1,0 +1,147 @@
+"""A gated-delta (Gated DeltaNet) layer's core over the step's sequences and their state slots:
+the causal convolution, then the delta rule, each sequence's state read from its slot and
+written back (``forward``); the projections around it are the model's.
+
+Kernels, chosen once per run (``GatedDeltaKernels``): on a GPU our Triton kernels
+(``triton_kernels.py``), with flash-linear-attention's chunked kernel for the prefill tokens
+where the ``fla`` package is installed (its chunked form beats a token-by-token scan on long
+prompts); on a CPU the torch reference (``reference.py``), which is also the oracle the others
+are checked against (tests, ``pagedgen verify``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.recurrent import reference
+from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
+
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+HAVE_FLA = importlib.util.find_spec("fla") is not None
+KERNELS = ("torch", "triton")
+
+
+@dataclass(frozen=True)
+class GatedDeltaKernels:
+    """Which kernels run: ``scan`` "torch" (the reference) or "triton" (ours, every token);
+    ``prefill`` "fla" (flash-linear-attention's chunked kernel for prefill tokens) or the
+    same as ``scan``."""
+
+    scan: str
+    prefill: str
+
+    @classmethod
+    def for_device(cls, device: torch.device, asked: str | None = None) -> GatedDeltaKernels:
+        """The fastest that run on ``device`` (``asked``: "torch" or "triton" only)."""
+        if asked is not None:
+            if asked not in KERNELS:
+                raise ValueError(f"unknown gated-delta kernels '{asked}' ({', '.join(KERNELS)})")
+            return cls(asked, asked)
+        if device.type != "cuda" or not HAVE_TRITON:
+            return cls("torch", "torch")
+        return cls("triton", "fla" if HAVE_FLA else "triton")
+
+    def describe(self) -> str:
+        return self.scan if self.prefill == self.scan else f"{self.scan}, {self.prefill} prefill"
+
+
+class GatedDeltaImpl:
+    """One gated-delta layer's core: ``forward(qkv, a, b, ...)`` → o [T, Hv, Dv]."""
+
+    def __init__(self, spec: GatedDeltaSpec, kernels: GatedDeltaKernels) -> None:
+        self.spec = spec
+        self.kernels = kernels
+
+    def forward(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                a_log: torch.Tensor, dt_bias: torch.Tensor, state: LayerState,
+                md: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, C] (the projection, before the convolution), a and b [T, Hv] (the gates'
+        projections, same row stride), conv_weight [C, K]: the step's output [T, Hv, Dv]."""
+        s = self.spec
+        if self.kernels.scan == "torch":
+            slots, has, _ = md.recurrent_inputs()
+            slots, has, lens = slots.tolist(), has.tolist(), md.query_lens_cpu
+            mixed = reference.causal_conv(qkv, conv_weight, conv_bias, state.conv, slots, lens,
+                                          has)
+            out = reference.gated_delta(mixed, a, b, a_log, dt_bias, state.ssm, slots, lens,
+                                        has, s.num_k_heads, s.head_k, s.head_v)
+            return out
+        mixed = conv_triton(qkv, conv_weight, conv_bias, state.conv, md)
+        out = torch.empty(qkv.shape[0], s.num_v_heads, s.head_v, dtype=qkv.dtype,
+                          device=qkv.device)
+        first = 0  # sequences from here run the Triton scan
+        if self.kernels.prefill == "fla" and md.num_prefills:
+            first = md.num_prefills
+            self._prefill_fla(mixed, a, b, a_log, dt_bias, state, md, out)
+        if first < md.num_seqs:
+            scan_triton(mixed, a, b, a_log, dt_bias, state.ssm, md, s, out, first)
+        return out
+
+    def _prefill_fla(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     a_log: torch.Tensor, dt_bias: torch.Tensor, state: LayerState,
+                     md: AttentionMetadata, out: torch.Tensor) -> None:
+        """The prefill sequences' tokens through flash-linear-attention's chunked kernel,
+        from their slots' states (zero for new sequences) and back into them."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        s, p, n = self.spec, md.num_prefills, md.num_prefill_tokens
+        slots, has, _ = md.recurrent_inputs()
+        slots = slots[:p].long()
+        key = s.num_k_heads * s.head_k
+        q, k, v = mixed[:n].split([key, key, s.num_v_heads * s.head_v], -1)
+        g, beta = reference.gates(a[:n], b[:n], a_log, dt_bias)
+        h0 = state.ssm[slots].float() * has[:p, None, None, None]
+        cu = md.query_start_loc[:p + 1].long()
+        cu_cpu = torch.tensor([0] + md.query_lens_cpu[:p]).cumsum(0)
+        o, ht = chunk_gated_delta_rule(
+            q.reshape(1, n, s.num_k_heads, s.head_k), k.reshape(1, n, s.num_k_heads, s.head_k),
+            v.reshape(1, n, s.num_v_heads, s.head_v), g=g[None], beta=beta.to(q.dtype)[None],
+            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
+        out[:n] = o[0]
+        state.ssm.index_copy_(0, slots, ht.to(state.ssm.dtype))
+
+
+def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                conv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+    """``reference.causal_conv`` in two Triton kernels (outputs, then the slots' new
+    windows)."""
+    from pagedgen.attention.recurrent import triton_kernels as tk
+
+    slots, has, token_seq = md.recurrent_inputs()
+    t, c = qkv.shape
+    taps = weight.shape[1]
+    out = torch.empty(t, c, dtype=qkv.dtype, device=qkv.device)
+    block = 256
+    if t:
+        tk.conv_kernel[(t, -(-c // block))](
+            qkv, qkv.stride(0), weight, bias if bias is not None else weight, conv, slots, has,
+            token_seq, md.query_start_loc, out, out.stride(0), c, K=taps,
+            HAS_BIAS=bias is not None, BC=block)
+        kp = max(2, 1 << (taps - 2).bit_length())
+        tk.conv_state_kernel[(md.num_seqs, -(-c // 64))](
+            qkv, qkv.stride(0), conv, slots, has, md.query_start_loc, c, K=taps, KP=kp, BC=64)
+    return out
+
+
+def scan_triton(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor, ssm: torch.Tensor, md: AttentionMetadata,
+                spec: GatedDeltaSpec, out: torch.Tensor, first: int = 0) -> None:
+    """The delta rule over sequences ``first:`` of the step (every token of each, in order),
+    by ``triton_kernels.gated_delta_kernel``, into ``out`` [T, Hv, Dv]."""
+    from pagedgen.attention.recurrent import triton_kernels as tk
+
+    slots, has, _ = md.recurrent_inputs()
+    n = md.num_seqs - first
+    bk = max(16, 1 << (spec.head_k - 1).bit_length())
+    bv = min(32, max(16, 1 << (spec.head_v - 1).bit_length()))
+    grid = (n, spec.num_v_heads, -(-spec.head_v // bv))
+    tk.gated_delta_kernel[grid](
+        mixed, mixed.stride(0), a, b, a.stride(0), a_log, dt_bias, ssm, slots[first:],
+        has[first:], md.query_start_loc[first:], out, out.stride(0), spec.num_k_heads,
+        spec.num_v_heads, spec.head_k ** -0.5, DK=spec.head_k, DV=spec.head_v, BK=bk, BV=bv)

@@ -1,0 +1,81 @@
+"""The recurrent state of linear-attention layers: a slot per running sequence.
+
+A gated-delta layer's slot holds the delta-rule matrix [value heads, key dim, value dim] and
+the causal convolution's last ``K - 1`` inputs [conv channels, K - 1]. Slots are handed out
+with seats (a sequence holds one while it runs: ``runtime/engine/block_manager.py``); the last
+slot is the scratch slot that CUDA-graph padding rows write. A fork (``n`` samples) copies its
+parent's slot; a preempted sequence's slot is freed and rebuilt by the recompute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GatedDeltaSpec:
+    """One gated-delta layer's shape (on this rank): ``num_k_heads`` query/key heads of
+    ``head_k`` features, ``num_v_heads`` value heads of ``head_v``, and a causal convolution of
+    ``conv_kernel`` taps over the q, k and v channels."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k: int
+    head_v: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.num_k_heads * self.head_k + self.num_v_heads * self.head_v
+
+    def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, delta-rule state) shapes of one slot."""
+        return ((self.conv_dim, self.conv_kernel - 1),
+                (self.num_v_heads, self.head_k, self.head_v))
+
+    def slot_bytes(self, dtype: torch.dtype) -> int:
+        return sum(math.prod(s) for s in self.shapes()) * dtype.itemsize
+
+    def state_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of state a decode token reads and writes (the whole slot, both ways)."""
+        return 2 * self.slot_bytes(dtype)
+
+
+@dataclass
+class LayerState:
+    """One layer's slots: ``conv`` [slots, C, K - 1], ``ssm`` [slots, Hv, Dk, Dv]."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
+class RecurrentStates:
+    """Every linear-attention layer's ``slots`` state slots (the last: the scratch slot), in
+    ``dtype``, zeroed."""
+
+    def __init__(self, specs: list[GatedDeltaSpec], slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.specs = specs
+        self.num_slots = slots
+        self.scratch_slot = slots - 1
+        self.dtype = dtype
+        self.layers = [LayerState(*(torch.zeros((slots, *shape), dtype=dtype, device=device)
+                                    for shape in s.shapes())) for s in specs]
+
+    @staticmethod
+    def bytes_per_slot(specs: list[GatedDeltaSpec], dtype: torch.dtype) -> int:
+        return sum(s.slot_bytes(dtype) for s in specs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_slots * self.bytes_per_slot(self.specs, self.dtype)
+
+    def copy(self, pairs: torch.Tensor) -> None:
+        """Slot ``pairs[:, 0]`` → ``pairs[:, 1]`` in every layer (forked samples)."""
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for layer in self.layers:
+            layer.conv[dst] = layer.conv[src]
+            layer.ssm[dst] = layer.ssm[src]

@@ -1,0 +1,105 @@
+"""pagedgen's gated-delta-rule kernels, in Triton (the math: ``reference.py``).
+
+* ``conv_kernel``: the causal depthwise convolution (SiLU after) of every new token of a step,
+  one program per (token, channel block); taps before a sequence's first new token read its
+  conv state, or zeros for a sequence without one.
+* ``conv_state_kernel``: then each sequence's conv state becomes its last ``K - 1`` inputs
+  (one program per (sequence, channel block): every read before the barrier, then the writes).
+* ``gated_delta_kernel``: the delta rule over each sequence's new tokens in order, one program
+  per (sequence, value head, value block): the state block [Dk, BV] stays in registers from the
+  first token to the last, read from the sequence's slot once and written back once; the gates
+  (``g``, ``beta``) and the q/k L2 norms are computed in the kernel. A decode is the one-token
+  case; long prefills go to flash-linear-attention's chunked kernels where it is installed.
+
+All in float32; states are stored in their own dtype. Compiled on CUDA GPUs, and for the tests
+under ``TRITON_INTERPRET=1`` on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, stride_y, C,
+                K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    cm = c < C
+    s = tl.load(TokenSeq + t)
+    start = tl.load(QSL + s)
+    slot = tl.load(Slots + s).to(tl.int64)
+    has = (tl.zeros([BC], dtype=tl.int32) + tl.load(HasState + s)) != 0
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(K):  # tap j reads the input K - 1 - j tokens back
+        src = tl.zeros([BC], dtype=tl.int32) + (t - (K - 1) + j)
+        x = tl.load(X + src * stride_x + c, mask=cm & (src >= start), other=0.0)
+        col = src - start + (K - 1)  # the conv state's column of an earlier input
+        past = tl.load(Conv + slot * C * (K - 1) + c * (K - 1) + col,
+                       mask=cm & (src < start) & has, other=0.0)
+        x = x.to(tl.float32) + past.to(tl.float32)
+        acc += x * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(Y + t * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexpr,
+                      KP: tl.constexpr, BC: tl.constexpr):
+    s = tl.program_id(0)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    start = tl.load(QSL + s)
+    n = tl.load(QSL + s + 1) - start
+    slot = tl.load(Slots + s).to(tl.int64)
+    i = tl.arange(0, KP)
+    m = (c[:, None] < C) & (i[None, :] < K - 1)
+    has = (tl.zeros([BC, KP], dtype=tl.int32) + tl.load(HasState + s)) != 0
+    pos = n - (K - 1) + i[None, :]  # input index within the sequence's new tokens
+    x = tl.load(X + (start + pos) * stride_x + c[:, None], mask=m & (pos >= 0), other=0.0)
+    base = Conv + slot * C * (K - 1) + c[:, None] * (K - 1)
+    old = tl.load(base + n + i[None, :], mask=m & (pos < 0) & has, other=0.0)
+    new = x.to(tl.float32) + old.to(tl.float32)
+    tl.debug_barrier()  # every program's reads of the slot before any of its writes
+    tl.store(base + i[None, :], new.to(Conv.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots, HasState, QSL,
+                       O, stride_o, HK, HV, scale, DK: tl.constexpr, DV: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr):
+    s = tl.program_id(0)
+    hv = tl.program_id(1)
+    hk = hv // (HV // HK)
+    rk = tl.arange(0, BK)
+    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    km, vm = rk < DK, rv < DV
+    start = tl.load(QSL + s)
+    end = tl.load(QSL + s + 1)
+    slot = tl.load(Slots + s).to(tl.int64)
+    has = (tl.zeros([BK, BV], dtype=tl.int32) + tl.load(HasState + s)) != 0
+    ptr = S + (slot * HV + hv) * DK * DV + rk[:, None] * DV + rv[None, :]
+    sm = km[:, None] & vm[None, :]
+    state = tl.load(ptr, mask=sm & has, other=0.0).to(tl.float32)
+    a_log = tl.load(ALog + hv).to(tl.float32)
+    dt_bias = tl.load(DtBias + hv).to(tl.float32)
+    for t in range(start, end):
+        row = QKV + t * stride_qkv
+        q = tl.load(row + hk * DK + rk, mask=km, other=0.0).to(tl.float32)
+        k = tl.load(row + (HK + hk) * DK + rk, mask=km, other=0.0).to(tl.float32)
+        v = tl.load(row + 2 * HK * DK + hv * DV + rv, mask=vm, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        a = tl.load(A + t * stride_ab + hv).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
+        g = -tl.exp(a_log) * softplus
+        b = tl.load(B + t * stride_ab + hv).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-b))
+        state = state * tl.exp(g)
+        delta = (v - tl.sum(state * k[:, None], 0)) * beta
+        state = state + k[:, None] * delta[None, :]
+        o = tl.sum(state * q[:, None], 0)
+        tl.store(O + t * stride_o + hv * DV + rv, o.to(O.dtype.element_ty), mask=vm)
+    tl.store(ptr, state.to(S.dtype.element_ty), mask=sm)

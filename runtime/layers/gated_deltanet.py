@@ -1,0 +1,97 @@
+"""The Gated DeltaNet token mixer (Qwen3.5, Qwen3-Next): linear attention whose memory is a
+recurrent state per sequence (``attention/recurrent``), not the paged KV cache.
+
+Per token: one projection gives q, k, v (for the causal convolution) and the output gate z,
+another the gates' inputs b and a; the layer's core (the convolution and the delta rule over
+the sequence's state slot: ``GatedDeltaImpl``, bound by the model runner with the run's state)
+gives o per value head; o is RMS-normed per head, scaled by ``silu(z)`` (``gated_rms_norm``),
+and projected out. Checkpoints give the projections fused per key-head group (Qwen3-Next's
+``in_proj_qkvz``, ``in_proj_ba``: ``ungroup`` reorders them) or apart (Qwen3.5's
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); both load into the same two fused
+layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.attention.recurrent.gated_delta import GatedDeltaImpl
+from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
+from pagedgen.profiling import scope
+from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import Segment
+from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedgen.runtime.quantization.config import QuantConfig, linear_method
+
+
+def spec_of(config) -> GatedDeltaSpec:
+    return GatedDeltaSpec(config.linear_num_key_heads, config.linear_num_value_heads,
+                          config.linear_key_head_dim, config.linear_value_head_dim,
+                          config.linear_conv_kernel_dim)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """RMSNorm of each head's ``x`` [T, H, D] (float32 statistics, weight in the activation
+    dtype), then times ``silu(z)`` in float32."""
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y.float() * torch.nn.functional.silu(z.float())).to(x.dtype)
+
+
+def ungroup(tensor: torch.Tensor, spec: GatedDeltaSpec, sizes: list[int]) -> list[torch.Tensor]:
+    """A projection fused per key-head group (rows: for each of the ``Hk`` groups, its parts of
+    ``sizes`` rows) → each part over every group, in order (Qwen3-Next's layout)."""
+    grouped = tensor.reshape(spec.num_k_heads, sum(sizes), *tensor.shape[1:])
+    return [p.reshape(-1, *tensor.shape[1:]) for p in grouped.split(sizes, 1)]
+
+
+class CausalConv(nn.Module):
+    """The depthwise convolution's weight, as checkpoints hold it: [C, 1, K]."""
+
+    def __init__(self, channels: int, taps: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, taps))
+
+
+class GatedDeltaNet(nn.Module):
+    """x [T, hidden] → [T, hidden] through the layer's state slots (one rank: no ``-tp``)."""
+
+    def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None,
+                 prefix: str = "") -> None:
+        super().__init__()
+        self.spec = s = spec_of(config)
+        key, value = s.num_k_heads * s.head_k, s.num_v_heads * s.head_v
+
+        def whole(n: int) -> Segment:
+            return Segment(None, n, 0, n, 0)
+
+        self.in_proj_qkvz = ColumnParallelLinear(
+            config.hidden_size, [("qkv", whole(2 * key + value)), ("z", whole(value))], False,
+            linear_method(quant, prefix, ["in_proj_qkv", "in_proj_z"]))
+        # the gates' projections stay in the model's dtype (a few rows: nothing to gain)
+        self.in_proj_ba = ColumnParallelLinear(
+            config.hidden_size, [("b", whole(s.num_v_heads)), ("a", whole(s.num_v_heads))],
+            False)
+        self.conv1d = CausalConv(s.conv_dim, s.conv_kernel)
+        self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(s.head_v))
+        self.eps = config.rms_norm_eps
+        self.out_proj = RowParallelLinear(value, config.hidden_size, False, tp,
+                                          linear_method(quant, prefix, ["out_proj"]))
+        self.impl: GatedDeltaImpl | None = None  # bound by the model runner, with the state
+        self.state: LayerState | None = None
+
+    def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        s = self.spec
+        qkv, z = self.in_proj_qkvz(x).split([s.conv_dim, s.num_v_heads * s.head_v], -1)
+        b, a = self.in_proj_ba(x).split([s.num_v_heads, s.num_v_heads], -1)
+        with scope("linear_attention"):
+            o = self.impl.forward(qkv, a, b, self.conv1d.weight[:, 0], None, self.A_log,
+                                  self.dt_bias, self.state, metadata)
+            o = gated_rms_norm(o, z.reshape(o.shape), self.norm.weight, self.eps)
+        return self.out_proj(o.reshape(x.shape[0], -1))

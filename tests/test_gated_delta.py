@@ -1,0 +1,171 @@
+"""The gated delta rule's kernels (issue 60): the torch reference against a token-by-token
+recurrence written here from the rule's definition and against transformers' own functions;
+our Triton kernels against the reference (on CPU in Triton's interpreter); and the state slots
+(taken with a sequence's first blocks, freed with them, copied to forked samples)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
+from pagedgen.attention.recurrent import reference
+from pagedgen.attention.recurrent.gated_delta import (HAVE_TRITON, GatedDeltaImpl,
+                                                      GatedDeltaKernels)
+from pagedgen.attention.recurrent.state import GatedDeltaSpec, RecurrentStates
+from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.engine.block_manager import BlockManager
+from pagedgen.runtime.engine.sequence import Sequence
+
+SPEC = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k=16, head_v=8, conv_kernel=4)
+CPU = torch.device("cpu")
+INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not HAVE_TRITON,
+                                 reason="CPU tensors run Triton only under TRITON_INTERPRET=1")
+
+
+def rule(q, k, v, g, beta, state):
+    """The gated delta rule, one token at a time, from its definition (one head)."""
+    out = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()
+        state = state + torch.outer(k[t], beta[t] * (v[t] - state.t() @ k[t]))
+        out.append(state.t() @ q[t])
+    return torch.stack(out), state
+
+
+def test_the_chunked_form_equals_the_rule_from_any_state_and_any_chunk():
+    torch.manual_seed(0)
+    n, h = 37, 3
+    q, k = (F.normalize(torch.randn(n, h, 16), dim=-1) for _ in range(2))
+    v, g, beta = torch.randn(n, h, 8), -torch.rand(n, h), torch.rand(n, h)
+    s0 = torch.randn(h, 16, 8)
+    want = [rule(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], s0[i]) for i in range(h)]
+    for chunk in (1, 5, 16, 64):
+        o, s = reference.gated_delta_chunked(q, k, v, g, beta, s0, chunk)
+        for i, (wo, ws) in enumerate(want):
+            torch.testing.assert_close(o[:, i], wo, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(s[i], ws, atol=1e-5, rtol=1e-5)
+    o, s = reference.gated_delta_step(q[:1], k[:1], v[:1], g[:1], beta[:1], s0[None])
+    torch.testing.assert_close(o[0], torch.stack([w[0][0] for w in want]), atol=1e-5, rtol=1e-5)
+
+
+def test_the_reference_equals_transformers_functions():
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    torch.manual_seed(1)
+    n = 70
+    q, k = torch.randn(1, n, 2, 16), torch.randn(1, n, 2, 16)
+    v, a, b = torch.randn(1, n, 4, 8), torch.randn(1, n, 4), torch.randn(1, n, 4)
+    g, beta = reference.gates(a, b, torch.rand(4), torch.rand(4))
+    want, state = torch_chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)
+    qq, kk = reference._heads(q[0], k[0], 4)
+    got, s = reference.gated_delta_chunked(qq, kk, v[0], g[0], beta[0], torch.zeros(4, 16, 8))
+    torch.testing.assert_close(got, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, state[0], atol=1e-5, rtol=1e-5)
+
+
+def _steps(kernels: GatedDeltaKernels, dtype: torch.dtype, steps, device=CPU):
+    """Run a layer's core over ``steps`` ((prefills (slot, context, new)), (decodes (slot,
+    context))) from fresh slots on ``device``; the outputs and the final states."""
+    gen = torch.Generator().manual_seed(3)
+    states = RecurrentStates([SPEC], 6, dtype, device)
+    c = SPEC.conv_dim
+    weight = (torch.randn(c, 4, generator=gen) * 0.5).to(dtype)
+    a_log, dt_bias = torch.rand(4, generator=gen), torch.rand(4, generator=gen)
+    weight, a_log, dt_bias = weight.to(device), a_log.to(device), dt_bias.to(device)
+    impl = GatedDeltaImpl(SPEC, kernels)
+    builder = AttentionMetadataBuilder(16, device)
+    table = list(range(64))
+    outs = []
+    for prefills, decodes in steps:
+        md = builder.build([ScheduledSeq(table, ctx, n, slot) for slot, ctx, n in prefills],
+                           [ScheduledSeq(table, ctx, 1, slot) for slot, ctx in decodes])
+        qkv = torch.randn(md.num_tokens, c, generator=gen).to(device, dtype)
+        ab = torch.randn(md.num_tokens, 8, generator=gen).to(device, dtype)
+        outs.append(impl.forward(qkv, ab[:, :4], ab[:, 4:], weight, None, a_log, dt_bias,
+                                 states.layers[0], md))
+    return outs, states.layers[0]
+
+
+# chunks of every kind: fresh prompts, a chunk shorter than the convolution, a one-token
+# prompt, prefills beside decodes, a long prompt over several 64-token chunks
+STEPS = [([(0, 0, 5), (1, 0, 2), (2, 0, 1)], []),
+         ([(0, 5, 3), (1, 2, 1)], [(2, 1)]),
+         ([], [(0, 8), (1, 3), (2, 2)]),
+         ([(3, 0, 70)], [(0, 9), (1, 4)])]
+
+
+@INTERPRETED
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kernels_equal_the_reference(dtype):
+    want, ref_state = _steps(GatedDeltaKernels("torch", "torch"), dtype, STEPS)
+    got, state = _steps(GatedDeltaKernels("triton", "triton"), dtype, STEPS)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g, w, **tol)
+    torch.testing.assert_close(state.ssm[:4], ref_state.ssm[:4], **tol)
+    torch.testing.assert_close(state.conv[:4], ref_state.conv[:4], **tol)
+
+
+def _seq(i: int) -> Sequence:
+    return Sequence(i, [1, 2, 3], SamplingParams(), seed=0)
+
+
+def test_a_sequence_holds_a_slot_from_its_first_blocks_until_it_lets_go():
+    bm = BlockManager(16, 4, state_slots=3)
+    seqs = [_seq(i) for i in range(3)]
+    for s in seqs:
+        bm.allocate(s, 3)
+    assert sorted(s.state_slot for s in seqs) == [0, 1, 2] and not bm.free_slots
+    bm.allocate(seqs[0], 9)  # more blocks: the same slot
+    assert seqs[0].state_slot in (0, 1, 2)
+    held = seqs[1].state_slot
+    bm.free(seqs[1])  # finished or preempted: the slot goes back
+    assert seqs[1].state_slot is None and bm.free_slots == [held]
+    with pytest.raises(RuntimeError, match="no recurrent-state slot"):
+        bm.allocate(_seq(7), 3) or bm.allocate(_seq(8), 3)
+
+
+def test_a_forked_sample_takes_a_slot_of_its_own():
+    bm = BlockManager(16, 4, state_slots=3)
+    parent, child = _seq(0), _seq(1)
+    bm.allocate(parent, 3)
+    bm.fork(parent, child, 3)
+    assert child.state_slot is not None and child.state_slot != parent.state_slot
+    assert BlockManager(16, 4).fork(parent, _seq(2), 3) is not None  # no state: none taken
+
+
+def test_state_copies_fork_every_layer():
+    states = RecurrentStates([SPEC, SPEC], 4, torch.float32, CPU)
+    for layer in states.layers:
+        layer.ssm[1].normal_()
+        layer.conv[1].normal_()
+    states.copy(torch.tensor([[1, 3]]))
+    for layer in states.layers:
+        assert torch.equal(layer.ssm[3], layer.ssm[1])
+        assert torch.equal(layer.conv[3], layer.conv[1])
+
+
+def test_a_graph_recorded_after_a_warm_up_makes_its_own_step_tensors():
+    """CUDA graphs record a forward over metadata an eager warm-up already ran: the warm-up's
+    cached slots, flags and token map must be dropped, or the graph would read them after
+    they are freed (on a GPU: an illegal memory access at a later replay)."""
+    md = AttentionMetadataBuilder(16, CPU).build([], [ScheduledSeq([0], 0, 1, 2)])
+    first = md.recurrent_inputs()
+    assert first[1].tolist() == [0] and md.recurrent_inputs() is first  # once a step
+    md.context_lens.fill_(5)  # the graph's static buffers, refilled before a replay
+    md.forget_step_tensors()
+    again = md.recurrent_inputs()
+    assert again is not first and again[1].tolist() == [1]
+
+
+@INTERPRETED
+def test_verify_checks_the_triton_kernels_against_the_reference():
+    from pagedgen.cli.verify.linear_checks import kernel_row
+
+    row = kernel_row("triton", CPU, 2, 0, longest=20, dims=(16,))  # small: interpreted
+    assert row.passed and row.cases == 2 and 0 < row.worst_rel < row.tol
