@@ -369,6 +369,7 @@ for r in json.load(open(sys.argv[1]))["results"]:
     print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
     print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
 PY
+      [ "${PEERS_LIMIT:-300}" = 0 ] && continue  # PEERS_LIMIT=0: no workloads
       timed gdn-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers \
         --workloads "${GDN_WORKLOADS:-h}" --backends "${BACKEND:-triton}" \
         --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/gdn-peers.json"

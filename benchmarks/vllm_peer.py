@@ -42,7 +42,11 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}
+# text-only families vLLM registers only as their multimodal checkpoints: the text config
+# goes under ``text_config`` and vLLM runs with ``language_model_only`` (no vision tower)
+MULTIMODAL = {"qwen3_5_text": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+              "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}
 
 
 def vllm_site() -> str | None:
@@ -80,14 +84,26 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
         model = Path(tmp) / "model"
         model.mkdir()
         cfg = hf_config.to_transformers().to_dict()
-        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+        vocab = cfg["vocab_size"]
+        if cfg["model_type"] in MULTIMODAL:
+            outer, arch = MULTIMODAL[cfg["model_type"]]
+            rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text
+            half = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+            third = -(-half // 3)  # positions equal in all three sections for text
+            rope.setdefault("mrope_section", [third, third, half - 2 * third])
+            rope.setdefault("mrope_interleaved", True)
+            cfg = {"model_type": outer, "architectures": [arch], "text_config": cfg,
+                   "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+            engine = {**engine, "language_model_only": True}
+        else:
+            cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
         (model / "config.json").write_text(json.dumps(cfg))
         if tokenizer_dir is not None:
             for f in Path(tokenizer_dir).iterdir():
                 if f.name != "config.json" and f.is_file():
                     (model / f.name).write_bytes(f.read_bytes())
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
-                "vocab": cfg["vocab_size"], "engine": engine, "repeats": repeats,
+                "vocab": vocab, "engine": engine, "repeats": repeats,
                 "requests": requests, "tokenizer": tokenizer_dir is not None,
                 "sampling": sampling or {}}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
@@ -99,9 +115,10 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                               str(Path(tmp) / "spec.json"), str(Path(tmp) / "out.json")],
                              env=env, timeout=timeout, capture_output=True, text=True,
                              cwd=HERE.parent)  # the repository: benchmarks is its package
-        if res.returncode != 0:
-            return {"skipped": f"vLLM failed: {res.stderr.strip().splitlines()[-1:]}",
-                    "log": res.stderr[-4000:]}
+        if res.returncode != 0:  # the last line naming an error, else the last line
+            lines = res.stderr.strip().splitlines()
+            errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
+            return {"skipped": f"vLLM failed: {errors[-1:]}", "log": res.stderr[-4000:]}
         return json.loads((Path(tmp) / "out.json").read_text())
 
 

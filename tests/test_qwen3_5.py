@@ -147,13 +147,13 @@ def test_an_image_in_a_line_is_a_one_line_error(tmp_path):
 
     image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                           {"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(PagedgenError, match="image_url.*text prompts only"):
+    with pytest.raises(PagedgenError, match="only text content parts.*image_url.*text prompts"):
         set_prompt(Request(0, 1, 0), "messages", image, "p.jsonl:1", "messages")
     req = Request(0, 1, 0)
     set_prompt(req, "messages", [{"role": "user", "content": [
         {"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
         "p.jsonl:1", "messages")
-    assert req.messages == [{"role": "user", "content": "two parts"}]
+    assert req.messages == [{"role": "user", "content": "two \nparts"}]
 
 
 def test_a_misshapen_grouped_projection_is_named(tmp_path):
@@ -175,3 +175,27 @@ def test_tensor_parallel_is_refused_with_the_reason(dense):
     cfg = resolve_model(str(dense)).hf_config
     why = registry.model_class(cfg).tensor_parallel_error(cfg, 2)
     assert "do not run under -tp yet" in why and "\n" not in why
+
+
+def test_the_configs_ssm_dtype_keeps_the_delta_rule_state_in_float32(dense, tmp_path):
+    """Qwen3.5's configs name ``mamba_ssm_dtype: float32`` (in ``text_config``): a bfloat16
+    run keeps the delta-rule matrices in float32 (the convolution window in bfloat16), counted
+    so in the memory plan; a value that is no dtype is a one-line error."""
+    path = _multimodal(dense, tmp_path / "mm")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["text_config"]["mamba_ssm_dtype"] = "float32"
+    (path / "config.json").write_text(json.dumps(cfg))
+    eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="bfloat16", backend="eager",
+                              block_size=8, num_blocks=32, max_num_seqs=4,
+                              max_num_batched_tokens=64))
+    states = eng.runner.recurrent.states
+    assert {(s.conv.dtype, s.ssm.dtype) for s in states.layers} == {
+        (torch.bfloat16, torch.float32)}
+    assert states.nbytes == sum(s.conv.nbytes + s.ssm.nbytes for s in states.layers)
+    out = eng.generate([ids(9, 1)], SamplingParams(max_tokens=4, temperature=0.0,
+                                                   ignore_eos=True))
+    assert len(out[0].output_token_ids) == 4
+    cfg["text_config"]["mamba_ssm_dtype"] = "fp32"
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PagedgenError, match="mamba_ssm_dtype must be one of float32"):
+        _engine(path)

@@ -86,7 +86,8 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, QStartLoc, ContextLens, Tile
     for n in range(lo, hi, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         kv_ok = offs < hi
-        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok, other=0)
+        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok,
+                      other=0).to(tl.int64)  # pages past 2**31 elements
         kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
             + kvh * stride_ch + d[None, :]
         k = tl.load(kp, mask=kv_ok[:, None], other=0.0)
@@ -148,7 +149,8 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
     for t in range(t0, t1):
         offs = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)
         kv_ok = (offs < seq_len) & (offs >= start)
-        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok, other=0)
+        blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok,
+                      other=0).to(tl.int64)  # pages past 2**31 elements
         kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
             + kvh * stride_ch + d[None, :]
         k = tl.load(kp, mask=kv_ok[:, None], other=0.0)

@@ -1,7 +1,9 @@
 """The recurrent state of linear-attention layers: a slot per running sequence.
 
-A gated-delta layer's slot holds the delta-rule matrix [value heads, key dim, value dim] and
-the causal convolution's last ``K - 1`` inputs [conv channels, K - 1]. Slots are handed out
+A gated-delta layer's slot holds the delta-rule matrix [value heads, key dim, value dim] (in
+``ssm_dtype`` where the checkpoint's config names one: Qwen3.5's say float32, as the serving
+stacks keep it) and the causal convolution's last ``K - 1`` inputs [conv channels, K - 1] (in
+the model's dtype). Slots are handed out
 with seats (a sequence holds one while it runs: ``runtime/engine/block_manager.py``); the last
 slot is the scratch slot that CUDA-graph padding rows write. A fork (``n`` samples) copies its
 parent's slot; a preempted sequence's slot is freed and rebuilt by the recompute.
@@ -19,13 +21,15 @@ import torch
 class GatedDeltaSpec:
     """One gated-delta layer's shape (on this rank): ``num_k_heads`` query/key heads of
     ``head_k`` features, ``num_v_heads`` value heads of ``head_v``, and a causal convolution of
-    ``conv_kernel`` taps over the q, k and v channels."""
+    ``conv_kernel`` taps over the q, k and v channels; the delta-rule matrix in ``ssm_dtype``
+    (None: the model's dtype)."""
 
     num_k_heads: int
     num_v_heads: int
     head_k: int
     head_v: int
     conv_kernel: int
+    ssm_dtype: torch.dtype | None = None
 
     @property
     def conv_dim(self) -> int:
@@ -36,8 +40,12 @@ class GatedDeltaSpec:
         return ((self.conv_dim, self.conv_kernel - 1),
                 (self.num_v_heads, self.head_k, self.head_v))
 
+    def dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+        """(conv state, delta-rule state) dtypes in a model of ``dtype``."""
+        return dtype, self.ssm_dtype or dtype
+
     def slot_bytes(self, dtype: torch.dtype) -> int:
-        return sum(math.prod(s) for s in self.shapes()) * dtype.itemsize
+        return sum(math.prod(s) * d.itemsize for s, d in zip(self.shapes(), self.dtypes(dtype)))
 
     def state_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of state a decode token reads and writes (the whole slot, both ways)."""
@@ -53,8 +61,8 @@ class LayerState:
 
 
 class RecurrentStates:
-    """Every linear-attention layer's ``slots`` state slots (the last: the scratch slot), in
-    ``dtype``, zeroed."""
+    """Every linear-attention layer's ``slots`` state slots (the last: the scratch slot), zeroed,
+    in a model of ``dtype`` (``GatedDeltaSpec.dtypes``)."""
 
     def __init__(self, specs: list[GatedDeltaSpec], slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -62,8 +70,9 @@ class RecurrentStates:
         self.num_slots = slots
         self.scratch_slot = slots - 1
         self.dtype = dtype
-        self.layers = [LayerState(*(torch.zeros((slots, *shape), dtype=dtype, device=device)
-                                    for shape in s.shapes())) for s in specs]
+        self.layers = [LayerState(*(torch.zeros((slots, *shape), dtype=d, device=device)
+                                    for shape, d in zip(s.shapes(), s.dtypes(dtype))))
+                       for s in specs]
 
     @staticmethod
     def bytes_per_slot(specs: list[GatedDeltaSpec], dtype: torch.dtype) -> int:

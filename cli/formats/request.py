@@ -95,19 +95,19 @@ def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> N
 
 
 def _text_content(message: Any, where: str, label: str) -> Any:
-    """A message whose content is a list of parts (OpenAI's form) with its text parts joined;
-    any other part (an image) is an error: pagedgen runs text prompts only."""
+    """A message whose content is a list of parts (OpenAI's form) with its text parts joined
+    by newlines; any other part (an image) is an error: pagedgen runs text prompts only."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         return message
     texts = []
     for part in message["content"]:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise PagedgenError(f"{where}: {label}: a content part of type {kind!r} is not "
-                                "supported: pagedgen runs text prompts only (a multimodal "
+            raise PagedgenError(f"{where}: {label}: only text content parts are supported, not "
+                                f"{kind!r}: pagedgen runs text prompts only (a multimodal "
                                 "checkpoint's language model)")
         texts.append(part["text"])
-    return {**message, "content": "".join(texts)}
+    return {**message, "content": "\n".join(texts)}
 
 
 def token_ids(value: Any, where: str, label: str) -> array:

@@ -27,9 +27,17 @@ from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
 
 def spec_of(config) -> GatedDeltaSpec:
+    """The layer's state shape; the delta-rule matrix in the config's ``mamba_ssm_dtype``
+    where it names one (Qwen3.5's published configs: float32)."""
+    ssm = getattr(config, "mamba_ssm_dtype", None)
     return GatedDeltaSpec(config.linear_num_key_heads, config.linear_num_value_heads,
                           config.linear_key_head_dim, config.linear_value_head_dim,
-                          config.linear_conv_kernel_dim)
+                          config.linear_conv_kernel_dim,
+                          SSM_DTYPES[ssm] if ssm is not None else None)
+
+
+SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+              "float16": torch.float16}
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float

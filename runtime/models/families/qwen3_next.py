@@ -27,7 +27,7 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
-from pagedgen.runtime.layers.gated_deltanet import GatedDeltaNet, spec_of, ungroup
+from pagedgen.runtime.layers.gated_deltanet import SSM_DTYPES, GatedDeltaNet, spec_of, ungroup
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
@@ -262,6 +262,9 @@ def check_hybrid(f: dict[str, Any], where: str) -> None:
                             f"({f['linear_num_key_heads']})")
     if f["linear_conv_kernel_dim"] < 2:
         raise PagedgenError(f"{where}: linear_conv_kernel_dim must be at least 2")
+    if f.get("mamba_ssm_dtype") not in (None, *SSM_DTYPES):
+        raise PagedgenError(f"{where}: mamba_ssm_dtype must be one of {', '.join(SSM_DTYPES)}, "
+                            f"not {f['mamba_ssm_dtype']!r}")
     if f.get("layer_types") is None:
         every = f.pop("full_attention_interval", 4)
         f["layer_types"] = [FULL if (i + 1) % every == 0 else LINEAR
