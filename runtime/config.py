@@ -25,6 +25,8 @@ MAX_INT32 = 2**31 - 1
 MAX_BLOCK_SIZE = 1024  # tokens per KV page (vLLM's largest is 256; FA2 needs 256)
 MAX_SEATS = 65536  # sequences in a step
 MAX_BATCHED_TOKENS = 1 << 20  # tokens in a step
+# reasoning parsers (runtime/engine/reasoning.py: auto from the tokenizer's vocabulary)
+REASONING_PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony", "gpt_oss")
 # structured output: the kinds of constraint a line can give (runtime/sampling/structured.py)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -181,6 +183,10 @@ class EngineConfig:
     cascade_mixed_steps: bool = True
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
     threads: int | None = None  # torch's CPU threads; None: the cores other processes leave
+    # how a reasoning model's thinking is split from its answer (runtime/engine/reasoning.py):
+    # auto (from the tokenizer's vocabulary) | none | think (qwen3, deepseek_r1) | harmony
+    # (gpt_oss)
+    reasoning_parser: str = "auto"
 
     def validate(self, origin: dict[str, str] | None = None) -> None:
         """Raise PagedgenError naming the first setting out of range (before anything loads),
@@ -235,6 +241,9 @@ class EngineConfig:
                                 "size the KV cache: give one")
         if not -2**63 <= self.seed < 2**63:
             raise PagedgenError(f"{named('seed')} must fit in 64 bits")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise PagedgenError(f"{named('reasoning_parser')}: unknown parser "
+                                f"'{self.reasoning_parser}' ({', '.join(REASONING_PARSERS)})")
 
     def with_seats(self) -> EngineConfig:
         """This config with the limits a device decides set: ``max_num_batched_tokens``

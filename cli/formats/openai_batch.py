@@ -19,7 +19,7 @@ from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling,
                                           set_prompt, set_sampling, token_ids, user_fields)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput
-from pagedgen.runtime.engine.sequence import FINISH_REASONS
+from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}
@@ -103,24 +103,11 @@ def _check_body_fields(body: dict, endpoint: str, where: str) -> None:
 
 
 def _messages(value: Any, where: str) -> Any:
-    """Chat messages as ``{"role", "content": str}`` for the chat template: text parts joined,
-    the ``developer`` role as ``system``."""
-    if not isinstance(value, list):
+    """Chat messages with the ``developer`` role as ``system``, for the chat template
+    (``set_prompt`` joins text content parts and refuses others)."""
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         return value  # set_prompt names the problem
-    out = []
-    for m in value:
-        if not isinstance(m, dict):
-            return value
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise PagedgenError(f"{where}: body 'messages': only text content parts are "
-                                    "supported")
-            content = "\n".join(p["text"] for p in content)
-        role = m.get("role")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
+    return [{**m, "role": "system"} if m.get("role") == "developer" else m for m in value]
 
 
 def _set_completion_prompt(req: Request, prompt: Any, where: str) -> None:
@@ -199,8 +186,19 @@ def _chat_choice(c: CompletionOutput) -> dict[str, Any]:
         logprobs = {"content": [{**item(e.token_bytes, e.logprob), "top_logprobs": [
             item(b, lp) for b, (_, lp) in zip(e.top_bytes, e.top)]} for e in c.logprobs],
                     "refusal": None}
-    return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-            "logprobs": logprobs, "finish_reason": c.finish_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.reasoning_content is not None:  # vLLM's field; no answer began: content null
+        message["reasoning_content"] = c.reasoning_content
+        if c.finish_reason in REASONING_FINISH_REASONS:
+            message["content"] = None
+    return {"index": c.index, "message": message, "logprobs": logprobs,
+            "finish_reason": _openai_reason(c.finish_reason)}
+
+
+def _openai_reason(reason: str) -> str:
+    """OpenAI's finish reasons: a sample that ended in its reasoning is "stop" or "length"
+    there (its message's content null says the rest)."""
+    return reason.removesuffix("_in_reasoning")
 
 
 def _completion_choice(c: CompletionOutput) -> dict[str, Any]:
@@ -215,5 +213,8 @@ def _completion_choice(c: CompletionOutput) -> dict[str, Any]:
                     "top_logprobs": [dict(zip(e.top_tokens, (lp for _, lp in e.top)))
                                      for e in c.logprobs],
                     "text_offset": offsets}
-    return {"index": c.index, "text": c.text, "logprobs": logprobs,
-            "finish_reason": c.finish_reason}
+    out = {"index": c.index, "text": c.text, "logprobs": logprobs,
+           "finish_reason": _openai_reason(c.finish_reason)}
+    if c.reasoning_content is not None:
+        out["reasoning_content"] = c.reasoning_content
+    return out

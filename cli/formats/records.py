@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from pagedgen.runtime.engine.sequence import FINISH_REASONS
+from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
 
 
 def record(out: RequestOutput) -> dict[str, Any]:
@@ -32,6 +32,8 @@ def record(out: RequestOutput) -> dict[str, Any]:
 def choice(c: CompletionOutput) -> dict[str, Any]:
     out = {"text": c.text, "token_ids": c.token_ids, "num_output_tokens": c.num_output_tokens,
            "finish_reason": c.finish_reason}
+    if c.reasoning_content is not None:  # a reasoning model's thinking, apart from its answer
+        out["reasoning_content"] = c.reasoning_content
     if c.logprobs is not None:
         out["logprobs"] = entries(c.logprobs)
     return out
@@ -45,7 +47,8 @@ def is_complete(obj: dict[str, Any]) -> bool:
     choices = obj["choices"] if "choices" in obj else [obj]
     return isinstance(choices, list) and bool(choices) and all(
         isinstance(c, dict) and isinstance(c.get("text"), str)
-        and isinstance(c.get("token_ids"), list) and c.get("finish_reason") in FINISH_REASONS
+        and isinstance(c.get("token_ids"), list)
+        and c.get("finish_reason") in FINISH_REASONS + REASONING_FINISH_REASONS
         for c in choices)
 
 

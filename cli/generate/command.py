@@ -125,6 +125,11 @@ def generate(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode steps attend the KV pages all their sequences share once for the batch "
              "[default: on, where the backend can: flash-attn FA4, flashinfer, triton]."),
+    reasoning_parser: Optional[str] = typer.Option(
+        None, help="How a reasoning model's thinking is split from its answer (into "
+                   "reasoning_content; structured output constrains the answer only): auto "
+                   "(from the tokenizer: <think> tags or gpt-oss's harmony channels), none, "
+                   "qwen3, deepseek_r1, gpt_oss [default: auto]."),
     logprobs: Optional[int] = typer.Option(
         None, help="Log-probabilities per output token, with this many top alternatives "
                    "(0-20), where a line sets none [default: none]."),
@@ -167,7 +172,7 @@ def generate(
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
              cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
-             threads=threads),
+             threads=threads, reasoning_parser=reasoning_parser),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              min_p=min_p, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,

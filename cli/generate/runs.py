@@ -253,6 +253,7 @@ def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: In
             "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
             "quantization": engine_cfg.quantization,
             "seed": engine_cfg.seed, "max_model_len": engine_cfg.max_model_len,
+            "reasoning_parser": engine_cfg.reasoning_parser,
             **sampling, "prompt_field": opts.prompt_field,
             "messages_field": opts.messages_field, "strict_fields": opts.strict_fields,
             "served_model_name": opts.served_model_name}

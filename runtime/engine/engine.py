@@ -82,7 +82,11 @@ class Engine:
         """The stop rules and texts (made with the tokenizer, at first use)."""
         if self._output is None:
             runner = self.runner  # not the engine: no cycle keeps it alive past its run
-            self._output = OutputStage(self.tokenizer, lambda: runner.max_model_len)
+            try:
+                self._output = OutputStage(self.tokenizer, lambda: runner.max_model_len,
+                                           self.config.reasoning_parser)
+            except ValueError as e:  # a named reasoning parser this tokenizer cannot run
+                raise PagedgenError(f"--reasoning-parser: {e}")
         return self._output
 
     @property
@@ -381,8 +385,8 @@ class Engine:
         for (seq, token, entry), i in zip(results, placed):
             if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
                 continue  # dropped: the sequence stopped at an earlier token
-            if seq.grammar is not None and seq.grammar.dead_at is not None \
-                    and i >= seq.grammar.dead_at and seq.finish_reason is None:
+            if seq.grammar is not None and seq.grammar.dead_index is not None \
+                    and i >= seq.grammar.dead_index and seq.finish_reason is None:
                 finished.append(self._unsatisfiable(seq, i, now))
                 continue
             seq.output_token_ids[i] = token

@@ -14,6 +14,7 @@ from typing import Any
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from pagedgen.runtime.engine.outputs import RequestOutput, request_output
+from pagedgen.runtime.engine.reasoning import ReasoningParser, make_parser
 from pagedgen.runtime.engine.sequence import Sequence
 
 
@@ -21,12 +22,20 @@ class OutputStage:
     """The stop rules and texts of one engine's samples; ``max_model_len()`` is the engine's
     context as its KV cache allows."""
 
-    def __init__(self, tokenizer: Any, max_model_len) -> None:
+    def __init__(self, tokenizer: Any, max_model_len, reasoning_parser: str = "none") -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.reasoning: ReasoningParser | None = make_parser(reasoning_parser, tokenizer)
 
     def prepare(self, samples: list[Sequence], params: SamplingParams) -> None:
-        """New samples of one request: with stop strings, each a detokenizer (one checker)."""
+        """New samples of one request: with stop strings, each a detokenizer (one checker);
+        with a reasoning parser, each its reasoning state (its grammar waiting for the
+        answer)."""
+        if self.reasoning is not None:
+            for s in samples:
+                s.reasoning = self.reasoning.state(s.prompt_token_ids)
+                if s.grammar is not None:
+                    s.grammar.start, s.grammar.opener = None, s.reasoning.opener()
         if not params.stop:
             return
         stops = StopChecker(params.stop, params.include_stop_str_in_output)
@@ -40,6 +49,8 @@ class OutputStage:
         there (its ``finish_reason`` set)."""
         if seq.detok is not None:
             seq.detok.add(token)
+        if seq.reasoning is not None:
+            self._reasoning(seq, token, n_out - 1)
         p = seq.params
         if n_out < p.min_tokens:
             pass
@@ -56,6 +67,17 @@ class OutputStage:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
+    @staticmethod
+    def _reasoning(seq: Sequence, token: int, i: int) -> None:
+        """Follow the sample's reasoning; its grammar starts with the answer."""
+        r = seq.reasoning
+        r.token(token, i)
+        g = seq.grammar
+        if g is not None and g.start is None:
+            g.opener = r.opener()
+            if r.answered:
+                g.start = r.answer_start
+
     def at_length_limit(self, seq: Sequence, n_out: int) -> bool:
         """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
         return n_out >= seq.params.max_tokens \
@@ -67,11 +89,36 @@ class OutputStage:
 
     def text(self, seq: Sequence) -> str:
         """A finished sample's text: decoded as it came (with stop strings) or now, cut where
-        its stop string or stop token ends it."""
+        its stop string or stop token ends it; a reasoning model's: its answer's."""
+        if seq.reasoning is not None:
+            return self.texts(seq)[0]
         text = seq.detok.finish() if seq.detok is not None \
             else self.decode(seq, seq.output_token_ids)
         return text if seq.stop_text_end is None else text[:seq.stop_text_end]
 
+    def texts(self, seq: Sequence) -> tuple[str, str | None]:
+        """A finished sample's (answer, reasoning): with a reasoning parser, its reasoning's
+        spans decoded (joined by newlines; None where it did not reason) and the answer's
+        tokens decoded ("" where no answer began); a stop string cuts either where it ends
+        the whole output."""
+        r = seq.reasoning
+        if r is None:
+            return self.text(seq), None
+        ids = seq.output_token_ids
+        spans, answer = r.split(ids)
+        reasoning = "\n".join(self.decode(seq, s) for s in spans) if spans else None
+        text = "" if answer is None else self.decode(seq, answer)
+        if seq.stop_text_end is not None:  # where the stop cuts the whole output's text
+            before = self.decode(seq, ids[:r.answer_start]) if answer is not None else None
+            if before is not None and seq.stop_text_end >= len(before):
+                text = text[:seq.stop_text_end - len(before)]
+            else:
+                text = ""
+                if reasoning is not None:
+                    start = len(self.decode(seq, ids[:r.spans[0][0]]))
+                    reasoning = reasoning[:max(0, seq.stop_text_end - start)]
+        return text, reasoning
+
     def request_output(self, samples: list[Sequence]) -> RequestOutput:
         """The output of a request whose ``samples`` have all finished."""
-        return request_output(samples, self.tokenizer, self.text)
+        return request_output(samples, self.tokenizer, self.texts)

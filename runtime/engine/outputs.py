@@ -35,10 +35,13 @@ class CompletionOutput:
     """One sample of a request."""
 
     index: int
-    text: str
+    text: str  # a reasoning model's: the answer
     token_ids: list[int]
-    finish_reason: str  # one of sequence.FINISH_REASONS
+    # one of sequence.FINISH_REASONS, or for a sample that ended while still reasoning (no
+    # answer began) one of sequence.REASONING_FINISH_REASONS
+    finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    reasoning_content: str | None = None  # a reasoning model's reasoning (its parser's split)
 
     @property
     def num_output_tokens(self) -> int:
@@ -82,23 +85,34 @@ class RequestOutput:
         return self.outputs[0].logprobs
 
 
-def request_output(samples: list, tokenizer, text_of) -> RequestOutput:
+def request_output(samples: list, tokenizer, texts_of) -> RequestOutput:
     """The ``RequestOutput`` of a request's finished samples (``Sequence``s, in sample order);
-    ``text_of(seq)`` is a sample's final text."""
+    ``texts_of(seq)`` is a sample's final (text, reasoning or None)."""
     first = samples[0]
     req = first.request
     prompt = getattr(req, "prompt", None)
     if not isinstance(prompt, str):
         prompt = tokenizer.decode(first.prompt_token_ids)
-    outputs = [CompletionOutput(s.sample_index, text_of(s), list(s.output_token_ids),
-                                s.finish_reason, _logprobs(tokenizer, s.output_token_ids,
-                                                           s.logprobs))
-               for s in samples]
+    outputs = []
+    for s in samples:
+        text, reasoning = texts_of(s)
+        outputs.append(CompletionOutput(
+            s.sample_index, text, list(s.output_token_ids), _finish_reason(s),
+            _logprobs(tokenizer, s.output_token_ids, s.logprobs), reasoning))
     prompt_lp = None
     if first.prompt_logprobs is not None:
         prompt_lp = _logprobs(tokenizer, first.prompt_token_ids[1:], first.prompt_logprobs)
     return RequestOutput(req, prompt, list(first.prompt_token_ids), outputs, prompt_lp,
                          first.params.n)
+
+
+def _finish_reason(seq) -> str:
+    """A sample's finish reason; ``..._in_reasoning`` where it ended before its answer."""
+    r = seq.reasoning
+    if r is not None and r.ended_in_reasoning(len(seq.output_token_ids)) \
+            and seq.finish_reason in ("stop", "length"):
+        return f"{seq.finish_reason}_in_reasoning"
+    return seq.finish_reason
 
 
 def _logprobs(tokenizer, token_ids, entries) -> list[TokenLogprob] | None:

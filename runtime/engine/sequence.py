@@ -20,6 +20,8 @@ class SequenceStatus(enum.Enum):
 # why a sample ended: EOS, a stop token or string; max_tokens or the context; its structured
 # output's grammar allowing no next token
 FINISH_REASONS = ("stop", "length", "unsatisfiable")
+# as output lines give them for a sample that ended before its reasoning did (no answer)
+REASONING_FINISH_REASONS = ("stop_in_reasoning", "length_in_reasoning")
 
 
 @dataclass(eq=False)  # identity: queues of thousands must never compare token lists
@@ -64,6 +66,8 @@ class Sequence:
     # search for them (detokenizer.StopChecker)
     detok: Any = None
     stop_checker: Any = None
+    # a reasoning model's: where its reasoning and its answer are (reasoning.ReasoningState)
+    reasoning: Any = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output, appended in place

@@ -106,9 +106,14 @@ def choice_grammar(choices: Sequence[str]) -> str:
 class GrammarState:
     """One sample's place in the grammar pool: its constraint's key, its matcher's slot (None
     until its first token), how many of its output tokens went to the matcher, and whether the
-    matcher has ended (taken a stop token) or refused a token, as of the pool's last answer."""
+    matcher has ended (taken a stop token) or refused a token, as of the pool's last answer.
 
-    __slots__ = ("key", "slot", "accepted", "ended", "rejected", "dead_at")
+    ``start``: the output index of the first token the grammar constrains: 0, or for a
+    reasoning model the answer's first token, None while the sample still reasons (its rows
+    are left alone then, but for ``opener``: a token also allowed beside the grammar's first
+    mask, as ``<think>`` where the first token decides whether the sample reasons)."""
+
+    __slots__ = ("key", "slot", "accepted", "ended", "rejected", "dead_at", "start", "opener")
 
     def __init__(self, key: int) -> None:
         self.key = key
@@ -116,7 +121,14 @@ class GrammarState:
         self.accepted = 0
         self.ended = False
         self.rejected = False
-        self.dead_at: int | None = None  # the output index no token can take, once known
+        self.dead_at: int | None = None  # the grammar's token index no token can take
+        self.start: int | None = 0
+        self.opener: int | None = None
+
+    @property
+    def dead_index(self) -> int | None:
+        """The output index no token can take, once known."""
+        return None if self.dead_at is None else (self.start or 0) + self.dead_at
 
     @property
     def active(self) -> bool:
@@ -290,7 +302,8 @@ class Grammars:
                 event.synchronize()
             self._ready.pop(0)
             for (state, i), t in zip(rows, tokens.tolist()):
-                if state is not None and state.active and state.accepted == i and t >= 0:
+                if state is not None and state.active and state.start is not None \
+                        and state.start + state.accepted == i and t >= 0:
                     self._give(state, [t])
                     gave = True
         if gave:
@@ -311,8 +324,10 @@ class Grammars:
         self.pool.join()
         t0 = time.perf_counter()
         behind = False
+        rows = [(row, state, tokens[state.start:]) if state.start is not None
+                else (row, state, None) for row, state, tokens in rows]
         for _, state, tokens in rows:
-            if state.active and len(tokens) > state.accepted:
+            if state.active and tokens is not None and len(tokens) > state.accepted:
                 if min(tokens[state.accepted:]) < 0:
                     raise RuntimeError("a grammar's step ran before its sequence's tokens "
                                        "were known")
@@ -321,12 +336,16 @@ class Grammars:
         if behind:  # rows the pool could not fill ahead: new sequences, changed batches
             self.pool.send()
             self.pool.join()
-        slots, first = [], []
+        slots, first, openers = [], [], []
         for row, state, tokens in rows:
-            if state.active and state.accepted:
+            if not state.active or (tokens is None and state.opener is None):
+                continue  # ended, or still reasoning: unconstrained
+            if state.accepted:
                 slots.append((row, state.slot))
-            elif state.active:
+            else:
                 first.append((row, state.key))
+                if tokens is None:
+                    openers.append((len(first) - 1, state.opener))
         if not slots and not first:
             return
         batch, device = logits.shape[0], logits.device
@@ -340,7 +359,10 @@ class Grammars:
                 self._copied.record()
         if first:
             at = to_device([r for r, _ in first], torch.long, device)
-            bitmask[at] = torch.stack([self._first_mask(k, device) for _, k in first])
+            masks = torch.stack([self._first_mask(k, device) for _, k in first])
+            for i, token in openers:  # the grammar's first tokens, or the reasoning's opener
+                masks[i, token // 32] |= _bit(token % 32)
+            bitmask[at] = masks
         self.mask_time_s += time.perf_counter() - t0
         self.masked_rows += len(slots) + len(first)
         self.prefetched_rows += len(slots) if not behind else 0
@@ -355,6 +377,11 @@ class Grammars:
             _xgr().GrammarMatcher(self._by_key[key]).fill_next_token_bitmask(mask)
             hit = self._initial[(key, str(device))] = mask[0].to(device)
         return hit
+
+
+def _bit(i: int) -> int:
+    """Bit ``i`` of an int32 bitmask word, as a signed value."""
+    return (1 << i) - (1 << 32) if i == 31 else 1 << i
 
 
 _KIND_NAMES = {"json": "the JSON schema", "json_object": "the JSON grammar",

@@ -1,0 +1,156 @@
+"""Reasoning output: a reasoning model's thinking split from its answer, token by token.
+
+Reasoning models write their reasoning before the answer. A parser, chosen for the run
+(``EngineConfig.reasoning_parser``; ``auto`` from the tokenizer's vocabulary), follows each
+sample's tokens as they come (``ReasoningState.token``) and knows at every step whether the
+sample is still reasoning; the output splits its tokens into ``reasoning_content`` and the
+answer's ``text``, and structured output constrains the answer only (the grammar starts at
+the first answer token: ``answer_start``).
+
+* ``think`` (Qwen3, QwQ, DeepSeek-R1 and its distills): reasoning between ``<think>`` and
+  ``</think>``. A prompt that ends inside an open ``<think>`` (DeepSeek-R1's template) starts
+  the output in reasoning; otherwise the sample reasons only if its first token is ``<think>``
+  (Qwen3's thinking mode; with thinking off its template closes an empty block in the prompt).
+* ``harmony`` (gpt-oss): messages ``<|channel|>NAME<|message|>...<|end|>``; the ``final``
+  channel's message is the answer, the others (``analysis``, ``commentary``) the reasoning.
+
+``qwen3`` and ``deepseek_r1`` name the ``think`` parser, ``gpt_oss`` the ``harmony`` one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedgen.runtime.config import REASONING_PARSERS
+
+PARSERS = REASONING_PARSERS
+_ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gpt_oss": "harmony"}
+HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+
+
+def token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of ``text`` when the tokenizer holds it as one token (an added or special one),
+    else None."""
+    hf = getattr(tokenizer, "tok", None)
+    if hf is None:
+        return None
+    ids = hf.convert_tokens_to_ids([text])
+    unk = getattr(hf, "unk_token_id", None)
+    return ids[0] if ids and ids[0] is not None and ids[0] != unk else None
+
+
+@dataclass(frozen=True)
+class ReasoningParser:
+    """A run's parser: ``kind`` "think" (``start``/``end`` the tag ids) or "harmony"
+    (``start`` <|channel|>, ``end`` <|message|>, ``close`` <|end|>)."""
+
+    kind: str
+    start: int
+    end: int
+    close: int | None = None
+    decode: Any = None  # ids → text (a harmony channel's name)
+
+    def state(self, prompt_ids) -> ReasoningState:
+        """A new sample's state, from its prompt."""
+        if self.kind == "harmony":
+            return ReasoningState(self, phase="between")
+        ids = list(prompt_ids[-64:])  # the template's tail holds any open tag
+        opened = max((i for i, t in enumerate(ids) if t == self.start), default=-1)
+        closed = max((i for i, t in enumerate(ids) if t == self.end), default=-1)
+        return ReasoningState(self, phase="reasoning" if opened > closed else "maybe")
+
+
+def make_parser(name: str, tokenizer: Any) -> ReasoningParser | None:
+    """The parser ``name`` asks for on this tokenizer (None: ``none``, or ``auto`` on a model
+    without reasoning tokens). ValueError when a named parser's tokens are not there."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown reasoning parser '{name}' ({', '.join(PARSERS)})")
+    if name == "none":
+        return None
+    kind = _ALIASES.get(name, name)
+    think = [token_id(tokenizer, t) for t in ("<think>", "</think>")]
+    harmony = [token_id(tokenizer, t) for t in HARMONY_TOKENS]
+    if kind == "auto":
+        kind = "harmony" if None not in harmony else "think" if None not in think else None
+        if kind is None:
+            return None
+    if kind == "think":
+        if None in think:
+            raise ValueError(f"reasoning parser '{name}': the tokenizer has no <think> and "
+                             "</think> tokens")
+        return ReasoningParser("think", *think)
+    if None in harmony:
+        raise ValueError(f"reasoning parser '{name}': the tokenizer has no harmony tokens "
+                         f"({', '.join(HARMONY_TOKENS)})")
+    return ReasoningParser("harmony", harmony[0], harmony[1], harmony[2],
+                           lambda ids: tokenizer.decode(ids, True, False))
+
+
+@dataclass
+class ReasoningState:
+    """Where one sample is: ``phase`` "maybe" (its first token decides), "reasoning",
+    "answer", or (harmony) "between" messages / in a channel's "header"; the output spans
+    of its reasoning and the answer's first index."""
+
+    parser: ReasoningParser
+    phase: str
+    spans: list[list[int]] = field(default_factory=list)  # [first, end) output indices
+    answer_start: int | None = None
+    _header: list[int] = field(default_factory=list)
+
+    @property
+    def answered(self) -> bool:
+        return self.answer_start is not None
+
+    def ended_in_reasoning(self, num_output_tokens: int) -> bool:
+        """Whether a sample that ended after ``num_output_tokens`` tokens ended before its
+        answer began (a sample whose first token decides, and had none, did not reason)."""
+        return num_output_tokens > 0 and not self.answered and self.phase != "maybe"
+
+    def opener(self) -> int | None:
+        """The token a grammar must also allow before its first answer token: ``<think>`` at a
+        "maybe" sample's first token (otherwise the grammar would forbid the reasoning)."""
+        return self.parser.start if self.phase == "maybe" else None
+
+    def token(self, token: int, i: int) -> None:
+        """Output token ``i`` is ``token``."""
+        p = self.parser
+        if p.kind == "think":
+            if self.phase == "maybe":
+                if token == p.start:
+                    self.phase = "reasoning"
+                    self.spans.append([i + 1, i + 1])
+                else:
+                    self.phase, self.answer_start = "answer", i
+            elif self.phase == "reasoning":
+                if not self.spans:
+                    self.spans.append([i, i])
+                if token == p.end:
+                    self.phase, self.answer_start = "answer", i + 1
+                else:
+                    self.spans[-1][1] = i + 1
+            return
+        if self.phase == "between" and token == p.start:
+            self.phase, self._header = "header", []
+        elif self.phase == "header":
+            if token == p.end:
+                final = p.decode(self._header).strip().split(" ")[0] == "final"
+                if final:
+                    self.phase, self.answer_start = "answer", i + 1
+                else:
+                    self.phase = "reasoning"
+                    self.spans.append([i + 1, i + 1])
+            else:
+                self._header.append(token)
+        elif self.phase == "reasoning":
+            if token == p.close:
+                self.phase = "between"
+            else:
+                self.spans[-1][1] = i + 1
+
+    def split(self, token_ids: list[int]) -> tuple[list[list[int]], list[int] | None]:
+        """The output's reasoning spans' ids and its answer's ids (None: no answer began)."""
+        spans = [token_ids[a:b] for a, b in self.spans]
+        answer = None if self.answer_start is None else token_ids[self.answer_start:]
+        return spans, answer

@@ -1,0 +1,164 @@
+"""Reasoning output (``runtime/engine/reasoning.py``): the parsers on token streams, and a run
+whose samples think first: the reasoning in ``reasoning_content``, the answer in ``text``, a
+grammar applied to the answer only, a sample cut while reasoning named so, and the OpenAI
+batch body's fields."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hf_models import make_checkpoint
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.engine.reasoning import ReasoningParser
+from pagedgen.runtime.sampling.processors import LogitsProcessor
+
+OPEN, CLOSE = 10, 11
+THINK = ReasoningParser("think", OPEN, CLOSE)
+# harmony: <|channel|> 100, <|message|> 101, <|end|> 102, <|start|> 103; channel names
+NAMES = {200: "analysis", 201: "final", 202: "commentary"}
+HARMONY = ReasoningParser("harmony", 100, 101, 102,
+                          lambda ids: " ".join(NAMES.get(t, "assistant") for t in ids))
+
+
+def follow(parser: ReasoningParser, tokens: list[int], prompt: list[int] = (5, 6)):
+    state = parser.state(list(prompt))
+    for i, t in enumerate(tokens):
+        state.token(t, i)
+    return state, state.split(tokens)
+
+
+def test_think_splits_the_reasoning_from_the_answer():
+    state, (spans, answer) = follow(THINK, [OPEN, 1, 2, CLOSE, 3, 4])
+    assert spans == [[1, 2]] and answer == [3, 4]
+    assert not state.ended_in_reasoning(6)
+
+
+def test_a_sample_that_does_not_think_is_all_answer():
+    _, (spans, answer) = follow(THINK, [3, 4, OPEN, 5])  # a late tag is the answer's text
+    assert spans == [] and answer == [3, 4, OPEN, 5]
+    # Qwen3 with thinking off: its template closes an empty block in the prompt
+    _, (spans, answer) = follow(THINK, [3], prompt=[5, OPEN, CLOSE])
+    assert spans == [] and answer == [3]
+
+
+def test_a_prompt_that_opens_the_reasoning_starts_the_output_in_it():
+    """DeepSeek-R1's template ends the prompt with ``<think>``."""
+    _, (spans, answer) = follow(THINK, [1, 2, CLOSE, 3], prompt=[5, OPEN])
+    assert spans == [[1, 2]] and answer == [3]
+
+
+def test_nested_tags_stay_inside_the_reasoning():
+    _, (spans, answer) = follow(THINK, [OPEN, 1, OPEN, 2, CLOSE, 3, CLOSE])
+    assert spans == [[1, OPEN, 2]] and answer == [3, CLOSE]
+
+
+def test_reasoning_cut_by_max_tokens_has_no_answer():
+    state, (spans, answer) = follow(THINK, [OPEN, 1, 2])
+    assert spans == [[1, 2]] and answer is None and state.ended_in_reasoning(3)
+    assert not THINK.state([5]).ended_in_reasoning(0)  # no token: it never reasoned
+
+
+def test_harmony_takes_the_final_channel_as_the_answer():
+    tokens = [100, 200, 101, 1, 2, 102, 103, 9, 100, 202, 101, 3, 102,
+              103, 9, 100, 201, 101, 4, 5]
+    state, (spans, answer) = follow(HARMONY, tokens)
+    assert spans == [[1, 2], [3]] and answer == [4, 5] and not state.ended_in_reasoning(20)
+    state, (spans, answer) = follow(HARMONY, tokens[:4])
+    assert spans == [[1]] and answer is None and state.ended_in_reasoning(4)
+
+
+# ---- a run ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """A random checkpoint whose BPE tokenizer (SmolLM2's) has ``<think>`` and ``</think>``."""
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("gguf", reason="pip install gguf (the README's test command does)")
+    from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("thinker")
+    tok = load_tokenizer(resolve_model("smollm2-135m")).tok
+    tok.add_tokens(["<think>", "</think>"])
+    make_checkpoint("qwen3", path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+class Script(LogitsProcessor):
+    """Forces the sample's first tokens to ``script`` (then leaves its logits alone)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script = script
+
+    def __call__(self, output_token_ids, logits: torch.Tensor) -> None:
+        i = len(output_token_ids)
+        if i < len(self.script):
+            keep = logits[self.script[i]].clone()
+            logits.fill_(float("-inf"))
+            logits[self.script[i]] = keep + 1.0
+
+
+def run(path, script: list[int], params: SamplingParams, parser: str = "auto"):
+    eng = Engine(EngineConfig(model=str(path), device="cpu", backend="sdpa", dtype="float32",
+                              max_num_seqs=4, max_model_len=256, kv_cache_memory="64MiB",
+                              reasoning_parser=parser),
+                 processor_factory=lambda request, p, i: [Script(script)])
+    seq = eng.add_request([1, 40, 41, 42], params, request=SimpleNamespace(id="r", metadata=None))
+    eng.run()
+    return eng.request_output(seq.samples or [seq]), eng
+
+
+def test_a_grammar_constrains_the_answer_after_the_reasoning(thinker):
+    """``<think>`` passes the grammar at the first token (a JSON schema would forbid it), the
+    reasoning runs free, and the answer after ``</think>`` is what the schema allows."""
+    path, tok = thinker
+    words = tok.encode(" plan first", add_special_tokens=False)
+    think = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    schema = {"enum": ["alpha", "beta", "gamma"]}
+    params = SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(
+        "json", json.dumps(schema, separators=(",", ":"))))
+    out = run(path, [think[0], *words, think[1]], params)[0].outputs[0]
+    assert out.reasoning_content.strip() == "plan first"
+    assert json.loads(out.text) in schema["enum"] and out.finish_reason == "stop"
+    assert out.token_ids[:len(words) + 2] == [think[0], *words, think[1]]
+
+
+def test_a_sample_cut_while_reasoning_says_so(thinker):
+    """Its finish reason says so (OpenAI's body: ``length`` with content null); its line is
+    a complete record (``--resume`` keeps it)."""
+    from pagedgen.cli.formats.openai_batch import _chat_choice
+    from pagedgen.cli.formats.records import is_complete, record
+
+    path, tok = thinker
+    words = tok.encode(" plan first", add_special_tokens=False)
+    script = [tok.convert_tokens_to_ids("<think>"), *words]
+    ro = run(path, script, SamplingParams(max_tokens=len(script), temperature=0.0))[0]
+    out = ro.outputs[0]
+    assert out.finish_reason == "length_in_reasoning" and out.text == ""
+    assert out.reasoning_content.strip() == "plan first"
+    body = _chat_choice(out)
+    assert body["finish_reason"] == "length" and body["message"]["content"] is None
+    assert body["message"]["reasoning_content"] == out.reasoning_content
+    line = record(ro)
+    assert line["reasoning_content"] == out.reasoning_content and is_complete(line)
+
+
+def test_no_reasoning_without_its_tokens_and_none_turns_it_off(thinker, tmp_path):
+    path, tok = thinker
+    out = run(path, [], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+              parser="none")[0].outputs[0]
+    assert out.reasoning_content is None and len(out.token_ids) == 4
+    plain = make_checkpoint("llama", tmp_path / "plain", with_tokenizer=True)
+    out = run(plain, [], SamplingParams(max_tokens=4, temperature=0.0,
+                                        ignore_eos=True))[0].outputs[0]
+    assert out.reasoning_content is None  # auto: this vocabulary has no <think>
+    with pytest.raises(PagedgenError, match="--reasoning-parser: .*no <think> and </think>"):
+        run(plain, [], SamplingParams(max_tokens=4), parser="qwen3")
+    with pytest.raises(PagedgenError, match="unknown parser 'o1'"):
+        EngineConfig(reasoning_parser="o1").validate()
