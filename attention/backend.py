@@ -46,6 +46,9 @@ class LayerSpec:
     sliding_window: int | None = None  # attend to the last `sliding_window` positions (self too)
     logits_soft_cap: float | None = None  # logits = cap * tanh(logits / cap)
     attn_type: AttentionType = AttentionType.DECODER
+    # a learned logit per query head that joins every softmax with a zero value (gpt-oss's
+    # attention sinks): the impl reads it from ``AttentionImpl.sinks``
+    sinks: bool = False
 
 
 class AttentionImpl(ABC):
@@ -54,6 +57,7 @@ class AttentionImpl(ABC):
     def __init__(self, spec: LayerSpec, state: AttentionState) -> None:
         self.spec = spec
         self.state = state
+        self.sinks: torch.Tensor | None = None  # [num_heads] float32 where ``spec.sinks``
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -138,6 +142,7 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     supports_sliding_window: ClassVar[bool] = False
     supports_soft_cap: ClassVar[bool] = False
+    supports_sinks: ClassVar[bool] = False
     supports_fp8_kv_cache: ClassVar[bool] = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16,
                                                            torch.float32)
@@ -205,6 +210,8 @@ class AttentionBackend(ABC):
             return "sliding window not supported"
         if spec.logits_soft_cap is not None and not cls.supports_soft_cap:
             return "logits soft-cap not supported"
+        if spec.sinks and not cls.supports_sinks:
+            return "attention sinks not supported"
         return None
 
     @classmethod

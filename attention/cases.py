@@ -9,6 +9,7 @@ grouped case nests such sharing (groups within groups, groups of one), in shuffl
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ class PagedBatch:
     block_size: int
     cascade: bool = False  # build metadata that marks the pages every decode shares
     mixed_cascade: bool = False  # ... also with prefills in the step
+    sinks: torch.Tensor | None = None  # [num_heads] float32 where ``spec.sinks``
 
     def metadata(self, device=None):
         return AttentionMetadataBuilder(self.block_size, torch.device(device or self.q.device),
@@ -42,7 +44,7 @@ class PagedBatch:
 def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
                      dtype=torch.float32, device="cpu", num_prefills=2, num_decodes=3,
                      max_context=70, max_new=40, sliding_window=None, soft_cap=None,
-                     cache_dtype=None, min_context=0) -> PagedBatch:
+                     cache_dtype=None, min_context=0, sinks=False) -> PagedBatch:
     """Sequences with random cached context (0 for some) and random new-token counts; blocks are
     shuffled across the cache so block tables are not contiguous."""
     rng = random.Random(seed)
@@ -75,8 +77,18 @@ def make_paged_batch(seed: int, *, num_heads=4, num_kv_heads=2, head_size=64, bl
     v = torch.randn(n_tok, num_kv_heads, head_size, generator=gen).to(dtype).to(device)
     spec = LayerSpec(num_heads, num_kv_heads, head_size, head_size ** -0.5,
                      sliding_window=sliding_window, logits_soft_cap=soft_cap)
-    return PagedBatch(spec, kv_cache, q, k, v, sched[:num_prefills], sched[num_prefills:],
-                      block_size)
+    batch = PagedBatch(spec, kv_cache, q, k, v, sched[:num_prefills], sched[num_prefills:],
+                       block_size)
+    return with_sinks(batch, seed) if sinks else batch
+
+
+def with_sinks(batch: PagedBatch, seed: int) -> PagedBatch:
+    """``batch`` with a random sink logit per query head (about the scores' own size, so each
+    takes a real share of its softmax)."""
+    gen = torch.Generator().manual_seed(seed + 7919)
+    sinks = 2 * torch.randn(batch.spec.num_heads, generator=gen)
+    return dataclasses.replace(batch, spec=dataclasses.replace(batch.spec, sinks=True),
+                               sinks=sinks.to(batch.q.device))
 
 
 def make_shared_prefix_batch(seed: int, *, shared_pages: int, num_decodes: int, num_heads=4,
@@ -187,6 +199,7 @@ def run_backend(backend: type[AttentionBackend], batch: PagedBatch, state=None
     state = state or backend.get_state_cls()(backend, [batch.spec], batch.block_size,
                                              batch.q.dtype, batch.kv_cache.dtype, batch.q.device)
     impl = backend.get_impl_cls()(batch.spec, state)
+    impl.sinks = batch.sinks
     md = state.build(batch.metadata())
     cache = backend_cache(backend, batch.kv_cache)
     out = impl.forward(batch.q, batch.k, batch.v, cache, md)

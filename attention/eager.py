@@ -1,7 +1,8 @@
 """The eager backend: the oracle every other backend is checked against.
 
 For each sequence it gathers K/V through the block table and computes softmax(QKᵀ·scale)V in
-float32 with an explicit causal (and optional sliding-window) mask and logits soft-cap.
+float32 with an explicit causal (and optional sliding-window) mask and logits soft-cap; a layer
+with sinks adds each head's sink logit as one more column of the softmax, of value zero.
 Slow and simple on purpose; runs on CPU and GPU.
 """
 
@@ -54,7 +55,10 @@ class EagerImpl(AttentionImpl):
             q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
             k_pos = torch.arange(seq_len, device=q.device)
             scores.masked_fill_(~attention_mask(q_pos, k_pos, spec), float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            if self.sinks is not None:  # one more logit per head, whose value is zero
+                sink = self.sinks.float()[:, None, None].expand(-1, n, 1)
+                scores = torch.cat([scores, sink], -1)
+            probs = torch.softmax(scores, dim=-1)[..., :seq_len]
             out[qsl[i]:qsl[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
         return out
 
@@ -63,6 +67,7 @@ class EagerBackend(AttentionBackend):
     name = "eager"
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True
     supports_fp8_kv_cache = True
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
 

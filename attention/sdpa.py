@@ -3,7 +3,8 @@
 Prefills of fresh prompts (nothing cached yet) of similar lengths run as one padded batch over
 the step's own K/V; other prefills run one sequence at a time on its gathered K/V (causal,
 offset by its cached context); decodes run as one batch over K/V gathered through the block
-tables and padded, with a length mask.
+tables and padded, with a length mask. A layer with sinks attends one more key of value zero
+whose logit is the head's sink (an additive mask gives it).
 """
 
 from __future__ import annotations
@@ -34,9 +35,29 @@ class SdpaImpl(AttentionImpl):
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               mask: torch.Tensor | None, causal: bool) -> torch.Tensor:
-        """q [.., Hq, n, D], k/v [.., Hkv, L, D]."""
+        """q [.., Hq, n, D], k/v [.., Hkv, L, D]; ``mask`` [.., n, L] (boolean, broadcast)."""
+        if self.sinks is not None:
+            q, k, v, mask = self._with_sink(q, k, v, mask, causal)
+            causal = False
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               scale=self.spec.scale, enable_gqa=True)
+
+    def _with_sink(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None, causal: bool):
+        """A zero key and value after the last, and an additive mask whose last column is each
+        head's sink logit (the sink's score: q·0 + sink)."""
+        n, length = q.shape[-2], k.shape[-2]
+        if mask is None:
+            mask = torch.ones(n, length, dtype=torch.bool, device=q.device)
+            if causal:
+                mask = mask.tril(length - n)
+        lead = torch.broadcast_shapes(mask.shape[:-2], q.shape[:-2])  # [.., Hq]
+        bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            ~mask, float("-inf")).expand(*lead, n, length)
+        sink = self.sinks.to(q.dtype)[:, None, None].expand(*lead, n, 1)
+        zero = k.new_zeros(*k.shape[:-2], 1, k.shape[-1])
+        return (q, torch.cat([k, zero], -2), torch.cat([v, zero], -2),
+                torch.cat([bias, sink], -1))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  md: AttentionMetadata, out: torch.Tensor) -> None:
@@ -94,6 +115,7 @@ class SdpaImpl(AttentionImpl):
 class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_sliding_window = True
+    supports_sinks = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -201,20 +201,22 @@ class TritonImpl(AttentionImpl):
         cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
         self.tk.prefill_kernel[grid](
-            q, kv_cache, out, lse, block_tables, query_start_loc, context_lens, tile_seq,
-            tile_qstart, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            q, kv_cache, out, lse, block_tables,
+            self.sinks if causal and self.sinks is not None else context_lens,
+            query_start_loc, context_lens, tile_seq, tile_qstart,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             lse.stride(0), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0), spec.scale, cap,
             window, spec.num_heads // spec.num_kv_heads, st.g_tile, st.block_size,
             D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
             USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
-            CAUSAL=causal, WRITE_LSE=not causal,
+            CAUSAL=causal, WRITE_LSE=not causal, USE_SINKS=causal and self.sinks is not None,
             **({} if _interpreting() else {"num_warps": 8 if st.block_m >= 128 else 4,
                                           "num_stages": 2}))
 
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
         """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""
         paged_decode.decode(q, kv_cache, out, part, lse, block_tables, seq_lens, self.spec,
-                            splits)
+                            splits, self.sinks)
 
     def _merge(self, out, part, lse, splits: int) -> None:
         self.tk.merge_kernel[(out.shape[0], self.spec.num_heads)](
@@ -232,6 +234,7 @@ class TritonBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_sliding_window = True
     supports_soft_cap = True
+    supports_sinks = True
     # Triton's CPU interpreter computes bf16 dot products wrongly, so no bf16 there; fp32 is
     # for the interpreter's tests only (GPU kernels are tuned for 16-bit inputs).
     supported_dtypes = (torch.float16, torch.float32) if _interpreting() else (

@@ -46,10 +46,11 @@ def backends(device: Optional[str] = typer.Option(
 
     dev = EngineConfig(device=device or "auto").torch_device()
     table = Table(title=f"attention backends on {dev}", title_justify="left")
-    for col in ("backend", "available", "notes"):
+    for col in ("backend", "available", "notes", "cannot run layers with"):
         table.add_column(col)
     for s in backend_status(dev):
-        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", escape(s.reason))
+        table.add_row(s.name, "[green]yes[/]" if s.available else "[red]no[/]", escape(s.reason),
+                      escape(s.lacks or "-"))
     out = out_console()
     out.print(table)
     out.print(f"auto → {get_backend('auto', dev).name}")

@@ -48,7 +48,11 @@ def dense_reference(batch: PagedBatch) -> torch.Tensor:
         if spec.sliding_window:
             ok &= kpos > qpos - spec.sliding_window
         scores = scores.masked_fill(~ok, float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+        o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        if batch.sinks is not None:  # the sink's share of the softmax, taken from the keys'
+            lse = scores.logsumexp(-1).transpose(0, 1)  # [q, h]
+            o = o * torch.sigmoid(lse - batch.sinks.double())[:, :, None]
+        outs.append(o)
         t += s.num_new
     return torch.cat(outs)
 

@@ -27,6 +27,35 @@ def test_eager_sliding_window_and_soft_cap(window, cap):
     torch.testing.assert_close(out.double(), dense_reference(b), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_sinks_take_their_share_of_every_softmax(window):
+    """Eager's extra softmax column against the reference's rescaling by the sink's share;
+    sdpa's extra zero key against eager, in every dtype."""
+    b = make_paged_batch(12, sliding_window=window, sinks=True)
+    out, _ = run_backend(EagerBackend, b)
+    torch.testing.assert_close(out.double(), dense_reference(b), atol=1e-5, rtol=1e-5)
+    plain = make_paged_batch(12, sliding_window=window)
+    assert not torch.allclose(out, run_backend(EagerBackend, plain)[0], atol=1e-2)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)):
+        b = make_paged_batch(13, num_heads=8, num_kv_heads=2, dtype=dtype,
+                             sliding_window=window, sinks=True)
+        want, _ = run_backend(EagerBackend, b)
+        got, _ = run_backend(SdpaBackend, b)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_a_layer_with_sinks_hands_them_to_its_impl():
+    from pagedgen.runtime.layers.attention import PagedAttention
+    b = make_paged_batch(12, sinks=True)
+    layer = PagedAttention(b.spec)
+    layer.sinks.copy_(b.sinks)
+    state = EagerBackend.get_state_cls()(EagerBackend, [b.spec], b.block_size, b.q.dtype,
+                                         b.kv_cache.dtype, b.q.device)
+    layer.impl = EagerBackend.get_impl_cls()(b.spec, state)
+    assert layer.impl.sinks is layer.sinks and "sinks" in dict(layer.named_parameters())
+    assert PagedAttention(make_paged_batch(12).spec).sinks is None
+
+
 def test_eager_writes_new_tokens_into_their_slots():
     b = make_paged_batch(3)
     _, cache = run_backend(EagerBackend, b)
@@ -99,6 +128,11 @@ def test_check_layer_reports_unsupported_features():
     b = make_paged_batch(0, soft_cap=10.0)
     assert "soft-cap" in SdpaBackend.check_layer(b.spec, torch.float32)
     assert EagerBackend.check_layer(b.spec, torch.float32) is None
+    from pagedgen.attention.flashinfer import FlashInferBackend
+    b = make_paged_batch(0, sinks=True)
+    assert FlashInferBackend.check_layer(b.spec, torch.bfloat16) == \
+        "attention sinks not supported"
+    assert SdpaBackend.check_layer(b.spec, torch.float32) is None
 
 
 def test_flashinfer_paged_kv_arrays_from_block_tables():

@@ -251,3 +251,33 @@ def test_verify_cascade_cases_cover_steps_with_prefills(monkeypatch):
     assert (cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS) == floors  # restored after the cases
     assert part.cases == 2 and part.worst_abs <= TOL[kc.cascade_dtype(backend())]
     assert (True, True) in seen
+
+
+@pytest.mark.parametrize("window", [None, 19])
+def test_sinks_match_eager(window):
+    """Each head's sink joins the prefill kernel's softmax and the decode kernel's (in its
+    first split only: long contexts split the keys, and the merge must count it once)."""
+    from pagedgen.attention.cases import with_sinks
+    for seed in range(2):
+        check(make_paged_batch(seed, num_heads=8, num_kv_heads=2, sliding_window=window,
+                               device=DEVICE, max_context=60, max_new=40, sinks=True))
+    b = make_paged_batch(5, num_prefills=0, num_decodes=3, max_context=700, device=DEVICE)
+    for s in b.decodes:  # long contexts: split-KV decode
+        extra = 600 - s.num_context
+        s.num_context = 600
+        s.block_table.extend(s.block_table[-1:] * (-(-extra // b.block_size) + 1))
+    check(with_sinks(b, 5))
+
+
+def test_sinks_enter_grouped_cascade_decode_once(monkeypatch):
+    """Grouped cascade decode: the suffixes' split 0 takes the sink, the groups' parts do
+    not."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_grouped_batch, with_sinks
+    monkeypatch.setattr(cl, "MIN_TOKENS", 1)
+    monkeypatch.setattr(cl, "MIN_SEQS", 1)
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+    b = with_sinks(make_grouped_batch(3, num_decodes=16, num_heads=8, num_kv_heads=2,
+                                      block_size=16, dtype=DTYPES[-1], device=DEVICE), 3)
+    assert b.metadata().cascade is not None, "the case shares pages"
+    check(b)

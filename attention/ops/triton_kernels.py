@@ -46,16 +46,20 @@ def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt
 
 
 @triton.jit
-def prefill_kernel(Q, Cache, Out, Lse, BlockTables, QStartLoc, ContextLens, TileSeq, TileQStart,
+def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLens, TileSeq,
+                   TileQStart,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                    stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                    scale, soft_cap, window, G, G_TILE, PAGE,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
-                   CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False):
+                   CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
+                   USE_SINKS: tl.constexpr = False):
     # CAUSAL=False: every query sees exactly the ``ctx`` cached keys and none of the new tokens
     # (cascade: the batch's decode queries over their shared prefix). WRITE_LSE: also store
-    # each row's natural-log log-sum-exp at Lse[token, head].
+    # each row's natural-log log-sum-exp at Lse[token, head]. USE_SINKS: each head's
+    # Sinks[head] logit joins the softmax with a zero value (the running max and sum start
+    # from it).
     tile = tl.program_id(0)
     hp = tl.program_id(1)
     kvh = hp // (G // G_TILE)
@@ -82,6 +86,9 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, QStartLoc, ContextLens, Tile
         lo = tl.maximum(ctx + qs - window + 1, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if USE_SINKS:
+        m_i = tl.load(Sinks + head).to(tl.float32)
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
     for n in range(lo, hi, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
@@ -117,14 +124,17 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, QStartLoc, ContextLens, Tile
 
 
 @triton.jit
-def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
+def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
                   scale, soft_cap, window, num_splits, G, PAGE,
                   GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-                  DIRECT: tl.constexpr, PRECISION: tl.constexpr):
+                  DIRECT: tl.constexpr, PRECISION: tl.constexpr,
+                  USE_SINKS: tl.constexpr = False):
+    # USE_SINKS: each head's Sinks[head] logit joins the softmax with a zero value, in split 0
+    # only (the merge then counts it once)
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -145,6 +155,10 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens,
                 mask=g_ok[:, None], other=0.0)
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
+    if USE_SINKS:
+        first = g_ok & (split == 0)
+        m_i = tl.where(first, tl.load(Sinks + head, mask=g_ok, other=0.0).to(tl.float32), m_i)
+        l_i = tl.where(first, 1.0, 0.0)
     acc = tl.zeros([GP, D], tl.float32)
     for t in range(t0, t1):
         offs = lo + t * BLOCK_N + tl.arange(0, BLOCK_N)

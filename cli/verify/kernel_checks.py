@@ -51,6 +51,8 @@ def kernel_groups(backend: type[AttentionBackend], device: torch.device
             groups.append((f"{name} sliding window", dtype, {"sliding_window": 19}))
         if backend.supports_soft_cap:
             groups.append((f"{name} soft-cap", dtype, {"soft_cap": 20.0}))
+        if backend.supports_sinks:
+            groups.append((f"{name} sinks", dtype, {"sinks": True}))
     if backend.supports_fp8_kv_cache and torch.bfloat16 in backend.supported_dtypes:
         groups.append(("bfloat16 fp8 KV cache", torch.bfloat16,
                        {"cache_dtype": torch.float8_e4m3fn}))

@@ -1,7 +1,8 @@
 """The model's attention layer over the paged KV cache: the selected backend's AttentionImpl
 (bound by the model runner once the backend's state exists), under the profiler's scope; or,
 while piecewise CUDA graphs hold the model (runtime/engine/piecewise_graphs.py), their
-``split`` in its place."""
+``split`` in its place. A layer with sinks (``LayerSpec.sinks``) holds them as a parameter
+[num_heads] in float32 and hands them to the impl it is bound to."""
 
 from __future__ import annotations
 
@@ -21,10 +22,23 @@ class PagedAttention(nn.Module):
     def __init__(self, spec: LayerSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.impl: AttentionImpl | None = None  # bound by the model runner
+        self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=torch.float32),
+                                  requires_grad=False) if spec.sinks else None
+        self._impl: AttentionImpl | None = None
         # set by piecewise CUDA graphs while they run or capture the model: (q, k, v) → output
         self.split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None \
             = None
+
+    @property
+    def impl(self) -> AttentionImpl | None:
+        """The backend's implementation, bound by the model runner (with the layer's sinks)."""
+        return self._impl
+
+    @impl.setter
+    def impl(self, impl: AttentionImpl | None) -> None:
+        self._impl = impl
+        if impl is not None:
+            impl.sinks = self.sinks
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
