@@ -19,7 +19,7 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
                        "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8,
                        "qwen2_moe": 9, "qwen3_5_text": 10, "qwen3_5_moe_text": 11,
-                       "qwen3_next": 12}[kind])
+                       "qwen3_next": 12, "gpt_oss": 13}[kind])
     # hybrid: three Gated DeltaNet layers, then a gated full-attention one (a quarter rotates)
     hybrid = dict(COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -78,6 +78,12 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     elif kind == "qwen3_next":  # projections fused per key-head group; a dense layer
         cfg = tf.Qwen3NextConfig(**hybrid, **experts, mlp_only_layers=[1])
         model = tf.Qwen3NextForCausalLM(cfg)
+    elif kind == "gpt_oss":  # 4 experts, 2 per token, a short window on every other layer,
+        # a SwiGLU clamp that bites
+        cfg = tf.GptOssConfig(**{**COMMON, "intermediate_size": 64, "num_hidden_layers": 3},
+                              head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=12, swiglu_limit=0.2)
+        model = tf.GptOssForCausalLM(cfg)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)
@@ -87,6 +93,8 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                 p.add_(torch.randn_like(p) * 0.1)
             elif name.endswith("A_log"):  # slow decays: a linear layer's state must last
                 p.copy_(torch.empty_like(p).uniform_(0.01, 0.1).log())
+            elif name.endswith("sinks"):  # each sink a real share of its softmax
+                p.copy_(torch.randn_like(p))
     model.save_pretrained(path, safe_serialization=True)
     if with_tokenizer:
         save_tokenizer(path, cfg.vocab_size)

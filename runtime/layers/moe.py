@@ -3,6 +3,9 @@ says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; til
 count by measurement, ``moe_plan.py``; torch's grouped GEMM, ``moe_grouped_mm.py``, for the
 prefill-sized counts where it measures faster, in bf16 or FP8).
 
+``bias`` (gpt-oss): the router and every expert projection have biases; ``act`` gives the
+experts' activation (gpt-oss clamps its SwiGLU).
+
 Under ``-tp`` each rank holds every expert's share of the intermediate features (gate/up rows,
 down columns), as a dense MLP shards; the router is replicated, and the layer's output is
 all-reduced. Checkpoints name experts one by one (``experts.{e}.gate_proj.weight``, or
@@ -48,16 +51,27 @@ class FusedMoE(nn.Module):
     """Every expert's SwiGLU MLP: ``w13_weight`` [E, 2 * I_rank, H] (this rank's gate rows,
     then its up rows), ``w2_weight`` [E, H, I_rank], kept as ``method`` says (None: dense).
     ``names``: the checkpoint's per-expert tensor names. ``use_triton``: the grouped GEMM
-    kernels (None: on CUDA tensors), else the per-expert loop."""
+    kernels (None: on CUDA tensors), else the per-expert loop. ``act`` (``mk.swiglu``, or
+    gpt-oss's ``mk.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H],
+    one rank only): experts with either run the per-expert loop on every device (the grouped
+    GEMM kernels have neither yet)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  tp: TensorParallel, names: dict[str, str] = HF_NAMES,
-                 method: MoeMethod | None = None) -> None:
+                 method: MoeMethod | None = None, act=mk.swiglu, bias: bool = False) -> None:
         super().__init__()
         seg = split(intermediate, tp, "moe_intermediate_size")
         self.num_experts, self.top_k, self.names = num_experts, top_k, names
         self.method = method or UnquantizedMoe()
         self.method.create_weights(self, num_experts, hidden, seg.size)
+        self.act = act
+        self.w13_bias = self.w2_bias = None
+        if bias:
+            if tp.size > 1:
+                raise ValueError("experts with biases do not run under -tp yet")
+            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * seg.size),
+                                         requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
         self.shards = {"w13_weight": (1, [Segment(GATE, intermediate, seg.start, seg.size, 0),
                                           Segment(UP, intermediate, seg.start, seg.size,
                                                   seg.size)]),
@@ -69,11 +83,13 @@ class FusedMoE(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
+        triton = triton and self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
         with scope("moe"):
             if not triton:
                 w13, w2 = self.method.dense(self, x.dtype)
-                y = mk.reference(x, w13, w2, weights, ids)
+                y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias,
+                                 self.w2_bias)
                 return y if out is None else out.copy_(y)
             if not mk.HAVE_TRITON:
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
@@ -102,15 +118,27 @@ class FusedMoE(nn.Module):
 
     def checkpoint_units(self) -> dict[Any, str]:
         """Each tensor this layer needs → its checkpoint name after our prefix."""
-        return {(e, part, kind): f"{e}.{name}.{kind}" for e in range(self.num_experts)
-                for part, name in self.names.items()
-                for kind in ("weight", *self.method.extra_kinds())}
+        units = {(e, part, kind): f"{e}.{name}.{kind}" for e in range(self.num_experts)
+                 for part, name in self.names.items()
+                 for kind in ("weight", *self.method.extra_kinds())}
+        if self.w13_bias is not None:
+            units.update({name: name for name in self.BIASES})
+        return units
+
+    BIASES = {"gate_up_proj_bias": "w13_bias", "down_proj_bias": "w2_bias"}  # stacked
 
     def load_checkpoint_tensor(self, rest: str, tensor) -> list[Any]:
         """Load the checkpoint tensor named ``rest`` after our prefix; the units it filled.
         KeyError: not one of ours; ValueError: a shape that does not fit."""
         if rest in ("gate_up_proj", "down_proj"):  # stacked: [E, 2I, H] or [E, H, I]
             return self._load_stacked(rest, tensor)
+        if rest in self.BIASES and self.w13_bias is not None:  # [E, 2I] (gate, up) or [E, H]
+            param, whole = getattr(self, self.BIASES[rest]), tensor[:]
+            if tuple(whole.shape) != tuple(param.shape):
+                raise ValueError(f"has shape {list(whole.shape)}; the config makes it "
+                                 f"{list(param.shape)}")
+            param.copy_(whole)
+            return [rest]
         e, _, name = rest.partition(".")
         module, _, kind = name.rpartition(".")
         part = next((p for p, n in self.names.items() if module == n), None)
@@ -162,7 +190,7 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int,
                  renormalize: bool, tp: TensorParallel, names: dict[str, str] = HF_NAMES,
-                 method: MoeMethod | None = None) -> None:
+                 method: MoeMethod | None = None, act=mk.swiglu, bias: bool = False) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the "
@@ -170,8 +198,9 @@ class SparseMoeBlock(nn.Module):
         self.tp, self.top_k, self.renormalize = tp, top_k, renormalize
         self.gate = ColumnParallelLinear(hidden, [(None, Segment(None, num_experts, 0,
                                                                  num_experts, 0))],
-                                         False, Unquantized())
-        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names, method)
+                                         bias, Unquantized())
+        self.experts = FusedMoE(num_experts, top_k, hidden, intermediate, tp, names, method,
+                                act, bias)
         self.defer_reduce = False  # True: partial sums, reduced by the RMSNorm after it
 
     def takes_quantized_input(self, m: int) -> bool:

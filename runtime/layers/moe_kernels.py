@@ -48,16 +48,33 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The experts' usual activation: ``silu(gate) * up``."""
+    return F.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's: gate clamped above at ``limit``, up to ``±limit``, then
+    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * gate * torch.sigmoid(gate * alpha)
+    return act
+
+
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """``sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` over each token's
+              ids: torch.Tensor, act=swiglu, b13: torch.Tensor | None = None,
+              b2: torch.Tensor | None = None) -> torch.Tensor:
+    """``sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))`` over each token's
     experts ``e = ids[t, j]``, one expert at a time (``w13`` [E, 2I, H]: gate rows, then up;
-    ``w2`` [E, H, I]); [T, H] in ``x``'s dtype."""
+    ``w2`` [E, H, I]; biases ``b13`` [E, 2I], ``b2`` [E, H] where the experts have them);
+    [T, H] in ``x``'s dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e])
+        gate, up = F.linear(x[token], w13[e],
+                            None if b13 is None else b13[e].to(x.dtype)).chunk(2, -1)
+        y = F.linear(act(gate, up), w2[e], None if b2 is None else b2[e].to(x.dtype))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
 

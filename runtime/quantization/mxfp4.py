@@ -1,0 +1,47 @@
+"""MXFP4 weights (OCP microscaling): 4-bit e2m1 values, two a byte (the low nibble first),
+with one e8m0 scale (a power of two, biased by 127) per 32 values along the input features.
+gpt-oss's checkpoints hold their experts so: ``*_blocks`` [..., rows, groups, 16] uint8 and
+``*_scales`` [..., rows, groups] uint8.
+
+``dequantize`` turns them into a dense tensor [..., rows, groups * 32]; ``quantize`` is its
+inverse for the tests (round to the nearest e2m1 value under the group's power-of-two scale).
+The experts are dequantized at load today (a W4A16 grouped GEMM that keeps them 4-bit in
+memory is not built: docs/MOE.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the 16 e2m1 codes: sign bit 3, then exponent and mantissa
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+GROUP = 32  # values per scale
+SCALE_BIAS = 127
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., rows, G, 16] packed codes and [..., rows, G] exponents → [..., rows, G * 32]."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+            or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
+        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
+                         f"{list(scales.shape)} ({scales.dtype}) do not pair (uint8, "
+                         f"[..., groups, {GROUP // 2}] and [..., groups])")
+    table = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
+    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1)
+    values = torch.ldexp(values.flatten(-2), scales.int()[..., None] - SCALE_BIAS)
+    return values.flatten(-2).to(dtype)
+
+
+def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, K] (K a multiple of 32) → (blocks, scales) as ``dequantize`` reads them: each
+    group scaled by the power of two that brings its largest magnitude to at most 6."""
+    w = weight.float().unflatten(-1, (-1, GROUP))
+    peak = w.abs().amax(-1).clamp(min=2.0 ** -126)
+    exp = torch.ceil(torch.log2(peak / 6.0)).clamp(-SCALE_BIAS, 127)
+    scaled = w / torch.exp2(exp)[..., None]
+    table = torch.tensor(E2M1[:8])
+    code = (scaled.abs()[..., None] - table).abs().argmin(-1)  # nearest magnitude
+    code = code + 8 * ((scaled < 0) & (code > 0))  # the sign bit (no negative zero)
+    code = code.to(torch.uint8).unflatten(-1, (-1, 2))
+    blocks = code[..., 0] | (code[..., 1] << 4)
+    return blocks, (exp + SCALE_BIAS).to(torch.uint8)

@@ -1,0 +1,144 @@
+"""gpt-oss (``runtime/models/families/gpt_oss.py``): random tiny checkpoints written with
+transformers' ``GptOssConfig`` (biases everywhere, attention sinks, alternating windows, a
+clamped SwiGLU in biased experts, YaRN rope) give transformers' logits and greedy tokens in
+float32 with no options but the device and dtype."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hf_models import make_checkpoint
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.engine.engine import Engine
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint("gpt_oss", tmp_path_factory.mktemp("gpt_oss"))
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_logits_match_transformers(checkpoint, backend):
+    """Prefill whole and in chunks of 11 (past the 12-token window, over cached pages)."""
+    check_logits(checkpoint, backend)
+
+
+def test_greedy_generation_matches_transformers_through_preemption(checkpoint):
+    check_greedy_with_preemption(checkpoint)
+
+
+def test_sinks_and_layout_are_loaded_as_transformers_holds_them(checkpoint):
+    """The sinks land in the attention layers; the experts' interleaved gate/up columns are
+    split as transformers splits them (gate at even columns)."""
+    from safetensors.torch import load_file
+    eng = Engine(EngineConfig(model=str(checkpoint), device="cpu", dtype="float32",
+                              backend="eager", num_blocks=16))
+    model = eng.runner.model
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    attn = model.model.layers[1].self_attn.attn
+    assert attn.spec.sinks and torch.equal(attn.sinks, tensors["model.layers.1.self_attn.sinks"])
+    assert attn.impl.sinks is attn.sinks
+    experts = model.model.layers[0].mlp.experts
+    gate_up = tensors["model.layers.0.mlp.experts.gate_up_proj"]  # [E, H, 2I]
+    width = gate_up.shape[2] // 2
+    assert torch.equal(experts.w13_weight[2, :width], gate_up[2, :, 0::2].t())
+    assert torch.equal(experts.w13_weight[2, width:], gate_up[2, :, 1::2].t())
+    assert [s.sliding_window for s in model.layer_specs(model.config)] == [12, None, 12]
+
+
+def test_auto_takes_a_backend_that_runs_sinks(checkpoint):
+    """``auto`` passes over backends without sinks (FlashInfer's and FA4's, on a GPU): the
+    reason ``pagedgen backends`` gives."""
+    from pagedgen.attention.flashinfer import FlashInferBackend
+    from pagedgen.attention.registry import backend_for_model
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = resolve_model(str(checkpoint)).hf_config
+    specs = registry.model_class(cfg).layer_specs(cfg)
+    cpu = torch.device("cpu")
+    assert backend_for_model("auto", cpu, specs, torch.float32, torch.float32, "m").supports_sinks
+    spec = dataclasses.replace(specs[0], head_size=64)  # the published head size
+    assert FlashInferBackend.check_layer(spec, torch.bfloat16) == "attention sinks not supported"
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    """Our e2m1 + e8m0 decoding against transformers' (random codes and exponents), and
+    ``quantize`` its inverse on values it can hold."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from pagedgen.runtime.quantization import mxfp4
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
+    scales = torch.randint(110, 140, (3, 8, 2), generator=g, dtype=torch.uint8)
+    ours = mxfp4.dequantize(blocks, scales, torch.float32)  # [E, rows, 64]
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, 64, rows]
+    assert torch.equal(ours, want.transpose(1, 2))
+    assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(ours), torch.float32), ours)
+
+
+def test_an_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, tmp_path):
+    """The experts packed to MXFP4 as the published checkpoints are (``*_blocks``,
+    ``*_scales``, ``quant_method: mxfp4``): dequantized at load, transformers' logits of the
+    same values."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedgen.runtime.quantization import mxfp4
+    path = tmp_path / "mxfp4"
+    shutil.copytree(checkpoint, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows_last = tensors.pop(name)  # [E, in, out] → MXFP4 of [E, out, in]
+        blocks, scales = mxfp4.quantize(rows_last.transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    # transformers' reference: the same dequantized values as a bf16-layout checkpoint
+    ref = tmp_path / "ref"
+    shutil.copytree(checkpoint, ref)
+    dense = {n: (mxfp4.dequantize(t, tensors[n.replace("_blocks", "_scales")], torch.float32)
+                 .transpose(1, 2).contiguous() if n.endswith("_blocks") else t)
+             for n, t in tensors.items() if not n.endswith("_scales")}
+    save_file({n.removesuffix("_blocks"): t for n, t in dense.items()},
+              str(ref / "model.safetensors"))
+    from test_hf_equivalence import engine, hf_model, ids, prefill_logits
+    prompt = ids(20)
+    with torch.no_grad():
+        want = hf_model(ref)(torch.tensor([prompt])).logits[0]
+    got = prefill_logits(engine(path, "eager"), prompt, 20)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_tensor_parallel_is_refused_with_the_reason(checkpoint):
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = resolve_model(str(checkpoint)).hf_config
+    assert "does not run under -tp yet" in registry.model_class(cfg).tensor_parallel_error(cfg, 2)
+
+
+def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(checkpoint, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    path = tmp_path / "unpaired"
+    shutil.copytree(checkpoint, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(4, 128, 2, 16,
+                                                                        dtype=torch.uint8)
+    del tensors["model.layers.0.mlp.experts.down_proj"]
+    save_file(tensors, str(path / "model.safetensors"))
+    with pytest.raises(PagedgenError, match="down_proj_blocks' has no MXFP4 partner"):
+        Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
+                            num_blocks=16))
