@@ -162,3 +162,53 @@ def test_no_reasoning_without_its_tokens_and_none_turns_it_off(thinker, tmp_path
         run(plain, [], SamplingParams(max_tokens=4), parser="qwen3")
     with pytest.raises(PagedgenError, match="unknown parser 'o1'"):
         EngineConfig(reasoning_parser="o1").validate()
+
+
+# ---- template variables: thinking on or off, reasoning effort -------------------------------
+
+TEMPLATE = ("{% if reasoning_effort == 'high' %}h {% elif reasoning_effort == 'low' %}l "
+            "{% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}n {% endif %}a")
+
+
+def test_chat_template_variables_reach_the_template(tmp_path):
+    """``chat_template_kwargs`` (vLLM's field: Qwen3's ``enable_thinking``) on pagedgen and
+    OpenAI lines, and OpenAI's ``reasoning_effort`` (gpt-oss's template reads it), each line
+    templated with its own; a bad effort and kwargs on a text prompt are one-line errors."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+    path = make_checkpoint("llama", tmp_path / "m", with_tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    hi = [{"role": "user", "content": "b c"}]
+    lines = [{"messages": hi, "chat_template_kwargs": {"reasoning_effort": "high"}},
+             {"messages": hi},
+             {"messages": hi, "chat_template_kwargs": {"enable_thinking": False}},
+             {"messages": hi, "chat_template_kwargs": {"reasoning_effort": "low"}}]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = CliRunner().invoke
+    common = ["--model", str(path), "--device", "cpu", "--max-tokens", "1"]
+    res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 0, res.output
+    prompts = [json.loads(x)["prompt"] for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert prompts == ["h b c a", "b c a", "b c n a", "l b c a"]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"custom_id": "r", "method": "POST",
+                                 "url": "/v1/chat/completions",
+                                 "body": {"messages": hi, "reasoning_effort": "high"}}) + "\n")
+    res = run(app, ["generate", str(batch), *common, "-o", str(tmp_path / "ob.jsonl")])
+    assert res.exit_code == 0, res.output
+    body = json.loads((tmp_path / "ob.jsonl").read_text())["response"]["body"]
+    first = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
+    assert body["usage"]["prompt_tokens"] == first["num_prompt_tokens"] == 4  # h b c a
+    for bad, message in (({"prompt": "b", "chat_template_kwargs": {"x": 1}},
+                          "applies to chat ('messages') prompts only"),
+                         ({"messages": hi, "chat_template_kwargs": {"reasoning_effort": "max"}},
+                          "reasoning_effort must be one of minimal, low, medium, high")):
+        src.write_text(json.dumps(bad) + "\n")
+        res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
+        assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output

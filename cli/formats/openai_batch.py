@@ -16,7 +16,8 @@ from typing import Any
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.records import entries
 from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
-                                          set_prompt, set_sampling, token_ids, user_fields)
+                                          set_prompt, set_sampling, set_template_kwargs,
+                                          token_ids, user_fields)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
@@ -36,7 +37,8 @@ _SAMPLING = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
 _IGNORED = {"model", "user", "store", "metadata", "service_tier"}  # nothing to do with them here
 _DEFAULT_ONLY = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
                  "stream_options": ()}  # accepted at these values (or null) only
-_BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs"},
+_BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs", "reasoning_effort",
+                         "chat_template_kwargs"},
                 "completions": {"prompt", "logprobs"}}
 
 
@@ -73,6 +75,11 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     if endpoint == "chat":
         set_prompt(req, "messages", _messages(body.get("messages"), where), where,
                    "body 'messages'")
+        set_template_kwargs(req, body.get("chat_template_kwargs"), where,
+                            "body 'chat_template_kwargs'")
+        if body.get("reasoning_effort") is not None:  # OpenAI's field: a template variable
+            set_template_kwargs(req, {"reasoning_effort": body["reasoning_effort"]}, where,
+                                "body")
     else:
         _set_completion_prompt(req, body.get("prompt"), where)
     if "max_tokens" in body and "max_completion_tokens" in body \

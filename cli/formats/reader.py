@@ -22,6 +22,7 @@ from typing import Any, BinaryIO, Callable, ContextManager
 from pagedgen.cli.formats import openai_batch
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
+                                          set_template_kwargs,
                                   set_prompt, set_sampling, user_fields)
 from pagedgen.errors import PagedgenError
 
@@ -295,15 +296,22 @@ def tokenize_requests(rf: RequestFile, tokenizer,
     """Give every request its prompt's token ids (``array('i')``), tokenizing text and chat
     prompts in batches of ``TOKENIZE_BATCH``; ``progress(requests_done)`` after each."""
     done = sum(r.prompt is None and r.messages is None for r in rf.requests)
-    for kind in ("prompt", "messages"):
-        reqs = [r for r in rf.requests if getattr(r, kind) is not None]
+    groups: dict[tuple[str, str], list[Request]] = {}  # chats by their template variables
+    for r in rf.requests:
+        if r.prompt is not None:
+            groups.setdefault(("prompt", ""), []).append(r)
+        elif r.messages is not None:
+            key = json.dumps(r.template_kwargs, sort_keys=True) if r.template_kwargs else ""
+            groups.setdefault(("messages", key), []).append(r)
+    for (kind, _), reqs in groups.items():
         for i in range(0, len(reqs), TOKENIZE_BATCH):
             batch = reqs[i:i + TOKENIZE_BATCH]
             try:
                 if kind == "prompt":
                     out = tokenizer.encode_batch([r.prompt for r in batch])
                 else:
-                    out = tokenizer.apply_chat_template_batch([r.messages for r in batch])
+                    out = tokenizer.apply_chat_template_batch(
+                        [r.messages for r in batch], batch[0].template_kwargs)
             except (ValueError, PagedgenError) as e:
                 raise PagedgenError(f"{rf.where(batch[0])}: {e}")
             for r, ids in zip(batch, out):
@@ -331,7 +339,8 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kinds = {opts.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
              opts.messages_field: "messages"}
-    known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, "id", "metadata"}
+    known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, "id", "metadata",
+             "chat_template_kwargs"}
     given = [k for k in kinds if k in obj]
     if len(given) != 1:
         raise PagedgenError(f"{where}: need exactly one of "
@@ -343,6 +352,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     req = Request(index=index, line=lineno, id=rid)
     req.metadata = user_fields(obj, known, where, opts)
     set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
+    set_template_kwargs(req, obj.get("chat_template_kwargs"), where, "'chat_template_kwargs'")
     for name in SAMPLING_FIELDS:
         if name in obj:
             set_sampling(req, name, obj[name], where)

@@ -60,6 +60,8 @@ class Request:
     messages: list[dict] | None = None
     overrides: dict[str, Any] | None = None  # per-line sampling fields
     metadata: Any = None  # the user's own fields, carried into the output line
+    # chat lines: more chat-template variables (``chat_template_kwargs``, ``reasoning_effort``)
+    template_kwargs: dict[str, Any] | None = None
     endpoint: str | None = None  # OpenAI lines: "chat" or "completions"
     model: str | None = None  # OpenAI lines: the body's "model"
     source: int = 0  # which of the input's files holds the line
@@ -92,6 +94,25 @@ def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> N
             raise PagedgenError(f"{where}: {label} must be a non-empty list of "
                                 "{\"role\": str, \"content\": str} objects")
         req.messages = value
+
+
+REASONING_EFFORTS = ("minimal", "low", "medium", "high")
+
+
+def set_template_kwargs(req: Request, value: Any, where: str, label: str) -> None:
+    """A chat line's extra chat-template variables (vLLM's ``chat_template_kwargs``: Qwen3's
+    ``enable_thinking``, gpt-oss's ``reasoning_effort``); null sets none."""
+    if value is None:
+        return
+    if req.messages is None:
+        raise PagedgenError(f"{where}: {label} applies to chat ('messages') prompts only")
+    if not isinstance(value, dict):
+        raise PagedgenError(f"{where}: {label} must be an object of template variables")
+    effort = value.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise PagedgenError(f"{where}: {label}: reasoning_effort must be one of "
+                            f"{', '.join(REASONING_EFFORTS)} (got {effort!r})")
+    req.template_kwargs = {**(req.template_kwargs or {}), **value}
 
 
 def _text_content(message: Any, where: str, label: str) -> Any:

@@ -25,7 +25,10 @@ class Tokenizer(Protocol):
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
 
-    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]: ...
+    def apply_chat_template_batch(self, conversations: list[list[dict]],
+                                  template_kwargs: dict | None = None) -> list[list[int]]:
+        """Each conversation through the chat template, with ``template_kwargs`` as more
+        template variables (``enable_thinking``, ``reasoning_effort``)."""
 
 
 class ByteTokenizer:
@@ -55,8 +58,9 @@ class ByteTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
-    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
-        return [self.apply_chat_template(c) for c in conversations]
+    def apply_chat_template_batch(self, conversations: list[list[dict]],
+                                  template_kwargs: dict | None = None) -> list[list[int]]:
+        return [self.apply_chat_template(c) for c in conversations]  # no variables to take
 
 
 class HFTokenizer:
@@ -139,11 +143,12 @@ class HFTokenizer:
         parallel); the same ids as ``encode`` one text at a time."""
         return self.tok(texts, return_attention_mask=False)["input_ids"]
 
-    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
+    def apply_chat_template_batch(self, conversations: list[list[dict]],
+                                  template_kwargs: dict | None = None) -> list[list[int]]:
         if not getattr(self.tok, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use 'prompt' instead")
         out = self.tok.apply_chat_template(conversations, add_generation_prompt=True,
-                                           tokenize=True)
+                                           tokenize=True, **(template_kwargs or {}))
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return [list(ids) for ids in out]
@@ -183,5 +188,6 @@ class MissingTokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self.encode("")
 
-    def apply_chat_template_batch(self, conversations: list[list[dict]]) -> list[list[int]]:
+    def apply_chat_template_batch(self, conversations: list[list[dict]],
+                                  template_kwargs: dict | None = None) -> list[list[int]]:
         return self.encode("")
