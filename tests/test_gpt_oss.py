@@ -32,6 +32,35 @@ def test_greedy_generation_matches_transformers_through_preemption(checkpoint):
     check_greedy_with_preemption(checkpoint)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_gemm_kernels_take_biases_and_the_clamped_swiglu(dtype):
+    """The first GEMM writes gate and up, the biases and the clamp run between, the down
+    bias joins each slot weighted: the per-expert loop's result (Triton's interpreter)."""
+    from test_moe import INTERPRETED_ONLY, _experts
+
+    from pagedgen.runtime.layers import moe_kernels as mk
+    if INTERPRETED_ONLY.args[0]:
+        pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
+    x, w13, w2, weights, chosen = _experts(37, 8, 3, 40, 24, dtype)
+    g = torch.Generator().manual_seed(1)
+    b13, b2 = torch.randn(8, 48, generator=g), torch.randn(8, 40, generator=g)
+    act = mk.clamped_swiglu(1.702, 0.3)
+    ref = mk.reference(x.float(), w13.float(), w2.float(), weights, chosen, act, b13, b2)
+    tiles = mk.Tiles(32, 32, 32)
+    got = mk.fused_experts(x, w13, w2, weights, chosen, (tiles, tiles), None, act=act,
+                           b13=b13, b2=b2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
+
+
+def test_the_model_in_the_grouped_gemm_kernels_matches_transformers(checkpoint):
+    """gpt-oss's experts through the kernels a GPU runs (Triton's interpreter)."""
+    from test_moe import INTERPRETED_ONLY, _moe_kernels
+    if INTERPRETED_ONLY.args[0]:
+        pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
+    check_logits(checkpoint, "eager", chunks=(11,), setup=_moe_kernels)
+
+
 def test_sinks_and_layout_are_loaded_as_transformers_holds_them(checkpoint):
     """The sinks land in the attention layers; the experts' interleaved gate/up columns are
     split as transformers splits them (gate at even columns)."""

@@ -53,8 +53,8 @@ class FusedMoE(nn.Module):
     ``names``: the checkpoint's per-expert tensor names. ``use_triton``: the grouped GEMM
     kernels (None: on CUDA tensors), else the per-expert loop. ``act`` (``mk.swiglu``, or
     gpt-oss's ``mk.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H],
-    one rank only): experts with either run the per-expert loop on every device (the grouped
-    GEMM kernels have neither yet)."""
+    one rank only): in the grouped GEMM kernels, the first one writing gate and up, the
+    biases and activation between them (not torch's grouped GEMM path)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  tp: TensorParallel, names: dict[str, str] = HF_NAMES,
@@ -83,7 +83,7 @@ class FusedMoE(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
-        triton = triton and self.act is mk.swiglu and self.w13_bias is None
+        plain = self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
         with scope("moe"):
             if not triton:
@@ -96,12 +96,13 @@ class FusedMoE(nn.Module):
             if self._plan is None:
                 self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k, scales,
                                       x.dtype)
-            if self._plan.uses_grouped_mm(x.shape[0]):
+            if plain and self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                               out, fused_ops.silu_and_mul_fused, scales)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
-                                    self._plan.fp8_input(x.shape[0]))
+                                    self._plan.fp8_input(x.shape[0]), self.act,
+                                    self.w13_bias, self.w2_bias)
 
     @property
     def expert_numel(self) -> int:
