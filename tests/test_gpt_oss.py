@@ -171,3 +171,17 @@ def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(checkpoint, tmp_path):
     with pytest.raises(PagedgenError, match="down_proj_blocks' has no MXFP4 partner"):
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
                             num_blocks=16))
+
+
+def test_the_preset_reads_as_transformers_would():
+    """gpt-oss-20b: transformers' defaults (those of 120b) with 24 layers and 32 experts."""
+    import transformers as tf
+
+    from pagedgen.runtime.models.loader import resolve_model
+    ours = resolve_model("gpt-oss-20b").hf_config
+    ref = tf.GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
+                  "num_key_value_heads", "sliding_window", "num_experts_per_tok",
+                  "swiglu_limit", "swiglu_alpha", "layer_types", "rope_parameters",
+                  "attention_bias", "vocab_size"):
+        assert getattr(ours, field) == getattr(ref, field), field
