@@ -374,6 +374,22 @@ PY
         --workloads "${GDN_WORKLOADS:-h}" --backends "${BACKEND:-triton}" \
         --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/gdn-peers.json"
       grep -E "^│|^\|" "$S/gdn-peers.log" | cut -c1-200 | tail -8 ;;
+    oss)
+      # issue 61: sinks in the triton kernels on the GPU, then gpt-oss-20b (bf16 dummy experts
+      # in the grouped GEMM kernels) profiled and workload o (PEERS_PEERS: vllm for the peer)
+      timed oss-tests "${OSS_TESTS_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
+        tests/test_triton.py tests/test_gpu_backends.py tests/test_gpt_oss.py \
+        -k "sinks or past_two or triton or grouped_gemm"
+      tail -3 "$S/oss-tests.log"
+      timed oss-profile "${OSS_LIMIT:-240}" pagedgen profile --model gpt-oss-20b \
+        --backend triton --batch-sizes 1,64 --prompt-len 1024 --output-len 24 \
+        --output-dir /tmp/profile-oss
+      cp /tmp/profile-oss/profile.json "$S/profile-gpt-oss-20b.json" 2>/dev/null
+      tail -12 "$S/oss-profile.log"
+      [ "${PEERS_LIMIT:-300}" = 0 ] && continue
+      timed oss-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers --workloads o \
+        --backends triton --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/oss-peers.json"
+      grep -E "^│|^\|" "$S/oss-peers.log" | cut -c1-200 | tail -8 ;;
     *) echo "unknown step '$step'" ;;
   esac
 done
