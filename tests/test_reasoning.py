@@ -5,6 +5,7 @@ batch body's fields."""
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -83,7 +84,8 @@ def thinker(tmp_path_factory):
     from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 
     path = tmp_path_factory.mktemp("thinker")
-    tok = load_tokenizer(resolve_model("smollm2-135m")).tok
+    # a copy: the loaded tokenizer is cached for the process, other tests' runs share it
+    tok = copy.deepcopy(load_tokenizer(resolve_model("smollm2-135m")).tok)
     tok.add_tokens(["<think>", "</think>"])
     make_checkpoint("qwen3", path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
     tok.save_pretrained(path)
@@ -127,6 +129,26 @@ def test_a_grammar_constrains_the_answer_after_the_reasoning(thinker):
     assert out.reasoning_content.strip() == "plan first"
     assert json.loads(out.text) in schema["enum"] and out.finish_reason == "stop"
     assert out.token_ids[:len(words) + 2] == [think[0], *words, think[1]]
+
+
+def test_samples_that_do_not_think_write_what_their_schema_allows(thinker):
+    """A thinking tokenizer, samples at temperature 1 whose first token decides (with steps
+    launched ahead): those that answer at once are constrained from their first token on."""
+    path, _ = thinker
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                     "maximum": 99}}, "required": ["n"]}
+    params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, structured=StructuredOutput(
+        "json", json.dumps(schema, separators=(",", ":"))))
+    eng = Engine(EngineConfig(model=str(path), device="cpu", backend="sdpa", dtype="float32",
+                              max_num_seqs=16, max_model_len=256, kv_cache_memory="64MiB"))
+    seqs = [eng.add_request([1, 40 + i, 41, 42], params) for i in range(16)]
+    eng.run()
+    assert eng.stats.overlapped_steps > 0
+    for seq in seqs:
+        out = eng.request_output([seq]).outputs[0]
+        if out.reasoning_content is None and out.finish_reason == "stop":
+            assert 0 <= json.loads(out.text)["n"] <= 99, out.text
+    assert sum(eng.request_output([s]).outputs[0].finish_reason == "stop" for s in seqs) >= 12
 
 
 def test_a_sample_cut_while_reasoning_says_so(thinker):
