@@ -51,6 +51,13 @@ class LayerSpec:
     sinks: bool = False
 
 
+# layer features a backend may not run: the backend's flag, and whether a layer uses it
+LAYER_FEATURES = {
+    "sliding window": ("supports_sliding_window", lambda spec: spec.sliding_window is not None),
+    "logits soft-cap": ("supports_soft_cap", lambda spec: spec.logits_soft_cap is not None),
+    "attention sinks": ("supports_sinks", lambda spec: spec.sinks)}
+
+
 class AttentionImpl(ABC):
     """One layer's attention computation over the paged cache."""
 
@@ -206,13 +213,16 @@ class AttentionBackend(ABC):
             return f"head size {spec.head_size} not in {cls.get_supported_head_sizes()}"
         if dtype not in cls.supported_dtypes:
             return f"dtype {dtype} not supported"
-        if spec.sliding_window is not None and not cls.supports_sliding_window:
-            return "sliding window not supported"
-        if spec.logits_soft_cap is not None and not cls.supports_soft_cap:
-            return "logits soft-cap not supported"
-        if spec.sinks and not cls.supports_sinks:
-            return "attention sinks not supported"
+        for feature, (flag, uses) in LAYER_FEATURES.items():
+            if uses(spec) and not getattr(cls, flag):
+                return f"{feature} not supported"
         return None
+
+    @classmethod
+    def lacks(cls) -> list[str]:
+        """The layer features it cannot run (``LAYER_FEATURES``, and an FP8 KV cache)."""
+        return [f for f, (flag, _) in LAYER_FEATURES.items() if not getattr(cls, flag)] \
+            + ([] if cls.supports_fp8_kv_cache else ["FP8 KV cache"])
 
     @classmethod
     def swap_blocks(cls, src: torch.Tensor, dst: torch.Tensor, mapping: torch.Tensor) -> None:

@@ -58,10 +58,7 @@ def backend_status(device: torch.device) -> list[BackendStatus]:
             cls = _load(name)
             why = cls.unavailable_reason(device)
             what = cls.describe(device) if why is None else ""
-            lacks = ", ".join(feature for feature, ok in (
-                ("sliding window", cls.supports_sliding_window),
-                ("soft-cap", cls.supports_soft_cap), ("sinks", cls.supports_sinks),
-                ("FP8 KV cache", cls.supports_fp8_kv_cache)) if not ok)
+            lacks = ", ".join(cls.lacks())
         except Exception as e:  # a broken optional install must not break the listing
             why = f"failed to load: {type(e).__name__}: {e}"
         rows.append(BackendStatus(name, why is None, why or what, lacks))

@@ -22,8 +22,8 @@ from typing import Any, BinaryIO, Callable, ContextManager
 from pagedgen.cli.formats import openai_batch
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
-                                          set_template_kwargs,
-                                  set_prompt, set_sampling, user_fields)
+                                          set_prompt, set_sampling, set_template_kwargs,
+                                          user_fields)
 from pagedgen.errors import PagedgenError
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer

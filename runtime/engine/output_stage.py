@@ -35,7 +35,8 @@ class OutputStage:
             for s in samples:
                 s.reasoning = self.reasoning.state(s.prompt_token_ids)
                 if s.grammar is not None:
-                    s.grammar.start, s.grammar.opener = None, s.reasoning.opener()
+                    s.grammar.start = None
+                    self._start_grammar(s)
         if not params.stop:
             return
         stops = StopChecker(params.stop, params.include_stop_str_in_output)
@@ -67,16 +68,20 @@ class OutputStage:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
-    @staticmethod
-    def _reasoning(seq: Sequence, token: int, i: int) -> None:
+    def _reasoning(self, seq: Sequence, token: int, i: int) -> None:
         """Follow the sample's reasoning; its grammar starts with the answer."""
-        r = seq.reasoning
-        r.token(token, i)
-        g = seq.grammar
-        if g is not None and g.start is None:
-            g.opener = r.opener()
-            if r.answered:
-                g.start = r.answer_start
+        seq.reasoning.token(token, i)
+        if seq.grammar is not None and seq.grammar.start is None:
+            self._start_grammar(seq)
+
+    @staticmethod
+    def _start_grammar(seq: Sequence) -> None:
+        """A reasoning sample's grammar: the token it also allows at the first one, and its
+        start once the answer has begun."""
+        r, g = seq.reasoning, seq.grammar
+        g.opener = r.opener()
+        if r.answered:
+            g.start = r.answer_start
 
     def at_length_limit(self, seq: Sequence, n_out: int) -> bool:
         """Whether ``n_out`` output tokens reach ``seq``'s max_tokens or the model's context."""
@@ -88,13 +93,8 @@ class OutputStage:
         return self.tokenizer.decode(ids, p.skip_special_tokens, p.spaces_between_special_tokens)
 
     def text(self, seq: Sequence) -> str:
-        """A finished sample's text: decoded as it came (with stop strings) or now, cut where
-        its stop string or stop token ends it; a reasoning model's: its answer's."""
-        if seq.reasoning is not None:
-            return self.texts(seq)[0]
-        text = seq.detok.finish() if seq.detok is not None \
-            else self.decode(seq, seq.output_token_ids)
-        return text if seq.stop_text_end is None else text[:seq.stop_text_end]
+        """A finished sample's text (a reasoning model's: its answer's)."""
+        return self.texts(seq)[0]
 
     def texts(self, seq: Sequence) -> tuple[str, str | None]:
         """A finished sample's (answer, reasoning): with a reasoning parser, its reasoning's
@@ -102,8 +102,10 @@ class OutputStage:
         tokens decoded ("" where no answer began); a stop string cuts either where it ends
         the whole output."""
         r = seq.reasoning
-        if r is None:
-            return self.text(seq), None
+        if r is None:  # decoded as it came (with stop strings) or now, cut at the stop
+            text = seq.detok.finish() if seq.detok is not None \
+                else self.decode(seq, seq.output_token_ids)
+            return (text if seq.stop_text_end is None else text[:seq.stop_text_end]), None
         ids = seq.output_token_ids
         spans, answer = r.split(ids)
         reasoning = "\n".join(self.decode(seq, s) for s in spans) if spans else None
