@@ -35,8 +35,9 @@
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
 # STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
 # STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
-# tp, tp-vllm, tp-more, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): 8B at tp 1
-# and 2 (profile, decode at batch 1 and 64, workload a, the fused all-reduce), vLLM at tp 2,
+# tp, tp-runs, tp-vllm, tp-more, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
+# push all-reduce's tests and latency, 8B at tp 1 and 2 (profile, decode at batch 1 and 64,
+# workload a, each all-reduce kind), vLLM at tp 2,
 # 70B / FP8 / Qwen3-30B-A3B under tp 2 and -dp 2; the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
@@ -294,15 +295,29 @@ for r in d['results']:
         t = v.get('gpu_time_us', v.get('cpu_time_us', 0))
         print(ph, round(t / 1000, 2), 'ms:', g)" "$S/$name/profile.json" \
         || tail -5 "$S/$name.log" ;;
-    tp)  # issue 62: 8B at tp 1 and 2 (decode at batch 1 and 64, workload a), vLLM tp 2
-      timed tp-profile 150 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
-        --runs llama-3-8b:2 --batches 1 --skip decode,generate --json "$S/tp-profile.json"
-      timed tp-8b 420 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+    tp)  # issue 62: the push all-reduce's tests and latency; 8B tp 2 profiled with each kind
+      timed tp-push-tests 240 python3 -m pytest -m gpu -q tests/test_gpu_tensor_parallel.py \
+        -k "push or triton-graphs"
+      tail -2 "$S/tp-push-tests.log"
+      timed ar-latency 150 python3 -m benchmarks.all_reduce_latency --json "$S/ar-latency.json"
+      grep -h "all-reduce" "$S/ar-latency.log"
+      for kind in push one-shot; do
+        timed "tp-profile-$kind" 150 python3 -m benchmarks.tensor_parallel --backend \
+          "${TP_BACKEND:-auto}" --runs llama-3-8b:2 --batches 1,64 --skip decode,generate \
+          --all-reduce "$kind" --dir "/tmp/tp-prof-$kind" --json "$S/tp-profile-$kind.json"
+        grep -h "llama-3-8b" "$S/tp-profile-$kind.log" | cut -c1-300
+      done ;;
+    tp-runs)  # 8B at tp 1 and 2 as generate runs (decode b1/b64, workload a): push (fused and
+      # not) against PyTorch's one-shot
+      timed tp-8b 330 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs llama-3-8b:1,llama-3-8b:2 --batches 1,64 --skip profile --json "$S/tp-8b.json"
-      [ -n "${TP_FUSED:-}" ] && timed tp-fused 200 env PAGEDGEN_FUSED_ALL_REDUCE=1 python3 -m \
-        benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" --runs llama-3-8b:2 \
-        --batches 1,64 --skip profile,generate --json "$S/tp-fused.json"
-      grep -h "llama-3-8b" "$S"/tp-*.log | cut -c1-200 ;;
+      timed tp-oneshot 150 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:2 --batches 1,64 --skip profile,generate --all-reduce one-shot \
+        --dir /tmp/tp-bench-oneshot --json "$S/tp-oneshot.json"
+      timed tp-unfused 150 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs llama-3-8b:2 --batches 1,64 --skip profile,generate --unfused \
+        --dir /tmp/tp-bench-unfused --json "$S/tp-unfused.json"
+      grep -h "llama-3-8b" "$S"/tp-8b.log "$S"/tp-oneshot.log "$S"/tp-unfused.log | cut -c1-200 ;;
     tp-vllm)  # vLLM at tp 2 (TP_SAFE) on the same requests
       timed tp-vllm 580 python3 -m benchmarks.tensor_parallel --runs llama-3-8b:2 \
         --batches 1,64 --skip profile,decode,generate --vllm --json "$S/tp-vllm.json"

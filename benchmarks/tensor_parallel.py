@@ -115,8 +115,11 @@ def main() -> None:
                     help="MODEL:TP pairs, comma-separated")
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--workload", default="a")
-    ap.add_argument("--all-reduce", default=None, choices=["nccl"],
-                    help="every all-reduce through NCCL (sets PAGEDGEN_ALL_REDUCE)")
+    ap.add_argument("--all-reduce", default=None, choices=["push", "one-shot", "nccl"],
+                    help="the all-reduce kind (sets PAGEDGEN_ALL_REDUCE)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="the norm after an all-reduce as its own kernel "
+                         "(PAGEDGEN_FUSED_ALL_REDUCE=0)")
     ap.add_argument("--skip", default="",
                     help="any of 'profile', 'decode', 'generate' to leave out")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
@@ -130,6 +133,8 @@ def main() -> None:
         EXTRA.extend(["--quantization", args.quantization])
     if args.all_reduce:
         os.environ["PAGEDGEN_ALL_REDUCE"] = args.all_reduce  # the commands inherit it
+    if args.unfused:
+        os.environ["PAGEDGEN_FUSED_ALL_REDUCE"] = "0"
     args.dir.mkdir(parents=True, exist_ok=True)
     results = {}
     for spec in args.runs.split(","):

@@ -1,19 +1,24 @@
-"""The all-reduce that ends a tensor-parallel block, fused with the residual add and RMSNorm
-that follow it (issue 36): one Triton kernel reads every rank's partial sums straight from
-their symmetric-memory buffers (peer-to-peer over NVLink), adds them in rank order (so every
-rank computes the same bits), adds the residual, writes the new residual and the normed rows.
-Two barriers over the ranks' signal pads frame it: the partials are all written before any is
-read, and all are read before any rank's next GEMM overwrites its buffer.
+"""Tensor parallelism's small all-reduces as one push kernel, optionally fused with the
+residual add and RMSNorm after it (issues 36, 62).
 
-Where it is not used, the same chain runs as the all-reduce (one-shot or NCCL/gloo) and then
-the fused add + RMSNorm kernel: ``TensorParallel.all_reduce_add_rms_norm`` picks. The kernel's
-arithmetic is tested on the CPU in Triton's interpreter with local tensors for peers and no
-barrier; the kernel with barriers needs two GPUs, which the machines lent so far did not
-have, so it runs only when ``PAGEDGEN_FUSED_ALL_REDUCE=1`` asks for it.
+Each rank *writes* its partial sums into every peer's symmetric-memory buffer (one-way NVLink
+stores, no round trip) and then reads the peers' partials out of its own buffer, which only
+it reads: a slot whose elements are all "empty" (-0.0, a value the partials never carry: their
+zeros are written as +0.0) until the peer's stores land, so each element says by itself whether
+it has arrived and no flag or barrier is needed. The reader puts every element back to empty
+once read. Three slots turn by a step counter in device memory (so CUDA graphs replay it):
+a peer can be at most one call ahead, so the slot it writes is never the one being read or
+cleared. The partials are added in rank order in float32 (every rank computes the same bits),
+rounded to the activation dtype as an all-reduce returns them; with a norm, the residual is
+added and the row normalized in the same pass.
+
+The kernel's arithmetic and its slot bookkeeping are tested on the CPU in Triton's interpreter,
+with local tensors for the peers' buffers and the peers' pushes written beforehand.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -26,106 +31,141 @@ try:
 except ImportError:
     HAVE_TRITON = False
 
-ENV = envs.FUSED_ALL_REDUCE.name
 MAX_RANKS = 8
-MAX_PROGRAMS = 128  # each program's barrier takes 2 x ranks signal slots
+SLOTS = 3
+MAX_PROGRAMS = 128
+PUSH_MAX_BYTES = 2 << 20  # the most a rank pushes in one call (a decode step's rows, or more)
+_EMPTY_BITS = {2: -(1 << 15), 4: -(1 << 31)}  # -0.0 as int16 / int32
 
 
-def requested() -> bool:
-    """Whether the fused kernel may run (not yet measured on two GPUs: opt-in)."""
-    return envs.FUSED_ALL_REDUCE.get() == "1" and HAVE_TRITON
+def fused() -> bool:
+    """Whether the norm after a deferred all-reduce runs in the push kernel (the default)."""
+    return envs.FUSED_ALL_REDUCE.get() != "0"
 
 
-def signal_slots(ranks: int) -> int:
-    """Signal-pad words (int32) the kernel's barriers use on each rank."""
-    return 2 * MAX_PROGRAMS * ranks
+@dataclass
+class PushBuffer:
+    """One dtype's push buffers, each ``SLOTS`` x ranks x ``cap`` elements: this rank's own
+    (``mine``), every rank's address in rank order (``peers``, int64 on the device: the
+    kernel turns them into pointers, as Triton refuses tensors of a peer's memory), and this
+    rank's step counter (int32: the step, then the programs done with it)."""
+
+    mine: torch.Tensor
+    peers: torch.Tensor
+    rank: int
+    counter: torch.Tensor
+    cap: int
+
+    @staticmethod
+    def cap_for(dtype: torch.dtype) -> int:
+        return PUSH_MAX_BYTES // dtype.itemsize
+
+    @staticmethod
+    def empty_(buf: torch.Tensor) -> torch.Tensor:
+        """Fill ``buf`` with the empty value, in place."""
+        bits = {2: torch.int16, 4: torch.int32}[buf.element_size()]
+        buf.view(bits).fill_(_EMPTY_BITS[buf.element_size()])
+        return buf
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == self.mine.dtype and x.is_contiguous() and x.dim() >= 1
+                and x.numel() <= self.cap and x.shape[-1] <= 1 << 16)
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _pick(i: tl.constexpr, A0, A1, A2, A3, A4, A5, A6, A7):
-        if i == 0:
-            return A0
-        elif i == 1:
-            return A1
-        elif i == 2:
-            return A2
-        elif i == 3:
-            return A3
-        elif i == 4:
-            return A4
-        elif i == 5:
-            return A5
-        elif i == 6:
-            return A6
+    def _pending(v, WIDE: tl.constexpr):
+        """How many of ``v``'s elements are still empty (-0.0)."""
+        if WIDE:
+            empty = v.to(tl.int32, bitcast=True) == -2147483648
         else:
-            return A7
+            empty = v.to(tl.int16, bitcast=True) == -32768
+        return tl.sum(empty.to(tl.int32), axis=0)
 
     @triton.jit
-    def _barrier(S0, S1, S2, S3, S4, S5, S6, S7, mine, slot, rank, WORLD: tl.constexpr):
-        """Every rank's program ``slot`` meets here: set our flag in each peer's pad, then take
-        each peer's flag from ours (system-scope release/acquire)."""
-        for p in tl.static_range(WORLD):
-            pad = _pick(p, S0, S1, S2, S3, S4, S5, S6, S7) + slot * WORLD + rank
-            while tl.atomic_cas(pad, 0, 1, sem="release", scope="sys") != 0:
-                pass
-        for p in tl.static_range(WORLD):
-            while tl.atomic_cas(mine + slot * WORLD + p, 1, 0, sem="acquire", scope="sys") != 1:
-                pass
-
-    @triton.jit
-    def one_shot_add_rms_norm_kernel(
-            P0, P1, P2, P3, P4, P5, P6, P7, S0, S1, S2, S3, S4, S5, S6, S7, mine, R, W, Out,
-            ROut, rows, N, eps, rank, WORLD: tl.constexpr, BARRIER: tl.constexpr,
-            BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-        """Rows ``pid, pid + programs, ...``: x = sum of the ranks' partials (rank order,
-        float32, rounded to the activation dtype as an all-reduce returns it) + residual; the
-        new residual x; out = RMSNorm(x) * weight."""
+    def push_all_reduce_kernel(
+            X, Peers, Mine, Ctr, R, W, Out, ROut, rows, N, cap, eps,
+            rank, WORLD: tl.constexpr, SLOT_COUNT: tl.constexpr, NORM: tl.constexpr,
+            WIDE: tl.constexpr, BLOCK: tl.constexpr):
+        """Rows ``pid, pid + programs, ...`` of X (this rank's partial sums): pushed into each
+        peer's slot, then the sum in rank order (+ residual R and RMSNorm with weight W when
+        NORM: Out the normed rows, ROut the new residual; else Out the sum)."""
         pid = tl.program_id(0)
-        if BARRIER:
-            _barrier(S0, S1, S2, S3, S4, S5, S6, S7, mine, pid, rank, WORLD)
+        programs = tl.num_programs(0)
+        step = tl.load(Ctr, volatile=True)
+        slot = step % SLOT_COUNT
         cols = tl.arange(0, BLOCK)
         mask = cols < N
-        w = tl.load(W + cols, mask=mask, other=0.0)
-        for row in range(pid, rows, tl.num_programs(0)):
+        dtype = X.dtype.element_ty
+        if WIDE:
+            empty = tl.full((BLOCK,), -2147483648, tl.int32).to(dtype, bitcast=True)
+        else:
+            empty = tl.full((BLOCK,), -32768, tl.int16).to(dtype, bitcast=True)
+        base = slot.to(tl.int64) * WORLD * cap
+        for row in range(pid, rows, programs):
+            x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+            x = tl.where(x == 0, tl.zeros_like(x), x)  # +0.0 for -0.0: never "empty"
+            for p in tl.static_range(WORLD):
+                if p != rank:
+                    peer = tl.load(Peers + p).to(tl.pointer_type(dtype))
+                    tl.store(peer + base + rank * cap + row * N + cols, x, mask=mask)
+        for row in range(pid, rows, programs):
             acc = tl.zeros((BLOCK,), dtype=tl.float32)
             for p in tl.static_range(WORLD):
-                src = _pick(p, P0, P1, P2, P3, P4, P5, P6, P7)
-                acc += tl.load(src + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R + row * N + cols, mask=mask, other=0.0)
-            x = (acc.to(R.dtype.element_ty).to(tl.float32) + r.to(tl.float32)).to(
-                R.dtype.element_ty)
-            tl.store(ROut + row * N + cols, x, mask=mask)
-            xf = x.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
-            tl.store(Out + row * N + cols, w * (xf * rstd).to(R.dtype.element_ty), mask=mask)
-        if BARRIER:
-            _barrier(S0, S1, S2, S3, S4, S5, S6, S7, mine, PROGRAMS + pid, rank, WORLD)
+                if p == rank:
+                    v = tl.load(X + row * N + cols, mask=mask, other=0.0)
+                    v = tl.where(v == 0, tl.zeros_like(v), v)
+                else:
+                    src = Mine + base + p * cap + row * N + cols
+                    v = tl.load(src, mask=mask, other=0.0, volatile=True)
+                    while _pending(v, WIDE) > 0:
+                        v = tl.load(src, mask=mask, other=0.0, volatile=True)
+                    tl.store(src, empty, mask=mask)  # ready for the slot's next turn
+                acc += v.to(tl.float32)
+            total = acc.to(dtype)
+            if NORM:
+                r = tl.load(R + row * N + cols, mask=mask, other=0.0)
+                x = (total.to(tl.float32) + r.to(tl.float32)).to(dtype)
+                tl.store(ROut + row * N + cols, x, mask=mask)
+                xf = x.to(tl.float32)
+                rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+                w = tl.load(W + cols, mask=mask, other=0.0)
+                tl.store(Out + row * N + cols, w * (xf * rstd).to(dtype), mask=mask)
+            else:
+                tl.store(Out + row * N + cols, total, mask=mask)
+        # the last program to finish (so every program has read the step) turns the slot
+        done = tl.atomic_add(Ctr + 1, 1, sem="acq_rel", scope="gpu")
+        if done == programs - 1:
+            tl.store(Ctr + 1, 0)
+            tl.store(Ctr, step + 1)
 
 
-def one_shot_add_rms_norm(peers: list[torch.Tensor], residual: torch.Tensor,
-                          weight: torch.Tensor, eps: float, rank: int,
-                          pads: list[torch.Tensor] | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(normed, new residual) of ``residual + sum(peers)`` ([rows, N] each: every rank's
-    partial sums, rank order); ``pads``: every rank's signal pad (int32, ``signal_slots``
-    words), for the barriers (None: no barrier, the partials are all written already)."""
-    if not 1 <= len(peers) <= MAX_RANKS:
-        raise ValueError(f"the fused all-reduce takes 1 to {MAX_RANKS} ranks, not {len(peers)}")
-    rows, n = residual.shape
-    out = torch.empty_like(residual)
-    res_out = torch.empty_like(residual)
+def push_all_reduce(buf: PushBuffer, x: torch.Tensor, out: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                    eps: float = 0.0):
+    """``x`` ([..., N]) summed over the ranks into ``out`` (may be ``x``: in place; a new
+    tensor when None); given ``residual`` and ``weight``: (RMSNorm(sum + residual) * weight,
+    sum + residual) instead. Every rank calls it with the same shape."""
+    world = buf.peers.numel()
+    if not 1 <= world <= MAX_RANKS:
+        raise ValueError(f"the push all-reduce takes 1 to {MAX_RANKS} ranks, not {world}")
+    if not buf.fits(x):
+        raise ValueError(f"{tuple(x.shape)} {x.dtype} does not fit the push buffer "
+                         f"({buf.cap} elements of {buf.mine.dtype})")
+    n = x.shape[-1]
+    rows = x.numel() // n
+    norm = residual is not None
+    out = torch.empty_like(x) if out is None else out
+    res_out = torch.empty_like(residual) if norm else out
     if rows == 0:
-        return out, res_out
-    fill = peers + [peers[0]] * (MAX_RANKS - len(peers))
-    sigs = (pads + [pads[0]] * (MAX_RANKS - len(pads))) if pads else [out] * MAX_RANKS
+        return (out, res_out) if norm else out
     block = triton.next_power_of_2(n)
-    grid = (min(rows, MAX_PROGRAMS),)
-    one_shot_add_rms_norm_kernel[grid](
-        *fill, *sigs, pads[rank] if pads else out, residual, weight, out, res_out, rows, n, eps,
-        rank, WORLD=len(peers), BARRIER=pads is not None, BLOCK=block, PROGRAMS=MAX_PROGRAMS,
-        num_warps=min(16, max(1, block // 256)))
-    return out, res_out
+    push_all_reduce_kernel[(min(rows, MAX_PROGRAMS),)](
+        x, buf.peers, buf.mine, buf.counter, residual if norm else x,
+        weight if norm else x, out, res_out, rows, n, buf.cap, eps, buf.rank, WORLD=world,
+        SLOT_COUNT=SLOTS, NORM=norm, WIDE=x.element_size() == 4, BLOCK=block,
+        num_warps=min(8, max(1, block // 512)))
+    return (out, res_out) if norm else out
 
 
 def add_rms_norm_reference(partials: list[torch.Tensor], residual: torch.Tensor,

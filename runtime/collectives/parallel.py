@@ -3,10 +3,13 @@ sharded model needs (all-reduce of partial sums, all-gather of vocabulary shards
 sampled tokens, the minimum of the ranks' KV-cache sizes).
 
 Over ``torch.distributed``: NCCL between GPUs and gloo on the CPU, so the same code runs in CI.
-Small all-reduces (decode steps) take one peer-to-peer kernel over PyTorch's symmetric memory
-instead (``enable_one_shot``); CUDA graphs capture both kinds. Every rank runs the same engine on
-the same requests (SPMD): the scheduler is deterministic, the logits are gathered in full on
-every rank and rank 0's sampled tokens are broadcast, so the ranks' schedules never diverge.
+Small all-reduces (decode steps) take one kernel over PyTorch's symmetric memory instead
+(``enable_one_shot``): ours, which pushes each rank's partials into its peers' buffers
+(``fused_all_reduce``; with the RMSNorm after it fused in), up to 2 MiB a rank, and PyTorch's
+one-shot kernel, which reads the peers' buffers, up to 8 MiB; CUDA graphs capture every kind.
+Every rank runs the same engine on the same requests (SPMD): the scheduler is deterministic,
+the logits are gathered in full on every rank and rank 0's sampled tokens are broadcast, so
+the ranks' schedules never diverge (and their collectives come in the same order).
 """
 
 from __future__ import annotations
@@ -19,13 +22,15 @@ import torch
 import torch.distributed as dist
 
 from pagedgen import envs
+from pagedgen.errors import PagedgenError
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives import fused_all_reduce
 
 # All-reduces up to this size (every decode step's; prefill chunks of up to a few hundred
 # tokens) run as one peer-to-peer kernel over symmetric memory instead of NCCL's ring;
-# PAGEDGEN_ALL_REDUCE=nccl sends them all to NCCL.
+# PAGEDGEN_ALL_REDUCE=nccl sends them all to NCCL, =one-shot skips the push kernel.
 ONE_SHOT_MAX_BYTES = 8 << 20
+ALL_REDUCE_KINDS = ("push", "one-shot", "nccl")
 ENV_ALL_REDUCE = envs.ALL_REDUCE.name
 # NVLink multicast (NVLS) stays off in every rank: NCCL's NVLS algorithms, symmetric memory's
 # multicast objects and NVSHMEM's are set up per process and fail on the lent multi-GPU hosts
@@ -41,22 +46,28 @@ class TensorParallel:
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
     one_shot: torch.Tensor | None = None  # the symmetric-memory buffer, once enabled
+    push: fused_all_reduce.PushBuffer | None = None  # the push kernel's, once enabled
     all_reduce_kind: str = "nccl"
     # buffers by dtype: one per process, kept alive (captured CUDA graphs point into them)
     _buffers: dict = field(default_factory=dict, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)  # their symmetric-memory handles
+    _pushes: dict = field(default_factory=dict, repr=False)  # push buffers by dtype
 
     def enable_one_shot(self, dtype: torch.dtype, device: torch.device) -> None:
-        """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (each GPU reads
-        its peers' buffers over NVLink: one kernel, no ring), where it works; NCCL otherwise
-        (and always on the CPU). A collective: every rank calls it."""
+        """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (one kernel over
+        NVLink, no ring: the push kernel, then PyTorch's one-shot for larger ones), where it
+        works; NCCL otherwise (and always on the CPU). A collective: every rank calls it."""
         if self.size == 1 or device.type != "cuda":
             return
-        if envs.ALL_REDUCE.get() == "nccl":
+        kind = envs.ALL_REDUCE.get() or "push"
+        if kind not in ALL_REDUCE_KINDS:
+            raise PagedgenError(f"{ENV_ALL_REDUCE}={kind}: expected one of "
+                                f"{', '.join(ALL_REDUCE_KINDS)}")
+        if kind == "nccl":
             self.all_reduce_kind = f"nccl ({ENV_ALL_REDUCE}=nccl)"
             return
-        if dtype in self._buffers:  # another engine in this process: same buffer
-            self.one_shot = self._buffers[dtype]
+        if dtype in self._buffers:  # another engine in this process: same buffers
+            self.one_shot, self.push = self._buffers[dtype], self._pushes.get(dtype)
             return
         try:
             import torch.distributed._symmetric_memory as symm_mem
@@ -65,21 +76,45 @@ class TensorParallel:
                                  device=device)
             handle = symm_mem.rendezvous(buf, self.group.group_name)
             torch.ops.symm_mem.one_shot_all_reduce_out  # noqa: B018 - present in this build
+            push = self._push_buffer(symm_mem, dtype, device) \
+                if kind == "push" and fused_all_reduce.HAVE_TRITON else None
         except Exception as e:  # noqa: BLE001 - no peer access, an older torch: keep NCCL
             self.all_reduce_kind = f"nccl (symmetric memory unavailable: {type(e).__name__})"
             return
         self.one_shot = self._buffers[dtype] = buf
         self._handles[dtype] = handle
-        self.all_reduce_kind = "one-shot (symmetric memory)"
-        if fused_all_reduce.requested():
-            self.all_reduce_kind += ", fused with the next RMSNorm"
+        self.push = self._pushes[dtype] = push
+        if push is None:
+            self.all_reduce_kind = "one-shot (symmetric memory)"
+        else:
+            self.all_reduce_kind = "push (symmetric memory), one-shot past 2 MiB"
+            if fused_all_reduce.fused():
+                self.all_reduce_kind += ", fused with the next RMSNorm"
+
+    def _push_buffer(self, symm_mem, dtype: torch.dtype,
+                     device: torch.device) -> fused_all_reduce.PushBuffer:
+        """This rank's push buffer, emptied before any peer may write into it, and the
+        peers' (a collective)."""
+        cap = fused_all_reduce.PushBuffer.cap_for(dtype)
+        mine = fused_all_reduce.PushBuffer.empty_(symm_mem.empty(
+            fused_all_reduce.SLOTS * self.size * cap, dtype=dtype, device=device))
+        handle = symm_mem.rendezvous(mine, self.group.group_name)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=self.group)  # every rank's buffer empty before the first push
+        offset = mine.data_ptr() - handle.buffer_ptrs[self.rank]  # within the allocation
+        peers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
+                             device=device)
+        return fused_all_reduce.PushBuffer(mine, peers, self.rank,
+                                           torch.zeros(2, dtype=torch.int32, device=device), cap)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
         if self.size == 1:
             return x
-        part = self._one_shot_part(x.numel(), x.dtype) if x.is_contiguous() else None
         with scope("all_reduce"):
+            if self.push is not None and self.push.fits(x):
+                return fused_all_reduce.push_all_reduce(self.push, x, out=x)
+            part = self._one_shot_part(x.numel(), x.dtype) if x.is_contiguous() else None
             if part is None:
                 dist.all_reduce(x, group=self.group)
             else:
@@ -97,8 +132,12 @@ class TensorParallel:
         return compute(None if part is None else part.view(rows, cols))
 
     def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
-        """``partial`` (from ``partial_output``) summed over the ranks: read out of the
-        symmetric buffer by the one-shot all-reduce, or all-reduced in place."""
+        """``partial`` (from ``partial_output``) summed over the ranks: by the push kernel,
+        read out of the symmetric buffer by the one-shot all-reduce, or all-reduced in
+        place."""
+        if self.push is not None and self.push.fits(partial):
+            with scope("all_reduce"):
+                return fused_all_reduce.push_all_reduce(self.push, partial)
         if not self._in_buffer(partial):
             return self.all_reduce(partial)
         out = torch.empty_like(partial)
@@ -109,35 +148,18 @@ class TensorParallel:
     def all_reduce_add_rms_norm(self, partial: torch.Tensor, residual: torch.Tensor | None,
                                 weight: torch.Tensor, eps: float, norm: Callable, **kw):
         """``norm(x, weight, eps, residual, **kw)`` of x = ``partial`` summed over the ranks:
-        one kernel that reads the peers' partials, adds and normalizes
-        (``fused_all_reduce``), where asked for and the partials sit in symmetric memory;
-        otherwise the all-reduce, then ``norm``."""
-        if self._in_buffer(partial) and residual is not None and not kw.get("quantize") \
-                and fused_all_reduce.requested():
-            fused = self._fused_peers(partial)
-            if fused is not None:
-                with scope("all_reduce"):
-                    return fused_all_reduce.one_shot_add_rms_norm(
-                        fused[0], residual, weight, eps, self.rank, fused[1])
+        one push kernel that sums, adds and normalizes, where it takes ``partial`` (and the
+        norm has a residual and no FP8 output); otherwise the all-reduce, then ``norm``."""
+        if self.push is not None and self.push.fits(partial) and residual is not None \
+                and not kw.get("quantize") and fused_all_reduce.fused():
+            with scope("all_reduce"):
+                return fused_all_reduce.push_all_reduce(
+                    self.push, partial, residual=residual, weight=weight, eps=eps)
         return norm(self.reduce_partial(partial), weight, eps, residual, **kw)
 
     def _in_buffer(self, partial: torch.Tensor) -> bool:
         """Whether ``partial`` sits in the symmetric buffer (``partial_output`` put it there)."""
         return self.one_shot is not None and partial.data_ptr() == self.one_shot.data_ptr()
-
-    def _fused_peers(self, partial: torch.Tensor):
-        """(every rank's view of ``partial``'s place in its buffer, every rank's signal-pad
-        words for the fused kernel's barriers: the pad's last ones, apart from those the
-        one-shot all-reduce uses), or None when the pad is too small."""
-        handle = self._handles[partial.dtype]
-        words = fused_all_reduce.signal_slots(self.size)
-        start = handle.signal_pad_size // 4 - words
-        if start < handle.signal_pad_size // 8:
-            return None
-        shape = list(partial.shape)
-        return ([handle.get_buffer(r, shape, partial.dtype) for r in range(self.size)],
-                [handle.get_signal_pad(r, [words], torch.int32, start)
-                 for r in range(self.size)])
 
     def _one_shot_part(self, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         """The first ``numel`` elements of the symmetric buffer, when a one-shot all-reduce
