@@ -49,7 +49,8 @@ def _ranks(world: int, dtype: torch.dtype, cap: int, step: int = 0):
                for _ in range(world)]
     peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64)
     return buffers, far.PushBuffer(buffers[0], peers, 0,
-                                   torch.tensor([step, 0], dtype=torch.int32), cap)
+                                   torch.tensor([step, 0], dtype=torch.int32), cap,
+                                   owner=buffers)
 
 
 def _peers_pushed(buf: far.PushBuffer, partials: list[torch.Tensor], slot: int) -> None:
@@ -179,3 +180,15 @@ def test_sharded_models_leave_each_all_reduce_to_the_norm_after_it(kind, tmp_pat
                          torch.device("cpu"))
     single.defer_all_reduces()  # one rank: nothing to defer
     assert not any(getattr(m, "defer_reduce", False) for m in single.modules())
+
+
+def test_an_all_reduce_kind_that_does_not_exist_is_a_one_line_error(monkeypatch):
+    from pagedgen.errors import PagedgenError
+    monkeypatch.setenv("PAGEDGEN_ALL_REDUCE", "ring")
+    with pytest.raises(PagedgenError, match="PAGEDGEN_ALL_REDUCE=ring: expected one of push, "
+                                            "one-shot, nccl"):
+        TensorParallel(0, 2).enable_one_shot(torch.float32, torch.device("cpu"))
+    monkeypatch.setenv("PAGEDGEN_ALL_REDUCE", "nccl")
+    tp = TensorParallel(0, 2)
+    tp.enable_one_shot(torch.float32, torch.device("cpu"))  # the CPU: gloo, nothing to set up
+    assert tp.push is None and tp.all_reduce_kind == "nccl"

@@ -55,6 +55,7 @@ class PushBuffer:
     rank: int
     counter: torch.Tensor
     cap: int
+    owner: object = None  # what keeps the peers' memory mapped (the symmetric-memory handle)
 
     @staticmethod
     def cap_for(dtype: torch.dtype) -> int:

@@ -57,12 +57,12 @@ class TensorParallel:
         """Small all-reduces of ``dtype`` through PyTorch's symmetric memory (one kernel over
         NVLink, no ring: the push kernel, then PyTorch's one-shot for larger ones), where it
         works; NCCL otherwise (and always on the CPU). A collective: every rank calls it."""
-        if self.size == 1 or device.type != "cuda":
-            return
         kind = envs.ALL_REDUCE.get() or "push"
         if kind not in ALL_REDUCE_KINDS:
             raise PagedgenError(f"{ENV_ALL_REDUCE}={kind}: expected one of "
                                 f"{', '.join(ALL_REDUCE_KINDS)}")
+        if self.size == 1 or device.type != "cuda":
+            return
         if kind == "nccl":
             self.all_reduce_kind = f"nccl ({ENV_ALL_REDUCE}=nccl)"
             return
@@ -105,7 +105,8 @@ class TensorParallel:
         peers = torch.tensor([p + offset for p in handle.buffer_ptrs], dtype=torch.int64,
                              device=device)
         return fused_all_reduce.PushBuffer(mine, peers, self.rank,
-                                           torch.zeros(2, dtype=torch.int32, device=device), cap)
+                                           torch.zeros(2, dtype=torch.int32, device=device), cap,
+                                           owner=handle)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place."""
