@@ -111,17 +111,19 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert torch.equal(mxfp4.dequantize(*mxfp4.quantize(ours), torch.float32), ours)
 
 
-def test_an_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, tmp_path):
-    """The experts packed to MXFP4 as the published checkpoints are (``*_blocks``,
-    ``*_scales``, ``quant_method: mxfp4``): dequantized at load, transformers' logits of the
-    same values."""
+@pytest.fixture(scope="module")
+def mxfp4_checkpoint(checkpoint, tmp_path_factory):
+    """(the tiny checkpoint with its experts packed to MXFP4 as the published checkpoints are
+    (``*_blocks``, ``*_scales``, ``quant_method: mxfp4``), the same values dequantized as a
+    bf16-layout checkpoint: transformers' reference)."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from pagedgen.runtime.quantization import mxfp4
-    path = tmp_path / "mxfp4"
+    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
+    path = root / "mxfp4"
     shutil.copytree(checkpoint, path)
     tensors = load_file(str(path / "model.safetensors"))
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
@@ -133,20 +135,44 @@ def test_an_mxfp4_checkpoint_equals_transformers_dequantized(checkpoint, tmp_pat
     cfg["quantization_config"] = {"quant_method": "mxfp4",
                                   "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (path / "config.json").write_text(json.dumps(cfg))
-    # transformers' reference: the same dequantized values as a bf16-layout checkpoint
-    ref = tmp_path / "ref"
+    ref = root / "ref"
     shutil.copytree(checkpoint, ref)
     dense = {n: (mxfp4.dequantize(t, tensors[n.replace("_blocks", "_scales")], torch.float32)
                  .transpose(1, 2).contiguous() if n.endswith("_blocks") else t)
              for n, t in tensors.items() if not n.endswith("_scales")}
     save_file({n.removesuffix("_blocks"): t for n, t in dense.items()},
               str(ref / "model.safetensors"))
+    return path, ref
+
+
+def _mxfp4_logits(mxfp4_checkpoint, setup=None) -> None:
     from test_hf_equivalence import engine, hf_model, ids, prefill_logits
+    path, ref = mxfp4_checkpoint
     prompt = ids(20)
     with torch.no_grad():
         want = hf_model(ref)(torch.tensor([prompt])).logits[0]
-    got = prefill_logits(engine(path, "eager"), prompt, 20)
+    eng = engine(path, "eager")
+    experts = eng.runner.model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.uint8  # kept 4-bit: two codes a byte
+    assert experts.w13_weight.shape[2] * 2 == eng.runner.model.config.hidden_size
+    if setup is not None:
+        setup(eng)
+    got = prefill_logits(eng, prompt, 20)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_an_mxfp4_checkpoint_equals_transformers_dequantized(mxfp4_checkpoint):
+    """Loaded as it is, the experts stay 4-bit; the CPU's loop dequantizes them: transformers'
+    logits of the same values."""
+    _mxfp4_logits(mxfp4_checkpoint)
+
+
+def test_an_mxfp4_checkpoint_in_the_grouped_gemm_kernels_equals_transformers(mxfp4_checkpoint):
+    """The 4-bit experts through the kernels a GPU runs (Triton's interpreter)."""
+    from test_moe import INTERPRETED_ONLY, _moe_kernels
+    if INTERPRETED_ONLY.args[0]:
+        pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
+    _mxfp4_logits(mxfp4_checkpoint, _moe_kernels)
 
 
 def test_tensor_parallel_is_refused_with_the_reason(checkpoint):
@@ -173,15 +199,38 @@ def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(checkpoint, tmp_path):
                             num_blocks=16))
 
 
-def test_the_preset_reads_as_transformers_would():
-    """gpt-oss-20b: transformers' defaults (those of 120b) with 24 layers and 32 experts."""
+@pytest.mark.parametrize("preset,layers,experts", [("gpt-oss-20b", 24, 32),
+                                                    ("gpt-oss-120b", 36, 128)])
+def test_the_presets_read_as_transformers_would(preset, layers, experts):
+    """transformers' defaults (those of 120b; 20b with 24 layers and 32 experts), experts in
+    MXFP4."""
     import transformers as tf
 
     from pagedgen.runtime.models.loader import resolve_model
-    ours = resolve_model("gpt-oss-20b").hf_config
-    ref = tf.GptOssConfig(num_hidden_layers=24, num_local_experts=32)
+    ours = resolve_model(preset).hf_config
+    assert ours.mxfp4_experts == {"quant_method": "mxfp4"}
+    ref = tf.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
                   "num_key_value_heads", "sliding_window", "num_experts_per_tok",
                   "swiglu_limit", "swiglu_alpha", "layer_types", "rope_parameters",
                   "attention_bias", "vocab_size"):
         assert getattr(ours, field) == getattr(ref, field), field
+
+
+def test_dummy_mxfp4_experts_are_the_dense_dummy_experts_quantized(mxfp4_checkpoint):
+    """Dummy weights for an MXFP4 config (the presets): each expert drawn as the dense model
+    draws it, then stored as a checkpoint's MXFP4 would be; the biases zero."""
+    from pagedgen.runtime.quantization import mxfp4
+    path, ref = mxfp4_checkpoint
+
+    def experts(model):
+        eng = Engine(EngineConfig(model=str(model), device="cpu", dtype="float32",
+                                  backend="eager", num_blocks=16, load_format="dummy"))
+        return eng.runner.model.model.layers[1].mlp.experts
+
+    dense, packed = experts(ref), experts(path)
+    for w, codes, exps in ((dense.w13_weight, packed.w13_weight, packed.w13_weight_scale),
+                           (dense.w2_weight, packed.w2_weight, packed.w2_weight_scale)):
+        blocks, scales = mxfp4.quantize(w)
+        assert torch.equal(codes, blocks.flatten(-2)) and torch.equal(exps, scales)
+    assert not packed.w13_bias.any() and not packed.w2_bias.any()

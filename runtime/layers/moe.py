@@ -62,6 +62,7 @@ class FusedMoE(nn.Module):
         super().__init__()
         seg = split(intermediate, tp, "moe_intermediate_size")
         self.num_experts, self.top_k, self.names = num_experts, top_k, names
+        self.hidden = hidden
         self.method = method or UnquantizedMoe()
         self.method.create_weights(self, num_experts, hidden, seg.size)
         self.act = act
@@ -133,6 +134,9 @@ class FusedMoE(nn.Module):
         KeyError: not one of ours; ValueError: a shape that does not fit."""
         if rest in ("gate_up_proj", "down_proj"):  # stacked: [E, 2I, H] or [E, H, I]
             return self._load_stacked(rest, tensor)
+        base, _, kind = rest.rpartition("_")
+        if base in ("gate_up_proj", "down_proj") and kind in self.method.extra_kinds():
+            return self._load_stacked(base, tensor, kind)  # the method's, stacked alike
         if rest in self.BIASES and self.w13_bias is not None:  # [E, 2I] (gate, up) or [E, H]
             param, whole = getattr(self, self.BIASES[rest]), tensor[:]
             if tuple(whole.shape) != tuple(param.shape):
@@ -160,13 +164,21 @@ class FusedMoE(nn.Module):
         self.method.load(self, e, part, kind, tensor, (dim - 1, segs),  # dims of one expert
                          None if part == DOWN else part)
 
+    def drawn_shape(self, name: str) -> torch.Size:
+        """The unsharded dense shape of ``name`` (``w13_weight`` or ``w2_weight``) that dummy
+        weights draw, whatever form the method stores it in."""
+        full = self.shards["w2_weight"][1][0].full
+        if name == "w2_weight":
+            return torch.Size([self.num_experts, self.hidden, full])
+        return torch.Size([self.num_experts, 2 * full, self.hidden])
+
     def load_drawn(self, name: str, full: torch.Tensor) -> None:
         """Dummy weights: the unsharded ``full`` tensor drawn for parameter ``name``
         (``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I]) through the checkpoint path, so
         quantized experts are stored as a checkpoint's would be."""
         self._load_stacked("down_proj" if name == "w2_weight" else "gate_up_proj", full)
 
-    def _load_stacked(self, rest: str, tensor) -> list[Any]:
+    def _load_stacked(self, rest: str, tensor, kind: str = "weight") -> list[Any]:
         whole = tensor[:]
         full = self.shards["w2_weight"][1][0].full
         if rest == "down_proj":
@@ -174,15 +186,15 @@ class FusedMoE(nn.Module):
         else:
             if whole.dim() != 3 or whole.shape[1] != 2 * full:
                 raise ValueError(f"has shape {list(whole.shape)}; the config makes it "
-                                 f"{[self.num_experts, 2 * full, self.w13_weight.shape[2]]}")
+                                 f"{[self.num_experts, 2 * full, *whole.shape[2:]]}")
             parts = [(GATE, whole[:, :full]), (UP, whole[:, full:])]
         if whole.shape[0] != self.num_experts:
             raise ValueError(f"holds {whole.shape[0]} experts; the config makes it "
                              f"{self.num_experts}")
         for part, t in parts:
             for e in range(self.num_experts):
-                self._load_expert(e, part, t[e])
-        return [(e, p, "weight") for p, _ in parts for e in range(self.num_experts)]
+                self._load_expert(e, part, t[e], kind)
+        return [(e, p, kind) for p, _ in parts for e in range(self.num_experts)]
 
 
 class SparseMoeBlock(nn.Module):

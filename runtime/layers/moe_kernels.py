@@ -143,12 +143,34 @@ class Tiles:
 
 if HAVE_TRITON:
     @triton.jit
+    def _mxfp4_tile(b_at, s_at, k_even, offs_n, n_ok, K, stride_bn, num_groups, dtype):
+        """B's [BLOCK_K, BLOCK_N] tile at columns ``k_even`` (and each one after) from MXFP4:
+        bytes [N, K / 2] (two e2m1 codes a byte, the low nibble first) and e8m0 scales [N,
+        K / 32] (a power of two, biased by 127); (low nibbles, high nibbles) in ``dtype``,
+        each [BLOCK_K / 2, BLOCK_N]."""
+        ok = (k_even < K)[:, None] & n_ok[None, :]
+        packed = tl.load(b_at + offs_n[None, :] * stride_bn + (k_even // 2)[:, None],
+                         mask=ok, other=0).to(tl.int32)
+        exp = tl.load(s_at + offs_n[None, :] * num_groups + (k_even // 32)[:, None], mask=ok,
+                      other=127).to(tl.float32)
+        scale = tl.exp2(exp - 127.0)
+        return (_e2m1(packed & 15) * scale).to(dtype), (_e2m1(packed >> 4) * scale).to(dtype)
+
+    @triton.jit
+    def _e2m1(code):
+        """The value of each 4-bit e2m1 code: sign, two exponent bits, one mantissa bit."""
+        e = (code >> 1) & 3
+        m = (code & 1).to(tl.float32)
+        mag = tl.where(e == 0, 0.5 * m, tl.exp2(e.to(tl.float32) - 1.0) * (1.0 + 0.5 * m))
+        return tl.where(code >= 8, -mag, mag)
+
+    @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
                              a_scale_ptr, b_scale_ptr, num_slots, N, K, num_blocks, group_k,
                              num_groups, stride_am, stride_be, stride_bn, stride_bse,
                              stride_cm, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
                              WEIGHTED: tl.constexpr, B_FP8: tl.constexpr, A_FP8: tl.constexpr,
-                             PER_ROW: tl.constexpr, PRECISION: tl.constexpr,
+                             B_FP4: tl.constexpr, PER_ROW: tl.constexpr, PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
@@ -156,9 +178,10 @@ if HAVE_TRITON:
         the slot's routing weight. B_FP8: B in e4m3 with float32 scales [E, rows, num_groups]
         over K groups of ``group_k`` (PER_ROW: one group, applied once at the end; else each K
         tile lies in one group), converted to A's dtype in registers unless A_FP8: A in e4m3
-        with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. Programs
-        walk GROUP_M blocks per column of tiles (a run of blocks mostly shares an expert: its
-        tiles stay in L2)."""
+        with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in
+        MXFP4 (``_mxfp4_tile``), converted in registers; A's even and odd columns multiply
+        B's low and high nibbles. Programs walk GROUP_M blocks per column of tiles (a run of
+        blocks mostly shares an expert: its tiles stay in L2)."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_n
@@ -183,32 +206,51 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = offs_k < K - k0
-            a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if B_FP8 and not A_FP8:
-                b = b.to(a.dtype)
-            if GATED:
-                u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
-                            other=0.0)
+            if B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
+                k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                a_row = a_ptr + rows[:, None] * stride_am + k_even[None, :]
+                a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
+                a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
+                               other=0.0)
+                b_at = b_ptr + expert.to(tl.int64) * stride_be
+                s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse
+                lo, hi = _mxfp4_tile(b_at, s_at, k_even, offs_n, n_ok, K, stride_bn,
+                                     num_groups, a_lo.dtype)
+                acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
+                acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
+                if GATED:
+                    lo, hi = _mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, k_even,
+                                         offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
+                    acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
+                    acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
+            else:
+                k_ok = offs_k < K - k0
+                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
                 if B_FP8 and not A_FP8:
-                    u = u.to(a.dtype)
-            if PER_ROW:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    b = b.to(a.dtype)
                 if GATED:
-                    acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
-            else:  # this K tile's group: its scales on the partial product
-                g = k0 // group_k
-                s = tl.load(bs_ptrs + g, mask=n_ok, other=0.0)[None, :]
-                if A_FP8:
-                    a_s = tl.load(as_ptrs + g, mask=valid, other=0.0)[:, None]
-                    s = a_s * s
-                acc += tl.dot(a, b, input_precision=PRECISION) * s
-                if GATED:
-                    s_up = tl.load(bs_ptrs + N * num_groups + g, mask=n_ok, other=0.0)[None, :]
+                    u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
+                                other=0.0)
+                    if B_FP8 and not A_FP8:
+                        u = u.to(a.dtype)
+                if PER_ROW:
+                    acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    if GATED:
+                        acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
+                else:  # this K tile's group: its scales on the partial product
+                    g = k0 // group_k
+                    s = tl.load(bs_ptrs + g, mask=n_ok, other=0.0)[None, :]
                     if A_FP8:
-                        s_up = a_s * s_up
-                    acc_up += tl.dot(a, u, input_precision=PRECISION) * s_up
+                        a_s = tl.load(as_ptrs + g, mask=valid, other=0.0)[:, None]
+                        s = a_s * s
+                    acc += tl.dot(a, b, input_precision=PRECISION) * s
+                    if GATED:
+                        s_up = tl.load(bs_ptrs + N * num_groups + g, mask=n_ok,
+                                       other=0.0)[None, :]
+                        if A_FP8:
+                            s_up = a_s * s_up
+                        acc_up += tl.dot(a, u, input_precision=PRECISION) * s_up
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
         if B_FP8 and PER_ROW:
@@ -325,14 +367,22 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     ``weights`` (float32, per slot): the output scaled by them. ``w_scale``: ``w`` is e4m3
     with these scales (``ExpertScales``; a K tile wider than their group of ``group_k``
     columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
-    group)."""
+    group). ``w`` uint8: MXFP4 codes [E, rows, K / 2], ``w_scale`` their e8m0 exponents [E,
+    rows, K / 32] (``mxfp4_moe``), converted in registers."""
+    fp4 = w.dtype == torch.uint8
     n = w.shape[1] // 2 if gated else w.shape[1]
-    k = w.shape[2]
+    k = w.shape[2] * (2 if fp4 else 1)
     nb = block_experts.numel()
     groups = w_scale.shape[2] if w_scale is not None else 1
-    group = k if groups == 1 else group_k
-    block_k = tiles.block_k if groups == 1 else min(tiles.block_k, group)  # a tile in a group
-    if groups > 1 and group % block_k:
+    if fp4:
+        if w_scale is None or a_scale is not None or groups * 32 != k:
+            raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns, and "
+                             "activations as they are")
+        group = k  # the kernel's MXFP4 path reads each column's scale itself
+    else:
+        group = k if groups == 1 else group_k
+    block_k = tiles.block_k if groups == 1 or fp4 else min(tiles.block_k, group)  # in a group
+    if groups > 1 and group % block_k and not fp4:
         raise ValueError(f"K group {group} is not a multiple of the K tile {block_k}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
@@ -341,7 +391,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         num_slots, n, k, nb, group, groups, a.stride(0), w.stride(0), w.stride(1),
         w_scale.stride(0) if w_scale is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
-        B_FP8=w_scale is not None, A_FP8=a_scale is not None, PER_ROW=groups == 1,
+        B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
+        PER_ROW=groups == 1 or fp4,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

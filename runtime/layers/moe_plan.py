@@ -125,7 +125,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     from pagedgen.runtime.hardware import time_cuda
 
     graph_time = kernel_plans.graph_time
-    num_experts, hidden = w13.shape[0], w13.shape[2]
+    fp4 = w13.dtype == torch.uint8  # MXFP4: two values a byte, activations as they are
+    num_experts, hidden = w13.shape[0], w13.shape[2] * (2 if fp4 else 1)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     choices, grouped_wins = [], []
     for tokens in TOKEN_BUCKETS:
@@ -149,7 +150,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
 
         best = None
         # FP8 inputs on the tensor cores take K tiles of 32 or more
-        fp8_inputs = (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
+        fp8_inputs = (False, True) if scales is not None and (group_k or 32) >= 32 \
+            and not fp4 else (False,)
         for a8 in fp8_inputs:
             elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):

@@ -267,7 +267,9 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
             elif getattr(getattr(layer, "method", None), "quantized", False) \
                     and hasattr(layer, "load_drawn"):
                 if attr in layer.shards:  # quantized experts: stored as a checkpoint's are
-                    layer.load_drawn(attr, draw(full_shape(p, shards[name]), p.device).to(dtype))
+                    layer.load_drawn(attr, draw(layer.drawn_shape(attr), p.device).to(dtype))
+                elif name.endswith("bias"):
+                    p.zero_()
             elif "norm" in name:
                 p.fill_(1.0)
             elif name.endswith("bias"):

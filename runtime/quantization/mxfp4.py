@@ -3,10 +3,9 @@ with one e8m0 scale (a power of two, biased by 127) per 32 values along the inpu
 gpt-oss's checkpoints hold their experts so: ``*_blocks`` [..., rows, groups, 16] uint8 and
 ``*_scales`` [..., rows, groups] uint8.
 
-``dequantize`` turns them into a dense tensor [..., rows, groups * 32]; ``quantize`` is its
-inverse for the tests (round to the nearest e2m1 value under the group's power-of-two scale).
-The experts are dequantized at load today (a W4A16 grouped GEMM that keeps them 4-bit in
-memory is not built: docs/MOE.md).
+``dequantize`` turns them into a dense tensor [..., rows, groups * 32] (the CPU's experts);
+``quantize`` is its inverse (round to the nearest e2m1 value under the group's power-of-two
+scale: dummy weights, tests). Experts keep them 4-bit: ``mxfp4_moe.py``.
 """
 
 from __future__ import annotations

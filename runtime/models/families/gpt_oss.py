@@ -11,9 +11,8 @@ Checkpoints stack the experts transposed with gate and up interleaved
 [E, I, H]) and name the router ``mlp.router``; ``load_weights`` turns them into ``FusedMoE``'s
 layout. The published checkpoints hold the experts in MXFP4 (``*_blocks``, ``*_scales`` [E,
 rows, groups, 16] / [E, rows, groups], ``quantization_config: {quant_method: mxfp4}``): they
-are dequantized at load into the model's dtype (``runtime/quantization/mxfp4.py``; gpt-oss-20b
-then takes about 42 GB, 120b does not fit one GPU: the W4A16 kernel that would keep them 4-bit
-is not built).
+stay 4-bit (``runtime/quantization/mxfp4_moe.py``; the grouped GEMM kernels convert them in
+registers), so gpt-oss-20b's experts take 10 GB and 120b's 61 GB.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization import mxfp4
 from pagedgen.runtime.quantization.config import QuantConfig
+from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -43,9 +43,10 @@ class DecoderLayer(llama.DecoderLayer):
     def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
         experts, top_k, width = (getattr(config, f) for f in GptOssForCausalLM.moe_fields)
+        method = Mxfp4Moe() if getattr(config, "mxfp4_experts", None) else None
         return SparseMoeBlock(config.hidden_size, experts, top_k, width, True, tp,
-                              act=mk.clamped_swiglu(config.swiglu_alpha, config.swiglu_limit),
-                              bias=True)
+                              method=method, bias=True,
+                              act=mk.clamped_swiglu(config.swiglu_alpha, config.swiglu_limit))
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -54,10 +55,10 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([gate, up], dim)
 
 
-def dequantized(weights: Iterable[tuple[str, Any]], dtype: torch.dtype
-                ) -> Iterable[tuple[str, Any]]:
-    """The checkpoint's tensors with each MXFP4 pair (``X_blocks``, ``X_scales`` [E, rows,
-    ...]) as the dense ``X`` a bf16 checkpoint holds ([E, in, out]: rows last)."""
+def mxfp4_pairs(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+    """The checkpoint's tensors with each MXFP4 pair (``X_blocks`` [E, rows, groups, 16],
+    ``X_scales`` [E, rows, groups]) checked whole and yielded together, as ``X`` (the codes
+    [E, rows, groups * 16]) and ``X_scales``."""
     pending: dict[str, Any] = {}
     for name, tensor in weights:
         base, _, kind = name.rpartition("_")
@@ -68,26 +69,34 @@ def dequantized(weights: Iterable[tuple[str, Any]], dtype: torch.dtype
         if other is None:
             pending[name] = tensor
             continue
-        blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
-        try:
-            dense = mxfp4.dequantize(blocks[:], scales[:], dtype)
-        except ValueError as e:
-            raise ValueError(f"'{base}': {e}") from None
-        yield base, dense.transpose(1, 2)
+        blocks, scales = ((tensor, other) if kind == "blocks" else (other, tensor))
+        blocks, scales = blocks[:], scales[:]
+        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
+                or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != mxfp4.GROUP // 2:
+            raise ValueError(f"'{base}': MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) "
+                             f"and scales {list(scales.shape)} ({scales.dtype}) do not pair "
+                             f"(uint8, [..., groups, {mxfp4.GROUP // 2}] and [..., groups])")
+        yield base, blocks.flatten(-2)
+        yield f"{base}_scales", scales
     if pending:
         raise ValueError(f"'{next(iter(pending))}' has no MXFP4 partner (blocks and scales "
                          "come in pairs)")
 
 
 def checkpoint_tensor(name: str, tensor) -> tuple[str, Any]:
-    """A gpt-oss checkpoint tensor as our layers hold it (name and layout)."""
+    """A gpt-oss checkpoint tensor as our layers hold it (name and layout): dense experts
+    [E, in, out] transposed to rows first; MXFP4 ones (rows first already) as they are;
+    gate/up rows interleaved split into every gate, then every up."""
     name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks",
                                                               ".self_attn.attn.sinks")
+    packed = isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8
     if name.endswith(".experts.gate_up_proj"):  # [E, H, 2I] interleaved → [E, 2I, H]
+        if packed:  # [E, 2I, H / 2] codes
+            return name, _deinterleave(tensor, 1)
         return name, _deinterleave(tensor[:], 2).transpose(1, 2)
-    if name.endswith(".experts.gate_up_proj_bias"):  # [E, 2I] interleaved
-        return name, _deinterleave(tensor[:], 1)
-    if name.endswith(".experts.down_proj"):  # [E, I, H] → [E, H, I]
+    if name.endswith((".experts.gate_up_proj_bias", ".experts.gate_up_proj_scales")):
+        return name, _deinterleave(tensor[:], 1)  # [E, 2I(, groups)] interleaved
+    if name.endswith(".experts.down_proj") and not packed:  # [E, I, H] → [E, H, I]
         return name, tensor[:].transpose(1, 2)
     return name, tensor
 
@@ -108,14 +117,12 @@ class GptOssForCausalLM(MoeForCausalLM):
                 for s in super().layer_specs(config, tp_size)]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        dtype = self.model.embed_tokens.weight.dtype
-        super().load_weights(checkpoint_tensor(name, t)
-                             for name, t in dequantized(weights, dtype))
+        super().load_weights(checkpoint_tensor(name, t) for name, t in mxfp4_pairs(weights))
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     """Windows on the layers ``layer_types`` names (default: sliding, full, sliding, ...);
-    expert fields and the SwiGLU clamp checked; MXFP4 experts (dequantized at load) leave no
+    expert fields and the SwiGLU clamp checked; MXFP4 experts (``Mxfp4Moe``) leave no
     quantization for the run."""
     q = f.get("quantization_config")
     if isinstance(q, dict) and q.get("quant_method") == "mxfp4":

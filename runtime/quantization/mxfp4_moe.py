@@ -1,0 +1,73 @@
+"""MXFP4 experts (``MoeMethod``) kept 4-bit: ``w13_weight`` [E, 2I, H / 2] and ``w2_weight``
+[E, H, I / 2] hold two e2m1 codes a byte, ``w13_weight_scale`` [E, 2I, H / 32] and
+``w2_weight_scale`` [E, H, I / 32] their e8m0 exponents (``mxfp4.py``), as gpt-oss's checkpoints
+store them (``*_blocks``, ``*_scales``), loaded as they are. The grouped GEMM kernels convert
+them in registers (``moe_kernels``: the bf16 weights never exist in memory); the CPU's
+per-expert loop dequantizes them each call. Dense tensors (dummy weights) are quantized at
+load. One rank only: the codes of a row-parallel shard would split the scale groups."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedgen.runtime.collectives.sharding import check_shape, load_segment
+from pagedgen.runtime.quantization import mxfp4
+from pagedgen.runtime.quantization.base import MoeMethod
+from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+
+PER_BYTE = 2
+
+
+class Mxfp4Moe(MoeMethod):
+    name: ClassVar[str] = "mxfp4"
+    quantized: ClassVar[bool] = True
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int,
+                       width: int) -> None:
+        for name, rows, k in (("w13_weight", 2 * width, hidden), ("w2_weight", hidden, width)):
+            if k % mxfp4.GROUP:
+                raise ValueError(f"MXFP4 experts need input widths that are multiples of "
+                                 f"{mxfp4.GROUP} (this one: {k})")
+            setattr(layer, name, nn.Parameter(torch.empty(
+                num_experts, rows, k // PER_BYTE, dtype=torch.uint8), requires_grad=False))
+            setattr(layer, f"{name}_scale", nn.Parameter(torch.empty(
+                num_experts, rows, k // mxfp4.GROUP, dtype=torch.uint8), requires_grad=False))
+
+    def extra_kinds(self) -> tuple[str, ...]:
+        return ("scales",)
+
+    def load(self, layer: nn.Module, e: int, part: str, kind: str, tensor: Any, shard,
+             key: Any) -> None:
+        """The codes (``weight``: [rows, K / 2] uint8; or a dense [rows, K] tensor, quantized
+        here) or the exponents (``scales``) of expert ``e``'s projection ``part``."""
+        name = "w2_weight" if part == "down" else "w13_weight"
+        codes, exps = getattr(layer, name).data[e], getattr(layer, f"{name}_scale").data[e]
+        if any(s.size != s.full for s in shard[1]):
+            raise ValueError("MXFP4 experts do not shard under -tp")
+        if part == "down":  # whole along K (its packed width is not the segment's)
+            shard, key = None, None
+        tensor = tensor[:]
+        pairs = [(codes if kind == "weight" else exps, tensor)]
+        if kind == "weight" and tensor.dtype != torch.uint8:  # dense: quantized as stored
+            blocks, scales = mxfp4.quantize(tensor)
+            pairs = [(codes, blocks.flatten(-2)), (exps, scales)]
+        for param, t in pairs:
+            if shard is not None:
+                check_shape(param, shard, key, t)
+            elif tuple(t.shape) != tuple(param.shape):
+                raise ValueError(f"has shape {list(t.shape)}; the config makes it "
+                                 f"{list(param.shape)}")
+            load_segment(param, shard, key, t)
+
+    def scales(self, layer: nn.Module) -> ExpertScales:
+        return ExpertScales(layer.w13_weight_scale, layer.w2_weight_scale, mxfp4.GROUP)
+
+    def dense(self, layer: nn.Module, dtype: torch.dtype
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(mxfp4.dequantize(w.unflatten(-1, (-1, mxfp4.GROUP // PER_BYTE)), s, dtype)
+                     for w, s in ((layer.w13_weight, layer.w13_weight_scale),
+                                  (layer.w2_weight, layer.w2_weight_scale)))
+
