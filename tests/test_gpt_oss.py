@@ -175,12 +175,23 @@ def test_an_mxfp4_checkpoint_in_the_grouped_gemm_kernels_equals_transformers(mxf
     _mxfp4_logits(mxfp4_checkpoint, _moe_kernels)
 
 
-def test_tensor_parallel_is_refused_with_the_reason(checkpoint):
+def test_tp2_equals_tp1_dense_and_mxfp4(checkpoint, mxfp4_checkpoint):
+    """Two gloo ranks: each holds its query heads' sinks, its rows of gate/up (and of their
+    biases), its columns of down (MXFP4: in whole scale groups); rank 0 alone adds the down
+    bias. The greedy trace equals one rank's."""
+    from test_fp8 import assert_tp2_trace_equals_tp1
+    assert_tp2_trace_equals_tp1(str(checkpoint), "gpt_oss", steps=4)
+    assert_tp2_trace_equals_tp1(str(mxfp4_checkpoint[0]), "gpt_oss mxfp4", steps=4)
+
+
+def test_tp_that_splits_an_mxfp4_group_is_refused_with_the_reason(mxfp4_checkpoint):
     from pagedgen.runtime.models import registry
     from pagedgen.runtime.models.loader import resolve_model
 
-    cfg = resolve_model(str(checkpoint)).hf_config
-    assert "does not run under -tp yet" in registry.model_class(cfg).tensor_parallel_error(cfg, 2)
+    cfg = resolve_model(str(mxfp4_checkpoint[0])).hf_config  # intermediate_size 64
+    assert registry.model_class(cfg).tensor_parallel_error(cfg, 2) is None
+    assert "in whole MXFP4 groups of 32" in registry.model_class(cfg).tensor_parallel_error(
+        cfg, 4)
 
 
 def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(checkpoint, tmp_path):

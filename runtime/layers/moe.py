@@ -32,7 +32,7 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
-from pagedgen.runtime.collectives.sharding import Segment, split
+from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
@@ -67,16 +67,15 @@ class FusedMoE(nn.Module):
         self.method.create_weights(self, num_experts, hidden, seg.size)
         self.act = act
         self.w13_bias = self.w2_bias = None
-        if bias:
-            if tp.size > 1:
-                raise ValueError("experts with biases do not run under -tp yet")
+        gate_up = [Segment(GATE, intermediate, seg.start, seg.size, 0),
+                   Segment(UP, intermediate, seg.start, seg.size, seg.size)]
+        self.shards = {"w13_weight": (1, gate_up), "w2_weight": (2, [seg])}
+        if bias:  # gate/up's rows of this rank; down's whole, added by rank 0 alone
             self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * seg.size),
                                          requires_grad=False)
             self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
-        self.shards = {"w13_weight": (1, [Segment(GATE, intermediate, seg.start, seg.size, 0),
-                                          Segment(UP, intermediate, seg.start, seg.size,
-                                                  seg.size)]),
-                       "w2_weight": (2, [seg])}
+            self.shards["w13_bias"] = (1, gate_up)
+        self.adds_down_bias = tp.rank == 0  # the ranks' outputs are summed
         self.use_triton: bool | None = None
         self._plan: MoePlan | None = None
 
@@ -86,11 +85,11 @@ class FusedMoE(nn.Module):
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
         plain = self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
+        b2 = self.w2_bias if self.adds_down_bias else None
         with scope("moe"):
             if not triton:
                 w13, w2 = self.method.dense(self, x.dtype)
-                y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias,
-                                 self.w2_bias)
+                y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias, b2)
                 return y if out is None else out.copy_(y)
             if not mk.HAVE_TRITON:
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
@@ -103,7 +102,7 @@ class FusedMoE(nn.Module):
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.fp8_input(x.shape[0]), self.act,
-                                    self.w13_bias, self.w2_bias)
+                                    self.w13_bias, b2)
 
     @property
     def expert_numel(self) -> int:
@@ -138,11 +137,17 @@ class FusedMoE(nn.Module):
         if base in ("gate_up_proj", "down_proj") and kind in self.method.extra_kinds():
             return self._load_stacked(base, tensor, kind)  # the method's, stacked alike
         if rest in self.BIASES and self.w13_bias is not None:  # [E, 2I] (gate, up) or [E, H]
-            param, whole = getattr(self, self.BIASES[rest]), tensor[:]
-            if tuple(whole.shape) != tuple(param.shape):
-                raise ValueError(f"has shape {list(whole.shape)}; the config makes it "
-                                 f"{list(param.shape)}")
-            param.copy_(whole)
+            name, whole = self.BIASES[rest], tensor[:]
+            param, shard = getattr(self, name).data, self.shards.get(name)
+            full = list(param.shape) if shard is None else \
+                [self.num_experts, 2 * shard[1][0].full]
+            if list(whole.shape) != full:
+                raise ValueError(f"has shape {list(whole.shape)}; the config makes it {full}")
+            if shard is None:
+                param.copy_(whole)
+            else:  # this rank's gate rows, then its up rows
+                for s, part in zip(shard[1], whole.chunk(2, dim=1)):
+                    load_segment(param, shard, s.key, part)
             return [rest]
         e, _, name = rest.partition(".")
         module, _, kind = name.rpartition(".")
@@ -163,6 +168,8 @@ class FusedMoE(nn.Module):
         dim, segs = self.shards["w2_weight" if part == DOWN else "w13_weight"]
         self.method.load(self, e, part, kind, tensor, (dim - 1, segs),  # dims of one expert
                          None if part == DOWN else part)
+
+    DRAWN = ("w13_weight", "w2_weight")  # what dummy weights draw dense (``load_drawn``)
 
     def drawn_shape(self, name: str) -> torch.Size:
         """The unsharded dense shape of ``name`` (``w13_weight`` or ``w2_weight``) that dummy

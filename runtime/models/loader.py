@@ -266,7 +266,7 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
                     p.zero_()
             elif getattr(getattr(layer, "method", None), "quantized", False) \
                     and hasattr(layer, "load_drawn"):
-                if attr in layer.shards:  # quantized experts: stored as a checkpoint's are
+                if attr in layer.DRAWN:  # quantized experts: stored as a checkpoint's are
                     layer.load_drawn(attr, draw(layer.drawn_shape(attr), p.device).to(dtype))
                 elif name.endswith("bias"):
                     p.zero_()

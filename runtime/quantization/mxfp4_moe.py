@@ -4,7 +4,8 @@
 store them (``*_blocks``, ``*_scales``), loaded as they are. The grouped GEMM kernels convert
 them in registers (``moe_kernels``: the bf16 weights never exist in memory); the CPU's
 per-expert loop dequantizes them each call. Dense tensors (dummy weights) are quantized at
-load. One rank only: the codes of a row-parallel shard would split the scale groups."""
+load. Under -tp each rank holds its rows of gate/up and its columns of down, in whole scale
+groups."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedgen.runtime.collectives.sharding import check_shape, load_segment
+from pagedgen.runtime.collectives.sharding import Segment, check_shape, load_segment
 from pagedgen.runtime.quantization import mxfp4
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
@@ -45,22 +46,17 @@ class Mxfp4Moe(MoeMethod):
         here) or the exponents (``scales``) of expert ``e``'s projection ``part``."""
         name = "w2_weight" if part == "down" else "w13_weight"
         codes, exps = getattr(layer, name).data[e], getattr(layer, f"{name}_scale").data[e]
-        if any(s.size != s.full for s in shard[1]):
-            raise ValueError("MXFP4 experts do not shard under -tp")
-        if part == "down":  # whole along K (its packed width is not the segment's)
-            shard, key = None, None
         tensor = tensor[:]
         pairs = [(codes if kind == "weight" else exps, tensor)]
         if kind == "weight" and tensor.dtype != torch.uint8:  # dense: quantized as stored
             blocks, scales = mxfp4.quantize(tensor)
             pairs = [(codes, blocks.flatten(-2)), (exps, scales)]
         for param, t in pairs:
-            if shard is not None:
-                check_shape(param, shard, key, t)
-            elif tuple(t.shape) != tuple(param.shape):
-                raise ValueError(f"has shape {list(t.shape)}; the config makes it "
-                                 f"{list(param.shape)}")
-            load_segment(param, shard, key, t)
+            # down's shard runs along K: in bytes of codes or in scale groups there
+            per = (PER_BYTE if param is codes else mxfp4.GROUP) if part == "down" else 1
+            part_shard = _in_units(shard, per)
+            check_shape(param, part_shard, key, t)
+            load_segment(param, part_shard, key, t)
 
     def scales(self, layer: nn.Module) -> ExpertScales:
         return ExpertScales(layer.w13_weight_scale, layer.w2_weight_scale, mxfp4.GROUP)
@@ -71,3 +67,13 @@ class Mxfp4Moe(MoeMethod):
                      for w, s in ((layer.w13_weight, layer.w13_weight_scale),
                                   (layer.w2_weight, layer.w2_weight_scale)))
 
+
+def _in_units(shard, per: int):
+    """``shard`` (rows of values) in units of ``per`` values (a byte of codes, a scale
+    group); ValueError where a rank's share would split one."""
+    dim, segs = shard
+    if any(v % (mxfp4.GROUP if per > 1 else 1) for s in segs for v in (s.start, s.size)):
+        raise ValueError(f"MXFP4 experts shard in whole groups of {mxfp4.GROUP}: each rank's "
+                         "intermediate width must be a multiple of it")
+    return dim, [Segment(s.key, s.full // per, s.start // per, s.size // per, s.offset // per)
+                 for s in segs]

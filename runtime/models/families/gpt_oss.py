@@ -107,8 +107,10 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
-        if tp_size > 1:
-            return "gpt-oss does not run under -tp yet (its experts' biases; -dp runs it)"
+        width = config.intermediate_size
+        if getattr(config, "mxfp4_experts", None) and width % (tp_size * mxfp4.GROUP):
+            return (f"intermediate_size {width} cannot be split over {tp_size} tensor-parallel "
+                    f"ranks in whole MXFP4 groups of {mxfp4.GROUP}")
         return super().tensor_parallel_error(config, tp_size)
 
     @classmethod

@@ -60,6 +60,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.rotary = ApplyRotary()
         self.attn = PagedAttention(spec)
+        if spec.sinks:  # one per query head: this rank's heads' sinks
+            self.attn.shards = {"sinks": (0, [split(config.num_attention_heads, tp,
+                                                    "attention heads")])}
 
     def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
