@@ -390,11 +390,11 @@ PY
         --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/gdn-peers.json"
       grep -E "^│|^\|" "$S/gdn-peers.log" | cut -c1-200 | tail -8 ;;
     oss)
-      # issue 61: sinks in the triton kernels on the GPU, then gpt-oss-20b (bf16 dummy experts
-      # in the grouped GEMM kernels) profiled and workload o (PEERS_PEERS: vllm for the peer)
+      # issue 61: MXFP4 experts and sinks in the triton kernels on the GPU, then gpt-oss-20b
+      # (MXFP4 dummy experts) profiled and workload o (PEERS_PEERS: vllm for the peer)
       timed oss-tests "${OSS_TESTS_LIMIT:-300}" python3 -m pytest -v -p no:cacheprovider \
-        tests/test_triton.py tests/test_gpu_backends.py tests/test_gpt_oss.py \
-        -k "sinks or past_two or triton or grouped_gemm"
+        tests/test_gpu_moe.py tests/test_triton.py tests/test_gpu_backends.py \
+        tests/test_gpt_oss.py -k "mxfp4 or sinks or past_two or triton or grouped_gemm"
       grep -E "FAILED|ERROR|passed|failed" "$S/oss-tests.log" | tail -5
       timed oss-profile "${OSS_LIMIT:-240}" pagedgen profile --model gpt-oss-20b \
         --backend triton --batch-sizes 1,64 --prompt-len 1024 --output-len 24 \

@@ -212,3 +212,34 @@ def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_loop():
     # each rounds the intermediate to bf16 at another point before its e4m3 rounding: the
     # two differ by 2.4% of the largest output on the H200; against float32 both are close
     assert err < 6e-2 * ref.abs().max().item() and err < 2 * ours_err
+
+
+@pytest.mark.parametrize("t", [1, 64, 300])
+def test_mxfp4_experts_in_every_candidate_tile_equal_the_dequantized_loop(t):
+    """gpt-oss-20b's expert shape (32 experts, 4 per token, 2880 → 2880) in MXFP4, biased and
+    clamped: each tile, and the measured plan inside a CUDA graph."""
+    from pagedgen.runtime.quantization import mxfp4
+    from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+    x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
+    (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
+    d13, d2 = (mxfp4.dequantize(b, s, torch.float32) for b, s in ((b13, s13), (b2, s2)))
+    q13, q2, scales = b13.flatten(-2), b2.flatten(-2), ExpertScales(s13, s2, mxfp4.GROUP)
+    act = mk.clamped_swiglu(1.702, 7.0)
+    bias13 = torch.randn(32, 5760, device="cuda") * 0.1
+    bias2 = torch.randn(32, 2880, device="cuda") * 0.1
+    ref = mk.reference(x.float(), d13, d2, weights, ids, act, bias13, bias2)
+    scale = ref.abs().max().item()
+    for name, tiles in CANDIDATES.items():
+        got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), None, scales,
+                               act=act, b13=bias13, b2=bias2)
+        err = (got.float() - ref).abs().max().item()
+        assert err < 2e-2 * scale, (name, err, scale)
+    plan = plan_moe(q13, q2, 4, scales, torch.bfloat16)
+    out = torch.empty_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mk.fused_experts(x, q13, q2, weights, ids, plan.choose(t), out, scales, act=act,
+                         b13=bias13, b2=bias2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (out.float() - ref).abs().max().item() < 2e-2 * scale

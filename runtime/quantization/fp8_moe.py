@@ -22,7 +22,8 @@ from pagedgen.runtime.quantization.fp8_kernels import E4M3, dequantize, quantize
 @dataclass(frozen=True)
 class ExpertScales:
     """FP8 experts' float32 weight scales, rows as their weights' (``w13`` [E, 2I, G(H)],
-    ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row)."""
+    ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row); or
+    MXFP4 experts' e8m0 exponents (uint8, ``group_k`` 32: ``mxfp4_moe``)."""
 
     w13: torch.Tensor
     w2: torch.Tensor

@@ -38,8 +38,9 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak = w.abs().amax(-1).clamp(min=2.0 ** -126)
     exp = torch.ceil(torch.log2(peak / 6.0)).clamp(-SCALE_BIAS, 127)
     scaled = w / torch.exp2(exp)[..., None]
-    table = torch.tensor(E2M1[:8])
-    code = (scaled.abs()[..., None] - table).abs().argmin(-1)  # nearest magnitude
+    # the nearest magnitude (a tie to the smaller): its index among the sorted eight
+    mids = torch.tensor(E2M1[:8], device=w.device)
+    code = torch.bucketize(scaled.abs().contiguous(), (mids[1:] + mids[:-1]) / 2)
     code = code + 8 * ((scaled < 0) & (code > 0))  # the sign bit (no negative zero)
     code = code.to(torch.uint8).unflatten(-1, (-1, 2))
     blocks = code[..., 0] | (code[..., 1] << 4)
