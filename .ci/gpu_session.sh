@@ -331,9 +331,12 @@ for r in d['results']:
       timed tp-moe 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs qwen3-30b-a3b:1,qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
         --json "$S/tp-moe.json"
+      timed tp-moe-ep 300 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
+        --runs qwen3-30b-a3b:2 --batches 1 --workload m --skip profile --expert-parallel \
+        --dir /tmp/tp-bench-ep --json "$S/tp-moe-ep.json"
       timed dp 300 python3 -m benchmarks.replicas --workload a --backend "${TP_BACKEND:-auto}" \
         --replicas 2 --no-ray --repeat 4 --json "$S/dp.json"
-      grep -h "llama-3\|qwen3\|tok/s" "$S"/tp-70b.log "$S"/tp-fp8.log "$S"/tp-moe.log \
+      grep -h "llama-3\|qwen3\|tok/s" "$S"/tp-70b.log "$S"/tp-fp8.log "$S"/tp-moe.log "$S"/tp-moe-ep.log \
         "$S"/dp.log | cut -c1-200 ;;
     tp-tests)  # the two-GPU tests and verify -tp 2 (and FP8 under tp, in its own folder)
       timed tp-fp8 240 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \

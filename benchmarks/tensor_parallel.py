@@ -124,6 +124,8 @@ def main() -> None:
                     help="any of 'profile', 'decode', 'generate' to leave out")
     ap.add_argument("--quantization", default=None, choices=["fp8"],
                     help="FP8 weights in every run (pagedgen -q fp8, vLLM quantization='fp8')")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="MoE experts split whole over the ranks (pagedgen -ep)")
     ap.add_argument("--vllm", action="store_true",
                     help="also vLLM at each run's tensor-parallel size (its defaults)")
     ap.add_argument("--dir", type=Path, default=Path("/tmp/tp-bench"))
@@ -131,6 +133,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.quantization:
         EXTRA.extend(["--quantization", args.quantization])
+    if args.expert_parallel:
+        EXTRA.append("--expert-parallel")
     if args.all_reduce:
         os.environ["PAGEDGEN_ALL_REDUCE"] = args.all_reduce  # the commands inherit it
     if args.unfused:

@@ -182,6 +182,9 @@ class EngineConfig:
     # ... also the decodes of steps with prefills (flash-attn and triton; flashinfer: not yet)
     cascade_mixed_steps: bool = True
     tensor_parallel_size: int = 1  # GPUs (ranks) one model is sharded over
+    # MoE under -tp: each rank holds whole experts, a share of them, instead of a share of
+    # every expert's width (the ranks' outputs are summed as before)
+    expert_parallel: bool = False
     threads: int | None = None  # torch's CPU threads; None: the cores other processes leave
     # how a reasoning model's thinking is split from its answer (runtime/engine/reasoning.py):
     # auto (from the tokenizer's vocabulary) | none | think (qwen3, deepseek_r1) | harmony
@@ -239,6 +242,9 @@ class EngineConfig:
         if self.kv_cache_memory is not None and self.num_blocks is not None:
             raise PagedgenError(f"{named('kv_cache_memory')} and {named('num_blocks')} both "
                                 "size the KV cache: give one")
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise PagedgenError(f"{named('expert_parallel')} splits a MoE model's experts over "
+                                "the tensor-parallel ranks: give -tp 2 or more")
         if not -2**63 <= self.seed < 2**63:
             raise PagedgenError(f"{named('seed')} must fit in 64 bits")
         if self.reasoning_parser not in REASONING_PARSERS:

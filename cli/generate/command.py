@@ -151,6 +151,10 @@ def generate(
     data_parallel_size: int = typer.Option(
         1, "--data-parallel-size", "-dp", help="Engine replicas on this host, each on "
                                                 "--tensor-parallel-size GPUs (worker processes)."),
+    expert_parallel: Optional[bool] = typer.Option(
+        None, "--expert-parallel/--no-expert-parallel", "-ep",
+        help="Under -tp, each rank holds a share of a MoE model's experts whole, instead of a "
+             "share of every expert [default: off]."),
     tensor_parallel_size: Optional[int] = typer.Option(
         None, "--tensor-parallel-size", "-tp", help="GPUs one model is sharded over (worker "
                                                      "processes joined by NCCL; gloo on CPU) "
@@ -172,7 +176,7 @@ def generate(
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
              cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
-             threads=threads, reasoning_parser=reasoning_parser),
+             expert_parallel=expert_parallel, threads=threads, reasoning_parser=reasoning_parser),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
              min_p=min_p, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,

@@ -62,6 +62,10 @@ def profile(
     cascade_attention: Optional[bool] = typer.Option(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode batches sharing prefix pages attend them once [default: on]."),
+    expert_parallel: Optional[bool] = typer.Option(
+        None, "--expert-parallel/--no-expert-parallel", "-ep",
+        help="Under -tp, each rank holds a share of a MoE model's experts whole, instead of a "
+             "share of every expert [default: off]."),
     tensor_parallel_size: Optional[int] = typer.Option(
         None, "--tensor-parallel-size", "-tp",
         help="Shard the model over this many GPUs (rank 0's kernels are reported) "
@@ -76,7 +80,8 @@ def profile(
                                   block_size=block_size, seed=seed,
                                   fused_kernels=fused_kernels, prefix_caching=prefix_caching,
                                   cascade_attention=cascade_attention,
-                                  tensor_parallel_size=tensor_parallel_size), {})
+                                  tensor_parallel_size=tensor_parallel_size,
+                                  expert_parallel=expert_parallel), {})
     wl = workload_from(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
                               shared_prefix_len=shared_prefix_len,
                               output_len=output_len, prompts=prompts,

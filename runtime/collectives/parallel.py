@@ -48,6 +48,7 @@ class TensorParallel:
     one_shot: torch.Tensor | None = None  # the symmetric-memory buffer, once enabled
     push: fused_all_reduce.PushBuffer | None = None  # the push kernel's, once enabled
     all_reduce_kind: str = "nccl"
+    expert_parallel: bool = False  # MoE layers: whole experts, a share a rank (else widths)
     # buffers by dtype: one per process, kept alive (captured CUDA graphs point into them)
     _buffers: dict = field(default_factory=dict, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)  # their symmetric-memory handles

@@ -58,6 +58,7 @@ class ModelRunner:
             raise PagedgenError(f"tensor_parallel_size is {config.tensor_parallel_size} but this "
                                 f"process is one of {self.tp.size} ranks (-tp N starts its own "
                                 f"workers)")
+        self.tp.expert_parallel = config.expert_parallel
         try:
             model_cls = registry.model_class(hf)
             self.specs = model_cls.layer_specs(hf, self.tp.size)

@@ -60,22 +60,34 @@ class FusedMoE(nn.Module):
                  tp: TensorParallel, names: dict[str, str] = HF_NAMES,
                  method: MoeMethod | None = None, act=mk.swiglu, bias: bool = False) -> None:
         super().__init__()
-        seg = split(intermediate, tp, "moe_intermediate_size")
         self.num_experts, self.top_k, self.names = num_experts, top_k, names
         self.hidden = hidden
+        # expert parallel: experts [first, first + local) whole; else a share of every one
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            if num_experts % tp.size:
+                raise ValueError(f"{num_experts} experts cannot be split over {tp.size} "
+                                 "expert-parallel ranks")
+            seg = Segment(None, intermediate, 0, intermediate, 0)
+            self.local = num_experts // tp.size
+        else:
+            seg = split(intermediate, tp, "moe_intermediate_size")
+            self.local = num_experts
+        self.first = tp.rank * self.local if self.expert_parallel else 0
         self.method = method or UnquantizedMoe()
-        self.method.create_weights(self, num_experts, hidden, seg.size)
+        self.method.create_weights(self, self.local, hidden, seg.size)
         self.act = act
         self.w13_bias = self.w2_bias = None
         gate_up = [Segment(GATE, intermediate, seg.start, seg.size, 0),
                    Segment(UP, intermediate, seg.start, seg.size, seg.size)]
         self.shards = {"w13_weight": (1, gate_up), "w2_weight": (2, [seg])}
-        if bias:  # gate/up's rows of this rank; down's whole, added by rank 0 alone
-            self.w13_bias = nn.Parameter(torch.zeros(num_experts, 2 * seg.size),
+        if bias:  # gate/up's rows of this rank; down's whole
+            self.w13_bias = nn.Parameter(torch.zeros(self.local, 2 * seg.size),
                                          requires_grad=False)
-            self.w2_bias = nn.Parameter(torch.zeros(num_experts, hidden), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.zeros(self.local, hidden), requires_grad=False)
             self.shards["w13_bias"] = (1, gate_up)
-        self.adds_down_bias = tp.rank == 0  # the ranks' outputs are summed
+        # the ranks' outputs are summed: a down bias once (each expert lives on one rank)
+        self.adds_down_bias = tp.rank == 0 or self.expert_parallel
         self.use_triton: bool | None = None
         self._plan: MoePlan | None = None
 
@@ -86,6 +98,11 @@ class FusedMoE(nn.Module):
         plain = self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
         b2 = self.w2_bias if self.adds_down_bias else None
+        if self.expert_parallel:  # others' experts: weight 0, sorted past ours and skipped
+            local = ids - self.first
+            mine = (local >= 0) & (local < self.local)
+            weights = weights * mine
+            ids = torch.where(mine, local, 0 if not triton else self.local).to(ids.dtype)
         with scope("moe"):
             if not triton:
                 w13, w2 = self.method.dense(self, x.dtype)
@@ -96,13 +113,13 @@ class FusedMoE(nn.Module):
             if self._plan is None:
                 self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k, scales,
                                       x.dtype)
-            if plain and self._plan.uses_grouped_mm(x.shape[0]):
+            if plain and not self.expert_parallel and self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                               out, fused_ops.silu_and_mul_fused, scales)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.fp8_input(x.shape[0]), self.act,
-                                    self.w13_bias, b2)
+                                    self.w13_bias, b2, dropped=self.expert_parallel)
 
     @property
     def expert_numel(self) -> int:
@@ -113,13 +130,14 @@ class FusedMoE(nn.Module):
         """Weight bytes a step of ``tokens`` tokens reads from this layer's experts under
         uniform routing: the expected number of distinct experts chosen, each read whole."""
         return expected_active_experts(self.num_experts, self.top_k, tokens) \
-            * self.expert_numel * self.w13_weight.element_size()
+            * self.local / self.num_experts * self.expert_numel * self.w13_weight.element_size()
 
     # ---- checkpoint tensors (weights.load_checkpoint calls these for names under us) ----
 
     def checkpoint_units(self) -> dict[Any, str]:
         """Each tensor this layer needs → its checkpoint name after our prefix."""
-        units = {(e, part, kind): f"{e}.{name}.{kind}" for e in range(self.num_experts)
+        units = {(e, part, kind): f"{e}.{name}.{kind}"
+                 for e in range(self.first, self.first + self.local)
                  for part, name in self.names.items()
                  for kind in ("weight", *self.method.extra_kinds())}
         if self.w13_bias is not None:
@@ -139,10 +157,10 @@ class FusedMoE(nn.Module):
         if rest in self.BIASES and self.w13_bias is not None:  # [E, 2I] (gate, up) or [E, H]
             name, whole = self.BIASES[rest], tensor[:]
             param, shard = getattr(self, name).data, self.shards.get(name)
-            full = list(param.shape) if shard is None else \
-                [self.num_experts, 2 * shard[1][0].full]
+            full = [self.num_experts, param.shape[1] if shard is None else 2 * shard[1][0].full]
             if list(whole.shape) != full:
                 raise ValueError(f"has shape {list(whole.shape)}; the config makes it {full}")
+            whole = whole[self.first:self.first + self.local]  # this rank's experts
             if shard is None:
                 param.copy_(whole)
             else:  # this rank's gate rows, then its up rows
@@ -155,6 +173,8 @@ class FusedMoE(nn.Module):
         if not e.isdigit() or int(e) >= self.num_experts or part is None:
             raise KeyError(rest)
         if kind in ("weight", *self.method.extra_kinds()):
+            if not self.first <= int(e) < self.first + self.local:
+                return []  # another expert-parallel rank's
             self._load_expert(int(e), part, tensor, kind)
             return [(int(e), part, kind)]
         if kind in self.method.skipped_kinds():
@@ -166,7 +186,7 @@ class FusedMoE(nn.Module):
         the method's) into its slice of our stacked parameters, as a sharded linear layer's
         parameter is loaded (only this rank's rows or columns)."""
         dim, segs = self.shards["w2_weight" if part == DOWN else "w13_weight"]
-        self.method.load(self, e, part, kind, tensor, (dim - 1, segs),  # dims of one expert
+        self.method.load(self, e - self.first, part, kind, tensor, (dim - 1, segs),  # one's dims
                          None if part == DOWN else part)
 
     DRAWN = ("w13_weight", "w2_weight")  # what dummy weights draw dense (``load_drawn``)
@@ -198,10 +218,11 @@ class FusedMoE(nn.Module):
         if whole.shape[0] != self.num_experts:
             raise ValueError(f"holds {whole.shape[0]} experts; the config makes it "
                              f"{self.num_experts}")
+        mine = range(self.first, self.first + self.local)
         for part, t in parts:
-            for e in range(self.num_experts):
+            for e in mine:
                 self._load_expert(e, part, t[e], kind)
-        return [(e, p, kind) for p, _ in parts for e in range(self.num_experts)]
+        return [(e, p, kind) for p, _ in parts for e in mine]
 
 
 class SparseMoeBlock(nn.Module):

@@ -403,24 +403,30 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
                   out: torch.Tensor | None = None, scales: ExpertScales | None = None,
                   fp8_input: bool = False, act=swiglu, b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, dropped: bool = False) -> torch.Tensor:
     """``reference``'s result by the kernels (``tiles``: gate/up's and down's, one block_m),
     summed over each token's slots into ``out`` ([T, H], or a new tensor). ``scales``: the
     weights are e4m3; ``fp8_input``: each GEMM's input quantized per token (per token and K
     group for block scales) for the FP8 tensor cores, else the weights are converted to the
     activations' dtype in registers. Another ``act`` or biases (gpt-oss): the first GEMM
     writes gate and up, the biases and the activation run as torch ops between the GEMMs,
-    and each slot's weighted down bias joins the second GEMM's output."""
+    and each slot's weighted down bias joins the second GEMM's output. ``dropped``: slots of
+    expert ``E`` (one past ``w13``'s; weight 0: another expert-parallel rank's) are skipped
+    and add nothing."""
     if tiles[0].block_m != tiles[1].block_m:
         raise ValueError("both GEMMs of a MoE layer sort their rows in blocks of one size")
     (t, top_k), h = ids.shape, x.shape[1]
-    n = t * top_k
-    slots, block_experts = align(ids, w13.shape[0], tiles[0].block_m)
+    n, experts = t * top_k, w13.shape[0]
+    slots, block_experts = align(ids, experts + dropped, tiles[0].block_m)
+    if dropped:  # the dropped expert's blocks return at once
+        block_experts = torch.where(block_experts == experts, -1, block_experts)
     inter = x.new_empty(n, w13.shape[1] // 2)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
     plain = act is swiglu and b13 is None and b2 is None
     expert = ids.reshape(-1).long()  # each slot's expert (slots are token-major)
+    if dropped:
+        expert = expert.clamp(max=experts - 1)  # a dropped slot's bias: weighted by 0
     if plain:
         grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
                      w_scale=s13, a_scale=a_scale, group_k=group_k)
@@ -433,7 +439,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         inter = act(*gate_up.chunk(2, dim=-1))
     a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
     slot_weights = weights.reshape(-1).float()
-    down = grouped_gemm(a, w2, x.new_empty(n, h), slots, block_experts, n, tiles[1], 1,
+    down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,
+                        block_experts, n, tiles[1], 1,
                         gated=False, weights=slot_weights, w_scale=s2,
                         a_scale=a_scale, group_k=group_k)
     if b2 is not None:

@@ -264,9 +264,10 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
                     _load_parts(layer, draw(full_shape(p, shards.get(name)), p.device).to(dtype))
                 elif attr == "bias":
                     p.zero_()
-            elif getattr(getattr(layer, "method", None), "quantized", False) \
-                    and hasattr(layer, "load_drawn"):
-                if attr in layer.DRAWN:  # quantized experts: stored as a checkpoint's are
+            elif hasattr(layer, "load_drawn") and (getattr(layer, "expert_parallel", False)
+                                                   or layer.method.quantized):
+                if attr in layer.DRAWN:  # quantized or expert-parallel experts: drawn whole,
+                    # stored as a checkpoint's are (this rank's experts)
                     layer.load_drawn(attr, draw(layer.drawn_shape(attr), p.device).to(dtype))
                 elif name.endswith("bias"):
                     p.zero_()
