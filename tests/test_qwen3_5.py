@@ -168,13 +168,24 @@ def test_a_misshapen_grouped_projection_is_named(tmp_path):
         _engine(path)
 
 
-def test_tensor_parallel_is_refused_with_the_reason(dense):
+def test_tp2_equals_tp1(checkpoint):
+    """Two gloo ranks, each with half the full-attention heads (query, gate, KV), half the
+    linear-attention key heads with the value heads they serve (their q, k, v, z, b, a rows,
+    convolution channels, A and dt, recurrent state) and half of every MLP: one rank's greedy
+    trace. Qwen3-Next's per-group projections, Qwen3.5's fused in_proj_qkv, and the MoE's
+    shared expert."""
+    from test_fp8 import assert_tp2_trace_equals_tp1
+    assert_tp2_trace_equals_tp1(str(checkpoint), checkpoint.name, steps=4)
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused_with_the_reason(dense):
     from pagedgen.runtime.models import registry
     from pagedgen.runtime.models.loader import resolve_model
 
-    cfg = resolve_model(str(dense)).hf_config
-    why = registry.model_class(cfg).tensor_parallel_error(cfg, 2)
-    assert "do not run under -tp yet" in why and "\n" not in why
+    cfg = resolve_model(str(dense)).hf_config  # 2 linear-attention key heads
+    assert registry.model_class(cfg).tensor_parallel_error(cfg, 2) is None
+    why = registry.model_class(cfg).tensor_parallel_error(cfg, 4)
+    assert why == "linear_num_key_heads 2 cannot be split over 4 tensor-parallel ranks"
 
 
 def test_the_configs_ssm_dtype_keeps_the_delta_rule_state_in_float32(dense, tmp_path):
@@ -199,3 +210,23 @@ def test_the_configs_ssm_dtype_keeps_the_delta_rule_state_in_float32(dense, tmp_
     (path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(PagedgenError, match="mamba_ssm_dtype must be one of float32"):
         _engine(path)
+
+
+def test_in_proj_qkv_and_its_fp8_scales_split_into_q_k_and_v_rows():
+    """The fused checkpoint tensor (and FP8 block scales over its rows, or one scale for the
+    tensor) as three row ranges, so each rank takes its share of each; scale blocks that
+    straddle two parts are a one-line error."""
+    from pagedgen.runtime.layers.gated_deltanet import GatedDeltaSpec
+    from pagedgen.runtime.models.families.qwen3_next import _split_qkv
+    spec = GatedDeltaSpec(2, 4, 16, 16, 4)  # q and k 32 rows each, v 64
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    weight = torch.arange(128.0)[:, None].expand(128, 8)
+    parts = dict(_split_qkv(name, weight, spec))
+    assert [(k.rsplit(".", 2)[1], v[0, 0].item(), len(v)) for k, v in parts.items()] == [
+        ("in_proj_q", 0, 32), ("in_proj_k", 32, 32), ("in_proj_v", 64, 64)]
+    blocks = dict(_split_qkv(name + "_scale_inv", torch.arange(8.0)[:, None], spec))
+    assert [v.flatten().tolist() for v in blocks.values()] == [[0, 1], [2, 3], [4, 5, 6, 7]]
+    one = dict(_split_qkv(name.replace("weight", "input_scale"), torch.tensor(0.5), spec))
+    assert list(one) == [name.replace("qkv.weight", f"{p}.input_scale") for p in "qkv"]
+    with pytest.raises(ValueError, match="has 2 rows: its q, k and v parts"):
+        list(_split_qkv(name + "_scale_inv", torch.ones(2, 1), spec))

@@ -21,16 +21,18 @@ from pagedgen.attention.recurrent.gated_delta import GatedDeltaImpl
 from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.collectives.sharding import Segment
+from pagedgen.runtime.collectives.sharding import Segment, copy_shard, full_shape, split
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
 
-def spec_of(config) -> GatedDeltaSpec:
-    """The layer's state shape; the delta-rule matrix in the config's ``mamba_ssm_dtype``
-    where it names one (Qwen3.5's published configs: float32)."""
+def spec_of(config, tp_size: int = 1) -> GatedDeltaSpec:
+    """The layer's state shape on one of ``tp_size`` ranks (each holds a share of the key heads
+    and of the value heads they serve); the delta-rule matrix in the config's
+    ``mamba_ssm_dtype`` where it names one (Qwen3.5's published configs: float32)."""
     ssm = getattr(config, "mamba_ssm_dtype", None)
-    return GatedDeltaSpec(config.linear_num_key_heads, config.linear_num_value_heads,
+    return GatedDeltaSpec(config.linear_num_key_heads // tp_size,
+                          config.linear_num_value_heads // tp_size,
                           config.linear_key_head_dim, config.linear_value_head_dim,
                           config.linear_conv_kernel_dim,
                           SSM_DTYPES[ssm] if ssm is not None else None)
@@ -57,35 +59,55 @@ def ungroup(tensor: torch.Tensor, spec: GatedDeltaSpec, sizes: list[int]) -> lis
 
 
 class CausalConv(nn.Module):
-    """The depthwise convolution's weight, as checkpoints hold it: [C, 1, K]."""
+    """The depthwise convolution's weight, as checkpoints hold it: [C, 1, K] over the q, k and
+    v channels; under ``-tp`` this rank's channels of each (``shards``), loaded from the whole
+    tensor (three row ranges of one checkpoint tensor)."""
 
-    def __init__(self, channels: int, taps: int) -> None:
+    def __init__(self, parts: list[Segment], taps: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(channels, 1, taps))
+        self.weight = nn.Parameter(torch.empty(sum(p.size for p in parts), 1, taps))
+        self.shards = {"weight": (0, parts)}
+
+    def checkpoint_units(self) -> dict[str, str]:
+        return {"weight": "weight"}
+
+    def load_checkpoint_tensor(self, rest: str, tensor) -> list[str]:
+        if rest != "weight":
+            raise KeyError(rest)
+        whole, want = tensor[:], full_shape(self.weight, self.shards["weight"])
+        if tuple(whole.shape) != tuple(want):
+            raise ValueError(f"has shape {list(whole.shape)}; the config makes it {list(want)}")
+        copy_shard(self.weight.data, self.shards["weight"], whole)
+        return ["weight"]
 
 
 class GatedDeltaNet(nn.Module):
-    """x [T, hidden] → [T, hidden] through the layer's state slots (one rank: no ``-tp``)."""
+    """x [T, hidden] → [T, hidden] through the layer's state slots; under ``-tp`` each rank
+    holds a share of the key heads and of the value heads they serve (q, k, v, z, b, a, the
+    convolution's channels, A and dt by head), ``out_proj`` row-parallel."""
 
     def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
-        self.spec = s = spec_of(config)
-        key, value = s.num_k_heads * s.head_k, s.num_v_heads * s.head_v
-
-        def whole(n: int) -> Segment:
-            return Segment(None, n, 0, n, 0)
-
+        self.spec = s = spec_of(config, tp.size)
+        full = spec_of(config)
+        key, value = full.num_k_heads * full.head_k, full.num_v_heads * full.head_v
+        q, v = split(key, tp, "linear-attention key features"), split(
+            value, tp, "linear-attention value features")
+        heads = split(full.num_v_heads, tp, "linear_num_value_heads")
         self.in_proj_qkvz = ColumnParallelLinear(
-            config.hidden_size, [("qkv", whole(2 * key + value)), ("z", whole(value))], False,
+            config.hidden_size, [("q", q), ("k", q), ("v", v), ("z", v)], False,
             linear_method(quant, prefix, ["in_proj_qkv", "in_proj_z"]))
         # the gates' projections stay in the model's dtype (a few rows: nothing to gain)
         self.in_proj_ba = ColumnParallelLinear(
-            config.hidden_size, [("b", whole(s.num_v_heads)), ("a", whole(s.num_v_heads))],
-            False)
-        self.conv1d = CausalConv(s.conv_dim, s.conv_kernel)
+            config.hidden_size, [("b", heads), ("a", heads)], False)
+        self.conv1d = CausalConv([Segment("q", key, q.start, q.size, 0),
+                                  Segment("k", key, q.start, q.size, q.size),
+                                  Segment("v", value, v.start, v.size, 2 * q.size)],
+                                 s.conv_kernel)
         self.A_log = nn.Parameter(torch.empty(s.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(s.num_v_heads))
+        self.shards = {"A_log": (0, [heads]), "dt_bias": (0, [heads])}
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(s.head_v))
         self.eps = config.rms_norm_eps

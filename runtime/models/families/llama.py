@@ -33,6 +33,14 @@ def num_kv_heads(config) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def kv_segment(config, spec: LayerSpec, tp: TensorParallel) -> Segment:
+    """This rank's rows of k_proj (or v_proj): its KV heads, or the one it replicates when
+    there are fewer heads than ranks."""
+    d = spec.head_size
+    first = (tp.rank * num_kv_heads(config) // tp.size) * d
+    return Segment(None, num_kv_heads(config) * d, first, spec.num_kv_heads * d, 0)
+
+
 class Attention(nn.Module):
     def __init__(self, config, spec: LayerSpec, tp: TensorParallel,
                  quant: QuantConfig | None = None, prefix: str = "") -> None:
@@ -43,11 +51,8 @@ class Attention(nn.Module):
         bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = bias or config.model_type == "qwen2" or bool(getattr(config, "qkv_bias",
                                                                         False))
-        kv_full = num_kv_heads(config) * d
         q = split(config.num_attention_heads * d, tp, "query features")
-        # this rank's KV heads, or the one it replicates when there are fewer than ranks
-        kv_first = (tp.rank * num_kv_heads(config) // tp.size) * d
-        kv = Segment(None, kv_full, kv_first, self.kv_size, 0)
+        kv = kv_segment(config, spec, tp)
         self.qkv_proj = ColumnParallelLinear(
             h, [("q", q), ("k", kv), ("v", kv)], qkv_bias,
             linear_method(quant, prefix, ["q_proj", "k_proj", "v_proj"]))

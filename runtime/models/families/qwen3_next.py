@@ -9,8 +9,8 @@ and k are RMS-normed per head, a quarter of each head's features rotate
 RMSNorm but the delta rule's scales by ``1 + w`` (loaded so, in float32). MLPs: Qwen2-MoE's
 routed experts beside a gated shared expert in the sparse layers (``decoder_sparse_step``,
 ``mlp_only_layers``), a dense SwiGLU elsewhere. Checkpoint tensors of multi-token prediction
-(``mtp.*``) are not used. Tensor parallelism is not supported yet (the linear-attention layers
-run on one rank).
+(``mtp.*``) are not used. Under ``-tp`` each rank holds a share of the full-attention heads and
+of the linear-attention key heads with the value heads they serve.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pagedgen.attention.backend import AttentionImpl, AttentionType, LayerSpec
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.collectives.sharding import Segment
+from pagedgen.runtime.collectives.sharding import split
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.gated_deltanet import SSM_DTYPES, GatedDeltaNet, spec_of, ungroup
@@ -59,12 +59,13 @@ class GatedAttention(nn.Module):
         h, d = config.hidden_size, spec.head_size
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         bias = bool(config.attention_bias)
-        q, kv = 2 * self.q_size, self.kv_size
+        # q_proj: each head's query then its gate, so a rank's heads are one row range
+        q = split(2 * config.num_attention_heads * d, tp, "query features")
+        kv = llama.kv_segment(config, spec, tp)
         self.qkv_proj = ColumnParallelLinear(
-            h, [("q", Segment(None, q, 0, q, 0)), ("k", Segment(None, kv, 0, kv, 0)),
-                ("v", Segment(None, kv, 0, kv, 0))], bias,
+            h, [("q", q), ("k", kv), ("v", kv)], bias,
             linear_method(quant, prefix, ["q_proj", "k_proj", "v_proj"]))
-        self.o_proj = RowParallelLinear(self.q_size, h, bias, tp,
+        self.o_proj = RowParallelLinear(config.num_attention_heads * d, h, bias, tp,
                                         linear_method(quant, prefix, ["o_proj"]))
         self.q_norm = offset_norm(d, config.rms_norm_eps)
         self.k_norm = offset_norm(d, config.rms_norm_eps)
@@ -128,8 +129,10 @@ class HybridModel(nn.Module):
 class HybridForCausalLM(MoeForCausalLM):
     """Linear-attention and full-attention layers; paged KV caches for the latter only."""
 
+    # in_proj_qkv is read as its three row ranges (``_renamed``), each rank's share of each
     STACKED = {**llama.LlamaForCausalLM.STACKED,
-               "in_proj_qkv": ("in_proj_qkvz", "qkv"), "in_proj_z": ("in_proj_qkvz", "z"),
+               "in_proj_q": ("in_proj_qkvz", "q"), "in_proj_k": ("in_proj_qkvz", "k"),
+               "in_proj_v": ("in_proj_qkvz", "v"), "in_proj_z": ("in_proj_qkvz", "z"),
                "in_proj_b": ("in_proj_ba", "b"), "in_proj_a": ("in_proj_ba", "a")}
 
     def __init__(self, config, tp: TensorParallel | None = None,
@@ -156,9 +159,13 @@ class HybridForCausalLM(MoeForCausalLM):
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
-        if tp_size > 1:
-            return (f"{config.model_type}'s linear-attention (Gated DeltaNet) layers do not run "
-                    "under -tp yet: use one GPU per replica (-dp N)")
+        fields = ["linear_num_key_heads", "num_attention_heads"]
+        fields += (["moe_intermediate_size", "shared_expert_intermediate_size"]
+                   if getattr(config, "num_local_experts", None) else ["intermediate_size"])
+        for field in fields:
+            if getattr(config, field) % tp_size:
+                return (f"{field} {getattr(config, field)} cannot be split over {tp_size} "
+                        "tensor-parallel ranks")
         return None
 
     @classmethod
@@ -168,7 +175,8 @@ class HybridForCausalLM(MoeForCausalLM):
             raise ValueError(why)
         d = config.head_dim
         return [None if kind == LINEAR else LayerSpec(
-            num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads,
+            num_heads=config.num_attention_heads // tp_size,
+            num_kv_heads=max(1, config.num_key_value_heads // tp_size),
             head_size=d, scale=d ** -0.5, attn_type=AttentionType.DECODER)
             for kind in config.layer_types]
 
@@ -178,7 +186,7 @@ class HybridForCausalLM(MoeForCausalLM):
 
     @classmethod
     def state_specs(cls, config, tp_size: int = 1) -> list:
-        return [spec_of(config) for kind in config.layer_types if kind == LINEAR]
+        return [spec_of(config, tp_size) for kind in config.layer_types if kind == LINEAR]
 
     def _layers(self, linear: bool) -> list[nn.Module]:
         return [layer for layer in self.model.layers if layer.linear == linear]
@@ -192,7 +200,8 @@ class HybridForCausalLM(MoeForCausalLM):
             layer.linear_attn.impl, layer.linear_attn.state = impl, state
 
     def defer_all_reduces(self) -> None:
-        """One rank: nothing to defer."""
+        """Each row-parallel projection reduces its own partial sums (not yet left to the
+        norm after it)."""
 
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
         dim = rotary_dim(self.config.rope_parameters, self.config.head_dim)
@@ -229,8 +238,10 @@ class HybridForCausalLM(MoeForCausalLM):
                 q, k, v, z = _ungrouped(name, tensor, spec,
                                         [key, key, rep * spec.head_v, rep * spec.head_v])
                 stem = name.removesuffix("in_proj_qkvz.weight")
-                yield stem + "in_proj_qkv.weight", torch.cat([q, k, v])
-                yield stem + "in_proj_z.weight", z
+                yield from ((stem + f"in_proj_{p}.weight", t)
+                            for p, t in zip("qkvz", (q, k, v, z)))
+            elif ".linear_attn.in_proj_qkv." in name:
+                yield from _split_qkv(name, tensor, spec)
             elif name.endswith("linear_attn.in_proj_ba.weight"):
                 b, a = _ungrouped(name, tensor, spec, [rep, rep])
                 stem = name.removesuffix("in_proj_ba.weight")
@@ -238,6 +249,23 @@ class HybridForCausalLM(MoeForCausalLM):
                 yield stem + "in_proj_a.weight", a
             else:
                 yield name, tensor
+
+
+def _split_qkv(name: str, tensor, spec) -> Iterable[tuple[str, Any]]:
+    """``in_proj_qkv``'s weight (or its FP8 scales: rows in blocks, or one per tensor) as its
+    q, k and v row ranges (``in_proj_q``, ``in_proj_k``, ``in_proj_v``)."""
+    sizes = [spec.num_k_heads * spec.head_k] * 2 + [spec.num_v_heads * spec.head_v]
+    whole = tensor if isinstance(tensor, torch.Tensor) else tensor[...]
+    stem, tail = name.split(".in_proj_qkv.")
+    if whole.dim() == 0 or whole.numel() == 1:  # a per-tensor scale: each part's
+        yield from ((f"{stem}.in_proj_{p}.{tail}", whole) for p in "qkv")
+        return
+    per, rest = divmod(sum(sizes), whole.shape[0])
+    if rest or any(n % per for n in sizes):
+        raise ValueError(f"tensor '{name}' has {whole.shape[0]} rows: its q, k and v parts "
+                         f"({', '.join(map(str, sizes))} rows) do not fall on them")
+    for p, part in zip("qkv", whole.split([n // per for n in sizes])):
+        yield f"{stem}.in_proj_{p}.{tail}", part
 
 
 def _ungrouped(name: str, tensor, spec, sizes: list[int]) -> list[torch.Tensor]:
