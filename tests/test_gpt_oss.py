@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
+from pagedgen.runtime.layers.moe_act import clamped_swiglu
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine.engine import Engine
@@ -44,7 +45,7 @@ def test_grouped_gemm_kernels_take_biases_and_the_clamped_swiglu(dtype):
     x, w13, w2, weights, chosen = _experts(37, 8, 3, 40, 24, dtype)
     g = torch.Generator().manual_seed(1)
     b13, b2 = torch.randn(8, 48, generator=g), torch.randn(8, 40, generator=g)
-    act = mk.clamped_swiglu(1.702, 0.3)
+    act = clamped_swiglu(1.702, 0.3)
     ref = mk.reference(x.float(), w13.float(), w2.float(), weights, chosen, act, b13, b2)
     tiles = mk.Tiles(32, 32, 32)
     got = mk.fused_experts(x, w13, w2, weights, chosen, (tiles, tiles), None, act=act,
@@ -245,3 +246,27 @@ def test_dummy_mxfp4_experts_are_the_dense_dummy_experts_quantized(mxfp4_checkpo
         blocks, scales = mxfp4.quantize(w)
         assert torch.equal(codes, blocks.flatten(-2)) and torch.equal(exps, scales)
     assert not packed.w13_bias.any() and not packed.w2_bias.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bias_and_clamped_swiglu_kernel_equals_the_torch_ops(dtype):
+    """One program per slot: its expert's gate and up biases added, the clamp and the
+    activation in float32 (Triton's interpreter), against torch's ops in float32; a width
+    past one block."""
+    from test_moe import INTERPRETED_ONLY
+
+    from pagedgen.runtime.layers import moe_act
+    if INTERPRETED_ONLY.args[0]:
+        pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
+    g = torch.Generator().manual_seed(3)
+    gate_up = torch.randn(9, 2 * 1500, generator=g).to(dtype)
+    bias = torch.randn(4, 2 * 1500, generator=g)
+    expert = torch.randint(0, 4, (9,), generator=g)
+    act = clamped_swiglu(1.702, 0.7)
+    want = act(*(gate_up.float() + bias[expert]).chunk(2, -1))
+    got = moe_act.bias_and_act(gate_up, act, bias, expert)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    no_bias = moe_act.bias_and_act(gate_up, act, None, expert)
+    torch.testing.assert_close(no_bias.float(), act(*gate_up.float().chunk(2, -1)), atol=tol,
+                               rtol=tol)

@@ -52,7 +52,7 @@ class FusedMoE(nn.Module):
     then its up rows), ``w2_weight`` [E, H, I_rank], kept as ``method`` says (None: dense).
     ``names``: the checkpoint's per-expert tensor names. ``use_triton``: the grouped GEMM
     kernels (None: on CUDA tensors), else the per-expert loop. ``act`` (``mk.swiglu``, or
-    gpt-oss's ``mk.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H],
+    gpt-oss's ``moe_act.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H],
     one rank only): in the grouped GEMM kernels, the first one writing gate and up, the
     biases and activation between them (not torch's grouped GEMM path)."""
 

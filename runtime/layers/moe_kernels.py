@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
 from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
+from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 try:
@@ -46,20 +47,6 @@ def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The experts' usual activation: ``silu(gate) * up``."""
-    return F.silu(gate) * up
-
-
-def clamped_swiglu(alpha: float, limit: float):
-    """gpt-oss's: gate clamped above at ``limit``, up to ``±limit``, then
-    ``(up + 1) * gate * sigmoid(alpha * gate)``."""
-    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * gate * torch.sigmoid(gate * alpha)
-    return act
 
 
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -409,7 +396,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     weights are e4m3; ``fp8_input``: each GEMM's input quantized per token (per token and K
     group for block scales) for the FP8 tensor cores, else the weights are converted to the
     activations' dtype in registers. Another ``act`` or biases (gpt-oss): the first GEMM
-    writes gate and up, the biases and the activation run as torch ops between the GEMMs,
+    writes gate and up, the biases and the activation run between the GEMMs (``bias_and_act``),
     and each slot's weighted down bias joins the second GEMM's output. ``dropped``: slots of
     expert ``E`` (one past ``w13``'s; weight 0: another expert-parallel rank's) are skipped
     and add nothing."""
@@ -434,9 +421,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         gate_up = grouped_gemm(a, w13, x.new_empty(n, w13.shape[1]), slots, block_experts, n,
                                tiles[0], top_k, gated=False, w_scale=s13, a_scale=a_scale,
                                group_k=group_k)
-        if b13 is not None:
-            gate_up += b13[expert].to(gate_up.dtype)
-        inter = act(*gate_up.chunk(2, dim=-1))
+        inter = bias_and_act(gate_up, act, b13, expert)
     a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
     slot_weights = weights.reshape(-1).float()
     down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,

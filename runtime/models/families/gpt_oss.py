@@ -4,7 +4,7 @@ sink per query head (``LayerSpec.sinks``: the backends that take them), layers a
 sliding window and full attention (``layer_types``), YaRN rope, and in every layer a mixture of
 ``num_local_experts`` experts of ``intermediate_size``: a router with a bias, softmax over each
 token's top ``num_experts_per_tok`` logits, and experts with biases and a clamped SwiGLU
-(``moe_kernels.clamped_swiglu``).
+(``moe_act.clamped_swiglu``).
 
 Checkpoints stack the experts transposed with gate and up interleaved
 (``experts.gate_up_proj`` [E, H, 2I], columns gate, up, gate, ...; ``experts.down_proj``
@@ -26,7 +26,7 @@ from torch import nn
 from pagedgen.attention.backend import LayerSpec
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.moe_act import clamped_swiglu
 from pagedgen.runtime.layers.moe import SparseMoeBlock
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import MoeForCausalLM, check_experts
@@ -46,7 +46,7 @@ class DecoderLayer(llama.DecoderLayer):
         method = Mxfp4Moe() if getattr(config, "mxfp4_experts", None) else None
         return SparseMoeBlock(config.hidden_size, experts, top_k, width, True, tp,
                               method=method, bias=True,
-                              act=mk.clamped_swiglu(config.swiglu_alpha, config.swiglu_limit))
+                              act=clamped_swiglu(config.swiglu_alpha, config.swiglu_limit))
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
