@@ -35,10 +35,11 @@
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
 # STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
 # STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
-# tp, tp-runs, tp-vllm, tp-more, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
+# tp, tp-runs, tp-vllm, tp-more, tp-new, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
 # push all-reduce's tests and latency, 8B at tp 1 and 2 (profile, decode at batch 1 and 64,
 # workload a, each all-reduce kind), vLLM at tp 2,
-# 70B / FP8 / Qwen3-30B-A3B under tp 2 and -dp 2; the two-GPU tests and verify -tp 2.
+# 70B / FP8 / Qwen3-30B-A3B (also expert parallel) under tp 2 and -dp 2; tp-new: Qwen3.5-9B
+# and gpt-oss-20b at tp 1 and 2 (and -ep); the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
 # workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
@@ -338,6 +339,19 @@ for r in d['results']:
         --replicas 2 --no-ray --repeat 4 --json "$S/dp.json"
       grep -h "llama-3\|qwen3\|tok/s" "$S"/tp-70b.log "$S"/tp-fp8.log "$S"/tp-moe.log "$S"/tp-moe-ep.log \
         "$S"/dp.log | cut -c1-200 ;;
+    tp-new)  # this stop's untried two-GPU paths: a hybrid model and gpt-oss (MXFP4) at tp 1
+      # and 2, gpt-oss with expert parallel (carry .whl/gdn for the hybrid's prefill kernels)
+      timed tp-hybrid 300 python3 -m benchmarks.tensor_parallel --backend triton \
+        --runs qwen3.5-9b:1,qwen3.5-9b:2 --batches 1,64 --workload h --skip profile \
+        --dir /tmp/tp-bench-hybrid --json "$S/tp-hybrid.json"
+      timed tp-oss 300 python3 -m benchmarks.tensor_parallel --backend triton \
+        --runs gpt-oss-20b:1,gpt-oss-20b:2 --batches 1,64 --workload o --skip profile \
+        --dir /tmp/tp-bench-oss --json "$S/tp-oss.json"
+      timed tp-oss-ep 200 python3 -m benchmarks.tensor_parallel --backend triton \
+        --runs gpt-oss-20b:2 --batches 1,64 --workload o --skip profile --expert-parallel \
+        --dir /tmp/tp-bench-oss-ep --json "$S/tp-oss-ep.json"
+      grep -h "qwen3.5\|gpt-oss" "$S"/tp-hybrid.log "$S"/tp-oss.log "$S"/tp-oss-ep.log \
+        | cut -c1-200 ;;
     tp-tests)  # the two-GPU tests and verify -tp 2 (and FP8 under tp, in its own folder)
       timed tp-fp8 240 python3 -m benchmarks.tensor_parallel --backend "${TP_BACKEND:-auto}" \
         --runs llama-3-8b:1,llama-3-8b:2 --batches 1 --skip profile --quantization fp8 \
