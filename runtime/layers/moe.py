@@ -52,16 +52,17 @@ class FusedMoE(nn.Module):
     then its up rows), ``w2_weight`` [E, H, I_rank], kept as ``method`` says (None: dense).
     ``names``: the checkpoint's per-expert tensor names. ``use_triton``: the grouped GEMM
     kernels (None: on CUDA tensors), else the per-expert loop. ``act`` (``mk.swiglu``, or
-    gpt-oss's ``moe_act.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I], ``w2_bias`` [E, H],
-    one rank only): in the grouped GEMM kernels, the first one writing gate and up, the
-    biases and activation between them (not torch's grouped GEMM path)."""
+    gpt-oss's ``moe_act.clamped_swiglu``) and ``bias`` (``w13_bias`` [E, 2I_rank], ``w2_bias``
+    [E, H], added by one rank): in the grouped GEMM kernels, the first one writing gate and
+    up, the biases and activation between them (not torch's grouped GEMM path). Under
+    expert parallel (``tp.expert_parallel``) E is this rank's share of whole experts."""
 
     def __init__(self, num_experts: int, top_k: int, hidden: int, intermediate: int,
                  tp: TensorParallel, names: dict[str, str] = HF_NAMES,
                  method: MoeMethod | None = None, act=mk.swiglu, bias: bool = False) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.names = num_experts, top_k, names
-        self.hidden = hidden
+        self.hidden, self.intermediate = hidden, intermediate  # every expert's, unsharded
         # expert parallel: experts [first, first + local) whole; else a share of every one
         self.expert_parallel = tp.expert_parallel and tp.size > 1
         if self.expert_parallel:
@@ -157,7 +158,7 @@ class FusedMoE(nn.Module):
         if rest in self.BIASES and self.w13_bias is not None:  # [E, 2I] (gate, up) or [E, H]
             name, whole = self.BIASES[rest], tensor[:]
             param, shard = getattr(self, name).data, self.shards.get(name)
-            full = [self.num_experts, param.shape[1] if shard is None else 2 * shard[1][0].full]
+            full = [self.num_experts, param.shape[1] if shard is None else 2 * self.intermediate]
             if list(whole.shape) != full:
                 raise ValueError(f"has shape {list(whole.shape)}; the config makes it {full}")
             whole = whole[self.first:self.first + self.local]  # this rank's experts
@@ -194,10 +195,9 @@ class FusedMoE(nn.Module):
     def drawn_shape(self, name: str) -> torch.Size:
         """The unsharded dense shape of ``name`` (``w13_weight`` or ``w2_weight``) that dummy
         weights draw, whatever form the method stores it in."""
-        full = self.shards["w2_weight"][1][0].full
         if name == "w2_weight":
-            return torch.Size([self.num_experts, self.hidden, full])
-        return torch.Size([self.num_experts, 2 * full, self.hidden])
+            return torch.Size([self.num_experts, self.hidden, self.intermediate])
+        return torch.Size([self.num_experts, 2 * self.intermediate, self.hidden])
 
     def load_drawn(self, name: str, full: torch.Tensor) -> None:
         """Dummy weights: the unsharded ``full`` tensor drawn for parameter ``name``
@@ -206,8 +206,7 @@ class FusedMoE(nn.Module):
         self._load_stacked("down_proj" if name == "w2_weight" else "gate_up_proj", full)
 
     def _load_stacked(self, rest: str, tensor, kind: str = "weight") -> list[Any]:
-        whole = tensor[:]
-        full = self.shards["w2_weight"][1][0].full
+        whole, full = tensor[:], self.intermediate
         if rest == "down_proj":
             parts = [(DOWN, whole)]
         else:

@@ -361,16 +361,16 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     k = w.shape[2] * (2 if fp4 else 1)
     nb = block_experts.numel()
     groups = w_scale.shape[2] if w_scale is not None else 1
-    if fp4:
+    if fp4:  # the kernel's MXFP4 path reads each column's scale itself: any K tile
         if w_scale is None or a_scale is not None or groups * 32 != k:
             raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns, and "
                              "activations as they are")
-        group = k  # the kernel's MXFP4 path reads each column's scale itself
+        group, block_k = k, tiles.block_k
     else:
         group = k if groups == 1 else group_k
-    block_k = tiles.block_k if groups == 1 or fp4 else min(tiles.block_k, group)  # in a group
-    if groups > 1 and group % block_k and not fp4:
-        raise ValueError(f"K group {group} is not a multiple of the K tile {block_k}")
+        block_k = tiles.block_k if groups == 1 else min(tiles.block_k, group)  # in a group
+        if groups > 1 and group % block_k:
+            raise ValueError(f"K group {group} is not a multiple of the K tile {block_k}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, slots, block_experts, weights if weights is not None else out,
@@ -411,13 +411,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
     plain = act is swiglu and b13 is None and b2 is None
-    expert = ids.reshape(-1).long()  # each slot's expert (slots are token-major)
-    if dropped:
-        expert = expert.clamp(max=experts - 1)  # a dropped slot's bias: weighted by 0
     if plain:
         grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
                      w_scale=s13, a_scale=a_scale, group_k=group_k)
     else:
+        expert = ids.reshape(-1).long()  # each slot's expert, for its biases (token-major)
+        if dropped:
+            expert = expert.clamp(max=experts - 1)  # a dropped slot's bias: weighted by 0
         gate_up = grouped_gemm(a, w13, x.new_empty(n, w13.shape[1]), slots, block_experts, n,
                                tiles[0], top_k, gated=False, w_scale=s13, a_scale=a_scale,
                                group_k=group_k)

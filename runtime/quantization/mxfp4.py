@@ -18,13 +18,19 @@ GROUP = 32  # values per scale
 SCALE_BIAS = 127
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., rows, G, 16] packed codes and [..., rows, G] exponents → [..., rows, G * 32]."""
+def check_pair(blocks: torch.Tensor, scales: torch.Tensor) -> None:
+    """ValueError unless ``blocks`` [..., rows, G, 16] and ``scales`` [..., rows, G] are a
+    checkpoint's MXFP4 pair (uint8 both)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
             or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != GROUP // 2:
         raise ValueError(f"MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) and scales "
                          f"{list(scales.shape)} ({scales.dtype}) do not pair (uint8, "
                          f"[..., groups, {GROUP // 2}] and [..., groups])")
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[..., rows, G, 16] packed codes and [..., rows, G] exponents → [..., rows, G * 32]."""
+    check_pair(blocks, scales)
     table = torch.tensor(E2M1, dtype=torch.float32, device=blocks.device)
     values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], -1)
     values = torch.ldexp(values.flatten(-2), scales.int()[..., None] - SCALE_BIAS)

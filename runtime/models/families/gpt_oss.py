@@ -69,13 +69,12 @@ def mxfp4_pairs(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]
         if other is None:
             pending[name] = tensor
             continue
-        blocks, scales = ((tensor, other) if kind == "blocks" else (other, tensor))
+        blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
         blocks, scales = blocks[:], scales[:]
-        if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 \
-                or blocks.shape[:-1] != scales.shape or blocks.shape[-1] != mxfp4.GROUP // 2:
-            raise ValueError(f"'{base}': MXFP4 blocks {list(blocks.shape)} ({blocks.dtype}) "
-                             f"and scales {list(scales.shape)} ({scales.dtype}) do not pair "
-                             f"(uint8, [..., groups, {mxfp4.GROUP // 2}] and [..., groups])")
+        try:
+            mxfp4.check_pair(blocks, scales)
+        except ValueError as e:
+            raise ValueError(f"'{base}': {e}") from None
         yield base, blocks.flatten(-2)
         yield f"{base}_scales", scales
     if pending:
