@@ -42,11 +42,15 @@ FP8_FUSED_INPUT = EnvVar("PAGEDGEN_FP8_FUSED_INPUT", "1",
                          "them")
 MOE_TILES = EnvVar("PAGEDGEN_MOE_TILES", "the measured plan per token count",
                    "one grouped-GEMM tile for every MoE call (e.g. m64n128k64g8w4s3)")
-ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "auto: one-shot over symmetric memory where it "
-                    "works", "nccl: every tensor-parallel all-reduce through NCCL")
-FUSED_ALL_REDUCE = EnvVar("PAGEDGEN_FUSED_ALL_REDUCE", "0",
-                          "1: the all-reduce fused with the residual add and RMSNorm after it "
-                          "(not measured faster on two GPUs)")
+ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "push: each rank stores its partial sums into its "
+                    "peers' symmetric memory", "one-shot (PyTorch's symmetric-memory kernel) or "
+                    "nccl: another tensor-parallel all-reduce")
+FUSED_ALL_REDUCE = EnvVar("PAGEDGEN_FUSED_ALL_REDUCE", "1",
+                          "0: the residual add and RMSNorm after a push all-reduce in a kernel "
+                          "of their own")
+SHIPPED_PLANS = EnvVar("PAGEDGEN_SHIPPED_PLANS", "1",
+                       "0: kernel plans (FP8 GEMMs, MoE tiles) shipped for this GPU are passed "
+                       "over: measured at load, or read from this machine's cache")
 GATED_DELTA = EnvVar("PAGEDGEN_GATED_DELTA", "triton (+ fla's chunked prefill where installed) "
                      "on a GPU, torch on a CPU",
                      "torch or triton: the linear-attention (Gated DeltaNet) kernels")
@@ -57,5 +61,6 @@ HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its w
 
 ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_GROUP_TILE, FA4_CASCADE_SUFFIX,
                            FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM, FP8_FUSED_INPUT,
-                           MOE_TILES, ALL_REDUCE, FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS,
+                           MOE_TILES, SHIPPED_PLANS, ALL_REDUCE, FUSED_ALL_REDUCE,
+                           GATED_DELTA, GRAMMAR_WORKERS,
                            HOST_PROCESSES)

@@ -75,7 +75,8 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "kv_cache_bytes": "KV cache", "recurrent_state_bytes": "linear-attention state",
            "recurrent_state_slots": "state slots (seats + scratch)",
            "recurrent_state_bytes_per_slot": "state per slot",
-           "max_num_seqs_lowered": "seats lowered to fit the state"}
+           "max_num_seqs_lowered": "seats lowered to fit the state",
+           "kernel_plans": "kernel plans (FP8 GEMMs, MoE tiles)"}
 
 # The table's groups, each the summary keys it shows (keys in no group go to "run").
 _GROUPS: dict[str, tuple[str, ...]] = {
@@ -104,7 +105,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
                  "graph_capture_s", "mixed_graph_capture_s", "attention_warmup_s",
                  "attention_kernels_compiled_at_warmup",
-                 "attention_kernels_compiled_later"),
+                 "attention_kernels_compiled_later", "kernel_plans"),
 }
 TABLE_WIDTH = 100
 MIN_WIDTH = 60
@@ -123,7 +124,7 @@ _COMPACT: dict[str, tuple[str, ...]] = {
                  "prefix_cache_hit_rate", "cascade_decode_steps"),
     "memory": ("peak_memory_bytes", "kv_cache_bytes", "recurrent_state_bytes",
                "max_num_seqs_lowered"),
-    "start-up": ("startup_s",),
+    "start-up": ("startup_s", "kernel_plans"),
 }
 _COMPACT_LABELS = {"output_tokens_per_s": "output tokens/s", "total_tokens_per_s": "total tokens/s",
                    "output_tokens_per_s_while_busy": "output tokens/s while busy",

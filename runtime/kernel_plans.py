@@ -1,25 +1,43 @@
-"""Kernel choices measured once per machine and kept on disk (``$XDG_CACHE_HOME/pagedgen/``):
-the FP8 GEMM per M (``quantization/fp8_gemm.py``) and the MoE tiles per M
-(``layers/moe_plan.py``) are timed from CUDA-graph replays, as the model runs them, and written
-under a key naming the GPU, the library versions and the shape, so only the first start on a
-machine pays for the timing."""
+"""Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8_gemm.py``) and the
+MoE tiles per token count (``layers/moe_plan.py``), each timed from CUDA-graph replays as the
+model runs them, for a shape (a plan's key, without the GPU).
+
+A plan comes from, in order: this process (every layer of a shape asks); the machine's cache
+(``$XDG_CACHE_HOME/pagedgen/``, under the GPU's name and the torch and Triton versions); the
+plans shipped with the package for the GPU's name (``runtime/plans/*.json``, written by
+``benchmarks/kernel_plans.py`` on the GPUs we measure on: a first run on such a GPU times
+nothing); else it is measured at load, before the first step, and cached. ``sources`` counts
+where this process's plans came from (the run summary shows it);
+``$PAGEDGEN_SHIPPED_PLANS=0`` passes over the shipped ones."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import time
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from pagedgen import envs
 
-def device_key(device: torch.device) -> str:
-    """The GPU and the versions a measured plan holds for."""
+SHIPPED = Path(__file__).parent / "plans"
+
+
+def gpu_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device)
+
+
+def versions() -> str:
+    """The library versions a plan measured on this machine holds for."""
     import triton
 
-    return f"{torch.cuda.get_device_name(device)}|{torch.__version__}|{triton.__version__}"
+    return f"{torch.__version__}|{triton.__version__}"
 
 
 def cache_file(name: str) -> Path:
@@ -27,13 +45,30 @@ def cache_file(name: str) -> Path:
     return Path(base) / "pagedgen" / name
 
 
-def load(name: str) -> dict[str, Any]:
-    """Every plan in cache file ``name`` ({} when there is none or it does not parse)."""
+def shipped_file(gpu: str) -> Path:
+    """The shipped plans' file for GPU ``gpu`` (its name as CUDA gives it)."""
+    return SHIPPED / (re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") + ".json")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(cache_file(name).read_text())
+        data = json.loads(path.read_text())
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def load(name: str) -> dict[str, Any]:
+    """Every plan in cache file ``name`` ({} when there is none or it does not parse)."""
+    return _read_json(cache_file(name))
+
+
+def shipped(name: str, gpu: str) -> dict[str, Any]:
+    """The shipped plans of kind ``name`` for ``gpu``, by shape ({} for another GPU)."""
+    if envs.SHIPPED_PLANS.get() == "0":
+        return {}
+    plans = _read_json(shipped_file(gpu)).get(name)
+    return plans if isinstance(plans, dict) else {}
 
 
 def save(name: str, key: str, plan: Any) -> None:
@@ -50,22 +85,65 @@ def save(name: str, key: str, plan: Any) -> None:
         pass  # a read-only home: measured again next time
 
 
-_MEMORY: dict[tuple[str, str], Any] = {}  # plans this process has read or measured
+# plans this process has taken: (name, gpu, shape) -> (plan, its JSON)
+_MEMORY: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+sources: Counter[str] = Counter()  # "shipped", "cached", "measured": plans this process took
+measured_s = [0.0]  # seconds this process spent measuring
+_listeners: list[Callable[[str], None]] = []  # told what is being measured
 
 
-def cached(name: str, key: str, read: Callable[[Any], Any], measure: Callable[[], Any],
-           write: Callable[[Any], Any]) -> Any:
-    """The plan under ``key`` in cache file ``name``: this process's, else the disk's
-    (``read`` turns its JSON into a plan, or None when it no longer fits), else ``measure``d
-    and saved (``write``: the plan as JSON). Every layer of a shape asks; the file is read
-    and the timing done once a process."""
-    if (name, key) not in _MEMORY:
-        plan = read(load(name).get(key))
+@contextmanager
+def telling(listener: Callable[[str], None]) -> Iterator[None]:
+    """``listener`` is told, in words, what is timed while the block runs (a status line)."""
+    _listeners.append(listener)
+    try:
+        yield
+    finally:
+        _listeners.remove(listener)
+
+
+def cached(name: str, gpu: str, shape: str, read: Callable[[Any], Any],
+           measure: Callable[[], Any], write: Callable[[Any], Any]) -> Any:
+    """The plan of kind ``name`` for ``shape`` on GPU ``gpu``: this process's, else the
+    machine's cache, else the shipped one (``read`` turns JSON into a plan, or None when it
+    no longer fits), else ``measure``d and cached (``write``: the plan as JSON)."""
+    if (name, gpu, shape) not in _MEMORY:
+        disk_key = f"{gpu}|{versions()}|{shape}"
+        saved = load(name).get(disk_key)
+        plan, source = read(saved), "cached"
         if plan is None:
-            plan = measure()
-            save(name, key, write(plan))
-        _MEMORY[(name, key)] = plan
-    return _MEMORY[(name, key)]
+            saved = shipped(name, gpu).get(shape)
+            plan, source = read(saved), "shipped"
+        if plan is None:
+            for tell in _listeners:
+                tell(f"timing kernels for {name.split('-plans')[0]} shape {shape} on {gpu} "
+                     "(once per machine)")
+            t0 = time.perf_counter()
+            plan, source = measure(), "measured"
+            measured_s[0] += time.perf_counter() - t0
+            saved = write(plan)
+            save(name, disk_key, saved)
+        _MEMORY[(name, gpu, shape)] = (plan, saved)
+        sources[source] += 1
+    return _MEMORY[(name, gpu, shape)][0]
+
+
+def taken() -> dict[str, dict[str, Any]]:
+    """This process's plans as JSON, by kind and shape (what ``benchmarks/kernel_plans.py``
+    ships)."""
+    out: dict[str, dict[str, Any]] = {}
+    for (name, _, shape), (_, saved) in _MEMORY.items():
+        out.setdefault(name, {})[shape] = saved
+    return out
+
+
+def summary() -> str | None:
+    """Where this process's plans came from, in words (None: it took none)."""
+    if not sources:
+        return None
+    return ", ".join(f"{sources[s]} {s}" + (f" in {measured_s[0]:.0f} s" if s == "measured"
+                                            else "")
+                     for s in ("shipped", "cached", "measured") if sources[s])
 
 
 def graph_time(fn, calls: int = 5, replays: int = 3) -> float:

@@ -312,6 +312,8 @@ def test_kernel_plans_are_read_or_measured_once_a_process(monkeypatch, tmp_path)
     timing done once a process, even where the cache cannot be written."""
     from pagedgen.runtime import kernel_plans
     monkeypatch.setattr(kernel_plans, "_MEMORY", {})
+    monkeypatch.setattr(kernel_plans, "SHIPPED", tmp_path / "none")
+    monkeypatch.setattr(kernel_plans, "versions", lambda: "t|t")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "ro"))
     (tmp_path / "ro").write_text("")  # a file where the cache folder should be: unwritable
     measured, reads = [], []
@@ -321,14 +323,76 @@ def test_kernel_plans_are_read_or_measured_once_a_process(monkeypatch, tmp_path)
         return saved
 
     for _ in range(3):
-        plan = kernel_plans.cached("t.json", "k", read, lambda: measured.append(1) or [7],
-                                   lambda p: p)
-    assert plan == [7] and len(measured) == 1 and reads == [None]
+        plan = kernel_plans.cached("t.json", "GPU", "k", read,
+                                   lambda: measured.append(1) or [7], lambda p: p)
+    assert plan == [7] and len(measured) == 1 and reads == [None, None]
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "rw"))
     monkeypatch.setattr(kernel_plans, "_MEMORY", {})
-    kernel_plans.cached("t.json", "k", read, lambda: [8], lambda p: p)
+    kernel_plans.cached("t.json", "GPU", "k", read, lambda: [8], lambda p: p)
     monkeypatch.setattr(kernel_plans, "_MEMORY", {})  # a new process reads the file
-    assert kernel_plans.cached("t.json", "k", read, lambda: [9], lambda p: p) == [8]
+    assert kernel_plans.cached("t.json", "GPU", "k", read, lambda: [9], lambda p: p) == [8]
+    monkeypatch.setattr(kernel_plans, "versions", lambda: "t|other triton")  # measured again
+    monkeypatch.setattr(kernel_plans, "_MEMORY", {})
+    assert kernel_plans.cached("t.json", "GPU", "k", read, lambda: [9], lambda p: p) == [9]
+
+
+def test_shipped_kernel_plans_are_taken_by_gpu_name_before_measuring(monkeypatch, tmp_path):
+    """A first start on a GPU we ship plans for times nothing: the plan comes from the shipped
+    file named after the GPU; another GPU measures; ``PAGEDGEN_SHIPPED_PLANS=0`` passes over
+    the shipped one, and the summary says where each plan came from."""
+    from pagedgen.runtime import kernel_plans
+    monkeypatch.setattr(kernel_plans, "SHIPPED", tmp_path / "plans")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_plans, "versions", lambda: "t|t")
+    file = kernel_plans.shipped_file("NVIDIA H200")
+    assert file.name == "nvidia-h200.json"
+    file.parent.mkdir()
+    file.write_text(json.dumps({"gpu": "NVIDIA H200", "t.json": {"k": [5]}}))
+
+    def plan(gpu: str) -> list[int]:
+        return kernel_plans.cached("t.json", gpu, "k", lambda saved: saved, lambda: [6],
+                                   lambda p: p)
+
+    for env, gpu, want, source in ((None, "NVIDIA H200", [5], "1 shipped"),
+                                   (None, "NVIDIA H100 80GB HBM3", [6], "1 measured"),
+                                   ("0", "NVIDIA H200", [6], "1 measured")):
+        monkeypatch.setattr(kernel_plans, "_MEMORY", {})
+        monkeypatch.setattr(kernel_plans, "sources", kernel_plans.Counter())
+        monkeypatch.delenv("XDG_CACHE_HOME")
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / f"cache-{gpu}-{env}"))
+        if env:
+            monkeypatch.setenv("PAGEDGEN_SHIPPED_PLANS", env)
+        assert plan(gpu) == want
+        assert kernel_plans.summary().startswith(source)
+
+
+def test_the_shipped_kernel_plans_parse_into_plans_of_this_version():
+    """Every shipped file names kernels and tiles this version has, in increasing counts (a
+    change to the candidates must regenerate them: ``benchmarks/kernel_plans.py``)."""
+    from pagedgen.runtime import kernel_plans
+    from pagedgen.runtime.layers.moe_plan import PLAN_VERSION as MOE_VERSION, _from_json
+    from pagedgen.runtime.quantization import fp8_gemm
+    files = sorted(kernel_plans.SHIPPED.glob("*.json"))
+    for file in files:
+        data = json.loads(file.read_text())
+        assert kernel_plans.shipped_file(data["gpu"]) == file
+        for shape, saved in data.get("moe-plans.json", {}).items():
+            if shape.startswith(f"{MOE_VERSION}|"):
+                assert _from_json(saved) is not None, (file.name, shape)
+        for shape, saved in data.get("fp8-gemm-plans.json", {}).items():
+            if shape.startswith(f"{fp8_gemm.PLAN_VERSION}|"):
+                assert fp8_gemm._valid(saved, []), (file.name, shape)
+
+
+def test_moe_layers_plan_their_kernels_at_load_not_in_the_first_step(monkeypatch, tmp_path):
+    """The loader asks every MoE layer for its plan (shipped, cached or timed) before the
+    engine exists, so a run's first step times nothing."""
+    planned = []
+    monkeypatch.setattr(FusedMoE, "plan_kernels", lambda self: planned.append(self.act_dtype))
+    src = resolve_model(make_checkpoint("qwen3_moe", tmp_path / "m"))
+    model = build_model(src, "safetensors", torch.bfloat16, torch.device("cpu"))
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert layers and planned == [torch.bfloat16] * len(layers)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

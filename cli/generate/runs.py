@@ -30,6 +30,7 @@ from pagedgen.cli.formats.request import InputOptions, Request
 from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
                                           stream_output)
 from pagedgen.errors import PagedgenError, Terminated
+from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, checked_request,
@@ -130,7 +131,9 @@ def run(job: Job) -> dict[str, Any] | None:
         if driver is None:  # an engine here (a torchrun rank's shard of one)
             driver = LocalDriver(fit_seats(cfg, todo, job.defaults), job.defaults, src,
                                  tokenizer, grammars, load_s)
-            with console.status(f"loading {escape(src.name)} ..."):
+            loading = f"loading {escape(src.name)}"
+            with console.status(f"{loading} ...") as status, kernel_plans.telling(
+                    lambda what: status.update(f"{loading}: {escape(what)} ...")):
                 driver.load()
         check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there

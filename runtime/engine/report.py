@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.engine.stats import peak_memory_bytes
 
 
@@ -75,6 +76,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         if pw.failed:
             out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
     out.update(runner.attn_state.compile_stats())
+    if kernel_plans.sources:
+        out["kernel_plans"] = kernel_plans.summary()
     if runner.recurrent is not None:
         out.update(runner.recurrent.summary())
         if engine.config.prefix_caching:

@@ -90,7 +90,15 @@ class FusedMoE(nn.Module):
         # the ranks' outputs are summed: a down bias once (each expert lives on one rank)
         self.adds_down_bias = tp.rank == 0 or self.expert_parallel
         self.use_triton: bool | None = None
+        self.act_dtype = torch.get_default_dtype()  # the model's (built under it)
         self._plan: MoePlan | None = None
+
+    def plan_kernels(self) -> None:
+        """Choose the grouped GEMMs' tiles at load, before the first step (shipped for this
+        GPU, cached on this machine, or timed now): a run's steps time nothing."""
+        if self.w13_weight.is_cuda and self.use_triton is not False and mk.HAVE_TRITON:
+            self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k,
+                                  self.method.scales(self), self.act_dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:

@@ -6,8 +6,9 @@ candidate tiles at a few token counts, on uniformly random routing, from CUDA-gr
 the model runs them), and keeps per count the block height and the gate/up and down tiles whose
 sum (sorting included) is least (FP8 experts: with or without their GEMMs' inputs quantized
 per token, that quantization timed with them), and from which count torch's grouped GEMM
-(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are kept on
-disk per GPU and library versions (``runtime/kernel_plans.py``: ``moe-plans.json``).
+(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are shipped
+for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
+``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
 """
 
@@ -78,13 +79,19 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         return MoePlan([(math.inf, INTERPRETED, INTERPRETED, False)])
     if scales is None:
         act_dtype = w13.dtype
-    key = "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(w13.device), *w13.shape,
-                             top_k, w13.dtype, act_dtype, scales and scales.group_k)))
     return kernel_plans.cached(
-        CACHE, key, _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype),
+        CACHE, kernel_plans.gpu_name(w13.device), shape_key(w13, top_k, scales, act_dtype),
+        _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype),
         lambda plan: {"choices": [(m, up.name, down.name, a8)
                                   for m, up, down, a8 in plan.choices],
                       "grouped_mm_from": plan.grouped_mm_from})
+
+
+def shape_key(w13: torch.Tensor, top_k: int, scales: mk.ExpertScales | None,
+              act_dtype: torch.dtype) -> str:
+    """What a plan holds for: the experts' shape, top-k, weight and activation dtypes."""
+    return "|".join(map(str, (PLAN_VERSION, *w13.shape, top_k, w13.dtype, act_dtype,
+                              scales and scales.group_k)))
 
 
 def _from_json(saved) -> MoePlan | None:

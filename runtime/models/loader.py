@@ -23,6 +23,7 @@ from pagedgen.runtime.models import gguf_file, registry
 from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
@@ -162,13 +163,15 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
             model.load_weights(_iter_safetensors(files, where))
         except ValueError as e:
             raise PagedgenError(f"{where[0]}: {e}")
-    for module in model.modules():  # each linear layer's weights into its method's form
+    for module in model.modules():  # weights into their method's form, kernels planned
         method = getattr(module, "quant_method", None)
-        if method is not None:
-            try:
+        try:
+            if method is not None:
                 method.process_weights_after_loading(module)
-            except ValueError as e:
-                raise PagedgenError(str(e))
+            if isinstance(module, FusedMoE):
+                module.plan_kernels()
+        except ValueError as e:
+            raise PagedgenError(str(e))
     return model.eval()
 
 

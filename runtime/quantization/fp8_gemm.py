@@ -7,9 +7,9 @@ same, its tiles loaded by TMA: Hopper and later) and ``triton_w8a16/<tile>``
 (activations as they are, weights converted in registers; small M only), each Triton kernel in
 the tiles that suit the M. At load, each distinct weight shape times every candidate at a few M
 values from CUDA-graph replays (as the model runs them: small-M kernels would otherwise be timed
-by their launches) and keeps the fastest per M. Plans are kept on disk per GPU and library
-versions (``runtime/kernel_plans.py``: ``$XDG_CACHE_HOME/pagedgen/fp8-gemm-plans.json``), so
-only the first start on a machine pays for the timing. ``$PAGEDGEN_FP8_GEMM`` forces one kernel
+by their launches) and keeps the fastest per M. Plans are shipped for the GPUs we measure on
+and cached per machine (``runtime/kernel_plans.py``: ``fp8-gemm-plans.json``): only the first
+start on another GPU pays for the timing. ``$PAGEDGEN_FP8_GEMM`` forces one kernel
 (``dequantize``: the weight dequantized, a dense GEMM: the reference).
 """
 
@@ -90,7 +90,7 @@ def plan_gemm(layer: nn.Module, group_k: int | None) -> GemmPlan:
         return GemmPlan([(math.inf, forced)])
     cands = candidates(layer, group_k, max(M_BUCKETS))
     return kernel_plans.cached(
-        CACHE, _key(layer),
+        CACHE, kernel_plans.gpu_name(layer.weight.device), shape_key(layer),
         lambda saved: GemmPlan([(m, g) for m, g in saved]) if _valid(saved, cands) else None,
         lambda: _measure(layer, group_k), lambda plan: plan.choices)
 
@@ -123,9 +123,9 @@ PLAN_VERSION = 2  # part of the disk key: a change to the candidates or kernels 
 CACHE = "fp8-gemm-plans.json"
 
 
-def _key(layer: nn.Module) -> str:
-    return "|".join(map(str, (PLAN_VERSION, kernel_plans.device_key(layer.weight.device),
-                              *layer.weight.shape, layer.weight_scale.shape[1],
+def shape_key(layer: nn.Module) -> str:
+    """What a plan holds for: the weight's shape and scales, static input scale, act dtype."""
+    return "|".join(map(str, (PLAN_VERSION, *layer.weight.shape, layer.weight_scale.shape[1],
                               layer.input_scale is not None, layer.act_dtype)))
 
 

@@ -1,0 +1,113 @@
+"""The kernel plans shipped with the package (issue 59): every FP8 GEMM and MoE tile plan the
+presets' runs ask for, measured on this GPU as a first start here would measure them (nothing
+read from a cache or a shipped file), written to ``runtime/plans/<gpu>.json``: a run on a GPU
+of that name then times nothing at start-up (``runtime/kernel_plans.py``).
+
+Each preset is built with dummy weights in each quantization at each tensor-parallel size
+(rank 0's shard: every rank's has its shape; ``:ep`` adds expert parallel), on one GPU. The
+file is rewritten after each, so a run cut short keeps what it measured; shapes measured
+before (other presets) stay.
+
+    python -m benchmarks.kernel_plans [--models qwen3-30b-a3b,...] [--quantizations none,fp8]
+        [--tp 1,2,2:ep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.models.loader import (build_model, model_quantization, presets,
+                                            resolve_model)
+
+DENSE_FP8 = ("llama-3-8b", "llama-3-70b", "qwen3-32b", "qwen3-0.6b")  # the FP8 runs we measure
+
+
+def is_moe(src) -> bool:
+    cfg = src.hf_config
+    return bool(getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0))
+
+
+def default_runs() -> list[tuple[str, str | None]]:
+    """Every MoE preset as it ships and in FP8 (where its weights are not quantized already),
+    and the dense presets we run in FP8."""
+    runs = []
+    for name in presets():
+        if is_moe(resolve_model(name)):
+            runs += [(name, None), (name, "fp8")]
+        elif name in DENSE_FP8:
+            runs.append((name, "fp8"))
+    return runs
+
+
+def write(path, gpu: str) -> dict[str, int]:
+    """This process's plans merged into ``path`` (shapes measured before kept); counts."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data.update(gpu=gpu, measured_with=f"torch {torch.__version__}, triton "
+                f"{kernel_plans.versions().split('|')[1]}",
+                written=datetime.date.today().isoformat())
+    for name, plans in kernel_plans.taken().items():
+        data[name] = {**data.get(name, {}), **plans}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return {k: len(v) for k, v in data.items() if isinstance(v, dict)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="", help="presets (default: every MoE preset, and the "
+                    f"dense ones we run in FP8: {', '.join(DENSE_FP8)})")
+    ap.add_argument("--quantizations", default="none,fp8")
+    ap.add_argument("--tp", default="1", help="tensor-parallel sizes; N:ep for expert parallel")
+    ap.add_argument("--out", default=None, help="default: runtime/plans/<this GPU>.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("kernel plans are measured on a CUDA GPU; none is visible here")
+    os.environ["PAGEDGEN_SHIPPED_PLANS"] = "0"  # measure everything, as a first start would
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="pagedgen-plans-")
+    device = torch.device("cuda")
+    gpu = kernel_plans.gpu_name(device)
+    out = kernel_plans.shipped_file(gpu) if args.out is None else Path(args.out)
+    quants = [None if q == "none" else q for q in args.quantizations.split(",")]
+    runs = [(m, q) for m, q in default_runs() if q in quants] if not args.models else \
+        [(m, q) for m in args.models.split(",") for q in quants]
+    sizes = [(int(t.split(":")[0]), t.endswith(":ep")) for t in args.tp.split(",")]
+    for name, quant in runs:
+        for size, ep in sizes:
+            src = resolve_model(name)
+            if ep and not is_moe(src):
+                continue
+            label = f"{name} {quant or 'as shipped'} tp {size}{' ep' if ep else ''}"
+            t0 = time.perf_counter()
+            before = sum(kernel_plans.sources.values())
+            try:
+                model = build_model(src, "dummy", torch.bfloat16, device,
+                                    tp=TensorParallel(0, size, expert_parallel=ep),
+                                    quant=model_quantization(src, quant))
+            except PagedgenError as e:
+                print(f"{label}: skipped: {e}", flush=True)
+                continue
+            del model
+            gc.collect()
+            torch.cuda.empty_cache()
+            counts = write(out, gpu)
+            print(f"{label}: {sum(kernel_plans.sources.values()) - before} new shapes in "
+                  f"{time.perf_counter() - t0:.0f} s; {out.name}: {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
