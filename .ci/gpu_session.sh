@@ -35,6 +35,10 @@
 # carried; STRUCT_REPEATS, STRUCT_LIMIT, STRUCT_NO_VLLM, STRUCT_MIXED_OFF,
 # STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
 # STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
+# tp-close (issue 62's last items: two-GPU tests, verify -tp 2, MoE by width and -ep);
+# plans (issue 59: benchmarks/kernel_plans.py for this GPU; PLANS_MODELS, PLANS_QUANT,
+# PLANS_TP, PLANS_LIMIT); first-runs (FIRST_WORKLOADS on empty kernel caches, twice, and vLLM;
+# PEERS_QUANT, PEERS_BACKENDS, PEERS_PEERS, PEERS_LIMIT).
 # tp, tp-runs, tp-vllm, tp-more, tp-new, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
 # push all-reduce's tests and latency, 8B at tp 1 and 2 (profile, decode at batch 1 and 64,
 # workload a, each all-reduce kind), vLLM at tp 2,
@@ -422,6 +426,48 @@ PY
       timed oss-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers --workloads o \
         --backends triton --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/oss-peers.json"
       grep -E "^│|^\|" "$S/oss-peers.log" | cut -c1-200 | tail -8 ;;
+    tp-close)  # issue 62's last items on HEAD: the two-GPU tests of every backend, verify
+      # -tp 2, Qwen3-30B-A3B at tp 2 with its experts split by width and whole (-ep)
+      timed tp-pytest "${TP_TESTS_LIMIT:-200}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+        tests/test_gpu_tensor_parallel.py
+      grep -E "passed|failed|FAILED|ERROR" "$S/tp-pytest.log" | tail -6
+      timed tp-verify 90 pagedgen verify --backend "${VERIFY_BACKEND:-flash-attn}" -tp 2 \
+        --model-only --json "$S/tp-verify.json"
+      grep -h "PASS\|FAIL\|tensor parallel" "$S/tp-verify.log" | head -8
+      for split in width ep; do
+        timed "tp-moe-$split" "${TP_MOE_LIMIT:-130}" python3 -m benchmarks.tensor_parallel \
+          --backend auto --runs qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
+          $([ $split = ep ] && echo --expert-parallel) --dir "/tmp/tp-moe-$split" \
+          --json "$S/tp-moe-$split.json"
+        grep -h "qwen3" "$S/tp-moe-$split.log" | cut -c1-200
+      done ;;
+    plans)  # issue 59: the kernel plans shipped for this GPU (benchmarks/kernel_plans.py), one
+      # GPU's shapes before -tp 2's; runtime/plans/*.json comes back in $OUT
+      timed plans "${PLANS_LIMIT:-280}" python3 -m benchmarks.kernel_plans --models \
+        "${PLANS_MODELS:-qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b,qwen3.5-35b-a3b,gpt-oss-120b}" \
+        --quantizations "${PLANS_QUANT:-none,fp8}" --tp "${PLANS_TP:-1,2,2:ep}"
+      cut -c1-220 "$S/plans.log" | grep -v "^ *$" | tail -40
+      cp runtime/plans/*.json "${OUT:-/tmp/out}/" ;;
+    first-runs)  # issues 59-61: each of $FIRST_WORKLOADS through pagedgen at its default
+      # backend on empty kernel caches (plans only as shipped: a fresh machine's first run,
+      # then a second), and vLLM (PEERS_PEERS, default vllm) on the same requests;
+      # PEERS_QUANT=fp8: both in FP8
+      q=${PEERS_QUANT:-bf16}
+      for w in ${FIRST_WORKLOADS:-m}; do
+        timed "first-$w-$q" "${PEERS_LIMIT:-300}" env TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" \
+          XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" python3 -m benchmarks.peers --workloads "$w" \
+          --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
+          $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
+          --json "$S/first-$w-$q.json"
+        python3 - "$S/first-$w-$q.json" <<'PY' || tail -5 "$S/first-$w-$q.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    print(r["workload"], r["system"], r.get("backend", ""), "runs tok/s",
+          [round(x) for x in r.get("runs_output_tokens_per_s", [])],
+          "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
+          r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")})
+PY
+      done ;;
     *) echo "unknown step '$step'" ;;
   esac
 done

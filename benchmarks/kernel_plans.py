@@ -86,8 +86,8 @@ def main() -> None:
     runs = [(m, q) for m, q in default_runs() if q in quants] if not args.models else \
         [(m, q) for m in args.models.split(",") for q in quants]
     sizes = [(int(t.split(":")[0]), t.endswith(":ep")) for t in args.tp.split(",")]
-    for name, quant in runs:
-        for size, ep in sizes:
+    for size, ep in sizes:  # one GPU's shapes first: a run cut short keeps those
+        for name, quant in runs:
             src = resolve_model(name)
             if ep and not is_moe(src):
                 continue

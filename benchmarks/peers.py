@@ -258,7 +258,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         res = median_run(runs)
         label = f"pagedgen {b}" + (f" {quantization}" if quantization else "") + suffix
         row(label + (f" (FA4 decode tile {tile})" if tile else ""), res["wall_time_s"], {
-            k: res[k] for k in ("runs_output_tokens_per_s", "decode_roofline_fraction",
+            k: res[k] for k in ("backend", "kernel_plans", "runs_output_tokens_per_s",
+                                "decode_roofline_fraction",
                                 "decode_step_ms", "peak_memory_bytes", "block_size",
                                 "decode_host_ms_per_step", "attention_warmup_s",
                                 "graph_capture_s", "load_time_s", "startup_breakdown_s",
@@ -321,8 +322,9 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workloads", default="a,b,c")
     ap.add_argument("--backends", default="auto",
-                    help="comma list (empty: peers only), or auto: every available GPU "
-                         "backend but sdpa/eager")
+                    help="comma list (empty: peers only; default: the one pagedgen picks "
+                         "for the model), or auto: every available GPU backend but "
+                         "sdpa/eager")
     ap.add_argument("--peers", default="vllm,hf-generate,hf-continuous",
                     help="comma list of vllm, hf-generate, hf-continuous; empty for none")
     ap.add_argument("--fa4-decode-tiles", default="",
@@ -356,6 +358,7 @@ def main() -> None:
     backends = [b for b in args.backends.split(",") if b] if args.backends != "auto" else [
         s.name for s in backend_status(torch.device("cuda"))
         if s.available and s.name not in ("sdpa", "eager")]
+    backends = ["auto" if b == "default" else b for b in backends]  # what pagedgen picks
     peers = [p for p in args.peers.split(",") if p]
     bw, flops = copy_bandwidth(), matmul_flops()
     import transformers

@@ -86,6 +86,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
         model.mkdir()
         cfg = hf_config.to_transformers().to_dict()
         vocab = cfg["vocab_size"]
+        if cfg.get("mxfp4_experts"):  # gpt-oss's experts 4-bit in vLLM too (its MXFP4 path)
+            cfg["quantization_config"] = cfg.pop("mxfp4_experts")
         if cfg["model_type"] in MULTIMODAL:
             outer, arch = MULTIMODAL[cfg["model_type"]]
             rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text
