@@ -134,22 +134,19 @@ if HAVE_TRITON:
         """B's [BLOCK_K, BLOCK_N] tile at columns ``k_even`` (and each one after) from MXFP4:
         bytes [N, K / 2] (two e2m1 codes a byte, the low nibble first) and e8m0 scales [N,
         K / 32] (a power of two, biased by 127); (low nibbles, high nibbles) in ``dtype``,
-        each [BLOCK_K / 2, BLOCK_N]."""
+        each [BLOCK_K / 2, BLOCK_N]. By bits alone: a code's exponent and mantissa bits moved
+        into a float16's (its exponent field 0-3: 0.5 is a subnormal) read 2^-14 times the
+        value, and the scale times 2^14 is a float32 made from its exponent."""
         ok = (k_even < K)[:, None] & n_ok[None, :]
         packed = tl.load(b_at + offs_n[None, :] * stride_bn + (k_even // 2)[:, None],
                          mask=ok, other=0).to(tl.int32)
         exp = tl.load(s_at + offs_n[None, :] * num_groups + (k_even // 32)[:, None], mask=ok,
-                      other=127).to(tl.float32)
-        scale = tl.exp2(exp - 127.0)
-        return (_e2m1(packed & 15) * scale).to(dtype), (_e2m1(packed >> 4) * scale).to(dtype)
-
-    @triton.jit
-    def _e2m1(code):
-        """The value of each 4-bit e2m1 code: sign, two exponent bits, one mantissa bit."""
-        e = (code >> 1) & 3
-        m = (code & 1).to(tl.float32)
-        mag = tl.where(e == 0, 0.5 * m, tl.exp2(e.to(tl.float32) - 1.0) * (1.0 + 0.5 * m))
-        return tl.where(code >= 8, -mag, mag)
+                      other=127).to(tl.int32)
+        scale = ((tl.minimum(exp, 240) + 14) << 23).to(tl.float32, bitcast=True)
+        lo = (((packed & 7) << 9) | ((packed & 8) << 12)).to(tl.int16)
+        hi = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(tl.int16)
+        return ((lo.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype),
+                (hi.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype))
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
