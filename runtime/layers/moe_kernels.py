@@ -130,17 +130,17 @@ class Tiles:
 
 if HAVE_TRITON:
     @triton.jit
-    def _mxfp4_tile(b_at, s_at, k_even, offs_n, n_ok, K, stride_bn, num_groups, dtype):
-        """B's [BLOCK_K, BLOCK_N] tile at columns ``k_even`` (and each one after) from MXFP4:
-        bytes [N, K / 2] (two e2m1 codes a byte, the low nibble first) and e8m0 scales [N,
-        K / 32] (a power of two, biased by 127); (low nibbles, high nibbles) in ``dtype``,
-        each [BLOCK_K / 2, BLOCK_N]. By bits alone: a code's exponent and mantissa bits moved
-        into a float16's (its exponent field 0-3: 0.5 is a subnormal) read 2^-14 times the
-        value, and the scale times 2^14 is a float32 made from its exponent."""
-        ok = (k_even < K)[:, None] & n_ok[None, :]
-        packed = tl.load(b_at + offs_n[None, :] * stride_bn + (k_even // 2)[:, None],
-                         mask=ok, other=0).to(tl.int32)
-        exp = tl.load(s_at + offs_n[None, :] * num_groups + (k_even // 32)[:, None], mask=ok,
+    def _mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
+        """B's [BLOCK_K, BLOCK_N] tile at byte columns ``kb`` (contiguous: loads of whole
+        runs) from MXFP4: bytes [N, K / 2] (two e2m1 codes a byte, the low nibble first) and
+        e8m0 scales [N, K / 32] (a power of two, biased by 127); (low nibbles, high nibbles)
+        in ``dtype``, each [BLOCK_K / 2, BLOCK_N]. By bits alone: a code's exponent and
+        mantissa bits moved into a float16's (its exponent field 0-3: 0.5 is a subnormal) read
+        2^-14 times the value, and the scale times 2^14 is a float32 made from its exponent."""
+        ok = (kb < K // 2)[:, None] & n_ok[None, :]
+        packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok,
+                         other=0).to(tl.int32)
+        exp = tl.load(s_at + offs_n[None, :] * num_groups + (kb // 16)[:, None], mask=ok,
                       other=127).to(tl.int32)
         scale = ((tl.minimum(exp, 240) + 14) << 23).to(tl.float32, bitcast=True)
         lo = (((packed & 7) << 9) | ((packed & 8) << 12)).to(tl.int16)
@@ -191,19 +191,20 @@ if HAVE_TRITON:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
-                k_even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+                k_even = 2 * kb
                 a_row = a_ptr + rows[:, None] * stride_am + k_even[None, :]
                 a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
                 b_at = b_ptr + expert.to(tl.int64) * stride_be
                 s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse
-                lo, hi = _mxfp4_tile(b_at, s_at, k_even, offs_n, n_ok, K, stride_bn,
-                                     num_groups, a_lo.dtype)
+                lo, hi = _mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
+                                     a_lo.dtype)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
-                    lo, hi = _mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, k_even,
+                    lo, hi = _mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, kb,
                                          offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
