@@ -105,7 +105,7 @@ def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
 
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2)
     plan = plan_moe(q13, q2, k, scales, x.dtype)
-    tiles, a8 = plan.choose(t), plan.fp8_input(t)
+    tiles, a8 = plan.choose(t), plan.native(t)
     row = {"fp8": _replay_ms(lambda: mk.fused_experts(
         x, q13, q2, *mk.route(logits, k, renorm), tiles, None, scales, a8)),
         "fp8_mode": ("w8a8 " if a8 else "w8a16 ") + tiles[0].name}

@@ -272,7 +272,7 @@ def test_plan_chooses_by_token_count_and_reads_its_disk_form(monkeypatch):
                     (float("inf"), tiles[4], tiles[5], False)])
     assert plan.choose(1) == (tiles[0], tiles[1]) and plan.choose(2) == (tiles[2], tiles[2])
     assert plan.choose(10_000) == (tiles[4], tiles[5])
-    assert [plan.fp8_input(m) for m in (1, 2, 64, 65)] == [False, True, True, False]
+    assert [plan.native(m) for m in (1, 2, 64, 65)] == [False, True, True, False]
     w = torch.empty(4, 8, 16)
     assert plan_moe(w, w, 2).choose(5) == (INTERPRETED, INTERPRETED)  # CPU: the interpreter's
     monkeypatch.setenv("PAGEDGEN_MOE_TILES", tiles[3].name)

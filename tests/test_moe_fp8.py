@@ -55,7 +55,7 @@ def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, 
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
     tiles = mk.Tiles(block_m, 32, 32)
     got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales,
-                           fp8_input=fp8_input)
+                           native=fp8_input)
     if fp8_input:
         ref = fp8_input_reference(x, q13, q2, scales, weights, ids)
         tol = 2e-3  # an activation on an e4m3 rounding tie may round the other way
@@ -84,7 +84,7 @@ def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input
     x, w13, w2, weights, ids = _experts(9, 4, 2, 64, 64)
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
     t = mk.Tiles(16, 32, 64)
-    got = mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales, fp8_input=fp8_input)
+    got = mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales, native=fp8_input)
     ref = fp8_input_reference(x, q13, q2, scales, weights, ids) if fp8_input else \
         mk.reference(x, *scales.dequantize(q13, q2, torch.float32), weights, ids)
     assert (got - ref).abs().max() <= 2e-3 * ref.abs().max()

@@ -41,6 +41,42 @@ def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, blo
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
 
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("biased", [False, True])
+def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_weights(biased):
+    """The plan's other MXFP4 way (``native``: codes and scales as they are into
+    ``tl.dot_scaled``, bf16 activations) gives the loop's result to bf16's precision, K tiles
+    past K included (Triton's interpreter multiplies no bf16 ``tl.dot``, so the reference is
+    float32's); float32 activations are a one-line refusal."""
+    x, w13, w2, weights, chosen = _experts(29, 8, 3, 96, 64)
+    q13, s13, d13 = packed(w13)
+    q2, s2, d2 = packed(w2)
+    scales = ExpertScales(s13, s2, mxfp4.GROUP)
+    g = torch.Generator().manual_seed(2)
+    extra = dict(act=clamped_swiglu(1.702, 0.5), b13=torch.randn(8, 128, generator=g),
+                 b2=torch.randn(8, 96, generator=g)) if biased else {}
+    xb = x.bfloat16()
+    ref = mk.reference(xb.float(), d13, d2, weights, chosen, extra.get("act", mk.swiglu),
+                       extra.get("b13"), extra.get("b2"))
+    for block_k in (64, 128):
+        tiles = (mk.Tiles(16, 32, block_k),) * 2
+        got = mk.fused_experts(xb, q13, q2, weights, chosen, tiles, None, scales, native=True,
+                               **extra)
+        assert (got.float() - ref).abs().max() < 3e-2 * ref.abs().max()
+    slots, experts = mk.align_reference(chosen, 8, 16)
+    with pytest.raises(ValueError, match="bf16 or fp16 activations"):
+        mk.grouped_gemm(x, q13, x.new_empty(87, 128), slots, experts, 87,
+                        mk.Tiles(16, 32, 64), 3, gated=True, w_scale=s13, scaled_dot=True)
+
+
+def test_mxfp4_plans_time_tl_dot_scaled_only_for_half_precision_activations():
+    from pagedgen.runtime.layers.moe_plan import natives
+    assert natives(None, 32, True, torch.bfloat16) == (False, True)
+    assert natives(None, 32, True, torch.float32) == (False,)
+    assert natives(object(), None, False, torch.bfloat16) == (False, True)  # FP8 per channel
+    assert natives(None, None, False, torch.bfloat16) == (False,)  # dense experts
+
+
 def test_mxfp4_experts_refuse_scales_that_do_not_pair():
     x, w13, _, weights, chosen = _experts(3, 4, 2, 64, 32)
     q13, s13, _ = packed(w13)

@@ -127,7 +127,7 @@ class FusedMoE(nn.Module):
                                               out, fused_ops.silu_and_mul_fused, scales)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
-                                    self._plan.fp8_input(x.shape[0]), self.act,
+                                    self._plan.native(x.shape[0]), self.act,
                                     self.w13_bias, b2, dropped=self.expert_parallel)
 
     @property

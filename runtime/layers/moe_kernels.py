@@ -149,12 +149,27 @@ if HAVE_TRITON:
                 (hi.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype))
 
     @triton.jit
+    def _mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
+                        BLOCK_K: tl.constexpr):
+        """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K): the packed codes
+        [BLOCK_K / 2, BLOCK_N] (along K) and the e8m0 scales [BLOCK_N, BLOCK_K / 32]."""
+        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        codes = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
+                        mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
+        exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
+                       mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
+        return codes, exps
+
+    @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
                              a_scale_ptr, b_scale_ptr, num_slots, N, K, num_blocks, group_k,
                              num_groups, stride_am, stride_be, stride_bn, stride_bse,
                              stride_cm, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
                              WEIGHTED: tl.constexpr, B_FP8: tl.constexpr, A_FP8: tl.constexpr,
-                             B_FP4: tl.constexpr, PER_ROW: tl.constexpr, PRECISION: tl.constexpr,
+                             B_FP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+                             A_FORMAT: tl.constexpr, PER_ROW: tl.constexpr,
+                             PRECISION: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
@@ -164,8 +179,10 @@ if HAVE_TRITON:
         tile lies in one group), converted to A's dtype in registers unless A_FP8: A in e4m3
         with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in
         MXFP4 (``_mxfp4_tile``), converted in registers; A's even and odd columns multiply
-        B's low and high nibbles. Programs walk GROUP_M blocks per column of tiles (a run of
-        blocks mostly shares an expert: its tiles stay in L2)."""
+        B's low and high nibbles; or with SCALED_DOT, codes and scales as they are into
+        ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. Programs walk
+        GROUP_M blocks per column of tiles (a run of blocks mostly shares an expert: its
+        tiles stay in L2)."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_n
@@ -190,7 +207,20 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            if B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
+            if B_FP4 and SCALED_DOT:
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
+                            other=0.0)
+                b_at = b_ptr + expert.to(tl.int64) * stride_be
+                s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse
+                codes, exps = _mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
+                                              num_groups, BLOCK_K)
+                acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
+                if GATED:
+                    codes, exps = _mxfp4_operands(b_at + N * stride_bn, s_at + N * num_groups,
+                                                  k0, offs_n, n_ok, K, stride_bn, num_groups,
+                                                  BLOCK_K)
+                    acc_up = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc_up)
+            elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 k_even = 2 * kb
                 a_row = a_ptr + rows[:, None] * stride_am + k_even[None, :]
@@ -342,18 +372,22 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
     return slots, block_experts
 
 
+SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names
+
+
 def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
                  block_experts: torch.Tensor, num_slots: int, tiles: Tiles, a_row_div: int,
                  gated: bool, weights: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-                 group_k: int | None = None) -> torch.Tensor:
+                 group_k: int | None = None, scaled_dot: bool = False) -> torch.Tensor:
     """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T)`` for every sorted slot (``align``
     with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f`` is SiLU-and-mul;
     ``weights`` (float32, per slot): the output scaled by them. ``w_scale``: ``w`` is e4m3
     with these scales (``ExpertScales``; a K tile wider than their group of ``group_k``
     columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
     group). ``w`` uint8: MXFP4 codes [E, rows, K / 2], ``w_scale`` their e8m0 exponents [E,
-    rows, K / 32] (``mxfp4_moe``), converted in registers."""
+    rows, K / 32] (``mxfp4_moe``), converted in registers, or with ``scaled_dot`` (``a`` in
+    bf16 or fp16) multiplied by ``tl.dot_scaled``."""
     fp4 = w.dtype == torch.uint8
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2] * (2 if fp4 else 1)
@@ -364,6 +398,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
             raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns, and "
                              "activations as they are")
         group, block_k = k, tiles.block_k
+        if scaled_dot and a.dtype not in SCALED_DOT_FORMATS:
+            raise ValueError(f"tl.dot_scaled takes bf16 or fp16 activations, not {a.dtype}")
     else:
         group = k if groups == 1 else group_k
         block_k = tiles.block_k if groups == 1 else min(tiles.block_k, group)  # in a group
@@ -377,6 +413,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         w_scale.stride(0) if w_scale is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
+        SCALED_DOT=fp4 and scaled_dot, A_FORMAT=SCALED_DOT_FORMATS.get(a.dtype, "bf16"),
         PER_ROW=groups == 1 or fp4,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
@@ -387,12 +424,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
                   out: torch.Tensor | None = None, scales: ExpertScales | None = None,
-                  fp8_input: bool = False, act=swiglu, b13: torch.Tensor | None = None,
+                  native: bool = False, act=swiglu, b13: torch.Tensor | None = None,
                   b2: torch.Tensor | None = None, dropped: bool = False) -> torch.Tensor:
     """``reference``'s result by the kernels (``tiles``: gate/up's and down's, one block_m),
     summed over each token's slots into ``out`` ([T, H], or a new tensor). ``scales``: the
-    weights are e4m3; ``fp8_input``: each GEMM's input quantized per token (per token and K
-    group for block scales) for the FP8 tensor cores, else the weights are converted to the
+    weights are e4m3 (or MXFP4: uint8 weights); ``native``: the weights' own format meets
+    the tensor cores (FP8: each GEMM's input quantized per token, per token and K group for
+    block scales; MXFP4: ``tl.dot_scaled``), else the weights are converted to the
     activations' dtype in registers. Another ``act`` or biases (gpt-oss): the first GEMM
     writes gate and up, the biases and the activation run between the GEMMs (``bias_and_act``),
     and each slot's weighted down bias joins the second GEMM's output. ``dropped``: slots of
@@ -407,25 +445,26 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         block_experts = torch.where(block_experts == experts, -1, block_experts)
     inter = x.new_empty(n, w13.shape[1] // 2)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
+    fp8_input, dot = (native and w13.dtype != torch.uint8, native and w13.dtype == torch.uint8)
     a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
     plain = act is swiglu and b13 is None and b2 is None
     if plain:
         grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
-                     w_scale=s13, a_scale=a_scale, group_k=group_k)
+                     w_scale=s13, a_scale=a_scale, group_k=group_k, scaled_dot=dot)
     else:
         expert = ids.reshape(-1).long()  # each slot's expert, for its biases (token-major)
         if dropped:
             expert = expert.clamp(max=experts - 1)  # a dropped slot's bias: weighted by 0
         gate_up = grouped_gemm(a, w13, x.new_empty(n, w13.shape[1]), slots, block_experts, n,
                                tiles[0], top_k, gated=False, w_scale=s13, a_scale=a_scale,
-                               group_k=group_k)
+                               group_k=group_k, scaled_dot=dot)
         inter = bias_and_act(gate_up, act, b13, expert)
     a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
     slot_weights = weights.reshape(-1).float()
     down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,
                         block_experts, n, tiles[1], 1,
                         gated=False, weights=slot_weights, w_scale=s2,
-                        a_scale=a_scale, group_k=group_k)
+                        a_scale=a_scale, group_k=group_k, scaled_dot=dot)
     if b2 is not None:
         down += (slot_weights[:, None] * b2[expert].float()).to(down.dtype)
     return torch.sum(down.view(t, top_k, h), dim=1, out=out)

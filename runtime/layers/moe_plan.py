@@ -41,8 +41,9 @@ INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 @dataclass
 class MoePlan:
-    """``choices``: [(largest token count, gate/up tiles, down tiles, FP8 input)], increasing
-    counts (FP8 input: FP8 experts' GEMMs take their inputs quantized per token);
+    """``choices``: [(largest token count, gate/up tiles, down tiles, native)], increasing
+    counts (native: the weights' own format meets the tensor cores: FP8 experts' GEMMs take
+    their inputs quantized per token, MXFP4 experts run ``tl.dot_scaled``);
     ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
     CUDA-graph capture)."""
 
@@ -57,8 +58,8 @@ class MoePlan:
     def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
         return self._choice(tokens)[1:3]
 
-    def fp8_input(self, tokens: int) -> bool:
-        """Whether FP8 experts quantize their GEMMs' inputs at ``tokens`` tokens."""
+    def native(self, tokens: int) -> bool:
+        """Whether the experts' GEMMs take their weights' own format at ``tokens`` tokens."""
         return self._choice(tokens)[3]
 
     def _choice(self, tokens: int) -> tuple[float, Tiles, Tiles, bool]:
@@ -127,6 +128,25 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device: torch.devi
     return weights / weights.sum(-1, keepdim=True), ids
 
 
+def natives(scales: mk.ExpertScales | None, group_k: int | None, fp4: bool,
+            act_dtype: torch.dtype) -> tuple[bool, ...]:
+    """The ways the experts' weights may meet the tensor cores that a plan times: converted to
+    the activations' dtype (False), and their own format (True) where it can: FP8 inputs take
+    K tiles of 32 or more; ``tl.dot_scaled`` takes bf16 or fp16 activations."""
+    if fp4:
+        return (False, True) if act_dtype in mk.SCALED_DOT_FORMATS else (False,)
+    return (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
+
+
+def _or_never(fn) -> float:
+    """``graph_time(fn)``, or infinity where its kernel does not build (a Triton that lowers
+    no ``tl.dot_scaled`` for this GPU)."""
+    try:
+        return kernel_plans.graph_time(fn)
+    except Exception:  # noqa: BLE001 - a compiler's refusal: that way is not timed
+        return math.inf
+
+
 def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
              scales: mk.ExpertScales | None, act_dtype: torch.dtype) -> MoePlan:
     from pagedgen.runtime.hardware import time_cuda
@@ -144,23 +164,26 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         inter = x.new_empty(n, w13.shape[1] // 2)
         out = x.new_empty(n, hidden)
 
-        def up_gemm(t: Tiles, a8: bool) -> None:
+        def up_gemm(t: Tiles, native: bool) -> None:
+            a8 = native and not fp4
             a, a_scale = mk.quantize_activations(x, group_k) if a8 else (x, None)
             mk.grouped_gemm(a, w13, inter, slots, experts, n, t, top_k, gated=True,
-                            w_scale=s13, a_scale=a_scale, group_k=group_k)
+                            w_scale=s13, a_scale=a_scale, group_k=group_k,
+                            scaled_dot=native and fp4)
 
-        def down_gemm(t: Tiles, a8: bool) -> None:
+        def down_gemm(t: Tiles, native: bool) -> None:
+            a8 = native and not fp4
             a, a_scale = mk.quantize_activations(inter, group_k) if a8 else (inter, None)
             mk.grouped_gemm(a, w2, out, slots, experts, n, t, 1, gated=False,
                             weights=weights.reshape(-1), w_scale=s2, a_scale=a_scale,
-                            group_k=group_k)
+                            group_k=group_k, scaled_dot=native and fp4)
 
         best = None
-        # FP8 inputs on the tensor cores take K tiles of 32 or more
-        fp8_inputs = (False, True) if scales is not None and (group_k or 32) >= 32 \
-            and not fp4 else (False,)
-        for a8 in fp8_inputs:
-            elem, b_elem = 1 if a8 else x.element_size(), w13.element_size()
+        for native in natives(scales, group_k, fp4, act_dtype):
+            elem = 1 if native and not fp4 else x.element_size()
+            b_elem = w13.element_size()
+            # a scaled dot this GPU or Triton cannot build is left out (timed as never done)
+            timed = _or_never if native and fp4 else graph_time
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if block_m > max(16, 2 * per_expert):  # blocks mostly padding
                     continue
@@ -169,16 +192,18 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
-                up = {t: graph_time(lambda t=t: up_gemm(t, a8))
+                up = {t: timed(lambda t=t: up_gemm(t, native))
                       for t in tiles if fits(t, elem, True, b_elem)}
-                down = {t: graph_time(lambda t=t: down_gemm(t, a8))
+                down = {t: timed(lambda t=t: down_gemm(t, native))
                         for t in tiles if fits(t, elem, False, b_elem)}
+                up = {t: v for t, v in up.items() if v < math.inf}
+                down = {t: v for t, v in down.items() if v < math.inf}
                 if not up or not down:
                     continue
                 t_up, t_down = min(up, key=up.get), min(down, key=down.get)
                 total = sort_t + up[t_up] + down[t_down]
                 if best is None or total < best[0]:
-                    best = (total, t_up, t_down, a8)
+                    best = (total, t_up, t_down, native)
         choices.append((tokens, best[1], best[2], best[3]))
         if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13, scales):
             # eager, as prefill steps run: at these sizes launches are a small part
