@@ -84,3 +84,44 @@ def test_mxfp4_experts_refuse_scales_that_do_not_pair():
     with pytest.raises(ValueError, match="one per 32 columns"):
         mk.grouped_gemm(x, q13, x.new_empty(6, 64), slots, experts, 6, mk.Tiles(16, 32, 32),
                         2, gated=True, w_scale=s13[..., :1], group_k=32)
+
+
+@pytest.mark.parametrize("lowers", [True, False])
+def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(monkeypatch,
+                                                                              lowers):
+    """A MXFP4 plan times ``tl.dot_scaled`` in the tiles that won converted (at most two a
+    block height: the start-up's timing stays bounded) and takes it where it is faster; where
+    Triton cannot lower it for the GPU, the plan keeps the conversion in registers."""
+    from pagedgen.runtime import kernel_plans
+    from pagedgen.runtime.layers import moe_plan
+    calls = []
+
+    def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
+             w_scale=None, a_scale=None, group_k=None, scaled_dot=False):
+        calls.append((tiles, scaled_dot))
+        if scaled_dot and not lowers:
+            raise RuntimeError("no lowering of tt.dot_scaled here")
+
+    def graph_time(fn):  # the scaled dot twice as fast; earlier candidates faster
+        before = len(calls)
+        fn()
+        if len(calls) == before:
+            return 1e-6  # the sort
+        tiles, dot = calls[-1]
+        return (1 + moe_plan.CANDIDATES_ORDER.index(tiles) / 100) / (2 if dot else 1)
+
+    monkeypatch.setattr(mk, "grouped_gemm", gemm)
+    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(kernel_plans, "graph_time", graph_time)
+    w13, w2 = (torch.zeros(8, rows, cols, dtype=torch.uint8) for rows, cols in ((64, 32),
+                                                                                 (64, 16)))
+    scales = ExpertScales(torch.zeros(8, 64, 2, dtype=torch.uint8),
+                          torch.zeros(8, 64, 1, dtype=torch.uint8), mxfp4.GROUP)
+    plan = moe_plan._measure(w13, w2, 2, scales, torch.bfloat16)
+    converted, scaled = {}, {}
+    for tiles, dot in calls:
+        (scaled if dot else converted).setdefault(tiles.block_m, set()).add(tiles)
+    assert scaled and all(len(ts) <= 2 for ts in scaled.values())
+    for block_m, ts in scaled.items():  # the first fitting candidates are the converted best
+        assert ts <= set(sorted(converted[block_m], key=moe_plan.CANDIDATES_ORDER.index)[:2])
+    assert all(plan.native(t) == lowers for t in moe_plan.TOKEN_BUCKETS)

@@ -5,7 +5,9 @@ At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dt
 candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
 the model runs them), and keeps per count the block height and the gate/up and down tiles whose
 sum (sorting included) is least (FP8 experts: with or without their GEMMs' inputs quantized
-per token, that quantization timed with them), and from which count torch's grouped GEMM
+per token, that quantization timed with them; MXFP4 experts: converted in registers, and
+through ``tl.dot_scaled`` in the tiles that won converted, which bounds the added timing), and
+from which count torch's grouped GEMM
 (``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are shipped
 for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
 ``moe-plans.json``).
@@ -36,6 +38,7 @@ CANDIDATES = {t.name: t for t in (
     Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
     Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3),
     Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3))}  # deeper: FP8 operands
+CANDIDATES_ORDER = list(CANDIDATES.values())
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 
@@ -179,6 +182,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                             group_k=group_k, scaled_dot=native and fp4)
 
         best = None
+        shortlist: dict[int, set[Tiles]] = {}  # per block height: the converted way's best
         for native in natives(scales, group_k, fp4, act_dtype):
             elem = 1 if native and not fp4 else x.element_size()
             b_elem = w13.element_size()
@@ -192,6 +196,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
+                if native and fp4:  # the scaled dot in the converted way's best tiles only
+                    tiles = sorted(shortlist.get(block_m, ()), key=CANDIDATES_ORDER.index)
                 up = {t: timed(lambda t=t: up_gemm(t, native))
                       for t in tiles if fits(t, elem, True, b_elem)}
                 down = {t: timed(lambda t=t: down_gemm(t, native))
@@ -201,6 +207,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 if not up or not down:
                     continue
                 t_up, t_down = min(up, key=up.get), min(down, key=down.get)
+                shortlist[block_m] = {t_up, t_down}
                 total = sort_t + up[t_up] + down[t_down]
                 if best is None or total < best[0]:
                     best = (total, t_up, t_down, native)
