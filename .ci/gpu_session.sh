@@ -445,9 +445,9 @@ PY
       # GPU's shapes before -tp 2's; runtime/plans/*.json comes back in $OUT
       timed plans "${PLANS_LIMIT:-280}" python3 -m benchmarks.kernel_plans --models \
         "${PLANS_MODELS:-qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b,qwen3.5-35b-a3b,gpt-oss-120b}" \
-        --quantizations "${PLANS_QUANT:-none,fp8}" --tp "${PLANS_TP:-1,2,2:ep}"
-      cut -c1-220 "$S/plans.log" | grep -v "^ *$" | tail -40
-      cp runtime/plans/*.json "${OUT:-/tmp/out}/" ;;
+        --quantizations "${PLANS_QUANT:-none,fp8}" --tp "${PLANS_TP:-1,2,2:ep}" \
+        --copy-to "${OUT:-/tmp/out}"
+      cut -c1-220 "$S/plans.log" | grep -v "^ *$" | tail -40 ;;
     first-runs)  # issues 59-61: each of $FIRST_WORKLOADS through pagedgen at its default
       # backend on empty kernel caches (plans only as shipped: a fresh machine's first run,
       # then a second), and vLLM (PEERS_PEERS, default vllm) on the same requests;

@@ -19,6 +19,7 @@ import datetime
 import gc
 import json
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +75,9 @@ def main() -> None:
     ap.add_argument("--quantizations", default="none,fp8")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes; N:ep for expert parallel")
     ap.add_argument("--out", default=None, help="default: runtime/plans/<this GPU>.json")
+    ap.add_argument("--copy-to", type=Path, default=None,
+                    help="a folder that gets a copy of the file after each preset (what a "
+                         "call cut by its time limit brings back)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("kernel plans are measured on a CUDA GPU; none is visible here")
@@ -105,6 +109,8 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             counts = write(out, gpu)
+            if args.copy_to is not None:
+                shutil.copy(out, args.copy_to / out.name)
             print(f"{label}: {sum(kernel_plans.sources.values()) - before} new shapes in "
                   f"{time.perf_counter() - t0:.0f} s; {out.name}: {counts}", flush=True)
 
