@@ -451,10 +451,11 @@ PY
     first-runs)  # issues 59-61: each of $FIRST_WORKLOADS through pagedgen at its default
       # backend on empty kernel caches (plans only as shipped: a fresh machine's first run,
       # then a second), and vLLM (PEERS_PEERS, default vllm) on the same requests;
-      # PEERS_QUANT=fp8: both in FP8
+      # PEERS_QUANT=fp8: both in FP8. PEERS_LIMIT (default 540 s a workload): vLLM's cold
+      # start alone takes 150-200 s on a fresh machine
       q=${PEERS_QUANT:-bf16}
       for w in ${FIRST_WORKLOADS:-m}; do
-        timed "first-$w-$q" "${PEERS_LIMIT:-300}" env TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" \
+        timed "first-$w-$q" "${PEERS_LIMIT:-540}" env TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" \
           XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" python3 -m benchmarks.peers --workloads "$w" \
           --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
           $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
