@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+import triton
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import kernel_plans
@@ -58,8 +59,7 @@ def write(path, gpu: str) -> dict[str, int]:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
-    data.update(gpu=gpu, measured_with=f"torch {torch.__version__}, triton "
-                f"{kernel_plans.versions().split('|')[1]}",
+    data.update(gpu=gpu, measured_with=f"torch {torch.__version__}, triton {triton.__version__}",
                 written=datetime.date.today().isoformat())
     for name, plans in kernel_plans.taken().items():
         data[name] = {**data.get(name, {}), **plans}

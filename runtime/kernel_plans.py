@@ -137,10 +137,8 @@ def taken() -> dict[str, dict[str, Any]]:
     return out
 
 
-def summary() -> str | None:
-    """Where this process's plans came from, in words (None: it took none)."""
-    if not sources:
-        return None
+def summary() -> str:
+    """Where this process's plans came from, in words (once it took some: ``sources``)."""
     return ", ".join(f"{sources[s]} {s}" + (f" in {measured_s[0]:.0f} s" if s == "measured"
                                             else "")
                      for s in ("shipped", "cached", "measured") if sources[s])

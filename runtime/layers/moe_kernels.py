@@ -200,9 +200,10 @@ if HAVE_TRITON:
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :] * stride_bn \
-            + offs_k[:, None]
-        bs_ptrs = b_scale_ptr + expert.to(tl.int64) * stride_bse + offs_n * num_groups
+        b_at = b_ptr + expert.to(tl.int64) * stride_be  # this expert's B
+        s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse  # and its scales
+        b_ptrs = b_at + offs_n[None, :] * stride_bn + offs_k[:, None]
+        bs_ptrs = s_at + offs_n * num_groups
         as_ptrs = a_scale_ptr + rows * num_groups
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -210,8 +211,6 @@ if HAVE_TRITON:
             if B_FP4 and SCALED_DOT:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
-                b_at = b_ptr + expert.to(tl.int64) * stride_be
-                s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse
                 codes, exps = _mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
                                               num_groups, BLOCK_K)
                 acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
@@ -227,8 +226,6 @@ if HAVE_TRITON:
                 a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
-                b_at = b_ptr + expert.to(tl.int64) * stride_be
-                s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse
                 lo, hi = _mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
                                      a_lo.dtype)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)

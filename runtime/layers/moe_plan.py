@@ -38,7 +38,6 @@ CANDIDATES = {t.name: t for t in (
     Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
     Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3),
     Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3))}  # deeper: FP8 operands
-CANDIDATES_ORDER = list(CANDIDATES.values())
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 
@@ -197,7 +196,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
-                    tiles = sorted(shortlist.get(block_m, ()), key=CANDIDATES_ORDER.index)
+                    tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
                 up = {t: timed(lambda t=t: up_gemm(t, native))
                       for t in tiles if fits(t, elem, True, b_elem)}
                 down = {t: timed(lambda t=t: down_gemm(t, native))
