@@ -45,6 +45,8 @@
 # 70B / FP8 / Qwen3-30B-A3B (also expert parallel) under tp 2 and -dp 2; tp-new: Qwen3.5-9B
 # and gpt-oss-20b at tp 1 and 2 (and -ep); the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
+# pair (issues 59-61, two GPUs): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on GPU 0
+# on empty kernel caches while vLLM runs them on GPU 1; PAIR_AFTER: steps then on GPU 0.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
 # workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
 # and start with `source .whl/gdn/setup-device.sh`.
@@ -434,7 +436,7 @@ PY
       timed tp-verify 90 pagedgen verify --backend "${VERIFY_BACKEND:-flash-attn}" -tp 2 \
         --model-only --json "$S/tp-verify.json"
       grep -h "PASS\|FAIL\|tensor parallel" "$S/tp-verify.log" | head -8
-      for split in width ep; do
+      for split in ${TP_SPLITS:-width ep}; do
         timed "tp-moe-$split" "${TP_MOE_LIMIT:-130}" python3 -m benchmarks.tensor_parallel \
           --backend auto --runs qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
           $([ $split = ep ] && echo --expert-parallel) --dir "/tmp/tp-moe-$split" \
@@ -469,6 +471,49 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")})
 PY
       done ;;
+    pair)  # issues 59-61 on two GPUs: each WORKLOAD:QUANT of $PAIR_RUNS (quant bf16 or fp8)
+      # through pagedgen on GPU 0 at its default backend on empty kernel caches (a fresh
+      # machine's first run, then a second in the same process) while vLLM (cold, its own
+      # process) runs the same requests on GPU 1, one after another; then $PAIR_AFTER's steps
+      # on GPU 0; PAIR_LIMIT: seconds a run (default 330)
+      runs=${PAIR_RUNS:-m:bf16}
+      for r in $runs; do
+        w=${r%:*} q=${r#*:}
+        timed "vllm-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=1 \
+          TRITON_CACHE_DIR="/tmp/fresh-vllm-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-vllm-$w-$q/xdg" python3 -m \
+          benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
+          $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
+      done > "$S/pair-vllm.txt" &
+      for r in $runs; do
+        w=${r%:*} q=${r#*:}
+        timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=0 \
+          TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
+          FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" \
+          python3 -m benchmarks.peers --workloads "$w" --backends default --peers "" \
+          --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
+      done
+      for s in ${PAIR_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done
+      wait
+      cat "$S/pair-vllm.txt"
+      python3 - "$S" $runs <<'PY'
+import json, sys
+from pathlib import Path
+for run in sys.argv[2:]:
+    w, q = run.split(":")
+    rows = {}
+    for who in ("first", "vllm"):
+        f = Path(sys.argv[1]) / f"{who}-{w}-{q}.json"
+        rows[who] = json.loads(f.read_text())["rows"] if f.exists() else []
+    for r in rows["first"] + rows["vllm"]:
+        print(w, q, r["system"], "runs tok/s", [round(x) for x in r.get("runs_output_tokens_per_s", [])],
+              "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
+              "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
+    if rows["first"] and rows["vllm"]:
+        ours, peer = rows["first"][0], rows["vllm"][0]
+        print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),
+              "first runs", round(ours["runs_output_tokens_per_s"][0] / peer["runs_output_tokens_per_s"][0], 3))
+PY
+      ;;
     *) echo "unknown step '$step'" ;;
   esac
 done
