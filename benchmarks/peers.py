@@ -282,7 +282,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
         res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
         if "skipped" in res:
             print(f"vLLM: {res['skipped']}", flush=True)
-            print(res.get("log", "")[-1500:], file=sys.stderr, flush=True)
+            print(res.get("log", ""), file=sys.stderr, flush=True)
         else:
             assert all(r["output_tokens"] == out_tok for r in res["runs"]), \
                 "vLLM output length differs"

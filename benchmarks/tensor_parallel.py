@@ -89,7 +89,7 @@ def vllm_runs(model: str, tp: int, batches: list[int], workload_name: str,
     out: dict = {"engine": engine, "decode": [], "generate": None}
     if "skipped" in res:
         out["skipped"] = res["skipped"]
-        out["log"] = res.get("log", "")[-1500:]
+        out["log"] = res.get("log", "")
         print(f"vLLM {model} tp {tp}: {res['skipped']}", flush=True)
         return out
     for b, d in zip(batches, decodes):

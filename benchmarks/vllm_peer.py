@@ -67,6 +67,17 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
                 enable_prefix_caching=True)
 
 
+def failure(stderr: str) -> dict[str, str]:
+    """A failed vLLM run's report: the last line naming an error (else the last line), and a
+    log holding the first traceback, where the cause is (EngineCore's, which the client's own
+    ``EngineDeadError`` only points to), then the end."""
+    lines = stderr.strip().splitlines()
+    errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
+    first = max(0, stderr.find("Traceback"))
+    return {"skipped": f"vLLM failed: {errors[-1:]}",
+            "log": stderr[first:first + 4000] + "\n...\n" + stderr[-1500:]}
+
+
 def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
              engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
              requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
@@ -118,10 +129,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                               str(Path(tmp) / "spec.json"), str(Path(tmp) / "out.json")],
                              env=env, timeout=timeout, capture_output=True, text=True,
                              cwd=HERE.parent)  # the repository: benchmarks is its package
-        if res.returncode != 0:  # the last line naming an error, else the last line
-            lines = res.stderr.strip().splitlines()
-            errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
-            return {"skipped": f"vLLM failed: {errors[-1:]}", "log": res.stderr[-4000:]}
+        if res.returncode != 0:
+            return failure(res.stderr)
         return json.loads((Path(tmp) / "out.json").read_text())
 
 

@@ -135,6 +135,18 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
     assert "not installed" in res["skipped"]
 
 
+def test_a_failed_vllm_run_reports_the_engine_cores_traceback_not_only_the_clients():
+    from benchmarks import vllm_peer
+
+    core = "Traceback (most recent call last):\n  File worker.py\nValueError: unsupported layer\n"
+    client = ("noise\n" * 2000 + "Traceback (most recent call last):\n  File llm.py\n"
+              "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
+    res = vllm_peer.failure("INFO start\n" + core + client)
+    assert "EngineDeadError" in res["skipped"]
+    assert "ValueError: unsupported layer" in res["log"] and "INFO start" not in res["log"]
+    assert res["log"].rstrip().endswith("EngineCore encountered an issue.")
+
+
 def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
     from benchmarks import mixed_steps
 
