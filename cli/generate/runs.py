@@ -140,8 +140,10 @@ def run(job: Job) -> dict[str, Any] | None:
             for _ in driver.run(todo, record):
                 pass
             return None
+        chats = getattr(tokenizer, "chat_format", None) and any(
+            r.messages is not None for r in rf.requests)
         extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
-                 "output": out_path,
+                 "output": out_path, **({"chat_format": tokenizer.chat_format} if chats else {}),
                  **({"output_stream": f"{target.stream}, lines in completion order"}
                     if target is not None and target.is_stream else {})}
         start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)

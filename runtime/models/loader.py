@@ -26,6 +26,7 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
+from pagedgen.runtime.models.harmony import harmony_chat
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
                                                Tokenizer)
 
@@ -101,11 +102,16 @@ def load_tokenizer(src: ModelSource) -> Tokenizer:
         return ByteTokenizer()
     eos = getattr(src.hf_config, "eos_token_id", None)
     if src.tokenizer_kind == "gguf":
-        return HFTokenizer(src.checkpoint.parent, eos, gguf_file=src.checkpoint.name)
-    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if src.tokenizer_kind == "none" or not any((src.checkpoint / f).is_file() for f in files):
-        return MissingTokenizer(src.checkpoint, eos)
-    return HFTokenizer(src.checkpoint, eos)
+        tok = HFTokenizer(src.checkpoint.parent, eos, gguf_file=src.checkpoint.name)
+    else:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if src.tokenizer_kind == "none" or not any((src.checkpoint / f).is_file()
+                                                   for f in files):
+            return MissingTokenizer(src.checkpoint, eos)
+        tok = HFTokenizer(src.checkpoint, eos)
+    if getattr(src.hf_config, "model_type", None) == "gpt_oss":  # harmony, by OpenAI's library
+        tok.use_renderer(*harmony_chat(tok.ordinary_tokens()))
+    return tok
 
 
 def weights_format(src: ModelSource, load_format: str) -> str:

@@ -31,6 +31,11 @@ class Tokenizer(Protocol):
         template variables (``enable_thinking``, ``reasoning_effort``)."""
 
 
+class ChatRenderer(Protocol):
+    def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+        """A conversation's prompt token ids, the assistant's turn left open."""
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens 0..255, then BOS (256) and EOS (257). For the built-in presets."""
 
@@ -79,6 +84,26 @@ class HFTokenizer:
         self.eos_token_ids = {i for i in ids if i is not None}
         if self.tok.eos_token_id is not None:
             self.eos_token_ids.add(self.tok.eos_token_id)
+        self.renderer: ChatRenderer | None = None  # in place of the chat template (harmony)
+        self.chat_format: str | None = None  # how chats render, where a model has a choice
+
+    def use_renderer(self, renderer: ChatRenderer | None, why: str) -> None:
+        """Render chats with ``renderer`` (``why``: its name), or, when None, with the chat
+        template (``why``: the reason)."""
+        self.renderer = renderer
+        self.chat_format = why if renderer is not None else f"chat template ({why})"
+
+    def ordinary_tokens(self) -> list[tuple[int, bytes]]:
+        """Each ordinary (not added) token's id and bytes; empty unless the vocabulary is
+        byte-level BPE."""
+        if self._byte_of is None:
+            return []
+        added = set(self.tok.added_tokens_decoder)
+        try:
+            return [(i, bytes(self._byte_of[c] for c in piece))
+                    for piece, i in self.tok.get_vocab().items() if i not in added]
+        except KeyError:  # a piece outside GPT-2's byte table
+            return []
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens)
@@ -145,6 +170,8 @@ class HFTokenizer:
 
     def apply_chat_template_batch(self, conversations: list[list[dict]],
                                   template_kwargs: dict | None = None) -> list[list[int]]:
+        if self.renderer is not None:
+            return [self.renderer.render(c, template_kwargs) for c in conversations]
         if not getattr(self.tok, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use 'prompt' instead")
         out = self.tok.apply_chat_template(conversations, add_generation_prompt=True,
