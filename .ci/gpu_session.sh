@@ -437,7 +437,7 @@ PY
         --model-only --json "$S/tp-verify.json"
       grep -h "PASS\|FAIL\|tensor parallel" "$S/tp-verify.log" | head -8
       for split in ${TP_SPLITS:-width ep}; do
-        timed "tp-moe-$split" "${TP_MOE_LIMIT:-130}" python3 -m benchmarks.tensor_parallel \
+        timed "tp-moe-$split" "${TP_MOE_LIMIT:-200}" python3 -m benchmarks.tensor_parallel \
           --backend auto --runs qwen3-30b-a3b:2 --batches 1 --workload m --skip profile \
           $([ $split = ep ] && echo --expert-parallel) --dir "/tmp/tp-moe-$split" \
           --json "$S/tp-moe-$split.json"
@@ -508,6 +508,8 @@ for run in sys.argv[2:]:
         print(w, q, r["system"], "runs tok/s", [round(x) for x in r.get("runs_output_tokens_per_s", [])],
               "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
               "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
+        for line in r.get("kernel_lines", []):  # what vLLM says it chose
+            print("   vLLM:", line[:200])
     if rows["first"] and rows["vllm"]:
         ours, peer = rows["first"][0], rows["vllm"][0]
         print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),

@@ -290,7 +290,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else ""),
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
-                "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"]})
+                "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"],
+                "kernel_lines": res.get("kernel_lines", [])})
     hf_peers = [p for p in peers if p != "vllm"]
     if hf_peers:
         model = hf_model(src.hf_config)

@@ -131,7 +131,24 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                              cwd=HERE.parent)  # the repository: benchmarks is its package
         if res.returncode != 0:
             return failure(res.stderr)
-        return json.loads((Path(tmp) / "out.json").read_text())
+        return {**json.loads((Path(tmp) / "out.json").read_text()),
+                "kernel_lines": kernel_lines(res.stdout + res.stderr)}
+
+
+# what vLLM's log says it chose (its attention backend, MoE and quantization kernels, tuned
+# configs or their absence): the figures' peer is then known, not guessed
+KERNEL_WORDS = ("backend", "Backend", "MoE", "moe", "kernel", "Kernel", "quantiz", "Marlin",
+                "CUTLASS", "DeepGEMM", "config file")
+
+
+def kernel_lines(log: str, limit: int = 30) -> list[str]:
+    """The distinct lines of vLLM's log naming a kernel choice, their timestamps dropped."""
+    out: list[str] = []
+    for line in log.splitlines():
+        text = line.split("] ", 1)[-1].strip()  # "INFO 11-27 06:50:01 [file.py:12] text"
+        if any(w in text for w in KERNEL_WORDS) and text not in out:
+            out.append(text[:300])
+    return out[:limit]
 
 
 def _worker(spec_path: str, out_path: str) -> None:

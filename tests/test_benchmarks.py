@@ -147,6 +147,19 @@ def test_a_failed_vllm_run_reports_the_engine_cores_traceback_not_only_the_clien
     assert res["log"].rstrip().endswith("EngineCore encountered an issue.")
 
 
+def test_vllms_kernel_choices_are_kept_from_its_log_once_each():
+    from benchmarks import vllm_peer
+
+    log = ("INFO 11-27 06:50:01 [cuda.py:300] Using FLASH_ATTN backend.\n"
+           "INFO 11-27 06:50:02 [fused_moe.py:800] Using default MoE config. Performance "
+           "might be sub-optimal!\n"
+           "INFO 11-27 06:50:03 [gpu_model_runner.py:10] Loading weights took 0.5 s\n"
+           "(EngineCore pid=7) INFO 11-27 06:50:04 [cuda.py:300] Using FLASH_ATTN backend.\n")
+    assert vllm_peer.kernel_lines(log) == [
+        "Using FLASH_ATTN backend.",
+        "Using default MoE config. Performance might be sub-optimal!"]
+
+
 def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
     from benchmarks import mixed_steps
 
