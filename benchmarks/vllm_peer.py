@@ -81,14 +81,16 @@ def failure(stderr: str) -> dict[str, str]:
 def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
              engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
              requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
-             sampling: dict[str, Any] | list[dict[str, Any]] | None = None) -> dict[str, Any]:
+             sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
+             profile_dir: Path | None = None) -> dict[str, Any]:
     """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed.
     ``workload``: a name in workloads.py, or a Workload's fields (``num_prompts``,
     ``input_len``, ``output_len``), or a list of them run on one engine (each run says its
     ``workload``); ``sampling``: more SamplingParams fields for every request (``stop``,
     ``detokenize``), or a list of such sets, each run in turn (each run says its index).
     With ``tensor_parallel_size`` > 1 in ``engine`` vLLM's own worker processes start, with
-    NVLink multicast off in each (``NO_MULTICAST``)."""
+    NVLink multicast off in each (``NO_MULTICAST``). With ``profile_dir``, the last run runs
+    under vLLM's torch profiler, its workers' traces written there (``*.pt.trace.json.gz``)."""
     site = vllm_site()
     if site is None:
         return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
@@ -119,7 +121,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
                 "vocab": vocab, "engine": engine, "repeats": repeats,
                 "requests": requests, "tokenizer": tokenizer_dir is not None,
-                "sampling": sampling or {}}
+                "sampling": sampling or {},
+                "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
@@ -179,6 +182,10 @@ def _worker(spec_path: str, out_path: str) -> None:
         from vllm.config import StructuredOutputsConfig
         extra["structured_outputs_config"] = StructuredOutputsConfig(
             backend="xgrammar", disable_any_whitespace=True)
+    if spec.get("profile_dir"):  # kernels only: no Python stacks, no front end
+        extra["profiler_config"] = {"profiler": "torch", "ignore_frontend": True,
+                                    "torch_profiler_dir": spec["profile_dir"],
+                                    "torch_profiler_with_stack": False}
     llm = vllm.LLM(model=spec["model"], load_format="dummy",
                    skip_tokenizer_init=not spec.get("tokenizer"), dtype="bfloat16",
                    gpu_memory_utilization=0.9, seed=0, **spec["engine"], **extra)
@@ -192,7 +199,10 @@ def _worker(spec_path: str, out_path: str) -> None:
                                                               disable_any_whitespace=True)}
 
     runs = []
-    for _ in range(spec["repeats"]):
+    for repeat in range(spec["repeats"]):
+        profiled = spec.get("profile_dir") and repeat == spec["repeats"] - 1
+        if profiled:
+            llm.start_profile()
         for label, prompts, outs, variants, temperature, n in jobs:
             inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
             for variant, schemas in variants.items():
@@ -215,6 +225,8 @@ def _worker(spec_path: str, out_path: str) -> None:
                                     if given else {})})
                     print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),
                           file=sys.stderr, flush=True)
+        if profiled:
+            llm.stop_profile()
     Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
                                           "engine": spec["engine"], "runs": runs}))
 

@@ -10,6 +10,7 @@ reference, or by name), else a guess from the kernel's name.
 from __future__ import annotations
 
 import bisect
+import gzip
 import json
 import re
 from collections import Counter, defaultdict
@@ -106,7 +107,12 @@ class _Ranges:
 
 def load_kernels(trace: str | Path | dict[str, Any]) -> list[Kernel]:
     """Every GPU kernel / memcpy / memset of a Chrome trace, with phase and group."""
-    data = trace if isinstance(trace, dict) else json.loads(Path(trace).read_text())
+    if isinstance(trace, dict):
+        data = trace
+    else:  # vLLM's workers write theirs gzipped
+        opener = gzip.open if str(trace).endswith(".gz") else open
+        with opener(trace, "rt") as f:
+            data = json.load(f)
     outer: dict[Any, list[_Range]] = defaultdict(list)  # phases and pg:forward
     inner: dict[Any, list[_Range]] = defaultdict(list)  # group scopes
     runtime: dict[int, tuple[Any, float, str]] = {}

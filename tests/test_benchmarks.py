@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -227,3 +229,63 @@ def test_a_traced_window_gives_its_steps_span_and_busy_fraction(tmp_path):
     assert per_kind["decode"]["busy_ms"] == 4 / 1000
     assert per_kind["mixed"]["idle_before_ms"] == 5 / 1000
     assert per_kind["mixed"]["idle_inside_ms"] == 4 / 1000
+
+
+def test_run_kernels_groups_both_systems_kernels_by_the_same_rules(tmp_path):
+    import gzip
+
+    from benchmarks import run_kernels
+
+    def trace(kernels):
+        return {"traceEvents": [{"ph": "X", "cat": "kernel", "name": n, "ts": i * 100.0,
+                                 "dur": us, "tid": 1, "args": {"correlation": i}}
+                                for i, (n, us) in enumerate(kernels)]}
+
+    ours = tmp_path / "ours.json"
+    ours.write_text(json.dumps(trace([("_grouped_gemm_kernel", 300.0),
+                                      ("_grouped_gemm_kernel", 100.0),
+                                      ("nvjet_sm90_tst_64x32", 50.0)])))
+    theirs = tmp_path / "worker0.pt.trace.json.gz"  # vLLM's workers write gzip
+    with gzip.open(theirs, "wt") as f:
+        json.dump(trace([("fused_moe_kernel", 250.0), ("flash_fwd_splitkv_kernel", 40.0)]), f)
+    a = run_kernels.kernel_table(run_kernels.trace_kernels([ours]))
+    b = run_kernels.kernel_table(run_kernels.trace_kernels([theirs]))
+    assert a["groups_s"] == pytest.approx({"MoE": 4e-4, "GEMM": 5e-5})
+    assert a["top_s"][0] == ("_grouped_gemm_kernel", pytest.approx(4e-4)) and a["launches"] == 3
+    assert b["groups_s"] == pytest.approx({"MoE": 2.5e-4, "attention": 4e-5})
+    lines = run_kernels.side_by_side([{"system": "pagedgen", **a}, {"system": "vLLM", **b},
+                                      {"system": "vLLM fp8", "skipped": "not installed"}])
+    assert lines[0].split() == ["group", "pagedgen", "vLLM"]
+    assert [line.split()[0] for line in lines[1:4]] == ["attention", "GEMM", "MoE"]
+    assert "vLLM fp8: not installed" in lines
+
+
+def test_vllm_profiles_its_last_run_where_asked(tmp_path, monkeypatch):
+    import subprocess as sp
+
+    from benchmarks import vllm_peer
+    from pagedgen.runtime.models.loader import resolve_model
+
+    seen = {}
+
+    def fake_run(cmd, **kw):
+        seen.update(json.loads(Path(cmd[-2]).read_text()))
+        return sp.CompletedProcess(cmd, 1, "", "Traceback\nRuntimeError: no GPU")
+
+    monkeypatch.setattr(vllm_peer, "vllm_site", lambda: "")
+    monkeypatch.setattr(vllm_peer.subprocess, "run", fake_run)
+    res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {},
+                             profile_dir=tmp_path / "traces")
+    assert "RuntimeError: no GPU" in res["skipped"]
+    assert seen["profile_dir"] == str((tmp_path / "traces").resolve())
+    vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {})
+    assert seen["profile_dir"] is None
+
+
+def test_run_kernels_profiles_a_whole_pagedgen_run(monkeypatch):
+    from benchmarks import run_kernels, workloads
+
+    monkeypatch.setitem(workloads.WORKLOADS, "t", workloads.Workload("tiny", 3, (4, 9), (3, 3)))
+    row = run_kernels.pagedgen_run("t", None)
+    assert row["system"] == "pagedgen" and row["warm_output_tokens_per_s"] > 0
+    assert row["profiled_wall_s"] > 0 and row["launches"] == len(row["top_s"]) == 0  # CPU

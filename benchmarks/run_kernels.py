@@ -1,0 +1,134 @@
+"""Where a whole run's GPU time goes, pagedgen beside vLLM (issue 59: what vLLM runs for MoE,
+and where its FP8 MoE is faster than ours).
+
+Each system runs one workload at its defaults (workloads.py; ``--quantization fp8`` both
+quantize), once warm and once under torch.profiler (kernels only). Every kernel is grouped by
+the same name rules for both (``kernel_stats.group_from_name``: vLLM's kernels carry no
+pagedgen scopes, and neither do pagedgen's replayed from CUDA graphs), and the table gives each
+group's seconds in each system and the heaviest kernels. vLLM runs in a process of its own
+(``vllm_peer.py``) on the same token ids; ``--systems pagedgen`` alone needs no vLLM.
+
+    python -m benchmarks.run_kernels --workload m --quantization fp8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any, Iterable
+
+from pagedgen.runtime.kernel_stats import GROUPS, group_from_name, load_kernels, short_name
+
+TOP = 12
+
+
+def kernel_table(kernels: Iterable[tuple[str, float]]) -> dict[str, Any]:
+    """Seconds by group, launches, and the ``TOP`` kernels by time, of (name, µs) pairs."""
+    groups: dict[str, float] = defaultdict(float)
+    by_name: Counter[str] = Counter()
+    launches = 0
+    for name, us in kernels:
+        groups[group_from_name(name)] += us / 1e6
+        by_name[short_name(name)] += us / 1e6
+        launches += 1
+    return {"gpu_s": sum(groups.values()), "launches": launches,
+            "groups_s": {g: groups[g] for g in GROUPS if groups.get(g)},
+            "top_s": by_name.most_common(TOP)}
+
+
+def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
+    """(name, µs) of every kernel in these Chrome traces (memory copies apart)."""
+    return [(k.name, k.dur) for p in paths for k in load_kernels(p) if k.group != "memory copy"]
+
+
+def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
+    import torch
+
+    from benchmarks.common import build_engine, free_gpu, profile_configs, timed_runs
+    from benchmarks.workloads import WORKLOADS
+    from pagedgen.runtime.models.loader import resolve_model
+
+    wl = WORKLOADS[workload]
+    cfg, sampling = profile_configs(wl.profile, backend="auto", quantization=quantization)
+    engine, load_s = build_engine(cfg)
+    prompts, outs = wl.requests(resolve_model(wl.profile).hf_config.vocab_size)
+    params = wl.sampling_params(sampling, outs)
+    warm = timed_runs(engine, prompts, params, repeats=1, load_s=load_s)[0]
+    with tempfile.TemporaryDirectory() as d:
+        kind = torch.profiler.ProfilerActivity
+        on = kind.CUDA if torch.cuda.is_available() else kind.CPU  # a CPU run: no kernels
+        with torch.profiler.profile(activities=[on]) as prof:
+            profiled = timed_runs(engine, prompts, params, repeats=1)[0]
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        table = kernel_table(trace_kernels([trace]))
+    del engine
+    free_gpu()
+    return {"system": "pagedgen", "backend": warm.get("backend"),
+            "warm_output_tokens_per_s": warm["output_tokens_per_s"],
+            "profiled_wall_s": profiled["wall_time_s"], **table}
+
+
+def vllm_run(workload: str, quantization: str | None) -> dict[str, Any]:
+    from benchmarks.common import profile_configs
+    from benchmarks.vllm_peer import run_vllm, same_limits
+    from benchmarks.workloads import WORKLOADS
+    from pagedgen.runtime.models.loader import resolve_model
+
+    wl = WORKLOADS[workload]
+    cfg, _ = profile_configs(wl.profile)
+    engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
+    with tempfile.TemporaryDirectory() as d:
+        res = run_vllm(workload, None, resolve_model(wl.profile).hf_config, engine, repeats=2,
+                       profile_dir=Path(d))
+        if "skipped" in res:
+            return {"system": "vLLM", "skipped": res["skipped"], "log": res.get("log", "")}
+        traces = sorted(Path(d).rglob("*.pt.trace.json*"))
+        table = kernel_table(trace_kernels(traces))
+    warm, profiled = res["runs"][0], res["runs"][-1]
+    return {"system": f"vLLM {res['vllm']}", "traces": len(traces),
+            "warm_output_tokens_per_s": warm["output_tokens_per_s"],
+            "profiled_wall_s": profiled["wall_time_s"],
+            "kernel_lines": res.get("kernel_lines", []), **table}
+
+
+def side_by_side(rows: list[dict[str, Any]]) -> list[str]:
+    """Lines of a table: each group's seconds in each system, then each system's top kernels."""
+    ok = [r for r in rows if "groups_s" in r]
+    lines = ["group".ljust(18) + "".join(r["system"][:16].rjust(18) for r in ok)]
+    for g in GROUPS:
+        if any(g in r["groups_s"] for r in ok):
+            lines.append(g.ljust(18) + "".join(f"{r['groups_s'].get(g, 0):18.3f}" for r in ok))
+    lines.append("GPU s".ljust(18) + "".join(f"{r['gpu_s']:18.3f}" for r in ok))
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['system']}: {r['skipped']}")
+            continue
+        lines.append(f"{r['system']}: {r['launches']:,} kernels; heaviest (s):")
+        lines += [f"  {s:8.3f}  {name}" for name, s in r["top_s"]]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="m")
+    ap.add_argument("--quantization", choices=["fp8"], default=None)
+    ap.add_argument("--systems", default="pagedgen,vllm")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    runs = {"pagedgen": pagedgen_run, "vllm": vllm_run}
+    rows = []
+    for system in args.systems.split(","):
+        rows.append(runs[system](args.workload, args.quantization))
+        if args.json:  # after each system: a time limit keeps what was measured
+            args.json.write_text(json.dumps({"workload": args.workload,
+                                             "quantization": args.quantization,
+                                             "rows": rows}, indent=2))
+    print("\n".join(side_by_side(rows)))
+
+
+if __name__ == "__main__":
+    main()
