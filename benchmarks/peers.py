@@ -197,6 +197,26 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+def same_kv_cache(cfg: Any, wl: Workload, hf_config: Any) -> Any:
+    """``cfg`` (an ``EngineConfig``) with the workload's KV-cache size in tokens, where it sets
+    one: both systems then hold the same."""
+    if not wl.kv_cache_tokens:
+        return cfg
+    return replace(cfg, kv_cache_memory=wl.kv_cache_tokens * kv_bytes_per_token(hf_config))
+
+
+def vllm_engine(wl: Workload, quantization: str | None = None,
+                overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vLLM's engine arguments for ``wl``: pagedgen's batching limits (its profile's config
+    with ``overrides``), FP8 where asked, the workload's KV-cache size in tokens."""
+    cfg, _ = profile_configs(wl.profile)
+    engine = {**same_limits(replace(cfg, **(overrides or {}))),
+              **({"quantization": quantization} if quantization else {})}
+    if wl.kv_cache_tokens:
+        engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
+    return engine
+
+
 def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str], repeats: int,
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
@@ -246,10 +266,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
     for b, tile, variant in runs_of:
         cfg, sampling = profile_configs(wl.profile, backend=b, quantization=quantization)
         suffix, changes = VARIANTS[variant] if variant else ("", {})
-        cfg = replace(cfg, **{**overrides, **changes})  # a variant's own setting wins
-        if wl.kv_cache_tokens:  # the same KV-cache size in tokens for both systems
-            cfg = replace(cfg, kv_cache_memory=wl.kv_cache_tokens * kv_bytes_per_token(
-                src.hf_config))
+        cfg = same_kv_cache(replace(cfg, **{**overrides, **changes}), wl, src.hf_config)
         params = wl.sampling_params(sampling, outs)
         with decode_tile_env(tile):
             runs = run_engine(cfg, prompts, params, copy_bw=bw, repeats=repeats)
@@ -274,11 +291,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "mixed_graph_capture_s", "mixed_graph_failed")
             if k in res})
     if "vllm" in peers:
-        cfg, _ = profile_configs(wl.profile)
-        engine = {**same_limits(replace(cfg, **overrides)),
-                  **({"quantization": quantization} if quantization else {})}
-        if wl.kv_cache_tokens:
-            engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
+        engine = vllm_engine(wl, quantization, overrides)
         res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
         if "skipped" in res:
             print(f"vLLM: {res['skipped']}", flush=True)

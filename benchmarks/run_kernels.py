@@ -48,13 +48,15 @@ def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
     import torch
 
     from benchmarks.common import build_engine, free_gpu, profile_configs, timed_runs
+    from benchmarks.peers import same_kv_cache
     from benchmarks.workloads import WORKLOADS
     from pagedgen.runtime.models.loader import resolve_model
 
     wl = WORKLOADS[workload]
+    hf_config = resolve_model(wl.profile).hf_config
     cfg, sampling = profile_configs(wl.profile, backend="auto", quantization=quantization)
-    engine, load_s = build_engine(cfg)
-    prompts, outs = wl.requests(resolve_model(wl.profile).hf_config.vocab_size)
+    engine, load_s = build_engine(same_kv_cache(cfg, wl, hf_config))
+    prompts, outs = wl.requests(hf_config.vocab_size)
     params = wl.sampling_params(sampling, outs)
     warm = timed_runs(engine, prompts, params, repeats=1, load_s=load_s)[0]
     with tempfile.TemporaryDirectory() as d:
@@ -73,14 +75,13 @@ def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
 
 
 def vllm_run(workload: str, quantization: str | None) -> dict[str, Any]:
-    from benchmarks.common import profile_configs
-    from benchmarks.vllm_peer import run_vllm, same_limits
+    from benchmarks.peers import vllm_engine
+    from benchmarks.vllm_peer import run_vllm
     from benchmarks.workloads import WORKLOADS
     from pagedgen.runtime.models.loader import resolve_model
 
     wl = WORKLOADS[workload]
-    cfg, _ = profile_configs(wl.profile)
-    engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {})}
+    engine = vllm_engine(wl, quantization)
     with tempfile.TemporaryDirectory() as d:
         res = run_vllm(workload, None, resolve_model(wl.profile).hf_config, engine, repeats=2,
                        profile_dir=Path(d))

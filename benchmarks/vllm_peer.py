@@ -148,9 +148,9 @@ def kernel_lines(log: str, limit: int = 30) -> list[str]:
     """The distinct lines of vLLM's log naming a kernel choice, their timestamps dropped."""
     out: list[str] = []
     for line in log.splitlines():
-        text = line.split("] ", 1)[-1].strip()  # "INFO 11-27 06:50:01 [file.py:12] text"
+        text = line.split("] ", 1)[-1].strip()[:300]  # "INFO 11-27 06:50:01 [f.py:12] text"
         if any(w in text for w in KERNEL_WORDS) and text not in out:
-            out.append(text[:300])
+            out.append(text)
     return out[:limit]
 
 
