@@ -47,8 +47,9 @@
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 # pair (issues 59-61, two GPUs): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on GPU 0
 # on empty kernel caches while vLLM runs them on GPU 1; PAIR_AFTER: steps then on GPU 0.
-# run-kernels (issue 59, two GPUs): RUNK_WORKLOAD's whole run profiled in pagedgen (GPU 0)
-# and vLLM (GPU 1) at once, kernel groups side by side (RUNK_QUANT, RUNK_LIMIT).
+# run-kernels (issues 59-61, two GPUs): each of RUNK_RUNS (WORKLOAD:QUANT ...) whole and profiled
+# in pagedgen (GPU 0) and vLLM (GPU 1) at once, kernel groups side by side (RUNK_LIMIT,
+# RUNK_AFTER: steps then on GPU 0); vllm-only: vLLM alone on VLLM_WORKLOADS.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
 # workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
 # and start with `source .whl/gdn/setup-device.sh`.
@@ -518,18 +519,30 @@ for run in sys.argv[2:]:
               "first runs", round(ours["runs_output_tokens_per_s"][0] / peer["runs_output_tokens_per_s"][0], 3))
 PY
       ;;
-    run-kernels)  # issue 59: a whole run of $RUNK_WORKLOAD (default m; RUNK_QUANT=fp8) under
-      # torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once: GPU time by kernel group
-      # and the heaviest kernels side by side (benchmarks/run_kernels.py)
-      w=${RUNK_WORKLOAD:-m} q=${RUNK_QUANT:-bf16}
-      qa=$([ "$q" = fp8 ] && echo "--quantization fp8")
-      timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
-        benchmarks.run_kernels --workload "$w" $qa --systems vllm --json "$S/runk-vllm-$w-$q.json" &
-      timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 python3 -m \
-        benchmarks.run_kernels --workload "$w" $qa --systems pagedgen \
-        --json "$S/runk-pagedgen-$w-$q.json"
+    run-kernels)  # issues 59-61: each run of $RUNK_RUNS (WORKLOAD:QUANT, default m:bf16; quant
+      # bf16 or fp8) whole under torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once:
+      # GPU time by kernel group and the heaviest kernels side by side
+      # (benchmarks/run_kernels.py); then $RUNK_AFTER's steps on GPU 0; RUNK_LIMIT a run
+      runs=${RUNK_RUNS:-m:bf16}
+      for r in $runs; do
+        w=${r%:*} q=${r#*:}
+        timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
+          benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
+          --systems vllm --json "$S/runk-vllm-$w-$q.json"
+      done > "$S/runk-vllm.txt" &
+      for r in $runs; do
+        w=${r%:*} q=${r#*:}
+        timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 python3 -m \
+          benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
+          --systems pagedgen --json "$S/runk-pagedgen-$w-$q.json"
+      done
+      for s in ${RUNK_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done
       wait
-      python3 - "$S/runk-pagedgen-$w-$q.json" "$S/runk-vllm-$w-$q.json" <<'PY'
+      cat "$S/runk-vllm.txt"
+      for r in $runs; do
+        w=${r%:*} q=${r#*:}
+        echo "== run-kernels $w $q"
+        python3 - "$S/runk-pagedgen-$w-$q.json" "$S/runk-vllm-$w-$q.json" <<'PY'
 import json, os, sys
 from benchmarks.run_kernels import side_by_side
 rows = [r for f in sys.argv[1:] if os.path.exists(f) for r in json.load(open(f))["rows"]]
@@ -538,7 +551,13 @@ for r in rows:
     for line in r.get("kernel_lines", []):
         print("  vLLM:", line[:200])
 PY
-      ;;
+      done ;;
+    vllm-only)  # vLLM alone on each of $VLLM_WORKLOADS (default h), a failure's cause kept
+      for w in ${VLLM_WORKLOADS:-h}; do
+        timed "vllm-only-$w" "${PEERS_LIMIT:-400}" python3 -m benchmarks.peers --workloads "$w" \
+          --backends "" --peers vllm --repeats 2 --json "$S/vllm-only-$w.json"
+        grep -E "^│|^\||skipped|Error|error" "$S/vllm-only-$w.log" | cut -c1-240 | tail -12
+      done ;;
     *) echo "unknown step '$step'" ;;
   esac
 done
