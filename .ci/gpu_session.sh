@@ -47,6 +47,9 @@
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 # pair (issues 59-61, two GPUs): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on GPU 0
 # on empty kernel caches while vLLM runs them on GPU 1; PAIR_AFTER: steps then on GPU 0.
+# quad (four GPUs): QUAD_RUNS' MoE plans measured afresh (GPUs 0-2 at once) and merged, then
+# each run's first and second run on its GPU; vLLM on QUAD_VLLM on GPU 3; QUAD_AFTER: GPU:STEP
+# pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES) against the floor.
 # run-kernels (issues 59-61, two GPUs): each of RUNK_RUNS (WORKLOAD:QUANT ...) whole and profiled
 # in pagedgen (GPU 0) and vLLM (GPU 1) at once, kernel groups side by side (RUNK_LIMIT,
 # RUNK_AFTER: steps then on GPU 0); vllm-only: vLLM alone on VLLM_WORKLOADS.
@@ -66,6 +69,61 @@ timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log;
   local name=$1 limit=$2 t0=$EPOCHREALTIME rc; shift 2
   timeout "$limit" "$@" > "$S/$name.log" 2>&1; rc=$?
   echo "$name: $(python3 -c "print(f'{$EPOCHREALTIME - $t0:.1f}')") s, exit $rc"
+}
+vllm_run() {  # vllm_run WORKLOAD:QUANT GPU: vLLM cold (its own process, empty caches), twice
+  local w=${1%:*} q=${1#*:}
+  timed "vllm-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 \
+    TRITON_CACHE_DIR="/tmp/fresh-vllm-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-vllm-$w-$q/xdg" \
+    python3 -m benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
+    $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
+}
+first_run() {  # first_run WORKLOAD:QUANT GPU: pagedgen at its defaults on empty kernel caches
+  # (a fresh machine's first run, plans only as shipped), then a second run in that process
+  local w=${1%:*} q=${1#*:}
+  timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 \
+    TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
+    FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" \
+    python3 -m benchmarks.peers --workloads "$w" --backends default --peers "" \
+    --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
+}
+profile_model() {  # profile_model MODEL LIMIT BATCHES: decode steps under torch.profiler
+  # against the model's floor, and the decode kernels by group ($BACKEND, default triton)
+  local m=$1
+  timed "profile-$m" "$2" pagedgen profile --model "$m" --backend "${BACKEND:-triton}" \
+    --batch-sizes "$3" --prompt-len 1024 --output-len 24 --output-dir "/tmp/profile-$m"
+  cp "/tmp/profile-$m/profile.json" "$S/profile-$m.json" 2>/dev/null
+  python3 - "$S/profile-$m.json" <<'PY' || tail -5 "$S/profile-$m.log"
+import json, sys
+for r in json.load(open(sys.argv[1]))["results"]:
+    for b in r["batches"]:
+        print("batch", b["batch"], "prefill tok/s", round(b["prefill_tok_s"]), "step ms",
+              round(b["step_ms_p50"], 3), "floor ms", round(b.get("decode_roofline_ms", 0), 3),
+              "of floor", round(b.get("decode_roofline_fraction", 0), 2))
+    print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
+    print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
+PY
+}
+pair_report() {  # pair_report WORKLOAD:QUANT...: each run's pagedgen and vLLM rows, and ratios
+  python3 - "$S" "$@" <<'PY'
+import json, sys
+from pathlib import Path
+for run in sys.argv[2:]:
+    w, q = run.split(":")
+    rows = {}
+    for who in ("first", "vllm"):
+        f = Path(sys.argv[1]) / f"{who}-{w}-{q}.json"
+        rows[who] = json.loads(f.read_text())["rows"] if f.exists() else []
+    for r in rows["first"] + rows["vllm"]:
+        print(w, q, r["system"], "runs tok/s", [round(x) for x in r.get("runs_output_tokens_per_s", [])],
+              "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
+              "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
+        for line in r.get("kernel_lines", []):  # what vLLM says it chose
+            print("   vLLM:", line[:200])
+    if rows["first"] and rows["vllm"]:
+        ours, peer = rows["first"][0], rows["vllm"][0]
+        print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),
+              "first runs", round(ours["runs_output_tokens_per_s"][0] / peer["runs_output_tokens_per_s"][0], 3))
+PY
 }
 
 for step in "$@"; do
@@ -395,21 +453,7 @@ for r in d['results']:
       timed gdn-tests "${GDN_TESTS_LIMIT:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
         tests/test_gpu_gated_delta.py
       tail -4 "$S/gdn-tests.log"
-      m=${GDN_MODEL:-qwen3.5-9b}
-      timed "gdn-profile-$m" "${GDN_LIMIT:-300}" pagedgen profile --model "$m" \
-        --backend "${BACKEND:-triton}" --batch-sizes 1,256 --prompt-len 1024 --output-len 24 \
-        --output-dir "/tmp/profile-$m"
-      cp "/tmp/profile-$m/profile.json" "$S/profile-$m.json" 2>/dev/null
-      python3 - "$S/profile-$m.json" <<'PY' || tail -5 "$S/gdn-profile-$m.log"
-import json, sys
-for r in json.load(open(sys.argv[1]))["results"]:
-    for b in r["batches"]:
-        print("batch", b["batch"], "prefill tok/s", round(b["prefill_tok_s"]), "step ms",
-              round(b["step_ms_p50"], 3), "floor ms", round(b.get("decode_roofline_ms", 0), 3),
-              "of floor", round(b.get("decode_roofline_fraction", 0), 2))
-    print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
-    print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
-PY
+      profile_model "${GDN_MODEL:-qwen3.5-9b}" "${GDN_LIMIT:-300}" 1,256
       [ "${PEERS_LIMIT:-300}" = 0 ] && continue  # PEERS_LIMIT=0: no workloads
       timed gdn-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers \
         --workloads "${GDN_WORKLOADS:-h}" --backends "${BACKEND:-triton}" \
@@ -422,11 +466,7 @@ PY
         tests/test_gpu_moe.py tests/test_triton.py tests/test_gpu_backends.py \
         tests/test_gpt_oss.py -k "mxfp4 or sinks or past_two or triton or grouped_gemm"
       grep -E "FAILED|ERROR|passed|failed" "$S/oss-tests.log" | tail -5
-      timed oss-profile "${OSS_LIMIT:-240}" pagedgen profile --model gpt-oss-20b \
-        --backend triton --batch-sizes 1,64 --prompt-len 1024 --output-len 24 \
-        --output-dir /tmp/profile-oss
-      cp /tmp/profile-oss/profile.json "$S/profile-gpt-oss-20b.json" 2>/dev/null
-      tail -12 "$S/oss-profile.log"
+      BACKEND=triton profile_model gpt-oss-20b "${OSS_LIMIT:-240}" 1,64
       [ "${PEERS_LIMIT:-300}" = 0 ] && continue
       timed oss-peers "${PEERS_LIMIT:-300}" python3 -m benchmarks.peers --workloads o \
         --backends triton --peers "${PEERS_PEERS-}" --repeats 1 --json "$S/oss-peers.json"
@@ -480,45 +520,40 @@ PY
       # process) runs the same requests on GPU 1, one after another; then $PAIR_AFTER's steps
       # on GPU 0; PAIR_LIMIT: seconds a run (default 330)
       runs=${PAIR_RUNS:-m:bf16}
-      for r in $runs; do
-        w=${r%:*} q=${r#*:}
-        timed "vllm-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=1 \
-          TRITON_CACHE_DIR="/tmp/fresh-vllm-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-vllm-$w-$q/xdg" python3 -m \
-          benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
-          $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
-      done > "$S/pair-vllm.txt" &
-      for r in $runs; do
-        w=${r%:*} q=${r#*:}
-        timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=0 \
-          TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
-          FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" \
-          python3 -m benchmarks.peers --workloads "$w" --backends default --peers "" \
-          --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
-      done
+      for r in $runs; do vllm_run "$r" 1; done > "$S/pair-vllm.txt" &
+      for r in $runs; do first_run "$r" 0; done
       for s in ${PAIR_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done
       wait
       cat "$S/pair-vllm.txt"
-      python3 - "$S" $runs <<'PY'
-import json, sys
-from pathlib import Path
-for run in sys.argv[2:]:
-    w, q = run.split(":")
-    rows = {}
-    for who in ("first", "vllm"):
-        f = Path(sys.argv[1]) / f"{who}-{w}-{q}.json"
-        rows[who] = json.loads(f.read_text())["rows"] if f.exists() else []
-    for r in rows["first"] + rows["vllm"]:
-        print(w, q, r["system"], "runs tok/s", [round(x) for x in r.get("runs_output_tokens_per_s", [])],
-              "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
-              "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
-        for line in r.get("kernel_lines", []):  # what vLLM says it chose
-            print("   vLLM:", line[:200])
-    if rows["first"] and rows["vllm"]:
-        ours, peer = rows["first"][0], rows["vllm"][0]
-        print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),
-              "first runs", round(ours["runs_output_tokens_per_s"][0] / peer["runs_output_tokens_per_s"][0], 3))
-PY
-      ;;
+      pair_report $runs ;;
+    quad)  # issues 59-61 on four GPUs: each WORKLOAD:QUANT of $QUAD_RUNS (at most three,
+      # default "o:bf16 m:fp8 m:bf16") has its MoE plans measured afresh on a GPU of its own
+      # (GPUs 0-2 at once, each merged into the shipped file as it ends: a change to the
+      # kernels or the candidates), then its first and second run there on empty kernel
+      # caches, then $QUAD_AFTER's GPU:STEP pairs on theirs; vLLM runs each of $QUAD_VLLM (the
+      # first two runs) on GPU 3 meanwhile, one after another
+      runs=(${QUAD_RUNS:-o:bf16 m:fp8 m:bf16})
+      peer=${QUAD_VLLM:-${runs[*]:0:2}}
+      for r in $peer; do vllm_run "$r" 3; done > "$S/quad-vllm.txt" &
+      for i in "${!runs[@]}"; do
+        (
+          r=${runs[$i]} w=${runs[$i]%:*} q=${runs[$i]#*:}
+          model=$(python3 -c "from benchmarks.workloads import WORKLOADS; print(WORKLOADS['$w'].profile)")
+          timed "plans-$w-$q" "${PLANS_LIMIT:-300}" env CUDA_VISIBLE_DEVICES=$i python3 -m \
+            benchmarks.kernel_plans --models "$model" --quantizations "${q/bf16/none}" --tp 1 \
+            --out "$S/plans-$w-$q.json"
+          flock /tmp/plans.lock python3 -m benchmarks.kernel_plans --merge "$S/plans-$w-$q.json" \
+            || python3 -m benchmarks.kernel_plans --merge "$S/plans-$w-$q.json"  # no flock
+          first_run "$r" "$i"
+          for a in ${QUAD_AFTER:-}; do  # GPU:STEP
+            [ "${a%%:*}" = "$i" ] && CUDA_VISIBLE_DEVICES=$i bash "$0" "${a#*:}"
+          done
+        ) > "$S/quad-$i.txt" 2>&1 &
+      done
+      wait
+      cat "$S"/quad-*.txt
+      cp runtime/plans/*.json "${OUT:-/tmp/out}/"
+      pair_report "${runs[@]}" ;;
     run-kernels)  # issues 59-61: each run of $RUNK_RUNS (WORKLOAD:QUANT, default m:bf16; quant
       # bf16 or fp8) whole under torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once:
       # GPU time by kernel group and the heaviest kernels side by side
@@ -551,6 +586,10 @@ for r in rows:
     for line in r.get("kernel_lines", []):
         print("  vLLM:", line[:200])
 PY
+      done ;;
+    profile-models)  # each of $PROFILE_MODELS (default gpt-oss-20b) at batch 1, 64 and 256
+      for m in ${PROFILE_MODELS:-gpt-oss-20b}; do
+        profile_model "$m" "${PROFILE_LIMIT:-200}" "${PROFILE_BATCHES:-1,64,256}"
       done ;;
     vllm-only)  # vLLM alone on each of $VLLM_WORKLOADS (default h), a failure's cause kept
       for w in ${VLLM_WORKLOADS:-h}; do

@@ -9,7 +9,8 @@ file is rewritten after each, so a run cut short keeps what it measured; shapes 
 before (other presets) stay.
 
     python -m benchmarks.kernel_plans [--models qwen3-30b-a3b,...] [--quantizations none,fp8]
-        [--tp 1,2,2:ep]
+        [--tp 1,2,2:ep] [--out FILE]
+    python -m benchmarks.kernel_plans --merge FILE...  # runs on other GPUs into the shipped
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import triton
@@ -53,19 +55,33 @@ def default_runs() -> list[tuple[str, str | None]]:
     return runs
 
 
-def write(path, gpu: str) -> dict[str, int]:
-    """This process's plans merged into ``path`` (shapes measured before kept); counts."""
+def merge(path: Path, gpu: str, plans: dict[str, dict[str, Any]]) -> dict[str, int]:
+    """``plans`` (by kind, then shape key) merged into the file at ``path``: shapes measured
+    before stay, except those of an older version of a kind that arrives (a key's first field
+    is its kind's version: a plan of another version would never be read again); counts."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
         data = {}
     data.update(gpu=gpu, measured_with=f"torch {torch.__version__}, triton {triton.__version__}",
                 written=datetime.date.today().isoformat())
-    for name, plans in kernel_plans.taken().items():
-        data[name] = {**data.get(name, {}), **plans}
+    for name, new in plans.items():
+        versions = {key.split("|")[0] for key in new}
+        kept = {k: v for k, v in data.get(name, {}).items() if k.split("|")[0] in versions}
+        data[name] = {**kept, **new}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     return {k: len(v) for k, v in data.items() if isinstance(v, dict)}
+
+
+def merge_files(paths: list[Path]) -> None:
+    """Plan files measured apart (one GPU each, ``--out``) merged into the shipped file of
+    their GPU; run one at a time (``flock``)."""
+    for p in paths:
+        data = json.loads(p.read_text())
+        plans = {k: v for k, v in data.items() if isinstance(v, dict)}
+        counts = merge(kernel_plans.shipped_file(data["gpu"]), data["gpu"], plans)
+        print(f"{p.name} merged into {kernel_plans.shipped_file(data['gpu']).name}: {counts}")
 
 
 def main() -> None:
@@ -78,7 +94,13 @@ def main() -> None:
     ap.add_argument("--copy-to", type=Path, default=None,
                     help="a folder that gets a copy of the file after each preset (what a "
                          "call cut by its time limit brings back)")
+    ap.add_argument("--merge", type=Path, nargs="+", default=None,
+                    help="only merge these plan files (--out of runs on other GPUs) into the "
+                         "shipped file of their GPU")
     args = ap.parse_args()
+    if args.merge:
+        merge_files(args.merge)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("kernel plans are measured on a CUDA GPU; none is visible here")
     os.environ["PAGEDGEN_SHIPPED_PLANS"] = "0"  # measure everything, as a first start would
@@ -108,7 +130,7 @@ def main() -> None:
             del model
             gc.collect()
             torch.cuda.empty_cache()
-            counts = write(out, gpu)
+            counts = merge(out, gpu, kernel_plans.taken())
             if args.copy_to is not None:
                 shutil.copy(out, args.copy_to / out.name)
             print(f"{label}: {sum(kernel_plans.sources.values()) - before} new shapes in "

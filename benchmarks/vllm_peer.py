@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -67,15 +68,20 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
                 enable_prefix_caching=True)
 
 
-def failure(stderr: str) -> dict[str, str]:
-    """A failed vLLM run's report: the last line naming an error (else the last line), and a
-    log holding the first traceback, where the cause is (EngineCore's, which the client's own
-    ``EngineDeadError`` only points to), then the end."""
-    lines = stderr.strip().splitlines()
+def failure(stdout: str, stderr: str) -> dict[str, str]:
+    """A failed vLLM run's report: the first traceback's error (EngineCore's, logged to
+    stdout, where the cause is: the client's own ``EngineDeadError`` in stderr only points to
+    it) and the last error line, and a log from the first traceback on, then the end."""
+    log = stdout + stderr
+    lines = log.strip().splitlines()
     errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
-    first = max(0, stderr.find("Traceback"))
-    return {"skipped": f"vLLM failed: {errors[-1:]}",
-            "log": stderr[first:first + 4000] + "\n...\n" + stderr[-1500:]}
+    first = max(0, log.find("Traceback"))
+    after = [re.sub(r"^\(EngineCore[^)]*\) ", "", x) for x in log[first:].splitlines()[1:]]
+    cause = next((x for x in after if x.strip() and not x.startswith((" ", "Traceback"))),
+                 errors[-1])
+    said = [cause] + [e for e in errors[-1:] if e != cause]
+    return {"skipped": f"vLLM failed: {said}",
+            "log": log[first:first + 4000] + "\n...\n" + log[-1500:]}
 
 
 def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
@@ -133,7 +139,7 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                              env=env, timeout=timeout, capture_output=True, text=True,
                              cwd=HERE.parent)  # the repository: benchmarks is its package
         if res.returncode != 0:
-            return failure(res.stderr)
+            return failure(res.stdout, res.stderr)
         return {**json.loads((Path(tmp) / "out.json").read_text()),
                 "kernel_lines": kernel_lines(res.stdout + res.stderr)}
 

@@ -38,7 +38,7 @@ _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel",
                              re.I)),
     ("FP8 GEMM", re.compile(r"scaled_gemm|_quant_kernel|e4m3|fp8_?gemm|f8f8", re.I)),
-    ("MoE", re.compile(r"grouped_gemm|moe", re.I)),
+    ("MoE", re.compile(r"grouped_gemm|moe|matmul_ogs|_reduce_grouped", re.I)),  # triton_kernels
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|\bmm\b|splitk|Kernel2", re.I)),
     ("sampling", re.compile(r"argmax|sort|topk|exponential|multinomial|gumbel", re.I)),
     ("activation", re.compile(r"silu|gelu|swiglu|act_and_mul", re.I)),

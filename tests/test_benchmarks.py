@@ -140,10 +140,12 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
 def test_a_failed_vllm_run_reports_the_engine_cores_traceback_not_only_the_clients():
     from benchmarks import vllm_peer
 
-    core = "Traceback (most recent call last):\n  File worker.py\nValueError: unsupported layer\n"
+    core = "".join(f"(EngineCore pid=7) {x}\n" for x in (  # as vLLM's logger prefixes them
+        "Traceback (most recent call last):", "  File worker.py", "ValueError: unsupported layer"))
     client = ("noise\n" * 2000 + "Traceback (most recent call last):\n  File llm.py\n"
               "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n")
-    res = vllm_peer.failure("INFO start\n" + core + client)
+    res = vllm_peer.failure("INFO start\n" + core, client)  # EngineCore logs to stdout
+    assert "ValueError: unsupported layer" in res["skipped"]
     assert "EngineDeadError" in res["skipped"]
     assert "ValueError: unsupported layer" in res["log"] and "INFO start" not in res["log"]
     assert res["log"].rstrip().endswith("EngineCore encountered an issue.")
@@ -289,3 +291,16 @@ def test_run_kernels_profiles_a_whole_pagedgen_run(monkeypatch):
     row = run_kernels.pagedgen_run("t", None)
     assert row["system"] == "pagedgen" and row["warm_output_tokens_per_s"] > 0
     assert row["profiled_wall_s"] > 0 and row["launches"] == len(row["top_s"]) == 0  # CPU
+
+
+def test_merged_plans_keep_other_shapes_and_drop_an_arriving_kinds_older_version(tmp_path):
+    from benchmarks import kernel_plans as kp
+
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"moe-plans.json": {"4|a": 1, "5|b": 2},
+                                "fp8-gemm-plans.json": {"2|c": 3}}))
+    counts = kp.merge(path, "GPU", {"moe-plans.json": {"5|d": 4, "5|b": 5}})
+    data = json.loads(path.read_text())
+    assert data["moe-plans.json"] == {"5|b": 5, "5|d": 4}  # version 4's plan would never be read
+    assert data["fp8-gemm-plans.json"] == {"2|c": 3} and data["gpu"] == "GPU"
+    assert counts == {"moe-plans.json": 2, "fp8-gemm-plans.json": 1}

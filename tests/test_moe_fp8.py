@@ -44,16 +44,17 @@ def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("fp8_input", [False, True])
-@pytest.mark.parametrize("group_k", [None, 32])
+@pytest.mark.parametrize("group_k,swap", [(None, False), (None, True), (32, False)],
+                         ids=["per-row", "per-row-weights-left", "k-groups"])
 @pytest.mark.parametrize("t,e,top_k,h,i,block_m", [
     (1, 8, 2, 64, 96, 16),    # one token, most experts without one; I not a multiple of 64
     (37, 8, 3, 96, 64, 32),   # full and partial blocks, H three K groups
     (20, 16, 16, 64, 32, 16)])  # every token to every expert
 def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, block_m,
-                                                              group_k, fp8_input):
+                                                              group_k, swap, fp8_input):
     x, w13, w2, weights, ids = _experts(t, e, top_k, h, i)
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
-    tiles = mk.Tiles(block_m, 32, 32)
+    tiles = mk.Tiles(block_m, 32, 32, swap=swap)
     got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales,
                            native=fp8_input)
     if fp8_input:
@@ -88,6 +89,15 @@ def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input
     ref = fp8_input_reference(x, q13, q2, scales, weights, ids) if fp8_input else \
         mk.reference(x, *scales.dequantize(q13, q2, torch.float32), weights, ids)
     assert (got - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
+@INTERPRETED_ONLY
+def test_swapped_tiles_refuse_k_group_scales_in_one_line():
+    x, w13, w2, weights, ids = _experts(9, 4, 2, 64, 64)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, 32)
+    t = mk.Tiles(16, 32, 32, swap=True)
+    with pytest.raises(ValueError, match="one scale per weight row"):
+        mk.fused_experts(x, q13, q2, weights, ids, (t, t), scales=scales)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("h,i,block_k", [(64, 32, 32), (96, 64, 64), (64, 96, 128)])
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter: no bf16 dot
+@pytest.mark.parametrize("swap", [False, True], ids=["a-left", "weights-left"])
 def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, block_k, biased,
-                                                                        dtype):
+                                                                        dtype, swap):
     x, w13, w2, weights, chosen = _experts(29, 8, 3, h, i)
     x = x.to(dtype)
     q13, s13, d13 = packed(w13)
@@ -38,7 +39,7 @@ def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, blo
     else:
         act, b13, b2 = mk.swiglu, None, None
     ref = mk.reference(x.float(), d13, d2, weights, chosen, act, b13, b2)
-    tiles = mk.Tiles(16, 32, block_k)
+    tiles = mk.Tiles(16, 32, block_k, swap=swap)
     got = mk.fused_experts(x, q13, q2, weights, chosen, (tiles, tiles), None,
                            ExpertScales(s13, s2, mxfp4.GROUP), act=act, b13=b13, b2=b2)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -51,7 +52,8 @@ def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_w
     """The plan's other MXFP4 way (``native``: codes and scales as they are into
     ``tl.dot_scaled``, bf16 activations) gives the loop's result to bf16's precision, K tiles
     past K included (Triton's interpreter multiplies no bf16 ``tl.dot``, so the reference is
-    float32's); float32 activations are a one-line refusal."""
+    float32's), with the weights on either side of the product; float32 activations are a
+    one-line refusal."""
     x, w13, w2, weights, chosen = _experts(29, 8, 3, 96, 64)
     q13, s13, d13 = packed(w13)
     q2, s2, d2 = packed(w2)
@@ -62,8 +64,8 @@ def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_w
     xb = x.bfloat16()
     ref = mk.reference(xb.float(), d13, d2, weights, chosen, extra.get("act", mk.swiglu),
                        extra.get("b13"), extra.get("b2"))
-    for block_k in (64, 128):
-        tiles = (mk.Tiles(16, 32, block_k),) * 2
+    for block_k, swap in ((64, False), (128, False), (64, True), (128, True)):
+        tiles = (mk.Tiles(16, 32, block_k, swap=swap),) * 2
         got = mk.fused_experts(xb, q13, q2, weights, chosen, tiles, None, scales, native=True,
                                **extra)
         assert (got.float() - ref).abs().max() < 3e-2 * ref.abs().max()

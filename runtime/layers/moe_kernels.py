@@ -26,6 +26,8 @@ from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 try:
     import triton
     import triton.language as tl
+    from pagedgen.runtime.quantization.mxfp4_kernels import (mxfp4_operands, mxfp4_rows,
+                                                             mxfp4_tile)
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the per-expert loop
     HAVE_TRITON = False
@@ -121,68 +123,41 @@ class Tiles:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False  # the weights multiply as the MMA's left operand (rows of outputs)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
-                f"w{self.num_warps}s{self.num_stages}")
+                f"w{self.num_warps}s{self.num_stages}" + ("x" if self.swap else ""))
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
-        """B's [BLOCK_K, BLOCK_N] tile at byte columns ``kb`` (contiguous: loads of whole
-        runs) from MXFP4: bytes [N, K / 2] (two e2m1 codes a byte, the low nibble first) and
-        e8m0 scales [N, K / 32] (a power of two, biased by 127); (low nibbles, high nibbles)
-        in ``dtype``, each [BLOCK_K / 2, BLOCK_N]. By bits alone: a code's exponent and
-        mantissa bits moved into a float16's (its exponent field 0-3: 0.5 is a subnormal) read
-        2^-14 times the value, and the scale times 2^14 is a float32 made from its exponent."""
-        ok = (kb < K // 2)[:, None] & n_ok[None, :]
-        packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok,
-                         other=0).to(tl.int32)
-        exp = tl.load(s_at + offs_n[None, :] * num_groups + (kb // 16)[:, None], mask=ok,
-                      other=127).to(tl.int32)
-        scale = ((tl.minimum(exp, 240) + 14) << 23).to(tl.float32, bitcast=True)
-        lo = (((packed & 7) << 9) | ((packed & 8) << 12)).to(tl.int16)
-        hi = (((packed & 0x70) << 5) | ((packed & 0x80) << 8)).to(tl.int16)
-        return ((lo.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype),
-                (hi.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype))
-
-    @triton.jit
-    def _mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
-                        BLOCK_K: tl.constexpr):
-        """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K): the packed codes
-        [BLOCK_K / 2, BLOCK_N] (along K) and the e8m0 scales [BLOCK_N, BLOCK_K / 32]."""
-        kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-        codes = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
-                        mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
-        exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
-                       mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
-        return codes, exps
-
-    @triton.jit
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
-                             a_scale_ptr, b_scale_ptr, num_slots, N, K, num_blocks, group_k,
-                             num_groups, stride_am, stride_be, stride_bn, stride_bse,
-                             stride_cm, A_ROW_DIV: tl.constexpr, GATED: tl.constexpr,
-                             WEIGHTED: tl.constexpr, B_FP8: tl.constexpr, A_FP8: tl.constexpr,
-                             B_FP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+                             a_scale_ptr, b_scale_ptr, bias_ptr, num_slots, N, K, num_blocks,
+                             group_k, num_groups, stride_am, stride_be, stride_bn, stride_bse,
+                             stride_biase, stride_cm, A_ROW_DIV: tl.constexpr,
+                             GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
+                             B_FP8: tl.constexpr, A_FP8: tl.constexpr, B_FP4: tl.constexpr,
+                             SCALED_DOT: tl.constexpr,
                              A_FORMAT: tl.constexpr, PER_ROW: tl.constexpr,
-                             PRECISION: tl.constexpr,
+                             PRECISION: tl.constexpr, SWAP: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
-        and BLOCK_N outputs; GATED: silu(gate) * up of rows n and N + n of B; WEIGHTED: times
-        the slot's routing weight. B_FP8: B in e4m3 with float32 scales [E, rows, num_groups]
-        over K groups of ``group_k`` (PER_ROW: one group, applied once at the end; else each K
-        tile lies in one group), converted to A's dtype in registers unless A_FP8: A in e4m3
+        and BLOCK_N outputs; BIASED: plus the expert's bias [E, N] (not with GATED); GATED:
+        silu(gate) * up of rows n and N + n of B; WEIGHTED: times the slot's routing weight.
+        B_FP8: B in e4m3 with float32 scales [E, rows, num_groups] over K groups of
+        ``group_k`` (PER_ROW: one group, applied once at the end; else each K tile lies in one
+        group), converted to A's dtype in registers unless A_FP8: A in e4m3
         with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in
-        MXFP4 (``_mxfp4_tile``), converted in registers; A's even and odd columns multiply
+        MXFP4 (``mxfp4_tile``), converted in registers; A's even and odd columns multiply
         B's low and high nibbles; or with SCALED_DOT, codes and scales as they are into
-        ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. Programs walk
-        GROUP_M blocks per column of tiles (a run of blocks mostly shares an expert: its
-        tiles stay in L2)."""
+        ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. SWAP: each product
+        is taken as (B A^T)^T, the weights the MMA's left operand (Hopper's takes it from
+        registers, where converted weights are; a block of few rows fills its narrow side),
+        one scale per row (PER_ROW) only. Programs walk GROUP_M blocks per column of tiles (a
+        run of blocks mostly shares an expert: its tiles stay in L2)."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_n
@@ -205,20 +180,42 @@ if HAVE_TRITON:
         b_ptrs = b_at + offs_n[None, :] * stride_bn + offs_k[:, None]
         bs_ptrs = s_at + offs_n * num_groups
         as_ptrs = a_scale_ptr + rows * num_groups
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if SWAP:  # the products' transposes: rows of outputs by rows of A
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if B_FP4 and SCALED_DOT:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
-                codes, exps = _mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
+                codes, exps = mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
                                               num_groups, BLOCK_K)
-                acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
+                if SWAP:
+                    acc = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a), None,
+                                        A_FORMAT, acc)
+                else:
+                    acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
                 if GATED:
-                    codes, exps = _mxfp4_operands(b_at + N * stride_bn, s_at + N * num_groups,
+                    codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N * num_groups,
                                                   k0, offs_n, n_ok, K, stride_bn, num_groups,
                                                   BLOCK_K)
-                    acc_up = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc_up)
+                    if SWAP:
+                        acc_up = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a),
+                                               None, A_FORMAT, acc_up)
+                    else:
+                        acc_up = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc_up)
+            elif B_FP4 and SWAP:  # whole rows of weights converted, A's columns in order
+                a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
+                            other=0.0)
+                w = mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
+                                a.dtype, BLOCK_N, BLOCK_K)
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
+                if GATED:
+                    w = mxfp4_rows(b_at + N * stride_bn, s_at + N * num_groups, k0, offs_n,
+                                    n_ok, K, stride_bn, num_groups, a.dtype, BLOCK_N, BLOCK_K)
+                    acc_up = tl.dot(w, tl.trans(a), acc_up, input_precision=PRECISION)
             elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
                 k_even = 2 * kb
@@ -226,12 +223,12 @@ if HAVE_TRITON:
                 a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
-                lo, hi = _mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
+                lo, hi = mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
                                      a_lo.dtype)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
-                    lo, hi = _mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, kb,
+                    lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, kb,
                                          offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
@@ -246,7 +243,12 @@ if HAVE_TRITON:
                                 other=0.0)
                     if B_FP8 and not A_FP8:
                         u = u.to(a.dtype)
-                if PER_ROW:
+                if PER_ROW and SWAP:
+                    acc = tl.dot(tl.trans(b), tl.trans(a), acc, input_precision=PRECISION)
+                    if GATED:
+                        acc_up = tl.dot(tl.trans(u), tl.trans(a), acc_up,
+                                        input_precision=PRECISION)
+                elif PER_ROW:
                     acc = tl.dot(a, b, acc, input_precision=PRECISION)
                     if GATED:
                         acc_up = tl.dot(a, u, acc_up, input_precision=PRECISION)
@@ -265,6 +267,9 @@ if HAVE_TRITON:
                         acc_up += tl.dot(a, u, input_precision=PRECISION) * s_up
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
+        if SWAP:
+            acc = tl.trans(acc)
+            acc_up = tl.trans(acc_up)
         if B_FP8 and PER_ROW:
             acc = acc * tl.load(bs_ptrs, mask=n_ok, other=0.0)[None, :]
             if GATED:
@@ -276,6 +281,9 @@ if HAVE_TRITON:
                 acc_up = acc_up * a_s
         if GATED:
             acc = acc * tl.sigmoid(acc) * acc_up
+        if BIASED:
+            acc += tl.load(bias_ptr + expert.to(tl.int64) * stride_biase + offs_n, mask=n_ok,
+                           other=0.0).to(tl.float32)[None, :]
         if WEIGHTED:
             acc = acc * tl.load(weights_ptr + slot, mask=valid, other=0.0)[:, None]
         c_ptrs = c_ptr + slot[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -376,10 +384,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
                  block_experts: torch.Tensor, num_slots: int, tiles: Tiles, a_row_div: int,
                  gated: bool, weights: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
-                 group_k: int | None = None, scaled_dot: bool = False) -> torch.Tensor:
-    """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T)`` for every sorted slot (``align``
-    with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f`` is SiLU-and-mul;
-    ``weights`` (float32, per slot): the output scaled by them. ``w_scale``: ``w`` is e4m3
+                 group_k: int | None = None, scaled_dot: bool = False,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T + bias[expert])`` for every sorted
+    slot (``align`` with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f``
+    is SiLU-and-mul (no ``bias`` then); ``weights`` (float32, per slot): the output scaled by
+    them. ``w_scale``: ``w`` is e4m3
     with these scales (``ExpertScales``; a K tile wider than their group of ``group_k``
     columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
     group). ``w`` uint8: MXFP4 codes [E, rows, K / 2], ``w_scale`` their e8m0 exponents [E,
@@ -402,17 +412,25 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         block_k = tiles.block_k if groups == 1 else min(tiles.block_k, group)  # in a group
         if groups > 1 and group % block_k:
             raise ValueError(f"K group {group} is not a multiple of the K tile {block_k}")
+        if groups > 1 and tiles.swap:
+            raise ValueError(f"swapped tiles ({tiles.name}) take one scale per weight row, "
+                             f"not {groups} K groups")
+    if bias is not None and (gated or bias.shape != (w.shape[0], n)):
+        raise ValueError(f"an expert bias is [experts, outputs] = [{w.shape[0]}, {n}] of an "
+                         f"ungated GEMM, not {list(bias.shape)}{' gated' if gated else ''}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, slots, block_experts, weights if weights is not None else out,
         a_scale if a_scale is not None else out, w_scale if w_scale is not None else out,
-        num_slots, n, k, nb, group, groups, a.stride(0), w.stride(0), w.stride(1),
-        w_scale.stride(0) if w_scale is not None else 0, out.stride(0),
+        bias if bias is not None else out, num_slots, n, k, nb, group, groups, a.stride(0),
+        w.stride(0), w.stride(1), w_scale.stride(0) if w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0, out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
+        BIASED=bias is not None,
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
         SCALED_DOT=fp4 and scaled_dot, A_FORMAT=SCALED_DOT_FORMATS.get(a.dtype, "bf16"),
         PER_ROW=groups == 1 or fp4,
-        PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SWAP=tiles.swap,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
@@ -429,10 +447,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     the tensor cores (FP8: each GEMM's input quantized per token, per token and K group for
     block scales; MXFP4: ``tl.dot_scaled``), else the weights are converted to the
     activations' dtype in registers. Another ``act`` or biases (gpt-oss): the first GEMM
-    writes gate and up, the biases and the activation run between the GEMMs (``bias_and_act``),
-    and each slot's weighted down bias joins the second GEMM's output. ``dropped``: slots of
-    expert ``E`` (one past ``w13``'s; weight 0: another expert-parallel rank's) are skipped
-    and add nothing."""
+    writes gate and up, the gate/up biases and the activation run between the GEMMs
+    (``bias_and_act``), and the down bias joins the second GEMM's epilogue, before the routing
+    weight. ``dropped``: slots of expert ``E`` (one past ``w13``'s; weight 0: another
+    expert-parallel rank's) are skipped and add nothing."""
     if tiles[0].block_m != tiles[1].block_m:
         raise ValueError("both GEMMs of a MoE layer sort their rows in blocks of one size")
     (t, top_k), h = ids.shape, x.shape[1]
@@ -461,7 +479,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,
                         block_experts, n, tiles[1], 1,
                         gated=False, weights=slot_weights, w_scale=s2,
-                        a_scale=a_scale, group_k=group_k, scaled_dot=dot)
-    if b2 is not None:
-        down += (slot_weights[:, None] * b2[expert].float()).to(down.dtype)
+                        a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2)
     return torch.sum(down.view(t, top_k, h), dim=1, out=out)

@@ -3,7 +3,8 @@ this GPU.
 
 At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dtype) times the
 candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
-the model runs them), and keeps per count the block height and the gate/up and down tiles whose
+the model runs them; the activations or, swapped, the weights as the MMA's left operand), and
+keeps per count the block height and the gate/up and down tiles whose
 sum (sorting included) is least (FP8 experts: with or without their GEMMs' inputs quantized
 per token, that quantization timed with them; MXFP4 experts: converted in registers, and
 through ``tl.dot_scaled`` in the tiles that won converted, which bounds the added timing), and
@@ -28,7 +29,7 @@ from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = envs.MOE_TILES.name
 CACHE = "moe-plans.json"
-PLAN_VERSION = 4  # part of the disk key: a change to the candidates or the kernel bumps it
+PLAN_VERSION = 5  # part of the disk key: a change to the candidates or the kernel bumps it
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
 GROUPED_MM_FROM = 512  # the smallest count torch's grouped GEMM is timed at (prefill sizes)
 CANDIDATES = {t.name: t for t in (
@@ -37,7 +38,12 @@ CANDIDATES = {t.name: t for t in (
     Tiles(64, 64, 64, 8, 4, 4), Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 128, 64, 8, 8, 4),
     Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
     Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3),
-    Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3))}  # deeper: FP8 operands
+    Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3),  # deeper: FP8 operands
+    # the weights on the left (Tiles.swap): few rows a block fill the MMA's narrow side
+    Tiles(16, 64, 128, 1, 4, 4, True), Tiles(16, 128, 128, 1, 4, 3, True),
+    Tiles(32, 64, 128, 4, 4, 3, True), Tiles(32, 128, 128, 4, 8, 3, True),
+    Tiles(64, 128, 64, 8, 4, 3, True), Tiles(64, 128, 128, 8, 8, 3, True),
+    Tiles(128, 128, 64, 8, 8, 3, True), Tiles(128, 256, 64, 8, 8, 3, True))}
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 
 
@@ -185,8 +191,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         for native in natives(scales, group_k, fp4, act_dtype):
             elem = 1 if native and not fp4 else x.element_size()
             b_elem = w13.element_size()
-            # a scaled dot this GPU or Triton cannot build is left out (timed as never done)
-            timed = _or_never if native and fp4 else graph_time
+            # a tile or scaled dot this GPU or Triton cannot build is left out (never timed)
+            timed = _or_never
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if block_m > max(16, 2 * per_expert):  # blocks mostly padding
                     continue
@@ -195,6 +201,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
+                if group_k is not None and not fp4:  # K-group scales: no swapped tiles
+                    tiles = [t for t in tiles if not t.swap]
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
                 up = {t: timed(lambda t=t: up_gemm(t, native))
