@@ -534,7 +534,12 @@ PY
       # first two runs) on GPU 3 meanwhile, one after another
       runs=(${QUAD_RUNS:-o:bf16 m:fp8 m:bf16})
       peer=${QUAD_VLLM:-${runs[*]:0:2}}
-      for r in $peer; do vllm_run "$r" 3; done > "$S/quad-vllm.txt" &
+      (
+        for r in $peer; do vllm_run "$r" 3; done
+        for a in ${QUAD_AFTER:-}; do  # GPU:STEP
+          [ "${a%%:*}" = 3 ] && CUDA_VISIBLE_DEVICES=3 bash "$0" "${a#*:}"
+        done
+      ) > "$S/quad-vllm.txt" 2>&1 &
       for i in "${!runs[@]}"; do
         (
           r=${runs[$i]} w=${runs[$i]%:*} q=${runs[$i]#*:}
