@@ -133,3 +133,60 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
     for block_m, ts in scaled.items():  # the first fitting candidates are the converted best
         assert ts <= set(sorted(converted[block_m], key=order.index)[:2])
     assert all(plan.native(t) == lowers for t in moe_plan.TOKEN_BUCKETS)
+
+
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
+    from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
+    w = torch.randn(3, 40, 160) * torch.logspace(-3, 3, 160)  # scales far apart
+    q, s, values = packed(w)
+    got = dequantize(q, s, torch.empty(3, 40, 160, dtype=dtype))
+    assert torch.equal(got, values.to(dtype))
+
+
+@INTERPRETED_ONLY
+@pytest.mark.parametrize("ep", [False, True], ids=["all-experts", "expert-parallel"])
+def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep):
+    """The prefill way (``moe_dequantized``): a scratch of three experts' dense weights, so
+    eight experts take three runs, each skipping the others' slots; gpt-oss's biased, clamped
+    experts; under expert parallelism the marker's slots add nothing."""
+    from pagedgen.runtime.layers import moe_dequantized
+    x, w13, w2, weights, chosen = _experts(29, 8, 3, 64, 32)
+    q13, s13, d13 = packed(w13)
+    q2, s2, d2 = packed(w2)
+    g = torch.Generator().manual_seed(3)
+    act = clamped_swiglu(1.702, 0.5)
+    b13, b2 = torch.randn(8, 64, generator=g), torch.randn(8, 64, generator=g)
+    if ep:  # another rank's slots: the marker 8, weight 0
+        other = torch.rand(chosen.shape, generator=g) < 0.3
+        chosen, weights = torch.where(other, 8, chosen), weights * ~other
+    run = 3 * (64 * 32 + 64 * 16) * 2 * 4  # three experts' dense float32 bytes
+    assert moe_dequantized.experts_per_run(q13, q2, torch.float32, run) == 3
+    tiles = (mk.Tiles(16, 32, 32),) * 2
+    got = moe_dequantized.experts(x, q13, q2, weights, chosen, tiles, None,
+                                  ExpertScales(s13, s2, mxfp4.GROUP), act, b13, b2,
+                                  dropped=ep, scratch_bytes=run)
+    mine = chosen < 8
+    ref = mk.reference(x, d13, d2, weights * mine, torch.where(mine, chosen, 0), act, b13, b2)
+    torch.testing.assert_close(got, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-4)
+
+
+def test_mxfp4_plans_keep_the_dense_way_from_its_count_and_read_plans_from_before_it():
+    from pagedgen.runtime.layers import moe_plan
+    t = moe_plan.CANDIDATES
+    small, big = t["m16n64k128g1w4s4x"], t["m128n256k64g8w8s3"]
+    plan = moe_plan.MoePlan([(64, small, small, False), (8192, small, small, False)],
+                            dequantize_from=2048, dense=[(2048, big), (8192, big)])
+    assert plan.dequantizes(512) is None and plan.dequantizes(4096) == (big, big)
+    saved = moe_plan.to_json(plan)
+    assert moe_plan._from_json(saved) == plan
+    before = {k: v for k, v in saved.items() if k in ("choices", "grouped_mm_from")}
+    assert moe_plan._from_json(before).dequantizes(1 << 20) is None
+
+
+def test_a_way_runs_from_the_count_at_which_it_wins_at_every_larger_one():
+    from pagedgen.runtime.layers.moe_plan import _wins_from
+    assert _wins_from([(512, False), (2048, True), (8192, True)]) == 2048
+    assert _wins_from([(512, True), (2048, False), (8192, True)]) == 8192
+    assert _wins_from([(512, True), (2048, True), (8192, False)]) == float("inf")

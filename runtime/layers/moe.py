@@ -1,7 +1,8 @@
 """The mixture-of-experts layer: a router (softmax top-k, renormalized or not, as the family
 says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; tiles per token
 count by measurement, ``moe_plan.py``; torch's grouped GEMM, ``moe_grouped_mm.py``, for the
-prefill-sized counts where it measures faster, in bf16 or FP8).
+prefill-sized counts where it measures faster, in bf16 or FP8; MXFP4 experts written out dense a
+run at a time for such counts, ``moe_dequantized.py``).
 
 ``bias`` (gpt-oss): the router and every expert projection have biases; ``act`` gives the
 experts' activation (gpt-oss clamps its SwiGLU).
@@ -29,7 +30,8 @@ from torch import nn
 
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
+from pagedgen.runtime.layers import (fused_ops, moe_dequantized, moe_grouped_mm,
+                                     moe_kernels as mk)
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
@@ -125,6 +127,11 @@ class FusedMoE(nn.Module):
             if plain and not self.expert_parallel and self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                               out, fused_ops.silu_and_mul_fused, scales)
+            dense = self._plan.dequantizes(x.shape[0])  # MXFP4 prefill chunks
+            if dense is not None:
+                return moe_dequantized.experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                               dense, out, scales, self.act, self.w13_bias, b2,
+                                               dropped=self.expert_parallel)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.native(x.shape[0]), self.act,

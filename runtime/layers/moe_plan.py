@@ -9,7 +9,8 @@ sum (sorting included) is least (FP8 experts: with or without their GEMMs' input
 per token, that quantization timed with them; MXFP4 experts: converted in registers, and
 through ``tl.dot_scaled`` in the tiles that won converted, which bounds the added timing), and
 from which count torch's grouped GEMM
-(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks). Plans are shipped
+(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
+MXFP4 experts are better written out dense first (``moe_dequantized``). Plans are shipped
 for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
 ``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
@@ -18,13 +19,13 @@ for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
-from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
+from pagedgen.runtime.layers import fused_ops, moe_dequantized, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = envs.MOE_TILES.name
@@ -45,6 +46,8 @@ CANDIDATES = {t.name: t for t in (
     Tiles(64, 128, 64, 8, 4, 3, True), Tiles(64, 128, 128, 8, 8, 3, True),
     Tiles(128, 128, 64, 8, 8, 3, True), Tiles(128, 256, 64, 8, 8, 3, True))}
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
+DENSE = (Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 256, 64, 8, 8, 3), Tiles(128, 128, 64, 8, 8, 4),
+         Tiles(128, 256, 64, 8, 8, 3))  # MXFP4 experts written out dense: prefill tiles
 
 
 @dataclass
@@ -53,15 +56,25 @@ class MoePlan:
     counts (native: the weights' own format meets the tensor cores: FP8 experts' GEMMs take
     their inputs quantized per token, MXFP4 experts run ``tl.dot_scaled``);
     ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
-    CUDA-graph capture)."""
+    CUDA-graph capture); ``dequantize_from``: the token count from which MXFP4 experts are
+    written out dense a run at a time (``moe_dequantized``, also outside capture), with
+    ``dense`` [(largest token count, tiles)] for their GEMMs."""
 
     choices: list[tuple[float, Tiles, Tiles, bool]]
     grouped_mm_from: float = math.inf
+    dequantize_from: float = math.inf
+    dense: list[tuple[float, Tiles]] = field(default_factory=list)
 
     def uses_grouped_mm(self, tokens: int) -> bool:
         """Whether ``tokens`` run on torch's grouped GEMM (never while a graph is captured)."""
-        return tokens >= self.grouped_mm_from and not (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        return tokens >= self.grouped_mm_from and not _capturing()
+
+    def dequantizes(self, tokens: int) -> tuple[Tiles, Tiles] | None:
+        """The tiles of the dense way where ``tokens`` run it (never while capturing)."""
+        if tokens < self.dequantize_from or not self.dense or _capturing():
+            return None
+        tiles = next((t for m, t in self.dense if tokens <= m), self.dense[-1][1])
+        return tiles, tiles
 
     def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
         return self._choice(tokens)[1:3]
@@ -72,6 +85,16 @@ class MoePlan:
 
     def _choice(self, tokens: int) -> tuple[float, Tiles, Tiles, bool]:
         return next((c for c in self.choices if tokens <= c[0]), self.choices[-1])
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def to_json(plan: MoePlan) -> dict:
+    return {"choices": [(m, up.name, down.name, a8) for m, up, down, a8 in plan.choices],
+            "grouped_mm_from": plan.grouped_mm_from, "dequantize_from": plan.dequantize_from,
+            "dense": [(m, t.name) for m, t in plan.dense]}
 
 
 def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -90,10 +113,7 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         act_dtype = w13.dtype
     return kernel_plans.cached(
         CACHE, kernel_plans.gpu_name(w13.device), shape_key(w13, top_k, scales, act_dtype),
-        _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype),
-        lambda plan: {"choices": [(m, up.name, down.name, a8)
-                                  for m, up, down, a8 in plan.choices],
-                      "grouped_mm_from": plan.grouped_mm_from})
+        _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype), to_json)
 
 
 def shape_key(w13: torch.Tensor, top_k: int, scales: mk.ExpertScales | None,
@@ -109,10 +129,12 @@ def _from_json(saved) -> MoePlan | None:
         choices = [(float(m), CANDIDATES[up], CANDIDATES[down], bool(a8))
                    for m, up, down, a8 in saved["choices"]]
         grouped_from = float(saved["grouped_mm_from"])
+        dense_from = float(saved.get("dequantize_from", math.inf))  # a plan before the way
+        dense = [(float(m), CANDIDATES[t]) for m, t in saved.get("dense", [])]
     except (TypeError, ValueError, KeyError):
         return None
     ok = choices and [m for m, *_ in choices] == sorted(m for m, *_ in choices)
-    return MoePlan(choices, grouped_from) if ok else None
+    return MoePlan(choices, grouped_from, dense_from, dense) if ok else None
 
 
 SHARED_MEMORY = 200 << 10  # bytes a program may stage (Hopper has 227 KiB; Ampere 163)
@@ -163,7 +185,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     fp4 = w13.dtype == torch.uint8  # MXFP4: two values a byte, activations as they are
     num_experts, hidden = w13.shape[0], w13.shape[2] * (2 if fp4 else 1)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
-    choices, grouped_wins = [], []
+    choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
         weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
@@ -228,10 +250,33 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             except RuntimeError:  # a shape or build torch's kernel does not take: the tiles
                 grouped = math.inf
             grouped_wins.append((tokens, grouped < best[0]))
-    # from the first count at which it wins at every larger one
-    grouped_from = math.inf
-    for tokens, wins in reversed(grouped_wins):
-        if not wins:
+        if fp4 and tokens >= GROUPED_MM_FROM and act_dtype in mk.SCALED_DOT_FORMATS:
+            dense = {t: _eager_or_never(lambda t=t: moe_dequantized.experts(
+                x, w13, w2, weights, ids, (t, t), None, scales))
+                for t in DENSE if fits(t, x.element_size(), True)}
+            t_dense = min(dense, key=dense.get)
+            dense_wins.append((tokens, dense[t_dense] < best[0]))
+            dense_tiles.append((tokens, t_dense))
+    dense_from = _wins_from(dense_wins)
+    return MoePlan(choices, _wins_from(grouped_wins), dense_from,
+                   [(m, t) for m, t in dense_tiles if m >= dense_from])
+
+
+def _wins_from(wins: list[tuple[int, bool]]) -> float:
+    """The first token count from which a way wins at every larger count measured."""
+    start = math.inf
+    for tokens, won in reversed(wins):
+        if not won:
             break
-        grouped_from = tokens
-    return MoePlan(choices, grouped_from)
+        start = tokens
+    return start
+
+
+def _eager_or_never(fn) -> float:
+    """Eager seconds of ``fn`` (as prefill steps run), or infinity where it does not build."""
+    from pagedgen.runtime.hardware import time_cuda
+
+    try:
+        return time_cuda(fn, 5)
+    except Exception:  # noqa: BLE001 - a compiler's or allocator's refusal: never chosen
+        return math.inf

@@ -1,8 +1,10 @@
 """MXFP4 weights meeting the grouped GEMM's tensor cores (Triton device functions for
 ``moe_kernels``): e2m1 codes and e8m0 scales turned into ``bf16`` / ``fp16`` tiles in
-registers, in either orientation, or handed as they are to ``tl.dot_scaled``. Imported only
-where Triton is."""
+registers, in either orientation, or handed as they are to ``tl.dot_scaled``; and
+``dequantize``, which writes a run of experts out dense (prefill chunks:
+``moe_dequantized``). Imported only where Triton is."""
 
+import torch
 import triton
 import triton.language as tl
 
@@ -20,6 +22,7 @@ def e2m1_values(packed, exp, dtype):
     return ((lo.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype),
             (hi.to(tl.float16, bitcast=True).to(tl.float32) * scale).to(dtype))
 
+
 @triton.jit
 def mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
     """B's [BLOCK_K, BLOCK_N] tile at byte columns ``kb`` (contiguous: loads of whole
@@ -31,6 +34,7 @@ def mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
     exp = tl.load(s_at + offs_n[None, :] * num_groups + (kb // 16)[:, None], mask=ok,
                   other=127).to(tl.int32)
     return e2m1_values(packed, exp, dtype)
+
 
 @triton.jit
 def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
@@ -49,6 +53,7 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
     lo, hi = e2m1_values(packed, exp, dtype)
     return tl.interleave(lo, hi)
 
+
 @triton.jit
 def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
                     BLOCK_K: tl.constexpr):
@@ -61,3 +66,28 @@ def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
     exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
                    mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
     return codes, exps
+
+
+@triton.jit
+def _dequantize_kernel(b_ptr, s_ptr, out_ptr, rows, K, stride_b, num_groups, stride_o,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    ok = r < rows
+    w = mxfp4_rows(b_ptr, s_ptr, k0, r, ok, K, stride_b, num_groups,
+                   out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K)
+    cols = k0 + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + r[:, None].to(tl.int64) * stride_o + cols[None, :], w,
+             mask=ok[:, None] & (cols < K)[None, :])
+
+
+def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows (``blocks`` [..., R, K / 2] codes, ``scales`` [..., R, K / 32] exponents,
+    contiguous) written dense into ``out`` [..., R, K] (its dtype: bf16, fp16 or float32)."""
+    k = blocks.shape[-1] * 2
+    b, s, o = blocks.reshape(-1, k // 2), scales.reshape(-1, k // 32), out.view(-1, k)
+    block_r, block_k = 32, 128
+    grid = (triton.cdiv(b.shape[0], block_r), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](b, s, o, b.shape[0], k, b.stride(0), s.shape[1], o.stride(0),
+                             BLOCK_R=block_r, BLOCK_K=block_k)
+    return out
