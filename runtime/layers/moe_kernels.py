@@ -191,7 +191,7 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
                 codes, exps = mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
-                                              num_groups, BLOCK_K)
+                                             num_groups, BLOCK_K)
                 if SWAP:
                     acc = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a), None,
                                         A_FORMAT, acc)
@@ -199,8 +199,8 @@ if HAVE_TRITON:
                     acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
                 if GATED:
                     codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N * num_groups,
-                                                  k0, offs_n, n_ok, K, stride_bn, num_groups,
-                                                  BLOCK_K)
+                                                 k0, offs_n, n_ok, K, stride_bn, num_groups,
+                                                 BLOCK_K)
                     if SWAP:
                         acc_up = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a),
                                                None, A_FORMAT, acc_up)
@@ -210,11 +210,11 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
                 w = mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
-                                a.dtype, BLOCK_N, BLOCK_K)
+                               a.dtype, BLOCK_N, BLOCK_K)
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
                 if GATED:
                     w = mxfp4_rows(b_at + N * stride_bn, s_at + N * num_groups, k0, offs_n,
-                                    n_ok, K, stride_bn, num_groups, a.dtype, BLOCK_N, BLOCK_K)
+                                   n_ok, K, stride_bn, num_groups, a.dtype, BLOCK_N, BLOCK_K)
                     acc_up = tl.dot(w, tl.trans(a), acc_up, input_precision=PRECISION)
             elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -224,12 +224,12 @@ if HAVE_TRITON:
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
                 lo, hi = mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
-                                     a_lo.dtype)
+                                    a_lo.dtype)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
                     lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, kb,
-                                         offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
+                                        offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
             else:

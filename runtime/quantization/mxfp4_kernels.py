@@ -38,7 +38,7 @@ def mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
 
 @triton.jit
 def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The weights' rows ``offs_n`` at columns [k0, k0 + BLOCK_K) from MXFP4, [BLOCK_N,
     BLOCK_K] in ``dtype`` (the swapped product's left operand, in registers): each row's
     bytes loaded whole, a scale once per 32 columns."""
@@ -56,7 +56,7 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
 
 @triton.jit
 def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
-                    BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr):
     """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K): the packed codes
     [BLOCK_K / 2, BLOCK_N] (along K) and the e8m0 scales [BLOCK_N, BLOCK_K / 32]."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
