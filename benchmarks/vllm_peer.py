@@ -59,6 +59,14 @@ def vllm_site() -> str | None:
     return site if (Path(site) / "vllm").is_dir() else None
 
 
+def site_path(site: str) -> str:
+    """The PYTHONPATH of a vLLM installed into ``site`` with ``pip --target``: the site, and
+    the CuTe DSL's packages there (``nvidia-cutlass-dsl``, which vLLM pins, finds them through
+    a .pth file such an install does not run)."""
+    dsl = Path(site) / "nvidia_cutlass_dsl" / "dsl_packages"
+    return f"{site}:{dsl}" if dsl.is_dir() else site
+
+
 def same_limits(engine_config: Any) -> dict[str, Any]:
     """vLLM engine arguments with pagedgen's batching limits (``EngineConfig``), prefix
     caching on (as both run by default); the seats this device gives when the config leaves
@@ -133,7 +141,7 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
         if site:
-            env["PYTHONPATH"] = site
+            env["PYTHONPATH"] = site_path(site)
         res = subprocess.run([sys.executable, "-m", "benchmarks.vllm_peer",
                               str(Path(tmp) / "spec.json"), str(Path(tmp) / "out.json")],
                              env=env, timeout=timeout, capture_output=True, text=True,

@@ -304,3 +304,12 @@ def test_merged_plans_keep_other_shapes_and_drop_an_arriving_kinds_older_version
     assert data["moe-plans.json"] == {"5|b": 5, "5|d": 4}  # version 4's plan would never be read
     assert data["fp8-gemm-plans.json"] == {"2|c": 3} and data["gpu"] == "GPU"
     assert counts == {"moe-plans.json": 2, "fp8-gemm-plans.json": 1}
+
+
+def test_vllms_site_path_holds_the_cute_dsl_packages_a_target_install_leaves_off(tmp_path):
+    from benchmarks import vllm_peer
+
+    assert vllm_peer.site_path(str(tmp_path)) == str(tmp_path)
+    dsl = tmp_path / "nvidia_cutlass_dsl" / "dsl_packages"
+    dsl.mkdir(parents=True)
+    assert vllm_peer.site_path(str(tmp_path)) == f"{tmp_path}:{dsl}"
