@@ -29,6 +29,7 @@
 # mixed (issue 34): benchmarks.mixed_steps on $MIXED_WORKLOAD (default s; MIXED_SYNC_OFF: the
 # async run alone; MIXED_RUNS: async runs, the last reported).
 # moe (issue 35): the MoE preset's decode steps under torch.profiler against its roofline;
+# moe-layers (issue 59): one MoE layer's kernels, pagedgen's and vLLM's, bf16 and FP8;
 # verify-models: `verify --model-only` of $VERIFY_MODELS through every backend.
 # structured (issue 33): benchmarks.structured, 1,024 lines with ten JSON schemas against the
 # same lines unconstrained, and vLLM on both (SmolLM2's tokenizer from .whl/smollm2-tok when
@@ -283,6 +284,21 @@ for r in json.load(open(sys.argv[1]))["results"]:
               "of roofline", round(b.get("decode_roofline_fraction", 0), 2))
     print({g: round(v) for g, v in r["phases"]["decode"]["groups_us"].items() if v})
     print({k: round(v, 3) for k, v in r.get("roofline", {}).items() if isinstance(v, float)})
+PY
+      ;;
+    moe-layers)  # issue 59: one MoE layer's kernels alone at each token count, pagedgen's
+      # against vLLM's Triton experts in bf16 and FP8 (benchmarks/moe_kernels.py; vLLM in a
+      # process of its own), each against the weight-read floor
+      timed moe-layers "${MOE_LIMIT:-400}" python3 -m benchmarks.moe_kernels \
+        --json "$S/moe-layers.json"
+      python3 - "$S/moe-layers.json" <<'PY' || tail -5 "$S/moe-layers.log"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["rows"]:
+    print(r["shape"], r["tokens"], "bf16 ms", round(r["total"], 3), "vLLM", round(r.get("vllm", 0), 3),
+          "fp8 ms", round(r["fp8"], 3), "vLLM", round(r.get("vllm_fp8", 0), 3),
+          "floors", round(r["roofline_ms"], 3), round(r["fp8_roofline_ms"], 3), r["tiles"], r["fp8_mode"])
+print("vLLM:", d["vllm"]) if d["vllm"] else None
 PY
       ;;
     verify-models)

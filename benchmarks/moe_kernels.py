@@ -5,7 +5,9 @@ several token counts, on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes (bf16,
 weights, router logits from a random gate, the same for both). Prints each time, the bytes
 of the experts a step reads over the measured copy bandwidth, and pagedgen's split by kernel;
 and pagedgen's layer on the same experts quantized to FP8 per channel (``fp8``, with the
-plan's way of running them: ``fp8_mode``) against the FP8 bytes (``fp8_roofline_ms``).
+plan's way of running them: ``fp8_mode``) against the FP8 bytes (``fp8_roofline_ms``) and
+vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them (``vllm_fp8``: one scale per
+expert, activations quantized per tensor as they come).
 
     python -m benchmarks.moe_kernels [--json out.json]
 """
@@ -118,35 +120,46 @@ def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
     return row
 
 
-def _vllm_worker(out_path: str) -> None:
-    """vLLM's MoE kernels on the same inputs (this process imports vLLM, not pagedgen)."""
-    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+def _per_expert_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 weights with one float32 scale per expert (vLLM's online FP8 experts)."""
+    scale = w.abs().amax(dim=(1, 2)).float() / torch.finfo(torch.float8_e4m3fn).max
+    return (w / scale[:, None, None]).to(torch.float8_e4m3fn), scale
 
-    res: dict[str, dict[int, float]] = {}
+
+def _vllm_worker(out_path: str) -> None:
+    """vLLM's MoE kernels on the same inputs, bf16 and FP8 (this process imports vLLM, not
+    pagedgen)."""
+    from vllm.model_executor.layers.fused_moe import fused_experts, fused_topk
+    from vllm.model_executor.layers.fused_moe.config import fp8_w8a8_moe_quant_config
+
+    res: dict[str, dict[int, dict[str, float]]] = {}
     for name, shape in SHAPES.items():
         e, k, h, i, renorm = shape
         res[name] = {}
         for t in TOKENS:
             x, w13, w2, logits = _inputs(shape, t)
+            (q13, s13), (q2, s2) = _per_expert_fp8(w13), _per_expert_fp8(w2)
+            fp8 = fp8_w8a8_moe_quant_config(w1_scale=s13, w2_scale=s2)
 
-            def run():
+            def run(quant=None, w=(w13, w2)):
                 routed = fused_topk(x, logits, k, renorm)
-                return fused_experts(x, w13, w2, routed[0], routed[1])
+                return fused_experts(x, *w, routed[0], routed[1], quant_config=quant)
 
-            res[name][t] = _replay_ms(run)
+            res[name][t] = {"bf16": _replay_ms(run),
+                            "fp8": _replay_ms(lambda: run(fp8, (q13, q2)))}
     Path(out_path).write_text(json.dumps(res))
 
 
 def vllm_times() -> dict | str:
-    from benchmarks.vllm_peer import vllm_site
+    from benchmarks.vllm_peer import site_path, vllm_site
 
     site = vllm_site()
     if site is None:
         return "vLLM is not installed here"
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "vllm.json"
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", **({"PYTHONPATH": site} if site
-                                                              else {})}
+        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1",
+               **({"PYTHONPATH": site_path(site)} if site else {})}
         res = subprocess.run([sys.executable, "-m", "benchmarks.moe_kernels", "--vllm-worker",
                               str(out)], env=env, capture_output=True, text=True,
                              cwd=Path(__file__).parent.parent, timeout=400)
@@ -178,8 +191,9 @@ def main() -> None:
                    "roofline_ms": 1000 * active * expert_bytes / bw,
                    "fp8_roofline_ms": 1000 * active * expert_bytes / 2 / bw}
             if isinstance(theirs, dict):
-                row["vllm"] = theirs[name][str(t)]
-                row["vllm_over_ours"] = row["vllm"] / row["total"]
+                peer = theirs[name][str(t)]
+                row.update(vllm=peer["bf16"], vllm_over_ours=peer["bf16"] / row["total"],
+                           vllm_fp8=peer["fp8"], vllm_fp8_over_ours=peer["fp8"] / row["fp8"])
             rows.append(row)
             print(json.dumps({kk: round(v, 4) if isinstance(v, float) else v
                               for kk, v in row.items()}))

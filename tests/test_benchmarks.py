@@ -313,3 +313,14 @@ def test_vllms_site_path_holds_the_cute_dsl_packages_a_target_install_leaves_off
     dsl = tmp_path / "nvidia_cutlass_dsl" / "dsl_packages"
     dsl.mkdir(parents=True)
     assert vllm_peer.site_path(str(tmp_path)) == f"{tmp_path}:{dsl}"
+
+
+def test_vllms_fp8_experts_in_the_layer_benchmark_take_one_scale_per_expert():
+    from benchmarks.moe_kernels import _per_expert_fp8
+
+    w = torch.randn(3, 8, 16) * torch.tensor([1.0, 30.0, 0.01])[:, None, None]
+    q, scale = _per_expert_fp8(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (3,)
+    assert torch.equal(q.float().abs().amax(dim=(1, 2)), torch.full((3,), 448.0))
+    back = q.float() * scale[:, None, None]
+    assert ((back - w).abs() <= 0.07 * w.abs().amax(dim=(1, 2))[:, None, None]).all()
