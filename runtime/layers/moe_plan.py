@@ -88,10 +88,12 @@ class MoePlan:
 
 
 def _capturing() -> bool:
+    """Whether a CUDA graph is being captured (prefill-only ways then stand aside)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def to_json(plan: MoePlan) -> dict:
+    """A plan as the plan files hold it (tiles by name)."""
     return {"choices": [(m, up.name, down.name, a8) for m, up, down, a8 in plan.choices],
             "grouped_mm_from": plan.grouped_mm_from, "dequantize_from": plan.dequantize_from,
             "dense": [(m, t.name) for m, t in plan.dense]}
@@ -170,7 +172,8 @@ def natives(scales: mk.ExpertScales | None, group_k: int | None, fp4: bool,
 
 def _or_never(fn) -> float:
     """``graph_time(fn)``, or infinity where its kernel does not build (a Triton that lowers
-    no ``tl.dot_scaled`` for this GPU)."""
+    no ``tl.dot_scaled`` for this GPU, a tile past its registers): never chosen, and the GPU
+    tests build every candidate."""
     try:
         return kernel_plans.graph_time(fn)
     except Exception:  # noqa: BLE001 - a compiler's refusal: that way is not timed
