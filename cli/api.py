@@ -43,6 +43,12 @@ class LLM:
         self._driver.load()
         self.engine = self._driver.engine
 
+    @property
+    def chat_format(self) -> str | None:
+        """How ``messages`` render where the model has a choice (gpt-oss: its harmony format
+        by openai-harmony, or its chat template and why), else None."""
+        return getattr(self.engine.tokenizer, "chat_format", None)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
                  **sampling: Any) -> list[RequestOutput]:

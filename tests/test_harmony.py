@@ -118,3 +118,14 @@ def test_the_summary_says_how_a_gpt_oss_chat_was_rendered(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads(res.output[res.output.index("{"):])
     assert summary["chat_format"].startswith("chat template (")
+
+
+def test_the_python_api_says_how_a_gpt_oss_chat_renders(tmp_path):
+    from pagedgen import LLM
+
+    ckpt = make_checkpoint("gpt_oss", tmp_path / "oss", with_tokenizer=True)
+    llm = LLM(model=str(ckpt), device="cpu", dtype="float32")
+    assert llm.chat_format.startswith("chat template (")
+    out = llm.generate({"messages": [{"role": "user", "content": "a b"}]}, max_tokens=2)
+    assert len(out[0].token_ids) == 2
+    assert LLM(model="tiny", device="cpu").chat_format is None  # no choice to say
