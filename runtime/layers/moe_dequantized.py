@@ -22,7 +22,7 @@ SCRATCH_BYTES = 1 << 30  # a run of experts' dense weights
 def experts_per_run(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
                     scratch_bytes: int = SCRATCH_BYTES) -> int:
     """How many experts' dense weights (gate/up and down, two values a byte) fit the scratch."""
-    dense = (w13[0].numel() + w2[0].numel()) * 2 * torch.empty((), dtype=dtype).element_size()
+    dense = (w13[0].numel() + w2[0].numel()) * 2 * dtype.itemsize
     return max(1, min(w13.shape[0], scratch_bytes // dense))
 
 

@@ -216,8 +216,6 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         for native in natives(scales, group_k, fp4, act_dtype):
             elem = 1 if native and not fp4 else x.element_size()
             b_elem = w13.element_size()
-            # a tile or scaled dot this GPU or Triton cannot build is left out (never timed)
-            timed = _or_never
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if block_m > max(16, 2 * per_expert):  # blocks mostly padding
                     continue
@@ -230,9 +228,10 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     tiles = [t for t in tiles if not t.swap]
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
-                up = {t: timed(lambda t=t: up_gemm(t, native))
+                # a tile or scaled dot this GPU or Triton cannot build: never chosen
+                up = {t: _or_never(lambda t=t: up_gemm(t, native))
                       for t in tiles if fits(t, elem, True, b_elem)}
-                down = {t: timed(lambda t=t: down_gemm(t, native))
+                down = {t: _or_never(lambda t=t: down_gemm(t, native))
                         for t in tiles if fits(t, elem, False, b_elem)}
                 up = {t: v for t, v in up.items() if v < math.inf}
                 down = {t: v for t, v in down.items() if v < math.inf}
