@@ -193,3 +193,26 @@ def test_a_way_runs_from_the_count_at_which_it_wins_at_every_larger_one():
     assert _wins_from([(512, False), (2048, True), (8192, True)]) == 2048
     assert _wins_from([(512, True), (2048, False), (8192, True)]) == 8192
     assert _wins_from([(512, True), (2048, True), (8192, False)]) == float("inf")
+
+
+@pytest.mark.skipif(not mk.HAVE_TRITON, reason="the PTX's constants live beside Triton kernels")
+def test_the_packed_conversions_bits_read_every_code_pair_times_two_to_the_minus_126():
+    """``e2m1_bf16``'s integer steps (the same constants its PTX is built from: the
+    interpreter runs no PTX, the GPU tests run it) turn every byte, in either half of a word,
+    into the bf16 bits of its two codes' values times 2^-126, so the bf16 multiplies by
+    ``UNBIAS`` and by the group's scale 2^(e - 127) give the value exactly."""
+    from pagedgen.runtime.quantization import mxfp4_kernels as fk
+    byte = torch.arange(256, dtype=torch.int64)
+    other = byte.flip(0)  # the other half's byte, to catch bits leaking across halves
+    words = byte | (other << 16)
+    lo, hi = fk.e2m1_bf16_bits(words)
+    table = torch.tensor(mxfp4.E2M1, dtype=torch.float32)
+
+    def halves(w: torch.Tensor) -> torch.Tensor:  # [256, 2] of the bits' float values
+        h = torch.stack([w & 0xFFFF, w >> 16], -1).to(torch.int16)
+        return h.view(torch.bfloat16).float() * 2.0 ** 126
+    unbias = torch.tensor([fk.UNBIAS & 0xFFFF], dtype=torch.int16).view(torch.bfloat16)
+    assert unbias.float().item() == 2.0 ** 126 and fk.UNBIAS >> 16 == fk.UNBIAS & 0xFFFF
+    for got, nibble in ((lo, lambda b: b & 15), (hi, lambda b: b >> 4)):
+        want = torch.stack([table[nibble(byte)], table[nibble(other)]], -1)
+        assert torch.equal(halves(got), want)

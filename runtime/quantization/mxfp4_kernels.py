@@ -2,11 +2,82 @@
 ``moe_kernels``): e2m1 codes and e8m0 scales turned into ``bf16`` / ``fp16`` tiles in
 registers, in either orientation, or handed as they are to ``tl.dot_scaled``; and
 ``dequantize``, which writes a run of experts out dense (prefill chunks:
-``moe_dequantized``). Imported only where Triton is."""
+``moe_dequantized``). Imported only where Triton is.
+
+On the GPU, bf16 tiles come from ``e2m1_bf16``: PTX working on two values per 32-bit
+register (three integer operations place two codes' bits in a bf16 pair, two bf16x2
+multiplies scale them), where Triton's per-value arithmetic spends about ten instructions a
+value; the decode GEMMs, which convert every weight they read, are bound by that count.
+Triton's interpreter runs the per-value way (``e2m1_values``)."""
 
 import torch
 import triton
 import triton.language as tl
+
+from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+
+# Two bytes of codes, one in each 16-bit half of a word (a ``prmt``): a nibble masked out and
+# multiplied by the sum of two powers of two lands its exponent and mantissa bits at a bf16's
+# bits 6-8 (the exponent's low two bits and the mantissa's top one) and its sign at bit 15;
+# KEEP clears the copies between. The bits read 2^-126 times the code's value (0.5 a
+# subnormal), which UNBIAS (2^126) restores before the group's scale 2^(e - 127) multiplies.
+LO_MASK, LO_MUL = 0x000F000F, (1 << 6) + (1 << 12)
+HI_MASK, HI_MUL = 0x00F000F0, (1 << 2) + (1 << 8)
+KEEP = 0x81C081C0
+UNBIAS = 0x7E807E80  # 2^126 in both bf16 halves
+
+
+def _pair_asm(half: int) -> str:
+    """PTX for bytes ``2 * half`` and ``2 * half + 1`` of $4 (codes) and $5 (exponents):
+    their low nibbles' bf16 pair into ``$half``, their high nibbles' into ``$(2 + half)``."""
+    sel = "0x4342" if half else "0x4140"
+    return f"""
+    prmt.b32 t, $4, 0, {sel};
+    prmt.b32 s, $5, 0, {sel};
+    shl.b32 s, s, 7;
+    and.b32 v, t, {LO_MASK:#x};
+    mul.lo.u32 v, v, {LO_MUL:#x};
+    and.b32 v, v, {KEEP:#x};
+    fma.rn.bf16x2 v, v, k, z;
+    fma.rn.bf16x2 ${half}, v, s, z;
+    and.b32 v, t, {HI_MASK:#x};
+    mul.lo.u32 v, v, {HI_MUL:#x};
+    and.b32 v, v, {KEEP:#x};
+    fma.rn.bf16x2 v, v, k, z;
+    fma.rn.bf16x2 ${2 + half}, v, s, z;"""
+
+
+E2M1_BF16_ASM = tl.constexpr(
+    "{\n.reg .b32 t, s, v, k, z;\n"
+    f"mov.b32 k, {UNBIAS:#x};\nmov.b32 z, 0x80008000;"  # -0.0: a * b + z is a * b
+    + _pair_asm(0) + _pair_asm(1) + "\n}")
+PACKED_BF16 = tl.constexpr(not INTERPRETED)  # the interpreter runs no PTX
+
+
+def e2m1_bf16_bits(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PTX's integer steps on int64 ``words`` (two code bytes, one in each 16-bit half):
+    (low nibbles' bf16 pair, high nibbles') as int64 words; the tests check the constants so."""
+    def place(mask: int, mul: int) -> torch.Tensor:
+        return ((words & mask) * mul) & KEEP
+    return place(LO_MASK, LO_MUL), place(HI_MASK, HI_MUL)
+
+
+@triton.jit
+def e2m1_bf16(packed, exp):
+    """MXFP4 bytes and their e8m0 scales (uint8, one shape): (low values, high values) in
+    bf16, by ``E2M1_BF16_ASM``, four bytes an instance."""
+    return tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, exp],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def e2m1_pair(packed, exp, dtype):
+    """``e2m1_values`` of uint8 codes and exponents, by the packed PTX where it applies."""
+    if PACKED_BF16 and dtype == tl.bfloat16:
+        lo, hi = e2m1_bf16(packed, exp)
+    else:
+        lo, hi = e2m1_values(packed.to(tl.int32), exp.to(tl.int32), dtype)
+    return lo, hi
 
 
 @triton.jit
@@ -29,11 +100,10 @@ def mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
     runs) from MXFP4: bytes [N, K / 2] and e8m0 scales [N, K / 32]; (low nibbles, high
     nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
     ok = (kb < K // 2)[:, None] & n_ok[None, :]
-    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok,
-                     other=0).to(tl.int32)
+    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok, other=0)
     exp = tl.load(s_at + offs_n[None, :] * num_groups + (kb // 16)[:, None], mask=ok,
-                  other=127).to(tl.int32)
-    return e2m1_values(packed, exp, dtype)
+                  other=127)
+    return e2m1_pair(packed, exp, dtype)
 
 
 @triton.jit
@@ -45,12 +115,12 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     packed = tl.load(b_at + offs_n[:, None] * stride_bn + kb[None, :],
-                     mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0).to(tl.int32)
+                     mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
     exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
-                   mask=n_ok[:, None] & (g < num_groups)[None, :], other=127).to(tl.int32)
+                   mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
     exp = tl.reshape(tl.broadcast_to(exps[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                      (BLOCK_N, BLOCK_K // 2))
-    lo, hi = e2m1_values(packed, exp, dtype)
+    lo, hi = e2m1_pair(packed, exp, dtype)
     return tl.interleave(lo, hi)
 
 
