@@ -16,7 +16,7 @@ from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.moe_act import swiglu
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
-SCRATCH_BYTES = 1 << 30  # a run of experts' dense weights
+SCRATCH_BYTES = 2 << 30  # a run of experts' dense weights (gpt-oss-20b's in one run)
 
 
 def experts_per_run(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
