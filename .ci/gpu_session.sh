@@ -54,6 +54,7 @@
 # run-kernels (issues 59-61, two GPUs): each of RUNK_RUNS (WORKLOAD:QUANT ...) whole and profiled
 # in pagedgen (GPU 0) and vLLM (GPU 1) at once, kernel groups side by side (RUNK_LIMIT,
 # RUNK_AFTER: steps then on GPU 0); vllm-only: vLLM alone on VLLM_WORKLOADS.
+# gdn-kernels (issue 60): benchmarks/gdn_kernels.py, the decode kernel per launch shape.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
 # workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
 # and start with `source .whl/gdn/setup-device.sh`.
@@ -462,6 +463,18 @@ for r in d['results']:
         --backends flash-attn,flashinfer,triton --heads 16/8 \
         --shapes decode:256x1100,decode:64x1100 --json "$S/attention-c.json"
       grep -h '^{' "$S"/attention-*.log | cut -c1-150 ;;
+    gdn-kernels)  # issue 60: the delta rule's decode kernel per launch shape (its state floor)
+      timed gdn-kernels 120 python3 -m benchmarks.gdn_kernels --json "$S/gdn-kernels.json"
+      python3 - "$S/gdn-kernels.json" <<'PY' || tail -5 "$S/gdn-kernels.log"
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for key in sorted({(r["seqs"], r["state"]) for r in rows}):
+    mine = [r for r in rows if (r["seqs"], r["state"]) == key]
+    best, used = min(mine, key=lambda r: r["us"]), [r for r in mine if r["used"]][0]
+    print(key, "used", used["block_v"], used["warps"], used["us"], "us; best", best["block_v"],
+          best["warps"], best["us"], "us; floor", best["floor_us"])
+PY
+      ;;
     gdn)
       # issue 60: the gated-delta GPU tests; $GDN_MODEL's (default qwen3.5-9b) decode steps at
       # batch 1 and 256 under torch.profiler against the weight-plus-state floor; workloads

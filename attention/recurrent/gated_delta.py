@@ -23,6 +23,7 @@ from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 KERNELS = ("torch", "triton")
+DECODE_LAUNCH = (32, 4)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 
 
 @dataclass(frozen=True)
@@ -139,9 +140,10 @@ def scan_triton(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: to
     slots, has, _ = md.recurrent_inputs()
     n = md.num_seqs - first
     bk = max(16, 1 << (spec.head_k - 1).bit_length())
-    bv = min(32, max(16, 1 << (spec.head_v - 1).bit_length()))
+    bv = min(DECODE_LAUNCH[0], max(16, 1 << (spec.head_v - 1).bit_length()))
     grid = (n, spec.num_v_heads, -(-spec.head_v // bv))
     tk.gated_delta_kernel[grid](
         mixed, mixed.stride(0), a, b, a.stride(0), a_log, dt_bias, ssm, slots[first:],
         has[first:], md.query_start_loc[first:], out, out.stride(0), spec.num_k_heads,
-        spec.num_v_heads, spec.head_k ** -0.5, DK=spec.head_k, DV=spec.head_v, BK=bk, BV=bv)
+        spec.num_v_heads, spec.head_k ** -0.5, DK=spec.head_k, DV=spec.head_v, BK=bk, BV=bv,
+        num_warps=DECODE_LAUNCH[1])
