@@ -23,7 +23,7 @@ from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 KERNELS = ("torch", "triton")
-DECODE_LAUNCH = (32, 4)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
+DECODE_LAUNCH = (64, 2)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 
 
 @dataclass(frozen=True)
