@@ -1,8 +1,8 @@
 """The gated delta rule's decode kernel alone (issue 60): ``gated_delta_kernel`` at decode
-(one token a sequence) on Qwen3.5-9B's linear-attention shapes, replayed from a CUDA graph,
-for each value block and warp count it can launch with, against the floor of reading and
-writing every sequence's state once (float32 states, as Qwen3.5's configs name, and bf16).
-The launch ``scan_triton`` uses is marked.
+(one token a sequence) on Qwen3.5-9B's linear-attention shapes, replayed from a CUDA graph
+(timed as ``moe_kernels`` times), for each value block and warp count it can launch with,
+against the floor of reading and writing every sequence's state once (float32 states, as
+Qwen3.5's configs name, and bf16). The launch ``scan_triton`` uses is marked.
 
     python -m benchmarks.gdn_kernels [--json out.json]
 """
@@ -15,25 +15,9 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.moe_kernels import _replay_ms
+
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B: key heads, value heads, their widths
-
-
-def _replay_us(fn, calls: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / calls)
-    return sorted(times)[2]
 
 
 def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
@@ -60,7 +44,7 @@ def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
                             qkv, qkv.stride(0), a, b, a.stride(0), a_log, dt_bias, ssm, slots,
                             has, qsl, out, out.stride(0), HK, HV, DK ** -0.5, DK=DK, DV=DV,
                             BK=DK, BV=bv, num_warps=warps)
-                    t = _replay_us(launch)
+                    t = 1000 * _replay_ms(launch, calls=10)
                     row = {"seqs": n, "state": str(state_dtype).split(".")[-1], "block_v": bv,
                            "warps": warps, "us": round(t, 1), "floor_us": round(floor_us, 1),
                            "of_floor": round(floor_us / t, 3),
