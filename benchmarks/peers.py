@@ -288,7 +288,10 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "cascade_groups_per_step", "cascade_levels_per_step",
                                 "decode_kv_read_gb_per_step", "decode_kv_plain_gb_per_step",
                                 "mixed_graph_steps", "mixed_graph_buckets",
-                                "mixed_graph_capture_s", "mixed_graph_failed")
+                                "mixed_graph_capture_s", "mixed_graph_failed",
+                                "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
+                                "runs_kernels_compiled", "runs_kernel_compile_s",
+                                "first_run_slowest_compiles")
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)

@@ -76,7 +76,12 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "recurrent_state_slots": "state slots (seats + scratch)",
            "recurrent_state_bytes_per_slot": "state per slot",
            "max_num_seqs_lowered": "seats lowered to fit the state",
-           "kernel_plans": "kernel plans (FP8 GEMMs, MoE tiles)"}
+           "kernel_plans": "kernel plans (FP8 GEMMs, MoE tiles)",
+           "kernels_compiled_at_startup": "Triton kernels made at start-up",
+           "kernel_compile_at_startup_s": "of which time",
+           "kernels_compiled_in_run": "Triton kernels made during the run",
+           "kernel_compile_in_run_s": "of which time",
+           "slowest_compiles_in_run": "slowest made during the run"}
 
 # The table's groups, each the summary keys it shows (keys in no group go to "run").
 _GROUPS: dict[str, tuple[str, ...]] = {
@@ -105,7 +110,10 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
                  "graph_capture_s", "mixed_graph_capture_s", "attention_warmup_s",
                  "attention_kernels_compiled_at_warmup",
-                 "attention_kernels_compiled_later", "kernel_plans"),
+                 "attention_kernels_compiled_later", "kernel_plans",
+                 "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
+                 "kernels_compiled_in_run", "kernel_compile_in_run_s",
+                 "slowest_compiles_in_run"),
 }
 TABLE_WIDTH = 100
 MIN_WIDTH = 60

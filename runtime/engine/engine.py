@@ -7,6 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.engine import jit_monitor
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
@@ -48,7 +49,9 @@ class Engine:
         self.src = src or resolve_model(config.model)
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
         self._output: OutputStage | None = None
+        startup = jit_monitor.install()  # Triton kernels made at start-up, then in the run
         self.runner = ModelRunner(config, self.src)
+        self.jit_marks = [startup, jit_monitor.MONITOR.mark()]
         self.processor_factory = processor_factory
         self._grammars = grammars
         self.runner.processors_enabled = processor_factory is not None
@@ -466,6 +469,7 @@ class Engine:
         """Start the summary's counters afresh (between benchmark runs on one engine)."""
         r = self.runner
         self.stats = StepStats()
+        self.jit_marks[1] = jit_monitor.MONITOR.mark()
         r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
         r.host_steps = dict.fromkeys(r.host_steps, 0)
         r.decode_reads = DecodeReads(r.decode_reads.token_bytes)

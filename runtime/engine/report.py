@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.engine import jit_monitor
 from pagedgen.runtime.engine.stats import peak_memory_bytes
 
 
@@ -76,6 +77,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         if pw.failed:
             out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
     out.update(runner.attn_state.compile_stats())
+    if runner.device.type == "cuda" and jit_monitor.MONITOR.installed:
+        out.update(jit_monitor.MONITOR.summary(*engine.jit_marks))
     if kernel_plans.sources:
         out["kernel_plans"] = kernel_plans.summary()
     if runner.recurrent is not None:
