@@ -20,7 +20,9 @@ from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
 # multiplied by the sum of two powers of two lands its exponent and mantissa bits at a bf16's
 # bits 6-8 (the exponent's low two bits and the mantissa's top one) and its sign at bit 15;
 # KEEP clears the copies between. The bits read 2^-126 times the code's value (0.5 a
-# subnormal), which UNBIAS (2^126) restores before the group's scale 2^(e - 127) multiplies.
+# subnormal), which UNBIAS (2^126) restores before the group's scale 2^(e - 127) multiplies:
+# exact for every e but 0 (2^-127, below bf16's normal range: that group's values, at most
+# 6 * 2^-127, read as zeros; an all-zero group, which quantizers give e = 0, is exact).
 LO_MASK, LO_MUL = 0x000F000F, (1 << 6) + (1 << 12)
 HI_MASK, HI_MUL = 0x00F000F0, (1 << 2) + (1 << 8)
 KEEP = 0x81C081C0
