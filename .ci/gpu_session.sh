@@ -121,6 +121,10 @@ for run in sys.argv[2:]:
               "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
         for line in r.get("kernel_lines", []):  # what vLLM says it chose
             print("   vLLM:", line[:200])
+        if "runs_kernels_compiled" in r:  # Triton kernels made inside each run (jit_monitor)
+            print("   kernels made in each run", r["runs_kernels_compiled"],
+                  [round(x, 1) for x in r["runs_kernel_compile_s"]], "s; slowest in the first:",
+                  r.get("first_run_slowest_compiles", ""))
     if rows["first"] and rows["vllm"]:
         ours, peer = rows["first"][0], rows["vllm"][0]
         print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),
@@ -540,7 +544,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
     print(r["workload"], r["system"], r.get("backend", ""), "runs tok/s",
           [round(x) for x in r.get("runs_output_tokens_per_s", [])],
           "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
-          r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")})
+          r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")},
+          r.get("runs_kernels_compiled", ""), r.get("first_run_slowest_compiles", ""))
 PY
       done ;;
     pair)  # issues 59-61 on two GPUs: each WORKLOAD:QUANT of $PAIR_RUNS (quant bf16 or fp8)
