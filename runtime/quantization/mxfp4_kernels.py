@@ -7,8 +7,7 @@ registers, in either orientation, or handed as they are to ``tl.dot_scaled``; an
 On the GPU, bf16 tiles come from ``e2m1_bf16``: PTX working on two values per 32-bit
 register (three integer operations place two codes' bits in a bf16 pair, two bf16x2
 multiplies scale them), where Triton's per-value arithmetic spends about ten instructions a
-value; the decode GEMMs, which convert every weight they read, are bound by that count.
-Triton's interpreter runs the per-value way (``e2m1_values``)."""
+value. Triton's interpreter runs the per-value way (``e2m1_values``)."""
 
 import torch
 import triton
