@@ -4,6 +4,8 @@ through each backend with graphs against transformers' greedy tokens."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -25,6 +27,24 @@ def _layer(e: int, k: int, h: int, i: int, t: int, seed: int = 0):
     w2 = torch.randn(e, h, i, device=dev, dtype=torch.bfloat16) * 0.05
     weights, ids = random_routing(t, e, k, dev)
     return x, w13, w2, weights, ids
+
+
+def _gpt_oss_layer(t: int) -> SimpleNamespace:
+    """gpt-oss-20b's experts (32, 4 per token, 2880 -> 2880) for ``t`` tokens in MXFP4
+    (``q13``, ``q2``, ``scales``), biased and clamped, and the loop's float32 result on the
+    dequantized weights (``ref``)."""
+    from pagedgen.runtime.quantization import mxfp4
+    from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+    from test_mxfp4_moe import packed
+    x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
+    (q13, s13, d13), (q2, s2, d2) = packed(w13), packed(w2)
+    act = clamped_swiglu(1.702, 7.0)
+    bias13 = torch.randn(32, 5760, device="cuda") * 0.1
+    bias2 = torch.randn(32, 2880, device="cuda") * 0.1
+    ref = mk.reference(x.float(), d13, d2, weights, ids, act, bias13, bias2)
+    return SimpleNamespace(x=x, q13=q13, q2=q2, scales=ExpertScales(s13, s2, mxfp4.GROUP),
+                           weights=weights, ids=ids, act=act, bias13=bias13, bias2=bias2,
+                           ref=ref)
 
 
 @pytest.mark.parametrize("t", [1, 5, 64, 300])
@@ -220,61 +240,44 @@ def test_mxfp4_experts_in_every_candidate_tile_equal_the_dequantized_loop(t):
     """gpt-oss-20b's expert shape (32 experts, 4 per token, 2880 → 2880) in MXFP4, biased and
     clamped: each tile, converted in registers and through ``tl.dot_scaled`` (where this
     Triton builds it for the GPU), and the measured plan inside a CUDA graph."""
-    from pagedgen.runtime.quantization import mxfp4
-    from pagedgen.runtime.quantization.fp8_moe import ExpertScales
-    x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
-    (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
-    d13, d2 = (mxfp4.dequantize(b, s, torch.float32) for b, s in ((b13, s13), (b2, s2)))
-    q13, q2, scales = b13.flatten(-2), b2.flatten(-2), ExpertScales(s13, s2, mxfp4.GROUP)
-    act = clamped_swiglu(1.702, 7.0)
-    bias13 = torch.randn(32, 5760, device="cuda") * 0.1
-    bias2 = torch.randn(32, 2880, device="cuda") * 0.1
-    ref = mk.reference(x.float(), d13, d2, weights, ids, act, bias13, bias2)
-    scale = ref.abs().max().item()
+    o = _gpt_oss_layer(t)
+
+    def experts(tiles, native, out=None):
+        return mk.fused_experts(o.x, o.q13, o.q2, o.weights, o.ids, tiles, out, o.scales,
+                                native, act=o.act, b13=o.bias13, b2=o.bias2)
+    scale = o.ref.abs().max().item()
     for native in (False, True):
         for name, tiles in CANDIDATES.items():
             try:
-                got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), None, scales,
-                                       native, act=act, b13=bias13, b2=bias2)
+                got = experts((tiles, tiles), native)
             except Exception as e:  # noqa: BLE001 - a scaled dot this Triton cannot lower
                 if not native:
                     raise
                 print("tl.dot_scaled:", name, type(e).__name__)
                 continue
-            err = (got.float() - ref).abs().max().item()
+            err = (got.float() - o.ref).abs().max().item()
             assert err < 2e-2 * scale, (name, native, err, scale)
-    plan = plan_moe(q13, q2, 4, scales, torch.bfloat16)
-    out = torch.empty_like(x)
+    plan = plan_moe(o.q13, o.q2, 4, o.scales, torch.bfloat16)
+    out = torch.empty_like(o.x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        mk.fused_experts(x, q13, q2, weights, ids, plan.choose(t), out, scales,
-                         plan.native(t), act=act, b13=bias13, b2=bias2)
+        experts(plan.choose(t), plan.native(t), out)
     graph.replay()
     torch.cuda.synchronize()
-    assert (out.float() - ref).abs().max().item() < 2e-2 * scale
-
+    assert (out.float() - o.ref).abs().max().item() < 2e-2 * scale
 
 
 def test_mxfp4_experts_written_out_dense_equal_the_dequantized_loop():
     """The prefill way at gpt-oss-20b's shape, 2,048 tokens, biased and clamped, in each dense
-    tile, with the default scratch (two runs of experts) and one of ten experts (four)."""
+    tile, with the default scratch (every expert in one run) and one of half that (two)."""
     from pagedgen.runtime.layers import moe_dequantized
     from pagedgen.runtime.layers.moe_plan import DENSE
-    from pagedgen.runtime.quantization import mxfp4
-    from pagedgen.runtime.quantization.fp8_moe import ExpertScales
-    x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, 2048)
-    (b13, s13), (b2, s2) = mxfp4.quantize(w13), mxfp4.quantize(w2)
-    d13, d2 = (mxfp4.dequantize(b, s, torch.float32) for b, s in ((b13, s13), (b2, s2)))
-    scales = ExpertScales(s13, s2, mxfp4.GROUP)
-    act = clamped_swiglu(1.702, 7.0)
-    bias13 = torch.randn(32, 5760, device="cuda") * 0.1
-    bias2 = torch.randn(32, 2880, device="cuda") * 0.1
-    ref = mk.reference(x.float(), d13, d2, weights, ids, act, bias13, bias2)
-    half = moe_dequantized.experts_per_run(b13.flatten(-2), b2.flatten(-2), x.dtype) // 2
+    o = _gpt_oss_layer(2048)
+    half = moe_dequantized.experts_per_run(o.q13, o.q2, o.x.dtype) // 2
     for tiles in DENSE:
         for scratch in (moe_dequantized.SCRATCH_BYTES, half * 2 * 2880 * 2880 * 3):
-            got = moe_dequantized.experts(x, b13.flatten(-2), b2.flatten(-2), weights, ids,
-                                          (tiles, tiles), None, scales, act, bias13, bias2,
+            got = moe_dequantized.experts(o.x, o.q13, o.q2, o.weights, o.ids, (tiles, tiles),
+                                          None, o.scales, o.act, o.bias13, o.bias2,
                                           scratch_bytes=scratch)
-            err = (got.float() - ref).abs().max().item()
-            assert err < 2e-2 * ref.abs().max().item(), (tiles.name, scratch, err)
+            err = (got.float() - o.ref).abs().max().item()
+            assert err < 2e-2 * o.ref.abs().max().item(), (tiles.name, scratch, err)
