@@ -80,8 +80,9 @@ def merge_files(paths: list[Path]) -> None:
     for p in paths:
         data = json.loads(p.read_text())
         plans = {k: v for k, v in data.items() if isinstance(v, dict)}
-        counts = merge(kernel_plans.shipped_file(data["gpu"]), data["gpu"], plans)
-        print(f"{p.name} merged into {kernel_plans.shipped_file(data['gpu']).name}: {counts}")
+        shipped = kernel_plans.shipped_file(data["gpu"])
+        counts = merge(shipped, data["gpu"], plans)
+        print(f"{p.name} merged into {shipped.name}: {counts}")
 
 
 def main() -> None:

@@ -51,9 +51,10 @@ class JitMonitor:
         return self._chained[0](**kw) if self._chained[0] else None
 
     def after(self, **kw: Any) -> Any:
-        started = self._open.pop(self._key(kw), None)
+        kernel, key = self._key(kw)
+        started = self._open.pop((kernel, key), None)
         if started is not None:
-            self.compiles.append(Compile(self._key(kw)[0], time.perf_counter() - started))
+            self.compiles.append(Compile(kernel, time.perf_counter() - started))
         return self._chained[1](**kw) if self._chained[1] else None
 
     def mark(self) -> int:
