@@ -125,6 +125,8 @@ for run in sys.argv[2:]:
             print("   kernels made in each run", r["runs_kernels_compiled"],
                   [round(x, 1) for x in r["runs_kernel_compile_s"]], "s; slowest in the first:",
                   r.get("first_run_slowest_compiles", ""))
+            for name, t in r.get("first_run_compiles_s", {}).items():
+                print(f"     {t:6.2f} s  {name[:180]}")
     if rows["first"] and rows["vllm"]:
         ours, peer = rows["first"][0], rows["vllm"][0]
         print(w, q, "pagedgen / vLLM: median", round(ours["output_tokens_per_s"] / peer["output_tokens_per_s"], 3),
@@ -534,7 +536,8 @@ PY
       q=${PEERS_QUANT:-bf16}
       for w in ${FIRST_WORKLOADS:-m}; do
         timed "first-$w-$q" "${PEERS_LIMIT:-540}" env TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" \
-          XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" python3 -m benchmarks.peers --workloads "$w" \
+          XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
+          FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" python3 -m benchmarks.peers --workloads "$w" \
           --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
           $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
           --json "$S/first-$w-$q.json"
@@ -546,6 +549,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
           r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")},
           r.get("runs_kernels_compiled", ""), r.get("first_run_slowest_compiles", ""))
+    for name, t in r.get("first_run_compiles_s", {}).items():
+        print(f"     {t:6.2f} s  {name[:180]}")
 PY
       done ;;
     pair)  # issues 59-61 on two GPUs: each WORKLOAD:QUANT of $PAIR_RUNS (quant bf16 or fp8)

@@ -85,7 +85,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     mid = sorted(runs, key=lambda r: r[key])[len(runs) // 2]
     made = {"runs_kernels_compiled": [r["kernels_compiled_in_run"] for r in runs],
             "runs_kernel_compile_s": [r.get("kernel_compile_in_run_s", 0.0) for r in runs],
-            "first_run_slowest_compiles": runs[0].get("slowest_compiles_in_run", "")} \
+            "first_run_slowest_compiles": runs[0].get("slowest_compiles_in_run", ""),
+            "first_run_compiles_s": runs[0].get("compiles_in_run_s", {})} \
         if all("kernels_compiled_in_run" in r for r in runs) else {}
     return {**mid, "runs_output_tokens_per_s": [r[key] for r in runs], **made}
 

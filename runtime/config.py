@@ -190,6 +190,10 @@ class EngineConfig:
     # auto (from the tokenizer's vocabulary) | none | think (qwen3, deepseek_r1) | harmony
     # (gpt_oss)
     reasoning_parser: str = "auto"
+    # a few short requests through the engine's own steps at start-up, so that the kernels a
+    # run's first steps would make are made before it (runtime/engine/rehearsal.py); None: on
+    # CUDA
+    startup_rehearsal: bool | None = None
 
     def validate(self, origin: dict[str, str] | None = None) -> None:
         """Raise PagedgenError naming the first setting out of range (before anything loads),

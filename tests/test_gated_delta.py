@@ -111,6 +111,21 @@ def test_triton_kernels_equal_the_reference(dtype):
     torch.testing.assert_close(state.conv[:4], ref_state.conv[:4], **tol)
 
 
+@INTERPRETED
+@pytest.mark.parametrize("tokens", [1, 13])
+def test_the_q_and_k_heads_for_the_chunked_prefill_are_normalized_as_the_reference_does(
+        tokens):
+    """``qk_norm_triton``: the q and k heads at the start of each projected row (the v heads
+    after them untouched) → [2, T, Hk, Dk], as ``reference.l2_normalize``."""
+    from pagedgen.attention.recurrent.gated_delta import qk_norm_triton
+    torch.manual_seed(0)
+    hk, dk = SPEC.num_k_heads, SPEC.head_k
+    mixed = torch.randn(tokens, 2 * hk * dk + SPEC.num_v_heads * SPEC.head_v) * 3
+    got = qk_norm_triton(mixed, hk, dk)
+    want = reference.l2_normalize(mixed[:, :2 * hk * dk].reshape(tokens, 2, hk, dk))
+    torch.testing.assert_close(got, want.transpose(0, 1), atol=1e-6, rtol=1e-5)
+
+
 def _seq(i: int) -> Sequence:
     return Sequence(i, [1, 2, 3], SamplingParams(), seed=0)
 

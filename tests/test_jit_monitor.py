@@ -39,6 +39,28 @@ def test_each_variant_made_is_counted_at_start_up_or_in_the_run_with_the_slowest
         sum(c.seconds for c in monitor.compiles[run:]))
     assert s["slowest_compiles_in_run"].startswith("_align_kernel 9.00 s, ")
     assert s["slowest_compiles_in_run"].count(" s") == 3
+    assert list(s["compiles_in_run_s"]) == [f"{n}[]" for n in (
+        "decode_kernel", "rms_norm_kernel", "prefill_kernel", "_align_kernel")]
+
+
+def test_a_variant_is_named_by_its_constexpr_arguments_warps_and_stages():
+    """As Triton 3.x hands its hooks a variant: the signature in parameter order, constexpr
+    values keyed by argument path (a tensor's path is never a constexpr)."""
+    info = {"signature": {"a_ptr": "*bf16", "M": "i32", "BLOCK_M": "constexpr",
+                          "GATED": "constexpr", "dtype": "constexpr"},
+            "constants": {(2,): 64, (3,): True, (4,): object()},
+            "num_warps": 8, "num_stages": 3}
+    assert jit_monitor.variant(info) == "BLOCK_M=64,GATED=True,w8s3"
+    offset = {**info, "configs": [{(1,): [["tt.divisibility", 16]]}]}  # a_ptr not aligned
+    assert jit_monitor.variant(offset) == "BLOCK_M=64,GATED=True,unaligned=a_ptr,w8s3"
+    aligned = {**info, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    assert jit_monitor.variant(aligned) == "BLOCK_M=64,GATED=True,w8s3"
+    assert jit_monitor.variant({}) == ""
+    monitor = jit_monitor.JitMonitor()
+    run = monitor.mark()
+    monitor.before(key="k", fn=SimpleNamespace(name="moe"), compile=info)
+    monitor.after(key="k", fn=SimpleNamespace(name="moe"), compile=info)
+    assert list(monitor.summary(0, run)["compiles_in_run_s"]) == ["moe[BLOCK_M=64,GATED=True,w8s3]"]
 
 
 def test_the_hooks_set_before_still_run_and_answer_for_triton():

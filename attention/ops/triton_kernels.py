@@ -45,7 +45,12 @@ def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt
     tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Arguments that change from step to step (the block table's width, metadata rows sliced at the
+# step's first decode) are not specialized on: each value class would be another variant,
+# compiled the first time a run's step meets it (runtime/engine/jit_monitor.py counts them).
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["BlockTables", "Sinks", "QStartLoc", "ContextLens",
+                                            "TileSeq", "TileQStart"])
 def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLens, TileSeq,
                    TileQStart,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
@@ -123,7 +128,8 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
         tl.store(Lse + (q_off + tok) * stride_lt + head, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", "stride_ps", "stride_ls", "num_splits"],
+            do_not_specialize_on_alignment=["BlockTables", "SeqLens", "Sinks"])
 def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
@@ -191,7 +197,7 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
         tl.store(LsePart + split * stride_ls + seq * stride_lt + head, lse, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_ps", "stride_ls", "num_splits"])
 def merge_kernel(Out, OutPart, LsePart, stride_ot, stride_oh, stride_ps, stride_pt, stride_ph,
                  stride_ls, stride_lt, num_splits, D: tl.constexpr, SP: tl.constexpr):
     seq = tl.program_id(0)

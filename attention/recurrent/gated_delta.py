@@ -94,15 +94,15 @@ class GatedDeltaImpl:
         slots, has, _ = md.recurrent_inputs()
         slots = slots[:p].long()
         key = s.num_k_heads * s.head_k
-        q, k, v = mixed[:n].split([key, key, s.num_v_heads * s.head_v], -1)
+        qk = qk_norm_triton(mixed[:n], s.num_k_heads, s.head_k)
+        v = mixed[:n, 2 * key:]
         g, beta = reference.gates(a[:n], b[:n], a_log, dt_bias)
         h0 = state.ssm[slots].float() * has[:p, None, None, None]
         cu = md.query_start_loc[:p + 1].long()
         cu_cpu = torch.tensor([0] + md.query_lens_cpu[:p]).cumsum(0)
         o, ht = chunk_gated_delta_rule(
-            q.reshape(1, n, s.num_k_heads, s.head_k), k.reshape(1, n, s.num_k_heads, s.head_k),
-            v.reshape(1, n, s.num_v_heads, s.head_v), g=g[None], beta=beta.to(q.dtype)[None],
-            initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            qk[0, None], qk[1, None], v.reshape(1, n, s.num_v_heads, s.head_v), g=g[None],
+            beta=beta.to(v.dtype)[None], initial_state=h0, output_final_state=True,
             cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
         out[:n] = o[0]
         state.ssm.index_copy_(0, slots, ht.to(state.ssm.dtype))
@@ -127,6 +127,21 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         kp = max(2, 1 << (taps - 2).bit_length())
         tk.conv_state_kernel[(md.num_seqs, -(-c // 64))](
             qkv, qkv.stride(0), conv, slots, has, md.query_start_loc, c, K=taps, KP=kp, BC=64)
+    return out
+
+
+def qk_norm_triton(mixed: torch.Tensor, num_k_heads: int, head_k: int) -> torch.Tensor:
+    """The q and k heads at the start of each row of ``mixed`` [T, C], L2-normalized
+    (``reference.l2_normalize``): [2 (q, k), T, Hk, Dk], contiguous, in ``mixed``'s dtype."""
+    from pagedgen.attention.recurrent import triton_kernels as tk
+
+    t = mixed.shape[0]
+    out = torch.empty(2, t, num_k_heads, head_k, dtype=mixed.dtype, device=mixed.device)
+    rows = 16
+    if t:
+        tk.qk_norm_kernel[(-(-t * 2 * num_k_heads // rows),)](
+            mixed, mixed.stride(0), out, t, num_k_heads, D=head_k,
+            BD=max(16, 1 << (head_k - 1).bit_length()), BR=rows)
     return out
 
 

@@ -10,6 +10,9 @@
   first token to the last, read from the sequence's slot once and written back once; the gates
   (``g``, ``beta``) and the q/k L2 norms are computed in the kernel. A decode is the one-token
   case; long prefills go to flash-linear-attention's chunked kernels where it is installed.
+* ``qk_norm_kernel``: those prefills' q and k heads L2-normalized into one contiguous
+  [2, T, Hk, Dk] tensor for that chunked kernel (one launch shape for every token count: its
+  own normalization autotunes afresh per bucket of token counts, inside a run).
 
 All in float32; states are stored in their own dtype. Compiled on CUDA GPUs, and for the tests
 under ``TRITON_INTERPRET=1`` on CPU tensors.
@@ -21,7 +24,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The slot and offset rows are sliced at a step's first scanned sequence: no variant per
+# alignment (each would compile inside a run).
+@triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "TokenSeq", "QSL"])
 def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, stride_y, C,
                 K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
     t = tl.program_id(0)
@@ -46,7 +51,7 @@ def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, s
     tl.store(Y + t * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "QSL"])
 def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexpr,
                       KP: tl.constexpr, BC: tl.constexpr):
     s = tl.program_id(0)
@@ -66,7 +71,7 @@ def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexp
     tl.store(base + i[None, :], new.to(Conv.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "QSL"])
 def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots, HasState, QSL,
                        O, stride_o, HK, HV, scale, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
@@ -103,3 +108,19 @@ def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots,
         o = tl.sum(state * q[:, None], 0)
         tl.store(O + t * stride_o + hv * DV + rv, o.to(O.dtype.element_ty), mask=vm)
     tl.store(ptr, state.to(S.dtype.element_ty), mask=sm)
+
+
+@triton.jit(do_not_specialize=["T"])
+def qk_norm_kernel(X, stride_x, Y, T, HK, D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+    # rows r = (token, head) of the 2 * HK heads of D channels at the start of each X row
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    d = tl.arange(0, BD)
+    ok = r < T * 2 * HK
+    t = (r // (2 * HK)).to(tl.int64)
+    h = r % (2 * HK)
+    m = ok[:, None] & (d[None, :] < D)
+    x = tl.load(X + t[:, None] * stride_x + h[:, None] * D + d[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    row = ((h // HK) * T + t) * HK + h % HK  # Y [2 (q, k), T, HK, D]
+    tl.store(Y + row[:, None] * D + d[None, :], y.to(Y.dtype.element_ty), mask=m)

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine import jit_monitor
+from pagedgen.runtime.engine import jit_monitor, rehearsal
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
@@ -73,6 +73,11 @@ class Engine:
         self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
         # Sequences made ahead of admission: enough to fill every seat of the next step.
         self._lookahead = config.max_num_seqs
+        rehearse = config.startup_rehearsal
+        if rehearse or (rehearse is None and self.runner.device.type == "cuda"):
+            t = time.perf_counter()
+            rehearsal.rehearse(self)  # then counts afresh: jit_marks[1] moves past it
+            self.runner.startup_phases["rehearsal"] = time.perf_counter() - t
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -477,6 +482,13 @@ class Engine:
             r.piecewise.steps = 0
         if self._grammars is not None:
             self._grammars.reset_counters()
+
+    def forget_requests(self) -> None:
+        """Number requests from 0 again (after the start-up rehearsal): the run's seeds
+        and ids are as without it. Only when no request is in flight."""
+        if self.has_unfinished():
+            raise RuntimeError("forget_requests with requests in flight")
+        self._next_id = 0
 
     def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
                 ) -> dict[str, Any]:

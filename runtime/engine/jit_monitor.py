@@ -20,6 +20,39 @@ from typing import Any
 class Compile:
     kernel: str
     seconds: float
+    variant: str = ""  # its constexpr values, warps and stages: what a warm-up must match
+
+
+def _index(path: Any) -> Any:
+    return path[0] if isinstance(path, tuple) and path else path
+
+
+def variant(compile_info: dict[str, Any]) -> str:
+    """A variant's constexpr arguments by name (scalars only), its pointers not specialized
+    as 16-byte aligned (``unaligned=``: offset, or marked not to be; another variant than an
+    aligned call's), warps and stages, from the ``compile`` dict Triton hands its hooks
+    (``signature``: the parameters in order, pointers typed ``*...``; ``constants``:
+    constexpr values by argument path; ``configs[0]``: the specializations,
+    ``tt.divisibility`` among them, by path)."""
+    signature = compile_info.get("signature") or {}
+    names = list(signature)
+    parts = []
+    for path, value in (compile_info.get("constants") or {}).items():
+        first = _index(path)
+        if isinstance(value, (bool, int, float, str)) and isinstance(first, int) \
+                and first < len(names):
+            parts.append(f"{names[first]}={value}")
+    configs = compile_info.get("configs") or [None]
+    if isinstance(configs[0], dict):
+        aligned = {_index(p) for p, attrs in configs[0].items()
+                   if any(a and a[0] == "tt.divisibility" for a in attrs)}
+        loose = [n for i, n in enumerate(names)
+                 if str(signature[n]).startswith("*") and i not in aligned]
+        if loose:
+            parts.append("unaligned=" + "+".join(loose))
+    if "num_warps" in compile_info:
+        parts.append(f"w{compile_info['num_warps']}s{compile_info.get('num_stages')}")
+    return ",".join(parts)
 
 
 @dataclass
@@ -54,7 +87,8 @@ class JitMonitor:
         kernel, key = self._key(kw)
         started = self._open.pop((kernel, key), None)
         if started is not None:
-            self.compiles.append(Compile(kernel, time.perf_counter() - started))
+            self.compiles.append(Compile(kernel, time.perf_counter() - started,
+                                         variant(kw.get("compile") or {})))
         return self._chained[1](**kw) if self._chained[1] else None
 
     def mark(self) -> int:
@@ -62,7 +96,7 @@ class JitMonitor:
 
     def summary(self, startup: int, run: int) -> dict[str, Any]:
         """The variants made from mark ``startup`` to mark ``run`` (start-up) and since ``run``
-        (inside the run: count, seconds, the three slowest)."""
+        (inside the run: count, seconds, the three slowest, and seconds by variant)."""
         made, late = self.compiles[startup:run], self.compiles[run:]
         out: dict[str, Any] = {"kernels_compiled_at_startup": len(made),
                                "kernel_compile_at_startup_s": sum(c.seconds for c in made),
@@ -72,6 +106,11 @@ class JitMonitor:
             slow = sorted(late, key=lambda c: -c.seconds)[:3]
             out["slowest_compiles_in_run"] = ", ".join(f"{c.kernel} {c.seconds:.2f} s"
                                                        for c in slow)
+            by_variant: dict[str, float] = {}
+            for c in late:
+                name = f"{c.kernel}[{c.variant}]"
+                by_variant[name] = by_variant.get(name, 0.0) + c.seconds
+            out["compiles_in_run_s"] = by_variant
         return out
 
 

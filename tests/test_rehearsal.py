@@ -1,0 +1,49 @@
+"""The start-up rehearsal (``runtime/engine/rehearsal.py``): its steps take prefills alone,
+prefills beside decodes and decodes alone; the run after it is the run without it (tokens,
+seeds, counters); it fits a small context. (On by default on CUDA only; forced on here.)"""
+
+from __future__ import annotations
+
+from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.engine import rehearsal
+from pagedgen.runtime.engine.model_runner import ModelRunner
+from tests.test_engine import GREEDY, prompts, tiny
+
+SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # seeded by number
+
+
+def test_the_rehearsal_steps_prefills_alone_beside_decodes_and_decodes_alone(monkeypatch):
+    shapes = []
+    forward = ModelRunner.forward
+
+    def counted(self, batch):
+        shapes.append((len(batch.prefills), len(batch.decodes)))
+        return forward(self, batch)
+
+    monkeypatch.setattr(ModelRunner, "forward", counted)
+    eng = tiny(startup_rehearsal=True, max_num_batched_tokens=1024)
+    first, second = len(rehearsal.FIRST[0]), len(rehearsal.SECOND[0])
+    assert shapes[:2] == [(first, 0), (second, first)]
+    assert (0, first + second) in shapes
+    assert eng.startup_phases["rehearsal"] > 0
+    assert not eng.has_unfinished()
+
+
+def test_a_run_after_the_rehearsal_is_the_run_without_it():
+    ps = prompts(6)
+    runs = []
+    for rehearse in (False, True):
+        eng = tiny(startup_rehearsal=rehearse)
+        seqs = eng.generate(ps, SAMPLED) + eng.generate(ps, GREEDY)
+        st = eng.stats
+        runs.append(([(s.seq_id, s.output_token_ids) for s in seqs], st.num_steps,
+                     st.prefill_tokens, st.decode_tokens, st.requests_finished,
+                     st.prefix_hit_tokens))
+    assert runs[1] == runs[0]
+
+
+def test_the_rehearsal_fits_a_small_context_and_cache():
+    eng = tiny(startup_rehearsal=True, max_model_len=24, num_blocks=8, block_size=4,
+               max_num_seqs=2, max_num_batched_tokens=16)
+    assert eng.stats.num_steps == 0 and eng.startup_phases["rehearsal"] > 0
+    assert len(eng.generate(prompts(2, 3, 6), GREEDY)[0].output_token_ids) == 16
