@@ -8,7 +8,8 @@
 #
 # Steps: startup (pagedgen generate on $MODEL, default the 8B preset, with $BACKEND, default
 # flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
-# gpu; PYTEST_K selects, TESTS_LIMIT seconds), "peers W" (peers.py on workloads W with vLLM),
+# gpu; PYTEST_K selects, TESTS_FILES: these files only, TESTS_LIMIT seconds), "peers W"
+# (peers.py on workloads W with vLLM),
 # attention (decode kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes
 # on (a)-(c)'s decode shapes), profile and profile-c ((a)'s and (c)'s decode under
 # torch.profiler), imports (startup under python -X importtime), save-caches (FlashInfer's and
@@ -121,6 +122,8 @@ for run in sys.argv[2:]:
               "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
         for line in r.get("kernel_lines", []):  # what vLLM says it chose
             print("   vLLM:", line[:200])
+        if "startup_breakdown_s" in r:
+            print("   start-up phases", {k: round(v, 1) for k, v in r["startup_breakdown_s"].items()})
         if "runs_kernels_compiled" in r:  # Triton kernels made inside each run (jit_monitor)
             print("   kernels made in each run", r["runs_kernels_compiled"],
                   [round(x, 1) for x in r["runs_kernel_compile_s"]], "s; slowest in the first:",
@@ -325,8 +328,10 @@ PY
         --json "$S/h100-structured.json"
       grep -E "tok/s, |^pagedgen:|^vLLM|^timeline" "$S/structured.log" | cut -c1-400 ;;
     tests)
-      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest -m gpu -q --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
-      tail -12 "$S/gpu-tests.log" ;;
+      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest ${TESTS_FILES:-} -m gpu -v \
+        --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
+      grep -E "PASSED|FAILED|ERROR" "$S/gpu-tests.log" | sed -E 's/ +\[ *[0-9]+%\]//' | cut -c1-150
+      tail -12 "$S/gpu-tests.log" | grep -vE "PASSED|FAILED" ;;
     peers\ *)
       w=${step#peers }
       tag=${w//,/}${PEERS_TAG:-}
