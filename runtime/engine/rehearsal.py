@@ -11,12 +11,23 @@ On by default on CUDA (``EngineConfig.startup_rehearsal``); a CPU run compiles n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pagedgen.runtime.config import SamplingParams
 
-if TYPE_CHECKING:
-    from pagedgen.runtime.engine.engine import Engine
+
+class Engine(Protocol):
+    """What the rehearsal uses of ``engine.Engine`` (which imports this module)."""
+
+    src: Any
+    max_model_len: int
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
+    def step(self) -> list: ...
+    def has_unfinished(self) -> bool: ...
+    def reset_stats(self) -> None: ...
+    def reset_prefix_cache(self) -> None: ...
+    def forget_requests(self) -> None: ...
 
 # (prompt lengths, new tokens) of the two waves: the second arrives after the first's prefill,
 # whose longest prompt then decodes over more keys than one split of the decode kernel takes
