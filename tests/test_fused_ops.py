@@ -82,6 +82,19 @@ def test_silu_and_mul(device, dtype, n):
 
 
 @INTERPRETED
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("d", [128, 48])
+def test_gated_rms_norm(device, dtype, d):
+    """x [T, H, D] as the delta rule writes it; z a strided view of the projection's columns."""
+    t, h = 5, 3
+    x = _randn(t, h, d, device=device, dtype=dtype, seed=0)
+    z = _randn(t, 2 * h * d + 8, device=device, dtype=dtype, seed=1)[:, 8:8 + h * d]
+    z = z.reshape(t, h, d)
+    w = _randn(d, device=device, dtype=dtype, seed=2)
+    torch.testing.assert_close(fused_ops.gated_rms_norm_fused(x, z, w, 1e-6),
+                               fused_ops.gated_rms_norm_ref(x, z, w, 1e-6), **TOL[dtype])
+
+
 def test_empty_batches():
     x = torch.empty(0, 64)
     w = torch.ones(64)

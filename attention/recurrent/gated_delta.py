@@ -24,6 +24,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 KERNELS = ("torch", "triton")
 DECODE_LAUNCH = (64, 2)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
+CONV_TILE = (8, 256)  # conv_kernel's tokens and channels a program
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,12 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     t, c = qkv.shape
     taps = weight.shape[1]
     out = torch.empty(t, c, dtype=qkv.dtype, device=qkv.device)
-    block = 256
+    tokens, block = CONV_TILE
     if t:
-        tk.conv_kernel[(t, -(-c // block))](
+        tk.conv_kernel[(-(-t // tokens), -(-c // block))](
             qkv, qkv.stride(0), weight, bias if bias is not None else weight, conv, slots, has,
-            token_seq, md.query_start_loc, out, out.stride(0), c, K=taps,
-            HAS_BIAS=bias is not None, BC=block)
+            token_seq, md.query_start_loc, out, out.stride(0), c, t, K=taps,
+            HAS_BIAS=bias is not None, BT=tokens, BC=block)
         kp = max(2, 1 << (taps - 2).bit_length())
         tk.conv_state_kernel[(md.num_seqs, -(-c // 64))](
             qkv, qkv.stride(0), conv, slots, has, md.query_start_loc, c, K=taps, KP=kp, BC=64)

@@ -1,7 +1,7 @@
 """pagedgen's gated-delta-rule kernels, in Triton (the math: ``reference.py``).
 
 * ``conv_kernel``: the causal depthwise convolution (SiLU after) of every new token of a step,
-  one program per (token, channel block); taps before a sequence's first new token read its
+  one program per (token block, channel block); taps before a sequence's first new token read its
   conv state, or zeros for a sequence without one.
 * ``conv_state_kernel``: then each sequence's conv state becomes its last ``K - 1`` inputs
   (one program per (sequence, channel block): every read before the barrier, then the writes).
@@ -26,29 +26,33 @@ import triton.language as tl
 
 # The slot and offset rows are sliced at a step's first scanned sequence: no variant per
 # alignment (each would compile inside a run).
-@triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "TokenSeq", "QSL"])
-def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, stride_y, C,
-                K: tl.constexpr, HAS_BIAS: tl.constexpr, BC: tl.constexpr):
-    t = tl.program_id(0)
+@triton.jit(do_not_specialize=["T"],
+            do_not_specialize_on_alignment=["Slots", "HasState", "TokenSeq", "QSL"])
+def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, stride_y, C, T,
+                K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
-    cm = c < C
-    s = tl.load(TokenSeq + t)
-    start = tl.load(QSL + s)
-    slot = tl.load(Slots + s).to(tl.int64)
-    has = (tl.zeros([BC], dtype=tl.int32) + tl.load(HasState + s)) != 0
-    acc = tl.zeros([BC], dtype=tl.float32)
+    tm, cm = t < T, c < C
+    s = tl.load(TokenSeq + t, mask=tm, other=0)
+    start = tl.load(QSL + s, mask=tm, other=0)
+    slot = tl.load(Slots + s, mask=tm, other=0).to(tl.int64)
+    has = tl.load(HasState + s, mask=tm, other=0) != 0
+    m = tm[:, None] & cm[None, :]
+    acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads the input K - 1 - j tokens back
-        src = tl.zeros([BC], dtype=tl.int32) + (t - (K - 1) + j)
-        x = tl.load(X + src * stride_x + c, mask=cm & (src >= start), other=0.0)
+        src = t - (K - 1) + j
+        x = tl.load(X + src.to(tl.int64)[:, None] * stride_x + c[None, :],
+                    mask=m & (src >= start)[:, None], other=0.0)
         col = src - start + (K - 1)  # the conv state's column of an earlier input
-        past = tl.load(Conv + slot * C * (K - 1) + c * (K - 1) + col,
-                       mask=cm & (src < start) & has, other=0.0)
-        x = x.to(tl.float32) + past.to(tl.float32)
-        acc += x * tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        past = tl.load(Conv + slot[:, None] * C * (K - 1) + c[None, :] * (K - 1) + col[:, None],
+                       mask=m & ((src < start) & has)[:, None], other=0.0)
+        w = tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
+        acc += (x.to(tl.float32) + past.to(tl.float32)) * w[None, :]
     if HAS_BIAS:
-        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
+        acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
-    tl.store(Y + t * stride_y + c, y.to(Y.dtype.element_ty), mask=cm)
+    tl.store(Y + t.to(tl.int64)[:, None] * stride_y + c[None, :], y.to(Y.dtype.element_ty),
+             mask=m)
 
 
 @triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "QSL"])

@@ -6,6 +6,8 @@
   of a token in one program, optionally after a per-head RMSNorm (Qwen3's q/k norm); writes
   contiguous q and k (the inputs may be strided views of the fused qkv projection).
 * ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
+* ``gated_rms_norm(x, z, w, eps)``: a linear-attention layer's output, RMS-normed per head and
+  scaled by ``silu(z)`` (Qwen3.5, Qwen3-Next), for rows of heads at any token stride.
 
 Unfused, these are chains of small torch kernels (casts, reductions, multiplies, a cat for the
 rotation): about 35 launches per layer, each a full pass over memory. The kernels round where
@@ -135,6 +137,26 @@ if HAVE_TRITON:
         tl.store(S + t, s)
 
     @triton.jit
+    def gated_rms_norm_kernel(X, Z, W, Out, stride_x, stride_z, stride_o, rows, H, eps,
+                              D: tl.constexpr, BD: tl.constexpr, BR: tl.constexpr):
+        """BR rows (token, head) a program: x and z at ``token * stride + head * D``."""
+        r = tl.program_id(0) * BR + tl.arange(0, BR)
+        d = tl.arange(0, BD)
+        t, h = (r // H).to(tl.int64), r % H
+        m = (r < rows)[:, None] & (d < D)[None, :]
+        x = tl.load(X + t[:, None] * stride_x + h[:, None] * D + d[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        n = (x * rstd[:, None]).to(X.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + d, mask=d < D, other=0.0).to(tl.float32)
+        y = (n * w[None, :]).to(W.dtype.element_ty).to(tl.float32)
+        z = tl.load(Z + t[:, None] * stride_z + h[:, None] * D + d[None, :], mask=m,
+                    other=0.0).to(tl.float32)
+        out = y * (z / (1.0 + tl.exp(-z)))
+        tl.store(Out + t[:, None] * stride_o + h[:, None] * D + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _silu_mul(X, cols, N):
         mask = cols < N
         g = tl.load(X + cols, mask=mask, other=0.0)
@@ -256,3 +278,28 @@ def silu_and_mul_fused(x: torch.Tensor, quantize: bool = False):
         silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
             x2, out, x2.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out.view(*x.shape[:-1], n)
+
+
+# ---- gated RMSNorm (a linear-attention layer's output) -------------------------------------------
+
+def gated_rms_norm_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> torch.Tensor:
+    """RMSNorm of each head's ``x`` [T, H, D] (float32 statistics, weight in the activation
+    dtype), then times ``silu(z)`` in float32 (transformers' ``Qwen3_5RMSNormGated``)."""
+    xf = x.float()
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (y.float() * F.silu(z.float())).to(x.dtype)
+
+
+def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                         ) -> torch.Tensor:
+    """``gated_rms_norm_ref`` in one kernel, 16 (token, head) rows a program; ``x`` and ``z``
+    [T, H, D] with contiguous heads (any token stride: ``z`` a view of the projection)."""
+    t, h, d = x.shape
+    out = torch.empty(t, h, d, dtype=x.dtype, device=x.device)
+    if t:
+        rows = 16
+        gated_rms_norm_kernel[(triton.cdiv(t * h, rows),)](
+            x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), t * h, h, eps, D=d,
+            BD=triton.next_power_of_2(d), BR=rows, num_warps=4)
+    return out

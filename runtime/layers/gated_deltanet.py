@@ -4,11 +4,11 @@ recurrent state per sequence (``attention/recurrent``), not the paged KV cache.
 Per token: one projection gives q, k, v (for the causal convolution) and the output gate z,
 another the gates' inputs b and a; the layer's core (the convolution and the delta rule over
 the sequence's state slot: ``GatedDeltaImpl``, bound by the model runner with the run's state)
-gives o per value head; o is RMS-normed per head, scaled by ``silu(z)`` (``gated_rms_norm``),
-and projected out. Checkpoints give the projections fused per key-head group (Qwen3-Next's
-``in_proj_qkvz``, ``in_proj_ba``: ``ungroup`` reorders them) or apart (Qwen3.5's
-``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); both load into the same two fused
-layers.
+gives o per value head; o is RMS-normed per head, scaled by ``silu(z)`` (``fused_ops``'
+``gated_rms_norm``: one kernel on CUDA), and projected out. Checkpoints give the projections
+fused per key-head group (Qwen3-Next's ``in_proj_qkvz``, ``in_proj_ba``: ``ungroup`` reorders
+them) or apart (Qwen3.5's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``); both
+load into the same two fused layers.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment, copy_shard, full_shape, split
+from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
@@ -40,15 +41,6 @@ def spec_of(config, tp_size: int = 1) -> GatedDeltaSpec:
 
 SSM_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
               "float16": torch.float16}
-
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-                   ) -> torch.Tensor:
-    """RMSNorm of each head's ``x`` [T, H, D] (float32 statistics, weight in the activation
-    dtype), then times ``silu(z)`` in float32."""
-    xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return (y.float() * torch.nn.functional.silu(z.float())).to(x.dtype)
 
 
 def ungroup(tensor: torch.Tensor, spec: GatedDeltaSpec, sizes: list[int]) -> list[torch.Tensor]:
@@ -115,6 +107,7 @@ class GatedDeltaNet(nn.Module):
                                           linear_method(quant, prefix, ["out_proj"]))
         self.impl: GatedDeltaImpl | None = None  # bound by the model runner, with the state
         self.state: LayerState | None = None
+        self.fused = False  # the gated norm as one Triton kernel (``use_fused_kernels``)
 
     def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         s = self.spec
@@ -123,5 +116,7 @@ class GatedDeltaNet(nn.Module):
         with scope("linear_attention"):
             o = self.impl.forward(qkv, a, b, self.conv1d.weight[:, 0], None, self.A_log,
                                   self.dt_bias, self.state, metadata)
-            o = gated_rms_norm(o, z.reshape(o.shape), self.norm.weight, self.eps)
+            norm = fused_ops.gated_rms_norm_fused if self.fused else \
+                fused_ops.gated_rms_norm_ref
+            o = norm(o, z.reshape(o.shape), self.norm.weight, self.eps)
         return self.out_proj(o.reshape(x.shape[0], -1))
