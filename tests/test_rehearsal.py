@@ -47,3 +47,13 @@ def test_the_rehearsal_fits_a_small_context_and_cache():
                max_num_seqs=2, max_num_batched_tokens=16)
     assert eng.stats.num_steps == 0 and eng.startup_phases["rehearsal"] > 0
     assert len(eng.generate(prompts(2, 3, 6), GREEDY)[0].output_token_ids) == 16
+
+
+def test_graphs_captured_in_a_run_count_from_the_last_reset():
+    """The rehearsal's (or a benchmark's earlier run's) graph captures are not the next run's."""
+    from types import SimpleNamespace
+    eng = tiny(startup_rehearsal=False)
+    eng.runner.graphs = SimpleNamespace(run_captures=3, run_capture_s=1.5, run_warmups=2)
+    eng.reset_stats()
+    g = eng.runner.graphs
+    assert (g.run_captures, g.run_capture_s, g.run_warmups) == (0, 0.0, 0)

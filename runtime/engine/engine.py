@@ -480,6 +480,8 @@ class Engine:
         r.decode_reads = DecodeReads(r.decode_reads.token_bytes)
         if r.piecewise is not None:
             r.piecewise.steps = 0
+        if r.graphs is not None:  # graphs captured from here on count for the next run
+            r.graphs.run_captures, r.graphs.run_capture_s, r.graphs.run_warmups = 0, 0.0, 0
         if self._grammars is not None:
             self._grammars.reset_counters()
 
