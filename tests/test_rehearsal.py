@@ -1,11 +1,15 @@
 """The start-up rehearsal (``runtime/engine/rehearsal.py``): its steps take prefills alone,
 prefills beside decodes and decodes alone; the run after it is the run without it (tokens,
-seeds, counters); it fits a small context. (On by default on CUDA only; forced on here.)"""
+seeds, counters, graph captures); it fits a small context; the caller's logits processors are
+not asked for its requests. (On by default on CUDA only; forced on here.)"""
 
 from __future__ import annotations
 
-from pagedgen.runtime.config import SamplingParams
+from types import SimpleNamespace
+
+from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine import rehearsal
+from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.engine.model_runner import ModelRunner
 from tests.test_engine import GREEDY, prompts, tiny
 
@@ -51,9 +55,18 @@ def test_the_rehearsal_fits_a_small_context_and_cache():
 
 def test_graphs_captured_in_a_run_count_from_the_last_reset():
     """The rehearsal's (or a benchmark's earlier run's) graph captures are not the next run's."""
-    from types import SimpleNamespace
     eng = tiny(startup_rehearsal=False)
     eng.runner.graphs = SimpleNamespace(run_captures=3, run_capture_s=1.5, run_warmups=2)
     eng.reset_stats()
     g = eng.runner.graphs
     assert (g.run_captures, g.run_capture_s, g.run_warmups) == (0, 0.0, 0)
+
+
+def test_the_callers_logits_processors_are_not_asked_for_the_rehearsals_requests():
+    asked = []
+    eng = Engine(EngineConfig(device="cpu", backend="sdpa", load_format="dummy", max_num_seqs=8,
+                              max_num_batched_tokens=256, startup_rehearsal=True),
+                 processor_factory=lambda request, params, i: asked.append(request) or [])
+    assert asked == [] and eng.processor_factory is not None
+    eng.generate(prompts(2), GREEDY)
+    assert len(asked) == 2

@@ -3,8 +3,9 @@ alone; prefills beside decodes, whose rows then start at an odd offset; decodes 
 falling batch sizes), so that the kernel variants, autotuning and piecewise graphs a run's first
 steps would make are made before the run and not inside it, where a fresh machine's first run
 pays for them (``jit_monitor`` counts what is still made there). Nothing is special-cased: the
-steps are the scheduler's, the kernels the run's. Then the engine forgets it: its counters,
-prefix cache and request numbering start afresh.
+steps are the scheduler's, the kernels the run's (the caller's logits processors are not
+asked for these requests). Then the engine forgets it: its counters, prefix cache and request
+numbering start afresh.
 
 On by default on CUDA (``EngineConfig.startup_rehearsal``); a CPU run compiles nothing.
 """
@@ -21,6 +22,7 @@ class Engine(Protocol):
 
     src: Any
     max_model_len: int
+    processor_factory: Any
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Any: ...
     def step(self) -> list: ...
@@ -28,6 +30,7 @@ class Engine(Protocol):
     def reset_stats(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
     def forget_requests(self) -> None: ...
+    def set_processor_factory(self, factory: Any) -> None: ...
 
 # (prompt lengths, new tokens) of the two waves: the second arrives after the first's prefill,
 # whose longest prompt then decodes over more keys than one split of the decode kernel takes
@@ -47,6 +50,8 @@ def rehearse(engine: Engine) -> int:
     returns the steps it took."""
     vocab = engine.src.hf_config.vocab_size
     steps = 0
+    factory = engine.processor_factory  # the caller's, for its own requests only
+    engine.set_processor_factory(None)
     for lengths, new in (FIRST, SECOND):
         params = SamplingParams(max_tokens=new, ignore_eos=True)
         longest = max(1, engine.max_model_len - new)
@@ -60,4 +65,5 @@ def rehearse(engine: Engine) -> int:
     engine.reset_stats()
     engine.reset_prefix_cache()
     engine.forget_requests()
+    engine.set_processor_factory(factory)
     return steps
