@@ -32,6 +32,7 @@ class Engine(Protocol):
     def forget_requests(self) -> None: ...
     def set_processor_factory(self, factory: Any) -> None: ...
 
+
 # (prompt lengths, new tokens) of the two waves: the second arrives after the first's prefill,
 # whose longest prompt then decodes over more keys than one split of the decode kernel takes
 FIRST = ((5, 17, 300), 6)
