@@ -80,12 +80,14 @@ vllm_run() {  # vllm_run WORKLOAD:QUANT GPU: vLLM cold (its own process, empty c
     python3 -m benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
     $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
 }
+fresh_caches() {  # fresh_caches NAME: the env of a fresh machine's empty kernel caches
+  echo TRITON_CACHE_DIR="/tmp/fresh-$1/triton" XDG_CACHE_HOME="/tmp/fresh-$1/xdg" \
+    FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$1/fa4"
+}
 first_run() {  # first_run WORKLOAD:QUANT GPU: pagedgen at its defaults on empty kernel caches
   # (a fresh machine's first run, plans only as shipped), then a second run in that process
   local w=${1%:*} q=${1#*:}
-  timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 \
-    TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
-    FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" \
+  timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 $(fresh_caches "$w-$q") \
     python3 -m benchmarks.peers --workloads "$w" --backends default --peers "" \
     --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
 }
@@ -540,9 +542,8 @@ PY
       # start alone takes 150-200 s on a fresh machine
       q=${PEERS_QUANT:-bf16}
       for w in ${FIRST_WORKLOADS:-m}; do
-        timed "first-$w-$q" "${PEERS_LIMIT:-540}" env TRITON_CACHE_DIR="/tmp/fresh-$w-$q/triton" \
-          XDG_CACHE_HOME="/tmp/fresh-$w-$q/xdg" \
-          FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$w-$q/fa4" python3 -m benchmarks.peers --workloads "$w" \
+        timed "first-$w-$q" "${PEERS_LIMIT:-540}" env $(fresh_caches "$w-$q") \
+          python3 -m benchmarks.peers --workloads "$w" \
           --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
           $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
           --json "$S/first-$w-$q.json"
