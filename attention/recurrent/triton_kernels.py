@@ -24,6 +24,12 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _l2_normalized(x, AXIS: tl.constexpr):
+    """``x / sqrt(sum(x^2) + 1e-6)`` along ``AXIS`` (``reference.l2_normalize``)."""
+    return x * tl.rsqrt(tl.sum(x * x, AXIS, keep_dims=True) + 1e-6)
+
+
 # The slot and offset rows are sliced at a step's first scanned sequence: no variant per
 # alignment (each would compile inside a run).
 @triton.jit(do_not_specialize=["T"],
@@ -99,8 +105,8 @@ def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots,
         q = tl.load(row + hk * DK + rk, mask=km, other=0.0).to(tl.float32)
         k = tl.load(row + (HK + hk) * DK + rk, mask=km, other=0.0).to(tl.float32)
         v = tl.load(row + 2 * HK * DK + hv * DV + rv, mask=vm, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q = _l2_normalized(q, 0) * scale
+        k = _l2_normalized(k, 0)
         a = tl.load(A + t * stride_ab + hv).to(tl.float32) + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))
         g = -tl.exp(a_log) * softplus
@@ -125,6 +131,6 @@ def qk_norm_kernel(X, stride_x, Y, T, HK, D: tl.constexpr, BD: tl.constexpr, BR:
     m = ok[:, None] & (d[None, :] < D)
     x = tl.load(X + t[:, None] * stride_x + h[:, None] * D + d[None, :], mask=m,
                 other=0.0).to(tl.float32)
-    y = x * tl.rsqrt(tl.sum(x * x, 1) + 1e-6)[:, None]
+    y = _l2_normalized(x, 1)
     row = ((h // HK) * T + t) * HK + h % HK  # Y [2 (q, k), T, HK, D]
     tl.store(Y + row[:, None] * D + d[None, :], y.to(Y.dtype.element_ty), mask=m)
