@@ -131,6 +131,11 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def _block(width: int) -> int:
+    """A kernel block over ``width`` values: the next power of two, at least 16."""
+    return max(16, 1 << (width - 1).bit_length())
+
+
 def qk_norm_triton(mixed: torch.Tensor, num_k_heads: int, head_k: int) -> torch.Tensor:
     """The q and k heads at the start of each row of ``mixed`` [T, C], L2-normalized
     (``reference.l2_normalize``): [2 (q, k), T, Hk, Dk], contiguous, in ``mixed``'s dtype."""
@@ -142,7 +147,7 @@ def qk_norm_triton(mixed: torch.Tensor, num_k_heads: int, head_k: int) -> torch.
     if t:
         tk.qk_norm_kernel[(-(-t * 2 * num_k_heads // rows),)](
             mixed, mixed.stride(0), out, t, num_k_heads, D=head_k,
-            BD=max(16, 1 << (head_k - 1).bit_length()), BR=rows)
+            BD=_block(head_k), BR=rows)
     return out
 
 
@@ -155,8 +160,8 @@ def scan_triton(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: to
 
     slots, has, _ = md.recurrent_inputs()
     n = md.num_seqs - first
-    bk = max(16, 1 << (spec.head_k - 1).bit_length())
-    bv = min(DECODE_LAUNCH[0], max(16, 1 << (spec.head_v - 1).bit_length()))
+    bk = _block(spec.head_k)
+    bv = min(DECODE_LAUNCH[0], _block(spec.head_v))
     grid = (n, spec.num_v_heads, -(-spec.head_v // bv))
     tk.gated_delta_kernel[grid](
         mixed, mixed.stride(0), a, b, a.stride(0), a_log, dt_bias, ssm, slots[first:],
