@@ -488,6 +488,10 @@ for key in sorted({(r["seqs"], r["state"]) for r in rows}):
           best["warps"], best["us"], "us; floor", best["floor_us"])
 PY
       ;;
+    gdn-prefill)  # issue 60: the chunked prefill, fla's kernel against FlashInfer's (vLLM's)
+      timed gdn-prefill "${GDN_PREFILL_LIMIT:-150}" python3 -m benchmarks.gdn_kernels --prefill \
+        --json "$S/gdn-prefill.json"
+      cut -c1-300 "$S/gdn-prefill.log" | tail -8 ;;
     gdn)
       # issue 60: the gated-delta GPU tests; $GDN_MODEL's (default qwen3.5-9b) decode steps at
       # batch 1 and 256 under torch.profiler against the weight-plus-state floor; workloads

@@ -4,7 +4,12 @@
 against the floor of reading and writing every sequence's state once (float32 states, as
 Qwen3.5's configs name, and bf16). The launch ``scan_triton`` uses is marked.
 
-    python -m benchmarks.gdn_kernels [--json out.json]
+``--prefill``: the chunked prefill instead, flash-linear-attention's kernel (ours) against
+FlashInfer's Hopper kernel (what vLLM runs), on prompt chunks of the workloads' shapes, float32
+states in and out (FlashInfer's laid out [N, H, V, K]: its transposes are timed with it), each
+first call's seconds (compiles) apart, and the two outputs' largest difference.
+
+    python -m benchmarks.gdn_kernels [--prefill] [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,11 +59,83 @@ def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
     return out_rows
 
 
+def _event_ms(fn, calls: int = 5) -> float:
+    """Mean ms of ``fn`` over ``calls`` eager calls, after one."""
+    fn()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8, 2048),
+                                                        (1, 16384))) -> list[dict]:
+    import time
+
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    try:
+        from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_chunk
+    except ImportError as e:
+        fi_chunk, why = None, str(e)
+    dev, out_rows = "cuda", []
+    for n, length in shapes:
+        t = n * length
+        q, k = (torch.nn.functional.normalize(torch.randn(t, HK, DK, device=dev), dim=-1)
+                .to(torch.bfloat16) for _ in range(2))
+        v = torch.randn(t, HV, DV, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(t, HV, device=dev) * 0.1  # log decay
+        beta = torch.rand(t, HV, device=dev)
+        h0 = torch.randn(n, HV, DK, DV, device=dev) * 0.1  # [N, H, K, V], ours and fla's
+        cu = torch.arange(0, t + 1, length, device=dev, dtype=torch.long)
+        cu_cpu = cu.cpu()
+
+        def fla():
+            return fla_chunk(q[None], k[None], v[None], g=g[None], beta=beta.to(v.dtype)[None],
+                             initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                             cu_seqlens_cpu=cu_cpu)
+
+        row = {"seqs": n, "tokens_each": length}
+        t0 = time.perf_counter()
+        o_fla, h_fla = fla()
+        torch.cuda.synchronize()
+        row["fla_first_s"], row["fla_ms"] = round(time.perf_counter() - t0, 2), round(
+            _event_ms(fla), 3)
+        if fi_chunk is None:
+            row["flashinfer"] = why
+        else:
+            alpha = g.exp()
+
+            def flashinfer():
+                o, h = fi_chunk(q, k, v, g=alpha, beta=beta, initial_state=h0.transpose(
+                    -1, -2).contiguous(), output_final_state=True, cu_seqlens=cu)
+                return o, h.transpose(-1, -2).contiguous()
+
+            try:
+                t0 = time.perf_counter()
+                o_fi, h_fi = flashinfer()
+                torch.cuda.synchronize()
+                row["flashinfer_first_s"] = round(time.perf_counter() - t0, 2)
+                row["flashinfer_ms"] = round(_event_ms(flashinfer), 3)
+                row["max_diff_o"] = float((o_fi.float() - o_fla[0].float()).abs().max())
+                row["max_diff_state"] = float((h_fi - h_fla.float()).abs().max())
+                row["fla_over_flashinfer"] = round(row["fla_ms"] / row["flashinfer_ms"], 3)
+            except Exception as e:  # a kernel this machine cannot build: say why
+                row["flashinfer"] = f"{type(e).__name__}: {str(e)[:200]}"
+        out_rows.append(row)
+        print(json.dumps(row), flush=True)
+    return out_rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--prefill", action="store_true")
     ap.add_argument("--json")
     args = ap.parse_args()
-    result = rows()
+    result = prefill_rows() if args.prefill else rows()
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": result}, indent=1))
 

@@ -33,8 +33,10 @@ _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
     ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
     # ours (attention/recurrent/triton_kernels.py) and flash-linear-attention's chunked ones
-    ("linear attention", re.compile(r"gated_delta|conv_kernel|conv_state_kernel|chunk_fwd|"
-                                    r"chunk_local_cumsum|solve_tril|recompute_w_u|kkt", re.I)),
+    # (and vLLM's: FlashInfer's GDN prefill, its fla copy, causal-conv1d)
+    ("linear attention", re.compile(r"gated_delta|delta_rule|gdn|causal_conv1d|conv_kernel|"
+                                    r"conv_state_kernel|chunk_fwd|chunk_local_cumsum|"
+                                    r"solve_tril|recompute_w_u|kkt|l2norm", re.I)),
     ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel",
                              re.I)),
     ("FP8 GEMM", re.compile(r"scaled_gemm|_quant_kernel|e4m3|fp8_?gemm|f8f8", re.I)),

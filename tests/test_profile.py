@@ -55,6 +55,9 @@ def test_known_kernel_names_fall_in_their_groups():
         "void at::native::index_copy_kernel_impl": "KV-cache write",
         "rms_norm_kernel": "normalization",
         "apply_rotary_embedding_kernel": "rotary",
+        "kernel_cutlass_flashinfergdn_kernelsdelta_rule_sm90_kernel": "linear attention",
+        "void causal_conv1d_update_kernel<bf16>": "linear attention",
+        "fused_recurrent_gated_delta_rule_fwd_kernel": "linear attention",
     }
     for name, group in cases.items():
         assert ks.group_from_name(name) == group, name
