@@ -51,9 +51,10 @@ FUSED_ALL_REDUCE = EnvVar("PAGEDGEN_FUSED_ALL_REDUCE", "1",
 SHIPPED_PLANS = EnvVar("PAGEDGEN_SHIPPED_PLANS", "1",
                        "0: kernel plans (FP8 GEMMs, MoE tiles) shipped for this GPU are passed "
                        "over: measured at load, or read from this machine's cache")
-GATED_DELTA = EnvVar("PAGEDGEN_GATED_DELTA", "triton (+ fla's chunked prefill where installed) "
-                     "on a GPU, torch on a CPU",
-                     "torch or triton: the linear-attention (Gated DeltaNet) kernels")
+GATED_DELTA = EnvVar("PAGEDGEN_GATED_DELTA", "triton (+ FlashInfer's or fla's chunked prefill "
+                     "where they run) on a GPU, torch on a CPU",
+                     "torch, triton, or fla / flashinfer (triton with that chunked prefill): "
+                     "the linear-attention (Gated DeltaNet) kernels")
 GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two, 1-8, with "
                          "CUDA; 0 without", "grammar worker processes (0: in the engine's)")
 HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",

@@ -488,6 +488,20 @@ for key in sorted({(r["seqs"], r["state"]) for r in rows}):
           best["warps"], best["us"], "us; floor", best["floor_us"])
 PY
       ;;
+    gdn-conv)  # issue 60: the causal convolution's kernels per tile at a decode and a prefill
+      timed gdn-conv "${GDN_CONV_LIMIT:-120}" python3 -m benchmarks.gdn_kernels --conv \
+        --json "$S/gdn-conv.json"
+      python3 - "$S/gdn-conv.json" <<'PY' || tail -5 "$S/gdn-conv.log"
+import json, sys
+rows = json.load(open(sys.argv[1]))["rows"]
+for step in dict.fromkeys(r["step"] for r in rows):
+    mine = [r for r in rows if r["step"] == step]
+    best, used = min(mine, key=lambda r: r["conv_kernel_us"]), [r for r in mine if r["used"]]
+    print(step, "conv_triton", mine[0]["conv_triton_us"], "us; used tile",
+          used and used[0]["conv_kernel_us"], "us; best", best["tokens"], best["channels"],
+          best["warps"], best["conv_kernel_us"], "us; floor", best["floor_us"])
+PY
+      ;;
     gdn-prefill)  # issue 60: the chunked prefill, fla's kernel against FlashInfer's (vLLM's)
       timed gdn-prefill "${GDN_PREFILL_LIMIT:-150}" python3 -m benchmarks.gdn_kernels --prefill \
         --json "$S/gdn-prefill.json"

@@ -68,16 +68,16 @@ def test_the_reference_equals_transformers_functions():
     torch.testing.assert_close(s, state[0], atol=1e-5, rtol=1e-5)
 
 
-def _steps(kernels: GatedDeltaKernels, dtype: torch.dtype, steps, device=CPU):
+def _steps(kernels: GatedDeltaKernels, dtype: torch.dtype, steps, device=CPU, spec=SPEC):
     """Run a layer's core over ``steps`` ((prefills (slot, context, new)), (decodes (slot,
     context))) from fresh slots on ``device``; the outputs and the final states."""
     gen = torch.Generator().manual_seed(3)
-    states = RecurrentStates([SPEC], 6, dtype, device)
-    c = SPEC.conv_dim
+    states = RecurrentStates([spec], 6, dtype, device)
+    c, hv = spec.conv_dim, spec.num_v_heads
     weight = (torch.randn(c, 4, generator=gen) * 0.5).to(dtype)
-    a_log, dt_bias = torch.rand(4, generator=gen), torch.rand(4, generator=gen)
+    a_log, dt_bias = torch.rand(hv, generator=gen), torch.rand(hv, generator=gen)
     weight, a_log, dt_bias = weight.to(device), a_log.to(device), dt_bias.to(device)
-    impl = GatedDeltaImpl(SPEC, kernels)
+    impl = GatedDeltaImpl(spec, kernels)
     builder = AttentionMetadataBuilder(16, device)
     table = list(range(64))
     outs = []
@@ -85,8 +85,8 @@ def _steps(kernels: GatedDeltaKernels, dtype: torch.dtype, steps, device=CPU):
         md = builder.build([ScheduledSeq(table, ctx, n, slot) for slot, ctx, n in prefills],
                            [ScheduledSeq(table, ctx, 1, slot) for slot, ctx in decodes])
         qkv = torch.randn(md.num_tokens, c, generator=gen).to(device, dtype)
-        ab = torch.randn(md.num_tokens, 8, generator=gen).to(device, dtype)
-        outs.append(impl.forward(qkv, ab[:, :4], ab[:, 4:], weight, None, a_log, dt_bias,
+        ab = torch.randn(md.num_tokens, 2 * hv, generator=gen).to(device, dtype)
+        outs.append(impl.forward(qkv, ab[:, :hv], ab[:, hv:], weight, None, a_log, dt_bias,
                                  states.layers[0], md))
     return outs, states.layers[0]
 
@@ -184,3 +184,30 @@ def test_verify_checks_the_triton_kernels_against_the_reference():
 
     row = kernel_row("triton", CPU, 2, 0, longest=20, dims=(16,))  # small: interpreted
     assert row.passed and row.cases == 2 and 0 < row.worst_rel < row.tol
+
+
+def test_the_chunked_prefill_runs_only_where_its_library_takes_the_layers(monkeypatch):
+    """FlashInfer's gated-delta prefill: on Hopper, bf16 or fp16, heads of 128 (else fla's,
+    else our scan); asked for where it cannot run, a one-line reason."""
+    from pagedgen.attention.recurrent import gated_delta as gd
+
+    assert GatedDeltaKernels.for_device(CPU) == GatedDeltaKernels("torch", "torch")
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        GatedDeltaKernels.for_device(CPU, "flashinfer")
+    cuda, wide = torch.device("cuda"), GatedDeltaSpec(16, 32, 128, 128, 4)
+    monkeypatch.setattr(gd, "HAVE_FLASHINFER", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert "Hopper" in gd.chunked_unavailable("flashinfer", cuda, (wide,), torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert "not torch.float32" in gd.chunked_unavailable("flashinfer", cuda, (wide,),
+                                                         torch.float32)
+    assert "not 16 (keys) and 8 (values)" in gd.chunked_unavailable(
+        "flashinfer", cuda, (wide, SPEC), torch.bfloat16)
+    monkeypatch.setattr(gd, "HAVE_FLASHINFER", False)
+    monkeypatch.setattr(gd, "HAVE_TRITON", True)
+    monkeypatch.setattr(gd, "HAVE_FLA", True)
+    assert GatedDeltaKernels.for_device(cuda, None, (wide,), torch.bfloat16).prefill == "fla"
+    monkeypatch.setattr(gd, "HAVE_FLA", False)
+    assert GatedDeltaKernels.for_device(cuda, None, (wide,), torch.bfloat16).prefill == "triton"
+    with pytest.raises(ValueError, match="FlashInfer is not installed"):
+        GatedDeltaKernels.for_device(cuda, "flashinfer", (wide,), torch.bfloat16)

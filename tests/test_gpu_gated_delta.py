@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.attention.recurrent.gated_delta import HAVE_FLA, GatedDeltaKernels
-from test_gated_delta import STEPS, _steps
+from pagedgen.attention.recurrent.gated_delta import GatedDeltaKernels, chunked_unavailable
+from pagedgen.attention.recurrent.state import GatedDeltaSpec
+from test_gated_delta import SPEC, STEPS, _steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,14 +18,19 @@ CUDA = torch.device("cuda")
 LONG = STEPS + [([(4, 0, 700), (0, 12, 300)], [(1, 5), (2, 3)])]
 
 
-@pytest.mark.parametrize("prefill", ["triton", "fla"])
+WIDE = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k=128, head_v=128, conv_kernel=4)
+
+
+@pytest.mark.parametrize("prefill", ["triton", "fla", "flashinfer"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_kernels_equal_the_reference(prefill, dtype):
-    if prefill == "fla" and not HAVE_FLA:
-        pytest.skip("flash-linear-attention is not installed")
-    want, ref = _steps(GatedDeltaKernels("torch", "torch"), dtype, LONG, CUDA)
-    got, state = _steps(GatedDeltaKernels("triton", prefill), dtype, LONG, CUDA)
-    # ours: float32 arithmetic throughout; fla's chunks: tensor-core products (tf32 in fp32)
+    spec = WIDE if prefill == "flashinfer" else SPEC  # FlashInfer's: heads of 128, bf16
+    why = prefill != "triton" and chunked_unavailable(prefill, CUDA, (spec,), dtype)
+    if why:
+        pytest.skip(why)
+    want, ref = _steps(GatedDeltaKernels("torch", "torch"), dtype, LONG, CUDA, spec)
+    got, state = _steps(GatedDeltaKernels("triton", prefill), dtype, LONG, CUDA, spec)
+    # ours: float32 arithmetic throughout; the chunked kernels: tensor-core products
     tol = dict(atol=4e-2, rtol=4e-2) if dtype == torch.bfloat16 else \
         dict(atol=1e-2, rtol=1e-2) if prefill == "fla" else dict(atol=2e-3, rtol=2e-3)
     for w, g in zip(want, got):

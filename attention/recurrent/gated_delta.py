@@ -3,10 +3,12 @@ the causal convolution, then the delta rule, each sequence's state read from its
 written back (``forward``); the projections around it are the model's.
 
 Kernels, chosen once per run (``GatedDeltaKernels``): on a GPU our Triton kernels
-(``triton_kernels.py``), with flash-linear-attention's chunked kernel for the prefill tokens
-where the ``fla`` package is installed (its chunked form beats a token-by-token scan on long
-prompts); on a CPU the torch reference (``reference.py``), which is also the oracle the others
-are checked against (tests, ``pagedgen verify``).
+(``triton_kernels.py``), with a chunked kernel for the prefill tokens where one is installed
+(its chunked form beats a token-by-token scan on long prompts): FlashInfer's on Hopper where the
+layer's shape allows (key and value heads of 128, bf16 or fp16: 2-3.6x flash-linear-attention's
+there, ``benchmarks/gdn_kernels.py --prefill``), else flash-linear-attention's; on a CPU the
+torch reference (``reference.py``), which is also the oracle the others are checked against
+(tests, ``pagedgen verify``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pagedgen.attention.recurrent.state import GatedDeltaSpec, LayerState
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_FLA = importlib.util.find_spec("fla") is not None
-KERNELS = ("torch", "triton")
+HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, their prefill
 DECODE_LAUNCH = (64, 2)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 CONV_TILE = (8, 256)  # conv_kernel's tokens and channels a program
 
@@ -30,25 +33,64 @@ CONV_TILE = (8, 256)  # conv_kernel's tokens and channels a program
 @dataclass(frozen=True)
 class GatedDeltaKernels:
     """Which kernels run: ``scan`` "torch" (the reference) or "triton" (ours, every token);
-    ``prefill`` "fla" (flash-linear-attention's chunked kernel for prefill tokens) or the
-    same as ``scan``."""
+    ``prefill`` "flashinfer" or "fla" (that library's chunked kernel for prefill tokens) or
+    the same as ``scan``."""
 
     scan: str
     prefill: str
 
     @classmethod
-    def for_device(cls, device: torch.device, asked: str | None = None) -> GatedDeltaKernels:
-        """The fastest that run on ``device`` (``asked``: "torch" or "triton" only)."""
+    def for_device(cls, device: torch.device, asked: str | None = None,
+                   specs: tuple[GatedDeltaSpec, ...] = (), dtype: torch.dtype | None = None
+                   ) -> GatedDeltaKernels:
+        """The fastest that run on ``device`` for layers of ``specs`` in ``dtype`` (``asked``:
+        one of ``KERNELS``; "fla" and "flashinfer": our scan with that prefill)."""
         if asked is not None:
             if asked not in KERNELS:
                 raise ValueError(f"unknown gated-delta kernels '{asked}' ({', '.join(KERNELS)})")
+            if asked in ("fla", "flashinfer"):
+                why = chunked_unavailable(asked, device, specs, dtype)
+                if why:
+                    raise ValueError(f"'{asked}' cannot run here: {why}")
+                return cls("triton", asked)
             return cls(asked, asked)
         if device.type != "cuda" or not HAVE_TRITON:
             return cls("torch", "torch")
-        return cls("triton", "fla" if HAVE_FLA else "triton")
+        for prefill in ("flashinfer", "fla"):
+            if not chunked_unavailable(prefill, device, specs, dtype):
+                return cls("triton", prefill)
+        return cls("triton", "triton")
 
     def describe(self) -> str:
         return self.scan if self.prefill == self.scan else f"{self.scan}, {self.prefill} prefill"
+
+
+def chunked_unavailable(library: str, device: torch.device,
+                        specs: tuple[GatedDeltaSpec, ...] = (),
+                        dtype: torch.dtype | None = None) -> str | None:
+    """Why ``library``'s chunked prefill ("fla" or "flashinfer") cannot run layers of ``specs``
+    in ``dtype`` on ``device``; None where it can."""
+    if device.type != "cuda":
+        return "it needs a CUDA GPU"
+    if library == "fla":
+        return None if HAVE_FLA else "flash-linear-attention (fla) is not installed"
+    if not HAVE_FLASHINFER:
+        return "FlashInfer is not installed"
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return "FlashInfer's gated-delta prefill is used on Hopper (sm90) only"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"FlashInfer's gated-delta prefill takes bf16 or fp16, not {dtype}"
+    odd = [s for s in specs if (s.head_k, s.head_v) != (128, 128)]
+    if odd:
+        return (f"FlashInfer's gated-delta prefill takes heads of 128, not "
+                f"{odd[0].head_k} (keys) and {odd[0].head_v} (values)")
+    try:
+        from flashinfer.gdn_kernels import chunk_gated_delta_rule_sm90
+    except ImportError as e:
+        return f"flashinfer.gdn_kernels does not import ({e})"
+    if chunk_gated_delta_rule_sm90 is None:  # its CuTe DSL kernel did not import
+        return "FlashInfer's sm90 gated-delta prefill kernel is unavailable (CuTe DSL)"
+    return None
 
 
 class GatedDeltaImpl:
@@ -77,42 +119,52 @@ class GatedDeltaImpl:
         out = torch.empty(qkv.shape[0], s.num_v_heads, s.head_v, dtype=qkv.dtype,
                           device=qkv.device)
         first = 0  # sequences from here run the Triton scan
-        if self.kernels.prefill == "fla" and md.num_prefills:
+        if self.kernels.prefill in ("fla", "flashinfer") and md.num_prefills:
             first = md.num_prefills
-            self._prefill_fla(mixed, a, b, a_log, dt_bias, state, md, out)
+            self._prefill_chunked(mixed, a, b, a_log, dt_bias, state, md, out)
         if first < md.num_seqs:
             scan_triton(mixed, a, b, a_log, dt_bias, state.ssm, md, s, out, first)
         return out
 
-    def _prefill_fla(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                     a_log: torch.Tensor, dt_bias: torch.Tensor, state: LayerState,
-                     md: AttentionMetadata, out: torch.Tensor) -> None:
-        """The prefill sequences' tokens through flash-linear-attention's chunked kernel,
-        from their slots' states (zero for new sequences) and back into them."""
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
+    def _prefill_chunked(self, mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                         a_log: torch.Tensor, dt_bias: torch.Tensor, state: LayerState,
+                         md: AttentionMetadata, out: torch.Tensor) -> None:
+        """The prefill sequences' tokens through a library's chunked kernel, from their slots'
+        states (zero for new sequences) and back into them."""
         s, p, n = self.spec, md.num_prefills, md.num_prefill_tokens
         slots, has, _ = md.recurrent_inputs()
         slots = slots[:p].long()
         key = s.num_k_heads * s.head_k
         qk = qk_norm_triton(mixed[:n], s.num_k_heads, s.head_k)
-        v = mixed[:n, 2 * key:]
+        v = mixed[:n, 2 * key:].reshape(n, s.num_v_heads, s.head_v)
         g, beta = reference.gates(a[:n], b[:n], a_log, dt_bias)
-        h0 = state.ssm[slots].float() * has[:p, None, None, None]
-        cu = md.query_start_loc[:p + 1].long()
-        cu_cpu = torch.tensor([0] + md.query_lens_cpu[:p]).cumsum(0)
-        o, ht = chunk_gated_delta_rule(
-            qk[0, None], qk[1, None], v.reshape(1, n, s.num_v_heads, s.head_v), g=g[None],
-            beta=beta.to(v.dtype)[None], initial_state=h0, output_final_state=True,
-            cu_seqlens=cu, cu_seqlens_cpu=cu_cpu)
-        out[:n] = o[0]
+        h0 = state.ssm[slots].float() * has[:p, None, None, None]  # [p, Hv, Dk, Dv]
+        cu = md.query_start_loc[:p + 1].long()  # FlashInfer's split path takes int64 only
+        if self.kernels.prefill == "flashinfer":
+            from flashinfer.gdn_prefill import chunk_gated_delta_rule
+
+            # its states are [N, H, Dv, Dk]; decay as exp(g); outputs straight into ``out``
+            _, ht = chunk_gated_delta_rule(
+                qk[0], qk[1], v.contiguous(), g=g.exp(), beta=beta,
+                initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
+                cu_seqlens=cu, output=out[:n])
+            ht = ht.transpose(-1, -2)
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+            cu_cpu = torch.tensor([0] + md.query_lens_cpu[:p]).cumsum(0)
+            o, ht = chunk_gated_delta_rule(
+                qk[0, None], qk[1, None], v[None], g=g[None], beta=beta.to(v.dtype)[None],
+                initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                cu_seqlens_cpu=cu_cpu)
+            out[:n] = o[0]
         state.ssm.index_copy_(0, slots, ht.to(state.ssm.dtype))
 
 
 def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 conv: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
-    """``reference.causal_conv`` in two Triton kernels (outputs, then the slots' new
-    windows)."""
+    """``reference.causal_conv`` in Triton: the outputs (and the new windows of one-token
+    sequences, every decode), then the prefills' new windows."""
     from pagedgen.attention.recurrent import triton_kernels as tk
 
     slots, has, token_seq = md.recurrent_inputs()
@@ -125,8 +177,9 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             qkv, qkv.stride(0), weight, bias if bias is not None else weight, conv, slots, has,
             token_seq, md.query_start_loc, out, out.stride(0), c, t, K=taps,
             HAS_BIAS=bias is not None, BT=tokens, BC=block)
+    if md.num_prefills:  # decodes follow the prefills: their windows are written above
         kp = max(2, 1 << (taps - 2).bit_length())
-        tk.conv_state_kernel[(md.num_seqs, -(-c // 64))](
+        tk.conv_state_kernel[(md.num_prefills, -(-c // 64))](
             qkv, qkv.stride(0), conv, slots, has, md.query_start_loc, c, K=taps, KP=kp, BC=64)
     return out
 
@@ -162,7 +215,7 @@ def scan_triton(mixed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: to
     n = md.num_seqs - first
     bk = _block(spec.head_k)
     bv = min(DECODE_LAUNCH[0], _block(spec.head_v))
-    grid = (n, spec.num_v_heads, -(-spec.head_v // bv))
+    grid = (-(-spec.head_v // bv), spec.num_v_heads, n)
     tk.gated_delta_kernel[grid](
         mixed, mixed.stride(0), a, b, a.stride(0), a_log, dt_bias, ssm, slots[first:],
         has[first:], md.query_start_loc[first:], out, out.stride(0), spec.num_k_heads,

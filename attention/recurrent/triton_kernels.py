@@ -2,11 +2,13 @@
 
 * ``conv_kernel``: the causal depthwise convolution (SiLU after) of every new token of a step,
   one program per (token block, channel block); taps before a sequence's first new token read its
-  conv state, or zeros for a sequence without one.
-* ``conv_state_kernel``: then each sequence's conv state becomes its last ``K - 1`` inputs
-  (one program per (sequence, channel block): every read before the barrier, then the writes).
+  conv state, or zeros for a sequence without one. A sequence of one new token (every decode)
+  has its new window written there too: its program is the only one reading that slot.
+* ``conv_state_kernel``: then each longer sequence's conv state becomes its last ``K - 1``
+  inputs (one program per (prefill, channel block): every read before the barrier, then the
+  writes).
 * ``gated_delta_kernel``: the delta rule over each sequence's new tokens in order, one program
-  per (sequence, value head, value block): the state block [Dk, BV] stays in registers from the
+  per (value block, value head, sequence): the state block [Dk, BV] stays in registers from the
   first token to the last, read from the sequence's slot once and written back once; the gates
   (``g``, ``beta``) and the q/k L2 norms are computed in the kernel. A decode is the one-token
   case; long prefills go to flash-linear-attention's chunked kernels where it is installed.
@@ -41,19 +43,24 @@ def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, s
     tm, cm = t < T, c < C
     s = tl.load(TokenSeq + t, mask=tm, other=0)
     start = tl.load(QSL + s, mask=tm, other=0)
+    single = (tl.load(QSL + s + 1, mask=tm, other=0) - start) == 1
     slot = tl.load(Slots + s, mask=tm, other=0).to(tl.int64)
     has = tl.load(HasState + s, mask=tm, other=0) != 0
     m = tm[:, None] & cm[None, :]
+    window = Conv + slot[:, None] * C * (K - 1) + c[None, :] * (K - 1)
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads the input K - 1 - j tokens back
         src = t - (K - 1) + j
         x = tl.load(X + src.to(tl.int64)[:, None] * stride_x + c[None, :],
                     mask=m & (src >= start)[:, None], other=0.0)
         col = src - start + (K - 1)  # the conv state's column of an earlier input
-        past = tl.load(Conv + slot[:, None] * C * (K - 1) + c[None, :] * (K - 1) + col[:, None],
-                       mask=m & ((src < start) & has)[:, None], other=0.0)
+        past = tl.load(window + col[:, None], mask=m & ((src < start) & has)[:, None],
+                       other=0.0)
+        tap = x.to(tl.float32) + past.to(tl.float32)
+        if j > 0:  # a one-token sequence's new window is its taps 1 .. K - 1 (column j read)
+            tl.store(window + (j - 1), tap.to(Conv.dtype.element_ty), mask=m & single[:, None])
         w = tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
-        acc += (x.to(tl.float32) + past.to(tl.float32)) * w[None, :]
+        acc += tap * w[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)[None, :]
     y = acc / (1.0 + tl.exp(-acc))
@@ -72,6 +79,7 @@ def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexp
     i = tl.arange(0, KP)
     m = (c[:, None] < C) & (i[None, :] < K - 1)
     has = (tl.zeros([BC, KP], dtype=tl.int32) + tl.load(HasState + s)) != 0
+    m = m & ((tl.zeros([BC, KP], dtype=tl.int32) + n) != 1)  # else conv_kernel writes it
     pos = n - (K - 1) + i[None, :]  # input index within the sequence's new tokens
     x = tl.load(X + (start + pos) * stride_x + c[:, None], mask=m & (pos >= 0), other=0.0)
     base = Conv + slot * C * (K - 1) + c[:, None] * (K - 1)
@@ -85,11 +93,13 @@ def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexp
 def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots, HasState, QSL,
                        O, stride_o, HK, HV, scale, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
-    s = tl.program_id(0)
+    # the value blocks of one head are neighbouring programs: together they read its state
+    # [Dk, Dv] as one span
+    s = tl.program_id(2)
     hv = tl.program_id(1)
     hk = hv // (HV // HK)
     rk = tl.arange(0, BK)
-    rv = tl.program_id(2) * BV + tl.arange(0, BV)
+    rv = tl.program_id(0) * BV + tl.arange(0, BV)
     km, vm = rk < DK, rv < DV
     start = tl.load(QSL + s)
     end = tl.load(QSL + s + 1)

@@ -1,6 +1,7 @@
 """`pagedgen verify` on a GPU: the linear-attention (Gated DeltaNet) kernels against the torch
 reference (attention/recurrent/reference.py), whatever the attention backend: our Triton
-convolution and scan, and flash-linear-attention's chunked prefill where it is installed. Each
+convolution and scan, and the chunked prefills of flash-linear-attention and FlashInfer (heads of
+128 on Hopper) where they run. Each
 case is two steps over random layer shapes and sequences (new prompts, chunks that continue a
 state, decodes), outputs and the slots' states compared."""
 
@@ -19,12 +20,15 @@ TOL = 4e-2
 
 def plan_linear(device: torch.device, cases: int, seed: int) -> tuple[BackendReport, list]:
     """The gated-delta report (only on CUDA: the CPU runs the reference itself)."""
-    from pagedgen.attention.recurrent.gated_delta import HAVE_FLA, HAVE_TRITON
+    from pagedgen.attention.recurrent.gated_delta import HAVE_TRITON, chunked_unavailable
 
     if not HAVE_TRITON:
         return BackendReport(NAME, "skipped", "Triton is not installed"), []
-    checks = [Check([(kernel_row, (prefill, device, cases, seed))], single)
-              for prefill in ("triton", "fla") if prefill == "triton" or HAVE_FLA]
+    runs = [("triton", ()), ("fla", ()), ("flashinfer", (300, (128,)))]  # its heads: 128
+    checks = [Check([(kernel_row, (prefill, device, cases, seed, *more))], single)
+              for prefill, more in runs
+              if prefill == "triton" or not chunked_unavailable(prefill, device, (),
+                                                                 torch.bfloat16)]
     return BackendReport(NAME, "checked", reference="the torch reference"), checks
 
 
@@ -82,6 +86,7 @@ def kernel_row(prefill: str, device: torch.device, cases: int, seed: int, longes
         for a, b in zip(got, ref):
             err, rel = max_error(a, b)
             worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
-    what = "our scan" if prefill == "triton" else "flash-linear-attention's chunks"
+    what = {"triton": "our scan", "fla": "flash-linear-attention's chunks",
+            "flashinfer": "FlashInfer's chunks"}[prefill]
     return Row("kernel", f"gated delta, prefill by {what}", cases, worst_abs, worst_rel, TOL,
                worst_rel <= TOL, "conv + delta rule; outputs and states vs the torch reference")

@@ -64,7 +64,8 @@ def bind_recurrent(model, specs: list[GatedDeltaSpec], seats: int, dtype: torch.
                 "choose a smaller model")
         seats, lowered = fit, seats
     try:
-        kernels = GatedDeltaKernels.for_device(device, envs.GATED_DELTA.get())
+        kernels = GatedDeltaKernels.for_device(device, envs.GATED_DELTA.get(), tuple(specs),
+                                               dtype)
     except ValueError as e:
         raise PagedgenError(f"{envs.GATED_DELTA.name}: {e}")
     states = RecurrentStates(specs, seats + 1, dtype, device)
