@@ -191,7 +191,7 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (32, 64), (32, 12
         floor_us = nbytes / bw * 1e6
         whole = 1000 * _replay_ms(lambda: gated_delta.conv_triton(qkv, weight, None, conv, md))
         print(json.dumps({"step": name, "conv_triton_us": round(whole, 1),
-                          "floor_us": round(floor_us, 1), "tile": gated_delta.CONV_TILE}),
+                          "floor_us": round(floor_us, 1), "tile": gated_delta.conv_tile(t)}),
               flush=True)
         for bt, bc in tiles:
             for w in warps:
@@ -204,7 +204,7 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (32, 64), (32, 12
                 row = {"step": name, "tokens": bt, "channels": bc, "warps": w,
                        "conv_kernel_us": round(us, 1), "floor_us": round(floor_us, 1),
                        "conv_triton_us": round(whole, 1),
-                       "used": (bt, bc) == gated_delta.CONV_TILE and w == 4}
+                       "used": (bt, bc) == gated_delta.conv_tile(t) and w == 4}
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
     return out_rows

@@ -112,6 +112,32 @@ def test_triton_kernels_equal_the_reference(dtype):
 
 
 @INTERPRETED
+def test_the_convolution_of_a_long_step_takes_the_prefill_tile_and_equals_the_reference():
+    """A step past ``CONV_SMALL_STEP`` tokens (the prefill tile): prompts continuing their
+    windows, a fresh one, and decodes, against ``reference.causal_conv``."""
+    from pagedgen.attention.recurrent.gated_delta import (CONV_SMALL_STEP, CONV_TILES,
+                                                          conv_tile, conv_triton)
+
+    gen = torch.Generator().manual_seed(5)
+    c = SPEC.conv_dim
+    md = AttentionMetadataBuilder(16, CPU).build(
+        [ScheduledSeq(list(range(80)), ctx, n, slot)
+         for slot, ctx, n in ((0, 7, 600), (1, 0, 500), (2, 3, 2))],
+        [ScheduledSeq(list(range(80)), 9, 1, slot) for slot in (3, 4)])
+    assert md.num_tokens > CONV_SMALL_STEP and conv_tile(md.num_tokens) == CONV_TILES[1]
+    qkv = torch.randn(md.num_tokens, c, generator=gen)
+    weight = torch.randn(c, 4, generator=gen)
+    conv = torch.randn(6, c, 3, generator=gen)
+    want_conv = conv.clone()
+    slots, has, _ = md.recurrent_inputs()
+    want = reference.causal_conv(qkv, weight, None, want_conv, slots.tolist(),
+                                 md.query_lens_cpu, has.tolist())
+    got = conv_triton(qkv, weight, None, conv, md)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(conv, want_conv, atol=0, rtol=0)
+
+
+@INTERPRETED
 @pytest.mark.parametrize("tokens", [1, 13])
 def test_the_q_and_k_heads_for_the_chunked_prefill_are_normalized_as_the_reference_does(
         tokens):

@@ -14,8 +14,9 @@ from test_gated_delta import SPEC, STEPS, _steps
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
-# long prompts over many 64-token chunks, beside decodes, from states and from zero
-LONG = STEPS + [([(4, 0, 700), (0, 12, 300)], [(1, 5), (2, 3)])]
+# long prompts over many 64-token chunks, beside decodes, from states and from zero (a step
+# past CONV_SMALL_STEP tokens: the convolution's prefill tile)
+LONG = STEPS + [([(4, 0, 900), (0, 12, 300)], [(1, 5), (2, 3)])]
 
 
 WIDE = GatedDeltaSpec(num_k_heads=2, num_v_heads=4, head_k=128, head_v=128, conv_kernel=4)

@@ -27,7 +27,14 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, their prefill
 DECODE_LAUNCH = (64, 2)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
-CONV_TILE = (8, 256)  # conv_kernel's tokens and channels a program
+# conv_kernel's (tokens, channels) a program: for steps of up to CONV_SMALL_STEP tokens (decodes)
+# and for longer ones (prefill chunks); benchmarks/gdn_kernels.py --conv
+CONV_TILES = ((4, 512), (32, 128))
+CONV_SMALL_STEP = 1024
+
+
+def conv_tile(tokens: int) -> tuple[int, int]:
+    return CONV_TILES[tokens > CONV_SMALL_STEP]
 
 
 @dataclass(frozen=True)
@@ -171,7 +178,7 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     t, c = qkv.shape
     taps = weight.shape[1]
     out = torch.empty(t, c, dtype=qkv.dtype, device=qkv.device)
-    tokens, block = CONV_TILE
+    tokens, block = conv_tile(t)
     if t:
         tk.conv_kernel[(-(-t // tokens), -(-c // block))](
             qkv, qkv.stride(0), weight, bias if bias is not None else weight, conv, slots, has,
