@@ -81,7 +81,6 @@ def test_silu_and_mul(device, dtype, n):
                                fused_ops.silu_and_mul_ref(x), **TOL[dtype])
 
 
-@INTERPRETED
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("d", [128, 48])
 def test_gated_rms_norm(device, dtype, d):
