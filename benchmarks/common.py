@@ -134,6 +134,19 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     return runs
 
 
+def event_ms(fn, calls: int = 5) -> float:
+    """Mean ms of ``fn`` over ``calls`` eager calls on the GPU, after one (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def free_gpu() -> None:
     """Give the memory of dropped engines and models back (before the next system runs)."""
     gc.collect()

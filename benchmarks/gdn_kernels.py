@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import event_ms
 from benchmarks.moe_kernels import _replay_ms
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B: key heads, value heads, their widths
@@ -63,18 +64,6 @@ def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
     return out_rows
 
 
-def _event_ms(fn, calls: int = 5) -> float:
-    """Mean ms of ``fn`` over ``calls`` eager calls, after one."""
-    fn()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(calls):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / calls
-
-
 def _layer_prefill_ms(n: int, length: int) -> dict[str, float]:
     """A Qwen3.5-9B layer's core (``GatedDeltaImpl.forward``: convolution, q/k norms, gates,
     states gathered and written back, the chunked kernel) over a prefill step of ``n``
@@ -97,7 +86,7 @@ def _layer_prefill_ms(n: int, length: int) -> dict[str, float]:
     out = {}
     for prefill in ("fla", "flashinfer"):
         impl = GatedDeltaImpl(spec, GatedDeltaKernels("triton", prefill))
-        out[f"layer_{prefill}_ms"] = round(_event_ms(lambda: impl.forward(
+        out[f"layer_{prefill}_ms"] = round(event_ms(lambda: impl.forward(
             qkv, ab[:, :HV], ab[:, HV:], weight, None, a_log, dt_bias, states.layers[0], md)), 3)
     return out
 
@@ -134,7 +123,7 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
         o_fla, h_fla = fla()
         torch.cuda.synchronize()
         row["fla_first_s"], row["fla_ms"] = round(time.perf_counter() - t0, 2), round(
-            _event_ms(fla), 3)
+            event_ms(fla), 3)
         if fi_chunk is None:
             row["flashinfer"] = why
         else:
@@ -154,8 +143,8 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
                 o_fi, h_fi = flashinfer()
                 torch.cuda.synchronize()
                 row["flashinfer_first_s"] = round(time.perf_counter() - t0, 2)
-                row["flashinfer_ms"] = round(_event_ms(flashinfer), 3)
-                row["flashinfer_no_cp_ms"] = round(_event_ms(flashinfer_no_cp), 3)
+                row["flashinfer_ms"] = round(event_ms(flashinfer), 3)
+                row["flashinfer_no_cp_ms"] = round(event_ms(flashinfer_no_cp), 3)
                 row["max_diff_o"] = float((o_fi.float() - o_fla[0].float()).abs().max())
                 row["max_diff_state"] = float((h_fi - h_fla.float()).abs().max())
                 row["fla_over_flashinfer"] = round(row["fla_ms"] / row["flashinfer_ms"], 3)

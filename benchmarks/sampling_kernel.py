@@ -12,19 +12,8 @@ import json
 
 import torch
 
+from benchmarks.common import event_ms
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample
-
-
-def timed(fn, repeats: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def main() -> None:
@@ -34,8 +23,8 @@ def main() -> None:
         logits = torch.randn(b, v, device=dev) * 4
         sb = SamplingBatch.build([1.0] * b, [0] * b, [1.0] * b, list(range(b)),
                                  [7] * b, dev)
-        torch_ms = timed(lambda: sample(logits, sb, fused=False))
-        fused_ms = timed(lambda: sample(logits, sb, fused=True))
+        torch_ms = event_ms(lambda: sample(logits, sb, fused=False), 50)
+        fused_ms = event_ms(lambda: sample(logits, sb, fused=True), 50)
         same = sum(sum(sample(logits, SamplingBatch.build(
             [1.0] * b, [0] * b, [1.0] * b, list(range(b)), [s] * b, dev), fused=f).eq(
                 sample(logits, SamplingBatch.build([1.0] * b, [0] * b, [1.0] * b,
