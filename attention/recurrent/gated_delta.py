@@ -34,6 +34,7 @@ CONV_SMALL_STEP = 1024
 
 
 def conv_tile(tokens: int) -> tuple[int, int]:
+    """conv_kernel's (tokens, channels) a program for a step of ``tokens``."""
     return CONV_TILES[tokens > CONV_SMALL_STEP]
 
 

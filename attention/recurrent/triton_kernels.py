@@ -11,7 +11,7 @@
   per (value block, value head, sequence): the state block [Dk, BV] stays in registers from the
   first token to the last, read from the sequence's slot once and written back once; the gates
   (``g``, ``beta``) and the q/k L2 norms are computed in the kernel. A decode is the one-token
-  case; long prefills go to flash-linear-attention's chunked kernels where it is installed.
+  case; long prefills go to a library's chunked kernel where one runs (``gated_delta.py``).
 * ``qk_norm_kernel``: those prefills' q and k heads L2-normalized into one contiguous
   [2, T, Hk, Dk] tensor for that chunked kernel (one launch shape for every token count: its
   own normalization autotunes afresh per bucket of token counts, inside a run).
