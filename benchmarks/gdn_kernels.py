@@ -26,8 +26,10 @@ import torch
 
 from benchmarks.common import event_ms
 from benchmarks.moe_kernels import _replay_ms
+from pagedgen.attention.recurrent.state import GatedDeltaSpec
 
 HK, HV, DK, DV = 16, 32, 128, 128  # Qwen3.5-9B: key heads, value heads, their widths
+SPEC = GatedDeltaSpec(HK, HV, DK, DV, 4, torch.float32)  # its layer: 4 taps, float32 states
 
 
 def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
@@ -37,7 +39,7 @@ def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
 
     bw, dev, out_rows = copy_bandwidth(), "cuda", []
     for n in seqs:
-        qkv = torch.randn(n, 2 * HK * DK + HV * DV, device=dev, dtype=torch.bfloat16)
+        qkv = torch.randn(n, SPEC.conv_dim, device=dev, dtype=torch.bfloat16)
         a, b = (torch.randn(n, HV, device=dev, dtype=torch.bfloat16) for _ in range(2))
         a_log, dt_bias = torch.randn(HV, device=dev), torch.randn(HV, device=dev)
         slots = torch.arange(n, device=dev, dtype=torch.int32)
@@ -70,22 +72,21 @@ def _layer_prefill_ms(n: int, length: int) -> dict[str, float]:
     continuing prompts of ``length`` new tokens, with each library's chunked prefill."""
     from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
     from pagedgen.attention.recurrent.gated_delta import GatedDeltaImpl, GatedDeltaKernels
-    from pagedgen.attention.recurrent.state import GatedDeltaSpec, RecurrentStates
+    from pagedgen.attention.recurrent.state import RecurrentStates
 
     dev = torch.device("cuda")
-    spec = GatedDeltaSpec(HK, HV, DK, DV, 4, torch.float32)
-    states = RecurrentStates([spec], n + 1, torch.bfloat16, dev)
+    states = RecurrentStates([SPEC], n + 1, torch.bfloat16, dev)
     blocks = -(-(length + 64) // 16)
     md = AttentionMetadataBuilder(16, dev).build(
         [ScheduledSeq(list(range(blocks)), 64, length, i) for i in range(n)], [])
-    c = spec.conv_dim
+    c = SPEC.conv_dim
     qkv = torch.randn(md.num_tokens, c, device=dev, dtype=torch.bfloat16)
     ab = torch.randn(md.num_tokens, 2 * HV, device=dev, dtype=torch.bfloat16)
     weight = torch.randn(c, 4, device=dev, dtype=torch.bfloat16) * 0.5
     a_log, dt_bias = torch.rand(HV, device=dev), torch.rand(HV, device=dev)
     out = {}
     for prefill in ("fla", "flashinfer"):
-        impl = GatedDeltaImpl(spec, GatedDeltaKernels("triton", prefill))
+        impl = GatedDeltaImpl(SPEC, GatedDeltaKernels("triton", prefill))
         out[f"layer_{prefill}_ms"] = round(event_ms(lambda: impl.forward(
             qkv, ab[:, :HV], ab[:, HV:], weight, None, a_log, dt_bias, states.layers[0], md)), 3)
     return out
@@ -129,14 +130,11 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
         else:
             alpha = g.exp()
 
-            def flashinfer():
+            def flashinfer(use_cp="auto"):  # its split path for few sequences, or not
                 o, h = fi_chunk(q, k, v, g=alpha, beta=beta, initial_state=h0.transpose(
-                    -1, -2).contiguous(), output_final_state=True, cu_seqlens=cu)
+                    -1, -2).contiguous(), output_final_state=True, cu_seqlens=cu,
+                    use_cp=use_cp)
                 return o, h.transpose(-1, -2).contiguous()
-
-            def flashinfer_no_cp():
-                return fi_chunk(q, k, v, g=alpha, beta=beta, initial_state=h0.transpose(
-                    -1, -2).contiguous(), output_final_state=True, cu_seqlens=cu, use_cp=False)
 
             try:
                 t0 = time.perf_counter()
@@ -144,7 +142,7 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
                 torch.cuda.synchronize()
                 row["flashinfer_first_s"] = round(time.perf_counter() - t0, 2)
                 row["flashinfer_ms"] = round(event_ms(flashinfer), 3)
-                row["flashinfer_no_cp_ms"] = round(event_ms(flashinfer_no_cp), 3)
+                row["flashinfer_no_cp_ms"] = round(event_ms(lambda: flashinfer(False)), 3)
                 row["max_diff_o"] = float((o_fi.float() - o_fla[0].float()).abs().max())
                 row["max_diff_state"] = float((h_fi - h_fla.float()).abs().max())
                 row["fla_over_flashinfer"] = round(row["fla_ms"] / row["flashinfer_ms"], 3)
@@ -162,8 +160,8 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (32, 64), (32, 12
     from pagedgen.attention.recurrent import gated_delta, triton_kernels as tk
     from pagedgen.runtime.hardware import copy_bandwidth
 
-    bw, dev, out_rows, taps = copy_bandwidth(), "cuda", [], 4
-    c = 2 * HK * DK + HV * DV
+    bw, dev, out_rows = copy_bandwidth(), "cuda", []
+    c, taps = SPEC.conv_dim, SPEC.conv_kernel
     builder = AttentionMetadataBuilder(16, torch.device(dev))
     steps = {"decode 256": ([], [ScheduledSeq(list(range(8)), 100, 1, i) for i in range(256)]),
              "prefill 16 x 1024": ([ScheduledSeq(list(range(64)), 0, 1024, i)
