@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 from pagedgen.runtime.kernel_stats import GROUPS, group_from_name, load_kernels, short_name
 
-TOP = 12
+TOP = 20
 
 
 def kernel_table(kernels: Iterable[tuple[str, float]]) -> dict[str, Any]:
