@@ -121,7 +121,8 @@ for run in sys.argv[2:]:
     for r in rows["first"] + rows["vllm"]:
         print(w, q, r["system"], "runs tok/s", [round(x) for x in r.get("runs_output_tokens_per_s", [])],
               "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
-              "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""))
+              "prefill tok/s", round(r.get("prefill_tokens_per_s") or 0), r.get("kernel_plans", ""),
+              "distinct tokens", r.get("distinct_tokens_mid"), r.get("distinct_tokens_all"))
         for line in r.get("kernel_lines", []):  # what vLLM says it chose
             print("   vLLM:", line[:200])
         if "startup_breakdown_s" in r:
@@ -572,7 +573,8 @@ for r in json.load(open(sys.argv[1]))["rows"]:
           [round(x) for x in r.get("runs_output_tokens_per_s", [])],
           "start-up", round(r.get("startup_s") or r.get("load_time_s") or 0, 1),
           r.get("kernel_plans", ""), {k: round(v, 2) for k, v in r.items() if k.startswith("vs ")},
-          r.get("runs_kernels_compiled", ""), r.get("first_run_slowest_compiles", ""))
+          r.get("runs_kernels_compiled", ""), r.get("first_run_slowest_compiles", ""),
+          "distinct tokens (mid, all)", r.get("distinct_tokens_mid"), r.get("distinct_tokens_all"))
     for name, t in r.get("first_run_compiles_s", {}).items():
         print(f"     {t:6.2f} s  {name[:180]}")
 PY

@@ -16,6 +16,7 @@ from pagedgen.cli.summary import format_value
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.profiles import configs_from_profile, load_profile
 from pagedgen.runtime.engine.engine import Engine
+from benchmarks.workloads import output_spread
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -121,8 +122,9 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
         st = engine.stats
         res["decode_steps"] = st.decode_steps
         # equal digests: the same tokens (e.g. prefix caching on and off, greedy)
-        res["outputs_digest"] = hash(tuple(tuple(x.output_token_ids) for s in seqs
-                                           for x in (s.samples or [s])))
+        outputs = [list(x.output_token_ids) for s in seqs for x in (s.samples or [s])]
+        res["outputs_digest"] = hash(tuple(map(tuple, outputs)))
+        res.update(output_spread(outputs))
         if copy_bw and st.decode_steps:
             # weights at the mean decode batch (a MoE step reads the experts its tokens chose)
             weight_bytes = engine.step_weight_bytes(max(1, round(st.decode_tokens

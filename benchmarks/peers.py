@@ -291,7 +291,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "mixed_graph_capture_s", "mixed_graph_failed",
                                 "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
                                 "runs_kernels_compiled", "runs_kernel_compile_s",
-                                "first_run_slowest_compiles", "first_run_compiles_s")
+                                "first_run_slowest_compiles", "first_run_compiles_s",
+                                "distinct_tokens_mid", "distinct_tokens_all")
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)
@@ -307,6 +308,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
                 "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"],
+                **{k: mid[k] for k in ("distinct_tokens_mid", "distinct_tokens_all") if k in mid},
                 "kernel_lines": res.get("kernel_lines", [])})
     hf_peers = [p for p in peers if p != "vllm"]
     if hf_peers:

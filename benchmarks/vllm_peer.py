@@ -173,7 +173,8 @@ def _worker(spec_path: str, out_path: str) -> None:
     import vllm
     from vllm.inputs import TokensPrompt
 
-    from benchmarks.workloads import Workload, workload  # vLLM's process: no pagedgen imports
+    # vLLM's process: no pagedgen imports
+    from benchmarks.workloads import Workload, output_spread, workload
 
     spec = json.loads(Path(spec_path).read_text())
     given = spec.get("requests")
@@ -235,6 +236,8 @@ def _worker(spec_path: str, out_path: str) -> None:
                     runs.append({"wall_time_s": wall, "output_tokens": tokens,
                                  "output_tokens_per_s": tokens / wall, "variant": variant,
                                  "workload": label, "sampling": k_opts,
+                                 **output_spread([list(o.token_ids) for r in results
+                                                  for o in r.outputs]),
                                  **({"texts": [r.outputs[0].text for r in results[:64]]}
                                     if given else {})})
                     print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),

@@ -19,6 +19,10 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   h: Qwen3.5-9B shape (hybrid: Gated DeltaNet linear attention, 3 layers to 1), (a)'s requests
   j: Qwen3.5-35B-A3B shape (hybrid MoE: 256 experts, 8 per token, a shared expert), (a)'s
   l: Qwen3.5-9B shape, 32 prompts x random 8,192-30,000 input, 128 output (long prompts)
+  mt, ot, jt: m, o and j sampled at temperature 1 (request i seeded i). Greedy decoding on
+     dummy weights can run every sequence into the same tokens (``output_spread`` counts them):
+     then every decode step routes all its tokens to the same few experts and reads a fraction
+     of the expert weights a real model's decode reads; sampled tokens route as varied tokens do
 """
 
 from __future__ import annotations
@@ -94,6 +98,16 @@ WORKLOADS = {
     "l": Workload("qwen3.5-9b", 32, (8192, 30000), (128, 128)),
     "o": Workload("gpt-oss-20b", 256, (128, 1024), (256, 256)),
 }
+WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o", "j")}
+
+
+def output_spread(outputs: list[list[int]]) -> dict[str, int]:
+    """How varied a run's output tokens are: distinct ids among the sequences' tokens at the
+    middle output position (1: every sequence wrote the same token there) and in all outputs."""
+    mid = min(map(len, outputs)) // 2
+    return {"distinct_tokens_mid": len({o[mid] for o in outputs}),
+            "distinct_tokens_all": len(set().union(*map(set, outputs))),
+            "sequences": len(outputs)}
 
 
 def workload(name: str, num_prompts: int | None = None) -> Workload:

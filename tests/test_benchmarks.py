@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import common, peers  # the repository's root is on pytest's path
+from benchmarks import common, peers, workloads  # the repository's root is on pytest's path
 
 
 def test_run_engine_repeats_on_one_engine():
@@ -23,6 +23,7 @@ def test_run_engine_repeats_on_one_engine():
     for r in runs:
         assert r["output_tokens"] == 24 and r["requests"] == 4
         assert r["decode_steps"] > 0 and 0 < r["decode_roofline_fraction"]
+        assert r["sequences"] == 4 and 1 <= r["distinct_tokens_mid"] <= 4
 
 
 def test_workload_requests_are_fixed_and_in_range():
@@ -31,6 +32,19 @@ def test_workload_requests_are_fixed_and_in_range():
     b, outs2 = wl.requests(vocab=1000)
     assert a == b and outs == outs2 and len(a) == 256
     assert all(100 <= len(p) <= 1024 for p in a) and all(100 <= n <= 1024 for n in outs)
+
+
+def test_output_spread_counts_the_tokens_sequences_share():
+    same = [[5, 7, 7, 7], [9, 7, 7], [1, 2, 7, 3]]  # position 1 (of the shortest's 3): 7, 7, 2
+    assert workloads.output_spread(same) == {
+        "distinct_tokens_mid": 2, "distinct_tokens_all": 6, "sequences": 3}
+
+
+def test_sampled_moe_workloads_are_their_greedy_ones_at_temperature_1():
+    w = workloads.WORKLOADS
+    for k in ("m", "o", "j"):
+        assert w[k + "t"] == replace(w[k], temperature=1.0) and w[k].temperature == 0.0
+        assert w[k + "t"].requests(1000) == w[k].requests(1000)
 
 
 # 2 layers, hidden 8, 2 query heads and 1 KV head of 4, MLP 16, vocabulary 10 (tied)
