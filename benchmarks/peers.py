@@ -221,14 +221,17 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                  peer_repeats: int, hf_batch: int, flops: float, bw: float,
                  rows: list[dict], save: Callable[[], None], fa4_tiles: list[str],
                  quantization: str | None = None, variants: list[str] = (),
-                 overrides: dict[str, Any] | None = None) -> None:
+                 overrides: dict[str, Any] | None = None,
+                 vllm_weights: tuple[str, ...] = ("dummy",)) -> None:
     """Measure every system on workload ``name``, appending a row (and saving) after each;
     flash-attn once per FA4 decode tile in ``fa4_tiles`` (none: as configured); with
     ``quantization`` (fp8), pagedgen and vLLM both quantize the weights at load; each backend
     once more per name in ``variants`` (``VARIANTS``: a setting against the default);
     ``overrides`` (``--set``) change the profile's engine config for every pagedgen run, and
     vLLM takes its batching limits from the changed config. Workloads with ``n`` > 1 sample at
-    their temperature (request ``i`` seeded ``i``, in both systems)."""
+    their temperature (request ``i`` seeded ``i``, in both systems). vLLM gives a row per
+    weight set of ``vllm_weights`` ("normal": its weights drawn again in pagedgen's
+    distribution, ``vllm_peer.normal_weights``), one engine for all."""
     overrides = overrides or {}
     src = resolve_model(wl.profile)
     prompts, outs = wl.requests(src.hf_config.vocab_size)
@@ -296,15 +299,16 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)
-        res = run_vllm(name, None, src.hf_config, engine, repeats=repeats)
+        res = run_vllm(name, None, src.hf_config, engine, repeats=repeats, weights=vllm_weights)
         if "skipped" in res:
             print(f"vLLM: {res['skipped']}", flush=True)
             print(res.get("log", ""), file=sys.stderr, flush=True)
-        else:
-            assert all(r["output_tokens"] == out_tok for r in res["runs"]), \
-                "vLLM output length differs"
-            mid = median_run(res["runs"])
-            row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else ""),
+        assert all(r["output_tokens"] == out_tok for r in res.get("runs", [])), \
+            "vLLM output length differs"
+        for weights in vllm_weights if "runs" in res else ():
+            mid = median_run([r for r in res["runs"] if r.get("weights", "dummy") == weights])
+            row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else "")
+                + (" (pagedgen's weight distribution)" if weights == "normal" else ""),
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
                 "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"],
@@ -367,6 +371,9 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine config override for every pagedgen run (repeatable); "
                          "vLLM takes max_num_seqs and max_num_batched_tokens from it")
+    ap.add_argument("--vllm-weights", default="dummy",
+                    help="comma list: dummy (vLLM's own), normal (its weights drawn again in "
+                         "pagedgen's distribution: a MoE routes as in pagedgen); a row each")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peer-repeats", type=int, default=1)
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -397,7 +404,7 @@ def main() -> None:
                      args.hf_batch, flops, bw, rows, save,
                      [t for t in args.fa4_decode_tiles.split(",") if t], args.quantization,
                      [v for v in VARIANTS if getattr(args, v.replace("-", "_"))],
-                     parse_overrides(args.set))
+                     parse_overrides(args.set), tuple(args.vllm_weights.split(",")))
     ratio_cols = sorted({k for r in rows for k in r if k.startswith("vs ")})
     print_table(f"pagedgen vs peers on {meta['gpu']}", rows,
                 ["workload", "system", "output_tokens_per_s", "total_tokens_per_s",

@@ -74,7 +74,9 @@ def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
             "profiled_wall_s": profiled["wall_time_s"], **table}
 
 
-def vllm_run(workload: str, quantization: str | None) -> dict[str, Any]:
+def vllm_run(workload: str, quantization: str | None, weights: str = "dummy") -> dict[str, Any]:
+    """vLLM's warm run and a profiled one, on its dummy weights or ("normal") on them drawn
+    again in pagedgen's distribution (``vllm_peer.normal_weights``)."""
     from benchmarks.peers import vllm_engine
     from benchmarks.vllm_peer import run_vllm
     from benchmarks.workloads import WORKLOADS
@@ -84,13 +86,14 @@ def vllm_run(workload: str, quantization: str | None) -> dict[str, Any]:
     engine = vllm_engine(wl, quantization)
     with tempfile.TemporaryDirectory() as d:
         res = run_vllm(workload, None, resolve_model(wl.profile).hf_config, engine, repeats=2,
-                       profile_dir=Path(d))
+                       profile_dir=Path(d), weights=(weights,))
         if "skipped" in res:
             return {"system": "vLLM", "skipped": res["skipped"], "log": res.get("log", "")}
         traces = sorted(Path(d).rglob("*.pt.trace.json*"))
         table = kernel_table(trace_kernels(traces))
     warm, profiled = res["runs"][0], res["runs"][-1]
-    return {"system": f"vLLM {res['vllm']}", "traces": len(traces),
+    return {"system": f"vLLM {res['vllm']}" + (" normal" if weights == "normal" else ""),
+            "traces": len(traces),
             "warm_output_tokens_per_s": warm["output_tokens_per_s"],
             "profiled_wall_s": profiled["wall_time_s"],
             "kernel_lines": res.get("kernel_lines", []), **table}
@@ -118,9 +121,12 @@ def main() -> None:
     ap.add_argument("--workload", default="m")
     ap.add_argument("--quantization", choices=["fp8"], default=None)
     ap.add_argument("--systems", default="pagedgen,vllm")
+    ap.add_argument("--vllm-weights", choices=["dummy", "normal"], default="dummy",
+                    help="normal: vLLM's weights drawn again in pagedgen's distribution")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs = {"pagedgen": pagedgen_run, "vllm": vllm_run}
+    runs = {"pagedgen": pagedgen_run,
+            "vllm": lambda w, q: vllm_run(w, q, args.vllm_weights)}
     rows = []
     for system in args.systems.split(","):
         rows.append(runs[system](args.workload, args.quantization))

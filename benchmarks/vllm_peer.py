@@ -6,6 +6,13 @@ the worker regenerates the workload's token ids with ``workloads.py`` (the same 
 runs), builds ``vllm.LLM`` once (start-up timed apart), then times ``LLM.generate`` over every
 request in one call, ``repeats`` times, resetting its prefix cache before each run.
 
+vLLM's dummy weights are uniform in +-1e-3 (norms included), pagedgen's normal with a standard
+deviation of 0.02 (norms 1, biases 0): a MoE's router then spreads tokens over experts
+differently in each, and a decode step reads a different share of the expert weights.
+``weights=["dummy", "normal"]`` also runs every job after drawing vLLM's weights again in
+pagedgen's distribution (``normal_weights``, in place in its worker: FP8 weights with one scale
+per tensor), each run saying which weights it had.
+
 ``engine`` may carry ``quantization="fp8"`` (``peers.py --quantization fp8``): vLLM then
 quantizes the dummy weights at load, as ``pagedgen --quantization fp8`` does. ``requests``
 (``structured.py``) gives the prompts, output lengths and each one's JSON schema (or None)
@@ -96,7 +103,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
              engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
              requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
              sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
-             profile_dir: Path | None = None) -> dict[str, Any]:
+             profile_dir: Path | None = None, weights: tuple[str, ...] = ("dummy",)
+             ) -> dict[str, Any]:
     """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed.
     ``workload``: a name in workloads.py, or a Workload's fields (``num_prompts``,
     ``input_len``, ``output_len``), or a list of them run on one engine (each run says its
@@ -104,7 +112,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
     ``detokenize``), or a list of such sets, each run in turn (each run says its index).
     With ``tensor_parallel_size`` > 1 in ``engine`` vLLM's own worker processes start, with
     NVLink multicast off in each (``NO_MULTICAST``). With ``profile_dir``, the last run runs
-    under vLLM's torch profiler, its workers' traces written there (``*.pt.trace.json.gz``)."""
+    under vLLM's torch profiler, its workers' traces written there (``*.pt.trace.json.gz``).
+    ``weights``: "dummy" (vLLM's) and/or "normal" (pagedgen's distribution), in that order."""
     site = vllm_site()
     if site is None:
         return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
@@ -136,9 +145,12 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                 "vocab": vocab, "engine": engine, "repeats": repeats,
                 "requests": requests, "tokenizer": tokenizer_dir is not None,
                 "sampling": sampling or {},
-                "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None}
+                "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None,
+                "weights": list(weights)}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               # apply_model sends normal_weights to vLLM's engine process pickled
+               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
                "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
         if site:
             env["PYTHONPATH"] = site_path(site)
@@ -168,13 +180,50 @@ def kernel_lines(log: str, limit: int = 30) -> list[str]:
     return out[:limit]
 
 
+def normal_weights(model: Any, std: float = 0.02, fp8_max: float = 448.0) -> int:
+    """Draw a loaded vLLM model's weights again, in place, as pagedgen's dummy weights are
+    drawn: normal(0, ``std``), norms 1, biases 0; an FP8 tensor gets such values quantized with
+    one scale (its ``*_scale`` tensors filled with it). Quantization scales and integer
+    (packed) tensors are left. Runs in vLLM's worker (``LLM.apply_model``); returns the count
+    of tensors drawn."""
+    import torch
+
+    fp8 = {torch.float8_e4m3fn, torch.float8_e4m3fnuz}
+    scale = 5 * std / fp8_max  # five standard deviations at the format's largest value
+    gens: dict[torch.device, torch.Generator] = {}
+    drawn = 0
+    with torch.no_grad():
+        for mod_name, module in model.named_modules():
+            for name, p in list(module._parameters.items()):
+                if p is None or not p.is_floating_point() or "scale" in name:
+                    continue
+                gen = gens.setdefault(p.device, torch.Generator(p.device).manual_seed(0))
+                if p.dtype in fp8:
+                    scales = [t for t in (getattr(module, f"{name}_scale", None),
+                                          getattr(module, f"{name}_scale_inv", None))
+                              if isinstance(t, torch.Tensor)]
+                    if not scales:
+                        continue
+                    for part in (p if p.dim() > 1 else [p]):  # a slice at a time: little memory
+                        part.copy_((torch.randn(part.shape, generator=gen, device=p.device)
+                                    * (std / scale)).clamp_(-fp8_max, fp8_max).to(p.dtype))
+                    for t in scales:
+                        t.fill_(scale)
+                elif "norm" in f"{mod_name}.{name}":
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.normal_(0.0, std, generator=gen)
+                drawn += 1
+    return drawn
+
+
 def _worker(spec_path: str, out_path: str) -> None:
     t0 = time.perf_counter()
     import vllm
-    from vllm.inputs import TokensPrompt
 
-    # vLLM's process: no pagedgen imports
-    from benchmarks.workloads import Workload, output_spread, workload
+    from benchmarks.workloads import Workload, workload  # vLLM's process: no pagedgen imports
 
     spec = json.loads(Path(spec_path).read_text())
     given = spec.get("requests")
@@ -214,8 +263,28 @@ def _worker(spec_path: str, out_path: str) -> None:
                                                               disable_any_whitespace=True)}
 
     runs = []
+    sets = spec.get("weights") or ["dummy"]
+    for k, weights in enumerate(sets):
+        if weights == "normal":
+            print(f"weights drawn again: {llm.apply_model(normal_weights)}", file=sys.stderr,
+                  flush=True)
+        runs += _timed_runs(llm, spec, jobs, samplings, given, structured, weights,
+                            profile_last=bool(spec.get("profile_dir")) and k == len(sets) - 1)
+    Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
+                                          "engine": spec["engine"], "runs": runs}))
+
+
+def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict[str, Any]],
+                given: Any, structured: Any, weights: str, profile_last: bool
+                ) -> list[dict[str, Any]]:
+    """Every job ``spec["repeats"]`` times, the last repeat under the profiler if asked."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    from benchmarks.workloads import output_spread
+    runs = []
     for repeat in range(spec["repeats"]):
-        profiled = spec.get("profile_dir") and repeat == spec["repeats"] - 1
+        profiled = profile_last and repeat == spec["repeats"] - 1
         if profiled:
             llm.start_profile()
         for label, prompts, outs, variants, temperature, n in jobs:
@@ -235,7 +304,7 @@ def _worker(spec_path: str, out_path: str) -> None:
                     tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
                     runs.append({"wall_time_s": wall, "output_tokens": tokens,
                                  "output_tokens_per_s": tokens / wall, "variant": variant,
-                                 "workload": label, "sampling": k_opts,
+                                 "workload": label, "sampling": k_opts, "weights": weights,
                                  **output_spread([list(o.token_ids) for r in results
                                                   for o in r.outputs]),
                                  **({"texts": [r.outputs[0].text for r in results[:64]]}
@@ -244,8 +313,7 @@ def _worker(spec_path: str, out_path: str) -> None:
                           file=sys.stderr, flush=True)
         if profiled:
             llm.stop_profile()
-    Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
-                                          "engine": spec["engine"], "runs": runs}))
+    return runs
 
 
 if __name__ == "__main__":

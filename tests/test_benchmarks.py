@@ -338,3 +338,25 @@ def test_vllms_fp8_experts_in_the_layer_benchmark_take_one_scale_per_expert():
     assert torch.equal(q.float().abs().amax(dim=(1, 2)), torch.full((3,), 448.0))
     back = q.float() * scale[:, None, None]
     assert ((back - w).abs() <= 0.07 * w.abs().amax(dim=(1, 2))[:, None, None]).all()
+
+
+def test_vllms_weights_drawn_again_in_pagedgens_distribution_keep_scales_and_packed_tensors():
+    from benchmarks.vllm_peer import normal_weights
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(64, 256, dtype=torch.bfloat16)
+    model.input_layernorm = torch.nn.Module()
+    model.input_layernorm.weight = torch.nn.Parameter(torch.zeros(64), requires_grad=False)
+    experts = model.experts = torch.nn.Module()
+    experts.w13_weight = torch.nn.Parameter(torch.zeros(4, 128, 64).to(torch.float8_e4m3fn),
+                                            requires_grad=False)
+    experts.w13_weight_scale = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    experts.packed = torch.nn.Parameter(torch.full((8,), 7, dtype=torch.uint8),
+                                        requires_grad=False)
+    experts.k_scale = torch.nn.Parameter(torch.tensor(3.0), requires_grad=False)
+    assert normal_weights(model) == 4
+    assert abs(model.proj.weight.float().std().item() - 0.02) < 0.002
+    assert not model.proj.bias.any() and (model.input_layernorm.weight == 1).all()
+    w13 = experts.w13_weight.float() * experts.w13_weight_scale[:, None, None]
+    assert abs(w13.std().item() - 0.02) < 0.002 and (experts.w13_weight_scale < 1e-3).all()
+    assert (experts.packed == 7).all() and experts.k_scale.item() == 3.0
