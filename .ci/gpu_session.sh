@@ -40,8 +40,8 @@
 # tp-close (issue 62's last items: two-GPU tests, verify -tp 2, MoE by width and -ep);
 # plans (issue 59: benchmarks/kernel_plans.py for this GPU; PLANS_MODELS, PLANS_QUANT,
 # PLANS_TP, PLANS_LIMIT); first-runs (FIRST_WORKLOADS on empty kernel caches, twice, and vLLM;
-# PEERS_QUANT, PEERS_BACKENDS, PEERS_PEERS, PEERS_LIMIT, PEERS_VLLM_WEIGHTS: peers.py's
-# --vllm-weights).
+# PEERS_QUANT, PEERS_BACKENDS, PEERS_PEERS, PEERS_LIMIT, PEERS_VLLM_WEIGHTS (default
+# "dummy,normal": peers.py's --vllm-weights).
 # tp, tp-runs, tp-vllm, tp-more, tp-new, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
 # push all-reduce's tests and latency, 8B at tp 1 and 2 (profile, decode at batch 1 and 64,
 # workload a, each all-reduce kind), vLLM at tp 2,
@@ -565,7 +565,7 @@ PY
         timed "first-$w-$q" "${PEERS_LIMIT:-540}" env $(fresh_caches "$w-$q") \
           python3 -m benchmarks.peers --workloads "$w" \
           --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
-          --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy}" \
+          --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" \
           $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
           --json "$S/first-$w-$q.json"
         python3 - "$S/first-$w-$q.json" <<'PY' || tail -5 "$S/first-$w-$q.log"

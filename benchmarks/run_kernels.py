@@ -87,8 +87,9 @@ def vllm_run(workload: str, quantization: str | None, weights: str = "dummy") ->
     with tempfile.TemporaryDirectory() as d:
         res = run_vllm(workload, None, resolve_model(wl.profile).hf_config, engine, repeats=2,
                        profile_dir=Path(d), weights=(weights,))
-        if "skipped" in res:
-            return {"system": "vLLM", "skipped": res["skipped"], "log": res.get("log", "")}
+        if "skipped" in res or "outran" in res:  # no profiled run to read
+            return {"system": "vLLM", "skipped": res.get("skipped") or res["outran"],
+                    "log": res.get("log", "")}
         traces = sorted(Path(d).rglob("*.pt.trace.json*"))
         table = kernel_table(trace_kernels(traces))
     warm, profiled = res["runs"][0], res["runs"][-1]

@@ -29,9 +29,11 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -154,14 +156,55 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
         if site:
             env["PYTHONPATH"] = site_path(site)
-        res = subprocess.run([sys.executable, "-m", "benchmarks.vllm_peer",
-                              str(Path(tmp) / "spec.json"), str(Path(tmp) / "out.json")],
-                             env=env, timeout=timeout, capture_output=True, text=True,
-                             cwd=HERE.parent)  # the repository: benchmarks is its package
-        if res.returncode != 0:
-            return failure(res.stdout, res.stderr)
-        return {**json.loads((Path(tmp) / "out.json").read_text()),
-                "kernel_lines": kernel_lines(res.stdout + res.stderr)}
+        out = Path(tmp) / "out.json"
+        code, stdout, stderr = run_in_group(
+            [sys.executable, "-m", "benchmarks.vllm_peer", str(Path(tmp) / "spec.json"),
+             str(out)], timeout, env=env, cwd=HERE.parent)  # the repository: its package
+        got = json.loads(out.read_text()) if out.exists() else {"runs": []}
+        said = {"kernel_lines": kernel_lines(stdout + stderr)}
+        if code == 0:
+            return {**got, **said}
+        if code is None and got["runs"]:  # the runs it measured before the limit
+            return {**got, **said, "outran": f"vLLM outran {timeout:.0f} s after "
+                                             f"{len(got['runs'])} runs"}
+        if code is None:
+            return {"skipped": f"vLLM outran {timeout:.0f} s before its first run",
+                    "log": (stdout + stderr)[-4000:]}
+        return failure(stdout, stderr)
+
+
+def run_in_group(cmd: list[str], timeout: float, **popen: Any) -> tuple[int | None, str, str]:
+    """Run ``cmd`` in a process group of its own, its output captured: (exit code, or None
+    when it outran ``timeout`` seconds; stdout; stderr). The whole group is killed at the
+    limit, when it ends, and when this process is terminated (a time limit's SIGTERM): vLLM's
+    engine processes would otherwise live on and keep the GPU's memory."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, **popen)
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    try:
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            return proc.returncode, stdout, stderr
+        except subprocess.TimeoutExpired:
+            _kill_group(proc.pid)
+            stdout, stderr = proc.communicate()
+            return None, stdout, stderr
+    finally:
+        _kill_group(proc.pid)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # what vLLM's log says it chose (its attention backend, MoE and quantization kernels, tuned
@@ -262,27 +305,35 @@ def _worker(spec_path: str, out_path: str) -> None:
         return {"structured_outputs": StructuredOutputsParams(json=schema,
                                                               disable_any_whitespace=True)}
 
-    runs = []
+    runs: list[dict[str, Any]] = []
+
+    def record(run: dict[str, Any] | None) -> None:  # the file after each run: a time limit
+        if run is not None:                           # keeps what was measured
+            runs.append(run)
+            print(json.dumps({k: v for k, v in run.items() if k != "texts"}), file=sys.stderr,
+                  flush=True)
+        Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
+                                              "engine": spec["engine"], "runs": runs}))
+
+    record(None)
     sets = spec.get("weights") or ["dummy"]
     for k, weights in enumerate(sets):
         if weights == "normal":
             print(f"weights drawn again: {llm.apply_model(normal_weights)}", file=sys.stderr,
                   flush=True)
-        runs += _timed_runs(llm, spec, jobs, samplings, given, structured, weights,
-                            profile_last=bool(spec.get("profile_dir")) and k == len(sets) - 1)
-    Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
-                                          "engine": spec["engine"], "runs": runs}))
+        _timed_runs(llm, spec, jobs, samplings, given, structured, weights, record,
+                    profile_last=bool(spec.get("profile_dir")) and k == len(sets) - 1)
 
 
 def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict[str, Any]],
-                given: Any, structured: Any, weights: str, profile_last: bool
-                ) -> list[dict[str, Any]]:
-    """Every job ``spec["repeats"]`` times, the last repeat under the profiler if asked."""
+                given: Any, structured: Any, weights: str, record: Any, profile_last: bool
+                ) -> None:
+    """Every job ``spec["repeats"]`` times, each run to ``record``; the last repeat under the
+    profiler if asked."""
     import vllm
     from vllm.inputs import TokensPrompt
 
     from benchmarks.workloads import output_spread
-    runs = []
     for repeat in range(spec["repeats"]):
         profiled = profile_last and repeat == spec["repeats"] - 1
         if profiled:
@@ -302,18 +353,15 @@ def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict
                     results = llm.generate(inputs, params, use_tqdm=False)
                     wall = time.perf_counter() - t
                     tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
-                    runs.append({"wall_time_s": wall, "output_tokens": tokens,
+                    record({"wall_time_s": wall, "output_tokens": tokens,
                                  "output_tokens_per_s": tokens / wall, "variant": variant,
                                  "workload": label, "sampling": k_opts, "weights": weights,
                                  **output_spread([list(o.token_ids) for r in results
                                                   for o in r.outputs]),
                                  **({"texts": [r.outputs[0].text for r in results[:64]]}
                                     if given else {})})
-                    print(json.dumps({k: v for k, v in runs[-1].items() if k != "texts"}),
-                          file=sys.stderr, flush=True)
         if profiled:
             llm.stop_profile()
-    return runs
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,19 +280,17 @@ def test_run_kernels_groups_both_systems_kernels_by_the_same_rules(tmp_path):
 
 
 def test_vllm_profiles_its_last_run_where_asked(tmp_path, monkeypatch):
-    import subprocess as sp
-
     from benchmarks import vllm_peer
     from pagedgen.runtime.models.loader import resolve_model
 
     seen = {}
 
-    def fake_run(cmd, **kw):
+    def fake_run(cmd, timeout, **kw):
         seen.update(json.loads(Path(cmd[-2]).read_text()))
-        return sp.CompletedProcess(cmd, 1, "", "Traceback\nRuntimeError: no GPU")
+        return 1, "", "Traceback\nRuntimeError: no GPU"
 
     monkeypatch.setattr(vllm_peer, "vllm_site", lambda: "")
-    monkeypatch.setattr(vllm_peer.subprocess, "run", fake_run)
+    monkeypatch.setattr(vllm_peer, "run_in_group", fake_run)
     res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {},
                              profile_dir=tmp_path / "traces")
     assert "RuntimeError: no GPU" in res["skipped"]
@@ -360,3 +361,53 @@ def test_vllms_weights_drawn_again_in_pagedgens_distribution_keep_scales_and_pac
     w13 = experts.w13_weight.float() * experts.w13_weight_scale[:, None, None]
     assert abs(w13.std().item() - 0.02) < 0.002 and (experts.w13_weight_scale < 1e-3).all()
     assert (experts.packed == 7).all() and experts.k_scale.item() == 3.0
+
+
+def test_a_vllm_run_that_outruns_its_limit_keeps_the_runs_it_measured(monkeypatch):
+    from benchmarks import vllm_peer
+    from pagedgen.runtime.models.loader import resolve_model
+
+    def outran(runs):
+        def fake_run(cmd, timeout, **kw):
+            if runs is not None:  # what the worker writes after each run
+                Path(cmd[-1]).write_text(json.dumps({"vllm": "0.26.0", "startup_s": 140.0,
+                                                     "engine": {}, "runs": runs}))
+            return None, "INFO loading\n", ""
+        return fake_run
+
+    monkeypatch.setattr(vllm_peer, "vllm_site", lambda: "")
+    run = {"wall_time_s": 5.0, "output_tokens": 10, "output_tokens_per_s": 2.0}
+    monkeypatch.setattr(vllm_peer, "run_in_group", outran([run]))
+    res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {}, timeout=300)
+    assert res["runs"] == [run] and res["outran"] == "vLLM outran 300 s after 1 runs"
+    for runs in ([], None):  # started but measured nothing, or never started
+        monkeypatch.setattr(vllm_peer, "run_in_group", outran(runs))
+        res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {}, timeout=300)
+        assert res["skipped"] == "vLLM outran 300 s before its first run"
+        assert "INFO loading" in res["log"]
+
+
+def test_a_process_group_outrunning_its_limit_is_killed_with_its_children(tmp_path):
+    from benchmarks import vllm_peer
+
+    pid_file = tmp_path / "child.pid"  # the worker's own child: vLLM's engine process
+    code = ("import subprocess, sys, time; "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+            "time.sleep(60)")
+    rc, out, _ = vllm_peer.run_in_group([sys.executable, "-c", code], timeout=3)
+    assert rc is None and "started" in out
+    child = int(pid_file.read_text())
+    for _ in range(50):  # gone, or a zombie until init reaps it
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().split(") ")[1][0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the worker's child outlived the limit")
+    assert vllm_peer.run_in_group([sys.executable, "-c", "print(1)"], timeout=30) == (0, "1\n", "")
