@@ -11,7 +11,8 @@ deviation of 0.02 (norms 1, biases 0): a MoE's router then spreads tokens over e
 differently in each, and a decode step reads a different share of the expert weights.
 ``weights=["dummy", "normal"]`` also runs every job after drawing vLLM's weights again in
 pagedgen's distribution (``normal_weights``, in place in its worker: FP8 weights with one scale
-per tensor), each run saying which weights it had.
+per tensor), each run saying which weights it had. The worker runs in a process group of its
+own (``run_in_group``: killed whole at a time limit) and writes its results after every run.
 
 ``engine`` may carry ``quantization="fp8"`` (``peers.py --quantization fp8``): vLLM then
 quantizes the dummy weights at load, as ``pagedgen --quantization fp8`` does. ``requests``
