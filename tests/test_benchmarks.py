@@ -411,3 +411,26 @@ def test_a_process_group_outrunning_its_limit_is_killed_with_its_children(tmp_pa
         os.kill(child, 9)
         raise AssertionError("the worker's child outlived the limit")
     assert vllm_peer.run_in_group([sys.executable, "-c", "print(1)"], timeout=30) == (0, "1\n", "")
+
+
+def test_peers_gives_a_vllm_row_per_weight_set_and_ratios_against_each(monkeypatch):
+    runs = {"dummy": [12.0, 11.0], "normal": [9.0, 10.0]}  # output tokens per second
+    wl = replace(peers.WORKLOADS["m"], num_prompts=2, input_len=(4, 4), output_len=(3, 3))
+    out_tok = wl.output_tokens(wl.requests(1000)[1])
+
+    def fake_vllm(name, num_prompts, hf_config, engine, repeats, weights):
+        assert weights == ("dummy", "normal")
+        return {"vllm": "0.26.0", "startup_s": 140.0, "outran": "vLLM outran 9 s after 4 runs",
+                "runs": [{"weights": w, "output_tokens": out_tok, "output_tokens_per_s": r,
+                          "wall_time_s": out_tok / r, "distinct_tokens_mid": 2}
+                         for w, rs in runs.items() for r in rs]}
+
+    monkeypatch.setattr(peers, "run_vllm", fake_vllm)
+    rows: list[dict] = []
+    peers.run_workload("m", wl, [], ["vllm"], 2, 1, 1, 1e12, 1e11, rows, lambda: None, [],
+                       vllm_weights=("dummy", "normal"))
+    assert [r["system"] for r in rows] == ["vLLM 0.26.0",
+                                          "vLLM 0.26.0 (pagedgen's weight distribution)"]
+    assert [r["runs_output_tokens_per_s"] for r in rows] == [[12.0, 11.0], [9.0, 10.0]]
+    assert rows[0]["output_tokens_per_s"] == pytest.approx(12.0)  # the median of two: the upper
+    assert rows[1]["vs vLLM 0.26.0"] == pytest.approx(10.0 / 12.0)
