@@ -79,6 +79,7 @@ vllm_run() {  # vllm_run WORKLOAD:QUANT GPU: vLLM cold (its own process, empty c
   timed "vllm-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 \
     TRITON_CACHE_DIR="/tmp/fresh-vllm-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-vllm-$w-$q/xdg" \
     python3 -m benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
+    --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" \
     $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
 }
 fresh_caches() {  # fresh_caches NAME: the env of a fresh machine's empty kernel caches

@@ -117,6 +117,9 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
     NVLink multicast off in each (``NO_MULTICAST``). With ``profile_dir``, the last run runs
     under vLLM's torch profiler, its workers' traces written there (``*.pt.trace.json.gz``).
     ``weights``: "dummy" (vLLM's) and/or "normal" (pagedgen's distribution), in that order."""
+    if list(weights) not in (["dummy"], ["normal"], ["dummy", "normal"]):
+        raise ValueError(f"vLLM's weight sets run as dummy, normal or dummy,normal, not "
+                         f"{','.join(weights)} (its dummy weights are gone once drawn again)")
     site = vllm_site()
     if site is None:
         return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}

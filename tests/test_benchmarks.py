@@ -152,6 +152,9 @@ def test_vllm_peer_takes_our_limits_and_is_skipped_with_the_reason(monkeypatch):
     monkeypatch.setattr(vllm_peer, "vllm_site", lambda: None)
     res = vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {})
     assert "not installed" in res["skipped"]
+    with pytest.raises(ValueError, match="dummy weights are gone"):
+        vllm_peer.run_vllm("a", 4, resolve_model("tiny").hf_config, {},
+                           weights=("normal", "dummy"))
 
 
 def test_a_failed_vllm_run_reports_the_engine_cores_traceback_not_only_the_clients():
