@@ -49,7 +49,8 @@
 # and gpt-oss-20b at tp 1 and 2 (and -ep); the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
 # pair (issues 59-61, two GPUs): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on GPU 0
-# on empty kernel caches while vLLM runs them on GPU 1; PAIR_AFTER: steps then on GPU 0.
+# on empty kernel caches while vLLM runs them on GPU 1 (PEERS_VLLM_WEIGHTS=normal: its first
+# run on pagedgen's weight distribution); PAIR_AFTER: steps then on GPU 0.
 # quad (four GPUs): QUAD_RUNS' MoE plans measured afresh (GPUs 0-2 at once) and merged, then
 # each run's first and second run on its GPU; vLLM on QUAD_VLLM on GPU 3; QUAD_AFTER: GPU:STEP
 # pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES) against the floor.
