@@ -37,7 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 # NVLink multicast off in vLLM's processes too (pagedgen's: runtime/collectives/parallel.py):
@@ -187,13 +187,12 @@ def run_in_group(cmd: list[str], timeout: float, **popen: Any) -> tuple[int | No
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
     try:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-            return proc.returncode, stdout, stderr
-        except subprocess.TimeoutExpired:
-            _kill_group(proc.pid)
-            stdout, stderr = proc.communicate()
-            return None, stdout, stderr
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except subprocess.TimeoutExpired:
+        _kill_group(proc.pid)  # before reading the rest: the engine holds the pipes open
+        stdout, stderr = proc.communicate()
+        return None, stdout, stderr
     finally:
         _kill_group(proc.pid)
         if previous is not None:
@@ -311,15 +310,13 @@ def _worker(spec_path: str, out_path: str) -> None:
 
     runs: list[dict[str, Any]] = []
 
-    def record(run: dict[str, Any] | None) -> None:  # the file after each run: a time limit
-        if run is not None:                           # keeps what was measured
-            runs.append(run)
-            print(json.dumps({k: v for k, v in run.items() if k != "texts"}), file=sys.stderr,
-                  flush=True)
+    def record(run: dict[str, Any]) -> None:  # the file after each run: a time limit keeps
+        runs.append(run)                         # what was measured
+        print(json.dumps({k: v for k, v in run.items() if k != "texts"}), file=sys.stderr,
+              flush=True)
         Path(out_path).write_text(json.dumps({"vllm": vllm.__version__, "startup_s": startup,
                                               "engine": spec["engine"], "runs": runs}))
 
-    record(None)
     sets = spec.get("weights") or ["dummy"]
     for k, weights in enumerate(sets):
         if weights == "normal":
@@ -330,8 +327,8 @@ def _worker(spec_path: str, out_path: str) -> None:
 
 
 def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict[str, Any]],
-                given: Any, structured: Any, weights: str, record: Any, profile_last: bool
-                ) -> None:
+                given: Any, structured: Any, weights: str,
+                record: Callable[[dict[str, Any]], None], profile_last: bool) -> None:
     """Every job ``spec["repeats"]`` times, each run to ``record``; the last repeat under the
     profiler if asked."""
     import vllm
@@ -358,12 +355,12 @@ def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict
                     wall = time.perf_counter() - t
                     tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
                     record({"wall_time_s": wall, "output_tokens": tokens,
-                                 "output_tokens_per_s": tokens / wall, "variant": variant,
-                                 "workload": label, "sampling": k_opts, "weights": weights,
-                                 **output_spread([list(o.token_ids) for r in results
-                                                  for o in r.outputs]),
-                                 **({"texts": [r.outputs[0].text for r in results[:64]]}
-                                    if given else {})})
+                            "output_tokens_per_s": tokens / wall, "variant": variant,
+                            "workload": label, "sampling": k_opts, "weights": weights,
+                            **output_spread([list(o.token_ids) for r in results
+                                             for o in r.outputs]),
+                            **({"texts": [r.outputs[0].text for r in results[:64]]}
+                               if given else {})})
         if profiled:
             llm.stop_profile()
 
