@@ -103,9 +103,10 @@ WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o"
 
 def output_spread(outputs: list[list[int]]) -> dict[str, int]:
     """How varied a run's output tokens are: distinct ids among the sequences' tokens at the
-    middle output position (1: every sequence wrote the same token there) and in all outputs."""
-    mid = min(map(len, outputs)) // 2
-    return {"distinct_tokens_mid": len({o[mid] for o in outputs}),
+    middle of the shortest output (1: every sequence wrote the same token there; 0: no output,
+    as scoring runs of ``max_tokens`` 0 have) and in all outputs."""
+    mid = min(map(len, outputs), default=0) // 2
+    return {"distinct_tokens_mid": len({o[mid] for o in outputs if len(o) > mid}),
             "distinct_tokens_all": len(set().union(*map(set, outputs))),
             "sequences": len(outputs)}
 

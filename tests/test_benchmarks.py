@@ -41,6 +41,8 @@ def test_output_spread_counts_the_tokens_sequences_share():
     same = [[5, 7, 7, 7], [9, 7, 7], [1, 2, 7, 3]]  # position 1 (of the shortest's 3): 7, 7, 2
     assert workloads.output_spread(same) == {
         "distinct_tokens_mid": 2, "distinct_tokens_all": 6, "sequences": 3}
+    assert workloads.output_spread([[], []]) == {  # max_tokens 0: prompt log-probs only
+        "distinct_tokens_mid": 0, "distinct_tokens_all": 0, "sequences": 2}
 
 
 def test_sampled_moe_workloads_are_their_greedy_ones_at_temperature_1():
