@@ -7,8 +7,7 @@ reason where it is not installed; a row on its own dummy weights and one on them
 pagedgen's distribution, from one engine: ``--vllm-weights``); and Hugging Face transformers
 with the same dummy-weight model: ``model.generate`` over padded static batches, and its
 continuous-batching paged path (``generate_batch``'s manager, ``paged|sdpa``) where the
-installed version has it. Same prompts
-(token ids), same output lengths (EOS ignored), greedy.
+installed version has it. Same prompts (token ids), same output lengths (EOS ignored), greedy.
 
 Dummy weights are not neutral for a MoE: on vLLM's (uniform in +-1e-3, norms included) its
 router spreads a decode step's tokens over fewer experts than on pagedgen's (normal, 0.02), so

@@ -19,10 +19,11 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   h: Qwen3.5-9B shape (hybrid: Gated DeltaNet linear attention, 3 layers to 1), (a)'s requests
   j: Qwen3.5-35B-A3B shape (hybrid MoE: 256 experts, 8 per token, a shared expert), (a)'s
   l: Qwen3.5-9B shape, 32 prompts x random 8,192-30,000 input, 128 output (long prompts)
-  mt, ot, jt: m, o and j sampled at temperature 1 (request i seeded i). Greedy decoding on
-     dummy weights can run every sequence into the same tokens (``output_spread`` counts them):
-     then every decode step routes all its tokens to the same few experts and reads a fraction
-     of the expert weights a real model's decode reads; sampled tokens route as varied tokens do
+  mt, ot, jt: m, o and j sampled at temperature 1 (request i seeded i): decode tokens as
+     varied as sampling makes them (``output_spread`` counts them). Not a like-for-like MoE
+     comparison with vLLM: sampling slowed it more than pagedgen (most likely its seeded
+     sampling's host time), and its dummy weights route differently whatever the tokens;
+     that comparison is ``peers.py --vllm-weights normal``
 """
 
 from __future__ import annotations
