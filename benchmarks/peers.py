@@ -49,7 +49,7 @@ import torch
 from benchmarks.common import (decode_tile_env, free_gpu, median_run, parse_overrides,
                                print_table, profile_configs, run_engine)
 from benchmarks.vllm_peer import run_vllm, same_limits
-from benchmarks.workloads import WORKLOADS, Workload
+from benchmarks.workloads import SPREAD_KEYS, WORKLOADS, Workload
 
 from pagedgen.attention.registry import backend_status
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops
@@ -301,7 +301,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
                                 "runs_kernels_compiled", "runs_kernel_compile_s",
                                 "first_run_slowest_compiles", "first_run_compiles_s",
-                                "distinct_tokens_mid", "distinct_tokens_all")
+                                *SPREAD_KEYS)
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)
@@ -323,7 +323,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
                 "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"],
-                **{k: mid[k] for k in ("distinct_tokens_mid", "distinct_tokens_all") if k in mid},
+                **{k: mid[k] for k in SPREAD_KEYS if k in mid},
                 "kernel_lines": res.get("kernel_lines", [])})
     hf_peers = [p for p in peers if p != "vllm"]
     if hf_peers:

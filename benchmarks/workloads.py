@@ -102,6 +102,9 @@ WORKLOADS = {
 WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o", "j")}
 
 
+SPREAD_KEYS = ("distinct_tokens_mid", "distinct_tokens_all")  # output_spread's figures
+
+
 def output_spread(outputs: list[list[int]]) -> dict[str, int]:
     """How varied a run's output tokens are: distinct ids among the sequences' tokens at the
     middle of the shortest output (1: every sequence wrote the same token there; 0: no output,
