@@ -48,9 +48,10 @@
 # 70B / FP8 / Qwen3-30B-A3B (also expert parallel) under tp 2 and -dp 2; tp-new: Qwen3.5-9B
 # and gpt-oss-20b at tp 1 and 2 (and -ep); the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
-# pair (issues 59-61, two GPUs): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on GPU 0
-# on empty kernel caches while vLLM runs them on GPU 1 (PEERS_VLLM_WEIGHTS=normal: its first
-# run on pagedgen's weight distribution); PAIR_AFTER: steps then on GPU 0.
+# pair (issues 59-61, two GPUs or more): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on
+# GPU 0 on empty kernel caches while vLLM runs them on GPU 1 (PEERS_VLLM_WEIGHTS=normal: its
+# first run on pagedgen's weight distribution), on four GPUs two pairs at once (runs dealt
+# out); PAIR_AFTER: steps then on GPU 0 (GPU:STEP on another pair's pagedgen GPU).
 # quad (four GPUs): QUAD_RUNS' MoE plans measured afresh (GPUs 0-2 at once) and merged, then
 # each run's first and second run on its GPU; vLLM on QUAD_VLLM on GPU 3; QUAD_AFTER: GPU:STEP
 # pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES) against the floor.
@@ -588,13 +589,26 @@ PY
       # machine's first run, then a second in the same process) while vLLM (cold, its own
       # process) runs the same requests on GPU 1, one after another; then $PAIR_AFTER's steps
       # on GPU 0; PAIR_LIMIT: seconds a run (default 330)
-      runs=${PAIR_RUNS:-m:bf16}
-      for r in $runs; do vllm_run "$r" 1; done > "$S/pair-vllm.txt" &
-      for r in $runs; do first_run "$r" 0; done
-      for s in ${PAIR_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done
+      # with four GPUs or more, run i goes to pair i mod (GPUs / 2): pagedgen on GPU 2p, vLLM
+      # on 2p + 1, the pairs at once; PAIR_AFTER's GPU:STEP on that even GPU (a bare STEP: 0)
+      runs=(${PAIR_RUNS:-m:bf16})
+      pairs=$(( $(nvidia-smi -L | wc -l) / 2 )); [ "$pairs" -ge 1 ] || pairs=1
+      for p in $(seq 0 $((pairs - 1))); do
+        (
+          mine=(); for i in "${!runs[@]}"; do [ $((i % pairs)) = "$p" ] && mine+=("${runs[$i]}"); done
+          for r in "${mine[@]}"; do vllm_run "$r" $((2 * p + 1)); done > "$S/pair-vllm-$p.txt" &
+          for r in "${mine[@]}"; do first_run "$r" $((2 * p)); done
+          for a in ${PAIR_AFTER:-}; do
+            [[ $a == *:* ]] || a=0:$a
+            [ "${a%%:*}" = $((2 * p)) ] && CUDA_VISIBLE_DEVICES=${a%%:*} bash "$0" "${a#*:}"
+          done
+          wait
+          cat "$S/pair-vllm-$p.txt"
+        ) > "$S/pair-$p.txt" 2>&1 &
+      done
       wait
-      cat "$S/pair-vllm.txt"
-      pair_report $runs ;;
+      cat "$S"/pair-[0-9]*.txt
+      pair_report "${runs[@]}" ;;
     quad)  # issues 59-61 on four GPUs: each WORKLOAD:QUANT of $QUAD_RUNS (at most three,
       # default "o:bf16 m:fp8 m:bf16") has its MoE plans measured afresh on a GPU of its own
       # (GPUs 0-2 at once, each merged into the shipped file as it ends: a change to the

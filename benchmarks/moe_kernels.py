@@ -1,13 +1,13 @@
-"""A MoE layer's kernels alone (issue 35): pagedgen's (routing, slot sort, the two grouped
-GEMMs, the sum over each token's experts) against vLLM's ``fused_topk`` + ``fused_experts``
-(in a process of its own, as ``vllm_peer.py`` runs vLLM), each replayed from a CUDA graph, at
-several token counts, on Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes (bf16, random
-weights, router logits from a random gate, the same for both). Prints each time, the bytes
-of the experts a step reads over the measured copy bandwidth, and pagedgen's split by kernel;
-and pagedgen's layer on the same experts quantized to FP8 per channel (``fp8``, with the
-plan's way of running them: ``fp8_mode``) against the FP8 bytes (``fp8_roofline_ms``) and
-vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them (``vllm_fp8``: one scale per
-expert, activations quantized per tensor as they come).
+"""A MoE layer's kernels alone (issue 35): pagedgen's (routing, slot sort, the two grouped GEMMs,
+the sum over each token's experts; the sort and the sum also by torch's ops) against vLLM's
+``fused_topk`` + ``fused_experts`` (in a process of its own, as ``vllm_peer.py`` runs vLLM),
+each replayed from a CUDA graph, at several token counts, on Qwen3-30B-A3B's and Mixtral-8x7B's
+expert shapes (bf16, random weights, router logits from a random gate, the same for both).
+Prints each time, the bytes of the experts a step reads over the measured copy bandwidth, and
+pagedgen's split by kernel; and pagedgen's layer on the same experts quantized to FP8 per
+channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the FP8 bytes
+(``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
+(``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
     python -m benchmarks.moe_kernels [--json out.json]
 """
@@ -65,6 +65,7 @@ def _replay_ms(fn, calls: int = 5) -> float:
 def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
     from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
     from pagedgen.runtime.layers.moe_plan import plan_moe
+    from pagedgen.runtime.layers.moe_sum import slot_sum, slot_sum_reference
 
     out: dict[str, dict[int, dict[str, float]]] = {}
     for name, shape in SHAPES.items():
@@ -88,6 +89,9 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
                 "down": _replay_ms(lambda: mk.grouped_gemm(
                     inter, w2, down, slots, experts, t * k, tiles[1], 1, gated=False,
                     weights=weights.reshape(-1))),
+                "align_torch": _replay_ms(lambda: mk.align_reference(ids, e, tiles[0].block_m)),
+                "slot_sum": _replay_ms(lambda: slot_sum(down, k)),
+                "slot_sum_torch": _replay_ms(lambda: slot_sum_reference(down, k)),
                 "tiles": f"{tiles[0].name} / {tiles[1].name}"}
             if moe_grouped_mm.available(w13):  # torch's grouped GEMM, for prefill counts
                 row["torch_grouped"] = _replay_ms(lambda: moe_grouped_mm.experts(

@@ -4,8 +4,8 @@ prefill chunks, where each expert gets hundreds of rows.
 
 The slots (``moe_kernels``: slot ``t * top_k + j``) are sorted by expert into one contiguous
 block per expert (no padding: the GEMM takes each expert's row count), the two GEMMs run with
-SiLU-and-mul between them, and each slot's output, scaled by its routing weight, goes back to
-its place before the sum over a token's slots (the order ``fused_experts`` sums in). Nothing
+SiLU-and-mul between them, and ``moe_sum`` adds each token's slot rows where they lie, scaled
+by their routing weights (in the order ``fused_experts`` sums in). Nothing
 waits on the host, so it runs while the host prepares the next step. FP8 experts with one scale
 per output row go through ``torch._scaled_grouped_mm`` (CUTLASS's FP8 grouped kernel), each
 GEMM's input quantized per row (the SiLU-and-mul kernel quantizes the second's as it writes it).
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
 
 
@@ -40,7 +41,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
     given. ``silu_and_mul``: the activation kernel (default: torch's ops; with ``scales``,
     one that takes ``quantize=True``). ``scales``: FP8 experts' per-row scales."""
-    (t, top_k), h = ids.shape, x.shape[1]
+    top_k = ids.shape[1]
     flat = ids.reshape(-1).long()  # the router's ids may be int32
     order = torch.argsort(flat, stable=True)  # slots by expert
     counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
@@ -64,6 +65,6 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         else:
             inter = silu_and_mul(gate_up)
         y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
-    y.mul_(weights.reshape(-1).float().index_select(0, order)[:, None])  # in float32
-    slots = torch.empty_like(y).index_copy_(0, order, y)
-    return torch.sum(slots.view(t, top_k, h), dim=1, out=out)
+    rows = torch.empty_like(order).scatter_(  # each slot's row among the sorted ones
+        0, order, torch.arange(order.numel(), device=order.device))
+    return slot_sum(y, top_k, out, rows=rows, weights=weights)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
 from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
 from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
+from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 try:
@@ -81,9 +82,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
     past the last), ``blocks = max_blocks(...)``; no host sync. One Triton program where
     Triton runs and the step is not huge (slots in an expert's run in any order: each output
     row depends on its own input row only); torch's sort and scatters otherwise
-    (``align_reference``: in slot order), whose kernels spread over the GPU: on the H200 the
-    one program takes 0.05 ms for 8,192 slots and 0.38 ms for 65,536, torch's about 0.14 ms
-    at any size (benchmarks/moe_kernels.py)."""
+    (``align_reference``: in slot order), whose kernels spread over the GPU and win on
+    large steps (``benchmarks/moe_kernels.py`` times both)."""
     if HAVE_TRITON and (ids.is_cuda or INTERPRETED) and ids.numel() <= ONE_PROGRAM_SLOTS:
         return align_triton(ids, num_experts, block_m)
     return align_reference(ids, num_experts, block_m)
@@ -319,9 +319,10 @@ if HAVE_TRITON:
     @triton.jit
     def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
                       num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr, B_CHUNK: tl.constexpr):
-        """One program: count each expert's slots, lay its blocks out, then scatter every slot
-        to the next free row of its expert's run (an atomic cursor per expert)."""
+                      CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, PAD: tl.constexpr):
+        """One program: count each expert's slots, lay its blocks out, write the sentinel
+        where no slot goes (each run's padding, the rows past the last run), then scatter
+        every slot to the next free row of its expert's run (an atomic cursor per expert)."""
         experts = tl.arange(0, E_PAD)
         counts = tl.zeros((E_PAD,), dtype=tl.int32)
         for start in range(0, n, CHUNK):
@@ -331,17 +332,22 @@ if HAVE_TRITON:
         counts = tl.where(experts < num_experts, counts, 0)  # the last bin held the padding
         blocks = (counts + BLOCK_M - 1) // BLOCK_M
         block_end = tl.cumsum(blocks, 0)
-        tl.store(cursor_ptr + experts, (block_end - blocks) * BLOCK_M)
+        run_start = (block_end - blocks) * BLOCK_M
+        tl.store(cursor_ptr + experts, run_start)
+        sentinel = tl.zeros((E_PAD, PAD), dtype=tl.int32) + n
+        for j0 in tl.static_range(0, BLOCK_M, PAD):  # each run's rows past its slots
+            row = (run_start + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
+            tl.store(slots_ptr + row, sentinel, mask=row < (block_end * BLOCK_M)[:, None])
+        for start in range(tl.max(block_end, 0) * BLOCK_M, num_blocks * BLOCK_M, CHUNK):
+            offs = start + tl.arange(0, CHUNK)  # the blocks past the last run
+            tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
+                     mask=offs < num_blocks * BLOCK_M)
         for start in range(0, num_blocks, B_CHUNK):
             b = start + tl.arange(0, B_CHUNK)
             owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
             tl.store(block_experts_ptr + b, tl.where(owner < num_experts, owner, -1),
                      mask=b < num_blocks)
-        for start in range(0, num_blocks * BLOCK_M, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
-                     mask=offs < num_blocks * BLOCK_M)
-        tl.debug_barrier()
+        tl.debug_barrier()  # the cursors stored before any thread adds to them
         for start in range(0, n, CHUNK):
             offs = start + tl.arange(0, CHUNK)
             ok = offs < n
@@ -373,7 +379,8 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
     cursor = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat.int() if flat.dtype != torch.int32 else flat, slots,
                         block_experts, cursor, n, num_experts, nb, E_PAD=e_pad,
-                        BLOCK_M=block_m, CHUNK=256, B_CHUNK=32, num_warps=8)
+                        BLOCK_M=block_m, CHUNK=1024, B_CHUNK=64, PAD=min(block_m, 16),
+                        num_warps=8)
     return slots, block_experts
 
 
@@ -480,4 +487,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                         block_experts, n, tiles[1], 1,
                         gated=False, weights=slot_weights, w_scale=s2,
                         a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2)
-    return torch.sum(down.view(t, top_k, h), dim=1, out=out)
+    return slot_sum(down, top_k, out)
