@@ -171,7 +171,7 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (32, 64), (32, 12
         t = md.num_tokens
         qkv = torch.randn(t, c + HV * DV, device=dev, dtype=torch.bfloat16)[:, :c]
         weight = torch.randn(c, taps, device=dev, dtype=torch.bfloat16)
-        conv = torch.randn(300, c, taps - 1, device=dev, dtype=torch.bfloat16)
+        conv = torch.randn(300, taps - 1, c, device=dev, dtype=torch.bfloat16)  # [slots, K - 1, C]
         slots, has, token_seq = md.recurrent_inputs()
         out = torch.empty(t, c, device=dev, dtype=torch.bfloat16)
         nbytes = 2 * (2 * t * c + 2 * md.num_seqs * c * (taps - 1))

@@ -127,7 +127,7 @@ def test_the_convolution_of_a_long_step_takes_the_prefill_tile_and_equals_the_re
     assert md.num_tokens > CONV_SMALL_STEP and conv_tile(md.num_tokens) == CONV_TILES[1]
     qkv = torch.randn(md.num_tokens, c, generator=gen)
     weight = torch.randn(c, 4, generator=gen)
-    conv = torch.randn(6, c, 3, generator=gen)
+    conv = torch.randn(6, *SPEC.shapes()[0], generator=gen)  # [slots, K - 1, C]
     want_conv = conv.clone()
     slots, has, _ = md.recurrent_inputs()
     want = reference.causal_conv(qkv, weight, None, want_conv, slots.tolist(),

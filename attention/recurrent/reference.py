@@ -141,7 +141,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 conv: torch.Tensor, slots: Sequence[int], query_lens: Sequence[int],
                 has_state: Sequence[bool]) -> torch.Tensor:
     """The depthwise causal convolution (SiLU after) of a step's sequences in order: x [T, C],
-    weight [C, K]; each sequence's ``K - 1`` earlier inputs come from ``conv[slot]`` [C, K - 1]
+    weight [C, K]; each sequence's ``K - 1`` earlier inputs come from ``conv[slot]`` [K - 1, C]
     (zeros without ``has_state``), which then holds its last ``K - 1`` inputs. → [T, C]."""
     width = weight.shape[1] - 1
     out = torch.empty_like(x)
@@ -151,17 +151,18 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         n = j - i if single else query_lens[i]
         if single:  # [N, C, K]: each decode's window
             idx = torch.tensor(list(slots[i:j]), device=conv.device)
-            past = conv[idx].float() * _mask(has_state[i:j], conv.device)[:, None, None]
+            past = conv[idx].float().transpose(1, 2) * _mask(has_state[i:j],
+                                                             conv.device)[:, None, None]
             window = torch.cat([past, x[start:start + n, :, None].float()], 2)
             y = (window * w).sum(-1) + (0 if b is None else b)
             out[start:start + n] = F.silu(y).to(x.dtype)
-            conv[idx] = window[:, :, 1:].to(conv.dtype)
+            conv[idx] = window[:, :, 1:].transpose(1, 2).to(conv.dtype)
         else:
-            past = conv[slots[i]].float() if has_state[i] else x.new_zeros(
+            past = conv[slots[i]].float().t() if has_state[i] else x.new_zeros(
                 x.shape[1], width, dtype=torch.float32)
             window = torch.cat([past, x[start:start + n].t().float()], 1)  # [C, K - 1 + n]
             y = F.conv1d(window[None], w[:, None, :], b, groups=x.shape[1])[0]
             out[start:start + n] = F.silu(y).t().to(x.dtype)
-            conv[slots[i]] = window[:, window.shape[1] - width:].to(conv.dtype)
+            conv[slots[i]] = window[:, window.shape[1] - width:].t().to(conv.dtype)
         start += n
     return out

@@ -2,7 +2,8 @@
 
 * ``conv_kernel``: the causal depthwise convolution (SiLU after) of every new token of a step,
   one program per (token block, channel block); taps before a sequence's first new token read its
-  conv state, or zeros for a sequence without one. A sequence of one new token (every decode)
+  conv state (rows [K - 1, C]: read and written along the channels), or zeros for a sequence
+  without one. A sequence of one new token (every decode)
   has its new window written there too: its program is the only one reading that slot.
 * ``conv_state_kernel``: then each longer sequence's conv state becomes its last ``K - 1``
   inputs (one program per (prefill, channel block): every read before the barrier, then the
@@ -47,18 +48,19 @@ def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, s
     slot = tl.load(Slots + s, mask=tm, other=0).to(tl.int64)
     has = tl.load(HasState + s, mask=tm, other=0) != 0
     m = tm[:, None] & cm[None, :]
-    window = Conv + slot[:, None] * C * (K - 1) + c[None, :] * (K - 1)
+    window = Conv + slot[:, None] * C * (K - 1) + c[None, :]  # the slot's rows [K - 1, C]
     acc = tl.zeros([BT, BC], dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads the input K - 1 - j tokens back
         src = t - (K - 1) + j
         x = tl.load(X + src.to(tl.int64)[:, None] * stride_x + c[None, :],
                     mask=m & (src >= start)[:, None], other=0.0)
-        col = src - start + (K - 1)  # the conv state's column of an earlier input
-        past = tl.load(window + col[:, None], mask=m & ((src < start) & has)[:, None],
+        col = src - start + (K - 1)  # the conv state's row of an earlier input
+        past = tl.load(window + col[:, None] * C, mask=m & ((src < start) & has)[:, None],
                        other=0.0)
         tap = x.to(tl.float32) + past.to(tl.float32)
         if j > 0:  # a one-token sequence's new window is its taps 1 .. K - 1 (column j read)
-            tl.store(window + (j - 1), tap.to(Conv.dtype.element_ty), mask=m & single[:, None])
+            tl.store(window + (j - 1) * C, tap.to(Conv.dtype.element_ty),
+                     mask=m & single[:, None])
         w = tl.load(W + c * K + j, mask=cm, other=0.0).to(tl.float32)
         acc += tap * w[None, :]
     if HAS_BIAS:
@@ -82,11 +84,11 @@ def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexp
     m = m & ((tl.zeros([BC, KP], dtype=tl.int32) + n) != 1)  # else conv_kernel writes it
     pos = n - (K - 1) + i[None, :]  # input index within the sequence's new tokens
     x = tl.load(X + (start + pos) * stride_x + c[:, None], mask=m & (pos >= 0), other=0.0)
-    base = Conv + slot * C * (K - 1) + c[:, None] * (K - 1)
-    old = tl.load(base + n + i[None, :], mask=m & (pos < 0) & has, other=0.0)
+    base = Conv + slot * C * (K - 1) + c[:, None]  # the slot's rows [K - 1, C]
+    old = tl.load(base + (n + i[None, :]) * C, mask=m & (pos < 0) & has, other=0.0)
     new = x.to(tl.float32) + old.to(tl.float32)
     tl.debug_barrier()  # every program's reads of the slot before any of its writes
-    tl.store(base + i[None, :], new.to(Conv.dtype.element_ty), mask=m)
+    tl.store(base + i[None, :] * C, new.to(Conv.dtype.element_ty), mask=m)
 
 
 @triton.jit(do_not_specialize_on_alignment=["Slots", "HasState", "QSL"])
