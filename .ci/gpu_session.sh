@@ -48,10 +48,11 @@
 # 70B / FP8 / Qwen3-30B-A3B (also expert parallel) under tp 2 and -dp 2; tp-new: Qwen3.5-9B
 # and gpt-oss-20b at tp 1 and 2 (and -ep); the two-GPU tests and verify -tp 2.
 # stop (issue 58): workload a with and without a stop string, pagedgen on GPU 0, vLLM on 1.
-# pair (issues 59-61, two GPUs or more): PAIR_RUNS (WORKLOAD:QUANT ...) through pagedgen on
-# GPU 0 on empty kernel caches while vLLM runs them on GPU 1 (PEERS_VLLM_WEIGHTS=normal: its
-# first run on pagedgen's weight distribution), on four GPUs two pairs at once (runs dealt
-# out); PAIR_AFTER: steps then on GPU 0 (GPU:STEP on another pair's pagedgen GPU).
+# pair (issues 59-61, two GPUs or more): PAIR_RUNS (WORKLOAD:QUANT[:WEIGHTS] ...) through
+# pagedgen on GPU 0 on empty kernel caches while vLLM runs them on GPU 1 (WEIGHTS, else
+# PEERS_VLLM_WEIGHTS, "+" for ",": normal gives its first run on pagedgen's weight
+# distribution), on four GPUs two pairs at once (runs dealt out); PAIR_AFTER: steps then on
+# GPU 0 (GPU:STEP on another pair's pagedgen GPU). verify: VERIFY_MODEL (default tiny).
 # quad (four GPUs): QUAD_RUNS' MoE plans measured afresh (GPUs 0-2 at once) and merged, then
 # each run's first and second run on its GPU; vLLM on QUAD_VLLM on GPU 3; QUAD_AFTER: GPU:STEP
 # pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES) against the floor.
@@ -76,21 +77,28 @@ timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log;
   timeout "$limit" "$@" > "$S/$name.log" 2>&1; rc=$?
   echo "$name: $(python3 -c "print(f'{$EPOCHREALTIME - $t0:.1f}')") s, exit $rc"
 }
-vllm_run() {  # vllm_run WORKLOAD:QUANT GPU: vLLM cold (its own process, empty caches), twice
-  local w=${1%:*} q=${1#*:}
+run_parts() {  # run_parts WORKLOAD:QUANT[:WEIGHTS]: sets w, q and vw (vLLM's weight sets:
+  # WEIGHTS with + for a comma, else PEERS_VLLM_WEIGHTS, default dummy,normal)
+  IFS=: read -r w q vw <<< "$1"
+  vw=${vw//+/,}; vw=${vw:-${PEERS_VLLM_WEIGHTS:-dummy,normal}}
+}
+vllm_run() {  # vllm_run WORKLOAD:QUANT[:WEIGHTS] GPU: vLLM cold (its own process, empty
+  # caches), twice for each weight set
+  local w q vw; run_parts "$1"
   timed "vllm-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 \
     TRITON_CACHE_DIR="/tmp/fresh-vllm-$w-$q/triton" XDG_CACHE_HOME="/tmp/fresh-vllm-$w-$q/xdg" \
     python3 -m benchmarks.peers --workloads "$w" --backends "" --peers vllm --repeats 2 \
-    --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" \
+    --vllm-weights "$vw" \
     $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/vllm-$w-$q.json"
 }
 fresh_caches() {  # fresh_caches NAME: the env of a fresh machine's empty kernel caches
   echo TRITON_CACHE_DIR="/tmp/fresh-$1/triton" XDG_CACHE_HOME="/tmp/fresh-$1/xdg" \
     FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="/tmp/fresh-$1/fa4"
 }
-first_run() {  # first_run WORKLOAD:QUANT GPU: pagedgen at its defaults on empty kernel caches
-  # (a fresh machine's first run, plans only as shipped), then a second run in that process
-  local w=${1%:*} q=${1#*:}
+first_run() {  # first_run WORKLOAD:QUANT[:WEIGHTS] GPU: pagedgen at its defaults on empty
+  # kernel caches (a fresh machine's first run, plans only as shipped), then a second run in
+  # that process
+  local w q vw; run_parts "$1"
   timed "first-$w-$q" "${PAIR_LIMIT:-330}" env CUDA_VISIBLE_DEVICES=$2 $(fresh_caches "$w-$q") \
     python3 -m benchmarks.peers --workloads "$w" --backends default --peers "" \
     --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
@@ -117,7 +125,7 @@ pair_report() {  # pair_report WORKLOAD:QUANT...: each run's pagedgen and vLLM r
 import json, sys
 from pathlib import Path
 for run in sys.argv[2:]:
-    w, q = run.split(":")
+    w, q = run.split(":")[:2]
     rows = {}
     for who in ("first", "vllm"):
         f = Path(sys.argv[1]) / f"{who}-{w}-{q}.json"
@@ -182,7 +190,7 @@ PY
       for run in ${VERIFY_RUNS:-cold warm}; do
         echo "before $run: $(caches)"
         timed "verify-$run" "${VERIFY_LIMIT:-400}" pagedgen verify --backend all \
-          --json "$S/verify-$run.json"
+          --model "${VERIFY_MODEL:-tiny}" --json "$S/verify-$run.json"
         tail -1 "$S/verify-$run.log"
         python3 -c "import json, sys
 for b in json.load(open(sys.argv[1]))['backends']:
@@ -314,7 +322,8 @@ d = json.load(open(sys.argv[1]))
 for r in d["rows"]:
     print(r["shape"], r["tokens"], "bf16 ms", round(r["total"], 3), "vLLM", round(r.get("vllm", 0), 3),
           "fp8 ms", round(r["fp8"], 3), "vLLM", round(r.get("vllm_fp8", 0), 3),
-          "floors", round(r["roofline_ms"], 3), round(r["fp8_roofline_ms"], 3), r["tiles"], r["fp8_mode"])
+          "floors", round(r["roofline_ms"], 3), round(r["fp8_roofline_ms"], 3), r["tiles"], r["fp8_mode"],
+          {k: round(r[k], 4) for k in ("align", "align_torch", "slot_sum", "slot_sum_torch") if k in r})
 print("vLLM:", d["vllm"]) if d["vllm"] else None
 PY
       ;;
@@ -646,8 +655,11 @@ PY
       # bf16 or fp8) whole under torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once:
       # GPU time by kernel group and the heaviest kernels side by side
       # (benchmarks/run_kernels.py); then $RUNK_AFTER's steps on GPU 0; RUNK_LIMIT a run
+      # RUNK_SYSTEMS=pagedgen: pagedgen alone, on the GPU this step was given (a PAIR_AFTER)
       runs=${RUNK_RUNS:-m:bf16}
+      mine=0; [ "${RUNK_SYSTEMS:-}" = pagedgen ] && mine=${CUDA_VISIBLE_DEVICES:-0}
       for r in $runs; do
+        [ "${RUNK_SYSTEMS:-}" = pagedgen ] && break
         w=${r%:*} q=${r#*:}
         timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
           benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
@@ -655,7 +667,7 @@ PY
       done > "$S/runk-vllm.txt" &
       for r in $runs; do
         w=${r%:*} q=${r#*:}
-        timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=0 python3 -m \
+        timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=$mine python3 -m \
           benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
           --systems pagedgen --json "$S/runk-pagedgen-$w-$q.json"
       done
