@@ -60,6 +60,22 @@ def test_every_candidate_tile_equals_the_per_expert_loop(t):
         assert err < 2e-2 * scale, (name, err, scale)
 
 
+def test_one_variant_of_each_moe_kernel_serves_every_token_count():
+    """A run's prefill chunks hit token counts a plan's measurement did not: the sort's and
+    the GEMMs' step-sized arguments are not specialized, so nothing compiles inside a run."""
+    from pagedgen.runtime.engine import jit_monitor
+
+    tiles = mk.Tiles(32, 32, 32, 2, 2, 2)  # a launch shape no other test takes
+    jit_monitor.install()
+    for t in (64, 37, 50, 333):  # slot counts divisible by 16 and not
+        x, w13, w2, weights, ids = _layer(24, 4, 256, 128, t, seed=t)
+        mk.fused_experts(x, w13, w2, weights, ids, (tiles, tiles))
+        if t == 64:
+            first = jit_monitor.MONITOR.mark()
+    made = [(c.kernel, c.variant) for c in jit_monitor.MONITOR.compiles[first:]]
+    assert not [m for m in made if m[0] in ("_align_kernel", "_grouped_gemm_kernel")], made
+
+
 def test_measured_plan_runs_inside_a_cuda_graph():
     x, w13, w2, weights, ids = _layer(64, 6, 1024, 512, 48)
     plan = plan_moe(w13, w2, 6)

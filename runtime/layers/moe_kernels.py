@@ -132,7 +132,9 @@ class Tiles:
 
 
 if HAVE_TRITON:
-    @triton.jit
+    # the step's slot and block counts vary with every token count: one variant for all (a
+    # plan's measurement compiles what a run's steps then take)
+    @triton.jit(do_not_specialize=["num_slots", "num_blocks"])
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
                              a_scale_ptr, b_scale_ptr, bias_ptr, num_slots, N, K, num_blocks,
                              group_k, num_groups, stride_am, stride_be, stride_bn, stride_bse,
@@ -316,7 +318,7 @@ if HAVE_TRITON:
         tl.store(weights_ptr + t * TOP_K + rank, weights, mask=rank < TOP_K)
         tl.store(ids_ptr + t * TOP_K + rank, ids, mask=rank < TOP_K)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "num_blocks"])
     def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
                       num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, PAD: tl.constexpr):
