@@ -691,10 +691,12 @@ PY
       for m in ${PROFILE_MODELS:-gpt-oss-20b}; do
         profile_model "$m" "${PROFILE_LIMIT:-200}" "${PROFILE_BATCHES:-1,64,256}"
       done ;;
-    vllm-only)  # vLLM alone on each of $VLLM_WORKLOADS (default h), a failure's cause kept
+    vllm-only)  # vLLM alone on each of $VLLM_WORKLOADS (default h), a failure's cause kept;
+      # PEERS_VLLM_WEIGHTS as in first-runs
       for w in ${VLLM_WORKLOADS:-h}; do
         timed "vllm-only-$w" "${PEERS_LIMIT:-400}" python3 -m benchmarks.peers --workloads "$w" \
-          --backends "" --peers vllm --repeats 2 --json "$S/vllm-only-$w.json"
+          --backends "" --peers vllm --repeats 2 \
+          --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" --json "$S/vllm-only-$w.json"
         grep -E "^│|^\||skipped|Error|error" "$S/vllm-only-$w.log" | cut -c1-240 | tail -12
       done ;;
     *) echo "unknown step '$step'" ;;
