@@ -77,6 +77,13 @@ timed() {  # timed NAME LIMIT CMD...: run with a time limit, log to $S/NAME.log;
   timeout "$limit" "$@" > "$S/$name.log" 2>&1; rc=$?
   echo "$name: $(python3 -c "print(f'{$EPOCHREALTIME - $t0:.1f}')") s, exit $rc"
 }
+pin_cores() {  # pin_cores GPU: this shell and what it starts keep to GPU's share of the
+  # host's cores (cores / GPUs, in order), as on a machine of its own; nothing without taskset
+  local gpus per
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l); per=$(( $(nproc) / (gpus > 0 ? gpus : 1) ))
+  [ "$per" -ge 2 ] && command -v taskset > /dev/null || return 0
+  taskset -cp "$(($1 * per))-$(($1 * per + per - 1))" "$BASHPID" > /dev/null
+}
 run_parts() {  # run_parts WORKLOAD:QUANT[:WEIGHTS]: sets w, q and vw (vLLM's weight sets:
   # WEIGHTS with + for a comma, else PEERS_VLLM_WEIGHTS, default dummy,normal)
   IFS=: read -r w q vw <<< "$1"
@@ -599,13 +606,18 @@ PY
       # process) runs the same requests on GPU 1, one after another; then $PAIR_AFTER's steps
       # on GPU 0; PAIR_LIMIT: seconds a run (default 330)
       # with four GPUs or more, run i goes to pair i mod (GPUs / 2): pagedgen on GPU 2p, vLLM
-      # on 2p + 1, the pairs at once; PAIR_AFTER's GPU:STEP on that even GPU (a bare STEP: 0)
+      # on 2p + 1, the pairs at once; PAIR_AFTER's GPU:STEP on that even GPU (a bare STEP: 0);
+      # each GPU's processes keep to its share of the cores (a shared host slowed vLLM's runs)
       runs=(${PAIR_RUNS:-m:bf16})
       pairs=$(( $(nvidia-smi -L | wc -l) / 2 )); [ "$pairs" -ge 1 ] || pairs=1
       for p in $(seq 0 $((pairs - 1))); do
         (
           mine=(); for i in "${!runs[@]}"; do [ $((i % pairs)) = "$p" ] && mine+=("${runs[$i]}"); done
-          for r in "${mine[@]}"; do vllm_run "$r" $((2 * p + 1)); done > "$S/pair-vllm-$p.txt" &
+          (
+            pin_cores $((2 * p + 1))
+            for r in "${mine[@]}"; do vllm_run "$r" $((2 * p + 1)); done
+          ) > "$S/pair-vllm-$p.txt" &
+          pin_cores $((2 * p))
           for r in "${mine[@]}"; do first_run "$r" $((2 * p)); done
           for a in ${PAIR_AFTER:-}; do
             [[ $a == *:* ]] || a=0:$a
