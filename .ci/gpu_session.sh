@@ -84,10 +84,11 @@ pin_cores() {  # pin_cores GPU: this shell and what it starts keep to GPU's shar
   [ "$per" -ge 2 ] && command -v taskset > /dev/null || return 0
   taskset -cp "$(($1 * per))-$(($1 * per + per - 1))" "$BASHPID" > /dev/null
 }
+VLLM_WEIGHTS=${PEERS_VLLM_WEIGHTS:-dummy,normal}  # peers.py's --vllm-weights for vLLM's rows
 run_parts() {  # run_parts WORKLOAD:QUANT[:WEIGHTS]: sets w, q and vw (vLLM's weight sets:
-  # WEIGHTS with + for a comma, else PEERS_VLLM_WEIGHTS, default dummy,normal)
+  # WEIGHTS with + for a comma, else VLLM_WEIGHTS)
   IFS=: read -r w q vw <<< "$1"
-  vw=${vw//+/,}; vw=${vw:-${PEERS_VLLM_WEIGHTS:-dummy,normal}}
+  vw=${vw//+/,}; vw=${vw:-$VLLM_WEIGHTS}
 }
 vllm_run() {  # vllm_run WORKLOAD:QUANT[:WEIGHTS] GPU: vLLM cold (its own process, empty
   # caches), twice for each weight set
@@ -584,7 +585,7 @@ PY
         timed "first-$w-$q" "${PEERS_LIMIT:-540}" env $(fresh_caches "$w-$q") \
           python3 -m benchmarks.peers --workloads "$w" \
           --backends "${PEERS_BACKENDS:-default}" --peers "${PEERS_PEERS-vllm}" --repeats 2 \
-          --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" \
+          --vllm-weights "$VLLM_WEIGHTS" \
           $([ -n "${PEERS_QUANT-}" ] && echo "--quantization $PEERS_QUANT") \
           --json "$S/first-$w-$q.json"
         python3 - "$S/first-$w-$q.json" <<'PY' || tail -5 "$S/first-$w-$q.log"
@@ -646,7 +647,7 @@ PY
       ) > "$S/quad-vllm.txt" 2>&1 &
       for i in "${!runs[@]}"; do
         (
-          r=${runs[$i]} w=${runs[$i]%:*} q=${runs[$i]#*:}
+          r=${runs[$i]}; run_parts "$r"
           model=$(python3 -c "from benchmarks.workloads import WORKLOADS; print(WORKLOADS['$w'].profile)")
           timed "plans-$w-$q" "${PLANS_LIMIT:-300}" env CUDA_VISIBLE_DEVICES=$i python3 -m \
             benchmarks.kernel_plans --models "$model" --quantizations "${q/bf16/none}" --tp 1 \
@@ -670,24 +671,26 @@ PY
       # RUNK_SYSTEMS=pagedgen: pagedgen alone, on the GPU this step was given (a PAIR_AFTER)
       runs=${RUNK_RUNS:-m:bf16}
       mine=0; [ "${RUNK_SYSTEMS:-}" = pagedgen ] && mine=${CUDA_VISIBLE_DEVICES:-0}
+      if [ "${RUNK_SYSTEMS:-}" != pagedgen ]; then
+        for r in $runs; do
+          run_parts "$r"
+          timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
+            benchmarks.run_kernels --workload "$w" \
+            $([ "$q" = fp8 ] && echo "--quantization fp8") \
+            --systems vllm --json "$S/runk-vllm-$w-$q.json"
+        done > "$S/runk-vllm.txt" &
+      fi
       for r in $runs; do
-        [ "${RUNK_SYSTEMS:-}" = pagedgen ] && break
-        w=${r%:*} q=${r#*:}
-        timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
-          benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
-          --systems vllm --json "$S/runk-vllm-$w-$q.json"
-      done > "$S/runk-vllm.txt" &
-      for r in $runs; do
-        w=${r%:*} q=${r#*:}
+        run_parts "$r"
         timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=$mine python3 -m \
           benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
           --systems pagedgen --json "$S/runk-pagedgen-$w-$q.json"
       done
       for s in ${RUNK_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done
       wait
-      cat "$S/runk-vllm.txt"
+      cat "$S/runk-vllm.txt" 2>/dev/null
       for r in $runs; do
-        w=${r%:*} q=${r#*:}
+        run_parts "$r"
         echo "== run-kernels $w $q"
         python3 - "$S/runk-pagedgen-$w-$q.json" "$S/runk-vllm-$w-$q.json" <<'PY'
 import json, os, sys
@@ -708,7 +711,7 @@ PY
       for w in ${VLLM_WORKLOADS:-h}; do
         timed "vllm-only-$w" "${PEERS_LIMIT:-400}" python3 -m benchmarks.peers --workloads "$w" \
           --backends "" --peers vllm --repeats 2 \
-          --vllm-weights "${PEERS_VLLM_WEIGHTS:-dummy,normal}" --json "$S/vllm-only-$w.json"
+          --vllm-weights "$VLLM_WEIGHTS" --json "$S/vllm-only-$w.json"
         grep -E "^│|^\||skipped|Error|error" "$S/vllm-only-$w.log" | cut -c1-240 | tail -12
       done ;;
     *) echo "unknown step '$step'" ;;
