@@ -54,10 +54,31 @@ def test_every_candidate_tile_equals_the_per_expert_loop(t):
     ref = mk.reference(x.float(), w13.float(), w2.float(), weights, ids)
     scale = ref.abs().max().item()
     for name, tiles in CANDIDATES.items():  # as gate/up's tile where it fits, and as down's
+        if not fits(tiles, 2, gated=False):
+            continue  # an FP8 tile: the test below
         up = tiles if fits(tiles, 2, gated=True) else mk.Tiles(tiles.block_m, 64, 64)
         got = mk.fused_experts(x, w13, w2, weights, ids, (up, tiles))
         err = (got.float() - ref).abs().max().item()
         assert err < 2e-2 * scale, (name, err, scale)
+
+
+@pytest.mark.parametrize("t", [1, 300, 2048])
+def test_every_candidate_tile_in_fp8_equals_the_dequantized_loop(t):
+    """Mixtral's expert shape scaled down (8 experts, 2 per token, 1024 → 1792) in per-channel
+    FP8 with the activations quantized per token: every candidate that fits FP8's shared
+    memory, as gate/up's tile where it fits and as down's."""
+    x, w13, w2, weights, ids = _layer(8, 2, 1024, 1792, t)
+    q13, q2, scales = mk.ExpertScales.quantize(w13, w2, None)
+    ref = mk.reference(x.float(), *scales.dequantize(q13, q2, torch.float32), weights, ids)
+    scale = ref.abs().max().item()
+    for name, tiles in CANDIDATES.items():
+        if not fits(tiles, 1, gated=False):
+            continue
+        up = tiles if fits(tiles, 1, gated=True) else mk.Tiles(tiles.block_m, 64, 128)
+        got = mk.fused_experts(x, q13, q2, weights, ids, (up, tiles), scales=scales,
+                               native=True)
+        err = (got.float() - ref).abs().max().item()
+        assert err < 6e-2 * scale, (name, err, scale)
 
 
 def test_one_variant_of_each_moe_kernel_serves_every_token_count():

@@ -294,6 +294,17 @@ def test_every_block_height_has_tiles_that_fit_shared_memory():
     assert any(fits(t, 4, gated=True) for t in CANDIDATES.values())
 
 
+def test_fp8_experts_have_gate_up_tiles_of_128_byte_k_steps_at_prefill_heights():
+    """FP8 rows are half bf16's bytes: at the block heights prefill chunks take, FP8 plans
+    time tiles whose K step spans 128 bytes (as bf16's K of 64 does) and that fit shared
+    memory with both gate and up B tiles, where no bf16 gate/up tile that deep fits."""
+    for m in (64, 128):
+        deep = [t for t in CANDIDATES.values()
+                if t.block_m == m and not t.swap and t.block_k == 128]
+        assert any(fits(t, 1, gated=True) for t in deep), m
+        assert not any(fits(t, 2, gated=True) for t in deep), m
+
+
 def test_generate_runs_a_moe_checkpoint_end_to_end(tmp_path):
     from typer.testing import CliRunner
     from pagedgen.cli.app import app

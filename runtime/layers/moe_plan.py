@@ -30,7 +30,9 @@ from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = envs.MOE_TILES.name
 CACHE = "moe-plans.json"
-PLAN_VERSION = 5  # part of the disk key: a change to the candidates or the kernel bumps it
+# part of the disk key: a change to the kernel or to what a tile's name means bumps it (a
+# candidate added leaves earlier plans valid, as measured without it: re-measure where it counts)
+PLAN_VERSION = 5
 TOKEN_BUCKETS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
 GROUPED_MM_FROM = 512  # the smallest count torch's grouped GEMM is timed at (prefill sizes)
 CANDIDATES = {t.name: t for t in (
@@ -40,6 +42,9 @@ CANDIDATES = {t.name: t for t in (
     Tiles(128, 128, 64, 8, 8, 3), Tiles(128, 64, 64, 8, 4, 4), Tiles(128, 128, 64, 8, 8, 4),
     Tiles(128, 256, 64, 8, 8, 3), Tiles(64, 256, 64, 8, 8, 3),
     Tiles(16, 64, 256, 1, 4, 4), Tiles(32, 64, 256, 4, 4, 3),  # deeper: FP8 operands
+    # FP8 operands at prefill heights: K steps of 128 bytes a row, as bf16's K of 64 take
+    # (most fit shared memory only in FP8: ``fits`` keeps each plan to those that do)
+    Tiles(64, 128, 128, 8, 4, 4), Tiles(128, 128, 128, 8, 8, 4), Tiles(128, 256, 128, 8, 8, 3),
     # the weights on the left (Tiles.swap): few rows a block fill the MMA's narrow side
     Tiles(16, 64, 128, 1, 4, 4, True), Tiles(16, 128, 128, 1, 4, 3, True),
     Tiles(32, 64, 128, 4, 4, 3, True), Tiles(32, 128, 128, 4, 8, 3, True),
