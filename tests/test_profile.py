@@ -173,3 +173,28 @@ def test_a_workload_the_model_cannot_take_is_a_one_line_error(tmp_path, monkeypa
         err = [ln for ln in res.output.splitlines() if ln.startswith("error:")]
         assert len(err) == 1 and says in err[0] and "Traceback" not in res.output, res.output
         assert len(loads) == loaded, args
+
+
+def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
+    """FP8 experts' prefill GEMMs against FP8's peak, bf16's against bf16's; MXFP4's packed
+    bytes count two weight values each."""
+    import torch
+    from pagedgen.cli.profile.measure import _moe_roofline
+    from pagedgen.runtime.collectives.parallel import TensorParallel
+    from pagedgen.runtime.layers.moe import FusedMoE
+
+    layer = FusedMoE(4, 2, 64, 32, TensorParallel())
+    values = 3 * 64 * 32
+    limits = {"matmul": 1e12, "matmul_fp8": 2e12, "copy_bw": 1e12}
+    dec, pre = {"groups_us": {"MoE": 0.0}}, {"groups_us": {"MoE": 1e6}}  # one second
+
+    def peak_fraction() -> float:
+        return _moe_roofline(layer, dec, pre, 1, 1, 1000, limits)["prefill_moe_peak_fraction"]
+    flops = 2 * 1000 * 2 * values
+    assert peak_fraction() == flops / 1e12
+    layer.w13_weight.data = layer.w13_weight.data.to(torch.float8_e4m3fn)
+    layer.w2_weight.data = layer.w2_weight.data.to(torch.float8_e4m3fn)
+    assert peak_fraction() == flops / 2e12
+    layer.w13_weight.data = torch.zeros(4, 64, 32, dtype=torch.uint8)  # MXFP4: K / 2 bytes
+    layer.w2_weight.data = torch.zeros(4, 64, 16, dtype=torch.uint8)
+    assert peak_fraction() == flops / 1e12

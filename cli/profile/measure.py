@@ -228,7 +228,8 @@ def _state_bytes(runner) -> int:
 def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: int,
                   limits: dict[str, float]) -> dict[str, Any]:
     """The MoE kernel group: decode against the bytes of the experts a step is expected to
-    read (uniform routing), prefill against the FLOPs of each token's top-k experts."""
+    read (uniform routing), prefill against the FLOPs of each token's top-k experts and the
+    peak of the tensor cores they meet (FP8 experts: FP8's, where measured)."""
     experts = [m for m in model.modules() if hasattr(m, "expected_expert_bytes")]
     if not experts:
         return {}
@@ -239,10 +240,11 @@ def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: in
         out["decode_moe_tb_s"] = nbytes / dec_s / 1e12
         out["decode_moe_bw_fraction"] = nbytes / dec_s / limits["copy_bw"]
     if pre["groups_us"]["MoE"]:
-        flops = sum(2 * n_tok * m.top_k * m.expert_numel for m in experts)
+        flops = sum(2 * n_tok * m.top_k * m.expert_values for m in experts)
+        fp8 = experts[0].w13_weight.dtype == torch.float8_e4m3fn and "matmul_fp8" in limits
         t = pre["groups_us"]["MoE"] / 1e6
         out["prefill_moe_tflop_s"] = flops / t / 1e12
-        out["prefill_moe_peak_fraction"] = flops / t / limits["matmul"]
+        out["prefill_moe_peak_fraction"] = flops / t / limits["matmul_fp8" if fp8 else "matmul"]
     return out
 
 

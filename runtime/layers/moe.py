@@ -142,6 +142,11 @@ class FusedMoE(nn.Module):
         """One expert's weights on this rank (gate, up and down)."""
         return self.w13_weight[0].numel() + self.w2_weight[0].numel()
 
+    @property
+    def expert_values(self) -> int:
+        """One expert's weight values on this rank (MXFP4's uint8 packs two a byte)."""
+        return self.expert_numel * (2 if self.w13_weight.dtype == torch.uint8 else 1)
+
     def expected_expert_bytes(self, tokens: int) -> float:
         """Weight bytes a step of ``tokens`` tokens reads from this layer's experts under
         uniform routing: the expected number of distinct experts chosen, each read whole."""
