@@ -55,14 +55,16 @@
 # GPU 0 (GPU:STEP on another pair's pagedgen GPU). verify: VERIFY_MODEL (default tiny).
 # quad (four GPUs): QUAD_RUNS' MoE plans measured afresh (GPUs 0-2 at once) and merged, then
 # each run's first and second run on its GPU; vLLM on QUAD_VLLM on GPU 3; QUAD_AFTER: GPU:STEP
-# pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES) against the floor.
+# pairs then. profile-models: PROFILE_MODELS' decode steps (PROFILE_BATCHES; PROFILE_QUANT: fp8
+# weights) against the floor.
 # run-kernels (issues 59-61, two GPUs): each of RUNK_RUNS (WORKLOAD:QUANT ...) whole and profiled
 # in pagedgen (GPU 0) and vLLM (GPU 1) at once, kernel groups side by side (RUNK_LIMIT,
 # RUNK_AFTER: steps then on GPU 0); vllm-only: vLLM alone on VLLM_WORKLOADS.
 # gdn-kernels (issue 60): benchmarks/gdn_kernels.py, the decode kernel per launch shape.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
-# workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops)
-# and start with `source .whl/gdn/setup-device.sh`.
+# workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops:
+# `.ci/stage_extra_wheels.sh` stages it and vLLM with its CuTe DSL) and source
+# `.whl/gdn/setup-device.sh` after the last p part.
 set -u
 S=${OUT:-/tmp/out}/session
 mkdir -p "$S"
@@ -115,9 +117,10 @@ profile_model() {  # profile_model MODEL LIMIT BATCHES: decode steps under torch
   # against the model's floor, and the decode kernels by group ($BACKEND, default triton)
   local m=$1
   timed "profile-$m" "$2" pagedgen profile --model "$m" --backend "${BACKEND:-triton}" \
-    --batch-sizes "$3" --prompt-len 1024 --output-len 24 --output-dir "/tmp/profile-$m"
-  cp "/tmp/profile-$m/profile.json" "$S/profile-$m.json" 2>/dev/null
-  python3 - "$S/profile-$m.json" <<'PY' || tail -5 "$S/profile-$m.log"
+    --batch-sizes "$3" --prompt-len 1024 --output-len 24 --output-dir "/tmp/profile-$m" \
+    ${PROFILE_QUANT:+-q "$PROFILE_QUANT"}
+  cp "/tmp/profile-$m/profile.json" "$S/profile-$m${PROFILE_QUANT:+-$PROFILE_QUANT}.json" 2>/dev/null
+  python3 - "$S/profile-$m${PROFILE_QUANT:+-$PROFILE_QUANT}.json" <<'PY' || tail -5 "$S/profile-$m.log"
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
     for b in r["batches"]:
@@ -145,6 +148,9 @@ for run in sys.argv[2:]:
               "distinct tokens", r.get("distinct_tokens_mid"), r.get("distinct_tokens_all"))
         for line in r.get("kernel_lines", []):  # what vLLM says it chose
             print("   vLLM:", line[:200])
+        for i, d in enumerate(r.get("runs_detail", [])):  # where the first run loses
+            print(f"   run {i + 1}", {k: round(v, 3) if isinstance(v, float) else v
+                                      for k, v in d.items()})
         if "startup_breakdown_s" in r:
             print("   start-up phases", {k: round(v, 1) for k, v in r["startup_breakdown_s"].items()})
         if "runs_kernels_compiled" in r:  # Triton kernels made inside each run (jit_monitor)

@@ -79,6 +79,12 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, float]:
     return Engine(cfg), time.perf_counter() - t0
 
 
+# each run's phases beside its throughput: where a first run loses to the second
+RUN_DETAIL_KEYS = ("wall_time_s", "prefill_tokens_per_s", "decode_step_ms", "steps",
+                   "decode_steps", "mixed_graph_steps", "mixed_graph_capture_s",
+                   "graphs_captured_in_run", "graph_capture_in_run_s")
+
+
 def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median output tokens/s, with every run's figure (and the Triton
     kernels each made inside it, where counted)."""
@@ -89,7 +95,8 @@ def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "first_run_slowest_compiles": runs[0].get("slowest_compiles_in_run", ""),
             "first_run_compiles_s": runs[0].get("compiles_in_run_s", {})} \
         if all("kernels_compiled_in_run" in r for r in runs) else {}
-    return {**mid, "runs_output_tokens_per_s": [r[key] for r in runs], **made}
+    return {**mid, "runs_output_tokens_per_s": [r[key] for r in runs], **made,
+            "runs_detail": [{k: r[k] for k in RUN_DETAIL_KEYS if k in r} for r in runs]}
 
 
 def timed_runs(engine: Engine, prompts: list[list[int]],

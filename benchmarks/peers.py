@@ -301,7 +301,7 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
                                 "runs_kernels_compiled", "runs_kernel_compile_s",
                                 "first_run_slowest_compiles", "first_run_compiles_s",
-                                *SPREAD_KEYS)
+                                "runs_detail", *SPREAD_KEYS)
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)
