@@ -114,13 +114,14 @@ first_run() {  # first_run WORKLOAD:QUANT[:WEIGHTS] GPU: pagedgen at its default
     --repeats 2 $([ "$q" = fp8 ] && echo "--quantization fp8") --json "$S/first-$w-$q.json"
 }
 profile_model() {  # profile_model MODEL LIMIT BATCHES: decode steps under torch.profiler
-  # against the model's floor, and the decode kernels by group ($BACKEND, default triton)
-  local m=$1
-  timed "profile-$m" "$2" pagedgen profile --model "$m" --backend "${BACKEND:-triton}" \
-    --batch-sizes "$3" --prompt-len 1024 --output-len 24 --output-dir "/tmp/profile-$m" \
+  # against the model's floor, and the decode kernels by group ($BACKEND, default triton;
+  # $PROFILE_QUANT: its weights' format, in the run's name)
+  local m=$1 run=profile-$1${PROFILE_QUANT:+-$PROFILE_QUANT}
+  timed "$run" "$2" pagedgen profile --model "$m" --backend "${BACKEND:-triton}" \
+    --batch-sizes "$3" --prompt-len 1024 --output-len 24 --output-dir "/tmp/$run" \
     ${PROFILE_QUANT:+-q "$PROFILE_QUANT"}
-  cp "/tmp/profile-$m/profile.json" "$S/profile-$m${PROFILE_QUANT:+-$PROFILE_QUANT}.json" 2>/dev/null
-  python3 - "$S/profile-$m${PROFILE_QUANT:+-$PROFILE_QUANT}.json" <<'PY' || tail -5 "$S/profile-$m.log"
+  cp "/tmp/$run/profile.json" "$S/$run.json" 2>/dev/null
+  python3 - "$S/$run.json" <<'PY' || tail -5 "$S/$run.log"
 import json, sys
 for r in json.load(open(sys.argv[1]))["results"]:
     for b in r["batches"]:

@@ -36,6 +36,7 @@ from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
+from pagedgen.runtime.quantization.mxfp4_moe import PER_BYTE
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 GATE, UP, DOWN = "gate", "up", "down"
@@ -144,8 +145,8 @@ class FusedMoE(nn.Module):
 
     @property
     def expert_values(self) -> int:
-        """One expert's weight values on this rank (MXFP4's uint8 packs two a byte)."""
-        return self.expert_numel * (2 if self.w13_weight.dtype == torch.uint8 else 1)
+        """One expert's weight values on this rank (MXFP4's uint8 packs ``PER_BYTE`` a byte)."""
+        return self.expert_numel * (PER_BYTE if self.w13_weight.dtype == torch.uint8 else 1)
 
     def expected_expert_bytes(self, tokens: int) -> float:
         """Weight bytes a step of ``tokens`` tokens reads from this layer's experts under
