@@ -16,9 +16,11 @@ from test_moe import INTERPRETED_ONLY, _experts
 
 
 def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes [E, rows, K / 2], exponents [E, rows, K / 32], the values they hold)."""
+    """(codes [E, rows, K / 2], exponents [E, K / 32, rows] in the kernel layout, the values
+    they hold)."""
     blocks, scales = mxfp4.quantize(w)
-    return blocks.flatten(-2), scales, mxfp4.dequantize(blocks, scales, torch.float32)
+    return (*mxfp4.to_kernel_layout(blocks.flatten(-2), scales),
+            mxfp4.dequantize(blocks, scales, torch.float32))
 
 
 @INTERPRETED_ONLY

@@ -138,7 +138,7 @@ if HAVE_TRITON:
     def _grouped_gemm_kernel(a_ptr, b_ptr, c_ptr, slots_ptr, block_experts_ptr, weights_ptr,
                              a_scale_ptr, b_scale_ptr, bias_ptr, num_slots, N, K, num_blocks,
                              group_k, num_groups, stride_am, stride_be, stride_bn, stride_bse,
-                             stride_biase, stride_cm, A_ROW_DIV: tl.constexpr,
+                             stride_bsg, stride_biase, stride_cm, A_ROW_DIV: tl.constexpr,
                              GATED: tl.constexpr, WEIGHTED: tl.constexpr, BIASED: tl.constexpr,
                              B_FP8: tl.constexpr, A_FP8: tl.constexpr, B_FP4: tl.constexpr,
                              SCALED_DOT: tl.constexpr,
@@ -153,7 +153,8 @@ if HAVE_TRITON:
         ``group_k`` (PER_ROW: one group, applied once at the end; else each K tile lies in one
         group), converted to A's dtype in registers unless A_FP8: A in e4m3
         with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in
-        MXFP4 (``mxfp4_tile``), converted in registers; A's even and odd columns multiply
+        MXFP4's kernel layout (``mxfp4_tile``; exponents [E, groups, rows], ``stride_bsg``
+        a group apart), converted in registers; A's even and odd columns multiply
         B's low and high nibbles; or with SCALED_DOT, codes and scales as they are into
         ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. SWAP: each product
         is taken as (B A^T)^T, the weights the MMA's left operand (Hopper's takes it from
@@ -193,15 +194,15 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
                 codes, exps = mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
-                                             num_groups, BLOCK_K)
+                                             stride_bsg, BLOCK_N, BLOCK_K)
                 if SWAP:
                     acc = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a), None,
                                         A_FORMAT, acc)
                 else:
                     acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
                 if GATED:
-                    codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N * num_groups,
-                                                 k0, offs_n, n_ok, K, stride_bn, num_groups,
+                    codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N, k0, offs_n,
+                                                 n_ok, K, stride_bn, stride_bsg, BLOCK_N,
                                                  BLOCK_K)
                     if SWAP:
                         acc_up = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a),
@@ -211,12 +212,12 @@ if HAVE_TRITON:
             elif B_FP4 and SWAP:  # whole rows of weights converted, A's columns in order
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
-                w = mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
+                w = mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_bsg,
                                a.dtype, BLOCK_N, BLOCK_K)
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
                 if GATED:
-                    w = mxfp4_rows(b_at + N * stride_bn, s_at + N * num_groups, k0, offs_n,
-                                   n_ok, K, stride_bn, num_groups, a.dtype, BLOCK_N, BLOCK_K)
+                    w = mxfp4_rows(b_at + N * stride_bn, s_at + N, k0, offs_n, n_ok, K,
+                                   stride_bn, stride_bsg, a.dtype, BLOCK_N, BLOCK_K)
                     acc_up = tl.dot(w, tl.trans(a), acc_up, input_precision=PRECISION)
             elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -225,13 +226,13 @@ if HAVE_TRITON:
                 a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
-                lo, hi = mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups,
-                                    a_lo.dtype)
+                lo, hi = mxfp4_tile(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_bsg,
+                                    a_lo.dtype, BLOCK_N, BLOCK_K)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
-                    lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N * num_groups, kb,
-                                        offs_n, n_ok, K, stride_bn, num_groups, a_lo.dtype)
+                    lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N, k0, offs_n, n_ok, K,
+                                        stride_bn, stride_bsg, a_lo.dtype, BLOCK_N, BLOCK_K)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
             else:
@@ -401,18 +402,21 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     them. ``w_scale``: ``w`` is e4m3
     with these scales (``ExpertScales``; a K tile wider than their group of ``group_k``
     columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
-    group). ``w`` uint8: MXFP4 codes [E, rows, K / 2], ``w_scale`` their e8m0 exponents [E,
-    rows, K / 32] (``mxfp4_moe``), converted in registers, or with ``scaled_dot`` (``a`` in
-    bf16 or fp16) multiplied by ``tl.dot_scaled``."""
+    group). ``w`` uint8: MXFP4 in the kernel layout (``mxfp4.to_kernel_layout``: codes [E,
+    rows, K / 2], ``w_scale`` their e8m0 exponents [E, K / 32, rows]), converted in
+    registers, or with ``scaled_dot`` (``a`` in bf16 or fp16) multiplied by
+    ``tl.dot_scaled``."""
     fp4 = w.dtype == torch.uint8
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2] * (2 if fp4 else 1)
     nb = block_experts.numel()
-    groups = w_scale.shape[2] if w_scale is not None else 1
+    groups = w_scale.shape[1 if fp4 else 2] if w_scale is not None else 1
     if fp4:  # the kernel's MXFP4 path reads each column's scale itself: any K tile
-        if w_scale is None or a_scale is not None or groups * 32 != k:
-            raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns, and "
-                             "activations as they are")
+        if w_scale is None or a_scale is not None or groups * 32 != k \
+                or w_scale.shape[2] != w.shape[1]:
+            raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns "
+                             "(group-major: [experts, K / 32, rows]), and activations as "
+                             "they are")
         group, block_k = k, tiles.block_k
         if scaled_dot and a.dtype not in SCALED_DOT_FORMATS:
             raise ValueError(f"tl.dot_scaled takes bf16 or fp16 activations, not {a.dtype}")
@@ -433,7 +437,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         a_scale if a_scale is not None else out, w_scale if w_scale is not None else out,
         bias if bias is not None else out, num_slots, n, k, nb, group, groups, a.stride(0),
         w.stride(0), w.stride(1), w_scale.stride(0) if w_scale is not None else 0,
-        bias.stride(0) if bias is not None else 0, out.stride(0),
+        w_scale.stride(1) if fp4 else 0, bias.stride(0) if bias is not None else 0,
+        out.stride(0),
         A_ROW_DIV=a_row_div, GATED=gated, WEIGHTED=weights is not None,
         BIASED=bias is not None,
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,

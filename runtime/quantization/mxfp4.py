@@ -5,7 +5,8 @@ gpt-oss's checkpoints hold their experts so: ``*_blocks`` [..., rows, groups, 16
 
 ``dequantize`` turns them into a dense tensor [..., rows, groups * 32] (the CPU's experts);
 ``quantize`` is its inverse (round to the nearest e2m1 value under the group's power-of-two
-scale: dummy weights, tests). Experts keep them 4-bit: ``mxfp4_moe.py``.
+scale: dummy weights, tests). Experts keep them 4-bit (``mxfp4_moe.py``), in the layout the
+grouped GEMM reads (``to_kernel_layout``; ``from_kernel_layout`` undoes it).
 """
 
 from __future__ import annotations
@@ -51,3 +52,26 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = code.to(torch.uint8).unflatten(-1, (-1, 2))
     blocks = code[..., 0] | (code[..., 1] << 4)
     return blocks, (exp + SCALE_BIAS).to(torch.uint8)
+
+
+def kernel_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [..., K / 2] with each scale group's 16 bytes read as a 4 x 4 matrix and
+    transposed (``to_kernel_layout``'s codes; its own inverse)."""
+    return codes.unflatten(-1, (-1, 4, 4)).transpose(-1, -2).flatten(-3).contiguous()
+
+
+def to_kernel_layout(codes: torch.Tensor, scales: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [..., rows, K / 2] and exponents [..., rows, K / 32] → the grouped GEMM's layout
+    (``mxfp4_kernels``): the codes with each group's 16 bytes transposed as a 4 x 4 matrix
+    (byte ``4 j + t`` of a group moves to ``4 t + j``: the four bytes one thread of Hopper's
+    MMA takes lie together), the exponents group-major [..., K / 32, rows]."""
+    return kernel_codes(codes), scales.transpose(-1, -2).contiguous()
+
+
+def from_kernel_layout(codes: torch.Tensor, exps: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``to_kernel_layout``'s inverse: (blocks [..., rows, G, 16], scales [..., rows, G]) as
+    ``dequantize`` reads them."""
+    return (kernel_codes(codes).unflatten(-1, (-1, GROUP // 2)),
+            exps.transpose(-1, -2).contiguous())

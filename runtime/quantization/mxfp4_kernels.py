@@ -4,6 +4,14 @@ registers, in either orientation, or handed as they are to ``tl.dot_scaled``; an
 ``dequantize``, which writes a run of experts out dense (prefill chunks:
 ``moe_dequantized``). Imported only where Triton is.
 
+They read the experts' kernel layout (``mxfp4.to_kernel_layout``): each scale group's 16
+bytes of codes stored as a transposed 4 x 4 matrix of bytes, which a tile's reshape and
+permute undo in registers (Hopper's MMA gives each thread bytes t, t + 4, t + 8 and t + 12 of
+a group: stored so, they are one 32-bit word, and a K step's tile reaches the MMA's registers
+through ``ldmatrix``, not a byte at a time); the exponents stored group-major ([groups,
+rows]), so a K step's scales for a tile of rows are one contiguous run, loaded ahead with the
+codes.
+
 On the GPU, bf16 tiles come from ``e2m1_bf16``: PTX working on two values per 32-bit
 register (three integer operations place two codes' bits in a bf16 pair, two bf16x2
 multiplies scale them), where Triton's per-value arithmetic spends about ten instructions a
@@ -96,29 +104,47 @@ def e2m1_values(packed, exp, dtype):
 
 
 @triton.jit
-def mxfp4_tile(b_at, s_at, kb, offs_n, n_ok, K, stride_bn, num_groups, dtype):
-    """B's [BLOCK_K, BLOCK_N] tile at byte columns ``kb`` (contiguous: loads of whole
-    runs) from MXFP4: bytes [N, K / 2] and e8m0 scales [N, K / 32]; (low nibbles, high
-    nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
-    ok = (kb < K // 2)[:, None] & n_ok[None, :]
-    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok, other=0)
-    exp = tl.load(s_at + offs_n[None, :] * num_groups + (kb // 16)[:, None], mask=ok,
-                  other=127)
-    return e2m1_pair(packed, exp, dtype)
+def codes_by_k(packed, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BLOCK_K / 2, BLOCK_N] tile of kernel-layout codes (bytes along K) in K order."""
+    return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_K // 32, 4, 4, BLOCK_N)),
+                                 (0, 2, 1, 3)), (BLOCK_K // 2, BLOCK_N))
 
 
 @triton.jit
-def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
+def codes_of_rows(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A [BLOCK_N, BLOCK_K / 2] tile of kernel-layout codes (rows of bytes) in K order."""
+    return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_N, BLOCK_K // 32, 4, 4)),
+                                 (0, 1, 3, 2)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def mxfp4_tile(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weights' rows ``offs_n`` at columns [k0, k0 + BLOCK_K) from MXFP4, [BLOCK_N,
-    BLOCK_K] in ``dtype`` (the swapped product's left operand, in registers): each row's
-    bytes loaded whole, a scale once per 32 columns."""
+    """B's [BLOCK_K, BLOCK_N] tile at columns [k0, k0 + BLOCK_K) from MXFP4's kernel layout
+    (codes [N, K / 2], exponents [K / 32, N] a group ``stride_sg`` apart); (low nibbles,
+    high nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    ok = (kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :]
+    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok, other=0)
+    exp = tl.load(s_at + (kb // 16)[:, None] * stride_sg + offs_n[None, :], mask=ok,
+                  other=127)
+    return e2m1_pair(codes_by_k(packed, BLOCK_K, BLOCK_N), exp, dtype)
+
+
+@triton.jit
+def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weights' rows ``offs_n`` at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
+    layout, [BLOCK_N, BLOCK_K] in ``dtype`` (the swapped product's left operand, in
+    registers): each row's bytes loaded whole, a scale once per 32 columns."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    # K is whole groups: the mask holds over 16-byte runs, which load as one vector
     packed = tl.load(b_at + offs_n[:, None] * stride_bn + kb[None, :],
-                     mask=n_ok[:, None] & (kb < K // 2)[None, :], other=0)
-    exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
-                   mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
+                     mask=n_ok[:, None] & (kb < tl.multiple_of(K // 2, 16))[None, :], other=0)
+    packed = codes_of_rows(packed, BLOCK_N, BLOCK_K)
+    exps = tl.trans(tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
+                            mask=(g < K // 32)[:, None] & n_ok[None, :], other=127))
     exp = tl.reshape(tl.broadcast_to(exps[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                      (BLOCK_N, BLOCK_K // 2))
     lo, hi = e2m1_pair(packed, exp, dtype)
@@ -126,39 +152,42 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups, dtype,
 
 
 @triton.jit
-def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, num_groups,
-                   BLOCK_K: tl.constexpr):
-    """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K): the packed codes
-    [BLOCK_K / 2, BLOCK_N] (along K) and the e8m0 scales [BLOCK_N, BLOCK_K / 32]."""
+def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
+    layout: the packed codes [BLOCK_K / 2, BLOCK_N] (along K, in K order) and the e8m0
+    scales [BLOCK_N, BLOCK_K / 32]."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     codes = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
-                    mask=(kb < K // 2)[:, None] & n_ok[None, :], other=0)
-    exps = tl.load(s_at + offs_n[:, None] * num_groups + g[None, :],
-                   mask=n_ok[:, None] & (g < num_groups)[None, :], other=127)
-    return codes, exps
+                    mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=0)
+    exps = tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
+                   mask=(g < K // 32)[:, None] & n_ok[None, :], other=127)
+    return codes_by_k(codes, BLOCK_K, BLOCK_N), tl.trans(exps)
 
 
 @triton.jit
-def _dequantize_kernel(b_ptr, s_ptr, out_ptr, rows, K, stride_b, num_groups, stride_o,
+def _dequantize_kernel(b_ptr, s_ptr, out_ptr, rows, K, stride_be, stride_b, stride_se,
+                       stride_sg, stride_oe, stride_o,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(2).to(tl.int64)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_K
     ok = r < rows
-    w = mxfp4_rows(b_ptr, s_ptr, k0, r, ok, K, stride_b, num_groups,
-                   out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K)
+    w = mxfp4_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, k0, r, ok, K, stride_b,
+                   stride_sg, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K)
     cols = k0 + tl.arange(0, BLOCK_K)
-    tl.store(out_ptr + r[:, None].to(tl.int64) * stride_o + cols[None, :], w,
+    tl.store(out_ptr + e * stride_oe + r[:, None].to(tl.int64) * stride_o + cols[None, :], w,
              mask=ok[:, None] & (cols < K)[None, :])
 
 
-def dequantize(blocks: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """MXFP4 rows (``blocks`` [..., R, K / 2] codes, ``scales`` [..., R, K / 32] exponents,
-    contiguous) written dense into ``out`` [..., R, K] (its dtype: bf16, fp16 or float32)."""
-    k = blocks.shape[-1] * 2
-    b, s, o = blocks.reshape(-1, k // 2), scales.reshape(-1, k // 32), out.view(-1, k)
+def dequantize(codes: torch.Tensor, exps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """MXFP4 experts in the kernel layout (``codes`` [E, R, K / 2], ``exps`` [E, K / 32, R],
+    contiguous) written dense into ``out`` [E, R, K] (its dtype: bf16, fp16 or float32)."""
+    e, r, k = out.shape
     block_r, block_k = 32, 128
-    grid = (triton.cdiv(b.shape[0], block_r), triton.cdiv(k, block_k))
-    _dequantize_kernel[grid](b, s, o, b.shape[0], k, b.stride(0), s.shape[1], o.stride(0),
+    grid = (triton.cdiv(r, block_r), triton.cdiv(k, block_k), e)
+    _dequantize_kernel[grid](codes, exps, out, r, k, codes.stride(0), codes.stride(1),
+                             exps.stride(0), exps.stride(1), out.stride(0), out.stride(1),
                              BLOCK_R=block_r, BLOCK_K=block_k)
     return out

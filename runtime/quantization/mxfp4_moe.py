@@ -1,7 +1,8 @@
 """MXFP4 experts (``MoeMethod``) kept 4-bit: ``w13_weight`` [E, 2I, H / 2] and ``w2_weight``
-[E, H, I / 2] hold two e2m1 codes a byte, ``w13_weight_scale`` [E, 2I, H / 32] and
-``w2_weight_scale`` [E, H, I / 32] their e8m0 exponents (``mxfp4.py``), as gpt-oss's checkpoints
-store them (``*_blocks``, ``*_scales``), loaded as they are. The grouped GEMM kernels convert
+[E, H, I / 2] hold two e2m1 codes a byte, ``w13_weight_scale`` [E, H / 32, 2I] and
+``w2_weight_scale`` [E, I / 32, H] their e8m0 exponents, in the grouped GEMM's layout
+(``mxfp4.to_kernel_layout``: each group's bytes reordered, the exponents group-major), into
+which gpt-oss's checkpoint tensors (``*_blocks``, ``*_scales``) are loaded. The kernels convert
 them in registers (``moe_kernels``: the bf16 weights never exist in memory); the CPU's
 per-expert loop dequantizes them each call. Dense tensors (dummy weights) are quantized at
 load. Under -tp each rank holds its rows of gate/up and its columns of down, in whole scale
@@ -35,7 +36,7 @@ class Mxfp4Moe(MoeMethod):
             setattr(layer, name, nn.Parameter(torch.empty(
                 num_experts, rows, k // PER_BYTE, dtype=torch.uint8), requires_grad=False))
             setattr(layer, f"{name}_scale", nn.Parameter(torch.empty(
-                num_experts, rows, k // mxfp4.GROUP, dtype=torch.uint8), requires_grad=False))
+                num_experts, k // mxfp4.GROUP, rows, dtype=torch.uint8), requires_grad=False))
 
     def extra_kinds(self) -> tuple[str, ...]:
         return ("scales",)
@@ -43,14 +44,16 @@ class Mxfp4Moe(MoeMethod):
     def load(self, layer: nn.Module, e: int, part: str, kind: str, tensor: Any, shard,
              key: Any) -> None:
         """The codes (``weight``: [rows, K / 2] uint8; or a dense [rows, K] tensor, quantized
-        here) or the exponents (``scales``) of expert ``e``'s projection ``part``."""
+        here) or the exponents (``scales``: [rows, K / 32]) of expert ``e``'s projection
+        ``part``, into the kernel layout (the exponents through a transposed view)."""
         name = "w2_weight" if part == "down" else "w13_weight"
-        codes, exps = getattr(layer, name).data[e], getattr(layer, f"{name}_scale").data[e]
+        codes, exps = getattr(layer, name).data[e], getattr(layer, f"{name}_scale").data[e].T
         tensor = tensor[:]
         pairs = [(codes if kind == "weight" else exps, tensor)]
         if kind == "weight" and tensor.dtype != torch.uint8:  # dense: quantized as stored
             blocks, scales = mxfp4.quantize(tensor)
             pairs = [(codes, blocks.flatten(-2)), (exps, scales)]
+        pairs = [(p, mxfp4.kernel_codes(t) if p is codes else t) for p, t in pairs]
         for param, t in pairs:
             # down's shard runs along K: in bytes of codes or in scale groups there
             per = (PER_BYTE if param is codes else mxfp4.GROUP) if part == "down" else 1
@@ -63,7 +66,7 @@ class Mxfp4Moe(MoeMethod):
 
     def dense(self, layer: nn.Module, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(mxfp4.dequantize(w.unflatten(-1, (-1, mxfp4.GROUP // PER_BYTE)), s, dtype)
+        return tuple(mxfp4.dequantize(*mxfp4.from_kernel_layout(w, s), dtype)
                      for w, s in ((layer.w13_weight, layer.w13_weight_scale),
                                   (layer.w2_weight, layer.w2_weight_scale)))
 
