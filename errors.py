@@ -7,6 +7,11 @@ class PagedgenError(Exception):
     """A user-facing error: bad input, missing files, an unavailable backend."""
 
 
+class BackendCannotRun(PagedgenError):
+    """A named attention backend cannot run one of the model's layers (a sink, a soft cap, a
+    head size...): commands that try several backends pass over it."""
+
+
 class Terminated(BaseException):
     """SIGTERM or SIGHUP (a closed terminal), raised in the main thread (as KeyboardInterrupt
     is for SIGINT) so that a run ends as after Ctrl-C: output closed, workers stopped, one

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedgen.attention.backend import AttentionBackend
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import BackendCannotRun, PagedgenError
 
 # name -> "module:Class"; modules are imported lazily so a missing optional package only
 # makes its own backend unavailable.
@@ -98,7 +98,7 @@ def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch
         cls = get_backend(name, device)
         why = why_not(cls)
         if why:
-            raise PagedgenError(f"backend '{cls.name}' cannot run {model}: {why}")
+            raise BackendCannotRun(f"backend '{cls.name}' cannot run {model}: {why}")
         return cls
     reasons = []
     for cand in _AUTO_ORDER.get(device.type, ["eager"]):

@@ -198,3 +198,25 @@ def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
     layer.w13_weight.data = torch.zeros(4, 64, 32, dtype=torch.uint8)  # MXFP4: K / 2 bytes
     layer.w2_weight.data = torch.zeros(4, 64, 16, dtype=torch.uint8)
     assert peak_fraction() == flops / 1e12
+
+
+def test_profile_at_auto_takes_the_backend_that_runs_the_models_layers(tmp_path):
+    """Gemma 2's soft cap is beyond SDPA, the CPU's first choice: ``auto`` profiles the backend
+    the engine picks for the model (not the device's first, which then refused the model), and
+    ``all`` passes over SDPA with a line saying why."""
+    from hf_models import make_checkpoint
+    ckpt = make_checkpoint("gemma2", tmp_path / "gemma2")
+    args = ["profile", "--device", "cpu", "--model", str(ckpt), "--batch-sizes", "1",
+            "--prompt-len", "12", "--measured-steps", "2", "--warmup-steps", "1",
+            "--no-cuda-graphs"]
+    res = runner.invoke(app, [*args, "--output-dir", str(tmp_path / "auto")])
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "auto" / "profile.json").read_text())
+    assert [r["backend"] for r in data["results"]] == ["eager"]
+    res = runner.invoke(app, [*args, "--backend", "all", "--output-dir", str(tmp_path / "all")])
+    assert "skipped: backend 'sdpa' cannot run" in " ".join(res.output.split())
+    if res.exit_code == 0:  # Triton's interpreter runs soft caps
+        data = json.loads((tmp_path / "all" / "profile.json").read_text())
+        assert "sdpa" not in [r["backend"] for r in data["results"]]
+    else:
+        assert "no available backend runs" in res.output and res.exit_code == 2

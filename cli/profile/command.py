@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
 from pagedgen.cli.profile.measure import run_sharded, run_backend
 from pagedgen.cli.profile.report import charts, render
 from pagedgen.cli.profile.workload import workload_from
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import BackendCannotRun, PagedgenError
 
 
 @cli_errors
@@ -88,10 +89,11 @@ def profile(
                               warmup_steps=warmup_steps, measured_steps=measured_steps,
                               cuda_graphs=cuda_graphs))
     dev = engine_cfg.torch_device()
-    if backend == "all":  # every fast path; eager is the reference, not a contender
+    asked = backend or engine_cfg.backend
+    if asked == "all":  # every fast path; eager is the reference, not a contender
         names = [s.name for s in backend_status(dev) if s.available and s.name != "eager"]
-    else:
-        names = [get_backend(backend or engine_cfg.backend, dev).name]
+    else:  # auto stays auto: the engine picks the first backend that runs the model's layers
+        names = [asked if asked == "auto" else get_backend(asked, dev).name]
     try:  # before anything loads: a run's traces must have somewhere to go
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -111,10 +113,17 @@ def profile(
     for name in names:
         console.print(f"[bold]profiling {name}[/] ...")
         cfg = dataclasses.replace(engine_cfg, backend=name)
-        if cfg.tensor_parallel_size > 1:
-            results.append(run_sharded(cfg, wl, output_dir, seed, limits))
-        else:
-            results.append(run_backend(cfg, wl, output_dir, seed, limits))
+        try:
+            if cfg.tensor_parallel_size > 1:
+                results.append(run_sharded(cfg, wl, output_dir, seed, limits))
+            else:
+                results.append(run_backend(cfg, wl, output_dir, seed, limits))
+        except BackendCannotRun as e:
+            if asked != "all":
+                raise
+            console.print(f"[yellow]skipped:[/] {escape(str(e))}")
+    if not results:
+        raise PagedgenError(f"no available backend runs {engine_cfg.model}")
     render(results, console)
     pngs = charts(results, output_dir)
     summary = output_dir / "profile.json"
