@@ -2,8 +2,9 @@
 tile, at decode token counts: each tile's time for the whole layer (gate/up, the biased clamped
 SwiGLU, down with its bias and routing weights, the slot sum), replayed from a CUDA graph,
 against the 4-bit floor: the codes and exponents of the experts the step's tokens chose, over
-the measured copy bandwidth. The experts are drawn dense and stored through the MoE method's
-own load path, in whatever layout it keeps them.
+the copy bandwidth as ``profile`` measures it (``hardware.copy_bandwidth``). The experts are
+drawn dense and stored through the MoE method's own load path, in whatever layout it keeps
+them.
 
     python -m benchmarks.mxfp4_experts [--model gpt-oss-20b] [--tokens 1,64,256] [--tiles A,B]
         [--json F]
@@ -17,6 +18,7 @@ import json
 import torch
 
 from benchmarks.moe_kernels import _replay_ms
+from pagedgen.runtime import hardware
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.moe import FusedMoE
@@ -25,14 +27,6 @@ from pagedgen.runtime.layers.moe_plan import CANDIDATES, random_routing
 from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
 
 SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-120b": (128, 4, 2880, 2880)}
-
-
-def copy_gbps(dev: torch.device, nbytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth (read plus write), GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    ms = _replay_ms(lambda: dst.copy_(src), calls=3)
-    return 2 * nbytes / ms / 1e6
 
 
 def layer(shape: tuple[int, int, int, int], dev: torch.device) -> FusedMoE:
@@ -62,7 +56,7 @@ def main() -> None:
     scales = moe.method.scales(moe)
     per_expert = sum(t[0].numel() for t in (moe.w13_weight, moe.w2_weight, scales.w13,
                                             scales.w2))
-    gbps = copy_gbps(dev)
+    gbps = hardware.copy_bandwidth() / 1e9
     swapped = [t for t in CANDIDATES.values() if t.swap
                and (args.tiles is None or t.name in args.tiles.split(","))]
     rows = []
