@@ -57,6 +57,22 @@ def invoke(*args):
     return runner.invoke(app, ["verify", *map(str, args)])
 
 
+def test_verify_without_a_terminal_prints_a_line_as_each_check_is_in(tmp_path):
+    """A log gets no progress bar: a line for each check's row says how it went and how many
+    tasks are done, so a cold run's long kernel compiles show they are moving."""
+    import re
+    res = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "v.json")
+    assert res.exit_code == 0, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.startswith("verifying sdpa: ")]
+    (rep,) = json.loads((tmp_path / "v.json").read_text())["backends"]
+    assert [ln.split(": ", 1)[1].rsplit(" pass (", 1)[0] for ln in lines] \
+        == [r["group"] for r in rep["rows"]]
+    counts = [tuple(map(int, re.search(r"\((\d+)/(\d+) tasks", ln).groups())) for ln in lines]
+    done = [d for d, _ in counts]
+    assert done == sorted(done) and len({n for _, n in counts}) == 1
+    assert done[-1] == counts[0][1]
+
+
 def test_verify_passes_sdpa_and_writes_json(tmp_path):
     res = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "v.json")
     assert res.exit_code == 0, res.output

@@ -117,10 +117,13 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
               out: Console | None = None,
               sharded: Callable[[str], Row | None] = lambda name: None) -> list[BackendReport]:
     """Run every check's tasks (in ``jobs`` worker processes, or here in order for 1); with
-    ``out``, show progress and print each backend's table as soon as its rows are in.
-    ``sharded`` adds the tensor-parallel row (run here: it starts its own rank processes)."""
+    ``out``, show progress (a bar on a terminal; else a line as each check's row is in: a
+    log shows a cold run's long compiles are moving) and print each backend's table as soon
+    as its rows are in. ``sharded`` adds the tensor-parallel row (run here: it starts its own
+    rank processes)."""
     tasks = [t for _, checks in plans for c in checks for t in c.tasks]
     shown = out is not None and (out.is_terminal or console.is_terminal)
+    lines, done, t0 = out is not None and not shown, 0, time.perf_counter()
     progress = Progress(TextColumn("[bold]verifying"), BarColumn(), MofNCompleteColumn(),
                         TimeElapsedColumn(), console=out if out and out.is_terminal else console,
                         transient=True, disable=not shown)
@@ -141,11 +144,17 @@ def run_plans(plans: list[tuple[BackendReport, list[Check]]], jobs: int,
                         result, s = _result(next(pending))
                         results.append(result)
                         seconds += s
+                        done += 1
                         progress.advance(bar)
                     row = c.finish(results)
                     if row is not None:
                         row.seconds = seconds
                         report.rows.append(row)
+                        if lines:
+                            out.print(f"verifying {report.backend}: {row.group} "
+                                      f"{'pass' if row.passed else 'fail'} ({done}/"
+                                      f"{len(tasks)} tasks, {time.perf_counter() - t0:.0f} s)",
+                                      highlight=False, markup=False, soft_wrap=True)
                 if report.status == "checked":
                     row, seconds = _timed(sharded, (report.backend,))
                     if row is not None:
