@@ -23,7 +23,7 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import moe_kernels as mk
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.moe_act import clamped_swiglu
-from pagedgen.runtime.layers.moe_plan import CANDIDATES, random_routing
+from pagedgen.runtime.layers.moe_plan import CANDIDATES, mostly_padding, random_routing
 from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
 
 SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-120b": (128, 4, 2880, 2880)}
@@ -68,7 +68,7 @@ def main() -> None:
         floor_us = ids.unique().numel() * per_expert / gbps / 1e3
         times = {}
         for t in swapped:
-            if t.block_m > max(16, 2 * tokens * shape[1] // shape[0]):
+            if mostly_padding(t.block_m, tokens, shape[1], shape[0]):
                 continue
             try:
                 times[t.name] = 1e3 * _replay_ms(lambda t=t: mk.fused_experts(

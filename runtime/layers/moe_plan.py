@@ -158,6 +158,12 @@ def fits(tiles: Tiles, elem: int, gated: bool, b_elem: int | None = None) -> boo
     return tiles.num_stages * per_stage <= SHARED_MEMORY
 
 
+def mostly_padding(block_m: int, tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether blocks of ``block_m`` rows would be mostly padding at ``tokens`` tokens: past
+    twice an expert's share of the slots under uniform routing (blocks of 16 always run)."""
+    return block_m > max(16, 2 * tokens * top_k / num_experts)
+
+
 def random_routing(tokens: int, num_experts: int, top_k: int, device: torch.device
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct experts per token, uniformly at random, and softmax-like weights."""
@@ -199,7 +205,6 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
         weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
         n = tokens * top_k
-        per_expert = n / num_experts
         inter = x.new_empty(n, w13.shape[1] // 2)
         out = x.new_empty(n, hidden)
 
@@ -223,7 +228,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             elem = 1 if native and not fp4 else x.element_size()
             b_elem = w13.element_size()
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
-                if block_m > max(16, 2 * per_expert):  # blocks mostly padding
+                if mostly_padding(block_m, tokens, top_k, num_experts):
                     continue
                 slots, experts = mk.align(ids, num_experts, block_m)
                 sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))

@@ -104,17 +104,36 @@ def e2m1_values(packed, exp, dtype):
 
 
 @triton.jit
-def codes_by_k(packed, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A [BLOCK_K / 2, BLOCK_N] tile of kernel-layout codes (bytes along K) in K order."""
+def codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Rows ``offs_n``'s kernel-layout codes at columns [k0, k0 + BLOCK_K) as a [BLOCK_K / 2,
+    BLOCK_N] tile (bytes along K), each group's 4 x 4 undone: in K order."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    # K is whole groups: the mask holds over 16-byte runs, which load as one vector
+    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
+                     mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=0)
     return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_K // 32, 4, 4, BLOCK_N)),
                                  (0, 2, 1, 3)), (BLOCK_K // 2, BLOCK_N))
 
 
 @triton.jit
-def codes_of_rows(packed, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A [BLOCK_N, BLOCK_K / 2] tile of kernel-layout codes (rows of bytes) in K order."""
+def codes_of_rows(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``codes_by_k`` as rows of bytes: [BLOCK_N, BLOCK_K / 2], in K order."""
+    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(b_at + offs_n[:, None] * stride_bn + kb[None, :],
+                     mask=n_ok[:, None] & (kb < tl.multiple_of(K // 2, 16))[None, :], other=0)
     return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_N, BLOCK_K // 32, 4, 4)),
                                  (0, 1, 3, 2)), (BLOCK_N, BLOCK_K // 2))
+
+
+@triton.jit
+def exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K: tl.constexpr):
+    """Rows ``offs_n``'s e8m0 exponents for columns [k0, k0 + BLOCK_K): [BLOCK_N, BLOCK_K /
+    32], loaded group-major (a group ``stride_sg`` apart: one contiguous run each)."""
+    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    return tl.trans(tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
+                            mask=(g < K // 32)[:, None] & n_ok[None, :], other=127))
 
 
 @triton.jit
@@ -123,12 +142,11 @@ def mxfp4_tile(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
     """B's [BLOCK_K, BLOCK_N] tile at columns [k0, k0 + BLOCK_K) from MXFP4's kernel layout
     (codes [N, K / 2], exponents [K / 32, N] a group ``stride_sg`` apart); (low nibbles,
     high nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
+    codes = codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K)
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    ok = (kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :]
-    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None], mask=ok, other=0)
-    exp = tl.load(s_at + (kb // 16)[:, None] * stride_sg + offs_n[None, :], mask=ok,
-                  other=127)
-    return e2m1_pair(codes_by_k(packed, BLOCK_K, BLOCK_N), exp, dtype)
+    exp = tl.load(s_at + (kb // 16)[:, None] * stride_sg + offs_n[None, :],
+                  mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=127)
+    return e2m1_pair(codes, exp, dtype)
 
 
 @triton.jit
@@ -137,14 +155,8 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
     """The weights' rows ``offs_n`` at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
     layout, [BLOCK_N, BLOCK_K] in ``dtype`` (the swapped product's left operand, in
     registers): each row's bytes loaded whole, a scale once per 32 columns."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    # K is whole groups: the mask holds over 16-byte runs, which load as one vector
-    packed = tl.load(b_at + offs_n[:, None] * stride_bn + kb[None, :],
-                     mask=n_ok[:, None] & (kb < tl.multiple_of(K // 2, 16))[None, :], other=0)
-    packed = codes_of_rows(packed, BLOCK_N, BLOCK_K)
-    exps = tl.trans(tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
-                            mask=(g < K // 32)[:, None] & n_ok[None, :], other=127))
+    packed = codes_of_rows(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K)
+    exps = exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K)
     exp = tl.reshape(tl.broadcast_to(exps[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                      (BLOCK_N, BLOCK_K // 2))
     lo, hi = e2m1_pair(packed, exp, dtype)
@@ -157,13 +169,8 @@ def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg,
     """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
     layout: the packed codes [BLOCK_K / 2, BLOCK_N] (along K, in K order) and the e8m0
     scales [BLOCK_N, BLOCK_K / 32]."""
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    codes = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
-                    mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=0)
-    exps = tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
-                   mask=(g < K // 32)[:, None] & n_ok[None, :], other=127)
-    return codes_by_k(codes, BLOCK_K, BLOCK_N), tl.trans(exps)
+    return (codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K),
+            exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K))
 
 
 @triton.jit

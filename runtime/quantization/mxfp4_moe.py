@@ -53,8 +53,9 @@ class Mxfp4Moe(MoeMethod):
         if kind == "weight" and tensor.dtype != torch.uint8:  # dense: quantized as stored
             blocks, scales = mxfp4.quantize(tensor)
             pairs = [(codes, blocks.flatten(-2)), (exps, scales)]
-        pairs = [(p, mxfp4.kernel_codes(t) if p is codes else t) for p, t in pairs]
         for param, t in pairs:
+            if param is codes:
+                t = mxfp4.kernel_codes(t)
             # down's shard runs along K: in bytes of codes or in scale groups there
             per = (PER_BYTE if param is codes else mxfp4.GROUP) if part == "down" else 1
             part_shard = _in_units(shard, per)
