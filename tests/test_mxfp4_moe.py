@@ -41,7 +41,8 @@ def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, blo
     else:
         act, b13, b2 = mk.swiglu, None, None
     ref = mk.reference(x.float(), d13, d2, weights, chosen, act, b13, b2)
-    tiles = mk.Tiles(16, 32, block_k, swap=swap)
+    # a K step's exponents of 128 rows at k = 128: 512 bytes, loaded as bytes; else as words
+    tiles = mk.Tiles(16, 128 if block_k == 128 else 32, block_k, swap=swap)
     got = mk.fused_experts(x, q13, q2, weights, chosen, (tiles, tiles), None,
                            ExpertScales(s13, s2, mxfp4.GROUP), act=act, b13=b13, b2=b2)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

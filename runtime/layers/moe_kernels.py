@@ -28,7 +28,7 @@ try:
     import triton
     import triton.language as tl
     from pagedgen.runtime.quantization.mxfp4_kernels import (mxfp4_operands, mxfp4_rows,
-                                                             mxfp4_tile)
+                                                             mxfp4_tile, exps_in_words)
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the per-expert loop
     HAVE_TRITON = False
@@ -144,6 +144,7 @@ if HAVE_TRITON:
                              SCALED_DOT: tl.constexpr,
                              A_FORMAT: tl.constexpr, PER_ROW: tl.constexpr,
                              PRECISION: tl.constexpr, SWAP: tl.constexpr,
+                             EXP_WORDS: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
@@ -151,10 +152,10 @@ if HAVE_TRITON:
         silu(gate) * up of rows n and N + n of B; WEIGHTED: times the slot's routing weight.
         B_FP8: B in e4m3 with float32 scales [E, rows, num_groups] over K groups of
         ``group_k`` (PER_ROW: one group, applied once at the end; else each K tile lies in one
-        group), converted to A's dtype in registers unless A_FP8: A in e4m3
-        with scales [A rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in
-        MXFP4's kernel layout (``mxfp4_tile``; exponents [E, groups, rows], ``stride_bsg``
-        a group apart), converted in registers; A's even and odd columns multiply
+        group), converted to A's dtype in registers unless A_FP8: A in e4m3 with scales [A
+        rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in MXFP4's kernel
+        layout (``mxfp4_tile``; exponents [E, groups, rows], ``stride_bsg`` a group apart,
+        EXP_WORDS: four a load), converted in registers; A's even and odd columns multiply
         B's low and high nibbles; or with SCALED_DOT, codes and scales as they are into
         ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. SWAP: each product
         is taken as (B A^T)^T, the weights the MMA's left operand (Hopper's takes it from
@@ -174,7 +175,8 @@ if HAVE_TRITON:
         slot = tl.load(slots_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
         valid = slot < num_slots
         rows = (slot // A_ROW_DIV).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n0 = pid_n * BLOCK_N
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -193,17 +195,17 @@ if HAVE_TRITON:
             if B_FP4 and SCALED_DOT:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
-                codes, exps = mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn,
-                                             stride_bsg, BLOCK_N, BLOCK_K)
+                codes, exps = mxfp4_operands(b_at, s_at, k0, n0, N, K, stride_bn, stride_bsg,
+                                             BLOCK_N, BLOCK_K, EXP_WORDS)
                 if SWAP:
                     acc = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a), None,
                                         A_FORMAT, acc)
                 else:
                     acc = tl.dot_scaled(a, None, A_FORMAT, codes, exps, "e2m1", acc)
                 if GATED:
-                    codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N, k0, offs_n,
-                                                 n_ok, K, stride_bn, stride_bsg, BLOCK_N,
-                                                 BLOCK_K)
+                    codes, exps = mxfp4_operands(b_at + N * stride_bn, s_at + N, k0, n0, N,
+                                                 K, stride_bn, stride_bsg, BLOCK_N, BLOCK_K,
+                                                 EXP_WORDS)
                     if SWAP:
                         acc_up = tl.dot_scaled(tl.trans(codes), exps, "e2m1", tl.trans(a),
                                                None, A_FORMAT, acc_up)
@@ -212,12 +214,12 @@ if HAVE_TRITON:
             elif B_FP4 and SWAP:  # whole rows of weights converted, A's columns in order
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
-                w = mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_bsg,
-                               a.dtype, BLOCK_N, BLOCK_K)
+                w = mxfp4_rows(b_at, s_at, k0, n0, N, K, stride_bn, stride_bsg, a.dtype,
+                               BLOCK_N, BLOCK_K, EXP_WORDS)
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
                 if GATED:
-                    w = mxfp4_rows(b_at + N * stride_bn, s_at + N, k0, offs_n, n_ok, K,
-                                   stride_bn, stride_bsg, a.dtype, BLOCK_N, BLOCK_K)
+                    w = mxfp4_rows(b_at + N * stride_bn, s_at + N, k0, n0, N, K, stride_bn,
+                                   stride_bsg, a.dtype, BLOCK_N, BLOCK_K, EXP_WORDS)
                     acc_up = tl.dot(w, tl.trans(a), acc_up, input_precision=PRECISION)
             elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -226,13 +228,14 @@ if HAVE_TRITON:
                 a_lo = tl.load(a_row, mask=valid[:, None] & (k_even < K)[None, :], other=0.0)
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
-                lo, hi = mxfp4_tile(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_bsg,
-                                    a_lo.dtype, BLOCK_N, BLOCK_K)
+                lo, hi = mxfp4_tile(b_at, s_at, k0, n0, N, K, stride_bn, stride_bsg,
+                                    a_lo.dtype, BLOCK_N, BLOCK_K, EXP_WORDS)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
-                    lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N, k0, offs_n, n_ok, K,
-                                        stride_bn, stride_bsg, a_lo.dtype, BLOCK_N, BLOCK_K)
+                    lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N, k0, n0, N, K,
+                                        stride_bn, stride_bsg, a_lo.dtype, BLOCK_N, BLOCK_K,
+                                        EXP_WORDS)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
             else:
@@ -413,10 +416,10 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     groups = w_scale.shape[1 if fp4 else 2] if w_scale is not None else 1
     if fp4:  # the kernel's MXFP4 path reads each column's scale itself: any K tile
         if w_scale is None or a_scale is not None or groups * 32 != k \
-                or w_scale.shape[2] != w.shape[1]:
+                or w_scale.shape[2] != w.shape[1] or n % 4 or groups > 1 and w_scale.stride(1) % 4:
             raise ValueError("MXFP4 experts take their e8m0 scales, one per 32 columns "
-                             "(group-major: [experts, K / 32, rows]), and activations as "
-                             "they are")
+                             "(group-major: [experts, K / 32, rows], rows a multiple of "
+                             "four), and activations as they are")
         group, block_k = k, tiles.block_k
         if scaled_dot and a.dtype not in SCALED_DOT_FORMATS:
             raise ValueError(f"tl.dot_scaled takes bf16 or fp16 activations, not {a.dtype}")
@@ -443,7 +446,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         BIASED=bias is not None,
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
         SCALED_DOT=fp4 and scaled_dot, A_FORMAT=SCALED_DOT_FORMATS.get(a.dtype, "bf16"),
-        PER_ROW=groups == 1 or fp4,
+        PER_ROW=groups == 1 or fp4, EXP_WORDS=fp4 and exps_in_words(tiles.block_n, block_k),
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SWAP=tiles.swap,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

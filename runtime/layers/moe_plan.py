@@ -50,7 +50,8 @@ CANDIDATES = {t.name: t for t in (
     Tiles(32, 64, 128, 4, 4, 3, True), Tiles(32, 128, 128, 4, 8, 3, True),
     Tiles(64, 128, 64, 8, 4, 3, True), Tiles(64, 128, 128, 8, 8, 3, True),
     Tiles(128, 128, 64, 8, 8, 3, True), Tiles(128, 256, 64, 8, 8, 3, True),
-    Tiles(16, 128, 128, 1, 8, 3, True), Tiles(64, 128, 64, 8, 8, 4, True))}
+    Tiles(16, 128, 128, 1, 8, 3, True), Tiles(64, 128, 64, 8, 8, 4, True),
+    Tiles(64, 128, 128, 8, 4, 3, True))}
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 DENSE = (Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 256, 64, 8, 8, 3), Tiles(128, 128, 64, 8, 8, 4),
          Tiles(128, 256, 64, 8, 8, 3))  # MXFP4 experts written out dense: prefill tiles

@@ -10,7 +10,7 @@ permute undo in registers (Hopper's MMA gives each thread bytes t, t + 4, t + 8 
 a group: stored so, they are one 32-bit word, and a K step's tile reaches the MMA's registers
 through ``ldmatrix``, not a byte at a time); the exponents stored group-major ([groups,
 rows]), so a K step's scales for a tile of rows are one contiguous run, loaded ahead with the
-codes.
+codes (four rows a 32-bit word where a tile's are few: ``exps_in_words``).
 
 On the GPU, bf16 tiles come from ``e2m1_bf16``: PTX working on two values per 32-bit
 register (three integer operations place two codes' bits in a bf16 pair, two bf16x2
@@ -104,59 +104,81 @@ def e2m1_values(packed, exp, dtype):
 
 
 @triton.jit
-def codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """Rows ``offs_n``'s kernel-layout codes at columns [k0, k0 + BLOCK_K) as a [BLOCK_K / 2,
-    BLOCK_N] tile (bytes along K), each group's 4 x 4 undone: in K order."""
+def codes_by_k(b_at, k0, n0, N, K, stride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows [n0, n0 + BLOCK_N)'s kernel-layout codes at columns [k0, k0 + BLOCK_K) as a
+    [BLOCK_K / 2, BLOCK_N] tile (bytes along K), each group's 4 x 4 undone: in K order."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    n = n0 + tl.arange(0, BLOCK_N)
     # K is whole groups: the mask holds over 16-byte runs, which load as one vector
-    packed = tl.load(b_at + offs_n[None, :] * stride_bn + kb[:, None],
-                     mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=0)
+    packed = tl.load(b_at + n[None, :] * stride_bn + kb[:, None],
+                     mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & (n < N)[None, :],
+                     other=0)
     return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_K // 32, 4, 4, BLOCK_N)),
                                  (0, 2, 1, 3)), (BLOCK_K // 2, BLOCK_N))
 
 
 @triton.jit
-def codes_of_rows(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N: tl.constexpr,
+def codes_of_rows(b_at, k0, n0, N, K, stride_bn, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     """``codes_by_k`` as rows of bytes: [BLOCK_N, BLOCK_K / 2], in K order."""
     kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    packed = tl.load(b_at + offs_n[:, None] * stride_bn + kb[None, :],
-                     mask=n_ok[:, None] & (kb < tl.multiple_of(K // 2, 16))[None, :], other=0)
+    n = n0 + tl.arange(0, BLOCK_N)
+    packed = tl.load(b_at + n[:, None] * stride_bn + kb[None, :],
+                     mask=(n < N)[:, None] & (kb < tl.multiple_of(K // 2, 16))[None, :],
+                     other=0)
     return tl.reshape(tl.permute(tl.reshape(packed, (BLOCK_N, BLOCK_K // 32, 4, 4)),
                                  (0, 1, 3, 2)), (BLOCK_N, BLOCK_K // 2))
 
 
 @triton.jit
-def exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K: tl.constexpr):
-    """Rows ``offs_n``'s e8m0 exponents for columns [k0, k0 + BLOCK_K): [BLOCK_N, BLOCK_K /
-    32], loaded group-major (a group ``stride_sg`` apart: one contiguous run each)."""
+def exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              WORDS: tl.constexpr):
+    """Rows [n0, n0 + BLOCK_N)'s e8m0 exponents for columns [k0, k0 + BLOCK_K): [BLOCK_K /
+    32, BLOCK_N] uint8, group-major (a group ``stride_sg`` apart: one contiguous run each).
+    WORDS: four rows a 32-bit load (rows and strides are multiples of 32, as K groups make
+    them), which Triton copies asynchronously, stages ahead; a small tile's exponents as
+    bytes (one or two a thread) are a synchronous load, a memory latency every K step."""
     g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    return tl.trans(tl.load(s_at + g[:, None] * stride_sg + offs_n[None, :],
-                            mask=(g < K // 32)[:, None] & n_ok[None, :], other=127))
+    g_ok = (g < K // 32)[:, None]
+    if WORDS:
+        w = n0 // 4 + tl.arange(0, BLOCK_N // 4)
+        at = (s_at + g[:, None] * stride_sg).to(tl.pointer_type(tl.int32)) + w[None, :]
+        words = tl.load(at, mask=g_ok & (4 * w < N)[None, :], other=0x7F7F7F7F)
+        parts = (words[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF
+        return tl.reshape(parts, (BLOCK_K // 32, BLOCK_N)).to(tl.uint8)
+    n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(s_at + g[:, None] * stride_sg + n[None, :], mask=g_ok & (n < N)[None, :],
+                   other=127)
+
+
+def exps_in_words(block_n: int, block_k: int) -> bool:
+    """Whether a tile loads its exponents as words (``exps_by_k``): where they are 256 bytes a
+    K step (k64 x n128, k128 x n64), word loads made gpt-oss's layer faster on an H100;
+    where 512 (k128 x n128), slower (their unpacking costs more than the byte load's wait)."""
+    return block_k // 32 * block_n <= 256
 
 
 @triton.jit
-def mxfp4_tile(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """B's [BLOCK_K, BLOCK_N] tile at columns [k0, k0 + BLOCK_K) from MXFP4's kernel layout
-    (codes [N, K / 2], exponents [K / 32, N] a group ``stride_sg`` apart); (low nibbles,
-    high nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
-    codes = codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K)
-    kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    exp = tl.load(s_at + (kb // 16)[:, None] * stride_sg + offs_n[None, :],
-                  mask=(kb < tl.multiple_of(K // 2, 16))[:, None] & n_ok[None, :], other=127)
+def mxfp4_tile(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """B's [BLOCK_K, BLOCK_N] tile at columns [k0, k0 + BLOCK_K) of rows [n0, n0 + BLOCK_N)
+    from MXFP4's kernel layout (codes [N, K / 2], exponents [K / 32, N] a group ``stride_sg``
+    apart); (low nibbles, high nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
+    codes = codes_by_k(b_at, k0, n0, N, K, stride_bn, BLOCK_N, BLOCK_K)
+    exps = exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N, BLOCK_K, WORDS)
+    exp = tl.reshape(tl.broadcast_to(exps[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
+                     (BLOCK_K // 2, BLOCK_N))
     return e2m1_pair(codes, exp, dtype)
 
 
 @triton.jit
-def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The weights' rows ``offs_n`` at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
-    layout, [BLOCK_N, BLOCK_K] in ``dtype`` (the swapped product's left operand, in
+def mxfp4_rows(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """The weights' rows [n0, n0 + BLOCK_N) at columns [k0, k0 + BLOCK_K) from MXFP4's
+    kernel layout, [BLOCK_N, BLOCK_K] in ``dtype`` (the swapped product's left operand, in
     registers): each row's bytes loaded whole, a scale once per 32 columns."""
-    packed = codes_of_rows(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K)
-    exps = exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K)
+    packed = codes_of_rows(b_at, k0, n0, N, K, stride_bn, BLOCK_N, BLOCK_K)
+    exps = tl.trans(exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N, BLOCK_K, WORDS))
     exp = tl.reshape(tl.broadcast_to(exps[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                      (BLOCK_N, BLOCK_K // 2))
     lo, hi = e2m1_pair(packed, exp, dtype)
@@ -164,28 +186,28 @@ def mxfp4_rows(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg, dtype,
 
 
 @triton.jit
-def mxfp4_operands(b_at, s_at, k0, offs_n, n_ok, K, stride_bn, stride_sg,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K) from MXFP4's kernel
-    layout: the packed codes [BLOCK_K / 2, BLOCK_N] (along K, in K order) and the e8m0
-    scales [BLOCK_N, BLOCK_K / 32]."""
-    return (codes_by_k(b_at, k0, offs_n, n_ok, K, stride_bn, BLOCK_N, BLOCK_K),
-            exps_of_rows(s_at, k0, offs_n, n_ok, K, stride_sg, BLOCK_K))
+def mxfp4_operands(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+    """``tl.dot_scaled``'s B operands at columns [k0, k0 + BLOCK_K) of rows [n0, n0 +
+    BLOCK_N) from MXFP4's kernel layout: the packed codes [BLOCK_K / 2, BLOCK_N] (along K,
+    in K order) and the e8m0 scales [BLOCK_N, BLOCK_K / 32]."""
+    return (codes_by_k(b_at, k0, n0, N, K, stride_bn, BLOCK_N, BLOCK_K),
+            tl.trans(exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N, BLOCK_K, WORDS)))
 
 
 @triton.jit
 def _dequantize_kernel(b_ptr, s_ptr, out_ptr, rows, K, stride_be, stride_b, stride_se,
                        stride_sg, stride_oe, stride_o,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
     e = tl.program_id(2).to(tl.int64)
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    r0 = tl.program_id(0) * BLOCK_R
     k0 = tl.program_id(1) * BLOCK_K
-    ok = r < rows
-    w = mxfp4_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, k0, r, ok, K, stride_b,
-                   stride_sg, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K)
+    w = mxfp4_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, k0, r0, rows, K, stride_b,
+                   stride_sg, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K, WORDS)
+    r = r0 + tl.arange(0, BLOCK_R)
     cols = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + e * stride_oe + r[:, None].to(tl.int64) * stride_o + cols[None, :], w,
-             mask=ok[:, None] & (cols < K)[None, :])
+             mask=(r < rows)[:, None] & (cols < K)[None, :])
 
 
 def dequantize(codes: torch.Tensor, exps: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -196,5 +218,6 @@ def dequantize(codes: torch.Tensor, exps: torch.Tensor, out: torch.Tensor) -> to
     grid = (triton.cdiv(r, block_r), triton.cdiv(k, block_k), e)
     _dequantize_kernel[grid](codes, exps, out, r, k, codes.stride(0), codes.stride(1),
                              exps.stride(0), exps.stride(1), out.stride(0), out.stride(1),
-                             BLOCK_R=block_r, BLOCK_K=block_k)
+                             BLOCK_R=block_r, BLOCK_K=block_k,
+                             WORDS=False)  # one tile a program: no K loop to wait in
     return out
