@@ -198,12 +198,13 @@ def mxfp4_operands(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, BLOCK_N: tl.c
 @triton.jit
 def _dequantize_kernel(b_ptr, s_ptr, out_ptr, rows, K, stride_be, stride_b, stride_se,
                        stride_sg, stride_oe, stride_o,
-                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     e = tl.program_id(2).to(tl.int64)
     r0 = tl.program_id(0) * BLOCK_R
     k0 = tl.program_id(1) * BLOCK_K
     w = mxfp4_rows(b_ptr + e * stride_be, s_ptr + e * stride_se, k0, r0, rows, K, stride_b,
-                   stride_sg, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K, WORDS)
+                   stride_sg, out_ptr.dtype.element_ty, BLOCK_R, BLOCK_K,
+                   False)  # exponents as bytes: one tile a program, no K loop to wait in
     r = r0 + tl.arange(0, BLOCK_R)
     cols = k0 + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + e * stride_oe + r[:, None].to(tl.int64) * stride_o + cols[None, :], w,
@@ -218,6 +219,5 @@ def dequantize(codes: torch.Tensor, exps: torch.Tensor, out: torch.Tensor) -> to
     grid = (triton.cdiv(r, block_r), triton.cdiv(k, block_k), e)
     _dequantize_kernel[grid](codes, exps, out, r, k, codes.stride(0), codes.stride(1),
                              exps.stride(0), exps.stride(1), out.stride(0), out.stride(1),
-                             BLOCK_R=block_r, BLOCK_K=block_k,
-                             WORDS=False)  # one tile a program: no K loop to wait in
+                             BLOCK_R=block_r, BLOCK_K=block_k)
     return out
