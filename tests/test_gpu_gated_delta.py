@@ -55,10 +55,12 @@ def test_hybrid_decode_through_cuda_graphs_equals_eager_and_transformers(tmp_pat
     prompts = [ids(n, seed) for seed, n in enumerate((5, 17, 9, 70, 33))]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     runs = []
-    for eager in (False, True):
+    for eager in (False, True):  # a fixed KV cache: the first engine lives while the second
+        # is built, and sized by free memory the second found none (0 blocks)
         eng = Engine(EngineConfig(model=str(path), device="cuda", dtype="float16",
                                   backend="triton", max_num_seqs=8, block_size=16,
-                                  max_num_batched_tokens=256, enforce_eager=eager))
+                                  max_num_batched_tokens=256, enforce_eager=eager,
+                                  num_blocks=128))
         assert (eng.runner.graphs is None) == eager
         runs.append([s.output_token_ids for s in eng.generate(prompts, params)])
     same = [a == b for graph, eager in zip(*runs) for a, b in zip(graph, eager)]

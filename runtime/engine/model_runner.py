@@ -74,8 +74,6 @@ class ModelRunner:
         self.startup_phases: dict[str, float] = {}
         t = time.perf_counter()
         self.tp.enable_one_shot(self.dtype, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
         self.quant = model_quantization(src, config.quantization)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
                                  self.tp, self.quant, self._asked_kv_cache())
@@ -224,6 +222,10 @@ class ModelRunner:
         seq_len = min(self.max_model_len, tokens)
         lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
         blocks = sum(math.ceil(n / bs) for n in lens)
+        # the peak from here: the live weights and this forward's own, not the build's
+        # transients (dummy experts are drawn whole, a layer at a time, then quantized)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
         caches = self._allocate_kv_caches(blocks)
         table, start, seqs = list(range(blocks)), 0, []
         for n in lens:
