@@ -38,10 +38,10 @@
 # STRUCT_POOL: structured.py's --pool-variants, STRUCT_SCHED_OFF: --mask-fill-schedule-off,
 # STRUCT_TIMELINE: --timeline FIRST:STEPS, STRUCT_SET: one --set KEY=VALUE).
 # tp-close (issue 62's last items: two-GPU tests, verify -tp 2, MoE by width and -ep);
-# plans (issue 59: benchmarks/kernel_plans.py for this GPU; PLANS_MODELS, PLANS_QUANT,
-# PLANS_TP, PLANS_LIMIT); first-runs (FIRST_WORKLOADS on empty kernel caches, twice, and vLLM;
-# PEERS_QUANT, PEERS_BACKENDS, PEERS_PEERS, PEERS_LIMIT, PEERS_VLLM_WEIGHTS (default
-# "dummy,normal": peers.py's --vllm-weights).
+# plans (issue 59: benchmarks/kernel_plans.py for this GPU kind, presets dealt over its GPUs;
+# PLANS_MODELS, PLANS_QUANT, PLANS_TP, PLANS_LIMIT); first-runs (FIRST_WORKLOADS on empty
+# kernel caches, twice, and vLLM; PEERS_QUANT, PEERS_BACKENDS, PEERS_PEERS, PEERS_LIMIT,
+# PEERS_VLLM_WEIGHTS (default "dummy,normal": peers.py's --vllm-weights).
 # tp, tp-runs, tp-vllm, tp-more, tp-new, tp-tests (issue 62, two GPUs; TP_BACKEND, default auto): the
 # push all-reduce's tests and latency, 8B at tp 1 and 2 (profile, decode at batch 1 and 64,
 # workload a, each all-reduce kind), vLLM at tp 2,
@@ -575,13 +575,30 @@ PY
           --json "$S/tp-moe-$split.json"
         grep -h "qwen3" "$S/tp-moe-$split.log" | cut -c1-200
       done ;;
-    plans)  # issue 59: the kernel plans shipped for this GPU (benchmarks/kernel_plans.py), one
-      # GPU's shapes before -tp 2's; runtime/plans/*.json comes back in $OUT
-      timed plans "${PLANS_LIMIT:-280}" python3 -m benchmarks.kernel_plans --models \
-        "${PLANS_MODELS:-qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b,qwen3.5-35b-a3b,gpt-oss-120b}" \
-        --quantizations "${PLANS_QUANT:-none,fp8}" --tp "${PLANS_TP:-1,2,2:ep}" \
-        --copy-to "${OUT:-/tmp/out}"
-      cut -c1-220 "$S/plans.log" | grep -v "^ *$" | tail -40 ;;
+    plans)  # issue 59: the kernel plans shipped for this GPU kind (benchmarks/kernel_plans.py):
+      # its runs (PLANS_MODELS, PLANS_QUANT; default every MoE preset and the dense FP8 ones)
+      # dealt over this host's GPUs, one preset a process (one that does not fit is skipped),
+      # at tensor-parallel sizes PLANS_TP (default 1), all within PLANS_LIMIT s (default 520);
+      # merged into runtime/plans/<gpu>.json, which comes back in $OUT
+      gpus=$(nvidia-smi -L | wc -l); end=$((SECONDS + ${PLANS_LIMIT:-520}))
+      mapfile -t runs < <(python3 -m benchmarks.kernel_plans --list \
+        ${PLANS_MODELS:+--models "$PLANS_MODELS"} --quantizations "${PLANS_QUANT:-none,fp8}")
+      for g in $(seq 0 $((gpus - 1))); do
+        for i in "${!runs[@]}"; do
+          [ $((i % gpus)) = "$g" ] || continue
+          left=$((end - SECONDS)); [ $left -gt 20 ] || break
+          m=${runs[$i]%%:*}; q=${runs[$i]#*:}
+          timeout $left env CUDA_VISIBLE_DEVICES=$g python3 -m benchmarks.kernel_plans \
+            --models "$m" --quantizations "$q" --tp "${PLANS_TP:-1}" --out "$S/plans-$g.json" \
+            > "$S/plans-$g-$m-$q.log" 2>&1
+          echo "GPU $g $m $q: exit $? at $SECONDS s:" \
+            "$(grep -v '^ *$' "$S/plans-$g-$m-$q.log" | tail -1 | cut -c1-180)"
+        done &
+      done
+      wait
+      compgen -G "$S/plans-[0-9]*.json" > /dev/null \
+        && python3 -m benchmarks.kernel_plans --merge "$S"/plans-[0-9]*.json
+      cp runtime/plans/*.json "${OUT:-/tmp/out}/" ;;
     first-runs)  # issues 59-61: each of $FIRST_WORKLOADS through pagedgen at its default
       # backend on empty kernel caches (plans only as shipped: a fresh machine's first run,
       # then a second), and vLLM (PEERS_PEERS, default vllm) on the same requests;

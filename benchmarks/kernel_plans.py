@@ -11,6 +11,10 @@ before (other presets) stay.
     python -m benchmarks.kernel_plans [--models qwen3-30b-a3b,...] [--quantizations none,fp8]
         [--tp 1,2,2:ep] [--out FILE]
     python -m benchmarks.kernel_plans --merge FILE...  # runs on other GPUs into the shipped
+    python -m benchmarks.kernel_plans --list  # the runs as MODEL:QUANT lines (to deal over GPUs)
+
+A preset too large for the GPU is skipped with the reason (a one-GPU share that does not fit,
+or memory running out while its dummy weights are drawn), and the next one runs.
 """
 
 from __future__ import annotations
@@ -98,9 +102,17 @@ def main() -> None:
     ap.add_argument("--merge", type=Path, nargs="+", default=None,
                     help="only merge these plan files (--out of runs on other GPUs) into the "
                          "shipped file of their GPU")
+    ap.add_argument("--list", action="store_true",
+                    help="only print the runs, one MODEL:QUANT a line")
     args = ap.parse_args()
     if args.merge:
         merge_files(args.merge)
+        return
+    quants = [None if q == "none" else q for q in args.quantizations.split(",")]
+    runs = [(m, q) for m, q in default_runs() if q in quants] if not args.models else \
+        [(m, q) for m in args.models.split(",") for q in quants]
+    if args.list:
+        print("\n".join(f"{m}:{q or 'none'}" for m, q in runs))
         return
     if not torch.cuda.is_available():
         raise SystemExit("kernel plans are measured on a CUDA GPU; none is visible here")
@@ -109,9 +121,6 @@ def main() -> None:
     device = torch.device("cuda")
     gpu = kernel_plans.gpu_name(device)
     out = kernel_plans.shipped_file(gpu) if args.out is None else Path(args.out)
-    quants = [None if q == "none" else q for q in args.quantizations.split(",")]
-    runs = [(m, q) for m, q in default_runs() if q in quants] if not args.models else \
-        [(m, q) for m in args.models.split(",") for q in quants]
     sizes = [(int(t.split(":")[0]), t.endswith(":ep")) for t in args.tp.split(",")]
     for size, ep in sizes:  # one GPU's shapes first: a run cut short keeps those
         for name, quant in runs:
@@ -121,21 +130,35 @@ def main() -> None:
             label = f"{name} {quant or 'as shipped'} tp {size}{' ep' if ep else ''}"
             t0 = time.perf_counter()
             before = sum(kernel_plans.sources.values())
-            try:
-                model = build_model(src, "dummy", torch.bfloat16, device,
-                                    tp=TensorParallel(0, size, expert_parallel=ep),
-                                    quant=model_quantization(src, quant))
-            except PagedgenError as e:
-                print(f"{label}: skipped: {e}", flush=True)
+            note = build(src, quant, size, ep, device)
+            if note.startswith("skipped"):
+                print(f"{label}: {note}", flush=True)
                 continue
-            del model
-            gc.collect()
-            torch.cuda.empty_cache()
             counts = merge(out, gpu, kernel_plans.taken())
             if args.copy_to is not None:
                 shutil.copy(out, args.copy_to / out.name)
             print(f"{label}: {sum(kernel_plans.sources.values()) - before} new shapes in "
                   f"{time.perf_counter() - t0:.0f} s; {out.name}: {counts}", flush=True)
+
+
+def build(src, quant: str | None, size: int, ep: bool, device: torch.device) -> str:
+    """Builds ``src`` with dummy weights (its kernel plans measured at the end of the build)
+    and frees it: "" when built, else "skipped: " and why."""
+    try:
+        model = build_model(src, "dummy", torch.bfloat16, device,
+                            tp=TensorParallel(0, size, expert_parallel=ep),
+                            quant=model_quantization(src, quant))
+    except PagedgenError as e:
+        return f"skipped: {e}"
+    except torch.OutOfMemoryError:
+        note = "skipped: out of memory while building it on this GPU"
+    else:
+        note = ""
+        del model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return note
 
 
 if __name__ == "__main__":

@@ -326,6 +326,31 @@ def test_merged_plans_keep_other_shapes_and_drop_an_arriving_kinds_older_version
     assert counts == {"moe-plans.json": 2, "fp8-gemm-plans.json": 1}
 
 
+def test_a_preset_that_runs_out_of_memory_while_planned_is_skipped_not_fatal(monkeypatch):
+    """One GPU process plans preset after preset: one too large to build is a line, and the
+    next runs (torch's out-of-memory error used to end the process)."""
+    from benchmarks import kernel_plans as kp
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.44 GiB")
+
+    src, cpu = kp.resolve_model("tiny"), torch.device("cpu")
+    monkeypatch.setattr(kp, "build_model", oom)
+    assert kp.build(src, None, 1, False, cpu).startswith("skipped: out of memory")
+    monkeypatch.setattr(kp, "build_model", lambda *args, **kwargs: torch.nn.Linear(1, 1))
+    assert kp.build(src, None, 1, False, cpu) == ""
+
+
+def test_plan_runs_are_listed_for_a_host_to_deal_over_its_gpus(monkeypatch, capsys):
+    from benchmarks import kernel_plans as kp
+
+    monkeypatch.setattr(sys, "argv", ["kernel_plans", "--list", "--models", "tiny,qwen3-0.6b",
+                                      "--quantizations", "none,fp8"])
+    kp.main()
+    assert capsys.readouterr().out.split() == [
+        "tiny:none", "tiny:fp8", "qwen3-0.6b:none", "qwen3-0.6b:fp8"]
+
+
 def test_vllms_site_path_holds_the_cute_dsl_packages_a_target_install_leaves_off(tmp_path):
     from benchmarks import vllm_peer
 
