@@ -130,9 +130,9 @@ def main() -> None:
             label = f"{name} {quant or 'as shipped'} tp {size}{' ep' if ep else ''}"
             t0 = time.perf_counter()
             before = sum(kernel_plans.sources.values())
-            note = build(src, quant, size, ep, device)
-            if note.startswith("skipped"):
-                print(f"{label}: {note}", flush=True)
+            skipped = build(src, quant, size, ep, device)
+            if skipped:
+                print(f"{label}: skipped: {skipped}", flush=True)
                 continue
             counts = merge(out, gpu, kernel_plans.taken())
             if args.copy_to is not None:
@@ -141,24 +141,24 @@ def main() -> None:
                   f"{time.perf_counter() - t0:.0f} s; {out.name}: {counts}", flush=True)
 
 
-def build(src, quant: str | None, size: int, ep: bool, device: torch.device) -> str:
+def build(src, quant: str | None, size: int, ep: bool, device: torch.device) -> str | None:
     """Builds ``src`` with dummy weights (its kernel plans measured at the end of the build)
-    and frees it: "" when built, else "skipped: " and why."""
+    and frees it; where it cannot be built, why (None when it was)."""
+    why = None
     try:
         model = build_model(src, "dummy", torch.bfloat16, device,
                             tp=TensorParallel(0, size, expert_parallel=ep),
                             quant=model_quantization(src, quant))
     except PagedgenError as e:
-        return f"skipped: {e}"
+        return str(e)
     except torch.OutOfMemoryError:
-        note = "skipped: out of memory while building it on this GPU"
+        why = "out of memory while building it on this GPU"
     else:
-        note = ""
         del model
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return note
+    return why
 
 
 if __name__ == "__main__":
