@@ -309,15 +309,16 @@ def test_mxfp4_experts_in_every_candidate_tile_equal_the_dequantized_loop(t):
 
 def test_mxfp4_experts_written_out_dense_equal_the_dequantized_loop():
     """The prefill way at gpt-oss-20b's shape, 2,048 tokens, biased and clamped, in each dense
-    tile, with the default scratch (every expert in one run) and one of half that (two)."""
+    tile and torch's grouped GEMM, with the default scratch (every expert in one run) and one
+    of half that (two)."""
     from pagedgen.runtime.layers import moe_dequantized
     from pagedgen.runtime.layers.moe_plan import DENSE
     o = _gpt_oss_layer(2048)
     half = moe_dequantized.experts_per_run(o.q13, o.q2, o.x.dtype) // 2
-    for tiles in DENSE:
+    for tiles in [*((t, t) for t in DENSE), moe_dequantized.GROUPED_MM]:
         for scratch in (moe_dequantized.SCRATCH_BYTES, half * 2 * 2880 * 2880 * 3):
-            got = moe_dequantized.experts(o.x, o.q13, o.q2, o.weights, o.ids, (tiles, tiles),
+            got = moe_dequantized.experts(o.x, o.q13, o.q2, o.weights, o.ids, tiles,
                                           None, o.scales, o.act, o.bias13, o.bias2,
                                           scratch_bytes=scratch)
             err = (got.float() - o.ref).abs().max().item()
-            assert err < 2e-2 * o.ref.abs().max().item(), (tiles.name, scratch, err)
+            assert err < 2e-2 * o.ref.abs().max().item(), (tiles, scratch, err)

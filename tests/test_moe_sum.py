@@ -60,3 +60,24 @@ def test_slot_sum_gathers_sorted_rows_and_weighs_them_into_a_strided_output(
     assert wide[:, :8].isnan().all() and wide[:, 8 + width:].isnan().all()
     ref = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights)
     torch.testing.assert_close(ref, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("device,dtype", CASES)
+def test_slot_sum_adds_each_slots_expert_bias_before_weighing(device, dtype):
+    """gpt-oss's down bias in the sum (``moe_grouped_mm``): row + bias[expert], rounded to the
+    rows' dtype as a GEMM's epilogue writes it, then weighted."""
+    tokens, top_k, width, num_experts = 9, 3, 1100, 5
+    src, order, rows, weights = _slots(tokens, top_k, width, device, dtype)
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(num_experts, width, generator=g).to(device)
+    experts = torch.randint(0, num_experts, (tokens, top_k), generator=g).to(device)
+    in_slot_order = torch.empty_like(src).index_copy_(0, order, src)
+    biased = (in_slot_order.float() + bias[experts.reshape(-1)]).to(dtype)
+    want = (biased.float().view(tokens, top_k, width)
+            * weights.float()[:, :, None]).sum(1).to(dtype)
+    got = moe_sum.slot_sum(src, top_k, rows=rows, weights=weights, bias=bias, experts=experts)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    ref = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights, bias=bias,
+                                     experts=experts)
+    torch.testing.assert_close(ref, want, atol=tol, rtol=tol)

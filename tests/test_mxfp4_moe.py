@@ -155,10 +155,12 @@ def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("ep", [False, True], ids=["all-experts", "expert-parallel"])
-def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep):
+@pytest.mark.parametrize("way", ["tiles", "grouped_mm"])
+def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep, way, monkeypatch):
     """The prefill way (``moe_dequantized``): a scratch of three experts' dense weights, so
     eight experts take three runs, each skipping the others' slots; gpt-oss's biased, clamped
-    experts; under expert parallelism the marker's slots add nothing."""
+    experts; under expert parallelism the marker's slots add nothing. In our tiles and in
+    torch's grouped GEMM (whose rows past the last expert hold whatever memory held)."""
     from pagedgen.runtime.layers import moe_dequantized
     x, w13, w2, weights, chosen = _experts(29, 8, 3, 64, 32)
     q13, s13, d13 = packed(w13)
@@ -171,7 +173,14 @@ def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep):
         chosen, weights = torch.where(other, 8, chosen), weights * ~other
     run = 3 * (64 * 32 + 64 * 16) * 2 * 4  # three experts' dense float32 bytes
     assert moe_dequantized.experts_per_run(q13, q2, torch.float32, run) == 3
-    tiles = (mk.Tiles(16, 32, 32),) * 2
+    tiles = (mk.Tiles(16, 32, 32),) * 2 if way == "tiles" else moe_dequantized.GROUPED_MM
+    real = torch._grouped_mm
+
+    def unwritten_nan(a, b, offs):  # rows past the last offset: NaN, as memory may hold
+        out = real(a, b, offs=offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+    monkeypatch.setattr(torch, "_grouped_mm", unwritten_nan)
     got = moe_dequantized.experts(x, q13, q2, weights, chosen, tiles, None,
                                   ExpertScales(s13, s2, mxfp4.GROUP), act, b13, b2,
                                   dropped=ep, scratch_bytes=run)
@@ -181,7 +190,7 @@ def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep):
 
 
 def test_mxfp4_plans_keep_the_dense_way_from_its_count_and_read_plans_from_before_it():
-    from pagedgen.runtime.layers import moe_plan
+    from pagedgen.runtime.layers import moe_dequantized, moe_plan
     t = moe_plan.CANDIDATES
     small, big = t["m16n64k128g1w4s4x"], t["m128n256k64g8w8s3"]
     plan = moe_plan.MoePlan([(64, small, small, False), (8192, small, small, False)],
@@ -189,6 +198,11 @@ def test_mxfp4_plans_keep_the_dense_way_from_its_count_and_read_plans_from_befor
     assert plan.dequantizes(512) is None and plan.dequantizes(4096) == (big, big)
     saved = moe_plan.to_json(plan)
     assert moe_plan._from_json(saved) == plan
+    grouped = moe_plan.MoePlan(plan.choices, dequantize_from=2048,
+                               dense=[(2048, big), (8192, moe_dequantized.GROUPED_MM)])
+    assert grouped.dequantizes(2048) == (big, big)
+    assert grouped.dequantizes(4096) == grouped.dequantizes(1 << 20) == "grouped_mm"
+    assert moe_plan._from_json(moe_plan.to_json(grouped)) == grouped
     before = {k: v for k, v in saved.items() if k in ("choices", "grouped_mm_from")}
     assert moe_plan._from_json(before).dequantizes(1 << 20) is None
 

@@ -1,7 +1,7 @@
 """MXFP4 experts in prefill chunks: a run of experts at a time written out dense (bf16, into a
-scratch of at most ``SCRATCH_BYTES``: ``mxfp4_kernels.dequantize``), then
-``moe_kernels.fused_experts``' grouped GEMMs on those weights, the other experts' slots
-skipped as expert parallelism skips another rank's.
+scratch of at most ``SCRATCH_BYTES``: ``mxfp4_kernels.dequantize``), then grouped GEMMs on
+those weights (``moe_kernels.fused_experts``' tiles, or torch's, ``moe_grouped_mm``: the way
+``GROUPED_MM``), the other experts' slots skipped as expert parallelism skips another rank's.
 
 Where each expert gets hundreds of rows, converting each weight once a step costs less than
 converting it in registers in every block of rows that reads it; ``moe_plan`` measures from
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_act import swiglu
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 SCRATCH_BYTES = 2 << 30  # a run of experts' dense weights (gpt-oss-20b's in one run)
+GROUPED_MM = "grouped_mm"  # the way that runs torch's grouped GEMM on the dense weights
 
 
 def experts_per_run(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
@@ -27,13 +28,22 @@ def experts_per_run(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype,
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-            ids: torch.Tensor, tiles: tuple[mk.Tiles, mk.Tiles], out: torch.Tensor | None,
+            ids: torch.Tensor, tiles: tuple[mk.Tiles, mk.Tiles] | str,
+            out: torch.Tensor | None,
             scales: ExpertScales, act=swiglu, b13: torch.Tensor | None = None,
             b2: torch.Tensor | None = None, dropped: bool = False,
             scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
     """``moe_kernels.fused_experts``' result for MXFP4 experts (``w13`` / ``w2`` packed codes,
-    ``scales`` their exponents), each run of experts dequantized to ``x``'s dtype first;
-    ``dropped`` as there (expert parallelism's marker ``E``)."""
+    ``scales`` their exponents), each run of experts dequantized to ``x``'s dtype first, then
+    multiplied in ``tiles`` or, given ``GROUPED_MM``, by torch's grouped GEMM; ``dropped`` as
+    there (expert parallelism's marker ``E``)."""
+    def gemms(w13, w2, weights, ids, out, b13, b2, dropped):
+        if tiles == GROUPED_MM:
+            return moe_grouped_mm.experts(x, w13, w2, weights, ids, out, act=act, b13=b13,
+                                          b2=b2, dropped=dropped)
+        return mk.fused_experts(x, w13, w2, weights, ids, tiles, out, act=act, b13=b13,
+                                b2=b2, dropped=dropped)
+
     from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
 
     num = w13.shape[0]
@@ -46,13 +56,11 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         d2 = dequantize(w2[e0:e1], scales.w2[e0:e1],
                         x.new_empty(e1 - e0, w2.shape[1], w2.shape[2] * 2))
         if e1 - e0 == num:  # every expert at once: no slot to skip but the marker's
-            return mk.fused_experts(x, d13, d2, weights, ids, tiles, out, act=act, b13=b13,
-                                    b2=b2, dropped=dropped)
+            return gemms(d13, d2, weights, ids, out, b13, b2, dropped)
         local = ids - e0
         mine = (local >= 0) & (local < e1 - e0)
-        y = mk.fused_experts(x, d13, d2, weights * mine,
-                             torch.where(mine, local, e1 - e0).to(ids.dtype), tiles, None,
-                             act=act, b13=None if b13 is None else b13[e0:e1],
-                             b2=None if b2 is None else b2[e0:e1], dropped=True)
+        y = gemms(d13, d2, weights * mine, torch.where(mine, local, e1 - e0).to(ids.dtype),
+                  None, None if b13 is None else b13[e0:e1],
+                  None if b2 is None else b2[e0:e1], True)
         total = y if total is None else total.add_(y)
     return total if out is None else out.copy_(total)

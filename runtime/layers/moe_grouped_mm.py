@@ -5,7 +5,9 @@ prefill chunks, where each expert gets hundreds of rows.
 The slots (``moe_kernels``: slot ``t * top_k + j``) are sorted by expert into one contiguous
 block per expert (no padding: the GEMM takes each expert's row count), the two GEMMs run with
 SiLU-and-mul between them, and ``moe_sum`` adds each token's slot rows where they lie, scaled
-by their routing weights (in the order ``fused_experts`` sums in). Nothing
+by their routing weights (in the order ``fused_experts`` sums in). gpt-oss's experts (biases,
+clamped SwiGLU) take ``moe_act.bias_and_act`` between the GEMMs and their down bias in the
+sum; MXFP4 experts come here written out dense (``moe_dequantized``). Nothing
 waits on the host, so it runs while the host prepares the next step. FP8 experts with one scale
 per output row go through ``torch._scaled_grouped_mm`` (CUTLASS's FP8 grouped kernel), each
 GEMM's input quantized per row (the SiLU-and-mul kernel quantizes the second's as it writes it).
@@ -16,16 +18,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
 
 
-def available(w13: torch.Tensor, scales=None) -> bool:
+def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -> bool:
     """Whether torch's grouped GEMM can run these experts here: bf16 (or FP8 with ``scales``
     per output row: ``moe_kernels.ExpertScales``) on Hopper or later, every width a multiple
-    of 16 bytes (``w13`` [E, 2I, H])."""
+    of 16 bytes (``w13`` [E, 2I, H]; ``dense``: the bf16 shape MXFP4 experts are written out
+    to, ``moe_dequantized``)."""
     if not (w13.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)):
         return False
+    if dense is not None:
+        return hasattr(torch, "_grouped_mm") and dense[1] % 16 == 0 and dense[2] % 8 == 0
     if scales is not None:
         return (hasattr(torch, "_scaled_grouped_mm") and w13.dtype == E4M3
                 and scales.group_k is None and w13.shape[1] % 32 == 0
@@ -36,17 +42,21 @@ def available(w13: torch.Tensor, scales=None) -> bool:
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, out: torch.Tensor | None = None,
-            silu_and_mul=None, scales=None) -> torch.Tensor:
+            silu_and_mul=None, scales=None, act=swiglu, b13: torch.Tensor | None = None,
+            b2: torch.Tensor | None = None, dropped: bool = False) -> torch.Tensor:
     """``moe_kernels.reference``'s result: ``w13`` [E, 2I, H] (gate rows, then up),
     ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
     given. ``silu_and_mul``: the activation kernel (default: torch's ops; with ``scales``,
-    one that takes ``quantize=True``). ``scales``: FP8 experts' per-row scales."""
-    top_k = ids.shape[1]
+    one that takes ``quantize=True``). ``scales``: FP8 experts' per-row scales. ``act``
+    (another activation, bf16 experts) with biases ``b13`` [E, 2I] and ``b2`` [E, H].
+    ``dropped``: id E marks slots of experts elsewhere (weight 0), sorted last and skipped."""
+    top_k, num = ids.shape[1], w13.shape[0]
     flat = ids.reshape(-1).long()  # the router's ids may be int32
     order = torch.argsort(flat, stable=True)  # slots by expert
-    counts = torch.zeros(w13.shape[0], dtype=torch.int64, device=x.device)
+    counts = torch.zeros(num + dropped, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = counts.cumsum(0).to(torch.int32)  # each expert's end among the sorted slots
+    offs = counts[:num].cumsum(0).to(torch.int32)  # each expert's end among the sorted slots
+    expert = flat[order].clamp(max=num - 1)  # each sorted row's (a dropped slot's: any bias)
     rows = x.index_select(0, order // top_k)
     if scales is not None:
         q, s = quantize_activations(rows)
@@ -59,12 +69,17 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
                                      out_dtype=x.dtype)
     else:
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
-        if silu_and_mul is None:
+        if act is not swiglu or b13 is not None:
+            inter = bias_and_act(gate_up, act, b13, expert)
+        elif silu_and_mul is None:
             gate, up = gate_up.chunk(2, dim=-1)
             inter = F.silu(gate) * up
         else:
             inter = silu_and_mul(gate_up)
         y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
+    if dropped:  # rows past the last expert's: never written by the GEMMs
+        y.masked_fill_((flat[order] == num)[:, None], 0)
     rows = torch.empty_like(order).scatter_(  # each slot's row among the sorted ones
         0, order, torch.arange(order.numel(), device=order.device))
-    return slot_sum(y, top_k, out, rows=rows, weights=weights)
+    return slot_sum(y, top_k, out, rows=rows, weights=weights, bias=b2,
+                    experts=ids.clamp(max=num - 1) if dropped else ids)

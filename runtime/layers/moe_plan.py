@@ -10,7 +10,8 @@ per token, that quantization timed with them; MXFP4 experts: converted in regist
 through ``tl.dot_scaled`` in the tiles that won converted, which bounds the added timing), and
 from which count torch's grouped GEMM
 (``moe_grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
-MXFP4 experts are better written out dense first (``moe_dequantized``). Plans are shipped
+MXFP4 experts are better written out dense first (``moe_dequantized``; then in a tile or by
+torch's grouped GEMM, whichever is faster). Plans are shipped
 for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
 ``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
@@ -65,23 +66,25 @@ class MoePlan:
     ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
     CUDA-graph capture); ``dequantize_from``: the token count from which MXFP4 experts are
     written out dense a run at a time (``moe_dequantized``, also outside capture), with
-    ``dense`` [(largest token count, tiles)] for their GEMMs."""
+    ``dense`` [(largest token count, tiles or ``moe_dequantized.GROUPED_MM``)] for their
+    GEMMs."""
 
     choices: list[tuple[float, Tiles, Tiles, bool]]
     grouped_mm_from: float = math.inf
     dequantize_from: float = math.inf
-    dense: list[tuple[float, Tiles]] = field(default_factory=list)
+    dense: list[tuple[float, Tiles | str]] = field(default_factory=list)
 
     def uses_grouped_mm(self, tokens: int) -> bool:
         """Whether ``tokens`` run on torch's grouped GEMM (never while a graph is captured)."""
         return tokens >= self.grouped_mm_from and not _capturing()
 
-    def dequantizes(self, tokens: int) -> tuple[Tiles, Tiles] | None:
-        """The tiles of the dense way where ``tokens`` run it (never while capturing)."""
+    def dequantizes(self, tokens: int) -> tuple[Tiles, Tiles] | str | None:
+        """The tiles (or ``GROUPED_MM``) of the dense way where ``tokens`` run it (never while
+        capturing)."""
         if tokens < self.dequantize_from or not self.dense or _capturing():
             return None
-        tiles = next((t for m, t in self.dense if tokens <= m), self.dense[-1][1])
-        return tiles, tiles
+        way = next((t for m, t in self.dense if tokens <= m), self.dense[-1][1])
+        return way if way == moe_dequantized.GROUPED_MM else (way, way)
 
     def choose(self, tokens: int) -> tuple[Tiles, Tiles]:
         return self._choice(tokens)[1:3]
@@ -103,7 +106,7 @@ def to_json(plan: MoePlan) -> dict:
     """A plan as the plan files hold it (tiles by name)."""
     return {"choices": [(m, up.name, down.name, a8) for m, up, down, a8 in plan.choices],
             "grouped_mm_from": plan.grouped_mm_from, "dequantize_from": plan.dequantize_from,
-            "dense": [(m, t.name) for m, t in plan.dense]}
+            "dense": [(m, t if isinstance(t, str) else t.name) for m, t in plan.dense]}
 
 
 def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
@@ -139,7 +142,8 @@ def _from_json(saved) -> MoePlan | None:
                    for m, up, down, a8 in saved["choices"]]
         grouped_from = float(saved["grouped_mm_from"])
         dense_from = float(saved.get("dequantize_from", math.inf))  # a plan before the way
-        dense = [(float(m), CANDIDATES[t]) for m, t in saved.get("dense", [])]
+        dense = [(float(m), t if t == moe_dequantized.GROUPED_MM else CANDIDATES[t])
+                 for m, t in saved.get("dense", [])]
     except (TypeError, ValueError, KeyError):
         return None
     ok = choices and [m for m, *_ in choices] == sorted(m for m, *_ in choices)
@@ -265,9 +269,12 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 grouped = math.inf
             grouped_wins.append((tokens, grouped < best[0]))
         if fp4 and tokens >= GROUPED_MM_FROM and act_dtype in mk.SCALED_DOT_FORMATS:
-            dense = {t: _eager_or_never(lambda t=t: moe_dequantized.experts(
-                x, w13, w2, weights, ids, (t, t), None, scales))
-                for t in DENSE if fits(t, x.element_size(), True)}
+            ways = [(t, (t, t)) for t in DENSE if fits(t, x.element_size(), True)]
+            if act_dtype == torch.bfloat16 and moe_grouped_mm.available(
+                    w13, dense=torch.Size([num_experts, w13.shape[1], hidden])):
+                ways.append((moe_dequantized.GROUPED_MM, moe_dequantized.GROUPED_MM))
+            dense = {t: _eager_or_never(lambda way=way: moe_dequantized.experts(
+                x, w13, w2, weights, ids, way, None, scales)) for t, way in ways}
             t_dense = min(dense, key=dense.get)
             dense_wins.append((tokens, dense[t_dense] < best[0]))
             dense_tiles.append((tokens, t_dense))

@@ -1,10 +1,11 @@
 """The last step of a MoE layer: each token's ``top_k`` expert outputs summed into its hidden
 state. The outputs are slot rows (slot ``t * top_k + j``, ``moe_kernels``), in slot order or,
 with ``rows``, wherever a sorted layout left them, and weighted already or, with ``weights``,
-here. One Triton kernel where Triton runs: a program per token and column block reads the
-token's rows once and adds them in float32, where torch would scale, scatter back to slot
-order and reduce over the middle dimension of [T, top_k, H] in a kernel each; torch's ops
-otherwise (the tests' reference)."""
+here; with ``bias`` [E, H] and ``experts`` (each slot's expert, slot order), each row plus its
+expert's bias before the weighting (gpt-oss's down bias). One Triton kernel where Triton runs:
+a program per token and column block reads the token's rows once and adds them in float32,
+where torch would scale, scatter back to slot order and reduce over the middle dimension of
+[T, top_k, H] in a kernel each; torch's ops otherwise (the tests' reference)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,13 @@ except ImportError:
 
 
 def slot_sum_reference(src: torch.Tensor, top_k: int, out: torch.Tensor | None = None,
-                       rows: torch.Tensor | None = None,
-                       weights: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+                       bias: torch.Tensor | None = None,
+                       experts: torch.Tensor | None = None) -> torch.Tensor:
     slots = src if rows is None else src.index_select(0, rows.long())
+    if bias is not None:
+        slots = (slots.float() + bias.index_select(0, experts.reshape(-1).long()).float()
+                 ).to(src.dtype)
     if weights is not None:
         slots = (slots.float() * weights.reshape(-1, 1).float()).to(src.dtype)
     return torch.sum(slots.view(-1, top_k, src.shape[1]), dim=1, out=out)
@@ -31,9 +36,9 @@ def slot_sum_reference(src: torch.Tensor, top_k: int, out: torch.Tensor | None =
 
 if HAVE_TRITON:
     @triton.jit
-    def _slot_sum_kernel(Src, Rows, Weights, Out, width, stride_src, stride_out,
-                         TOP_K: tl.constexpr, GATHER: tl.constexpr, WEIGHTED: tl.constexpr,
-                         BLOCK: tl.constexpr):
+    def _slot_sum_kernel(Src, Rows, Weights, Bias, Experts, Out, width, stride_src,
+                         stride_out, TOP_K: tl.constexpr, GATHER: tl.constexpr,
+                         WEIGHTED: tl.constexpr, BIASED: tl.constexpr, BLOCK: tl.constexpr):
         """Token ``pid 0``, columns block ``pid 1``: the sum of its slots' rows."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -44,6 +49,10 @@ if HAVE_TRITON:
             if GATHER:
                 row = tl.load(Rows + row).to(tl.int64)
             v = tl.load(Src + row * stride_src + cols, mask=ok, other=0.0).to(tl.float32)
+            if BIASED:  # rounded to the rows' dtype, as a GEMM epilogue would write it
+                e = tl.load(Experts + t * TOP_K + j).to(tl.int64)
+                v += tl.load(Bias + e * width + cols, mask=ok, other=0.0).to(tl.float32)
+                v = v.to(Src.dtype.element_ty).to(tl.float32)
             if WEIGHTED:
                 v = v * tl.load(Weights + t * TOP_K + j)
             acc += v
@@ -51,21 +60,24 @@ if HAVE_TRITON:
 
 
 def slot_sum(src: torch.Tensor, top_k: int, out: torch.Tensor | None = None,
-             rows: torch.Tensor | None = None,
-             weights: torch.Tensor | None = None) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * src[rows[t * top_k + j]]`` ([T, H], ``src``'s dtype;
-    ``rows`` default: slot order; ``weights`` default: 1), summed in float32."""
+             rows: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+             bias: torch.Tensor | None = None,
+             experts: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[t] = sum_j weights[t, j] * (src[rows[t * top_k + j]] + bias[experts[t, j]])``
+    ([T, H], ``src``'s dtype; ``rows`` default: slot order; ``weights`` default: 1;
+    ``bias`` [E, H] contiguous, default none), summed in float32."""
     tokens, width = src.shape[0] // top_k, src.shape[1]
     out = src.new_empty(tokens, width) if out is None else out
     kernel = (HAVE_TRITON and (src.is_cuda or INTERPRETED) and src.stride(1) == 1
               and out.stride(1) == 1)
     if not kernel:
-        return slot_sum_reference(src, top_k, out, rows, weights)
+        return slot_sum_reference(src, top_k, out, rows, weights, bias, experts)
     if tokens:
         block = min(1024, triton.next_power_of_2(width))
         weights = weights.reshape(-1).float() if weights is not None else None
         _slot_sum_kernel[(tokens, triton.cdiv(width, block))](
             src, rows if rows is not None else src, weights if weights is not None else src,
+            bias if bias is not None else src, experts if experts is not None else src,
             out, width, src.stride(0), out.stride(0), TOP_K=top_k, GATHER=rows is not None,
-            WEIGHTED=weights is not None, BLOCK=block)
+            WEIGHTED=weights is not None, BIASED=bias is not None, BLOCK=block)
     return out
