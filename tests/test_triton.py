@@ -36,6 +36,19 @@ def check(batch):
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
 
 
+@pytest.fixture
+def one_layer(tmp_path) -> str:
+    """The tiny preset cut to one layer (a profile file used as a preset): an engine's steps
+    under the interpreter a quarter of the work, every attention path still taken."""
+    import yaml
+    from pagedgen.meta import PROFILES_DIR
+    profile = yaml.safe_load((PROFILES_DIR / "tiny.yaml").read_text())
+    profile["model"]["config"]["num_hidden_layers"] = 1
+    path = tmp_path / "tiny-1.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return str(path)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (16, 2), (6, 2)])  # GQA 1,2,4,8,3
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -145,7 +158,7 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     assert (out.float() - ref.float()).abs().max().item() <= TOL[b.q.dtype]
 
 
-def test_engine_cascade_decode_matches_plain(monkeypatch):
+def test_engine_cascade_decode_matches_plain(monkeypatch, one_layer):
     """Prompts behind two shared prefixes, each sampled twice (n = 2), in a cache small enough
     to preempt: with grouped cascade decode on, decode steps attend groups (the prefixes, and
     each request's samples) and the greedy tokens equal cascade off (fp32). The thresholds
@@ -165,7 +178,8 @@ def test_engine_cascade_decode_matches_plain(monkeypatch):
                for i, n in enumerate((1, 5, 16, 17))]
     outs, steps, preempted, levels = [], [], [], []
     for on in (True, False):
-        eng = Engine(EngineConfig(backend="triton", device=DEVICE, block_size=16,
+        eng = Engine(EngineConfig(model=one_layer, backend="triton", device=DEVICE,
+                                  block_size=16,
                                   dtype="float32" if DEVICE == "cpu" else "float16",
                                   num_blocks=7, max_num_seqs=12, max_num_batched_tokens=256,
                                   cascade_attention=on))
@@ -202,7 +216,7 @@ def test_grouped_cascade_in_a_step_with_prefills_matches_eager(monkeypatch, seed
     check(b)
 
 
-def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch):
+def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch, one_layer):
     """Long prompts behind a shared prefix, admitted in chunks while the first ones' samples
     decode: the steps that carry prefills group those decodes too, and the greedy tokens
     equal cascade there off and cascade off altogether (fp32)."""
@@ -220,7 +234,8 @@ def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch):
     prompts = [prefix + torch.randint(3, 256, (n,), generator=g).tolist() for n in (3, 60)]
     outs, mixed = [], []
     for cascade, in_mixed in ((True, True), (True, False), (False, False)):
-        eng = Engine(EngineConfig(backend="triton", device=DEVICE, block_size=16,
+        eng = Engine(EngineConfig(model=one_layer, backend="triton", device=DEVICE,
+                                  block_size=16,
                                   dtype="float32" if DEVICE == "cpu" else "float16",
                                   num_blocks=48, max_num_seqs=8, max_num_batched_tokens=32,
                                   cascade_attention=cascade, cascade_mixed_steps=in_mixed))
