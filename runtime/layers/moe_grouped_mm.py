@@ -30,14 +30,13 @@ def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -
     to, ``moe_dequantized``)."""
     if not (w13.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)):
         return False
-    if dense is not None:
-        return hasattr(torch, "_grouped_mm") and dense[1] % 16 == 0 and dense[2] % 8 == 0
     if scales is not None:
         return (hasattr(torch, "_scaled_grouped_mm") and w13.dtype == E4M3
                 and scales.group_k is None and w13.shape[1] % 32 == 0
                 and w13.shape[2] % 16 == 0)
-    return (hasattr(torch, "_grouped_mm") and w13.dtype == torch.bfloat16
-            and w13.shape[1] % 16 == 0 and w13.shape[2] % 8 == 0)
+    shape = w13.shape if dense is None else dense
+    return (hasattr(torch, "_grouped_mm") and (w13.dtype == torch.bfloat16 or dense is not None)
+            and shape[1] % 16 == 0 and shape[2] % 8 == 0)
 
 
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -56,7 +55,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     counts = torch.zeros(num + dropped, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     offs = counts[:num].cumsum(0).to(torch.int32)  # each expert's end among the sorted slots
-    expert = flat[order].clamp(max=num - 1)  # each sorted row's (a dropped slot's: any bias)
+    sorted_ids = flat[order]
     rows = x.index_select(0, order // top_k)
     if scales is not None:
         q, s = quantize_activations(rows)
@@ -70,7 +69,8 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     else:
         gate_up = torch._grouped_mm(rows, w13.transpose(1, 2), offs=offs)
         if act is not swiglu or b13 is not None:
-            inter = bias_and_act(gate_up, act, b13, expert)
+            # a dropped slot's row takes any expert's bias: its output is zeroed below
+            inter = bias_and_act(gate_up, act, b13, sorted_ids.clamp(max=num - 1))
         elif silu_and_mul is None:
             gate, up = gate_up.chunk(2, dim=-1)
             inter = F.silu(gate) * up
@@ -78,8 +78,8 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
             inter = silu_and_mul(gate_up)
         y = torch._grouped_mm(inter, w2.transpose(1, 2), offs=offs)
     if dropped:  # rows past the last expert's: never written by the GEMMs
-        y.masked_fill_((flat[order] == num)[:, None], 0)
+        y.masked_fill_((sorted_ids == num)[:, None], 0)
     rows = torch.empty_like(order).scatter_(  # each slot's row among the sorted ones
         0, order, torch.arange(order.numel(), device=order.device))
-    return slot_sum(y, top_k, out, rows=rows, weights=weights, bias=b2,
-                    experts=ids.clamp(max=num - 1) if dropped else ids)
+    experts = ids.clamp(max=num - 1) if dropped else ids  # a dropped slot's: any (weight 0)
+    return slot_sum(y, top_k, out, rows=rows, weights=weights, bias=b2, experts=experts)
