@@ -11,7 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gguf_models import write_gguf
+from gguf_models import write_gguf, write_tokenizer_gguf
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 from pagedgen.runtime.config import EngineConfig, SamplingParams
@@ -153,3 +153,46 @@ def test_generate_takes_a_gguf_file_and_refuses_bad_ones(ckpts, tmp_path):
     src.write_text(json.dumps({"prompt": "hi"}) + "\n")  # text, and no tokenizer in the file
     out = invoke(gguf)
     assert out.startswith("1 error: ") and "has no tokenizer" in out.replace("\n", ""), out
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_loaded_from_its_saved_files(tmp_path,
+                                                                              monkeypatch):
+    """transformers converts a GGUF file's tokenizer from its metadata (seconds for a real
+    vocabulary); the conversion is saved, and the next run's tokenizer (not converted again)
+    encodes, renders chats and decodes as the converted one. A changed file is converted
+    again."""
+    from transformers import AutoTokenizer
+
+    from pagedgen.runtime.models import tokenizer as tk
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    path = write_tokenizer_gguf(tmp_path / "t.gguf")
+    tk._auto_tokenizer.cache_clear()
+    try:
+        fresh = tk.HFTokenizer(tmp_path, None, gguf_file=path.name)
+        saved = tk.converted_tokenizer_dir(path)
+        assert (saved / "tokenizer_config.json").is_file()
+        tk._auto_tokenizer.cache_clear()
+        convert = AutoTokenizer.from_pretrained
+
+        def no_conversion(name, *args, **kw):
+            assert "gguf_file" not in kw, "converted again"
+            return convert(name, *args, **kw)
+
+        monkeypatch.setattr(AutoTokenizer, "from_pretrained", no_conversion)
+        again = tk.HFTokenizer(tmp_path, None, gguf_file=path.name)
+        texts = ["the then", "h\u00e9llo\nthe end <|end|>", ""]
+        assert again.encode_batch(texts) == fresh.encode_batch(texts) == [
+            [116, 257, 258, 110], [104, 195, 169, 108, 108, 111, 10, 116, 257, 32, 101, 110, 100,
+                                  32, 259], []]  # bytes, merges, and the end token whole
+        chats = [[{"role": "user", "content": "the"}, {"role": "assistant", "content": "hi"}]]
+        assert again.apply_chat_template_batch(chats) == fresh.apply_chat_template_batch(chats)
+        ids = list(range(260))
+        assert again.decode(ids, skip_special_tokens=False) == fresh.decode(
+            ids, skip_special_tokens=False)
+        assert again.eos_token_ids == fresh.eos_token_ids == {259}
+        monkeypatch.setattr(AutoTokenizer, "from_pretrained", convert)
+        write_tokenizer_gguf(path, merges=("Ġ t", "h e"))
+        assert tk.converted_tokenizer_dir(path) != saved
+    finally:
+        tk._auto_tokenizer.cache_clear()

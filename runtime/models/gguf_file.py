@@ -66,8 +66,19 @@ def open_reader(path: Path):
         from gguf import GGUFReader
     except ImportError:
         raise PagedgenError("GGUF checkpoints need the gguf package: pip install gguf")
+
+    class PlainViewReader(GGUFReader):
+        """The reader over a plain ndarray view of its memory map: numpy's ``memmap``
+        subclass adds microseconds to every slice, and the reader takes about a million
+        slices to parse a tokenizer's 100k strings (seconds, for nothing)."""
+
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "data" and isinstance(value, np.memmap):
+                value = value.view(np.ndarray)  # still mapped: the view keeps the map alive
+            super().__setattr__(name, value)
+
     try:
-        return GGUFReader(str(path))
+        return PlainViewReader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
         raise PagedgenError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else 'truncated?'})")

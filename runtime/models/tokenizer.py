@@ -1,8 +1,12 @@
-"""Tokenizers: Hugging Face's from a checkpoint directory, or a byte-level one needing no files."""
+"""Tokenizers: Hugging Face's from a checkpoint directory (a GGUF file's converted once, then
+kept on disk), or a byte-level one needing no files."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
+import shutil
 from pathlib import Path
 from typing import Protocol
 
@@ -183,11 +187,44 @@ class HFTokenizer:
 
 @functools.lru_cache(maxsize=4)
 def _auto_tokenizer(path: str, gguf_file: str | None):
-    """transformers' tokenizer of a checkpoint (kept: converting a GGUF file's takes seconds,
-    and verify or the tests build several engines of one model)."""
+    """transformers' tokenizer of a checkpoint (kept: verify or the tests build several
+    engines of one model). A GGUF file's is converted from its metadata once (about 10 s for
+    SmolLM2's 49k tokens) and saved; later runs load the saved files."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf_file} if gguf_file else {}))
+    if gguf_file is None:
+        return AutoTokenizer.from_pretrained(path)
+    saved = converted_tokenizer_dir(Path(path) / gguf_file)
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # damaged or from another transformers: convert again
+            pass
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    _save(tok, saved)
+    return tok
+
+
+def converted_tokenizer_dir(gguf: Path) -> Path:
+    """Where a GGUF file's converted tokenizer is kept: under the file's path, size and
+    modification time, and the transformers version that converted it."""
+    import transformers
+
+    from pagedgen.runtime.kernel_plans import cache_file
+
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return cache_file("tokenizers") / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save(tok, saved: Path) -> None:
+    """Save ``tok`` whole or not at all (a run killed while saving leaves no half)."""
+    tmp = saved.with_name(f"{saved.name}.{os.getpid()}.tmp")
+    try:
+        tok.save_pretrained(str(tmp))
+        os.replace(tmp, saved)
+    except OSError:  # read-only cache, or another run saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class MissingTokenizer:
