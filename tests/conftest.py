@@ -77,3 +77,16 @@ def padded_decodes(md, bs: int, num_pages: int, cascade_segments: int = 0):
                                                              device=md.seq_lens.device)]),
         block_tables=tables, seq_lens_cpu=md.seq_lens_cpu + [1] * pad,
         query_lens_cpu=[1] * bs, cascade_segments=cascade_segments, _prefill=None, _decode=None)
+
+
+@pytest.fixture
+def one_layer(tmp_path) -> str:
+    """The tiny preset cut to one layer (a profile file used as a preset): an engine's steps
+    under the interpreter a quarter of the work, every attention path still taken."""
+    import yaml
+    from pagedgen.meta import PROFILES_DIR
+    profile = yaml.safe_load((PROFILES_DIR / "tiny.yaml").read_text())
+    profile["model"]["config"]["num_hidden_layers"] = 1
+    path = tmp_path / "tiny-1.yaml"
+    path.write_text(yaml.safe_dump(profile))
+    return str(path)

@@ -12,8 +12,9 @@ from pagedgen.runtime import kernel_stats as ks
 runner = CliRunner()
 
 
-def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path):
-    res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "all",
+def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path, one_layer):
+    res = runner.invoke(app, ["profile", "--model", one_layer, "--device", "cpu",
+                              "--backend", "all",
                               "--batch-sizes", "1,3", "--prompt-len", "20",
                               "--measured-steps", "3", "--warmup-steps", "1",
                               "--output-dir", str(tmp_path)])

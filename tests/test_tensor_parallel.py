@@ -126,12 +126,12 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
+def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path, one_layer):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i % 7 + 1),
                                        "max_tokens": 16 + i % 5}) + "\n" for i in range(48)))
-    common = ["generate", str(src), "--device", "cpu", "--temperature", "0",
-              "--max-num-seqs", "4"]
+    common = ["generate", str(src), "--model", one_layer, "--device", "cpu", "--temperature",
+              "0", "--max-num-seqs", "4"]
     assert runner.invoke(app, [*common, "-o", str(tmp_path / "one.jsonl")]).exit_code == 0
     want = (tmp_path / "one.jsonl").read_text()
     out = tmp_path / "tp.jsonl"
@@ -170,7 +170,7 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path):
     assert out.read_text() == want
 
 
-def test_generate_under_torchrun(tmp_path):
+def test_generate_under_torchrun(tmp_path, one_layer):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"q{i} " * 9, "max_tokens": 4}) + "\n"
                            for i in range(6)))
@@ -180,7 +180,7 @@ def test_generate_under_torchrun(tmp_path):
                           "2", "--master-port", str(free_port())]):
         out = tmp_path / f"out{len(outs)}.jsonl"
         cmd = [*(launcher or [sys.executable]), script, "generate", str(src), "-o", str(out),
-               "--device", "cpu", "--temperature", "0", "--json"]
+               "--model", one_layer, "--device", "cpu", "--temperature", "0", "--json"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
         outs.append(out.read_text())
@@ -250,12 +250,13 @@ def test_a_rank_s_bad_input_error_is_its_message_alone():
                 pass
 
 
-def test_verify_and_profile_take_tp(tmp_path):
+def test_verify_and_profile_take_tp(tmp_path, one_layer):
     res = runner.invoke(app, ["verify", "--backend", "sdpa", "--device", "cpu", "--cases", "1",
                               "--steps", "4", "-tp", "2"])
     assert res.exit_code == 0, res.output
     assert "tensor parallel 2" in res.output and "FAIL" not in res.output
-    res = runner.invoke(app, ["profile", "--device", "cpu", "-tp", "2", "--batch-sizes", "2",
+    res = runner.invoke(app, ["profile", "--model", one_layer, "--device", "cpu", "-tp", "2",
+                              "--batch-sizes", "2",
                               "--output-len", "6", "--measured-steps", "2",
                               "--output-dir", str(tmp_path)])
     assert res.exit_code == 0, res.output

@@ -36,19 +36,6 @@ def check(batch):
 DTYPES = [torch.float32, torch.float16] if DEVICE == "cpu" else [torch.float16, torch.bfloat16]
 
 
-@pytest.fixture
-def one_layer(tmp_path) -> str:
-    """The tiny preset cut to one layer (a profile file used as a preset): an engine's steps
-    under the interpreter a quarter of the work, every attention path still taken."""
-    import yaml
-    from pagedgen.meta import PROFILES_DIR
-    profile = yaml.safe_load((PROFILES_DIR / "tiny.yaml").read_text())
-    profile["model"]["config"]["num_hidden_layers"] = 1
-    path = tmp_path / "tiny-1.yaml"
-    path.write_text(yaml.safe_dump(profile))
-    return str(path)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (8, 2), (16, 2), (6, 2)])  # GQA 1,2,4,8,3
 @pytest.mark.parametrize("block_size", [16, 32])
