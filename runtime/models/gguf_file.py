@@ -58,27 +58,32 @@ def packaged_path(name: str) -> Path | None:
     return path
 
 
-@functools.lru_cache(maxsize=4)
-def open_reader(path: Path):
-    """A ``gguf.GGUFReader`` (memory-mapped; kept: parsing a file's metadata takes seconds);
-    one-line errors for a missing package or a file that is not (or no longer whole) GGUF."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise PagedgenError("GGUF checkpoints need the gguf package: pip install gguf")
+@functools.cache
+def reader_class() -> type:
+    """``gguf.GGUFReader`` over a plain ndarray view of its memory map: numpy's ``memmap``
+    subclass adds microseconds to every slice, and the reader takes about a million slices to
+    parse a tokenizer's 100k strings (seconds, for nothing). The data read is the same."""
+    from gguf import GGUFReader
 
     class PlainViewReader(GGUFReader):
-        """The reader over a plain ndarray view of its memory map: numpy's ``memmap``
-        subclass adds microseconds to every slice, and the reader takes about a million
-        slices to parse a tokenizer's 100k strings (seconds, for nothing)."""
-
         def __setattr__(self, name: str, value: Any) -> None:
             if name == "data" and isinstance(value, np.memmap):
                 value = value.view(np.ndarray)  # still mapped: the view keeps the map alive
             super().__setattr__(name, value)
 
+    return PlainViewReader
+
+
+@functools.lru_cache(maxsize=4)
+def open_reader(path: Path):
+    """A GGUF reader (memory-mapped; kept: parsing a file's metadata takes seconds); one-line
+    errors for a missing package or a file that is not (or no longer whole) GGUF."""
     try:
-        return PlainViewReader(str(path))
+        reader = reader_class()
+    except ImportError:
+        raise PagedgenError("GGUF checkpoints need the gguf package: pip install gguf")
+    try:
+        return reader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
         raise PagedgenError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else 'truncated?'})")
