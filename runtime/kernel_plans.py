@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pagedgen import envs
+from pagedgen.meta import cache_file
 
 SHIPPED = Path(__file__).parent / "plans"
 
@@ -38,11 +39,6 @@ def versions() -> str:
     import triton
 
     return f"{torch.__version__}|{triton.__version__}"
-
-
-def cache_file(name: str) -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "pagedgen" / name
 
 
 def shipped_file(gpu: str) -> Path:

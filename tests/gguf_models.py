@@ -80,21 +80,15 @@ def write_gguf(ckpt: Path, out: Path, qtype: str = "F32", arch: str | None = Non
     return out
 
 
-def byte_alphabet() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte (byte-level BPE's base vocabulary)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    rest = [b for b in range(256) if b not in keep]
-    return {**{b: chr(b) for b in keep}, **{b: chr(256 + i) for i, b in enumerate(rest)}}
-
-
 def write_tokenizer_gguf(out: Path, merges: tuple[str, ...] = ("Ġ t", "h e", "Ġt he")) -> Path:
     """A GGUF file holding only a tokenizer as llama.cpp writes one: byte-level BPE over the
     256 bytes and ``merges``, an end token (id 256 + len(merges)) and a chat template."""
     import gguf
 
-    alphabet = byte_alphabet()
-    tokens = [*(alphabet[b] for b in range(256)), *(m.replace(" ", "") for m in merges),
+    from pagedgen.runtime.models.tokenizer import byte_level_table
+
+    char_of = {b: c for c, b in byte_level_table().items()}
+    tokens = [*(char_of[b] for b in range(256)), *(m.replace(" ", "") for m in merges),
               "<|end|>"]
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_tokenizer_model("gpt2")

@@ -189,16 +189,15 @@ def test_verify_workers_share_the_cores(monkeypatch):
 
     from pagedgen.cli.verify import runner
 
-    _share_cores = runner._share_cores
     # not in this process: a worker's tie to its parent would end pytest where the parent is
     # init (a run under nohup), with no summary
     monkeypatch.setattr(runner, "die_with_parent", lambda: None)
     threads = torch.get_num_threads()
     monkeypatch.setenv("MAX_JOBS", "16")
     try:
-        _share_cores(5)
+        runner._share_cores(5)
         assert os.environ["MAX_JOBS"] == "3" and torch.get_num_threads() == 3
-        _share_cores(32)
+        runner._share_cores(32)
         assert os.environ["MAX_JOBS"] == "1"
     finally:
         torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from pagedgen.errors import PagedgenError
+from pagedgen.meta import cache_file
 
 
 class Tokenizer(Protocol):
@@ -157,12 +158,7 @@ class HFTokenizer:
         decoder = getattr(getattr(self.tok, "backend_tokenizer", None), "decoder", None)
         if decoder is None or "ByteLevel" not in type(decoder).__name__ + repr(decoder):
             return None
-        # GPT-2's table: printable bytes stand for themselves, the others for 256, 257, ...
-        keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-        rest = [b for b in range(256) if b not in keep]
-        table = {chr(b): b for b in keep}
-        table.update({chr(256 + i): b for i, b in enumerate(rest)})
-        return table
+        return byte_level_table()
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.apply_chat_template_batch([messages])[0]
@@ -183,6 +179,15 @@ class HFTokenizer:
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return [list(ids) for ids in out]
+
+
+@functools.cache
+def byte_level_table() -> dict[str, int]:
+    """GPT-2's character -> byte table of byte-level BPE: printable bytes stand for
+    themselves, the others for 256, 257, ..."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    rest = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(rest)}}
 
 
 @functools.lru_cache(maxsize=4)
@@ -209,8 +214,6 @@ def converted_tokenizer_dir(gguf: Path) -> Path:
     """Where a GGUF file's converted tokenizer is kept: under the file's path, size and
     modification time, and the transformers version that converted it."""
     import transformers
-
-    from pagedgen.runtime.kernel_plans import cache_file
 
     st = gguf.stat()
     key = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
