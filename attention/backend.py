@@ -168,6 +168,12 @@ class AttentionBackend(ABC):
         return [64, 80, 96, 128, 256]
 
     @classmethod
+    def get_supported_dtypes(cls) -> tuple[torch.dtype, ...]:
+        """The query/KV dtypes it runs (asked each time: a backend's may follow the process's
+        environment)."""
+        return cls.supported_dtypes
+
+    @classmethod
     def get_supported_block_sizes(cls) -> list[int] | None:
         """Page sizes (tokens per KV block) the kernels accept; None: any."""
         return None
@@ -211,7 +217,7 @@ class AttentionBackend(ABC):
         """None when the backend supports this layer shape and dtype; otherwise why not."""
         if spec.head_size not in cls.get_supported_head_sizes():
             return f"head size {spec.head_size} not in {cls.get_supported_head_sizes()}"
-        if dtype not in cls.supported_dtypes:
+        if dtype not in cls.get_supported_dtypes():
             return f"dtype {dtype} not supported"
         for feature, (flag, uses) in LAYER_FEATURES.items():
             if uses(spec) and not getattr(cls, flag):

@@ -235,10 +235,14 @@ class TritonBackend(AttentionBackend):
     supports_sliding_window = True
     supports_soft_cap = True
     supports_sinks = True
-    # Triton's CPU interpreter computes bf16 dot products wrongly, so no bf16 there; fp32 is
-    # for the interpreter's tests only (GPU kernels are tuned for 16-bit inputs).
-    supported_dtypes = (torch.float16, torch.float32) if _interpreting() else (
-        torch.float16, torch.bfloat16)
+    supported_dtypes = (torch.float16, torch.bfloat16)
+
+    @classmethod
+    def get_supported_dtypes(cls) -> tuple[torch.dtype, ...]:
+        """Triton's CPU interpreter computes bf16 dot products wrongly, so no bf16 there; fp32
+        is for the interpreter's tests only (GPU kernels are tuned for 16-bit inputs). Asked
+        when used, not at import: the interpreter is an environment variable."""
+        return (torch.float16, torch.float32) if _interpreting() else cls.supported_dtypes
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

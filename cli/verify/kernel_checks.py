@@ -43,7 +43,7 @@ def kernel_groups(backend: type[AttentionBackend], device: torch.device
     """(label, dtype, case options) for each group this backend supports."""
     groups = []
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        if dtype not in backend.supported_dtypes:
+        if dtype not in backend.get_supported_dtypes():
             continue
         name = str(dtype).removeprefix("torch.")
         groups.append((f"{name}", dtype, {}))
@@ -53,7 +53,7 @@ def kernel_groups(backend: type[AttentionBackend], device: torch.device
             groups.append((f"{name} soft-cap", dtype, {"soft_cap": 20.0}))
         if backend.supports_sinks:
             groups.append((f"{name} sinks", dtype, {"sinks": True}))
-    if backend.supports_fp8_kv_cache and torch.bfloat16 in backend.supported_dtypes:
+    if backend.supports_fp8_kv_cache and torch.bfloat16 in backend.get_supported_dtypes():
         groups.append(("bfloat16 fp8 KV cache", torch.bfloat16,
                        {"cache_dtype": torch.float8_e4m3fn}))
     return groups
@@ -126,7 +126,7 @@ def kernel_row(label: str, dtype: torch.dtype, opts: dict, parts: list[Partial])
 
 def cascade_dtype(backend: type[AttentionBackend]) -> torch.dtype:
     return next(d for d in (torch.bfloat16, torch.float16, torch.float32)
-                if d in backend.supported_dtypes)
+                if d in backend.get_supported_dtypes())
 
 
 def cascade_cases(name: str, device: torch.device, case_ids: list[int], seed: int
