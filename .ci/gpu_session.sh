@@ -8,7 +8,8 @@
 #
 # Steps: startup (pagedgen generate on $MODEL, default the 8B preset, with $BACKEND, default
 # flash-attn; twice: cold, then warm), verify (--backend all, timed, twice), tests (pytest -m
-# gpu; PYTEST_K selects, TESTS_FILES: these files only, TESTS_LIMIT seconds), "peers W"
+# gpu; PYTEST_K selects, TESTS_FILES: these files only, TESTS_LIMIT seconds; TESTS_FILES_<GPU>
+# and PYTEST_K_<GPU> where CUDA_VISIBLE_DEVICES=<GPU>), "peers W"
 # (peers.py on workloads W with vLLM),
 # attention (decode kernels on (a)'s and (c)'s shapes), tiles (FA4 decode tiles and page sizes
 # on (a)-(c)'s decode shapes), profile and profile-c ((a)'s and (c)'s decode under
@@ -358,11 +359,14 @@ PY
         ${STRUCT_SET:+--set "$STRUCT_SET"} \
         --json "$S/h100-structured.json"
       grep -E "tok/s, |^pagedgen:|^vLLM|^timeline" "$S/structured.log" | cut -c1-400 ;;
-    tests)
-      timed gpu-tests "${TESTS_LIMIT:-550}" python3 -m pytest ${TESTS_FILES:-} -m gpu -v \
-        --durations=6 ${PYTEST_K:+-k "$PYTEST_K"}
-      grep -E "PASSED|FAILED|ERROR" "$S/gpu-tests.log" | sed -E 's/ +\[ *[0-9]+%\]//' | cut -c1-150
-      tail -12 "$S/gpu-tests.log" | grep -vE "PASSED|FAILED" ;;
+    tests)  # TESTS_FILES_<GPU> / PYTEST_K_<GPU>: this GPU's own (PAIR_AFTER's GPU:tests)
+      g=${CUDA_VISIBLE_DEVICES:-x}; g=${g//,/_}; files=TESTS_FILES_$g; k=PYTEST_K_$g
+      files=${!files:-${TESTS_FILES:-}}; k=${!k:-${PYTEST_K:-}}
+      log=gpu-tests${CUDA_VISIBLE_DEVICES:+-$g}
+      timed "$log" "${TESTS_LIMIT:-550}" python3 -m pytest $files -m gpu -v \
+        --durations=6 ${k:+-k "$k"}
+      grep -E "PASSED|FAILED|ERROR" "$S/$log.log" | sed -E 's/ +\[ *[0-9]+%\]//' | cut -c1-150
+      tail -12 "$S/$log.log" | grep -vE "PASSED|FAILED" ;;
     peers\ *)
       w=${step#peers }
       tag=${w//,/}${PEERS_TAG:-}
