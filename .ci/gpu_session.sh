@@ -696,7 +696,8 @@ PY
       # bf16 or fp8) whole under torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once:
       # GPU time by kernel group and the heaviest kernels side by side
       # (benchmarks/run_kernels.py); then $RUNK_AFTER's steps on GPU 0; RUNK_LIMIT a run
-      # RUNK_SYSTEMS=pagedgen: pagedgen alone, on the GPU this step was given (a PAIR_AFTER)
+      # RUNK_SYSTEMS=pagedgen: pagedgen alone, on the GPU this step was given (a PAIR_AFTER);
+      # vLLM's weights: the run's third part or the last of PEERS_VLLM_WEIGHTS
       runs=${RUNK_RUNS:-m:bf16}
       mine=0; [ "${RUNK_SYSTEMS:-}" = pagedgen ] && mine=${CUDA_VISIBLE_DEVICES:-0}
       if [ "${RUNK_SYSTEMS:-}" != pagedgen ]; then
@@ -704,7 +705,7 @@ PY
           run_parts "$r"
           timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
             benchmarks.run_kernels --workload "$w" \
-            $([ "$q" = fp8 ] && echo "--quantization fp8") \
+            $([ "$q" = fp8 ] && echo "--quantization fp8") --vllm-weights "${vw##*,}" \
             --systems vllm --json "$S/runk-vllm-$w-$q.json"
         done > "$S/runk-vllm.txt" &
       fi

@@ -47,9 +47,9 @@ def rows(seqs: tuple[int, ...] = (256, 64)) -> list[dict]:
         qsl = torch.arange(n + 1, device=dev, dtype=torch.int32)
         out = torch.empty(n, HV * DV, device=dev, dtype=torch.bfloat16)
         for state_dtype in (torch.float32, torch.bfloat16):
-            ssm = torch.randn(n, HV, DK, DV, device=dev, dtype=state_dtype) * 0.1
+            ssm = torch.randn(n, HV, DV, DK, device=dev, dtype=state_dtype) * 0.1
             floor_us = 2 * ssm.numel() * ssm.element_size() / bw * 1e6
-            for bv in (32, 64):
+            for bv in (16, 32, 64):
                 for warps in (1, 2, 4):
                     def launch():
                         tk.gated_delta_kernel[(DV // bv, HV, n)](
@@ -110,7 +110,7 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
         v = torch.randn(t, HV, DV, device=dev, dtype=torch.bfloat16)
         g = -torch.rand(t, HV, device=dev) * 0.1  # log decay
         beta = torch.rand(t, HV, device=dev)
-        h0 = torch.randn(n, HV, DK, DV, device=dev) * 0.1  # [N, H, K, V], ours and fla's
+        h0 = torch.randn(n, HV, DK, DV, device=dev) * 0.1  # [N, H, K, V]: fla's
         cu = torch.arange(0, t + 1, length, device=dev, dtype=torch.long)
         cu_cpu = cu.cpu()
 

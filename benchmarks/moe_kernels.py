@@ -9,7 +9,10 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 (``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
 (``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
-    python -m benchmarks.moe_kernels [--json out.json]
+``--align``: the slot sort alone (``align_triton``) at decode and small-prefill slot counts
+of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128, Mixtral's 8), for each warp count.
+
+    python -m benchmarks.moe_kernels [--align] [--json out.json]
 """
 
 from __future__ import annotations
@@ -172,13 +175,39 @@ def vllm_times() -> dict | str:
         return json.loads(out.read_text())
 
 
+def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16),
+                       (256, 8, 2048, 64), (128, 8, 256, 16), (8, 2, 256, 16)),
+               warps=(4, 8, 16, 32)) -> list[dict]:
+    from pagedgen.runtime.layers import moe_kernels as mk
+
+    rows = []
+    for e, k, t, block_m in cases:
+        logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
+        _, ids = mk.route(logits, k, True)
+        row = {"experts": e, "top_k": k, "tokens": t, "block_m": block_m,
+               "torch_us": round(1000 * _replay_ms(lambda: mk.align_reference(ids, e, block_m),
+                                                   calls=20), 2)}
+        for w in warps:
+            row[f"warps_{w}_us"] = round(1000 * _replay_ms(
+                lambda: mk.align_triton(ids, e, block_m, num_warps=w), calls=20), 2)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--vllm-worker")
+    ap.add_argument("--align", action="store_true")
     args = ap.parse_args()
     if args.vllm_worker:
         _vllm_worker(args.vllm_worker)
+        return
+    if args.align:
+        rows = align_rows()
+        if args.json:
+            Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
         return
     from pagedgen.runtime.hardware import copy_bandwidth
     from pagedgen.runtime.layers.moe import expected_active_experts

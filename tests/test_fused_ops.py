@@ -94,6 +94,20 @@ def test_gated_rms_norm(device, dtype, d):
                                fused_ops.gated_rms_norm_ref(x, z, w, 1e-6), **TOL[dtype])
 
 
+@pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.parametrize("n", [64, 1500])
+def test_gated_add(device, dtype, n):
+    """The shared expert's output into the routed experts' buffer, in place: torch's sigmoid,
+    multiply and add, each rounded to the activation dtype (within a unit in the last place)."""
+    out = _randn(7, n, device=device, dtype=dtype, seed=0)
+    x = _randn(7, n, device=device, dtype=dtype, seed=1)
+    logit = _randn(7, 3, device=device, dtype=dtype, seed=2)[:, 1:2] * 4  # a column's view
+    want = fused_ops.gated_add_ref(out.clone(), x, logit)
+    got = out.clone()
+    assert fused_ops.gated_add_fused(got, x, logit) is got
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
 def test_empty_batches():
     x = torch.empty(0, 64)
     w = torch.ones(64)

@@ -26,7 +26,7 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 HAVE_FLA = importlib.util.find_spec("fla") is not None
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, their prefill
-DECODE_LAUNCH = (64, 2)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
+DECODE_LAUNCH = (32, 1)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 # conv_kernel's (tokens, channels) a program: for steps of up to CONV_SMALL_STEP tokens (decodes)
 # and for longer ones (prefill chunks); benchmarks/gdn_kernels.py --conv
 CONV_TILES = ((4, 512), (32, 128))
@@ -146,26 +146,25 @@ class GatedDeltaImpl:
         qk = qk_norm_triton(mixed[:n], s.num_k_heads, s.head_k)
         v = mixed[:n, 2 * key:].reshape(n, s.num_v_heads, s.head_v)
         g, beta = reference.gates(a[:n], b[:n], a_log, dt_bias)
-        h0 = state.ssm[slots].float() * has[:p, None, None, None]  # [p, Hv, Dk, Dv]
+        h0 = state.ssm[slots].float() * has[:p, None, None, None]  # [p, Hv, Dv, Dk]
         cu = md.query_start_loc[:p + 1].long()  # FlashInfer's split path takes int64 only
         if self.kernels.prefill == "flashinfer":
             from flashinfer.gdn_prefill import chunk_gated_delta_rule
 
-            # its states are [N, H, Dv, Dk]; decay as exp(g); outputs straight into ``out``
+            # its states are laid out as ours; decay as exp(g); outputs straight into ``out``
             _, ht = chunk_gated_delta_rule(
-                qk[0], qk[1], v.contiguous(), g=g.exp(), beta=beta,
-                initial_state=h0.transpose(-1, -2).contiguous(), output_final_state=True,
-                cu_seqlens=cu, output=out[:n])
-            ht = ht.transpose(-1, -2)
+                qk[0], qk[1], v.contiguous(), g=g.exp(), beta=beta, initial_state=h0,
+                output_final_state=True, cu_seqlens=cu, output=out[:n])
         else:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
             cu_cpu = torch.tensor([0] + md.query_lens_cpu[:p]).cumsum(0)
-            o, ht = chunk_gated_delta_rule(
+            o, ht = chunk_gated_delta_rule(  # its states are [N, H, Dk, Dv]
                 qk[0, None], qk[1, None], v[None], g=g[None], beta=beta.to(v.dtype)[None],
-                initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                initial_state=h0.mT.contiguous(), output_final_state=True, cu_seqlens=cu,
                 cu_seqlens_cpu=cu_cpu)
             out[:n] = o[0]
+            ht = ht.mT
         state.ssm.index_copy_(0, slots, ht.to(state.ssm.dtype))
 
 

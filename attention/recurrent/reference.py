@@ -106,8 +106,9 @@ def gated_delta(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torc
                 head_k: int, head_v: int) -> torch.Tensor:
     """A step's gated delta rule over its sequences in order (each ``query_lens`` tokens of
     ``qkv`` [T, 2 * Hk * Dk + Hv * Dv], after the convolution): reads and writes the states
-    ``ssm[slots]`` [Hv, Dk, Dv] (a sequence without ``has_state`` starts from zero). → o [T,
-    Hv, Dv] in ``qkv``'s dtype."""
+    ``ssm[slots]`` [Hv, Dv, Dk] (the slots' layout, ``state.py``; the math here runs on their
+    transposes; a sequence without ``has_state`` starts from zero). → o [T, Hv, Dv] in
+    ``qkv``'s dtype."""
     key = num_k_heads * head_k
     q, k, v = qkv.split([key, key, qkv.shape[-1] - 2 * key], -1)
     hv = v.shape[-1] // head_v
@@ -122,13 +123,13 @@ def gated_delta(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_log: torc
         if single:  # one batched step
             idx = torch.tensor(list(slots[i:j]), device=ssm.device)
             s0 = ssm[idx].float() * _mask(has_state[i:j], ssm.device)[:, None, None, None]
-            out[t], s1 = gated_delta_step(q[t], k[t], v[t], g[t], beta[t], s0)
-            ssm[idx] = s1.to(ssm.dtype)
+            out[t], s1 = gated_delta_step(q[t], k[t], v[t], g[t], beta[t], s0.mT)
+            ssm[idx] = s1.mT.to(ssm.dtype)
         else:
-            s0 = ssm[slots[i]].float() if has_state[i] else torch.zeros(
-                ssm.shape[1:], dtype=torch.float32, device=ssm.device)
+            s0 = (ssm[slots[i]].float() if has_state[i] else torch.zeros(
+                ssm.shape[1:], dtype=torch.float32, device=ssm.device)).mT
             out[t], s1 = gated_delta_chunked(q[t], k[t], v[t], g[t], beta[t], s0)
-            ssm[slots[i]] = s1.to(ssm.dtype)
+            ssm[slots[i]] = s1.mT.to(ssm.dtype)
         start += n
     return out.to(qkv.dtype)
 

@@ -1,13 +1,14 @@
 """The recurrent state of linear-attention layers: a slot per running sequence.
 
-A gated-delta layer's slot holds the delta-rule matrix [value heads, key dim, value dim] (in
-``ssm_dtype`` where the checkpoint's config names one: Qwen3.5's say float32, as the serving
-stacks keep it) and the causal convolution's last ``K - 1`` inputs [K - 1, conv channels] (in
-the model's dtype: a row per input, so a step's kernels read and write it along the
-channels). Slots are handed out with seats (a sequence holds one while it runs:
-``runtime/engine/block_manager.py``); the last slot is the scratch slot that CUDA-graph
-padding rows write. A fork (``n`` samples) copies its parent's slot; a preempted sequence's
-slot is freed and rebuilt by the recompute.
+A gated-delta layer's slot holds the delta-rule matrix [value heads, value dim, key dim] (a row
+of key weights per value channel, so that a kernel's block of rows is one span of memory, and
+FlashInfer's chunked prefill reads it as it is; in ``ssm_dtype`` where the checkpoint's config
+names one: Qwen3.5's say float32, as the serving stacks keep it) and the causal convolution's
+last ``K - 1`` inputs [K - 1, conv channels] (in the model's dtype: a row per input, so a
+step's kernels read and write it along the channels). Slots are handed out with seats (a
+sequence holds one while it runs: ``runtime/engine/block_manager.py``); the last slot is the
+scratch slot that CUDA-graph padding rows write. A fork (``n`` samples) copies its parent's
+slot; a preempted sequence's slot is freed and rebuilt by the recompute.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class GatedDeltaSpec:
     def shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(conv state, delta-rule state) shapes of one slot."""
         return ((self.conv_kernel - 1, self.conv_dim),
-                (self.num_v_heads, self.head_k, self.head_v))
+                (self.num_v_heads, self.head_v, self.head_k))
 
     def dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
         """(conv state, delta-rule state) dtypes in a model of ``dtype``."""
@@ -55,7 +56,7 @@ class GatedDeltaSpec:
 
 @dataclass
 class LayerState:
-    """One layer's slots: ``conv`` [slots, K - 1, C], ``ssm`` [slots, Hv, Dk, Dv]."""
+    """One layer's slots: ``conv`` [slots, K - 1, C], ``ssm`` [slots, Hv, Dv, Dk]."""
 
     conv: torch.Tensor
     ssm: torch.Tensor

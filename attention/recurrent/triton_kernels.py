@@ -9,8 +9,9 @@
   inputs (one program per (prefill, channel block): every read before the barrier, then the
   writes).
 * ``gated_delta_kernel``: the delta rule over each sequence's new tokens in order, one program
-  per (value block, value head, sequence): the state block [Dk, BV] stays in registers from the
-  first token to the last, read from the sequence's slot once and written back once; the gates
+  per (value block, value head, sequence): the state block [BV, Dk] (BV value rows of the slot's
+  [Dv, Dk] matrix: one span of memory) stays in registers from the first token to the last,
+  read from the sequence's slot once and written back once; the gates
   (``g``, ``beta``) and the q/k L2 norms are computed in the kernel. A decode is the one-token
   case; long prefills go to a library's chunked kernel where one runs (``gated_delta.py``).
 * ``qk_norm_kernel``: those prefills' q and k heads L2-normalized into one contiguous
@@ -95,8 +96,8 @@ def conv_state_kernel(X, stride_x, Conv, Slots, HasState, QSL, C, K: tl.constexp
 def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots, HasState, QSL,
                        O, stride_o, HK, HV, scale, DK: tl.constexpr, DV: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr):
-    # the value blocks of one head are neighbouring programs: together they read its state
-    # [Dk, Dv] as one span
+    # each program's state block is BV whole value rows of the head's [Dv, Dk] matrix: one span
+    # of memory; the head's value blocks are neighbouring programs
     s = tl.program_id(2)
     hv = tl.program_id(1)
     hk = hv // (HV // HK)
@@ -106,9 +107,9 @@ def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots,
     start = tl.load(QSL + s)
     end = tl.load(QSL + s + 1)
     slot = tl.load(Slots + s).to(tl.int64)
-    has = (tl.zeros([BK, BV], dtype=tl.int32) + tl.load(HasState + s)) != 0
-    ptr = S + (slot * HV + hv) * DK * DV + rk[:, None] * DV + rv[None, :]
-    sm = km[:, None] & vm[None, :]
+    has = (tl.zeros([BV, BK], dtype=tl.int32) + tl.load(HasState + s)) != 0
+    ptr = S + (slot * HV + hv) * DV * DK + rv[:, None] * DK + rk[None, :]
+    sm = vm[:, None] & km[None, :]
     state = tl.load(ptr, mask=sm & has, other=0.0).to(tl.float32)
     a_log = tl.load(ALog + hv).to(tl.float32)
     dt_bias = tl.load(DtBias + hv).to(tl.float32)
@@ -125,9 +126,9 @@ def gated_delta_kernel(QKV, stride_qkv, A, B, stride_ab, ALog, DtBias, S, Slots,
         b = tl.load(B + t * stride_ab + hv).to(tl.float32)
         beta = 1.0 / (1.0 + tl.exp(-b))
         state = state * tl.exp(g)
-        delta = (v - tl.sum(state * k[:, None], 0)) * beta
-        state = state + k[:, None] * delta[None, :]
-        o = tl.sum(state * q[:, None], 0)
+        delta = (v - tl.sum(state * k[None, :], 1)) * beta
+        state = state + delta[:, None] * k[None, :]
+        o = tl.sum(state * q[None, :], 1)
         tl.store(O + t * stride_o + hv * DV + rv, o.to(O.dtype.element_ty), mask=vm)
     tl.store(ptr, state.to(S.dtype.element_ty), mask=sm)
 

@@ -8,6 +8,8 @@
 * ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 * ``gated_rms_norm(x, z, w, eps)``: a linear-attention layer's output, RMS-normed per head and
   scaled by ``silu(z)`` (Qwen3.5, Qwen3-Next), for rows of heads at any token stride.
+* ``gated_add_(out, x, logit)``: a shared expert's output scaled by the sigmoid of its gate's
+  logit and added to the routed experts' (Qwen2-MoE, Qwen3.5-MoE).
 
 Unfused, these are chains of small torch kernels (casts, reductions, multiplies, a cat for the
 rotation): about 35 launches per layer, each a full pass over memory. The kernels round where
@@ -115,6 +117,18 @@ if HAVE_TRITON:
         s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
         tl.store(Out + t * stride_o + cols, (s * u).to(Out.dtype.element_ty), mask=mask)
 
+
+    @triton.jit
+    def gated_add_kernel(Out, X, G, stride_o, stride_x, stride_g, N, BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < N
+        g = tl.load(G + t * stride_g).to(tl.float32)
+        s = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
+        x = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (s * x).to(Out.dtype.element_ty).to(tl.float32)
+        o = tl.load(Out + t * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(Out + t * stride_o + cols, (o + y).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def silu_and_mul_quant_kernel(X, Q, S, stride_x, stride_q, N, BLOCK: tl.constexpr,
@@ -302,4 +316,26 @@ def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         gated_rms_norm_kernel[(triton.cdiv(t * h, rows),)](
             x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), t * h, h, eps, D=d,
             BD=triton.next_power_of_2(d), BR=rows, num_warps=4)
+    return out
+
+
+# ---- a shared expert's gated output added to the routed experts' -----------------------------
+
+def gated_add_ref(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """``out += sigmoid(logit) * x`` in place (``out``, ``x`` [T, H], ``logit`` [T, 1]), each
+    op rounded to the activation dtype (transformers' ``Qwen2MoeSparseMoeBlock``)."""
+    return out.add_(torch.sigmoid(logit) * x)
+
+
+def gated_add_fused(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """``gated_add_ref`` in one kernel over [rows, 1024-column blocks], rounding where it
+    rounds (rows with a column stride other than 1: ``gated_add_ref``)."""
+    t, n = out.shape
+    if out.stride(1) != 1 or x.stride(1) != 1:
+        return gated_add_ref(out, x, logit)
+    if t:
+        block = min(1024, triton.next_power_of_2(n))
+        gated_add_kernel[(t, triton.cdiv(n, block))](
+            out, x, logit, out.stride(0), x.stride(0), logit.stride(0), n, BLOCK=block,
+            num_warps=4)
     return out

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED  # as fused_ops reads it
-from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
+from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED, quantize_activations
 from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
@@ -326,9 +325,10 @@ if HAVE_TRITON:
     def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
                       num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                       CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, PAD: tl.constexpr):
-        """One program: count each expert's slots, lay its blocks out, write the sentinel
-        where no slot goes (each run's padding, the rows past the last run), then scatter
-        every slot to the next free row of its expert's run (an atomic cursor per expert)."""
+        """One program: count each expert's slots, lay its blocks out (each expert names its
+        own: as many rounds as the busiest has blocks), write the sentinel where no slot goes
+        (runs' padding, rows past the last run), then scatter every slot to the next free row
+        of its expert's run (an atomic cursor per expert)."""
         experts = tl.arange(0, E_PAD)
         counts = tl.zeros((E_PAD,), dtype=tl.int32)
         for start in range(0, n, CHUNK):
@@ -348,10 +348,11 @@ if HAVE_TRITON:
             offs = start + tl.arange(0, CHUNK)  # the blocks past the last run
             tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
                      mask=offs < num_blocks * BLOCK_M)
-        for start in range(0, num_blocks, B_CHUNK):
+        for j in range(0, tl.max(blocks, 0)):
+            tl.store(block_experts_ptr + block_end - blocks + j, experts, mask=j < blocks)
+        for start in range(tl.max(block_end, 0), num_blocks, B_CHUNK):  # and past the last
             b = start + tl.arange(0, B_CHUNK)
-            owner = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
-            tl.store(block_experts_ptr + b, tl.where(owner < num_experts, owner, -1),
+            tl.store(block_experts_ptr + b, tl.zeros((B_CHUNK,), dtype=tl.int32) - 1,
                      mask=b < num_blocks)
         tl.debug_barrier()  # the cursors stored before any thread adds to them
         for start in range(0, n, CHUNK):
@@ -374,7 +375,7 @@ def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights, ids
 
 
-def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
+def align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 8
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     flat = ids.reshape(-1)
     n = flat.numel()
@@ -385,8 +386,8 @@ def align_triton(ids: torch.Tensor, num_experts: int, block_m: int
     cursor = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
     _align_kernel[(1,)](flat.int() if flat.dtype != torch.int32 else flat, slots,
                         block_experts, cursor, n, num_experts, nb, E_PAD=e_pad,
-                        BLOCK_M=block_m, CHUNK=1024, B_CHUNK=64, PAD=min(block_m, 16),
-                        num_warps=8)
+                        BLOCK_M=block_m, CHUNK=1024, B_CHUNK=256, PAD=min(block_m, 16),
+                        num_warps=num_warps)
     return slots, block_experts
 
 
@@ -494,7 +495,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
     slot_weights = weights.reshape(-1).float()
     down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,
-                        block_experts, n, tiles[1], 1,
-                        gated=False, weights=slot_weights, w_scale=s2,
-                        a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2)
+                        block_experts, n, tiles[1], 1, gated=False, weights=slot_weights,
+                        w_scale=s2, a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2)
     return slot_sum(down, top_k, out)

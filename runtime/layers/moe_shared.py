@@ -12,7 +12,7 @@ from torch import nn
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import fused_ops, moe_kernels as mk
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe import SparseMoeBlock
 from pagedgen.runtime.quantization.unquantized import Unquantized
@@ -29,13 +29,15 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert = shared_expert
         self.shared_expert_gate = ColumnParallelLinear(
             hidden, [(None, Segment(None, 1, 0, 1, 0))], False, Unquantized())
+        self.fused = False  # ``use_fused_kernels``: the gated add in one kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with scope("shared_expert"):
             shared = self.shared_expert.partial_sums(x)
-            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            logit = self.shared_expert_gate(x)
         weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
         partial = self.tp.partial_output(x.shape[0], x.shape[1], x.dtype,
                                          lambda out: self.experts(x, weights, ids, out))
-        partial.add_(shared)
+        (fused_ops.gated_add_fused if self.fused else fused_ops.gated_add_ref)(
+            partial, shared, logit)
         return partial if self.defer_reduce else self.tp.reduce_partial(partial)
