@@ -338,19 +338,19 @@ if HAVE_TRITON:
         counts = tl.where(experts < num_experts, counts, 0)  # the last bin held the padding
         blocks = (counts + BLOCK_M - 1) // BLOCK_M
         block_end = tl.cumsum(blocks, 0)
-        run_start = (block_end - blocks) * BLOCK_M
-        tl.store(cursor_ptr + experts, run_start)
+        first_block, used = block_end - blocks, tl.max(block_end, 0)
+        tl.store(cursor_ptr + experts, first_block * BLOCK_M)  # each run's first row
         sentinel = tl.zeros((E_PAD, PAD), dtype=tl.int32) + n
         for j0 in tl.static_range(0, BLOCK_M, PAD):  # each run's rows past its slots
-            row = (run_start + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
+            row = (first_block * BLOCK_M + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
             tl.store(slots_ptr + row, sentinel, mask=row < (block_end * BLOCK_M)[:, None])
-        for start in range(tl.max(block_end, 0) * BLOCK_M, num_blocks * BLOCK_M, CHUNK):
+        for start in range(used * BLOCK_M, num_blocks * BLOCK_M, CHUNK):
             offs = start + tl.arange(0, CHUNK)  # the blocks past the last run
             tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
                      mask=offs < num_blocks * BLOCK_M)
         for j in range(0, tl.max(blocks, 0)):
-            tl.store(block_experts_ptr + block_end - blocks + j, experts, mask=j < blocks)
-        for start in range(tl.max(block_end, 0), num_blocks, B_CHUNK):  # and past the last
+            tl.store(block_experts_ptr + first_block + j, experts, mask=j < blocks)
+        for start in range(used, num_blocks, B_CHUNK):  # and past the last
             b = start + tl.arange(0, B_CHUNK)
             tl.store(block_experts_ptr + b, tl.zeros((B_CHUNK,), dtype=tl.int32) - 1,
                      mask=b < num_blocks)
