@@ -66,7 +66,7 @@ def _replay_ms(fn, calls: int = 5) -> float:
 
 
 def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk, moe_route
     from pagedgen.runtime.layers.moe_plan import plan_moe
     from pagedgen.runtime.layers.moe_sum import slot_sum, slot_sum_reference
 
@@ -78,14 +78,14 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
             x, w13, w2, logits = _inputs(shape, t)
             plan = plan_moe(w13, w2, k)
             tiles = plan.choose(t)
-            weights, ids = mk.route(logits, k, renorm)
+            weights, ids = moe_route.route(logits, k, renorm)
             slots, experts = mk.align(ids, e, tiles[0].block_m)
             inter = x.new_empty(t * k, i)
             down = x.new_empty(t * k, h)
             row = {
                 "total": _replay_ms(lambda: mk.fused_experts(
-                    x, w13, w2, *mk.route(logits, k, renorm), tiles)),
-                "route": _replay_ms(lambda: mk.route(logits, k, renorm)),
+                    x, w13, w2, *moe_route.route(logits, k, renorm), tiles)),
+                "route": _replay_ms(lambda: moe_route.route(logits, k, renorm)),
                 "align": _replay_ms(lambda: mk.align(ids, e, tiles[0].block_m)),
                 "gate_up": _replay_ms(lambda: mk.grouped_gemm(
                     x, w13, inter, slots, experts, t * k, tiles[0], k, gated=True)),
@@ -98,7 +98,7 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
                 "tiles": f"{tiles[0].name} / {tiles[1].name}"}
             if moe_grouped_mm.available(w13):  # torch's grouped GEMM, for prefill counts
                 row["torch_grouped"] = _replay_ms(lambda: moe_grouped_mm.experts(
-                    x, w13, w2, *mk.route(logits, k, renorm),
+                    x, w13, w2, *moe_route.route(logits, k, renorm),
                     silu_and_mul=fused_ops.silu_and_mul_fused))
                 if t >= plan.grouped_mm_from:  # what the layer runs at this count
                     row["tiles"], row["total"] = "torch grouped GEMM", row["torch_grouped"]
@@ -109,18 +109,18 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
 
 def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
     """The layer's time with these experts quantized to e4m3 per output channel."""
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk
+    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk, moe_route
     from pagedgen.runtime.layers.moe_plan import plan_moe
 
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2)
     plan = plan_moe(q13, q2, k, scales, x.dtype)
     tiles, a8 = plan.choose(t), plan.native(t)
     row = {"fp8": _replay_ms(lambda: mk.fused_experts(
-        x, q13, q2, *mk.route(logits, k, renorm), tiles, None, scales, a8)),
+        x, q13, q2, *moe_route.route(logits, k, renorm), tiles, None, scales, a8)),
         "fp8_mode": ("w8a8 " if a8 else "w8a16 ") + tiles[0].name}
     if moe_grouped_mm.available(q13, scales):
         row["fp8_torch_grouped"] = _replay_ms(lambda: moe_grouped_mm.experts(
-            x, q13, q2, *mk.route(logits, k, renorm),
+            x, q13, q2, *moe_route.route(logits, k, renorm),
             silu_and_mul=fused_ops.silu_and_mul_fused, scales=scales))
         if t >= plan.grouped_mm_from:  # what the layer runs at this count
             row["fp8_mode"], row["fp8"] = "torch FP8 grouped GEMM", row["fp8_torch_grouped"]
@@ -178,12 +178,12 @@ def vllm_times() -> dict | str:
 def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16),
                        (256, 8, 2048, 64), (128, 8, 256, 16), (8, 2, 256, 16)),
                warps=(4, 8, 16, 32)) -> list[dict]:
-    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers import moe_kernels as mk, moe_route
 
     rows = []
     for e, k, t, block_m in cases:
         logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
-        _, ids = mk.route(logits, k, True)
+        _, ids = moe_route.route(logits, k, True)
         row = {"experts": e, "top_k": k, "tokens": t, "block_m": block_m,
                "torch_us": round(1000 * _replay_ms(lambda: mk.align_reference(ids, e, block_m),
                                                    calls=20), 2)}

@@ -7,12 +7,13 @@ drawn dense and stored through the MoE method's own load path, in whatever layou
 them.
 
     python -m benchmarks.mxfp4_experts [--model gpt-oss-20b] [--tokens 1,64,256] [--tiles A,B]
-        [--json F]
+        [--unfolded] [--json F]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -48,12 +49,16 @@ def main() -> None:
     ap.add_argument("--model", default="gpt-oss-20b", choices=sorted(SHAPES))
     ap.add_argument("--tokens", default="1,64,256")
     ap.add_argument("--tiles", default=None, help="these swapped tiles only (names, commas)")
+    ap.add_argument("--unfolded", action="store_true",
+                    help="convert with two multiplies, as for exponents past 128 (before/after)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dev = torch.device("cuda")
     shape = SHAPES[args.model]
     moe = layer(shape, dev)
     scales = moe.method.scales(moe)
+    if args.unfolded:
+        scales = dataclasses.replace(scales, small_exponents=False)
     per_expert = sum(t[0].numel() for t in (moe.w13_weight, moe.w2_weight, scales.w13,
                                             scales.w2))
     gbps = hardware.copy_bandwidth() / 1e9
@@ -61,7 +66,8 @@ def main() -> None:
                and (args.tiles is None or t.name in args.tiles.split(","))]
     rows = []
     print(f"{args.model}: {shape[0]} experts, top {shape[1]}, copy {gbps:,.0f} GB/s; "
-          f"{torch.cuda.get_device_name(dev)}")
+          f"{torch.cuda.get_device_name(dev)}; conversion "
+          f"{'folded' if scales.small_exponents else 'two multiplies'}")
     for tokens in map(int, args.tokens.split(",")):
         x = torch.randn(tokens, shape[2], device=dev, dtype=torch.bfloat16) * 0.5
         weights, ids = random_routing(tokens, shape[0], shape[1], dev)
@@ -91,7 +97,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model, "gpu": torch.cuda.get_device_name(dev),
-                       "copy_gbps": gbps, "rows": rows}, f, indent=2)
+                       "copy_gbps": gbps, "folded": scales.small_exponents, "rows": rows},
+                      f, indent=2)
 
 
 if __name__ == "__main__":

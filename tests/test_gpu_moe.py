@@ -29,20 +29,22 @@ def _layer(e: int, k: int, h: int, i: int, t: int, seed: int = 0):
     return x, w13, w2, weights, ids
 
 
-def _gpt_oss_layer(t: int) -> SimpleNamespace:
+def _gpt_oss_layer(t: int, magnitude: float = 1.0) -> SimpleNamespace:
     """gpt-oss-20b's experts (32, 4 per token, 2880 -> 2880) for ``t`` tokens in MXFP4
-    (``q13``, ``q2``, ``scales``), biased and clamped, and the loop's float32 result on the
-    dequantized weights (``ref``)."""
+    (``q13``, ``q2``, ``scales``: small exponents unless ``magnitude`` scales the weights
+    past them), biased and clamped, and the loop's float32 result on the dequantized
+    weights (``ref``)."""
     from pagedgen.runtime.quantization import mxfp4
     from pagedgen.runtime.quantization.fp8_moe import ExpertScales
     from test_mxfp4_moe import packed
     x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
-    (q13, s13, d13), (q2, s2, d2) = packed(w13), packed(w2)
+    (q13, s13, d13), (q2, s2, d2) = packed(w13 * magnitude), packed(w2)
     act = clamped_swiglu(1.702, 7.0)
     bias13 = torch.randn(32, 5760, device="cuda") * 0.1
     bias2 = torch.randn(32, 2880, device="cuda") * 0.1
     ref = mk.reference(x.float(), d13, d2, weights, ids, act, bias13, bias2)
-    return SimpleNamespace(x=x, q13=q13, q2=q2, scales=ExpertScales(s13, s2, mxfp4.GROUP),
+    scales = ExpertScales(s13, s2, mxfp4.GROUP, mxfp4.small_exponents(s13, s2))
+    return SimpleNamespace(x=x, q13=q13, q2=q2, scales=scales,
                            weights=weights, ids=ids, act=act, bias13=bias13, bias2=bias2,
                            ref=ref)
 
@@ -305,6 +307,22 @@ def test_mxfp4_experts_in_every_candidate_tile_equal_the_dequantized_loop(t):
     graph.replay()
     torch.cuda.synchronize()
     assert (out.float() - o.ref).abs().max().item() < 2e-2 * scale
+
+
+def test_mxfp4_experts_with_exponents_past_the_folded_range_equal_the_dequantized_loop():
+    """Gate/up weights 2^12 times larger (exponents past 128): the swapped tiles convert them
+    with the two multiplies, and the layer still equals the loop; at the usual size the same
+    tiles take the folded conversion (one multiply)."""
+    for magnitude, small in ((4096.0, False), (1.0, True)):
+        o = _gpt_oss_layer(64, magnitude)
+        assert o.scales.small_exponents is small
+        scale = o.ref.abs().max().item()
+        for name, tiles in CANDIDATES.items():
+            if tiles.swap:
+                got = mk.fused_experts(o.x, o.q13, o.q2, o.weights, o.ids, (tiles, tiles),
+                                       None, o.scales, act=o.act, b13=o.bias13, b2=o.bias2)
+                err = (got.float() - o.ref).abs().max().item()
+                assert err < 2e-2 * scale, (name, magnitude, err, scale)
 
 
 def test_mxfp4_experts_written_out_dense_equal_the_dequantized_loop():

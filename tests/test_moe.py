@@ -13,7 +13,7 @@ import torch
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import moe_kernels as mk, moe_route
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
 from pagedgen.runtime.models import registry
@@ -38,7 +38,7 @@ def _experts(t: int, e: int, k: int, h: int, i: int, dtype=torch.float32, seed: 
     x = torch.randn(t, h, generator=g).to(dtype)
     w13 = (torch.randn(e, 2 * i, h, generator=g) * 0.1).to(dtype)
     w2 = (torch.randn(e, h, i, generator=g) * 0.1).to(dtype)
-    weights, chosen = mk.route(torch.randn(t, e, generator=g), k, renormalize=True)
+    weights, chosen = moe_route.route(torch.randn(t, e, generator=g), k, renormalize=True)
     return x, w13, w2, weights, chosen
 
 
@@ -90,8 +90,8 @@ def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, 
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
-ROUTES = [mk.route_reference, pytest.param(getattr(mk, "route_triton", None),
-                                           marks=INTERPRETED_ONLY, id="triton")]
+ROUTES = [moe_route.route_reference, pytest.param(getattr(moe_route, "route_triton", None),
+                                                  marks=INTERPRETED_ONLY, id="triton")]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -419,7 +419,7 @@ def test_torch_grouped_gemm_path_equals_the_per_expert_loop(dtype, top_k):
     w13 = (torch.randn(e, 2 * inter, h) * 0.1).to(dtype)
     w2 = (torch.randn(e, h, inter) * 0.1).to(dtype)
     x = torch.randn(t, h).to(dtype)
-    weights, ids = mk.route_reference(torch.randn(t, e), top_k, True)
+    weights, ids = moe_route.route_reference(torch.randn(t, e), top_k, True)
     ids[:, 0] = 3  # most slots to one expert; experts 6 and 7 get none
     ids = torch.where(ids >= 6, ids - 6, ids).int()  # as the Triton router gives them
     ref = mk.reference(x, w13, w2, weights, ids)

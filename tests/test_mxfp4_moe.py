@@ -235,3 +235,46 @@ def test_the_packed_conversions_bits_read_every_code_pair_times_two_to_the_minus
     for got, nibble in ((lo, lambda b: b & 15), (hi, lambda b: b >> 4)):
         want = torch.stack([table[nibble(byte)], table[nibble(other)]], -1)
         assert torch.equal(halves(got), want)
+
+
+@pytest.mark.skipif(not mk.HAVE_TRITON, reason="the PTX's constants live beside Triton kernels")
+def test_the_folded_conversion_scales_and_unbiases_every_code_with_one_multiply():
+    """With every exponent at most 128, the FOLDED PTX makes each exponent e the bf16 2^(e - 1)
+    (``folded_scale_bits``), and one bf16 multiply of the codes' bits (2^-126 times their
+    values) by it gives the value times 2^(e - 127) exactly; at 129 it would overflow, which
+    is why larger exponents keep the two multiplies."""
+    from pagedgen.runtime.quantization import mxfp4_kernels as fk
+    byte = torch.arange(256, dtype=torch.int64)
+    lo, hi = fk.e2m1_bf16_bits(byte | (byte.flip(0) << 16))
+    table = torch.tensor(mxfp4.E2M1, dtype=torch.float32)
+
+    def bf16(bits: torch.Tensor) -> torch.Tensor:  # the low half's bf16
+        return (bits & 0xFFFF).to(torch.int16).view(torch.bfloat16)
+    for e in range(1, mxfp4.FOLD_MAX_EXPONENT + 1):
+        scale = fk.folded_scale_bits(torch.tensor([e | (e << 16)]))
+        assert scale >> 16 == scale & 0xFFFF  # both halves, no carry between them
+        for bits, nibble in ((lo, byte & 15), (hi, byte >> 4)):
+            got = (bf16(bits) * bf16(scale)).float()
+            assert torch.equal(got, table[nibble] * 2.0 ** (e - 127)), e
+    over = bf16(fk.folded_scale_bits(torch.tensor([mxfp4.FOLD_MAX_EXPONENT + 1])))
+    assert torch.isinf(over.float()).all()
+
+
+def test_mxfp4_experts_say_whether_every_exponent_is_small_as_loaded():
+    """``scales`` says the experts take the one-multiply conversion while every exponent is at
+    most 128, and asks again after a load: one expert loaded with a larger one turns it off."""
+    from pagedgen.runtime.collectives.parallel import TensorParallel
+    from pagedgen.runtime.layers.moe import FusedMoE
+    from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
+    assert mxfp4.small_exponents(torch.tensor([3, mxfp4.FOLD_MAX_EXPONENT], dtype=torch.uint8))
+    assert not mxfp4.small_exponents(torch.tensor([mxfp4.FOLD_MAX_EXPONENT + 1],
+                                                  dtype=torch.uint8))
+    moe = FusedMoE(4, 2, 64, 32, TensorParallel(), method=Mxfp4Moe())
+    g = torch.Generator().manual_seed(0)
+    for name in FusedMoE.DRAWN:
+        moe.load_drawn(name, torch.randn(moe.drawn_shape(name), generator=g) * 0.02)
+    assert moe.method.scales(moe).small_exponents
+    big = torch.full((64, 32), 6.0 * 2.0 ** (mxfp4.FOLD_MAX_EXPONENT + 1 - 127))
+    moe.load_checkpoint_tensor("1.down_proj.weight", big)  # as a checkpoint's expert 1
+    assert int(moe.w2_weight_scale[1].max()) == mxfp4.FOLD_MAX_EXPONENT + 1
+    assert not moe.method.scales(moe).small_exponents

@@ -31,7 +31,7 @@ from torch import nn
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers import (fused_ops, moe_dequantized, moe_grouped_mm,
-                                     moe_kernels as mk)
+                                     moe_kernels as mk, moe_route)
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
@@ -268,7 +268,7 @@ class SparseMoeBlock(nn.Module):
         return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = moe_route.route(self.gate(x), self.top_k, self.renormalize)
 
         partial = self.tp.partial_output(x.shape[0], x.shape[1], x.dtype,
                                          lambda out: self.experts(x, weights, ids, out))

@@ -1,6 +1,6 @@
-"""Mixture-of-experts arithmetic: routing, tokens sorted by expert, and one grouped GEMM kernel
-(Triton, our own) run twice per layer: gate/up with SiLU-and-mul in its epilogue, then down
-with the routing weight in its epilogue.
+"""Mixture-of-experts arithmetic after routing (``moe_route``): tokens sorted by expert, and one
+grouped GEMM kernel (Triton, our own) run twice per layer: gate/up with SiLU-and-mul in its
+epilogue, then down with the routing weight in its epilogue.
 
 A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``align`` sorts the slots
 by expert into blocks of ``block_m`` rows (an expert's last block padded with the sentinel slot
@@ -31,24 +31,6 @@ try:
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the per-expert loop
     HAVE_TRITON = False
-
-
-def route(logits: torch.Tensor, top_k: int, renormalize: bool
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts (float32), the ``top_k`` largest: (weights float32 [T, k],
-    expert ids [T, k]); ``renormalize``: the chosen weights rescaled to sum to 1. One Triton
-    kernel on CUDA (``route_reference`` elsewhere)."""
-    if logits.is_cuda and HAVE_TRITON:
-        return route_triton(logits, top_k, renormalize)
-    return route_reference(logits, top_k, renormalize)
-
-
-def route_reference(logits: torch.Tensor, top_k: int, renormalize: bool
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    weights, ids = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
 
 
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -143,7 +125,7 @@ if HAVE_TRITON:
                              SCALED_DOT: tl.constexpr,
                              A_FORMAT: tl.constexpr, PER_ROW: tl.constexpr,
                              PRECISION: tl.constexpr, SWAP: tl.constexpr,
-                             EXP_WORDS: tl.constexpr,
+                             EXP_WORDS: tl.constexpr, FOLDED: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
@@ -154,7 +136,8 @@ if HAVE_TRITON:
         group), converted to A's dtype in registers unless A_FP8: A in e4m3 with scales [A
         rows, num_groups], both multiplied on the FP8 tensor cores. B_FP4: B in MXFP4's kernel
         layout (``mxfp4_tile``; exponents [E, groups, rows], ``stride_bsg`` a group apart,
-        EXP_WORDS: four a load), converted in registers; A's even and odd columns multiply
+        EXP_WORDS: four a load; FOLDED: each at most ``mxfp4.FOLD_MAX_EXPONENT``), converted
+        in registers; A's even and odd columns multiply
         B's low and high nibbles; or with SCALED_DOT, codes and scales as they are into
         ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. SWAP: each product
         is taken as (B A^T)^T, the weights the MMA's left operand (Hopper's takes it from
@@ -214,11 +197,11 @@ if HAVE_TRITON:
                 a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < K - k0)[None, :],
                             other=0.0)
                 w = mxfp4_rows(b_at, s_at, k0, n0, N, K, stride_bn, stride_bsg, a.dtype,
-                               BLOCK_N, BLOCK_K, EXP_WORDS)
+                               BLOCK_N, BLOCK_K, EXP_WORDS, FOLDED)
                 acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
                 if GATED:
                     w = mxfp4_rows(b_at + N * stride_bn, s_at + N, k0, n0, N, K, stride_bn,
-                                   stride_bsg, a.dtype, BLOCK_N, BLOCK_K, EXP_WORDS)
+                                   stride_bsg, a.dtype, BLOCK_N, BLOCK_K, EXP_WORDS, FOLDED)
                     acc_up = tl.dot(w, tl.trans(a), acc_up, input_precision=PRECISION)
             elif B_FP4:  # A's even columns meet the low nibbles, its odd ones the high
                 kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
@@ -228,13 +211,13 @@ if HAVE_TRITON:
                 a_hi = tl.load(a_row + 1, mask=valid[:, None] & (k_even + 1 < K)[None, :],
                                other=0.0)
                 lo, hi = mxfp4_tile(b_at, s_at, k0, n0, N, K, stride_bn, stride_bsg,
-                                    a_lo.dtype, BLOCK_N, BLOCK_K, EXP_WORDS)
+                                    a_lo.dtype, BLOCK_N, BLOCK_K, EXP_WORDS, FOLDED)
                 acc = tl.dot(a_lo, lo, acc, input_precision=PRECISION)
                 acc = tl.dot(a_hi, hi, acc, input_precision=PRECISION)
                 if GATED:
                     lo, hi = mxfp4_tile(b_at + N * stride_bn, s_at + N, k0, n0, N, K,
                                         stride_bn, stride_bsg, a_lo.dtype, BLOCK_N, BLOCK_K,
-                                        EXP_WORDS)
+                                        EXP_WORDS, FOLDED)
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
             else:
@@ -296,31 +279,6 @@ if HAVE_TRITON:
 
 
 if HAVE_TRITON:
-    @triton.jit
-    def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_t,
-                      TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                      RENORMALIZE: tl.constexpr):
-        """One token: softmax over its experts' logits, then TOP_K rounds of arg-max."""
-        t = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, E_PAD)
-        x = tl.load(logits_ptr + t * stride_t + offs, mask=offs < num_experts,
-                    other=-float("inf")).to(tl.float32)
-        p = tl.exp(x - tl.max(x, 0))
-        p = p / tl.sum(p, 0)
-        rank = tl.arange(0, K_PAD)
-        weights = tl.zeros((K_PAD,), dtype=tl.float32)
-        ids = tl.zeros((K_PAD,), dtype=tl.int32)
-        for j in tl.static_range(TOP_K):
-            best = tl.max(p, 0)
-            arg = tl.min(tl.where(p == best, offs, E_PAD), 0)  # the lowest index of the max
-            weights = tl.where(rank == j, best, weights)
-            ids = tl.where(rank == j, arg, ids)
-            p = tl.where(offs == arg, -1.0, p)
-        if RENORMALIZE:
-            weights = weights / tl.sum(weights, 0)
-        tl.store(weights_ptr + t * TOP_K + rank, weights, mask=rank < TOP_K)
-        tl.store(ids_ptr + t * TOP_K + rank, ids, mask=rank < TOP_K)
-
     @triton.jit(do_not_specialize=["n", "num_blocks"])
     def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
                       num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -363,18 +321,6 @@ if HAVE_TRITON:
             tl.store(slots_ptr + pos, offs, mask=ok)
 
 
-def route_triton(logits: torch.Tensor, top_k: int, renormalize: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    t, e = logits.shape
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=logits.device)
-    if t:
-        _route_kernel[(t,)](logits, weights, ids, e, logits.stride(0), TOP_K=top_k,
-                            K_PAD=triton.next_power_of_2(top_k),
-                            E_PAD=triton.next_power_of_2(e), RENORMALIZE=renormalize)
-    return weights, ids
-
-
 def align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 8
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     flat = ids.reshape(-1)
@@ -399,7 +345,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
                  gated: bool, weights: torch.Tensor | None = None,
                  w_scale: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
                  group_k: int | None = None, scaled_dot: bool = False,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, small_exps: bool = False) -> torch.Tensor:
     """``out[slot] = f(a[slot // a_row_div] @ w[expert]^T + bias[expert])`` for every sorted
     slot (``align`` with ``tiles.block_m``); ``gated``: ``w`` holds gate then up rows and ``f``
     is SiLU-and-mul (no ``bias`` then); ``weights`` (float32, per slot): the output scaled by
@@ -408,7 +354,8 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     columns narrows to it); ``a_scale``: ``a`` is e4m3 too, quantized per row (and K
     group). ``w`` uint8: MXFP4 in the kernel layout (``mxfp4.to_kernel_layout``: codes [E,
     rows, K / 2], ``w_scale`` their e8m0 exponents [E, K / 32, rows]), converted in
-    registers, or with ``scaled_dot`` (``a`` in bf16 or fp16) multiplied by
+    registers (``small_exps``: each exponent at most ``mxfp4.FOLD_MAX_EXPONENT``, converted
+    with one multiply fewer), or with ``scaled_dot`` (``a`` in bf16 or fp16) multiplied by
     ``tl.dot_scaled``."""
     fp4 = w.dtype == torch.uint8
     n = w.shape[1] // 2 if gated else w.shape[1]
@@ -448,6 +395,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
         SCALED_DOT=fp4 and scaled_dot, A_FORMAT=SCALED_DOT_FORMATS.get(a.dtype, "bf16"),
         PER_ROW=groups == 1 or fp4, EXP_WORDS=fp4 and exps_in_words(tiles.block_n, block_k),
+        FOLDED=fp4 and small_exps,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SWAP=tiles.swap,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -478,23 +426,26 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         block_experts = torch.where(block_experts == experts, -1, block_experts)
     inter = x.new_empty(n, w13.shape[1] // 2)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
+    small = scales is not None and scales.small_exponents
     fp8_input, dot = (native and w13.dtype != torch.uint8, native and w13.dtype == torch.uint8)
     a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
     plain = act is swiglu and b13 is None and b2 is None
     if plain:
         grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
-                     w_scale=s13, a_scale=a_scale, group_k=group_k, scaled_dot=dot)
+                     w_scale=s13, a_scale=a_scale, group_k=group_k, scaled_dot=dot,
+                     small_exps=small)
     else:
         expert = ids.reshape(-1).long()  # each slot's expert, for its biases (token-major)
         if dropped:
             expert = expert.clamp(max=experts - 1)  # a dropped slot's bias: weighted by 0
         gate_up = grouped_gemm(a, w13, x.new_empty(n, w13.shape[1]), slots, block_experts, n,
                                tiles[0], top_k, gated=False, w_scale=s13, a_scale=a_scale,
-                               group_k=group_k, scaled_dot=dot)
+                               group_k=group_k, scaled_dot=dot, small_exps=small)
         inter = bias_and_act(gate_up, act, b13, expert)
     a, a_scale = quantize_activations(inter, group_k) if fp8_input else (inter, None)
     slot_weights = weights.reshape(-1).float()
     down = grouped_gemm(a, w2, (x.new_zeros if dropped else x.new_empty)(n, h), slots,
                         block_experts, n, tiles[1], 1, gated=False, weights=slot_weights,
-                        w_scale=s2, a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2)
+                        w_scale=s2, a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2,
+                        small_exps=small)
     return slot_sum(down, top_k, out)

@@ -12,7 +12,7 @@ from torch import nn
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
-from pagedgen.runtime.layers import fused_ops, moe_kernels as mk
+from pagedgen.runtime.layers import fused_ops, moe_route
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe import SparseMoeBlock
 from pagedgen.runtime.quantization.unquantized import Unquantized
@@ -35,7 +35,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         with scope("shared_expert"):
             shared = self.shared_expert.partial_sums(x)
             logit = self.shared_expert_gate(x)
-        weights, ids = mk.route(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = moe_route.route(self.gate(x), self.top_k, self.renormalize)
         partial = self.tp.partial_output(x.shape[0], x.shape[1], x.dtype,
                                          lambda out: self.experts(x, weights, ids, out))
         (fused_ops.gated_add_fused if self.fused else fused_ops.gated_add_ref)(

@@ -23,11 +23,13 @@ from pagedgen.runtime.quantization.fp8_kernels import E4M3, dequantize, quantize
 class ExpertScales:
     """FP8 experts' float32 weight scales, rows as their weights' (``w13`` [E, 2I, G(H)],
     ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row); or
-    MXFP4 experts' e8m0 exponents (uint8, ``group_k`` 32: ``mxfp4_moe``)."""
+    MXFP4 experts' e8m0 exponents (uint8, ``group_k`` 32: ``mxfp4_moe``; ``small_exponents``:
+    each at most ``mxfp4.FOLD_MAX_EXPONENT``, which the GPU converts with one multiply fewer)."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     group_k: int | None = None
+    small_exponents: bool = False
 
     @classmethod
     def quantize(cls, w13: torch.Tensor, w2: torch.Tensor, group_k: int | None = None

@@ -17,6 +17,8 @@ import torch
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
 SCALE_BIAS = 127
+# the largest exponent the GPU's one-multiply conversion takes (``mxfp4_kernels``: FOLDED)
+FOLD_MAX_EXPONENT = 128
 
 
 def check_pair(blocks: torch.Tensor, scales: torch.Tensor) -> None:
@@ -52,6 +54,13 @@ def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = code.to(torch.uint8).unflatten(-1, (-1, 2))
     blocks = code[..., 0] | (code[..., 1] << 4)
     return blocks, (exp + SCALE_BIAS).to(torch.uint8)
+
+
+def small_exponents(*exps: torch.Tensor) -> bool:
+    """Whether every e8m0 exponent in ``exps`` is at most ``FOLD_MAX_EXPONENT`` (group peaks
+    up to 12: any checkpoint's weights), so the kernels take the one-multiply conversion. One
+    host sync."""
+    return all(e.numel() == 0 or int(e.max()) <= FOLD_MAX_EXPONENT for e in exps)
 
 
 def kernel_codes(codes: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,9 @@ codes (four rows a 32-bit word where a tile's are few: ``exps_in_words``).
 
 On the GPU, bf16 tiles come from ``e2m1_bf16``: PTX working on two values per 32-bit
 register (three integer operations place two codes' bits in a bf16 pair, two bf16x2
-multiplies scale them), where Triton's per-value arithmetic spends about ten instructions a
-value. Triton's interpreter runs the per-value way (``e2m1_values``)."""
+multiplies scale them, or one where every exponent of the experts is at most
+``mxfp4.FOLD_MAX_EXPONENT``: ``FOLDED``), where Triton's per-value arithmetic spends about ten
+instructions a value. Triton's interpreter runs the per-value way (``e2m1_values``)."""
 
 import torch
 import triton
@@ -34,32 +35,41 @@ LO_MASK, LO_MUL = 0x000F000F, (1 << 6) + (1 << 12)
 HI_MASK, HI_MUL = 0x00F000F0, (1 << 2) + (1 << 8)
 KEEP = 0x81C081C0
 UNBIAS = 0x7E807E80  # 2^126 in both bf16 halves
+# FOLDED: each exponent e made the bf16 2^(e - 1) = 2^126 * 2^(e - 127) at once,
+# (e << 7) + FOLD_BIAS, so one multiply scales and unbiases; finite while e + 126 < 255
+FOLD_BIAS = 0x3F003F00  # 126 << 7 in both halves (e up to mxfp4.FOLD_MAX_EXPONENT)
 
 
-def _pair_asm(half: int) -> str:
+def _pair_asm(half: int, folded: bool) -> str:
     """PTX for bytes ``2 * half`` and ``2 * half + 1`` of $4 (codes) and $5 (exponents):
     their low nibbles' bf16 pair into ``$half``, their high nibbles' into ``$(2 + half)``."""
     sel = "0x4342" if half else "0x4140"
+    scale = f"mad.lo.u32 s, s, 128, {FOLD_BIAS:#x};" if folded else "shl.b32 s, s, 7;"
+    unbias = "" if folded else "fma.rn.bf16x2 v, v, k, z;"
     return f"""
     prmt.b32 t, $4, 0, {sel};
     prmt.b32 s, $5, 0, {sel};
-    shl.b32 s, s, 7;
+    {scale}
     and.b32 v, t, {LO_MASK:#x};
     mul.lo.u32 v, v, {LO_MUL:#x};
     and.b32 v, v, {KEEP:#x};
-    fma.rn.bf16x2 v, v, k, z;
+    {unbias}
     fma.rn.bf16x2 ${half}, v, s, z;
     and.b32 v, t, {HI_MASK:#x};
     mul.lo.u32 v, v, {HI_MUL:#x};
     and.b32 v, v, {KEEP:#x};
-    fma.rn.bf16x2 v, v, k, z;
+    {unbias}
     fma.rn.bf16x2 ${2 + half}, v, s, z;"""
 
 
-E2M1_BF16_ASM = tl.constexpr(
-    "{\n.reg .b32 t, s, v, k, z;\n"
-    f"mov.b32 k, {UNBIAS:#x};\nmov.b32 z, 0x80008000;"  # -0.0: a * b + z is a * b
-    + _pair_asm(0) + _pair_asm(1) + "\n}")
+def _asm(folded: bool) -> str:
+    return ("{\n.reg .b32 t, s, v, k, z;\n"
+            f"mov.b32 k, {UNBIAS:#x};\nmov.b32 z, 0x80008000;"  # -0.0: a * b + z is a * b
+            + _pair_asm(0, folded) + _pair_asm(1, folded) + "\n}")
+
+
+E2M1_BF16_ASM = tl.constexpr(_asm(folded=False))
+E2M1_BF16_FOLDED_ASM = tl.constexpr(_asm(folded=True))
 PACKED_BF16 = tl.constexpr(not INTERPRETED)  # the interpreter runs no PTX
 
 
@@ -71,19 +81,33 @@ def e2m1_bf16_bits(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return place(LO_MASK, LO_MUL), place(HI_MASK, HI_MUL)
 
 
+def folded_scale_bits(exps: torch.Tensor) -> torch.Tensor:
+    """The FOLDED PTX's scale on int64 ``exps`` (an exponent in each 16-bit half's low
+    byte): the bf16 pair 2^(e - 1) of each, as an int64 word."""
+    return exps * 128 + FOLD_BIAS
+
+
 @triton.jit
-def e2m1_bf16(packed, exp):
+def e2m1_bf16(packed, exp, FOLDED: tl.constexpr):
     """MXFP4 bytes and their e8m0 scales (uint8, one shape): (low values, high values) in
-    bf16, by ``E2M1_BF16_ASM``, four bytes an instance."""
-    return tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, exp],
-                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    bf16, by ``E2M1_BF16_ASM`` (FOLDED: ``E2M1_BF16_FOLDED_ASM``), four bytes an instance."""
+    if FOLDED:
+        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_FOLDED_ASM, "=r,=r,=r,=r,r,r",
+                                           [packed, exp], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=4)
+    else:
+        lo, hi = tl.inline_asm_elementwise(E2M1_BF16_ASM, "=r,=r,=r,=r,r,r", [packed, exp],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True,
+                                           pack=4)
+    return lo, hi
 
 
 @triton.jit
-def e2m1_pair(packed, exp, dtype):
-    """``e2m1_values`` of uint8 codes and exponents, by the packed PTX where it applies."""
+def e2m1_pair(packed, exp, dtype, FOLDED: tl.constexpr = False):
+    """``e2m1_values`` of uint8 codes and exponents, by the packed PTX where it applies
+    (FOLDED: every exponent at most ``mxfp4.FOLD_MAX_EXPONENT``)."""
     if PACKED_BF16 and dtype == tl.bfloat16:
-        lo, hi = e2m1_bf16(packed, exp)
+        lo, hi = e2m1_bf16(packed, exp, FOLDED)
     else:
         lo, hi = e2m1_values(packed.to(tl.int32), exp.to(tl.int32), dtype)
     return lo, hi
@@ -160,7 +184,7 @@ def exps_in_words(block_n: int, block_k: int) -> bool:
 
 @triton.jit
 def mxfp4_tile(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+               BLOCK_K: tl.constexpr, WORDS: tl.constexpr, FOLDED: tl.constexpr = False):
     """B's [BLOCK_K, BLOCK_N] tile at columns [k0, k0 + BLOCK_K) of rows [n0, n0 + BLOCK_N)
     from MXFP4's kernel layout (codes [N, K / 2], exponents [K / 32, N] a group ``stride_sg``
     apart); (low nibbles, high nibbles) in ``dtype``, each [BLOCK_K / 2, BLOCK_N]."""
@@ -168,12 +192,12 @@ def mxfp4_tile(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: t
     exps = exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N, BLOCK_K, WORDS)
     exp = tl.reshape(tl.broadcast_to(exps[:, None, :], (BLOCK_K // 32, 16, BLOCK_N)),
                      (BLOCK_K // 2, BLOCK_N))
-    return e2m1_pair(codes, exp, dtype)
+    return e2m1_pair(codes, exp, dtype, FOLDED)
 
 
 @triton.jit
 def mxfp4_rows(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, WORDS: tl.constexpr):
+               BLOCK_K: tl.constexpr, WORDS: tl.constexpr, FOLDED: tl.constexpr = False):
     """The weights' rows [n0, n0 + BLOCK_N) at columns [k0, k0 + BLOCK_K) from MXFP4's
     kernel layout, [BLOCK_N, BLOCK_K] in ``dtype`` (the swapped product's left operand, in
     registers): each row's bytes loaded whole, a scale once per 32 columns."""
@@ -181,7 +205,7 @@ def mxfp4_rows(b_at, s_at, k0, n0, N, K, stride_bn, stride_sg, dtype, BLOCK_N: t
     exps = tl.trans(exps_by_k(s_at, k0, n0, N, K, stride_sg, BLOCK_N, BLOCK_K, WORDS))
     exp = tl.reshape(tl.broadcast_to(exps[:, :, None], (BLOCK_N, BLOCK_K // 32, 16)),
                      (BLOCK_N, BLOCK_K // 2))
-    lo, hi = e2m1_pair(packed, exp, dtype)
+    lo, hi = e2m1_pair(packed, exp, dtype, FOLDED)
     return tl.interleave(lo, hi)
 
 

@@ -47,6 +47,7 @@ class Mxfp4Moe(MoeMethod):
         here) or the exponents (``scales``: [rows, K / 32]) of expert ``e``'s projection
         ``part``, into the kernel layout (the exponents through a transposed view)."""
         name = "w2_weight" if part == "down" else "w13_weight"
+        layer.mxfp4_small_exponents = None  # asked again of the weights as loaded
         codes, exps = getattr(layer, name).data[e], getattr(layer, f"{name}_scale").data[e].T
         tensor = tensor[:]
         pairs = [(codes if kind == "weight" else exps, tensor)]
@@ -63,7 +64,13 @@ class Mxfp4Moe(MoeMethod):
             load_segment(param, part_shard, key, t)
 
     def scales(self, layer: nn.Module) -> ExpertScales:
-        return ExpertScales(layer.w13_weight_scale, layer.w2_weight_scale, mxfp4.GROUP)
+        """The exponents, and whether all are small (asked once after loading, a host sync:
+        the layer's kernel plan asks first, before any graph is captured)."""
+        small = getattr(layer, "mxfp4_small_exponents", None)
+        if small is None:
+            small = layer.mxfp4_small_exponents = mxfp4.small_exponents(
+                layer.w13_weight_scale, layer.w2_weight_scale)
+        return ExpertScales(layer.w13_weight_scale, layer.w2_weight_scale, mxfp4.GROUP, small)
 
     def dense(self, layer: nn.Module, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor]:
