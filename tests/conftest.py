@@ -13,6 +13,55 @@ if not torch.cuda.is_available():  # test our Triton kernels on CPU, in Triton's
 from pagedgen.attention.cases import PagedBatch, make_paged_batch, run_backend  # noqa: F401
 
 
+def _quicken_the_interpreter() -> None:
+    """Two things Triton's interpreter repeats for nothing, left out (same results; about a
+    third of an interpreted kernel's time in this suite): every integer add, subtract and
+    multiply is done again in int64 for an overflow check whose assert only a debug build
+    keeps (the interpreter's builder never has one), and every call of a ``@triton.jit``
+    device function patches ``triton.language`` again, though its kernel's launch already
+    has. Only where the interpreter runs and has these internals; TRITON_DEBUG keeps both."""
+    try:
+        import dataclasses
+
+        import triton
+        from triton.runtime import interpreter as ti
+        builder, rewrite = ti.interpreter_builder, ti.InterpretedFunction.rewrite
+        launch, call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
+    except (ImportError, AttributeError):
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1" or triton.knobs.runtime.debug:
+        return
+    builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+    patched: list[set] = []  # the language modules the running launch has patched
+
+    def langs(fn) -> set:
+        return {id(v) for v in fn.__globals__.values() if v is triton.language
+                or v is triton.language.core}
+
+    def launch_once(self, *args, **kwargs):
+        patched.append(langs(self.fn))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def call_patched(self, *args, **kwargs):
+        if patched and langs(self.fn) <= patched[-1]:  # already patched by its kernel
+            fn = rewrite(self)
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:
+                raise ti.InterpreterError(repr(e)) from e
+        if patched:  # patched now for the rest of the launch (the language core, say)
+            patched[-1] |= langs(self.fn)
+        return call(self, *args, **kwargs)
+
+    ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch_once, call_patched
+
+
+_quicken_the_interpreter()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -63,8 +63,9 @@ def _pair_asm(half: int, folded: bool) -> str:
 
 
 def _asm(folded: bool) -> str:
-    return ("{\n.reg .b32 t, s, v, k, z;\n"
-            f"mov.b32 k, {UNBIAS:#x};\nmov.b32 z, 0x80008000;"  # -0.0: a * b + z is a * b
+    unbias = "" if folded else f"mov.b32 k, {UNBIAS:#x};\n"
+    return ("{\n.reg .b32 t, s, v, k, z;\n" + unbias
+            + "mov.b32 z, 0x80008000;"  # -0.0: a * b + z is a * b
             + _pair_asm(0, folded) + _pair_asm(1, folded) + "\n}")
 
 
