@@ -83,20 +83,27 @@ def greedy(eng: Engine, prompts, n: int = 1) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(smol) -> list[list[int]]:
-    """transformers' greedy tokens: the argmax of its logits, step by step over its KV cache,
-    one prompt at a time (no padding; ``generate`` would hold EOS back to reach a length)."""
+    """transformers' greedy tokens: the argmax of its logits, step by step over its KV cache
+    (``generate`` would hold EOS back to reach a length), all prompts in one batch, padded on
+    the left with the mask and positions that make each row its own prompt's (the same
+    tokens as one prompt at a time, in a quarter of the time: the CPU's steps are the fp32
+    weights' reads)."""
     _, _, hf, prompts = smol
-    out = []
+    n, width = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(n, width, dtype=torch.long)
+    mask = torch.zeros(n, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+    out, past = [], None
     with torch.inference_mode():
-        for p in prompts:
-            ids, past, tokens = torch.tensor([p]), None, []
-            for _ in range(STEPS):
-                res = hf(ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
-                tokens.append(int(res.logits[0, -1].argmax()))
-                ids = torch.tensor([[tokens[-1]]])
-            out.append(tokens)
-    return out
+        for _ in range(STEPS):
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+            res = hf(ids, attention_mask=mask, position_ids=pos, past_key_values=past,
+                     use_cache=True)
+            past, ids = res.past_key_values, res.logits[:, -1].argmax(-1)[:, None]
+            out.append(ids)
+            mask = torch.cat([mask, torch.ones(n, 1, dtype=torch.long)], 1)
+    return torch.cat(out, 1).tolist()
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_file(smol):
