@@ -27,9 +27,10 @@ def _quicken_the_interpreter() -> None:
         from triton.runtime import interpreter as ti
         builder, rewrite = ti.interpreter_builder, ti.InterpretedFunction.rewrite
         launch, call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
-    except (ImportError, AttributeError):
+        debug = triton.knobs.runtime.debug
+    except (ImportError, AttributeError):  # another Triton: as it is
         return
-    if os.environ.get("TRITON_INTERPRET") != "1" or triton.knobs.runtime.debug:
+    if os.environ.get("TRITON_INTERPRET") != "1" or debug:
         return
     builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
     patched: list[set] = []  # the language modules the running launch has patched
