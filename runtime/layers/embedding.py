@@ -13,6 +13,7 @@ from torch import nn
 
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
+from pagedgen.runtime.quantization.dense_gemm import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -40,5 +41,5 @@ class VocabParallelEmbedding(nn.Module):
         """Logits over the whole vocabulary: this rank's slice computed here, the others
         gathered; float32, or the model's dtype where ``float32`` is False (a step's sampling
         upcasts only what needs it)."""
-        local = F.linear(hidden, self.weight)
+        local = linear(hidden, self.weight)
         return self.tp.all_gather(local.float() if float32 else local)[..., :self.vocab_size]

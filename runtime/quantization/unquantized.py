@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
+from pagedgen.runtime.quantization.dense_gemm import linear
 
 
 class Unquantized(QuantizationMethod):
@@ -21,7 +21,7 @@ class Unquantized(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None = None) -> torch.Tensor:
         if out is None:
-            return F.linear(x, layer.weight, bias)
+            return linear(x, layer.weight, bias)
         return torch.mm(x, layer.weight.t(), out=out)
 
 
