@@ -12,8 +12,7 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.quantization import dense_gemm
 
-ONEDNN = pytest.mark.skipif(not (torch.backends.mkldnn.is_available()
-                                 and hasattr(torch.ops.mkldnn, "_linear_pointwise")),
+ONEDNN = pytest.mark.skipif(not dense_gemm.onednn_available(),
                             reason="this torch has no oneDNN inner product")
 
 
@@ -55,7 +54,7 @@ def test_large_float32_gemms_go_to_onednn_and_equal_f_linear(calls):
 
 
 def test_only_an_amd_cpu_takes_onednn(monkeypatch):
-    for vendor, taken in [("AuthenticAMD", torch.backends.mkldnn.is_available()),
+    for vendor, taken in [("AuthenticAMD", dense_gemm.onednn_available()),
                           ("GenuineIntel", False), ("", False)]:
         monkeypatch.setattr(dense_gemm, "cpu_vendor", lambda v=vendor: v)
         dense_gemm.onednn_pays.cache_clear()

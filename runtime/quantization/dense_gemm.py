@@ -32,11 +32,16 @@ def cpu_vendor() -> str:
     return ""
 
 
+def onednn_available() -> bool:
+    """Whether this torch has oneDNN's inner product."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn,
+                                                            "_linear_pointwise")
+
+
 @functools.cache
 def onednn_pays() -> bool:
     """Whether float32 GEMMs on this CPU go to oneDNN: an AMD CPU, a torch built with it."""
-    return (cpu_vendor() == "AuthenticAMD" and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return cpu_vendor() == "AuthenticAMD" and onednn_available()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
