@@ -16,6 +16,7 @@ import torch
 from typer.testing import CliRunner
 
 from hf_models import make_checkpoint
+from test_first_minutes import worker_pids
 from pagedgen.cli.app import app
 from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.config import EngineConfig
@@ -119,13 +120,6 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
         assert len(whole) == sum(t.dim() == 1 for t in ckpt.values())
 
 
-def _children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
-
-
 def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path, one_layer):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i % 7 + 1),
@@ -145,7 +139,7 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path, one_layer):
     workers: set[int] = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        workers |= set(_children(proc.pid))
+        workers |= set(worker_pids(proc.pid))
         if out.exists() and out.read_text().count("\n") >= 1:  # at once: a fast run could end
             break
         time.sleep(0.1)
@@ -282,3 +276,28 @@ def test_shapes_that_cannot_be_sharded_say_which():
     assert "6 KV heads" in tensor_parallel_error(cfg(heads=12, kv=6), 4)
     assert "intermediate_size 66" in tensor_parallel_error(cfg(inter=66), 4)
     assert "8 attention heads" in tensor_parallel_error(cfg(), 3)
+
+
+def where_and_what(inbox):
+    env = os.environ
+    yield os.getcwd(), env.get("PAGEDGEN_TEST_MARK"), env.get("PAGEDGEN_HOST_PROCESSES")
+
+
+def test_cpu_workers_run_in_the_callers_folder_and_environment_of_now(tmp_path, monkeypatch):
+    """CPU workers come forked from a forkserver started before (in the folder and with the
+    environment it started in): each still runs in its caller's folder (multiprocessing's
+    doing) and environment (ours) as they are when it starts, its share of the cores
+    included."""
+    import multiprocessing
+
+    from pagedgen.runtime.drivers.launch import start_method
+
+    forks = "forkserver" in multiprocessing.get_all_start_methods()
+    assert start_method([None, None]) == ("forkserver" if forks else "spawn")
+    assert start_method([[0], None]) == "spawn"
+    with Workers(where_and_what, [()], [None]) as w:  # the server started, if not yet
+        assert [m for _, m in w.messages()] == [(os.getcwd(), None, "1")]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PAGEDGEN_TEST_MARK", "now")
+    with Workers(where_and_what, [(), ()], [None, None]) as w:
+        assert [m for _, m in w.messages()] == [(str(tmp_path), "now", "2")] * 2

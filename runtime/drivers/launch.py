@@ -1,5 +1,7 @@
-"""Worker processes on one host: started with ``spawn``, their messages read from one queue,
-all stopped together when one fails or the caller stops (Ctrl-C).
+"""Worker processes on one host: started with ``spawn`` (GPU workers) or ``forkserver`` (CPU
+workers, where the platform has it: torch is imported once, in the server, not in every
+worker), their messages read from one queue, all stopped together when one fails or the
+caller stops (Ctrl-C).
 
 A worker is a group of ``tp`` processes (tensor-parallel ranks; one process when ``tp`` is 1),
 each seeing only its group's GPUs (so ``cuda`` means its own GPU) and joined into one
@@ -30,8 +32,11 @@ class WorkerError(RuntimeError):
 
 
 def _main(target: Callable[..., Iterator[Any]], args: tuple, proc: int, q, inbox,
-          tp: tuple[int, int, str, bool]) -> None:
-    die_with_parent()
+          tp: tuple[int, int, str, bool], env: dict[str, str] | None, caller: int) -> None:
+    die_with_parent(caller)
+    if env is not None:  # a forkserver's child: the caller's environment now, not the server's
+        os.environ.clear()
+        os.environ.update(env)
     tp_rank, tp_size, init_method, on_gpu = tp
     try:
         if tp_size > 1:
@@ -56,6 +61,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_method(gpus: list[list[int] | None]) -> str:
+    """``forkserver`` where every worker runs on the CPU and the platform has it: its server
+    imports torch once and forks each worker from there (a ``spawn`` costs every worker a
+    torch import of seconds). ``spawn`` for GPU workers, which start no faster forked from
+    a server that imported torch, and where there is no forkserver."""
+    if all(g is None for g in gpus) and "forkserver" in mp.get_all_start_methods():
+        return "forkserver"
+    return "spawn"
+
+
 class Workers:
     """``with Workers(target, [args per worker], gpus, tp) as w: for i, msg in w.messages():``;
     ``gpus[i]`` lists the ``tp`` GPUs worker ``i`` runs on (None: the CPU, ranks joined over
@@ -63,7 +78,10 @@ class Workers:
 
     def __init__(self, target: Callable[..., Iterator[Any]], args: list[tuple],
                  gpus: list[list[int] | None], tp: int = 1) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method(gpus))
+        forked = ctx.get_start_method() == "forkserver"
+        if forked:  # for the server's first start
+            ctx.set_forkserver_preload([__name__])
         self.tp = tp
         self.queue = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(len(args) * tp)]
@@ -80,7 +98,8 @@ class Workers:
                     proc = worker * tp + r
                     p = ctx.Process(target=_main, args=(
                         target, a, proc, self.queue, self.inboxes[proc],
-                        (r, tp, init_method, group is not None)), daemon=True)
+                        (r, tp, init_method, group is not None),
+                        dict(os.environ) if forked else None, os.getpid()), daemon=True)
                     p.start()
                     self.procs.append(p)
         finally:
