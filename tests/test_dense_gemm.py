@@ -33,16 +33,16 @@ def calls(monkeypatch):
 @ONEDNN
 def test_large_float32_gemms_go_to_onednn_and_equal_f_linear(calls):
     torch.manual_seed(0)
-    w = torch.randn(1024, 256)  # 2 ** 18 elements
-    b = torch.randn(1024)
-    wide = torch.randn(2048, 256)[::2]  # a weight of every other row: strided
+    w = torch.randn(2048, 256)  # 2 ** 19 elements
+    b = torch.randn(2048)
+    wide = torch.randn(4096, 256)[::2]  # a weight of every other row: strided
     with torch.inference_mode():
         for x, weight, bias in [(torch.randn(5, 256), w, b), (torch.randn(3, 4, 256), w, None),
                                 (torch.randn(256, 7).t(), w, b), (torch.randn(1, 256), wide, b)]:
             got = dense_gemm.linear(x, weight, bias)
             assert got.shape == F.linear(x, weight, bias).shape
             torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
-    assert [c[1] for c in calls] == [(1024, 256)] * 4
+    assert [c[1] for c in calls] == [(2048, 256)] * 4
     small = torch.randn(dense_gemm.MIN_WEIGHT // 256 - 1, 256)
     with torch.inference_mode():
         dense_gemm.linear(torch.randn(2, 256), small)  # below the size that pays
@@ -64,8 +64,9 @@ def test_only_an_amd_cpu_takes_onednn(monkeypatch):
 
 @ONEDNN
 def test_a_model_on_onednn_gives_the_tokens_it_gives_on_f_linear(tmp_path, monkeypatch, calls):
-    # tied embeddings of 1,024 × 128: the LM head, and the MLP's projections, pay
-    path = make_checkpoint("qwen2", tmp_path / "m", vocab_size=1024, intermediate_size=1024)
+    # tied embeddings of 4,096 × 128 (2 ** 19 elements): the LM head, and the MLP's
+    # projections, pay
+    path = make_checkpoint("qwen2", tmp_path / "m", vocab_size=4096, intermediate_size=4096)
     prompts = [[5, 9, 3, 77], list(range(20, 57)), [7] * 9]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -74,7 +75,7 @@ def test_a_model_on_onednn_gives_the_tokens_it_gives_on_f_linear(tmp_path, monke
                                   backend="eager", block_size=8, num_blocks=64))
         return [s.output_token_ids for s in eng.generate(prompts, params)]
     on = tokens()
-    assert {(1024, 128), (2048, 128), (128, 1024)} <= {c[1] for c in calls}
+    assert {(4096, 128), (8192, 128), (128, 4096)} <= {c[1] for c in calls}
     monkeypatch.setattr(dense_gemm, "onednn_pays", lambda: False)
     n = len(calls)
     assert tokens() == on and len(calls) == n

@@ -5,8 +5,9 @@ MKL's sgemm, whose path for a few rows against a large weight (every decode step
 fraction of the core's arithmetic and of the memory's bandwidth, while oneDNN's inner-product
 kernel (in the same build, torch's ``mkldnn._linear_pointwise``) reads the same row-major
 weight, in place, and computes the same sums in another order. Below ``MIN_WEIGHT`` elements
-oneDNN's fixed cost a call outweighs what it gains, and on Intel CPUs MKL is left as it is
-(not measured against it). Measurements are in docs/benchmarks-log.md.
+(a weight that stays in the caches) oneDNN's fixed cost a call outweighs what it gains, and on
+Intel CPUs MKL is left as it is (not measured against it). Measurements are in
+docs/benchmarks-log.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-MIN_WEIGHT = 1 << 17  # elements
+MIN_WEIGHT = 1 << 19  # elements
 
 
 @functools.cache
