@@ -3,7 +3,8 @@ MoE tiles per token count (``layers/moe_plan.py``), each timed from CUDA-graph r
 model runs them, for a shape (a plan's key, without the GPU).
 
 A plan comes from, in order: this process (every layer of a shape asks); the machine's cache
-(``$XDG_CACHE_HOME/pagedgen/``, under the GPU's name and the torch and Triton versions); the
+(``$XDG_CACHE_HOME/pagedgen/``, under the GPU's name, the torch and Triton versions and a digest
+of the kernels' sources: a plan timed on other kernels is timed again); the
 plans shipped with the package for the GPU's name (``runtime/plans/*.json``, written by
 ``benchmarks/kernel_plans.py`` on the GPUs we measure on: a first run on such a GPU times
 nothing); else it is measured at load, before the first step, and cached. ``sources`` counts
@@ -12,12 +13,14 @@ where this process's plans came from (the run summary shows it);
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import time
 from collections import Counter
 from contextlib import contextmanager
+from functools import cache
 from pathlib import Path
 
 from typing import Any, Callable, Iterator
@@ -28,6 +31,8 @@ from pagedgen import envs
 from pagedgen.meta import cache_file
 
 SHIPPED = Path(__file__).parent / "plans"
+# the kernels plans choose between, and the code that times them
+KERNEL_SOURCES = (Path(__file__).parent / "layers", Path(__file__).parent / "quantization")
 
 
 def gpu_name(device: torch.device) -> str:
@@ -35,10 +40,19 @@ def gpu_name(device: torch.device) -> str:
 
 
 def versions() -> str:
-    """The library versions a plan measured on this machine holds for."""
+    """The library versions and kernel sources a plan measured on this machine holds for."""
     import triton
 
-    return f"{torch.__version__}|{triton.__version__}"
+    return f"{torch.__version__}|{triton.__version__}|{sources_digest(KERNEL_SOURCES)}"
+
+
+@cache
+def sources_digest(folders: tuple[Path, ...]) -> str:
+    """A short digest of the Python sources in ``folders`` (names and contents)."""
+    h = hashlib.sha256()
+    for path in sorted(p for f in folders for p in f.glob("*.py")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def shipped_file(gpu: str) -> Path:

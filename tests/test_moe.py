@@ -348,6 +348,32 @@ def test_kernel_plans_are_read_or_measured_once_a_process(monkeypatch, tmp_path)
     assert kernel_plans.cached("t.json", "GPU", "k", read, lambda: [9], lambda p: p) == [9]
 
 
+def test_a_plan_timed_on_other_kernel_sources_is_timed_again(monkeypatch, tmp_path):
+    """The machine's cache holds a plan for the kernels it timed: a change to a kernel's source
+    (an upgrade, a new tile) gives another key, so the old plan is not taken."""
+    from pagedgen.runtime import kernel_plans
+    kernels = tmp_path / "layers"
+    kernels.mkdir()
+    (kernels / "moe_kernels.py").write_text("TILES = [64]\n")
+    monkeypatch.setattr(kernel_plans, "KERNEL_SOURCES", (kernels,))
+    monkeypatch.setattr(kernel_plans, "SHIPPED", tmp_path / "none")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+    def plan(measured: list[int]) -> list[int]:
+        monkeypatch.setattr(kernel_plans, "_MEMORY", {})  # each call a new process
+        kernel_plans.sources_digest.cache_clear()
+        return kernel_plans.cached("t.json", "GPU", "k", lambda saved: saved,
+                                   lambda: measured, lambda p: p)
+
+    assert plan([1]) == [1]
+    assert plan([2]) == [1]  # the same kernels: the cached plan
+    (kernels / "moe_kernels.py").write_text("TILES = [64, 128]\n")
+    assert plan([3]) == [3]
+    (kernels / "fp8_kernels.py").write_text("")  # a new kernel module
+    assert plan([4]) == [4]
+    assert plan([5]) == [4]
+
+
 def test_shipped_kernel_plans_are_taken_by_gpu_name_before_measuring(monkeypatch, tmp_path):
     """A first start on a GPU we ship plans for times nothing: the plan comes from the shipped
     file named after the GPU; another GPU measures; ``PAGEDGEN_SHIPPED_PLANS=0`` passes over
