@@ -14,12 +14,14 @@ from pagedgen.attention.cases import PagedBatch, make_paged_batch, run_backend  
 
 
 def _quicken_the_interpreter() -> None:
-    """Two things Triton's interpreter repeats for nothing, left out (same results; about a
-    third of an interpreted kernel's time in this suite): every integer add, subtract and
-    multiply is done again in int64 for an overflow check whose assert only a debug build
-    keeps (the interpreter's builder never has one), and every call of a ``@triton.jit``
-    device function patches ``triton.language`` again, though its kernel's launch already
-    has. Only where the interpreter runs and has these internals; TRITON_DEBUG keeps both."""
+    """What Triton's interpreter repeats for nothing, left out (same results; about half of an
+    interpreted kernel's time in this suite): every integer add, subtract and multiply is
+    done again in int64 for an overflow check whose assert only a debug build keeps (the
+    interpreter's builder never has one); every call of a ``@triton.jit`` device function
+    patches ``triton.language`` again, though its kernel's launch already has; and every op
+    builds its result's block type, that type's shape fields for the tensor, and its numpy
+    dtype afresh (each now made once per element type and shape). Only where the
+    interpreter runs and has these internals; TRITON_DEBUG keeps all of them."""
     try:
         import dataclasses
 
@@ -27,6 +29,9 @@ def _quicken_the_interpreter() -> None:
         from triton.runtime import interpreter as ti
         builder, rewrite = ti.interpreter_builder, ti.InterpretedFunction.rewrite
         launch, call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
+        core, np_dtype = triton.language.core, ti._get_np_dtype
+        block, unwrap, tensor_init = core.block_type, core._unwrap_if_constexpr, \
+            core.tensor.__init__
         debug = triton.knobs.runtime.debug
     except (ImportError, AttributeError):  # another Triton: as it is
         return
@@ -58,6 +63,49 @@ def _quicken_the_interpreter() -> None:
         return call(self, *args, **kwargs)
 
     ti.GridExecutor.__call__, ti.InterpretedFunction.__call__ = launch_once, call_patched
+
+    made: dict = {}
+    init = block.__init__
+
+    def new_block(cls, element_ty, shape):
+        key = (cls, element_ty, *map(unwrap, shape))
+        try:
+            ty = made.get(key)
+        except TypeError:  # an element type without a hash (pointers): made afresh
+            ty = key = None
+        if ty is None:
+            ty = object.__new__(cls)
+            init(ty, element_ty, shape)
+            if key is not None:
+                made[key] = ty
+                ty.tensor_fields = None  # a tensor's shape fields, from the first tensor
+        return ty
+
+    def new_tensor(self, handle, type):
+        fields = getattr(type, "tensor_fields", None)  # a shared block type's
+        if fields is None:
+            tensor_init(self, handle, type)
+            if hasattr(type, "tensor_fields"):
+                type.tensor_fields = (self.shape, self.numel, self.dtype)
+            return
+        self.handle, self.type = handle, type
+        self.shape, self.numel, self.dtype = fields
+
+    np_dtypes: dict = {}
+
+    def cached_np_dtype(ty):  # by element type (a pointer's has no hash: asked afresh)
+        element = ty.element_ty if isinstance(ty, block) else ty
+        try:
+            return np_dtypes[element]
+        except KeyError:
+            found = np_dtypes[element] = np_dtype(ty)
+            return found
+        except TypeError:
+            return np_dtype(ty)
+
+    block.__new__, block.__init__ = new_block, lambda self, *args, **kwargs: None
+    core.tensor.__init__ = new_tensor
+    ti._get_np_dtype = cached_np_dtype
 
 
 _quicken_the_interpreter()
