@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"pagedgen.errors": 0, "pagedgen.meta": 0, "pagedgen.envs": 0,
-          "pagedgen.profiling": 0, "pagedgen.transfer": 0,  # the root's helpers
+LAYERS = {"pagedgen.errors": 0, "pagedgen.meta": 0, "pagedgen.envs": 0,  # the root's helpers
+          "pagedgen.profiling": 0, "pagedgen.transfer": 0, "pagedgen.buffers": 0,
           "pagedgen": 5,  # the package itself: the public face (pagedgen.LLM), over all
           "pagedgen.attention": 1,
           # runtime: config, hardware, profiles, ... then its subpackages, bottom up

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedgen import buffers
+
 
 @dataclass(frozen=True)
 class GatedDeltaSpec:
@@ -72,7 +74,7 @@ class RecurrentStates:
         self.num_slots = slots
         self.scratch_slot = slots - 1
         self.dtype = dtype
-        self.layers = [LayerState(*(torch.zeros((slots, *shape), dtype=d, device=device)
+        self.layers = [LayerState(*(buffers.zeros((slots, *shape), d, device)
                                     for shape, d in zip(s.shapes(), s.dtypes(dtype))))
                        for s in specs]
 

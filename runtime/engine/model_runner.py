@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from pagedgen import buffers
 from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.profiling import scope
@@ -252,9 +253,9 @@ class ModelRunner:
         return None if self.recurrent is None else self.recurrent.scratch_slot
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        return [torch.zeros(self.backend.get_kv_cache_shape(
+        return [buffers.zeros(self.backend.get_kv_cache_shape(
             num_blocks, self.block_size, s.num_kv_heads, s.head_size),
-            dtype=self.kv_dtype, device=self.device) for s in self.specs]
+            self.kv_dtype, self.device) for s in self.specs]
 
     # ---- one step -----------------------------------------------------------------------------
 
