@@ -91,11 +91,11 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
 
 def gather_kv_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every sequence's blocks, padded: k, v [B, max_blocks * block_size, H, D]."""
-    b, max_blocks = block_tables.shape
-    blocks = kv_cache[block_tables.long()]  # [B, max_blocks, 2, block_size, H, D]
-    k = blocks[:, :, 0].reshape(b, -1, *blocks.shape[-2:])
-    v = blocks[:, :, 1].reshape(b, -1, *blocks.shape[-2:])
+    """Every sequence's blocks, padded: k, v [B, max_blocks * block_size, H, D] (each gathered
+    from its half of the cache straight into its own contiguous tensor: one copy, not two)."""
+    b, tables = block_tables.shape[0], block_tables.long()
+    k = kv_cache[:, 0][tables].view(b, -1, *kv_cache.shape[-2:])
+    v = kv_cache[:, 1][tables].view(b, -1, *kv_cache.shape[-2:])
     return k, v
 
 
