@@ -81,12 +81,9 @@ def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``seq_len`` cached tokens of one sequence: k, v [seq_len, H, D]."""
-    block_size = kv_cache.shape[2]
-    n = -(-seq_len // block_size)
-    blocks = kv_cache[block_table[:n].long()]  # [n, 2, block_size, H, D]
-    k = blocks[:, 0].reshape(n * block_size, *blocks.shape[-2:])[:seq_len]
-    v = blocks[:, 1].reshape(n * block_size, *blocks.shape[-2:])[:seq_len]
-    return k, v
+    n = -(-seq_len // kv_cache.shape[2])
+    k, v = gather_kv_batch(kv_cache, block_table[None, :n])
+    return k[0, :seq_len], v[0, :seq_len]
 
 
 def gather_kv_batch(kv_cache: torch.Tensor, block_tables: torch.Tensor
