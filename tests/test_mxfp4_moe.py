@@ -106,7 +106,7 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
     calls = []
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
-             w_scale=None, a_scale=None, group_k=None, scaled_dot=False):
+             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None):
         calls.append((tiles, scaled_dot))
         if scaled_dot and not lowers:
             raise RuntimeError("no lowering of tt.dot_scaled here")
@@ -136,6 +136,45 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
     for block_m, ts in scaled.items():  # the first fitting candidates are the converted best
         assert ts <= set(sorted(converted[block_m], key=order.index)[:2])
     assert all(plan.native(t) == lowers for t in moe_plan.TOKEN_BUCKETS)
+
+
+def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkeypatch):
+    """gpt-oss's experts (biases, clamped SwiGLU) run gate/up ungated, the activation kernel,
+    then down with its bias (``fused_experts``): their plan times exactly that, under a key
+    of its own; plain experts keep theirs (gate/up gated, no activation kernel)."""
+    from pagedgen.runtime import kernel_plans
+    from pagedgen.runtime.layers import moe_plan
+    gemms, acts = [], []
+
+    def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
+             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None):
+        gemms.append((w, out.shape[1], gated, bias))
+
+    monkeypatch.setattr(mk, "grouped_gemm", gemm)
+    monkeypatch.setattr(moe_plan, "bias_and_act", lambda gu, act, b, e: acts.append(
+        (gu.shape[1], act, b)))
+    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(kernel_plans, "graph_time", lambda fn: (fn(), 1e-6)[1])
+    monkeypatch.setattr(moe_plan, "TOKEN_BUCKETS", (1, 64))
+    w13, w2 = (torch.zeros(8, rows, cols, dtype=torch.uint8) for rows, cols in ((64, 32),
+                                                                                 (64, 16)))
+    scales = ExpertScales(torch.zeros(8, 2, 64, dtype=torch.uint8),
+                          torch.zeros(8, 1, 64, dtype=torch.uint8), mxfp4.GROUP)
+    act, b13, b2 = clamped_swiglu(1.702, 7.0), torch.zeros(8, 64), torch.zeros(8, 64)
+    moe_plan._measure(w13, w2, 2, scales, torch.float32, act, b13, b2)
+    ups = [g[1:] for g in gemms if g[0] is w13]
+    downs = [g[1:] for g in gemms if g[0] is w2]
+    assert ups and downs and len(ups) + len(downs) == len(gemms)
+    assert set(ups) == {(64, False, None)}  # gate and up both written, no bias in the GEMM
+    assert set(downs) == {(64, False, b2)}
+    assert len(acts) == len(ups) and all(a == (64, act, b13) for a in acts)
+    gemms.clear(), acts.clear()
+    moe_plan._measure(w13, w2, 2, scales, torch.float32)
+    assert not acts and {g[1:] for g in gemms if g[0] is w13} == {(32, True, None)}
+    assert {g[1:] for g in gemms if g[0] is w2} == {(64, False, None)}
+    plain = moe_plan.shape_key(w13, 2, scales, torch.bfloat16)
+    assert moe_plan.shape_key(w13, 2, scales, torch.bfloat16, gated=False) == plain + "|ungated"
+    assert mk.gated_up(mk.swiglu, None, None) and not mk.gated_up(act, b13, b2)
 
 
 @INTERPRETED_ONLY

@@ -101,7 +101,8 @@ class FusedMoE(nn.Module):
         GPU, cached on this machine, or timed now): a run's steps time nothing."""
         if self.w13_weight.is_cuda and self.use_triton is not False and mk.HAVE_TRITON:
             self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k,
-                                  self.method.scales(self), self.act_dtype)
+                                  self.method.scales(self), self.act_dtype, self.act,
+                                  self.w13_bias, self._down_bias)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
@@ -109,7 +110,7 @@ class FusedMoE(nn.Module):
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
         plain = self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
-        b2 = self.w2_bias if self.adds_down_bias else None
+        b2 = self._down_bias
         if self.expert_parallel:  # others' experts: weight 0, sorted past ours and skipped
             local = ids - self.first
             mine = (local >= 0) & (local < self.local)
@@ -124,7 +125,7 @@ class FusedMoE(nn.Module):
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
             if self._plan is None:
                 self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k, scales,
-                                      x.dtype)
+                                      x.dtype, self.act, self.w13_bias, b2)
             if plain and not self.expert_parallel and self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                               out, fused_ops.silu_and_mul_fused, scales)
@@ -137,6 +138,11 @@ class FusedMoE(nn.Module):
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.native(x.shape[0]), self.act,
                                     self.w13_bias, b2, dropped=self.expert_parallel)
+
+    @property
+    def _down_bias(self) -> torch.Tensor | None:
+        """The down bias this rank adds (ranks' outputs are summed: one adds it)."""
+        return self.w2_bias if self.adds_down_bias else None
 
     @property
     def expert_numel(self) -> int:

@@ -402,6 +402,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
     return out
 
 
+def gated_up(act, b13: torch.Tensor | None, b2: torch.Tensor | None) -> bool:
+    """Whether ``fused_experts`` runs gate/up's GEMM with SiLU-and-mul in its epilogue (plain
+    SwiGLU experts without biases); else it writes gate and up for ``bias_and_act``."""
+    return act is swiglu and b13 is None and b2 is None
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
                   out: torch.Tensor | None = None, scales: ExpertScales | None = None,
@@ -429,7 +435,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     small = scales is not None and scales.small_exponents
     fp8_input, dot = (native and w13.dtype != torch.uint8, native and w13.dtype == torch.uint8)
     a, a_scale = quantize_activations(x, group_k) if fp8_input else (x, None)
-    plain = act is swiglu and b13 is None and b2 is None
+    plain = gated_up(act, b13, b2)
     if plain:
         grouped_gemm(a, w13, inter, slots, block_experts, n, tiles[0], top_k, gated=True,
                      w_scale=s13, a_scale=a_scale, group_k=group_k, scaled_dot=dot,

@@ -3,17 +3,17 @@ this GPU.
 
 At load, a MoE layer shape (experts, hidden, this rank's intermediate, top-k, dtype) times the
 candidate tiles at a few token counts, on uniformly random routing, from CUDA-graph replays (as
-the model runs them; the activations or, swapped, the weights as the MMA's left operand), and
-keeps per count the block height and the gate/up and down tiles whose
-sum (sorting included) is least (FP8 experts: with or without their GEMMs' inputs quantized
-per token, that quantization timed with them; MXFP4 experts: converted in registers, and
-through ``tl.dot_scaled`` in the tiles that won converted, which bounds the added timing), and
-from which count torch's grouped GEMM
+the model runs them; the activations or, swapped, the weights as the MMA's left operand;
+gpt-oss's biased, clamped experts with gate/up ungated and the activation kernel after it, as
+``fused_experts`` runs them, under a key of their own), and keeps per count the block height
+and the gate/up and down tiles whose sum (sorting included) is least (FP8 experts: with or
+without their GEMMs' inputs quantized per token, that quantization timed with them; MXFP4
+experts: converted in registers, and through ``tl.dot_scaled`` in the tiles that won
+converted, which bounds the added timing), and from which count torch's grouped GEMM
 (``moe_grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
 MXFP4 experts are better written out dense first (``moe_dequantized``; then in a tile or by
-torch's grouped GEMM, whichever is faster). Plans are shipped
-for the GPUs we measure on and cached per machine (``runtime/kernel_plans.py``:
-``moe-plans.json``).
+torch's grouped GEMM, whichever is faster). Plans are shipped for the GPUs we measure on and
+cached per machine (``runtime/kernel_plans.py``: ``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
 """
 
@@ -27,6 +27,7 @@ import torch
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.layers import fused_ops, moe_dequantized, moe_grouped_mm, moe_kernels as mk
+from pagedgen.runtime.layers.moe_act import bias_and_act
 from pagedgen.runtime.layers.moe_kernels import Tiles
 
 ENV_TILES = envs.MOE_TILES.name
@@ -111,9 +112,11 @@ def to_json(plan: MoePlan) -> dict:
 
 def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
              scales: mk.ExpertScales | None = None,
-             act_dtype: torch.dtype = torch.bfloat16) -> MoePlan:
+             act_dtype: torch.dtype = torch.bfloat16, act=mk.swiglu,
+             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> MoePlan:
     """The tiles at each token count for experts ``w13`` / ``w2`` (FP8 with ``scales``, taking
-    ``act_dtype`` activations; timed once per shape and machine)."""
+    ``act_dtype`` activations; timed once per shape and machine). ``act`` and the biases
+    ``b13`` / ``b2`` (gpt-oss's): timed as ``fused_experts`` runs them, gate/up ungated."""
     forced = envs.MOE_TILES.get()
     if forced is not None:
         if forced not in CANDIDATES:
@@ -123,16 +126,18 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         return MoePlan([(math.inf, INTERPRETED, INTERPRETED, False)])
     if scales is None:
         act_dtype = w13.dtype
+    key = shape_key(w13, top_k, scales, act_dtype, mk.gated_up(act, b13, b2))
     return kernel_plans.cached(
-        CACHE, kernel_plans.gpu_name(w13.device), shape_key(w13, top_k, scales, act_dtype),
-        _from_json, lambda: _measure(w13, w2, top_k, scales, act_dtype), to_json)
+        CACHE, kernel_plans.gpu_name(w13.device), key, _from_json,
+        lambda: _measure(w13, w2, top_k, scales, act_dtype, act, b13, b2), to_json)
 
 
 def shape_key(w13: torch.Tensor, top_k: int, scales: mk.ExpertScales | None,
-              act_dtype: torch.dtype) -> str:
-    """What a plan holds for: the experts' shape, top-k, weight and activation dtypes."""
+              act_dtype: torch.dtype, gated: bool = True) -> str:
+    """What a plan holds for: the experts' shape, top-k, weight and activation dtypes (and
+    ``ungated`` where gate/up's GEMM writes both halves for the activation after it)."""
     return "|".join(map(str, (PLAN_VERSION, *w13.shape, top_k, w13.dtype, act_dtype,
-                              scales and scales.group_k)))
+                              scales and scales.group_k, *(() if gated else ("ungated",)))))
 
 
 def _from_json(saved) -> MoePlan | None:
@@ -198,34 +203,40 @@ def _or_never(fn) -> float:
 
 
 def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-             scales: mk.ExpertScales | None, act_dtype: torch.dtype) -> MoePlan:
+             scales: mk.ExpertScales | None, act_dtype: torch.dtype, act=mk.swiglu,
+             b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> MoePlan:
     from pagedgen.runtime.hardware import time_cuda
 
     graph_time = kernel_plans.graph_time
     fp4 = w13.dtype == torch.uint8  # MXFP4: two values a byte, activations as they are
     num_experts, hidden = w13.shape[0], w13.shape[2] * (2 if fp4 else 1)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
+    gated = mk.gated_up(act, b13, b2)
     choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
         weights, ids = random_routing(tokens, num_experts, top_k, w13.device)
         n = tokens * top_k
         inter = x.new_empty(n, w13.shape[1] // 2)
+        gate_up = None if gated else x.new_empty(n, w13.shape[1])
         out = x.new_empty(n, hidden)
+        slot_experts = ids.reshape(-1).long()
 
         def up_gemm(t: Tiles, native: bool) -> None:
             a8 = native and not fp4
             a, a_scale = mk.quantize_activations(x, group_k) if a8 else (x, None)
-            mk.grouped_gemm(a, w13, inter, slots, experts, n, t, top_k, gated=True,
-                            w_scale=s13, a_scale=a_scale, group_k=group_k,
+            mk.grouped_gemm(a, w13, inter if gated else gate_up, slots, experts, n, t, top_k,
+                            gated=gated, w_scale=s13, a_scale=a_scale, group_k=group_k,
                             scaled_dot=native and fp4)
+            if not gated:  # the activation between the GEMMs, as the run has it
+                bias_and_act(gate_up, act, b13, slot_experts)
 
         def down_gemm(t: Tiles, native: bool) -> None:
             a8 = native and not fp4
             a, a_scale = mk.quantize_activations(inter, group_k) if a8 else (inter, None)
             mk.grouped_gemm(a, w2, out, slots, experts, n, t, 1, gated=False,
                             weights=weights.reshape(-1), w_scale=s2, a_scale=a_scale,
-                            group_k=group_k, scaled_dot=native and fp4)
+                            group_k=group_k, scaled_dot=native and fp4, bias=b2)
 
         best = None
         shortlist: dict[int, set[Tiles]] = {}  # per block height: the converted way's best
@@ -246,7 +257,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
                 # a tile or scaled dot this GPU or Triton cannot build: never chosen
                 up = {t: _or_never(lambda t=t: up_gemm(t, native))
-                      for t in tiles if fits(t, elem, True, b_elem)}
+                      for t in tiles if fits(t, elem, gated, b_elem)}
                 down = {t: _or_never(lambda t=t: down_gemm(t, native))
                         for t in tiles if fits(t, elem, False, b_elem)}
                 up = {t: v for t, v in up.items() if v < math.inf}
@@ -259,7 +270,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 if best is None or total < best[0]:
                     best = (total, t_up, t_down, native)
         choices.append((tokens, best[1], best[2], best[3]))
-        if tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13, scales):
+        if gated and tokens >= GROUPED_MM_FROM and moe_grouped_mm.available(w13, scales):
             # eager, as prefill steps run: at these sizes launches are a small part
             try:
                 grouped = time_cuda(lambda: moe_grouped_mm.experts(
@@ -274,7 +285,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     w13, dense=torch.Size([num_experts, w13.shape[1], hidden])):
                 ways.append((moe_dequantized.GROUPED_MM, moe_dequantized.GROUPED_MM))
             dense = {t: _eager_or_never(lambda way=way: moe_dequantized.experts(
-                x, w13, w2, weights, ids, way, None, scales)) for t, way in ways}
+                x, w13, w2, weights, ids, way, None, scales, act, b13, b2)) for t, way in ways}
             t_dense = min(dense, key=dense.get)
             dense_wins.append((tokens, dense[t_dense] < best[0]))
             dense_tiles.append((tokens, t_dense))
