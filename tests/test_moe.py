@@ -422,6 +422,42 @@ def test_the_shipped_kernel_plans_parse_into_plans_of_this_version():
                 assert fp8_gemm._valid(saved, list(fp8_gemm.KINDS)), (file.name, shape)
 
 
+def test_every_moe_preset_finds_its_plan_in_each_shipped_file():
+    """Each MoE preset's layers, as shipped and in FP8 (built on the meta device), ask for a
+    plan key every shipped file holds: a change to what a key holds, or a preset added,
+    regenerates the files (``benchmarks/kernel_plans.py``), or its first run times the plan
+    at start-up."""
+    from pagedgen.runtime import kernel_plans
+    from pagedgen.runtime.layers.moe_plan import plan_key
+    from pagedgen.runtime.models.loader import model_quantization, presets
+    keys = set()
+    for name in presets():
+        src = resolve_model(name)
+        cfg = src.hf_config
+        if not (getattr(cfg, "num_experts", 0) or getattr(cfg, "num_local_experts", 0)):
+            continue
+        for quant in (None, "fp8"):
+            default = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device("meta"):
+                    model = registry.model_class(cfg)(cfg, TensorParallel(),
+                                                      model_quantization(src, quant))
+            finally:
+                torch.set_default_dtype(default)
+            for m in model.modules():
+                if isinstance(m, FusedMoE):
+                    m.mxfp4_small_exponents = True  # asked of loaded exponents; not in a key
+                    keys.add((name, quant or "as shipped", plan_key(
+                        m.w13_weight, m.top_k, m.method.scales(m), m.act_dtype, m.act,
+                        m.w13_bias, m.w2_bias if m.adds_down_bias else None)))
+    assert {name for name, *_ in keys} >= {"qwen3-30b-a3b", "gpt-oss-20b"}
+    for file in sorted(kernel_plans.SHIPPED.glob("*.json")):
+        shipped = json.loads(file.read_text()).get("moe-plans.json", {})
+        missing = sorted((name, quant, key) for name, quant, key in keys if key not in shipped)
+        assert not missing, (file.name, missing)
+
+
 def test_moe_layers_plan_their_kernels_at_load_not_in_the_first_step(monkeypatch, tmp_path):
     """The loader asks every MoE layer for its plan (shipped, cached or timed) before the
     engine exists, so a run's first step times nothing."""

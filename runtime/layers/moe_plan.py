@@ -126,10 +126,19 @@ def plan_moe(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
         return MoePlan([(math.inf, INTERPRETED, INTERPRETED, False)])
     if scales is None:
         act_dtype = w13.dtype
-    key = shape_key(w13, top_k, scales, act_dtype, mk.gated_up(act, b13, b2))
     return kernel_plans.cached(
-        CACHE, kernel_plans.gpu_name(w13.device), key, _from_json,
+        CACHE, kernel_plans.gpu_name(w13.device), plan_key(w13, top_k, scales, act_dtype, act,
+                                                           b13, b2), _from_json,
         lambda: _measure(w13, w2, top_k, scales, act_dtype, act, b13, b2), to_json)
+
+
+def plan_key(w13: torch.Tensor, top_k: int, scales: mk.ExpertScales | None,
+             act_dtype: torch.dtype, act=mk.swiglu, b13: torch.Tensor | None = None,
+             b2: torch.Tensor | None = None) -> str:
+    """The key ``plan_moe`` keeps these experts' plan under (shipped files, the machine's
+    cache): unquantized experts take activations of their own dtype."""
+    act_dtype = act_dtype if scales is not None else w13.dtype
+    return shape_key(w13, top_k, scales, act_dtype, mk.gated_up(act, b13, b2))
 
 
 def shape_key(w13: torch.Tensor, top_k: int, scales: mk.ExpertScales | None,
