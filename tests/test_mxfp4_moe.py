@@ -106,7 +106,8 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
     calls = []
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
-             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None):
+             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None,
+             small_exps=False):
         calls.append((tiles, scaled_dot))
         if scaled_dot and not lowers:
             raise RuntimeError("no lowering of tt.dot_scaled here")
@@ -141,14 +142,17 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
 def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkeypatch):
     """gpt-oss's experts (biases, clamped SwiGLU) run gate/up ungated, the activation kernel,
     then down with its bias (``fused_experts``): their plan times exactly that, under a key
-    of its own; plain experts keep theirs (gate/up gated, no activation kernel)."""
+    of its own, with the conversion the run takes (one multiply where every exponent is
+    small); plain experts keep theirs (gate/up gated, no activation kernel)."""
     from pagedgen.runtime import kernel_plans
     from pagedgen.runtime.layers import moe_plan
-    gemms, acts = [], []
+    gemms, acts, folded = [], [], set()
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
-             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None):
+             w_scale=None, a_scale=None, group_k=None, scaled_dot=False, bias=None,
+             small_exps=False):
         gemms.append((w, out.shape[1], gated, bias))
+        folded.add(small_exps)
 
     monkeypatch.setattr(mk, "grouped_gemm", gemm)
     monkeypatch.setattr(moe_plan, "bias_and_act", lambda gu, act, b, e: acts.append(
@@ -159,7 +163,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
     w13, w2 = (torch.zeros(8, rows, cols, dtype=torch.uint8) for rows, cols in ((64, 32),
                                                                                  (64, 16)))
     scales = ExpertScales(torch.zeros(8, 2, 64, dtype=torch.uint8),
-                          torch.zeros(8, 1, 64, dtype=torch.uint8), mxfp4.GROUP)
+                          torch.zeros(8, 1, 64, dtype=torch.uint8), mxfp4.GROUP, True)
     act, b13, b2 = clamped_swiglu(1.702, 7.0), torch.zeros(8, 64), torch.zeros(8, 64)
     moe_plan._measure(w13, w2, 2, scales, torch.float32, act, b13, b2)
     ups = [g[1:] for g in gemms if g[0] is w13]
@@ -168,6 +172,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
     assert set(ups) == {(64, False, None)}  # gate and up both written, no bias in the GEMM
     assert set(downs) == {(64, False, b2)}
     assert len(acts) == len(ups) and all(a == (64, act, b13) for a in acts)
+    assert folded == {True}
     gemms.clear(), acts.clear()
     moe_plan._measure(w13, w2, 2, scales, torch.float32)
     assert not acts and {g[1:] for g in gemms if g[0] is w13} == {(32, True, None)}

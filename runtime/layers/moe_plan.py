@@ -221,6 +221,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     num_experts, hidden = w13.shape[0], w13.shape[2] * (2 if fp4 else 1)
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     gated = mk.gated_up(act, b13, b2)
+    small = scales is not None and scales.small_exponents  # MXFP4's one-multiply conversion
     choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
@@ -236,7 +237,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             a, a_scale = mk.quantize_activations(x, group_k) if a8 else (x, None)
             mk.grouped_gemm(a, w13, inter if gated else gate_up, slots, experts, n, t, top_k,
                             gated=gated, w_scale=s13, a_scale=a_scale, group_k=group_k,
-                            scaled_dot=native and fp4)
+                            scaled_dot=native and fp4, small_exps=small)
             if not gated:  # the activation between the GEMMs, as the run has it
                 bias_and_act(gate_up, act, b13, slot_experts)
 
@@ -245,7 +246,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             a, a_scale = mk.quantize_activations(inter, group_k) if a8 else (inter, None)
             mk.grouped_gemm(a, w2, out, slots, experts, n, t, 1, gated=False,
                             weights=weights.reshape(-1), w_scale=s2, a_scale=a_scale,
-                            group_k=group_k, scaled_dot=native and fp4, bias=b2)
+                            group_k=group_k, scaled_dot=native and fp4, bias=b2,
+                            small_exps=small)
 
         best = None
         shortlist: dict[int, set[Tiles]] = {}  # per block height: the converted way's best
