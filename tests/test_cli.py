@@ -83,7 +83,8 @@ def test_profile_and_options_apply(tmp_path):
 
 @pytest.mark.parametrize("lines,message", [
     (['{"prompt": "a"}', '{"prompt": '], r"p.jsonl:2: invalid JSON"),
-    ([], r"p.jsonl: no requests"),
+    ([], r"p.jsonl: no requests \(the file is empty\)"),
+    (["", "   ", "\t"], r"p.jsonl: no requests \(only blank lines\)"),
     ([{"prompt": "a", "temprature": 1}], r"p.jsonl:1: unknown field 'temprature' \(did you "
                                           r"mean 'temperature'\?"),
     ([{"prompt": "a", "logprobs": 21}], r"p.jsonl:1: logprobs must be in 0..20"),

@@ -126,6 +126,23 @@ def test_bad_openai_line_is_a_one_line_error(tmp_path, line, message):
     assert not (tmp_path / "batch.completions.jsonl").exists()
 
 
+def test_a_batch_line_without_its_custom_id_is_named_as_one(tmp_path):
+    """First line or later, a line with OpenAI's url and body but no custom_id is a batch line
+    missing its id, not a pagedgen line missing its prompt; a pagedgen line may carry url and
+    body fields of its own (metadata)."""
+    bare = {k: v for k, v in chat("x").items() if k != "custom_id"}
+    for lines in ([bare], [chat("ok"), bare]):
+        src = write(tmp_path / "batch.jsonl", lines)
+        res = run(src, *FAST)
+        assert res.exit_code == 1
+        assert f"batch.jsonl:{len(lines)}: 'custom_id' must be a non-empty string" in \
+            res.output.replace("\n", ""), res.output
+    own = write(tmp_path / "own.jsonl", [{"prompt": "x", "url": "u", "body": {"a": 1}}])
+    out = tmp_path / "own.out.jsonl"
+    assert run(own, *FAST, "-o", out).exit_code == 0
+    assert read(out)[0]["metadata"] == {"url": "u", "body": {"a": 1}}
+
+
 def test_own_fields_come_back_under_metadata(tmp_path):
     src = write(tmp_path / "p.jsonl", [
         {"id": "a", "prompt": "x", "answer": "B", "category": {"k": [1, 2]}},

@@ -43,8 +43,15 @@ _BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs", "reasoning_effo
 
 
 def is_batch_line(obj: Any) -> bool:
-    """Whether a file's first line is an OpenAI batch line."""
-    return isinstance(obj, dict) and "custom_id" in obj and ("body" in obj or "url" in obj)
+    """Whether a line is an OpenAI batch line: a ``custom_id`` with a ``body`` or ``url``, or
+    (its ``custom_id`` missing) an object ``body`` with a ``url`` and no prompt of pagedgen's
+    own (whose lines may carry any other field as metadata)."""
+    if not isinstance(obj, dict):
+        return False
+    if "custom_id" in obj:
+        return "body" in obj or "url" in obj
+    return isinstance(obj.get("body"), dict) and "url" in obj \
+        and not {"prompt", "prompt_token_ids", "messages"} & obj.keys()
 
 
 def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:

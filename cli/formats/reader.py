@@ -146,8 +146,10 @@ def read_requests(inputs: Path | list[Path] | list[InputSource],
     if progress is not None:
         progress(reader.nbytes)
     if not rf.requests:
-        raise PagedgenError(f"{rf.names[0] if len(rf.names) == 1 else 'the input'}: no "
-                            "requests (the file is empty)")
+        one = len(rf.names) == 1
+        why = ("the file is empty" if one else "the files are empty") if not reader.nbytes \
+            else "only blank lines"
+        raise PagedgenError(f"{rf.names[0] if one else 'the input'}: no requests ({why})")
     rf.format = reader.fmt or "pagedgen"
     rf.fingerprint = digest.hexdigest()
     return rf
