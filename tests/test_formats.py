@@ -116,6 +116,8 @@ def test_openai_served_model_name_and_resume(tmp_path):
     (completion("x", prompt=["a", "b"]), "body 'prompt' holds 2 prompts"),
     ({**chat("x"), "url": "/v1/embeddings"}, "'url' must be one of"),
     ({**chat("x"), "custom_id": 5}, "'custom_id' must be a non-empty string"),
+    (chat("x", guided_choice=["a"]), "body 'guided_choice' is vLLM's earlier field; write body "
+                                     "\"structured_outputs\": {\"choice\": ...}"),
 ])
 def test_bad_openai_line_is_a_one_line_error(tmp_path, line, message):
     src = write(tmp_path / "batch.jsonl", [chat("ok"), line])

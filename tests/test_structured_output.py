@@ -351,6 +351,9 @@ def test_lines_and_batch_bodies_give_constraints_and_resume(bpe_model, tmp_path)
      "needs \"json_schema\""),
     ({"structured_outputs": {"choice": []}}, "non-empty list"),
     ({"structured_outputs": {"regex": "a"}, "ignore_eos": True}, "does not combine"),
+    ({"guided_regex": "a+"}, "p.jsonl:2: 'guided_regex' is vLLM's earlier field; write "
+                             "\"structured_outputs\": \\{\"regex\": \\.\\.\\.\\}"),
+    ({"guided_json": {"type": "object"}}, "'guided_json' is vLLM's earlier field"),
 ])
 def test_bad_constraints_are_one_line_errors(tmp_path, line, msg):
     src = tmp_path / "p.jsonl"

@@ -102,7 +102,8 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
 
 
 def _check_body_fields(body: dict, endpoint: str, where: str) -> None:
-    known = {*_SAMPLING, *_IGNORED, *_DEFAULT_ONLY, *_BODY_FIELDS[endpoint], *structured.FIELDS}
+    known = {*_SAMPLING, *_IGNORED, *_DEFAULT_ONLY, *_BODY_FIELDS[endpoint], *structured.FIELDS,
+             *structured.OLD_FIELDS}  # the old ones: refused with their new name
     for name, value in body.items():
         if name in _DEFAULT_ONLY and value is not None and value not in _DEFAULT_ONLY[name]:
             raise PagedgenError(f"{where}: body '{name}' = {value!r} is not supported")

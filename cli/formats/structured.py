@@ -25,11 +25,19 @@ from pagedgen.runtime.config import StructuredOutput
 FIELDS = ("response_format", "structured_outputs")
 _KEYS = ("json", "regex", "choice", "grammar", "json_object")
 _OPTIONS = ("disable_any_whitespace",)
+# vLLM's earlier request fields for the same constraints: refused with the field to write
+# (a pagedgen line would otherwise keep them as metadata and run unconstrained)
+OLD_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+              "guided_grammar": "grammar"}
 
 
 def set_structured(req: Request, obj: dict, where: str, prefix: str = "") -> None:
     """The constraint of line (or body) ``obj``, if any, into ``req``'s sampling overrides;
     ``prefix`` names where the fields are ("body " for OpenAI lines)."""
+    old = next((name for name in OLD_FIELDS if obj.get(name) is not None), None)
+    if old is not None:
+        raise PagedgenError(f"{where}: {prefix}'{old}' is vLLM's earlier field; write "
+                            f"{prefix}\"structured_outputs\": {{\"{OLD_FIELDS[old]}\": ...}}")
     given = {}
     if obj.get("response_format") is not None:
         c = _response_format(obj["response_format"], where, f"{prefix}'response_format'")
