@@ -139,10 +139,12 @@ def test_a_batch_line_without_its_custom_id_is_named_as_one(tmp_path):
         assert res.exit_code == 1
         assert f"batch.jsonl:{len(lines)}: 'custom_id' must be a non-empty string" in \
             res.output.replace("\n", ""), res.output
-    own = write(tmp_path / "own.jsonl", [{"prompt": "x", "url": "u", "body": {"a": 1}}])
-    out = tmp_path / "own.out.jsonl"
-    assert run(own, *FAST, "-o", out).exit_code == 0
-    assert read(out)[0]["metadata"] == {"url": "u", "body": {"a": 1}}
+    for field, args in (("prompt", ()), ("text", ("--prompt-field", "text"))):
+        own = write(tmp_path / "own.jsonl", [{field: "x", "url": "u", "body": {"a": 1}}])
+        out = tmp_path / "own.out.jsonl"
+        res = run(own, *FAST, *args, "-o", out, "--overwrite")
+        assert res.exit_code == 0, res.output
+        assert read(out)[0]["metadata"] == {"url": "u", "body": {"a": 1}}
 
 
 def test_own_fields_come_back_under_metadata(tmp_path):

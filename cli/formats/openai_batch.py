@@ -11,6 +11,7 @@ validated before the run starts, so error lines are never written.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from pagedgen.cli.formats import structured
@@ -42,16 +43,16 @@ _BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs", "reasoning_effo
                 "completions": {"prompt", "logprobs"}}
 
 
-def is_batch_line(obj: Any) -> bool:
+def is_batch_line(obj: Any, prompt_fields: Iterable[str]) -> bool:
     """Whether a line is an OpenAI batch line: a ``custom_id`` with a ``body`` or ``url``, or
-    (its ``custom_id`` missing) an object ``body`` with a ``url`` and no prompt of pagedgen's
-    own (whose lines may carry any other field as metadata)."""
+    (its ``custom_id`` missing) an object ``body`` with a ``url`` and none of pagedgen's
+    ``prompt_fields`` (its lines may carry any other field as metadata)."""
     if not isinstance(obj, dict):
         return False
     if "custom_id" in obj:
         return "body" in obj or "url" in obj
     return isinstance(obj.get("body"), dict) and "url" in obj \
-        and not {"prompt", "prompt_token_ids", "messages"} & obj.keys()
+        and not any(f in obj for f in prompt_fields)
 
 
 def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:

@@ -199,7 +199,7 @@ class _Reader:
         obj = parse_json(text, where)
         if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate
             check_encodable(obj, where)
-        batch_line = openai_batch.is_batch_line(obj)
+        batch_line = openai_batch.is_batch_line(obj, self.options.prompt_fields)
         if self.fmt is None:
             self.fmt = "openai" if batch_line else "pagedgen"
             self.first_where = where
@@ -339,8 +339,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     become the output's ``metadata``."""
     if not isinstance(obj, dict):
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    kinds = {opts.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
-             opts.messages_field: "messages"}
+    kinds = opts.prompt_fields
     known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, "id", "metadata",
              "chat_template_kwargs"}
     given = [k for k in kinds if k in obj]

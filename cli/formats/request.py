@@ -46,6 +46,12 @@ class InputOptions:
     strict_fields: bool = False  # unknown fields are errors instead of output metadata
     served_model_name: str | None = None  # OpenAI lines' body "model" must equal it
 
+    @property
+    def prompt_fields(self) -> dict[str, str]:
+        """A pagedgen line's prompt fields (as these options name them) and their kinds."""
+        return {self.prompt_field: "prompt", "prompt_token_ids": "prompt_token_ids",
+                self.messages_field: "messages"}
+
 
 @dataclass(slots=True)
 class Request:
