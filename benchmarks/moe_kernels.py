@@ -11,8 +11,10 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 
 ``--align``: the slot sort alone (``align_triton``) at decode and small-prefill slot counts
 of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128, Mixtral's 8), for each warp count.
+``--tma``: each GEMM at prefill counts in every plan candidate that loads its weights by
+pointers and in its TMA twin (bf16 and FP8 weights), in TFLOP/s.
 
-    python -m benchmarks.moe_kernels [--align] [--json out.json]
+    python -m benchmarks.moe_kernels [--align | --tma] [--json out.json]
 """
 
 from __future__ import annotations
@@ -195,17 +197,63 @@ def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16),
     return rows
 
 
+def tma_rows(tokens=(2048, 8192), shapes=("qwen3-30b-a3b",)) -> list[dict]:
+    """Each prefill-height candidate against its TMA twin, per GEMM (``--tma``)."""
+    from dataclasses import replace
+
+    from pagedgen.runtime.layers import moe_kernels as mk, moe_route
+    from pagedgen.runtime.layers.moe_plan import CANDIDATES, fits
+
+    rows = []
+    for name in shapes:
+        e, k, h, i, renorm = shape = SHAPES[name]
+        for fp8 in (False, True):
+            for t in tokens:
+                x, w13, w2, logits = _inputs(shape, t)
+                scales = None
+                if fp8:
+                    w13, w2, scales = mk.ExpertScales.quantize(w13, w2)
+                weights, ids = moe_route.route(logits, k, renorm)
+                inter, down = x.new_empty(t * k, i), x.new_empty(t * k, h)
+                for base in CANDIDATES.values():
+                    if base.tma or base.block_m < 64 or base.swap:
+                        continue
+                    slots, experts = mk.align(ids, e, base.block_m)
+                    row = {"shape": name, "fp8": fp8, "tokens": t, "tiles": base.name}
+                    for tiles in (base, replace(base, tma=True)):
+                        for gemm, gated, flop_k in (("up", True, h), ("down", False, i)):
+                            if not fits(tiles, 2, gated, 1 if fp8 else 2):
+                                continue
+                            a, w, o, s = ((x, w13, inter, scales and scales.w13) if gated
+                                          else (inter, w2, down, scales and scales.w2))
+                            try:
+                                ms = _replay_ms(lambda: mk.grouped_gemm(
+                                    a, w, o, slots, experts, t * k, tiles, k if gated else 1,
+                                    gated=gated, w_scale=s,
+                                    weights=None if gated else weights.reshape(-1)))
+                            except Exception as exc:  # noqa: BLE001 - a tile that won't build
+                                row[f"{gemm}{'_tma' * tiles.tma}"] = str(exc)[:80]
+                                continue
+                            flop = 2 * t * k * flop_k * o.shape[1] * (2 if gated else 1)
+                            row[f"{gemm}{'_tma' * tiles.tma}_us"] = round(1000 * ms, 1)
+                            row[f"{gemm}{'_tma' * tiles.tma}_tflops"] = round(flop / ms / 1e9)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--vllm-worker")
     ap.add_argument("--align", action="store_true")
+    ap.add_argument("--tma", action="store_true")
     args = ap.parse_args()
     if args.vllm_worker:
         _vllm_worker(args.vllm_worker)
         return
-    if args.align:
-        rows = align_rows()
+    if args.align or args.tma:
+        rows = align_rows() if args.align else tma_rows()
         if args.json:
             Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
         return

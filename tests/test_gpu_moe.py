@@ -290,6 +290,8 @@ def test_mxfp4_experts_in_every_candidate_tile_equal_the_dequantized_loop(t):
     scale = o.ref.abs().max().item()
     for native in (False, True):
         for name, tiles in CANDIDATES.items():
+            if tiles.tma:  # MXFP4's codes are read by pointers
+                continue
             try:
                 got = experts((tiles, tiles), native)
             except Exception as e:  # noqa: BLE001 - a scaled dot this Triton cannot lower

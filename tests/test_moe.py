@@ -74,15 +74,19 @@ def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, bloc
 
 
 @INTERPRETED_ONLY
-@pytest.mark.parametrize("swap", [False, True], ids=["a-left", "weights-left"])
+@pytest.mark.parametrize("swap,tma", [(False, False), (True, False), (False, True)],
+                         ids=["a-left", "weights-left", "weights-by-tma"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("t,e,k,h,i,block_m", [
     (1, 8, 2, 48, 40, 16), (3, 32, 2, 64, 96, 16), (37, 8, 3, 40, 24, 32),
     (20, 16, 16, 32, 48, 16)])
-def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, dtype, swap):
+def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, dtype, swap,
+                                                        tma):
+    """By TMA, a tile's rows past an expert's N read the next rows (masked outputs only) and
+    its columns past K zeros."""
     x, w13, w2, weights, chosen = _experts(t, e, k, h, i, dtype)
     ref = mk.reference(x.float(), w13.float(), w2.float(), weights, chosen)
-    tiles = mk.Tiles(block_m, 32, 32, swap=swap)
+    tiles = mk.Tiles(block_m, 32, 32, swap=swap, tma=tma)
     out = torch.full((t, h), float("nan"), dtype=dtype)
     got = mk.fused_experts(x, w13, w2, weights, chosen, (tiles, tiles), out)
     assert got.data_ptr() == out.data_ptr()

@@ -44,17 +44,18 @@ def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("fp8_input", [False, True])
-@pytest.mark.parametrize("group_k,swap", [(None, False), (None, True), (32, False)],
-                         ids=["per-row", "per-row-weights-left", "k-groups"])
+@pytest.mark.parametrize("group_k,swap,tma", [(None, False, False), (None, True, False),
+                                              (32, False, False), (32, False, True)],
+                         ids=["per-row", "per-row-weights-left", "k-groups", "k-groups-tma"])
 @pytest.mark.parametrize("t,e,top_k,h,i,block_m", [
     (1, 8, 2, 64, 96, 16),    # one token, most experts without one; I not a multiple of 64
     (37, 8, 3, 96, 64, 32),   # full and partial blocks, H three K groups
     (20, 16, 16, 64, 32, 16)])  # every token to every expert
 def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, block_m,
-                                                              group_k, swap, fp8_input):
+                                                              group_k, swap, tma, fp8_input):
     x, w13, w2, weights, ids = _experts(t, e, top_k, h, i)
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, group_k)
-    tiles = mk.Tiles(block_m, 32, 32, swap=swap)
+    tiles = mk.Tiles(block_m, 32, 32, swap=swap, tma=tma)
     got = mk.fused_experts(x, q13, q2, weights, ids, (tiles, tiles), scales=scales,
                            native=fp8_input)
     if fp8_input:

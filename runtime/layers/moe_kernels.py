@@ -105,11 +105,13 @@ class Tiles:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False  # the weights multiply as the MMA's left operand (rows of outputs)
+    tma: bool = False  # bf16 / FP8 weights' tiles loaded by TMA (the copy engine)
 
     @property
     def name(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}"
-                f"w{self.num_warps}s{self.num_stages}" + ("x" if self.swap else ""))
+                f"w{self.num_warps}s{self.num_stages}" + ("x" if self.swap else "")
+                + ("t" if self.tma else ""))
 
 
 if HAVE_TRITON:
@@ -126,6 +128,7 @@ if HAVE_TRITON:
                              A_FORMAT: tl.constexpr, PER_ROW: tl.constexpr,
                              PRECISION: tl.constexpr, SWAP: tl.constexpr,
                              EXP_WORDS: tl.constexpr, FOLDED: tl.constexpr,
+                             B_DESC: tl.constexpr, EVEN_K: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
         """C[slot, n] = (A[slot // A_ROW_DIV] @ B[expert]^T)[n] for one block of sorted slots
@@ -142,8 +145,11 @@ if HAVE_TRITON:
         ``tl.dot_scaled`` (A in A_FORMAT), which Triton lowers for the GPU. SWAP: each product
         is taken as (B A^T)^T, the weights the MMA's left operand (Hopper's takes it from
         registers, where converted weights are; a block of few rows fills its narrow side),
-        one scale per row (PER_ROW) only. Programs walk GROUP_M blocks per column of tiles (a
-        run of blocks mostly shares an expert: its tiles stay in L2)."""
+        one scale per row (PER_ROW) only. B_DESC: ``b_ptr`` is a TMA descriptor of the
+        weights as [experts * rows, K] (bf16 or FP8 weights), its tiles loaded by the copy
+        engine. EVEN_K: K is a multiple of BLOCK_K (no column masks). Programs walk GROUP_M
+        blocks per column of tiles (a run of blocks mostly shares an expert: its tiles stay in
+        L2)."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
         width = GROUP_M * num_n
@@ -162,9 +168,12 @@ if HAVE_TRITON:
         n_ok = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
-        b_at = b_ptr + expert.to(tl.int64) * stride_be  # this expert's B
+        if B_DESC:  # this expert's first B row of the tile (gate's; up's N rows on)
+            b_row = (expert * (stride_be // stride_bn) + n0).to(tl.int32)
+        else:
+            b_at = b_ptr + expert.to(tl.int64) * stride_be  # this expert's B
+            b_ptrs = b_at + offs_n[None, :] * stride_bn + offs_k[:, None]
         s_at = b_scale_ptr + expert.to(tl.int64) * stride_bse  # and its scales
-        b_ptrs = b_at + offs_n[None, :] * stride_bn + offs_k[:, None]
         bs_ptrs = s_at + offs_n * num_groups
         as_ptrs = a_scale_ptr + rows * num_groups
         if SWAP:  # the products' transposes: rows of outputs by rows of A
@@ -221,14 +230,23 @@ if HAVE_TRITON:
                     acc_up = tl.dot(a_lo, lo, acc_up, input_precision=PRECISION)
                     acc_up = tl.dot(a_hi, hi, acc_up, input_precision=PRECISION)
             else:
-                k_ok = offs_k < K - k0
-                a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                if EVEN_K:
+                    a_mask, b_mask = valid[:, None], n_ok[None, :]
+                else:
+                    k_ok = offs_k < K - k0
+                    a_mask, b_mask = valid[:, None] & k_ok[None, :], k_ok[:, None] & n_ok[None, :]
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+                if B_DESC:  # rows past N (or the expert) multiply into masked outputs only
+                    b = b_ptr.load([b_row, k0]).T
+                else:
+                    b = tl.load(b_ptrs, mask=b_mask, other=0.0)
                 if B_FP8 and not A_FP8:
                     b = b.to(a.dtype)
                 if GATED:
-                    u = tl.load(b_ptrs + N * stride_bn, mask=k_ok[:, None] & n_ok[None, :],
-                                other=0.0)
+                    if B_DESC:
+                        u = b_ptr.load([b_row + N, k0]).T
+                    else:
+                        u = tl.load(b_ptrs + N * stride_bn, mask=b_mask, other=0.0)
                     if B_FP8 and not A_FP8:
                         u = u.to(a.dtype)
                 if PER_ROW and SWAP:
@@ -254,7 +272,8 @@ if HAVE_TRITON:
                             s_up = a_s * s_up
                         acc_up += tl.dot(a, u, input_precision=PRECISION) * s_up
             a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+            if not B_DESC:
+                b_ptrs += BLOCK_K
         if SWAP:
             acc = tl.trans(acc)
             acc_up = tl.trans(acc_up)
@@ -379,12 +398,20 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         if groups > 1 and tiles.swap:
             raise ValueError(f"swapped tiles ({tiles.name}) take one scale per weight row, "
                              f"not {groups} K groups")
+    if tiles.tma and (fp4 or not w.is_contiguous() or k * w.element_size() % 16):
+        raise ValueError(f"TMA tiles ({tiles.name}) load bf16 or FP8 experts, contiguous, "
+                         "with rows a multiple of 16 bytes")
     if bias is not None and (gated or bias.shape != (w.shape[0], n)):
         raise ValueError(f"an expert bias is [experts, outputs] = [{w.shape[0]}, {n}] of an "
                          f"ungated GEMM, not {list(bias.shape)}{' gated' if gated else ''}")
     grid = (nb * triton.cdiv(n, tiles.block_n),)
+    b = w
+    if tiles.tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b = TensorDescriptor.from_tensor(w.view(-1, k), [tiles.block_n, block_k])
     _grouped_gemm_kernel[grid](
-        a, w, out, slots, block_experts, weights if weights is not None else out,
+        a, b, out, slots, block_experts, weights if weights is not None else out,
         a_scale if a_scale is not None else out, w_scale if w_scale is not None else out,
         bias if bias is not None else out, num_slots, n, k, nb, group, groups, a.stride(0),
         w.stride(0), w.stride(1), w_scale.stride(0) if w_scale is not None else 0,
@@ -395,7 +422,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
         B_FP8=w_scale is not None and not fp4, A_FP8=a_scale is not None, B_FP4=fp4,
         SCALED_DOT=fp4 and scaled_dot, A_FORMAT=SCALED_DOT_FORMATS.get(a.dtype, "bf16"),
         PER_ROW=groups == 1 or fp4, EXP_WORDS=fp4 and exps_in_words(tiles.block_n, block_k),
-        FOLDED=fp4 and small_exps,
+        FOLDED=fp4 and small_exps, B_DESC=tiles.tma, EVEN_K=k % block_k == 0,
         PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SWAP=tiles.swap,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=block_k,
         GROUP_M=tiles.group_m, num_warps=tiles.num_warps, num_stages=tiles.num_stages)

@@ -20,7 +20,7 @@ cached per machine (``runtime/kernel_plans.py``: ``moe-plans.json``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -54,6 +54,9 @@ CANDIDATES = {t.name: t for t in (
     Tiles(128, 128, 64, 8, 8, 3, True), Tiles(128, 256, 64, 8, 8, 3, True),
     Tiles(16, 128, 128, 1, 8, 3, True), Tiles(64, 128, 64, 8, 8, 4, True),
     Tiles(64, 128, 128, 8, 4, 3, True))}
+# each prefill tile of A on the left also with its weights loaded by TMA
+CANDIDATES.update((t.name, t) for t in [replace(t, tma=True) for t in CANDIDATES.values()
+                                        if t.block_m >= 64 and not t.swap])
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
 DENSE = (Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 256, 64, 8, 8, 3), Tiles(128, 128, 64, 8, 8, 4),
          Tiles(128, 256, 64, 8, 8, 3))  # MXFP4 experts written out dense: prefill tiles
@@ -264,6 +267,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
                 if group_k is not None and not fp4:  # K-group scales: no swapped tiles
                     tiles = [t for t in tiles if not t.swap]
+                if fp4:  # MXFP4's codes are read by pointers
+                    tiles = [t for t in tiles if not t.tma]
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
                 # a tile or scaled dot this GPU or Triton cannot build: never chosen
