@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pagedgen.cli.common import engine_and_sampling
-from pagedgen.cli.formats.reader import RequestFile, check_requests, parse_line, tokenize_requests
+from pagedgen.cli.formats.reader import (RequestFile, check_requests, check_text_settings,
+                                         parse_line, tokenize_requests)
 from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, check_sampling,
                                           set_sampling)
 from pagedgen.errors import PagedgenError
@@ -71,6 +72,7 @@ class LLM:
             reqs.append(req)
         rf = _Prompts(["prompts"], reqs, {r.id: r.index for r in reqs})
         eng = self.engine
+        check_text_settings(rf, eng.tokenizer, self.defaults)
         tokenize_requests(rf, eng.tokenizer)
         vocab, limit = eng.src.hf_config.vocab_size, eng.max_model_len
         check_requests(rf, lambda r: checked_request(r, self.defaults, limit, vocab,

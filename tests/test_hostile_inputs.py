@@ -188,6 +188,36 @@ def test_sigterm_while_a_constraint_compiles_ends_the_run_at_once(tmp_path, monk
 
 # ---- damaged weights --------------------------------------------------------------------------
 
+def test_text_settings_on_a_checkpoint_without_a_tokenizer_are_line_errors(tmp_path):
+    """Token-id prompts run on a checkpoint without tokenizer files (their text empty, which
+    the run says); a stop string would never match there, bad words cannot be tokenized and
+    a grammar cannot be compiled, so each is a line error before the model loads."""
+    ckpt = make_checkpoint("llama", tmp_path / "ck")
+    out = tmp_path / "o.jsonl"
+    ids = {"prompt_token_ids": [1, 2, 3]}
+    res = runner.invoke(app, ["generate", str(write(tmp_path / "ok.jsonl", [ids])), *FAST,
+                              "--model", str(ckpt), "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "has no tokenizer files: each output's text is empty" in res.output
+    assert json.loads(out.read_text())["num_output_tokens"] == 4
+    out.unlink()
+    for extra, pattern in [
+            ({"stop": "a"}, r"'stop' strings match text: use 'stop_token_ids'"),
+            ({"bad_words": ["a"]}, r"'bad_words' are text: use 'logit_bias'"),
+            ({"response_format": {"type": "json_object"}},
+             r"structured output constrains text")]:
+        src = write(tmp_path / "p.jsonl", [ids, {**ids, **extra}])
+        res = runner.invoke(app, ["generate", str(src), *FAST, "--model", str(ckpt),
+                                  "-o", str(out)])
+        one_line_error(res, r"p\.jsonl:2: .*ck has no tokenizer; " + pattern)
+        assert not out.exists()
+    from pagedgen import LLM
+    from pagedgen.errors import PagedgenError
+
+    with pytest.raises(PagedgenError, match="prompt 0: .*ck has no tokenizer; 'stop'"):
+        LLM(str(ckpt), device="cpu").generate([ids], stop=["a"])
+
+
 def test_a_non_finite_weight_stops_the_load_naming_file_and_tensor(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -25,6 +25,8 @@ from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request
                                           set_prompt, set_sampling, set_template_kwargs,
                                           user_fields)
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.engine.requests import text_setting
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
@@ -321,6 +323,17 @@ def tokenize_requests(rf: RequestFile, tokenizer,
             done += len(batch)
             if progress is not None:
                 progress(done)
+
+
+def check_text_settings(rf: RequestFile, tokenizer, defaults: SamplingParams) -> None:
+    """Where ``tokenizer`` has no text (a checkpoint without tokenizer files), a request whose
+    settings work on text (``requests.text_setting``) is a file:line error."""
+    if getattr(tokenizer, "has_text", True):
+        return
+    for r in rf.requests:
+        why = text_setting(r.sampling(defaults))
+        if why is not None:
+            raise PagedgenError(f"{rf.where(r)}: {tokenizer.path} has no tokenizer; {why}")
 
 
 def check_requests(rf: RequestFile, check: Callable[[Request], None],

@@ -24,7 +24,8 @@ from pagedgen.cli.formats.lines import line_check, line_maker
 from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.cli.formats.output_claim import OutputClaim
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output
-from pagedgen.cli.formats.reader import (InputSource, RequestFile, check_requests, input_files,
+from pagedgen.cli.formats.reader import (InputSource, RequestFile, check_requests,
+                                         check_text_settings, input_files,
                                          read_requests, tokenize_requests)
 from pagedgen.cli.formats.request import InputOptions, Request
 from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
@@ -99,6 +100,11 @@ def run(job: Job) -> dict[str, Any] | None:
             weights_format(src, cfg.load_format)  # no weight files: fail now
             model_quantization(src, cfg.quantization)  # nor an unknown quantization
             tokenizer = load_tokenizer(src)
+            if not getattr(tokenizer, "has_text", True):
+                check_text_settings(rf, tokenizer, job.defaults)
+                console.print(f"note: {src.name} has no tokenizer files: each output's text is "
+                              "empty, its token_ids are the completion", highlight=False,
+                              markup=False, soft_wrap=True)
             load_s = time.perf_counter() - t_load
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
             _check_context(cfg, src)

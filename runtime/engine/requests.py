@@ -33,3 +33,15 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     if max_num_seqs is not None and params.n > max_num_seqs:
         raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
                          f"{max_num_seqs}")
+
+
+def text_setting(params: SamplingParams) -> str | None:
+    """Why ``params`` need a tokenizer (a setting that works on text, and what to use
+    instead), or None where they do not."""
+    if params.stop:
+        return "'stop' strings match text: use 'stop_token_ids'"
+    if params.bad_words:
+        return "'bad_words' are text: use 'logit_bias' on their token ids"
+    if params.structured is not None:
+        return "structured output constrains text"
+    return None

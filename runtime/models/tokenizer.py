@@ -231,7 +231,10 @@ def _save(tok, saved: Path) -> None:
 
 
 class MissingTokenizer:
-    """For a checkpoint without tokenizer files: token-id prompts work, text ones do not."""
+    """For a checkpoint without tokenizer files: token-id prompts work, text ones do not, and
+    outputs decode to empty text."""
+
+    has_text = False
 
     def __init__(self, path: Path, eos_token_id: int | list[int] | None) -> None:
         self.path = path
