@@ -225,6 +225,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     gated = mk.gated_up(act, b13, b2)
     small = scales is not None and scales.small_exponents  # MXFP4's one-multiply conversion
+    tma = w13.is_cuda and torch.cuda.get_device_capability(w13.device)[0] >= 9  # Hopper on
     choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
@@ -267,7 +268,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
                 if group_k is not None and not fp4:  # K-group scales: no swapped tiles
                     tiles = [t for t in tiles if not t.swap]
-                if fp4:  # MXFP4's codes are read by pointers
+                if fp4 or not tma:  # MXFP4's codes are read by pointers
                     tiles = [t for t in tiles if not t.tma]
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
