@@ -78,6 +78,31 @@ def test_standard_output_gets_the_lines_and_stderr_the_summary(tmp_path, clean):
     assert res.exit_code == 1 and "a stream cannot be resumed" in res.output
 
 
+def test_a_stream_cut_mid_write_says_how_many_whole_lines_it_got(monkeypatch):
+    """A stream cannot be cut back: the error counts the whole lines that went out and says
+    the next went in part (a short write, then a closed pipe)."""
+    import errno
+    from types import SimpleNamespace
+
+    from pagedgen.cli.formats import output
+    from pagedgen.errors import PagedgenError
+
+    writer = output.StreamWriter(SimpleNamespace(given="-", fd=1, open_stream=lambda: 1))
+    script = iter([None, 12])  # all of the first write; of the second, 12 bytes, then EPIPE
+
+    def write(fd, data):
+        step = next(script, "closed")
+        if step == "closed":
+            raise OSError(errno.EPIPE, os.strerror(errno.EPIPE))
+        return len(data) if step is None else step
+
+    monkeypatch.setattr(os, "write", write)
+    writer.write_lines([(0, '{"a": 1}')])  # 9 bytes a line
+    with pytest.raises(PagedgenError, match="Broken pipe; 2 whole lines were written, and "
+                                            "part of the next"):
+        writer.write_lines([(1, '{"b": 2}'), (2, '{"c": 3}')])
+
+
 def test_a_fifo_is_a_stream_and_its_wait_can_be_interrupted(tmp_path, clean):
     src, ref = clean
     fifo = tmp_path / "f"

@@ -105,14 +105,16 @@ def test_disk_full_mid_run_keeps_lines_and_resume_finishes(tmp_path, monkeypatch
     clean = tmp_path / "clean.jsonl"
     assert invoke("generate", src, "-o", clean, *args).exit_code == 0
     out = tmp_path / "o.jsonl"
-    real_write, writes = os.write, []
+    real_write, writes, lines = os.write, [], []
 
     def write(fd, data):
         if bytes(data[:7]) == b'{"id": ':  # the completions file's writes only
             writes.append(fd)
-            if len(writes) > 3:
-                real_write(fd, bytes(data[:20]))  # part of a line, then the disk is full
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            lines.append(bytes(data).count(b"\n"))
+            if len(writes) == 4:  # a short write: a line and part of the next
+                return real_write(fd, bytes(data[:bytes(data).index(b"\n") + 21]))
+        elif len(writes) >= 4 and fd == writes[0]:  # the rest of that write: the disk is full
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(fd, data)
 
     monkeypatch.setattr(os, "write", write)
@@ -122,9 +124,11 @@ def test_disk_full_mid_run_keeps_lines_and_resume_finishes(tmp_path, monkeypatch
     text = res.output.replace("\n", "")
     assert "No space left on device" in text and str(out.name) in text
     assert "Traceback" not in res.output
-    kept = out.read_text().splitlines()
-    assert 3 <= len(kept) - 1 < 40  # whole lines from three writes, then a partial one
-    assert all(json.loads(line)["id"] for line in kept[:-1])
+    data = out.read_bytes()  # whole lines only: three writes' and one of the fourth's
+    kept = data.decode().splitlines()
+    assert data.endswith(b"\n") and len(kept) == sum(lines[:3]) + 1
+    assert all(json.loads(line)["id"].startswith("r") for line in kept)
+    assert f"the {len(kept)} lines written are kept" in text
     res = invoke("generate", src, "-o", out, *args, "--resume", "--json")
     assert res.exit_code == 0, res.output
     assert out.read_text() == clean.read_text()

@@ -5,7 +5,8 @@ The file is created (or emptied, with ``--overwrite``) at the first write, after
 lines go out in one appending ``os.write`` with SIGINT and SIGTERM held (a crash or Ctrl-C loses
 nothing finished and cuts no line); before each, the writer checks that its file is still the
 one it writes and holds exactly what it wrote, and stops with a one-line error if another
-program removed, replaced or truncated it. The writer remembers the byte offset of every
+program removed, replaced or truncated it; a write that fails (a full disk) leaves whole lines
+only, its cut line cut back. The writer remembers the byte offset of every
 request's line (8 bytes a request), so the final reorder is one linear pass that copies lines
 in input order into a temporary file (the output's mode and owner), never holding them in
 memory, and is skipped when the file is already in order. ``--resume`` parses every line once:
@@ -145,7 +146,8 @@ class OutputWriter:
     def write_lines(self, lines: list[tuple[int, str]]) -> None:
         """Append finished requests' (input index, JSON text) lines in one write, with
         SIGINT and SIGTERM held until it is done (never half a line from a signal). A failed
-        write (disk full, ...) is a one-line error; the lines before it stay."""
+        write (disk full, ...) is a one-line error; the whole lines before it stay, counted,
+        and a line it cut short is cut from the file."""
         if not lines:
             return
         encoded = [(text + "\n").encode() for _, text in lines]
@@ -157,13 +159,22 @@ class OutputWriter:
             write_all(self._fd, data)
         except OSError as e:
             self.failed = True
+            self._keep_whole(lines, encoded, getattr(e, "written", 0))
+            with contextlib.suppress(OSError):  # a cut line goes (else --resume drops it)
+                if os.fstat(self._fd).st_size > self._pos:
+                    os.ftruncate(self._fd, self._pos)
             raise PagedgenError(
                 f"{self.given}: cannot write: {e.strerror or e}; the {self.num_done} lines "
-                "written before are kept (run again with --resume to finish)")
-        for (index, _), line in zip(lines, encoded):
+                "written are kept (run again with --resume to finish)")
+        self._keep_whole(lines, encoded, len(data))
+
+    def _keep_whole(self, lines: list[tuple[int, str]], encoded: list[bytes],
+                    written: int) -> None:
+        """Count the lines of a write whose bytes all went out (its first ``written``)."""
+        for (index, _), line in zip(lines, encoded[:whole_lines(encoded, written)]):
             self.offsets[index] = self._pos
             self._pos += len(line)
-        self.num_done += len(lines)
+            self.num_done += 1
 
     def close(self, reorder: bool = True) -> None:
         """Close the file and put its lines in input order, dropping damaged ones (skipped
@@ -226,13 +237,29 @@ class OutputWriter:
         return (o for o in self.offsets if o >= 0)
 
 
+def whole_lines(encoded: list[bytes], written: int) -> int:
+    """How many of the lines ``encoded`` lie whole in their first ``written`` bytes."""
+    n = 0
+    while n < len(encoded) and written >= len(encoded[n]):
+        written -= len(encoded[n])
+        n += 1
+    return n
+
+
 def write_all(fd: int, data: bytes) -> None:
     """``data`` to ``fd`` whole, with SIGINT and SIGTERM held until it is (never half a line
-    from a signal)."""
+    from a signal). A failed write's OSError tells how many bytes went out first
+    (``written``)."""
     with _signals_held():
-        view = memoryview(data)
+        view, written = memoryview(data), 0
         while view:
-            view = view[os.write(fd, view):]
+            try:
+                n = os.write(fd, view)
+            except OSError as e:
+                e.written = written
+                raise
+            written += n
+            view = view[n:]
 
 
 @contextlib.contextmanager
@@ -285,12 +312,17 @@ class StreamWriter:
         if not lines:
             return
         self.open()
+        encoded = [(text + "\n").encode() for _, text in lines]
         try:
-            write_all(self._fd, "".join(text + "\n" for _, text in lines).encode())
+            write_all(self._fd, b"".join(encoded))
         except OSError as e:
             self.failed = True
+            written = getattr(e, "written", 0)
+            whole = whole_lines(encoded, written)
             raise PagedgenError(f"{self.given}: cannot write: {e.strerror or e}; "
-                                f"{self.num_done} lines were written before")
+                                f"{self.num_done + whole} whole lines were written" + (
+                                    ", and part of the next"
+                                    if written > sum(map(len, encoded[:whole])) else ""))
         self.num_done += len(lines)
 
     def close(self, reorder: bool = True) -> None:
