@@ -78,6 +78,20 @@ def test_standard_output_gets_the_lines_and_stderr_the_summary(tmp_path, clean):
     assert res.exit_code == 1 and "a stream cannot be resumed" in res.output
 
 
+def test_a_fifo_input_says_it_waits_for_its_writer(tmp_path, clean):
+    """Opening a FIFO to read waits for a writer: the run says so before it waits."""
+    src, ref = clean
+    fifo = tmp_path / "in"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(src.read_bytes()))
+    writer.start()
+    res = generate(fifo, *FAST, "-o", tmp_path / "o.jsonl")
+    writer.join(timeout=60)
+    assert res.exit_code == 0, res.output
+    assert res.output.index("in: waiting for a writer of the FIFO") < res.output.index("model")
+    assert (tmp_path / "o.jsonl").read_text() == ref.read_text()
+
+
 def test_a_stream_cut_mid_write_says_how_many_whole_lines_it_got(monkeypatch):
     """A stream cannot be cut back: the error counts the whole lines that went out and says
     the next went in part (a short write, then a closed pipe)."""

@@ -11,6 +11,7 @@ replicas (``--ray``: ``runtime/drivers/ray_data.py``), or as one rank of ``torch
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 import threading
 from dataclasses import dataclass
@@ -89,6 +90,7 @@ def run(job: Job) -> dict[str, Any] | None:
     rf: RequestFile | None = None
     try:
         t_read = time.perf_counter()
+        _say_what_reading_waits_for(sources)
         with startup_progress(job.quiet or not lead) as progress:
             task = progress.add_task("reading", total=sum(s.size or 0 for s in sources) or None)
             rf = read_requests(sources, lambda n: progress.update(task, completed=n), job.opts)
@@ -171,6 +173,18 @@ def _check_context(cfg: EngineConfig, src) -> None:
     if cfg.max_model_len is not None and own and cfg.max_model_len > own:
         raise PagedgenError(f"--max-model-len {cfg.max_model_len:,} is more than {src.name}'s "
                             f"context ({own:,} tokens, max_position_embeddings)")
+
+
+def _say_what_reading_waits_for(sources: list[InputSource]) -> None:
+    """A FIFO's reading waits for its writer, and a terminal's for the user's lines: say so
+    (else the run looks hung)."""
+    for s in sources:
+        if s.path is not None and s.path.is_fifo():
+            console.print(f"{escape(s.name)}: waiting for a writer of the FIFO",
+                          highlight=False, soft_wrap=True)
+        elif s.path is None and sys.stdin.isatty():
+            console.print("reading prompts from the terminal: one JSON line each, then Ctrl-D",
+                          highlight=False, soft_wrap=True)
 
 
 def _writer(target: OutputTarget | None, out_path: str, sources: list[InputSource],
