@@ -136,6 +136,27 @@ def test_profile_measures_prefill_steps_as_they_launch():
         assert cfg.async_scheduling is False and cfg.max_num_seqs == 8
 
 
+def test_a_batch_past_the_step_budget_raises_the_budget_and_past_the_seats_is_refused():
+    """``--batch-sizes`` past the step's token budget gets a budget that decodes the batch in
+    one step (it named options the user never gave before); past the seats a step can hold,
+    one line naming the batch size."""
+    import pytest
+
+    from pagedgen.cli.profile.measure import measured_config
+    from pagedgen.cli.profile.workload import Workload, workload_from
+    from pagedgen.errors import PagedgenError
+    from pagedgen.runtime.config import EngineConfig
+
+    cfg = measured_config(EngineConfig(device="cpu", max_num_batched_tokens=64),
+                          Workload(batch_sizes=[8, 300]))
+    assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (300, 300)
+    cfg = measured_config(EngineConfig(device="cpu"), Workload(batch_sizes=[8]))
+    assert cfg.max_num_batched_tokens == EngineConfig(device="cpu").with_seats(
+        ).max_num_batched_tokens
+    with pytest.raises(PagedgenError, match="batch size 70,000: a step runs at most 65,536"):
+        workload_from({}, {"batch_sizes": "1,70000"})
+
+
 def test_an_output_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeypatch):
     """A file where the directory should go: one line before the model loads, not a
     traceback (FileExistsError) and not after the profiling ran."""

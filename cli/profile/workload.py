@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import MAX_SEATS
 
 
 @dataclass
@@ -55,6 +56,9 @@ def workload_from(profile: dict | None, overrides: dict[str, Any]) -> Workload:
     wl = apply_fields(wl, given, "options")
     if not wl.batch_sizes or min(wl.batch_sizes) < 1:
         raise PagedgenError("batch sizes must be positive integers")
+    if max(wl.batch_sizes) > MAX_SEATS:
+        raise PagedgenError(f"batch size {max(wl.batch_sizes):,}: a step runs at most "
+                            f"{MAX_SEATS:,} sequences")
     wl.batch_sizes = sorted(set(wl.batch_sizes))
     if wl.measured_steps < 1 or wl.warmup_steps < 0 or wl.output_len < 3:
         raise PagedgenError("need measured_steps >= 1, warmup_steps >= 0 and output_len >= 3")
