@@ -126,7 +126,7 @@ _COMPACT: dict[str, tuple[str, ...]] = {
             "all_reduce", "dtype", "quantization", "requests", "samples", "prompt_tokens",
             "output_tokens", "skipped_resumed", "preemptions", "structured_samples",
             "grammar_unsatisfiable_samples", "grammar_rejected_samples", "output",
-            "output_stream"),
+            "output_stream", "output_text"),
     "throughput (tokens/s)": ("output_tokens_per_s", "output_tokens_per_s_while_busy"),
     "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s"),
     "KV cache": ("kv_cache_blocks", "peak_kv_blocks_used",

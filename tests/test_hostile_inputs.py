@@ -190,7 +190,7 @@ def test_sigterm_while_a_constraint_compiles_ends_the_run_at_once(tmp_path, monk
 
 def test_text_settings_on_a_checkpoint_without_a_tokenizer_are_line_errors(tmp_path):
     """Token-id prompts run on a checkpoint without tokenizer files (their text empty, which
-    the run says); a stop string would never match there, bad words cannot be tokenized and
+    the summary says); a stop string would never match there, bad words cannot be tokenized and
     a grammar cannot be compiled, so each is a line error before the model loads."""
     ckpt = make_checkpoint("llama", tmp_path / "ck")
     out = tmp_path / "o.jsonl"
@@ -198,7 +198,7 @@ def test_text_settings_on_a_checkpoint_without_a_tokenizer_are_line_errors(tmp_p
     res = runner.invoke(app, ["generate", str(write(tmp_path / "ok.jsonl", [ids])), *FAST,
                               "--model", str(ckpt), "-o", str(out)])
     assert res.exit_code == 0, res.output
-    assert "has no tokenizer files: each output's text is empty" in res.output
+    assert "empty: no tokenizer files" in res.output
     assert json.loads(out.read_text())["num_output_tokens"] == 4
     out.unlink()
     for extra, pattern in [

@@ -48,7 +48,7 @@ sig = dict(a_ptr="*bf16", b_ptr="*u8", c_ptr="*bf16", slots_ptr="*i32",
 consts = dict(A_ROW_DIV=4, GATED=bool(gated), WEIGHTED=False, BIASED=False, B_FP8=False,
               A_FP8=False, B_FP4=True, SCALED_DOT=False, A_FORMAT="bf16", PER_ROW=True,
               PRECISION="tf32", SWAP=True, EXP_WORDS=exps_in_words(bn, bk), FOLDED=True,
-              BLOCK_M=bm,
+              B_DESC=False, EVEN_K=True, BLOCK_M=bm,
               BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1)
 sig.update({k: "constexpr" for k in consts})
 aligned = [n for n in sig if n.endswith("_ptr") or n.startswith("stride") or n in ("N", "K")]

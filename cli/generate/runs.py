@@ -102,11 +102,7 @@ def run(job: Job) -> dict[str, Any] | None:
             weights_format(src, cfg.load_format)  # no weight files: fail now
             model_quantization(src, cfg.quantization)  # nor an unknown quantization
             tokenizer = load_tokenizer(src)
-            if not getattr(tokenizer, "has_text", True):
-                check_text_settings(rf, tokenizer, job.defaults)
-                console.print(f"note: {src.name} has no tokenizer files: each output's text is "
-                              "empty, its token_ids are the completion", highlight=False,
-                              markup=False, soft_wrap=True)
+            check_text_settings(rf, tokenizer, job.defaults)
             load_s = time.perf_counter() - t_load
             limit, vocab = cfg.context_limit(src.hf_config), src.hf_config.vocab_size
             _check_context(cfg, src)
@@ -153,7 +149,9 @@ def run(job: Job) -> dict[str, Any] | None:
         extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
                  "output": out_path, **({"chat_format": tokenizer.chat_format} if chats else {}),
                  **({"output_stream": f"{target.stream}, lines in completion order"}
-                    if target is not None and target.is_stream else {})}
+                    if target is not None and target.is_stream else {}),
+                 **({} if getattr(tokenizer, "has_text", True) else
+                    {"output_text": "empty: no tokenizer files"})}
         start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
         return driver.summary(len(todo), wall, start, extra)
     except (KeyboardInterrupt, Terminated) as e:
