@@ -94,6 +94,19 @@ def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, 
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@INTERPRETED_ONLY
+def test_a_tma_tile_on_weights_tma_cannot_load_runs_them_by_pointers():
+    """A plan's TMA tile meeting experts that are not contiguous (TMA reads rows of a
+    descriptor) runs as its pointer twin, with the same result."""
+    x, w13, w2, weights, chosen = _experts(9, 8, 2, 40, 24)
+    ref = mk.reference(x, w13, w2, weights, chosen)
+    strided = torch.stack([w13, torch.zeros_like(w13)], 1).flatten(0, 1)[::2]  # every 2nd
+    assert torch.equal(strided, w13) and not strided.is_contiguous()
+    tiles = mk.Tiles(16, 32, 32, tma=True)
+    got = mk.fused_experts(x, strided, w2, weights, chosen, (tiles, tiles))
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+
+
 ROUTES = [moe_route.route_reference, pytest.param(getattr(moe_route, "route_triton", None),
                                                   marks=INTERPRETED_ONLY, id="triton")]
 

@@ -13,7 +13,7 @@ CPU runs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -399,8 +399,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slots: tor
             raise ValueError(f"swapped tiles ({tiles.name}) take one scale per weight row, "
                              f"not {groups} K groups")
     if tiles.tma and (fp4 or not w.is_contiguous() or k * w.element_size() % 16):
-        raise ValueError(f"TMA tiles ({tiles.name}) load bf16 or FP8 experts, contiguous, "
-                         "with rows a multiple of 16 bytes")
+        tiles = replace(tiles, tma=False)  # TMA takes bf16 or FP8 rows of 16-byte multiples
     if bias is not None and (gated or bias.shape != (w.shape[0], n)):
         raise ValueError(f"an expert bias is [experts, outputs] = [{w.shape[0]}, {n}] of an "
                          f"ungated GEMM, not {list(bias.shape)}{' gated' if gated else ''}")
