@@ -509,6 +509,48 @@ def test_torch_grouped_gemm_path_equals_the_per_expert_loop(dtype, top_k):
     torch.testing.assert_close(got.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("has_tma", [True, False], ids=["hopper", "before-hopper"])
+def test_a_plan_times_the_tma_twin_of_each_gemms_winner_only(monkeypatch, has_tma):
+    """The TMA twins are timed only for each block height's winning pointer tile of each GEMM
+    (a start-up's plan grows by at most two timings a height) and taken where faster; a GPU
+    without TMA times none."""
+    from dataclasses import replace
+
+    from pagedgen.runtime import kernel_plans
+    from pagedgen.runtime.layers import moe_plan
+    calls = []
+
+    def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, **kw):
+        calls.append((tiles, gated))
+
+    order = [t for t in CANDIDATES.values() if not t.tma]
+
+    def graph_time(fn):  # earlier candidates faster; a twin a quarter faster than its base
+        before = len(calls)
+        fn()
+        if len(calls) == before:
+            return 1e-6  # the sort
+        tiles = calls[-1][0]
+        return (1 + order.index(replace(tiles, tma=False)) / 100) * (0.75 if tiles.tma else 1)
+
+    monkeypatch.setattr(mk, "grouped_gemm", gemm)
+    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(kernel_plans, "graph_time", graph_time)
+    monkeypatch.setattr(moe_plan, "_has_tma", lambda device: has_tma)
+    w13, w2 = torch.zeros(8, 64, 32), torch.zeros(8, 32, 32)
+    plan = moe_plan._measure(w13, w2, 2, None, torch.float32)
+    timed = {}  # (block height, gated): tiles timed
+    for tiles, gated in calls:
+        timed.setdefault((tiles.block_m, gated), []).append(tiles)
+    twins = [t for ts in timed.values() for t in ts if t.tma]
+    assert bool(twins) == has_tma
+    for ts in timed.values():  # at every count, the twin of the fastest pointer tile only
+        fastest = min((t for t in ts if not t.tma), key=order.index)
+        assert {t for t in ts if t.tma} <= {replace(fastest, tma=True)}
+    chosen = [t for _, up, down, _ in plan.choices for t in (up, down)]
+    assert any(t.tma for t in chosen) == has_tma  # a quarter faster: taken where timed
+
+
 def test_plan_says_where_torch_grouped_gemm_runs_and_keeps_it_on_disk():
     from pagedgen.runtime.layers.moe_plan import _from_json
 

@@ -9,7 +9,8 @@ gpt-oss's biased, clamped experts with gate/up ungated and the activation kernel
 and the gate/up and down tiles whose sum (sorting included) is least (FP8 experts: with or
 without their GEMMs' inputs quantized per token, that quantization timed with them; MXFP4
 experts: converted in registers, and through ``tl.dot_scaled`` in the tiles that won
-converted, which bounds the added timing), and from which count torch's grouped GEMM
+converted, which bounds the added timing; on Hopper, each GEMM's winning prefill tile also
+with its weights loaded by TMA), and from which count torch's grouped GEMM
 (``moe_grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
 MXFP4 experts are better written out dense first (``moe_dequantized``; then in a tile or by
 torch's grouped GEMM, whichever is faster). Plans are shipped for the GPUs we measure on and
@@ -204,6 +205,12 @@ def natives(scales: mk.ExpertScales | None, group_k: int | None, fp4: bool,
     return (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
 
 
+def _has_tma(device: torch.device) -> bool:
+    """Whether ``device`` has Hopper's tensor memory accelerator (before it, Triton lowers a
+    descriptor's loads to plain ones: the twins would only lengthen the plan)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def _or_never(fn) -> float:
     """``graph_time(fn)``, or infinity where its kernel does not build (a Triton that lowers
     no ``tl.dot_scaled`` for this GPU, a tile past its registers): never chosen, and the GPU
@@ -225,7 +232,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     gated = mk.gated_up(act, b13, b2)
     small = scales is not None and scales.small_exponents  # MXFP4's one-multiply conversion
-    tma = w13.is_cuda and torch.cuda.get_device_capability(w13.device)[0] >= 9  # Hopper on
+    tma = _has_tma(w13.device)
     choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)
@@ -268,8 +275,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K
                 if group_k is not None and not fp4:  # K-group scales: no swapped tiles
                     tiles = [t for t in tiles if not t.swap]
-                if fp4 or not tma:  # MXFP4's codes are read by pointers
-                    tiles = [t for t in tiles if not t.tma]
+                tiles = [t for t in tiles if not t.tma]  # twins: of the winners, below
                 if native and fp4:  # the scaled dot in the converted way's best tiles only
                     tiles = [t for t in tiles if t in shortlist.get(block_m, ())]
                 # a tile or scaled dot this GPU or Triton cannot build: never chosen
@@ -282,6 +288,12 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
                 if not up or not down:
                     continue
                 t_up, t_down = min(up, key=up.get), min(down, key=down.get)
+                if tma and not fp4:  # each GEMM's TMA twin of its winner, where it has one
+                    for times, gemm, won in ((up, up_gemm, t_up), (down, down_gemm, t_down)):
+                        twin = CANDIDATES.get(replace(won, tma=True).name)
+                        if twin is not None:
+                            times[twin] = _or_never(lambda: gemm(twin, native))
+                    t_up, t_down = min(up, key=up.get), min(down, key=down.get)
                 shortlist[block_m] = {t_up, t_down}
                 total = sort_t + up[t_up] + down[t_down]
                 if best is None or total < best[0]:
