@@ -57,7 +57,11 @@ class LLM:
         sampling fields of every prompt (a dict) or of each (a list, one per prompt);
         keyword arguments (``max_tokens=16``, ``temperature=0``, ``n=4``, ``logprobs=2``,
         ``stop=[...]``, ...) apply to every prompt; a request dict's own fields win."""
-        items = [prompts] if _single(prompts) else list(prompts)
+        try:
+            items = [prompts] if _single(prompts) else list(prompts)
+        except TypeError:  # None, a number: neither a prompt nor prompts
+            raise PagedgenError("prompts: a prompt (a string, a list of token ids or a request "
+                                f"dict) or a list of them, not {type(prompts).__name__}")
         if not items:
             return []
         per = _per_prompt(sampling_params, len(items))

@@ -68,6 +68,7 @@ def test_strings_and_token_ids_with_shared_or_per_prompt_settings(llm):
     (lambda llm: llm.generate([{"prompt": "x", "temprature": 1}]),
      r"prompt 0: unknown field 'temprature' \(did you mean 'temperature'"),
     (lambda llm: llm.generate(["x", 3.5]), r"prompt 1: a prompt is a string"),
+    (lambda llm: llm.generate(None), r"prompts: a prompt .* or a list of them, not NoneType"),
     (lambda llm: llm.generate(["x"], top_p=2), r"prompt 0: top_p must be in \(0, 1\]"),
     (lambda llm: llm.generate(["x"], nonsense=1), r"prompt 0: unknown sampling field"),
     (lambda llm: llm.generate(["x", "y"], [{}]), r"sampling_params: one dict for every"),
