@@ -115,6 +115,11 @@ def test_verify_checks_where_its_json_goes_before_any_check(tmp_path, monkeypatc
     text = " ".join(res.output.split())
     assert res.exit_code == 2 and "--json" in text and "cannot be created" in text
     assert "Traceback" not in res.output
+    for args, message in ((["--model", str(tmp_path / "none")], "does not exist"),
+                          (["--dtype", "int8"], "unknown dtype 'int8'")):  # nor a bad model
+        res = runner.invoke(app, ["verify", "--device", "cpu", "--backend", "eager", *args])
+        assert res.exit_code == 2 and res.output.startswith("error: "), res.output
+        assert message in res.output and len(res.output.strip().splitlines()) == 1
 
 
 # ---- constraints no output can meet -----------------------------------------------------------

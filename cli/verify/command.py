@@ -20,6 +20,7 @@ from pagedgen.cli.verify.linear_checks import plan_linear
 from pagedgen.cli.verify.model_checks import check_tensor_parallel
 from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.models.loader import resolve_model
 
 
 @cli_errors  # Ctrl-C and SIGTERM: one line (bad options exit with 2 below)
@@ -65,6 +66,8 @@ def verify(
         raise typer.Exit(2)
     try:
         dev = EngineConfig(device=device or "auto").torch_device()
+        EngineConfig(dtype=dtype).torch_dtype(dev)  # a bad dtype or model before any check
+        resolve_model(model)
         if json_path is not None:  # before the checks: their results must have a place
             check_creatable(json_path, "--json")
         t0 = time.perf_counter()
@@ -81,7 +84,7 @@ def verify(
                                 graph_modes(get_backend(name, dev), dev)[-1])
                             if tensor_parallel_size > 1 else None)
     except PagedgenError as e:
-        console.print(f"[bold red]error:[/] {escape(str(e))}")
+        console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2)
     checked = [r for r in reports if r.status == "checked"]
     failed = [r.backend for r in checked if not r.passed]
