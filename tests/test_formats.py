@@ -238,6 +238,21 @@ def test_byte_level_bpe_token_bytes(tmp_path):
     assert tok.token_bytes(tok.tok.eos_token_id) == b""
 
 
+def test_integer_fields_take_whole_floats_as_pandas_writes_them():
+    """pandas writes an integer column with gaps as floats (100.0); vLLM takes those, so a
+    whole float is its integer, and a fraction stays an error."""
+    from pagedgen.cli.formats.reader import parse_line
+    from pagedgen.cli.formats.request import InputOptions
+    from pagedgen.errors import PagedgenError
+
+    line = {"prompt": "x", "max_tokens": 100.0, "n": 2.0, "seed": 7.0, "top_k": None}
+    req = parse_line(line, 0, 1, "p.jsonl:1", InputOptions())
+    assert req.overrides == {"max_tokens": 100, "n": 2, "seed": 7}
+    assert all(type(v) is int for v in req.overrides.values())
+    with pytest.raises(PagedgenError, match="'max_tokens' must be an integer"):
+        parse_line({"prompt": "x", "max_tokens": 100.5}, 0, 1, "p.jsonl:1", InputOptions())
+
+
 def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
     """Windows editors save UTF-8 with a byte-order mark; it was "invalid JSON (column 1)".
     Skipped at the start of each input and of a --json-schema file; the lines otherwise run

@@ -155,6 +155,8 @@ def set_sampling(req: Request, name: str, value: Any, where: str, label: str | N
         return
     types, desc = SAMPLING_FIELDS[name]
     label = label or f"'{name}'"
+    if types == (int,) and isinstance(value, float) and value.is_integer():
+        value = int(value)  # 100.0: an integer column with gaps, as pandas writes it
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise PagedgenError(f"{where}: {label} must be {desc}")
     if name == "stop" and not (isinstance(value, str) or all(isinstance(s, str)
