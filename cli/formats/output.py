@@ -171,7 +171,7 @@ class OutputWriter:
     def _keep_whole(self, lines: list[tuple[int, str]], encoded: list[bytes],
                     written: int) -> None:
         """Count the lines of a write whose bytes all went out (its first ``written``)."""
-        for (index, _), line in zip(lines, encoded[:whole_lines(encoded, written)]):
+        for (index, _), line in zip(lines, encoded[:whole_lines(encoded, written)[0]]):
             self.offsets[index] = self._pos
             self._pos += len(line)
             self.num_done += 1
@@ -237,13 +237,14 @@ class OutputWriter:
         return (o for o in self.offsets if o >= 0)
 
 
-def whole_lines(encoded: list[bytes], written: int) -> int:
-    """How many of the lines ``encoded`` lie whole in their first ``written`` bytes."""
+def whole_lines(encoded: list[bytes], written: int) -> tuple[int, int]:
+    """How many of the lines ``encoded`` lie whole in their first ``written`` bytes, and how
+    many bytes of the next went out too."""
     n = 0
     while n < len(encoded) and written >= len(encoded[n]):
         written -= len(encoded[n])
         n += 1
-    return n
+    return n, written
 
 
 def write_all(fd: int, data: bytes) -> None:
@@ -317,12 +318,10 @@ class StreamWriter:
             write_all(self._fd, b"".join(encoded))
         except OSError as e:
             self.failed = True
-            written = getattr(e, "written", 0)
-            whole = whole_lines(encoded, written)
+            whole, part = whole_lines(encoded, getattr(e, "written", 0))
             raise PagedgenError(f"{self.given}: cannot write: {e.strerror or e}; "
-                                f"{self.num_done + whole} whole lines were written" + (
-                                    ", and part of the next"
-                                    if written > sum(map(len, encoded[:whole])) else ""))
+                                f"{self.num_done + whole} whole lines were written"
+                                + (", and part of the next" if part else ""))
         self.num_done += len(lines)
 
     def close(self, reorder: bool = True) -> None:

@@ -27,6 +27,7 @@ from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.requests import text_setting
+from pagedgen.runtime.models.tokenizer import has_text
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
@@ -328,7 +329,7 @@ def tokenize_requests(rf: RequestFile, tokenizer,
 def check_text_settings(rf: RequestFile, tokenizer, defaults: SamplingParams) -> None:
     """Where ``tokenizer`` has no text (a checkpoint without tokenizer files), a request whose
     settings work on text (``requests.text_setting``) is a file:line error."""
-    if getattr(tokenizer, "has_text", True):
+    if has_text(tokenizer):
         return
     for r in rf.requests:
         why = text_setting(r.sampling(defaults))

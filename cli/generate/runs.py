@@ -40,6 +40,7 @@ from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, ch
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
                                             weights_format)
+from pagedgen.runtime.models.tokenizer import has_text
 
 
 @dataclass
@@ -150,7 +151,7 @@ def run(job: Job) -> dict[str, Any] | None:
                  "output": out_path, **({"chat_format": tokenizer.chat_format} if chats else {}),
                  **({"output_stream": f"{target.stream}, lines in completion order"}
                     if target is not None and target.is_stream else {}),
-                 **({} if getattr(tokenizer, "has_text", True) else
+                 **({} if has_text(tokenizer) else
                     {"output_text": "empty: no tokenizer files"})}
         start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
         return driver.summary(len(todo), wall, start, extra)

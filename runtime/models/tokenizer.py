@@ -230,6 +230,11 @@ def _save(tok, saved: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def has_text(tokenizer) -> bool:
+    """Whether ``tokenizer`` turns text into tokens and back (not a ``MissingTokenizer``)."""
+    return getattr(tokenizer, "has_text", True)
+
+
 class MissingTokenizer:
     """For a checkpoint without tokenizer files: token-id prompts work, text ones do not, and
     outputs decode to empty text."""
