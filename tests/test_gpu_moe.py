@@ -86,6 +86,22 @@ def test_every_candidate_tile_in_fp8_equals_the_dequantized_loop(t):
         assert err < 6e-2 * scale, (name, err, scale)
 
 
+@pytest.mark.parametrize("layout", ["strided", "rows-not-16-bytes"])
+def test_a_tma_tile_on_experts_tma_cannot_load_runs_them_by_pointers(layout):
+    """A TMA tile meeting experts a descriptor cannot view (every second expert of a larger
+    tensor; rows of 1,004 bf16 values, not a multiple of 16 bytes) gives the loop's result."""
+    h = 1004 if layout == "rows-not-16-bytes" else 1024
+    x, w13, w2, weights, ids = _layer(8, 2, h, 512, 300)
+    if layout == "strided":
+        w13 = torch.stack([w13, torch.zeros_like(w13)], 1).flatten(0, 1)[::2]
+        assert not w13.is_contiguous()
+    ref = mk.reference(x.float(), w13.float(), w2.float(), weights, ids)
+    tiles = mk.Tiles(64, 128, 64, tma=True)
+    got = mk.fused_experts(x, w13, w2, weights, ids, (tiles, tiles))
+    err = (got.float() - ref).abs().max().item()
+    assert err < 2e-2 * ref.abs().max().item(), err
+
+
 def test_one_variant_of_each_moe_kernel_serves_every_token_count():
     """A run's prefill chunks hit token counts a plan's measurement did not: the sort's and
     the GEMMs' step-sized arguments are not specialized, so nothing compiles inside a run."""
