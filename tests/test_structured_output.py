@@ -354,6 +354,13 @@ def test_lines_and_batch_bodies_give_constraints_and_resume(bpe_model, tmp_path)
     ({"guided_regex": "a+"}, "p.jsonl:2: 'guided_regex' is vLLM's earlier field; write "
                              "\"structured_outputs\": \\{\"regex\": \\.\\.\\.\\}"),
     ({"guided_json": {"type": "object"}}, "'guided_json' is vLLM's earlier field"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"t": {
+        "type": "array", "uniqueItems": True}}}}},
+     "p.jsonl:2: the JSON schema asks for 'uniqueItems' at #/properties/t, which xgrammar "
+     "does not enforce"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "$ref": "https://example.com/person.json"}}}},
+     "'\\$ref' to 'https://example.com/person.json' at # \\(outside the schema"),
 ])
 def test_bad_constraints_are_one_line_errors(tmp_path, line, msg):
     src = tmp_path / "p.jsonl"
@@ -391,3 +398,43 @@ def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_p
         assert res.exit_code != 0 and "Traceback" not in res.output, res.output
         assert re.search(msg, " ".join(res.output.split())), res.output
         assert not out.exists()
+
+
+_ITEMS = {"type": "array", "items": {"type": "integer"}}
+_OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}, "s": {"type": "string"}},
+           "additionalProperties": {"type": "string"}}
+UNENFORCED_USES = {  # keyword: (the schema it sits in, its value there)
+    "uniqueItems": (_ITEMS, True), "contains": (_ITEMS, {"const": 1}),
+    "if": ({"type": "integer", "then": {"const": 2}}, {"const": 1}),
+    "then": ({"type": "integer", "if": {"const": 1}}, {"const": 2}),
+    "else": ({"type": "integer", "if": {"const": 1}}, {"const": 2}),
+    "dependentRequired": (_OBJECT, {"a": ["s"]}),
+    "dependentSchemas": (_OBJECT, {"a": {"required": ["s"]}}),
+}
+
+
+def test_every_keyword_refused_is_one_the_installed_xgrammar_ignores():
+    """The list stays true: a keyword leaves the installed xgrammar's grammar as it was
+    (when a version enforces one, this fails: take it off the list)."""
+    import xgrammar as xgr
+    from pagedgen.runtime.sampling.structured import UNENFORCED_KEYWORDS
+
+    assert sorted(UNENFORCED_USES) == sorted(UNENFORCED_KEYWORDS)
+    for key, (schema, value) in UNENFORCED_USES.items():
+        without, with_it = (str(xgr.Grammar.from_json_schema(json.dumps(s)))
+                            for s in (schema, {**schema, key: value}))
+        assert with_it == without, key
+    enforced = {**_ITEMS, "maxItems": 2}  # the check itself tells them apart
+    assert str(xgr.Grammar.from_json_schema(json.dumps(enforced))) != \
+        str(xgr.Grammar.from_json_schema(json.dumps(_ITEMS)))
+
+
+def test_keywords_named_as_properties_or_held_as_values_are_not_refused():
+    from pagedgen.runtime.sampling.structured import unenforced
+
+    schema = {"type": "object", "properties": {"if": {"type": "string"}, "contains": {
+        "enum": [{"uniqueItems": True}], "default": {"then": 1}}},
+              "$defs": {"else": {"const": {"$ref": "https://x"}}}, "required": ["if"]}
+    assert unenforced(schema) is None
+    schema["$defs"]["else"]["items"] = {"anyOf": [{"type": "array", "uniqueItems": True}]}
+    assert unenforced(schema) == "'uniqueItems' at #/$defs/else/items/anyOf/0"

@@ -71,6 +71,41 @@ def tokenizer_info(tokenizer: Any, vocab_size: int):
                              stop_token_ids=stop)
 
 
+# JSON-schema keywords xgrammar accepts and does not enforce (its grammar is the same with them
+# as without: tests/test_structured_output.py checks that of the installed xgrammar). A schema
+# asking for one fails to compile, as vLLM's xgrammar backend refuses it, rather than run
+# outputs that may break it. A draft's ``$ref`` outside the schema is read as any value.
+# (``minContains`` and ``maxContains`` mean nothing without ``contains``)
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "if", "then", "else", "dependentRequired",
+                       "dependentSchemas")
+_NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name → schema
+_VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas
+
+
+def unenforced(schema: Any, where: str = "#") -> str | None:
+    """The first part of a JSON ``schema`` xgrammar would not enforce, and where, as
+    "'uniqueItems' at #/properties/tags"; None if there is none."""
+    if isinstance(schema, list):
+        return next(filter(None, (unenforced(s, f"{where}/{i}")
+                                  for i, s in enumerate(schema))), None)
+    if not isinstance(schema, dict):
+        return None
+    for key, value in schema.items():
+        if key in UNENFORCED_KEYWORDS:
+            return f"'{key}' at {where}"
+        if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
+            return (f"'$ref' to {value!r} at {where} (outside the schema: put what it names "
+                    "under \"$defs\")")
+        if key in _VALUES:
+            continue
+        subs = value.items() if key in _NAME_MAPS and isinstance(value, dict) else [("", value)]
+        found = next(filter(None, (unenforced(v, f"{where}/{key}{'/' + n if n else ''}")
+                                   for n, v in subs)), None)
+        if found:
+            return found
+    return None
+
+
 def choice_grammar(choices: Sequence[str]) -> str:
     """An EBNF grammar whose sentences are exactly ``choices``, as a trie: choices that share
     a prefix share its rule, so 100,000 choices compile in seconds where their plain
@@ -206,6 +241,11 @@ class Grammars:
         if hit is not None:
             return hit
         cc = self.compiler
+        if c.kind == "json":
+            why = unenforced(json.loads(c.spec))
+            if why:
+                raise ValueError(f"{_KIND_NAMES[c.kind]} asks for {why}, which xgrammar does "
+                                 "not enforce: remove it (outputs could break it)")
         try:
             if c.kind == "json":
                 g = cc.compile_json_schema(c.spec, any_whitespace=c.any_whitespace)
