@@ -191,6 +191,36 @@ def test_a_directory_or_glob_of_files_is_one_input_in_file_order(tmp_path):
     assert res.exit_code == 1 and "needs --ray" in res.output
 
 
+def test_a_gzip_input_reads_as_its_lines_and_other_compression_says_how_to_pipe_it(tmp_path):
+    import gzip
+
+    lines = [{"id": "g1", "prompt": "x"}, {"id": "g2", "prompt": "y"}]
+    src = tmp_path / "p.jsonl.gz"
+    with gzip.open(src, "wt") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
+    res = invoke("generate", src, *FAST)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "p.completions.jsonl"  # named without the .gz
+    assert [r["id"] for r in read(out)] == ["g1", "g2"]
+    assert invoke("generate", src, *FAST, "--resume").exit_code == 0  # the same input
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.jsonl.gz").write_bytes(src.read_bytes())
+    write(d / "b.jsonl", [{"id": "b1", "prompt": "z"}])
+    assert invoke("generate", d, *FAST).exit_code == 0
+    assert [r["id"] for r in read(tmp_path / "in.completions.jsonl")] == ["g1", "g2", "b1"]
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(src.read_bytes()[:-12])  # its end-of-stream marker gone
+    res = invoke("generate", cut, *FAST, "-o", tmp_path / "c.jsonl")
+    assert res.exit_code == 1 and "cut.jsonl.gz: cannot read" in res.output
+    assert "cut short or damaged" in " ".join(res.output.split())
+    zst = tmp_path / "p.jsonl.zst"
+    zst.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(20))
+    res = invoke("generate", zst, *FAST, "-o", tmp_path / "z.jsonl")
+    assert res.exit_code == 1 and "zstd-compressed" in res.output
+    assert "zstd -dc" in " ".join(res.output.split())
+
+
 def test_summary_reports_startup_from_the_command(tmp_path):
     """``startup_s`` runs from the process start (interpreter and imports included) to the first
     step: more than the model load, less than the whole command."""

@@ -8,12 +8,14 @@ batches (one call into the fast tokenizer per batch).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import io
 import json
 import os
 import stat
 import sys
+import zlib
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +34,11 @@ from pagedgen.runtime.models.tokenizer import has_text
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
 UTF8_BOM = b"\xef\xbb\xbf"  # skipped at the start of an input
+# compressed inputs by their first bytes: gzip is read as it is; the others, each with the
+# command that decompresses it to standard output
+GZIP_MAGIC = b"\x1f\x8b"
+OTHER_COMPRESSION = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"), b"\xfd7zXZ\x00": ("xz", "xz -dc"),
+                     b"BZh": ("bzip2", "bzip2 -dc")}
 
 
 @dataclass(frozen=True)
@@ -42,17 +49,20 @@ class InputSource:
     path: Path | None  # None: standard input
     size: int | None  # bytes, where known (progress)
     identity: tuple[int, int] | None  # (device, inode) of what is read: never the output
+    gzipped: bool = False  # a gzip file, read decompressed (its lines, not its bytes, count)
 
     def open(self) -> ContextManager[BinaryIO]:
         if self.path is None:
             return contextlib.nullcontext(sys.stdin.buffer)  # not closed after reading
-        return self.path.open("rb")
+        return gzip.open(self.path, "rb") if self.gzipped else self.path.open("rb")
 
     @classmethod
     def of_path(cls, path: Path) -> InputSource:
         st = path.stat()
-        return cls(str(path), path, st.st_size if stat.S_ISREG(st.st_mode) else None,
-                   (st.st_dev, st.st_ino))
+        regular = stat.S_ISREG(st.st_mode)
+        gzipped = regular and _gzipped(path)
+        return cls(str(path), path, st.st_size if regular and not gzipped else None,
+                   (st.st_dev, st.st_ino), gzipped)
 
     @classmethod
     def stdin(cls) -> InputSource:
@@ -64,6 +74,23 @@ class InputSource:
             return cls("<stdin>", None, None, None)  # not a file descriptor (a test's stream)
         return cls("<stdin>", None, st.st_size if stat.S_ISREG(st.st_mode) else None,
                    (st.st_dev, st.st_ino))
+
+
+def _gzipped(path: Path) -> bool:
+    """Whether the file at ``path`` is gzip-compressed; a file compressed otherwise is an
+    error naming the command that decompresses it (one it cannot open is read, and fails,
+    later)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(6)
+    except OSError:
+        return False
+    for magic, (name, command) in OTHER_COMPRESSION.items():
+        if head.startswith(magic):
+            raise PagedgenError(f"{path}: {name}-compressed (gzip is read as it is): "
+                                f"decompress it, or pipe it in: {command} {path} | "
+                                "pagedgen generate - -o OUTPUT")
+    return head.startswith(GZIP_MAGIC)
 
 
 @dataclass
@@ -87,8 +114,9 @@ class RequestFile:
 
 def input_files(spec: str, note: Callable[[str], None] | None = None) -> list[InputSource]:
     """The inputs of ``spec``: ``-`` (standard input), a file (or a pipe such as
-    ``/dev/stdin``), a directory (its ``*.jsonl``, sorted) or a glob pattern (its matches,
-    sorted); a directory's or glob's earlier outputs are left out (``note`` says so)."""
+    ``/dev/stdin``; gzip-compressed or not), a directory (its ``*.jsonl`` and ``*.jsonl.gz``,
+    sorted) or a glob pattern (its matches, sorted); a directory's or glob's earlier outputs
+    are left out (``note`` says so)."""
     if spec == "-":
         return [InputSource.stdin()]
     path = Path(spec)
@@ -100,8 +128,8 @@ def input_files(spec: str, note: Callable[[str], None] | None = None) -> list[In
             raise PagedgenError(f"{spec}: no file matches")
         return [InputSource.of_path(p) for p in files]
     if path.is_dir():
-        files = _without_outputs(sorted(p for p in path.glob("*.jsonl") if p.is_file()), spec,
-                                 note)
+        files = _without_outputs(sorted(p for pattern in ("*.jsonl", "*.jsonl.gz")
+                                        for p in path.glob(pattern) if p.is_file()), spec, note)
         if not files:
             raise PagedgenError(f"{spec}: a directory without .jsonl files of prompts")
         return [InputSource.of_path(p) for p in files]
@@ -186,6 +214,10 @@ class _Reader:
                     self._line(source, lineno, raw)
         except OSError as e:
             raise PagedgenError(f"{src.name}: cannot read: {e.strerror or e}")
+        except (EOFError, zlib.error) as e:  # a gzip file cut short, or damaged
+            past = f" past line {lineno}" if lineno else ""
+            raise PagedgenError(f"{src.name}: cannot read{past}: the compressed data is cut "
+                                f"short or damaged ({e})")
 
     def _line(self, source: int, lineno: int, raw: bytes) -> None:
         rf = self.rf

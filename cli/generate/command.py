@@ -21,7 +21,8 @@ from pagedgen.errors import PagedgenError
 def generate(
     prompts: str = typer.Argument(..., help="JSONL file (one {\"prompt\"|\"prompt_token_ids\"|"
                                             "\"messages\": ...} per line, or an OpenAI batch "
-                                            "input file), or a directory or glob of them."),
+                                            "input file; gzip-compressed or not), or a "
+                                            "directory or glob of them."),
     output: Optional[str] = typer.Option(
         None, "--output", "-o", help="Output JSONL [default: PROMPTS.completions.jsonl; needed "
                                      "for stdin or a glob]; with --ray, a path ending in / is "

@@ -334,6 +334,8 @@ def _output_path(spec: str, sources: list[InputSource], output: str | None) -> s
         raise PagedgenError(f"{spec}: reading from a pipe or standard input: give --output")
     if len(sources) == 1 and Path(spec).is_file():
         path = sources[0].path
+        if sources[0].gzipped and path.suffix == ".gz":
+            path = path.with_suffix("")
         return str(path.with_name(path.stem + ".completions.jsonl"))
     if Path(spec).is_dir():
         return spec.rstrip("/") + ".completions.jsonl"
