@@ -77,6 +77,11 @@ PROFILE_SEATS = "model: tiny\nengine:\n  max_num_seqs: 9000\n  max_num_batched_t
     (["--replicas", "2"], r"--replicas counts Ray replicas: give --ray too"),
     (["--kv-cache-memory", "1GiB", "--num-blocks", "8"], r"both size the KV cache: give one"),
     (["--threads", "0"], r"--threads must be in 1\.\."),
+    (["--model", ""], r"--model is empty: give a checkpoint directory"),
+    (["--prompt-field", ""], r"--prompt-field must name a field of its own, not ''"),
+    (["--messages-field", "max_tokens"], r"--messages-field must name a field of its own"),
+    (["--prompt-field", "messages"], r"--prompt-field and --messages-field both name "
+                                     r"'messages'"),
     (["--profile", "{prof:bad_blocks}"], r"prof\.yaml:3: engine\.num_blocks must be in 2\.\."),
     (["--profile", "{prof:seats}"], r"prof\.yaml:3: engine\.max_num_seqs 9,000 is more than "
                                     r"max_num_batched_tokens \(100: \S*prof\.yaml:4"),

@@ -46,6 +46,17 @@ class InputOptions:
     strict_fields: bool = False  # unknown fields are errors instead of output metadata
     served_model_name: str | None = None  # OpenAI lines' body "model" must equal it
 
+    def __post_init__(self) -> None:
+        for option, name in (("--prompt-field", self.prompt_field),
+                             ("--messages-field", self.messages_field)):
+            if not name or name == "prompt_token_ids" or name == "id" \
+                    or name in SAMPLING_FIELDS:
+                raise PagedgenError(f"{option} must name a field of its own, not {name!r}")
+        if self.prompt_field == self.messages_field:
+            raise PagedgenError(f"--prompt-field and --messages-field both name "
+                                f"{self.prompt_field!r}: a field holds a text prompt or "
+                                "messages, not both")
+
     @property
     def prompt_fields(self) -> dict[str, str]:
         """A pagedgen line's prompt fields (as these options name them) and their kinds."""

@@ -42,6 +42,9 @@ class ModelSource:
 def resolve_model(name: str) -> ModelSource:
     """A checkpoint directory, a GGUF file, a packaged model's name, a preset name, or a
     profile file with a model config."""
+    if not name.strip():
+        raise PagedgenError("--model is empty: give a checkpoint directory, a .gguf file or a "
+                            "preset")
     path = Path(name).expanduser()
     packaged = gguf_file.packaged_path(name)
     if packaged is not None or (path.suffix == ".gguf" and path.is_file()):
