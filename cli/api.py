@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pagedgen.cli.common import engine_and_sampling
+from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.reader import (RequestFile, check_requests, check_text_settings,
                                          parse_line, tokenize_requests)
 from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, check_sampling,
@@ -56,7 +57,10 @@ class LLM:
         """Run every prompt; their outputs in the prompts' order. ``sampling_params``: the
         sampling fields of every prompt (a dict) or of each (a list, one per prompt);
         keyword arguments (``max_tokens=16``, ``temperature=0``, ``n=4``, ``logprobs=2``,
-        ``stop=[...]``, ...) apply to every prompt; a request dict's own fields win."""
+        ``stop=[...]``, a constraint: ``structured_outputs={"json": schema}`` or
+        ``response_format=...``) apply to every prompt; a request dict's own fields win."""
+        if isinstance(prompts, (bytes, bytearray)):
+            raise PagedgenError("prompts: bytes; decode them to a string first")
         try:
             items = [prompts] if _single(prompts) else list(prompts)
         except TypeError:  # None, a number: neither a prompt nor prompts
@@ -71,7 +75,10 @@ class LLM:
             line = _as_line(item, where)
             req = parse_line({**line, "id": line.get("id", i)}, i, i + 1, where, self.options)
             for name, value in {**sampling, **extra}.items():
-                if name not in (req.overrides or {}):
+                if name in structured.FIELDS:  # a constraint, unless the request has one
+                    if "structured" not in (req.overrides or {}):
+                        structured.set_structured(req, {name: value}, where)
+                elif name not in (req.overrides or {}):
                     _set(req, name, value, where)
             reqs.append(req)
         rf = _Prompts(["prompts"], reqs, {r.id: r.index for r in reqs})
@@ -126,6 +133,9 @@ def _per_prompt(params: Any, n: int) -> list[dict[str, Any]]:
         return [{}] * n
     if isinstance(params, dict):
         return [params] * n
+    if not isinstance(params, (list, tuple)):
+        raise PagedgenError(f"sampling_params: one dict for every prompt, or a list of {n} "
+                            f"dicts (one per prompt), not {type(params).__name__}")
     params = list(params)
     if len(params) != n or not all(isinstance(p, dict) for p in params):
         raise PagedgenError(f"sampling_params: one dict for every prompt, or a list of {n} "

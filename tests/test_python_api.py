@@ -75,6 +75,10 @@ def test_strings_and_token_ids_with_shared_or_per_prompt_settings(llm):
     (lambda llm: llm.generate([{"prompt": "x", "structured_outputs": {"regex": "[^\\s\\S]"}}]),
      r"prompt 0: the regex matches no text"),
     (lambda llm: llm.generate([{"prompt": "x" * 3000}]), r"prompt 0: the prompt has 3,?001 "),
+    (lambda llm: llm.generate("x", sampling_params=5), r"sampling_params: .* not int"),
+    (lambda llm: llm.generate(b"x"), r"prompts: bytes; decode them to a string"),
+    (lambda llm: llm.generate("x", structured_outputs={"regx": "a"}),
+     r"prompt 0: 'structured_outputs': unknown key 'regx' \(did you mean 'regex'"),
 ])
 def test_a_bad_request_is_an_error_naming_its_position(llm, call, message):
     import re
@@ -82,6 +86,17 @@ def test_a_bad_request_is_an_error_naming_its_position(llm, call, message):
     with pytest.raises(PagedgenError) as e:
         call(llm)
     assert re.search(message, str(e.value)), str(e.value)
+
+
+def test_a_constraint_as_a_keyword_applies_where_a_request_gives_none(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    outs = llm.generate(["x", {"prompt": "y", "structured_outputs": {"regex": "[ab]{3}"}}],
+                        structured_outputs={"json": schema}, max_tokens=40, temperature=0)
+    assert outs[0].text.startswith('{"a": ') and outs[1].text in ("aaa", "aab", "aba", "abb",
+                                                                 "baa", "bab", "bba", "bbb")
+    chosen = llm.generate("x", response_format={"type": "json_schema", "json_schema": {
+        "name": "c", "schema": {"enum": ["yes", "no"]}}}, max_tokens=8, temperature=0)
+    assert chosen[0].text in ('"yes"', '"no"') and chosen[0].finish_reason == "stop"
 
 
 def test_importing_pagedgen_loads_no_torch():
