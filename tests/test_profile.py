@@ -184,7 +184,10 @@ def test_a_workload_the_model_cannot_take_is_a_one_line_error(tmp_path, monkeypa
     real_engine = engine_module.Engine
     monkeypatch.setattr(engine_module, "Engine",
                         lambda *a, **k: loads.append(1) or real_engine(*a, **k))
-    cases = [(["--prompt-len", "20", "--shared-prefix-len", "21"], "shared_prefix_len", 0),
+    cases = [(["--prompt-len", "20", "--shared-prefix-len", "21"],
+              "--shared-prefix-len must be in 0..20 (the prompt length), not 21", 0),
+             (["--prompt-len", "0"], "--prompt-len must be >= 1, not 0", 0),
+             (["--output-len", "2"], "--output-len must be >= 3, not 2", 0),
              (["--prompts", str(tmp_path / "bad.jsonl")], "bad.jsonl:1:", 0),
              (["--prompt-len", "5000"], "the prompt has 5,000 tokens", 1)]
     for args, says, loaded in cases:

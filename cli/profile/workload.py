@@ -60,11 +60,14 @@ def workload_from(profile: dict | None, overrides: dict[str, Any]) -> Workload:
         raise PagedgenError(f"batch size {max(wl.batch_sizes):,}: a step runs at most "
                             f"{MAX_SEATS:,} sequences")
     wl.batch_sizes = sorted(set(wl.batch_sizes))
-    if wl.measured_steps < 1 or wl.warmup_steps < 0 or wl.output_len < 3:
-        raise PagedgenError("need measured_steps >= 1, warmup_steps >= 0 and output_len >= 3")
-    if wl.prompt_len < 1 or not 0 <= wl.shared_prefix_len <= wl.prompt_len:
-        raise PagedgenError(f"need prompt_len >= 1 and shared_prefix_len in 0..prompt_len "
-                            f"(got {wl.prompt_len} and {wl.shared_prefix_len})")
+    for name, low in (("measured_steps", 1), ("warmup_steps", 0), ("output_len", 3),
+                      ("prompt_len", 1)):
+        if getattr(wl, name) < low:
+            raise PagedgenError(f"--{name.replace('_', '-')} must be >= {low}, not "
+                                f"{getattr(wl, name)}")
+    if not 0 <= wl.shared_prefix_len <= wl.prompt_len:
+        raise PagedgenError(f"--shared-prefix-len must be in 0..{wl.prompt_len} (the prompt "
+                            f"length), not {wl.shared_prefix_len}")
     if wl.prompts:  # read now, so a bad file fails before the model loads (file:line errors)
         from pagedgen.cli.formats.reader import read_requests
         read_requests(Path(wl.prompts))
