@@ -221,6 +221,17 @@ def test_a_gzip_input_reads_as_its_lines_and_other_compression_says_how_to_pipe_
     assert "zstd -dc" in " ".join(res.output.split())
 
 
+def test_paths_a_script_quoted_with_a_tilde_go_to_the_home_folder(tmp_path, monkeypatch):
+    """``-o "~/out.jsonl"`` from a script (no shell to expand it) made a folder named "~"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "p.jsonl", [{"id": "t", "prompt": "x"}])
+    res = invoke("generate", "~/p.jsonl", *FAST, "-o", "~/out.jsonl")
+    assert res.exit_code == 0, res.output
+    assert [r["id"] for r in read(tmp_path / "out.jsonl")] == ["t"]
+    assert not (tmp_path / "~").exists()
+
+
 def test_summary_reports_startup_from_the_command(tmp_path):
     """``startup_s`` runs from the process start (interpreter and imports included) to the first
     step: more than the model load, less than the whole command."""

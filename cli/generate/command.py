@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from typing import Optional
 
@@ -183,8 +184,11 @@ def generate(
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
              min_tokens=min_tokens, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
              prompt_logprobs=prompt_logprobs))
+    # paths as a shell would give them, where a script quoted them ("~/out.jsonl")
+    prompts, output = (p if p in (None, "-") else os.path.expanduser(p) for p in (prompts, output))
     if json_schema is not None:
-        defaults = dataclasses.replace(defaults, structured=schema_file(json_schema))
+        defaults = dataclasses.replace(defaults, structured=schema_file(
+            os.path.expanduser(json_schema)))
         try:
             defaults.validate()
         except ValueError as e:

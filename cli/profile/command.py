@@ -83,6 +83,8 @@ def profile(
                                   cascade_attention=cascade_attention,
                                   tensor_parallel_size=tensor_parallel_size,
                                   expert_parallel=expert_parallel), {})
+    output_dir = output_dir.expanduser()  # where a script quoted "~/..."
+    prompts = os.path.expanduser(prompts) if prompts else prompts
     wl = workload_from(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
                               shared_prefix_len=shared_prefix_len,
                               output_len=output_len, prompts=prompts,

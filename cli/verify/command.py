@@ -69,6 +69,7 @@ def verify(
         EngineConfig(dtype=dtype).torch_dtype(dev)  # a bad dtype or model before any check
         resolve_model(model)
         if json_path is not None:  # before the checks: their results must have a place
+            json_path = json_path.expanduser()
             check_creatable(json_path, "--json")
         t0 = time.perf_counter()
         out = out_console()
