@@ -42,7 +42,7 @@ class ModelSource:
 def resolve_model(name: str) -> ModelSource:
     """A checkpoint directory, a GGUF file, a packaged model's name, a preset name, or a
     profile file with a model config."""
-    if not name.strip():
+    if not str(name).strip():
         raise PagedgenError("--model is empty: give a checkpoint directory, a .gguf file or a "
                             "preset")
     path = Path(name).expanduser()
