@@ -22,8 +22,8 @@ from pagedgen.cli.common import engine_and_sampling
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.reader import (RequestFile, check_requests, check_text_settings,
                                          parse_line, tokenize_requests)
-from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, check_sampling,
-                                          set_sampling)
+from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions,
+                                          check_sampling, set_chat_options, set_sampling)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
 from pagedgen.runtime.engine.outputs import RequestOutput
@@ -58,7 +58,8 @@ class LLM:
         sampling fields of every prompt (a dict) or of each (a list, one per prompt);
         keyword arguments (``max_tokens=16``, ``temperature=0``, ``n=4``, ``logprobs=2``,
         ``stop=[...]``, a constraint: ``structured_outputs={"json": schema}`` or
-        ``response_format=...``) apply to every prompt; a request dict's own fields win."""
+        ``response_format=...``; chats' ``continue_final_message`` or
+        ``add_generation_prompt``) apply to every prompt; a request dict's own fields win."""
         if isinstance(prompts, (bytes, bytearray)):
             raise PagedgenError("prompts: bytes; decode them to a string first")
         try:
@@ -78,6 +79,9 @@ class LLM:
                 if name in structured.FIELDS:  # a constraint, unless the request has one
                     if "structured" not in (req.overrides or {}):
                         structured.set_structured(req, {name: value}, where)
+                elif name in CHAT_OPTIONS:  # how chats render, unless the request says
+                    if not set(CHAT_OPTIONS) & set(req.template_kwargs or {}):
+                        set_chat_options(req, {name: value}, where)
                 elif name not in (req.overrides or {}):
                     _set(req, name, value, where)
             reqs.append(req)

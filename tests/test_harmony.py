@@ -81,6 +81,9 @@ def test_messages_render_in_harmonys_roles_and_channels():
     assert enc.conversation.messages[0].content[0].reasoning_effort == oh.ReasoningEffort.LOW
     with pytest.raises(ValueError, match="no role 'tool'"):
         HarmonyChat(enc).render([{"role": "tool", "content": "x"}])
+    for options in ({"continue_final_message": True}, {"add_generation_prompt": False}):
+        with pytest.raises(ValueError, match="always opens the assistant's turn"):
+            HarmonyChat(enc).render([{"role": "user", "content": "x"}], options)
 
 
 def test_gpt_oss_renders_with_its_template_and_says_why_when_harmony_cannot_load(tmp_path,

@@ -234,3 +234,57 @@ def test_chat_template_variables_reach_the_template(tmp_path):
         src.write_text(json.dumps(bad) + "\n")
         res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
         assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output
+
+
+ROLES = ("{% for m in messages %}{{ 'u' if m['role'] == 'user' else 'r' }} {{ m['content'] }} "
+         "e {% endfor %}{% if add_generation_prompt %}g{% endif %}")  # e: a turn's end
+
+
+def test_a_chat_can_continue_its_last_message_or_leave_the_turn_closed(tmp_path):
+    """vLLM's ``continue_final_message`` (a prefilled answer, continued) and
+    ``add_generation_prompt`` on pagedgen and OpenAI lines, through a checkpoint's template and
+    the presets' byte tokenizer; both at once, a text prompt or a non-bool: one line each."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+    path = make_checkpoint("llama", tmp_path / "m", with_tokenizer=True)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.chat_template = ROLES
+    tok.save_pretrained(path)
+    chat = [{"role": "user", "content": "b c"}, {"role": "assistant", "content": "a b"}]
+    lines = [{"messages": chat}, {"messages": chat, "continue_final_message": True},
+             {"messages": chat, "add_generation_prompt": False},
+             {"messages": chat, "continue_final_message": False}]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = CliRunner().invoke
+    common = ["--device", "cpu", "--max-tokens", "1"]
+    res = run(app, ["generate", str(src), "--model", str(path), *common,
+                    "-o", str(tmp_path / "o.jsonl")])
+    assert res.exit_code == 0, res.output
+    prompts = [json.loads(x)["prompt"] for x in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert prompts == ["u b c e r a b e g", "u b c e r a b", "u b c e r a b e",
+                       "u b c e r a b e g"]
+    batch = tmp_path / "b.jsonl"
+    batch.write_text(json.dumps({"custom_id": "r", "method": "POST",
+                                 "url": "/v1/chat/completions",
+                                 "body": {"messages": chat, "continue_final_message": True}})
+                     + "\n")
+    res = run(app, ["generate", str(batch), "--model", str(path), *common,
+                    "-o", str(tmp_path / "ob.jsonl")])
+    assert res.exit_code == 0, res.output
+    body = json.loads((tmp_path / "ob.jsonl").read_text())["response"]["body"]
+    assert body["usage"]["prompt_tokens"] == 7  # u b c e r a b
+    res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "t.jsonl")])  # tiny
+    assert res.exit_code == 0, res.output
+    tiny = [json.loads(x)["prompt"] for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert tiny[1] == "<|user|>\nb c\n<|assistant|>\na b" and tiny[2] + "<|assistant|>\n" == tiny[0]
+    for bad, says in [({"messages": chat, "continue_final_message": True,
+                        "add_generation_prompt": True}, "give one"),
+                      ({"prompt": "x", "continue_final_message": True},
+                       "applies to chat ('messages') prompts only"),
+                      ({"messages": chat, "add_generation_prompt": "no"}, "must be true or false")]:
+        src.write_text(json.dumps(bad) + "\n")
+        res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
+        assert res.exit_code == 1 and says in " ".join(res.output.split()), res.output

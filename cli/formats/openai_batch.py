@@ -16,9 +16,10 @@ from typing import Any
 
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.records import entries
-from pagedgen.cli.formats.request import (InputOptions, Request, check_sampling, near_miss,
-                                          set_prompt, set_sampling, set_template_kwargs,
-                                          token_ids, user_fields)
+from pagedgen.cli.formats.request import (CHAT_OPTIONS, InputOptions, Request, check_sampling,
+                                          near_miss, set_chat_options, set_prompt,
+                                          set_sampling, set_template_kwargs, token_ids,
+                                          user_fields)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
@@ -39,7 +40,7 @@ _IGNORED = {"model", "user", "store", "metadata", "service_tier"}  # nothing to 
 _DEFAULT_ONLY = {"stream": (False,), "echo": (False,), "best_of": (1,), "suffix": ("",),
                  "stream_options": ()}  # accepted at these values (or null) only
 _BODY_FIELDS = {"chat": {"messages", "logprobs", "top_logprobs", "reasoning_effort",
-                         "chat_template_kwargs"},
+                         "chat_template_kwargs", *CHAT_OPTIONS},
                 "completions": {"prompt", "logprobs"}}
 
 
@@ -88,6 +89,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         if body.get("reasoning_effort") is not None:  # OpenAI's field: a template variable
             set_template_kwargs(req, {"reasoning_effort": body["reasoning_effort"]}, where,
                                 "body")
+        set_chat_options(req, body, where, "body ")
     else:
         _set_completion_prompt(req, body.get("prompt"), where)
     if "max_tokens" in body and "max_completion_tokens" in body \

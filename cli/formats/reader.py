@@ -23,9 +23,9 @@ from typing import Any, BinaryIO, Callable, ContextManager
 
 from pagedgen.cli.formats import openai_batch
 from pagedgen.cli.formats import structured
-from pagedgen.cli.formats.request import (SAMPLING_FIELDS, InputOptions, Request, check_sampling,
-                                          set_prompt, set_sampling, set_template_kwargs,
-                                          user_fields)
+from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions, Request,
+                                          check_sampling, set_chat_options, set_prompt,
+                                          set_sampling, set_template_kwargs, user_fields)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.requests import text_setting
@@ -386,7 +386,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     if not isinstance(obj, dict):
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kinds = opts.prompt_fields
-    known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, "id", "metadata",
+    known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, *CHAT_OPTIONS, "id", "metadata",
              "chat_template_kwargs"}
     given = [k for k in kinds if k in obj]
     if len(given) != 1:
@@ -400,6 +400,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     req.metadata = user_fields(obj, known, where, opts)
     set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
     set_template_kwargs(req, obj.get("chat_template_kwargs"), where, "'chat_template_kwargs'")
+    set_chat_options(req, obj, where)
     for name in SAMPLING_FIELDS:
         if name in obj:
             set_sampling(req, name, obj[name], where)

@@ -132,6 +132,28 @@ def set_template_kwargs(req: Request, value: Any, where: str, label: str) -> Non
     req.template_kwargs = {**(req.template_kwargs or {}), **value}
 
 
+CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message")  # vLLM's chat fields
+
+
+def set_chat_options(req: Request, obj: dict, where: str, prefix: str = "") -> None:
+    """A chat line's ``add_generation_prompt`` (default true: the assistant's turn opened
+    after the messages) and ``continue_final_message`` (default false: true continues the last
+    message, left open, as a prefilled answer), into its template variables."""
+    given = {k: obj[k] for k in CHAT_OPTIONS if obj.get(k) is not None}
+    if not given:
+        return
+    if req.messages is None:
+        raise PagedgenError(f"{where}: {prefix}'{next(iter(given))}' applies to chat "
+                            "('messages') prompts only")
+    for key, value in given.items():
+        if not isinstance(value, bool):
+            raise PagedgenError(f"{where}: {prefix}'{key}' must be true or false")
+    if given.get("continue_final_message") and given.get("add_generation_prompt"):
+        raise PagedgenError(f"{where}: {prefix}'continue_final_message' continues the last "
+                            "message and 'add_generation_prompt' opens a new one: give one")
+    req.template_kwargs = {**(req.template_kwargs or {}), **given}
+
+
 def _text_content(message: Any, where: str, label: str) -> Any:
     """A message whose content is a list of parts (OpenAI's form) with its text parts joined
     by newlines; any other part (an image) is an error: pagedgen runs text prompts only."""

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from pagedgen.runtime.models.tokenizer import chat_options
+
 VOCAB_FILE = "o200k_base.tiktoken"  # the name openai-harmony looks up in TIKTOKEN_ENCODINGS_BASE
 # harmony's reasoning levels; "minimal" (OpenAI's API has it, gpt-oss does not) reads as low
 EFFORTS = {"minimal": "LOW", "low": "LOW", "medium": "MEDIUM", "high": "HIGH"}
@@ -39,8 +41,13 @@ class HarmonyChat:
     def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         import openai_harmony as oh
 
+        add, cont, template_kwargs = chat_options(template_kwargs)
+        if cont or not add:
+            raise ValueError("gpt-oss's harmony format always opens the assistant's turn: "
+                             "'continue_final_message' and 'add_generation_prompt': false do "
+                             "not apply")
         system = oh.SystemContent.new().with_conversation_start_date(time.strftime("%Y-%m-%d"))
-        effort = (template_kwargs or {}).get("reasoning_effort")
+        effort = template_kwargs.get("reasoning_effort")
         if effort is not None:
             system = system.with_reasoning_effort(oh.ReasoningEffort[EFFORTS[effort]])
         out = [oh.Message.from_role_and_content(oh.Role.SYSTEM, system)]

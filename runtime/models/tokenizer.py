@@ -36,6 +36,15 @@ class Tokenizer(Protocol):
         template variables (``enable_thinking``, ``reasoning_effort``)."""
 
 
+def chat_options(template_kwargs: dict | None) -> tuple[bool, bool, dict]:
+    """(add_generation_prompt, continue_final_message, the other template variables) of a
+    chat's ``template_kwargs``: the assistant's turn opened after the messages by default, not
+    where the last message is continued."""
+    kwargs = dict(template_kwargs or {})
+    cont = bool(kwargs.pop("continue_final_message", False))
+    return bool(kwargs.pop("add_generation_prompt", not cont)), cont, kwargs
+
+
 class ChatRenderer(Protocol):
     def render(self, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
         """A conversation's prompt token ids, the assistant's turn left open."""
@@ -61,16 +70,20 @@ class ByteTokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         return bytes([token_id]) if token_id < 256 else b""
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
-        return self.encode(text)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
+        text = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
+        if continue_final_message:  # the last message left open
+            text = text[:-1]
+        return self.encode(text + "<|assistant|>\n" * add_generation_prompt)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
     def apply_chat_template_batch(self, conversations: list[list[dict]],
                                   template_kwargs: dict | None = None) -> list[list[int]]:
-        return [self.apply_chat_template(c) for c in conversations]  # no variables to take
+        add, cont, _ = chat_options(template_kwargs)  # no other variables to take
+        return [self.apply_chat_template(c, add, cont) for c in conversations]
 
 
 class HFTokenizer:
@@ -174,8 +187,10 @@ class HFTokenizer:
             return [self.renderer.render(c, template_kwargs) for c in conversations]
         if not getattr(self.tok, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; use 'prompt' instead")
-        out = self.tok.apply_chat_template(conversations, add_generation_prompt=True,
-                                           tokenize=True, **(template_kwargs or {}))
+        add, cont, kwargs = chat_options(template_kwargs)
+        out = self.tok.apply_chat_template(conversations, add_generation_prompt=add,
+                                           continue_final_message=cont, tokenize=True,
+                                           **kwargs)
         if isinstance(out, dict) or hasattr(out, "keys"):  # BatchEncoding in newer transformers
             out = out["input_ids"]
         return [list(ids) for ids in out]
