@@ -42,6 +42,12 @@ def _large_gpu(device: torch.device) -> bool:
     return props.total_memory >= 70 * 2**30 and "a100" not in props.name.lower()
 
 
+def hopper_or_later(device: torch.device) -> bool:
+    """Whether ``device`` is a CUDA GPU of compute capability 9.0 or later: TMA and wgmma, and
+    torch's grouped GEMMs (before it, Triton lowers a TMA descriptor's loads to plain ones)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def default_seats(device: torch.device) -> int:
     """The most sequences a step holds when no profile or option says: vLLM's rule for its
     offline ``LLM`` class, so a batch job gets as many seats here as it would there: 1,024

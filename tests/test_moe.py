@@ -536,7 +536,7 @@ def test_a_plan_times_the_tma_twin_of_each_gemms_winner_only(monkeypatch, has_tm
     monkeypatch.setattr(mk, "grouped_gemm", gemm)
     monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
     monkeypatch.setattr(kernel_plans, "graph_time", graph_time)
-    monkeypatch.setattr(moe_plan, "_has_tma", lambda device: has_tma)
+    monkeypatch.setattr(moe_plan, "hopper_or_later", lambda device: has_tma)
     w13, w2 = torch.zeros(8, 64, 32), torch.zeros(8, 32, 32)
     plan = moe_plan._measure(w13, w2, 2, None, torch.float32)
     timed = {}  # (block height, gated): tiles timed

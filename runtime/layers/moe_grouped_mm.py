@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedgen.runtime.hardware import hopper_or_later
 from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
@@ -28,7 +29,7 @@ def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -
     per output row: ``moe_kernels.ExpertScales``) on Hopper or later, every width a multiple
     of 16 bytes (``w13`` [E, 2I, H]; ``dense``: the bf16 shape MXFP4 experts are written out
     to, ``moe_dequantized``)."""
-    if not (w13.is_cuda and torch.cuda.get_device_capability(w13.device) >= (9, 0)):
+    if not hopper_or_later(w13.device):
         return False
     if scales is not None:
         return (hasattr(torch, "_scaled_grouped_mm") and w13.dtype == E4M3

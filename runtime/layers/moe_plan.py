@@ -27,6 +27,7 @@ import torch
 
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.hardware import hopper_or_later
 from pagedgen.runtime.layers import fused_ops, moe_dequantized, moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_act import bias_and_act
 from pagedgen.runtime.layers.moe_kernels import Tiles
@@ -205,12 +206,6 @@ def natives(scales: mk.ExpertScales | None, group_k: int | None, fp4: bool,
     return (False, True) if scales is not None and (group_k or 32) >= 32 else (False,)
 
 
-def _has_tma(device: torch.device) -> bool:
-    """Whether ``device`` has Hopper's tensor memory accelerator (before it, Triton lowers a
-    descriptor's loads to plain ones: the twins would only lengthen the plan)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def _or_never(fn) -> float:
     """``graph_time(fn)``, or infinity where its kernel does not build (a Triton that lowers
     no ``tl.dot_scaled`` for this GPU, a tile past its registers): never chosen, and the GPU
@@ -232,7 +227,7 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
     s13, s2, group_k = (scales.w13, scales.w2, scales.group_k) if scales else (None,) * 3
     gated = mk.gated_up(act, b13, b2)
     small = scales is not None and scales.small_exponents  # MXFP4's one-multiply conversion
-    tma = _has_tma(w13.device)
+    tma = hopper_or_later(w13.device)  # before it the TMA twins only lengthen the plan
     choices, grouped_wins, dense_wins, dense_tiles = [], [], [], []
     for tokens in TOKEN_BUCKETS:
         x = torch.randn(tokens, hidden, device=w13.device, dtype=act_dtype)

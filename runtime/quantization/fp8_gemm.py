@@ -24,6 +24,7 @@ from torch import nn
 
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
+from pagedgen.runtime.hardware import hopper_or_later
 from pagedgen.runtime.kernel_plans import graph_time
 from pagedgen.runtime.quantization import fp8_kernels as k
 
@@ -60,8 +61,7 @@ def candidates(layer: nn.Module, group_k: int | None, m: int) -> list[str]:
                 out.append(f"triton_w8a8/{name}")
                 if m <= 64:
                     out.append(f"triton_w8a16/{name}")
-        if (torch.cuda.get_device_capability(layer.weight.device) >= (9, 0)
-                and k.tma_fits(layer.weight)):
+        if hopper_or_later(layer.weight.device) and k.tma_fits(layer.weight):
             out += [f"triton_tma/{name}" for name, (bm, *_) in k.TMA_TILES.items()
                     if bm <= max(64, m)]
     return out
