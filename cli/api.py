@@ -137,14 +137,12 @@ def _per_prompt(params: Any, n: int) -> list[dict[str, Any]]:
         return [{}] * n
     if isinstance(params, dict):
         return [params] * n
+    wanted = f"sampling_params: one dict for every prompt, or a list of {n} dicts (one per prompt)"
     if not isinstance(params, (list, tuple)):
-        raise PagedgenError(f"sampling_params: one dict for every prompt, or a list of {n} "
-                            f"dicts (one per prompt), not {type(params).__name__}")
-    params = list(params)
+        raise PagedgenError(f"{wanted}, not {type(params).__name__}")
     if len(params) != n or not all(isinstance(p, dict) for p in params):
-        raise PagedgenError(f"sampling_params: one dict for every prompt, or a list of {n} "
-                            "dicts (one per prompt)")
-    return params
+        raise PagedgenError(wanted)
+    return list(params)
 
 
 def _set(req, name: str, value: Any, where: str) -> None:
