@@ -62,6 +62,7 @@
 # in pagedgen (GPU 0) and vLLM (GPU 1) at once, kernel groups side by side (RUNK_LIMIT,
 # RUNK_AFTER: steps then on GPU 0); vllm-only: vLLM alone on VLLM_WORKLOADS.
 # gdn-kernels (issue 60): benchmarks/gdn_kernels.py, the decode kernel per launch shape.
+# moe-align (issue 60): the MoE slot sort's ways alone, at decode and small-prefill counts.
 # gdn (issue 60): the gated-delta GPU tests, a Qwen3.5 preset's decode against its floor, and
 # workload h (GDN_MODEL, GDN_WORKLOADS, GDN_LIMIT, BACKEND); carry .whl/gdn (fla-core, einops:
 # `.ci/stage_extra_wheels.sh` stages it and vLLM with its CuTe DSL) and source
@@ -343,6 +344,10 @@ for r in d["rows"]:
 print("vLLM:", d["vllm"]) if d["vllm"] else None
 PY
       ;;
+    moe-align)  # issue 60: the slot sort's ways alone (benchmarks/moe_kernels.py --align)
+      timed moe-align "${MOE_LIMIT:-150}" python3 -m benchmarks.moe_kernels --align \
+        --json "$S/moe-align.json"
+      grep -E '^\{' "$S/moe-align.log" | cut -c1-300 ;;
     verify-models)
       # model-level verify rows of the presets in $VERIFY_MODELS through every backend
       for m in ${VERIFY_MODELS:-gemma-3-12b phi-4}; do

@@ -9,7 +9,7 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 (``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
 (``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
-``--align``: the slot sort alone (``align_triton``) at decode and small-prefill slot counts
+``--align``: the slot sort's ways alone (``moe_align``) at decode and small-prefill slot counts
 of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128, Mixtral's 8), for each warp count.
 ``--tma``: each GEMM at prefill counts in every plan candidate that loads its weights by
 pointers and in its TMA twin (bf16 and FP8 weights), in TFLOP/s.
@@ -68,7 +68,8 @@ def _replay_ms(fn, calls: int = 5) -> float:
 
 
 def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk, moe_route
+    from pagedgen.runtime.layers import (fused_ops, moe_align, moe_grouped_mm, moe_kernels as mk,
+                                         moe_route)
     from pagedgen.runtime.layers.moe_plan import plan_moe
     from pagedgen.runtime.layers.moe_sum import slot_sum, slot_sum_reference
 
@@ -81,20 +82,21 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
             plan = plan_moe(w13, w2, k)
             tiles = plan.choose(t)
             weights, ids = moe_route.route(logits, k, renorm)
-            slots, experts = mk.align(ids, e, tiles[0].block_m)
+            slots, experts = moe_align.align(ids, e, tiles[0].block_m)
             inter = x.new_empty(t * k, i)
             down = x.new_empty(t * k, h)
             row = {
                 "total": _replay_ms(lambda: mk.fused_experts(
                     x, w13, w2, *moe_route.route(logits, k, renorm), tiles)),
                 "route": _replay_ms(lambda: moe_route.route(logits, k, renorm)),
-                "align": _replay_ms(lambda: mk.align(ids, e, tiles[0].block_m)),
+                "align": _replay_ms(lambda: moe_align.align(ids, e, tiles[0].block_m)),
                 "gate_up": _replay_ms(lambda: mk.grouped_gemm(
                     x, w13, inter, slots, experts, t * k, tiles[0], k, gated=True)),
                 "down": _replay_ms(lambda: mk.grouped_gemm(
                     inter, w2, down, slots, experts, t * k, tiles[1], 1, gated=False,
                     weights=weights.reshape(-1))),
-                "align_torch": _replay_ms(lambda: mk.align_reference(ids, e, tiles[0].block_m)),
+                "align_torch": _replay_ms(
+                    lambda: moe_align.align_reference(ids, e, tiles[0].block_m)),
                 "slot_sum": _replay_ms(lambda: slot_sum(down, k)),
                 "slot_sum_torch": _replay_ms(lambda: slot_sum_reference(down, k)),
                 "tiles": f"{tiles[0].name} / {tiles[1].name}"}
@@ -177,21 +179,25 @@ def vllm_times() -> dict | str:
         return json.loads(out.read_text())
 
 
-def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16),
+def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16), (256, 8, 512, 16),
                        (256, 8, 2048, 64), (128, 8, 256, 16), (8, 2, 256, 16)),
-               warps=(4, 8, 16, 32)) -> list[dict]:
-    from pagedgen.runtime.layers import moe_kernels as mk, moe_route
+               warps=(4, 8, 16)) -> list[dict]:
+    """The slot sort's ways (us a call, replayed in a CUDA graph): torch's ops, one program
+    (``one_w{warps}``) and a program per expert (``by_expert_w{warps}``)."""
+    from pagedgen.runtime.layers import moe_align, moe_route
 
     rows = []
     for e, k, t, block_m in cases:
         logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
         _, ids = moe_route.route(logits, k, True)
         row = {"experts": e, "top_k": k, "tokens": t, "block_m": block_m,
-               "torch_us": round(1000 * _replay_ms(lambda: mk.align_reference(ids, e, block_m),
-                                                   calls=20), 2)}
-        for w in warps:
-            row[f"warps_{w}_us"] = round(1000 * _replay_ms(
-                lambda: mk.align_triton(ids, e, block_m, num_warps=w), calls=20), 2)
+               "torch_us": round(1000 * _replay_ms(
+                   lambda: moe_align.align_reference(ids, e, block_m), calls=20), 2)}
+        for name, way in (("one", moe_align.align_triton),
+                          ("by_expert", moe_align.align_by_expert)):
+            for w in warps:
+                row[f"{name}_w{w}_us"] = round(1000 * _replay_ms(
+                    lambda: way(ids, e, block_m, num_warps=w), calls=20), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -201,7 +207,7 @@ def tma_rows(tokens=(2048, 8192), shapes=("qwen3-30b-a3b",)) -> list[dict]:
     """Each prefill-height candidate against its TMA twin, per GEMM (``--tma``)."""
     from dataclasses import replace
 
-    from pagedgen.runtime.layers import moe_kernels as mk, moe_route
+    from pagedgen.runtime.layers import moe_align, moe_kernels as mk, moe_route
     from pagedgen.runtime.layers.moe_plan import CANDIDATES, fits
 
     rows = []
@@ -218,7 +224,7 @@ def tma_rows(tokens=(2048, 8192), shapes=("qwen3-30b-a3b",)) -> list[dict]:
                 for base in CANDIDATES.values():
                     if base.tma or base.block_m < 64 or base.swap:
                         continue
-                    slots, experts = mk.align(ids, e, base.block_m)
+                    slots, experts = moe_align.align(ids, e, base.block_m)
                     row = {"shape": name, "fp8": fp8, "tokens": t, "tiles": base.name}
                     for tiles in (base, replace(base, tma=True)):
                         for gemm, gated, flop_k in (("up", True, h), ("down", False, i)):

@@ -13,7 +13,7 @@ import torch
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_kernels as mk, moe_route
+from pagedgen.runtime.layers import moe_align, moe_kernels as mk, moe_route
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
 from pagedgen.runtime.models import registry
@@ -42,8 +42,9 @@ def _experts(t: int, e: int, k: int, h: int, i: int, dtype=torch.float32, seed: 
     return x, w13, w2, weights, chosen
 
 
-ALIGNS = [mk.align_reference, pytest.param(getattr(mk, "align_triton", None),
-                                           marks=INTERPRETED_ONLY, id="triton")]
+ALIGNS = [moe_align.align_reference,
+          *(pytest.param(getattr(moe_align, name, None), marks=INTERPRETED_ONLY, id=name)
+            for name in ("align_triton", "align_by_expert"))]
 
 
 @pytest.mark.parametrize("align", ALIGNS)
@@ -58,7 +59,7 @@ def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, bloc
     _, _, _, _, chosen = _experts(t, e, k, h, i)
     slots, block_experts = align(chosen, e, block_m)
     n = t * k
-    assert block_experts.numel() == mk.max_blocks(n, e, block_m)
+    assert block_experts.numel() == moe_align.max_blocks(n, e, block_m)
     real = slots[slots < n]
     assert sorted(real.tolist()) == list(range(n))
     flat = chosen.reshape(-1)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers import moe_align, moe_kernels as mk
 from pagedgen.runtime.layers.moe_act import clamped_swiglu
 from pagedgen.runtime.quantization import mxfp4
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
@@ -72,7 +72,7 @@ def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_w
         got = mk.fused_experts(xb, q13, q2, weights, chosen, tiles, None, scales, native=True,
                                **extra)
         assert (got.float() - ref).abs().max() < 3e-2 * ref.abs().max()
-    slots, experts = mk.align_reference(chosen, 8, 16)
+    slots, experts = moe_align.align_reference(chosen, 8, 16)
     with pytest.raises(ValueError, match="bf16 or fp16 activations"):
         mk.grouped_gemm(x, q13, x.new_empty(87, 128), slots, experts, 87,
                         mk.Tiles(16, 32, 64), 3, gated=True, w_scale=s13, scaled_dot=True)
@@ -89,7 +89,7 @@ def test_mxfp4_plans_time_tl_dot_scaled_only_for_half_precision_activations():
 def test_mxfp4_experts_refuse_scales_that_do_not_pair():
     x, w13, _, weights, chosen = _experts(3, 4, 2, 64, 32)
     q13, s13, _ = packed(w13)
-    slots, experts = mk.align_reference(chosen, 4, 16)
+    slots, experts = moe_align.align_reference(chosen, 4, 16)
     with pytest.raises(ValueError, match="one per 32 columns"):
         mk.grouped_gemm(x, q13, x.new_empty(6, 64), slots, experts, 6, mk.Tiles(16, 32, 32),
                         2, gated=True, w_scale=s13[..., :1], group_k=32)

@@ -3,13 +3,12 @@
 * ``rms_norm(x, w, eps, residual)``: (residual add +) RMSNorm: one read of ``x`` (and the
   residual), one write of the output (and the new residual).
 * ``rotary(q, k, cos, sin, q_norm, k_norm)``: Neox rotary embedding of every query and key head
-  of a token in one program, optionally after a per-head RMSNorm (Qwen3's q/k norm); writes
+  of a token in one program (of each head's first features where the tables are narrower:
+  partial rotary), optionally after a per-head RMSNorm (Qwen3's and Qwen3.5's q/k norm); writes
   contiguous q and k (the inputs may be strided views of the fused qkv projection).
 * ``silu_and_mul(gate_up)``: SwiGLU's ``silu(gate) * up`` from the fused gate/up projection.
 * ``gated_rms_norm(x, z, w, eps)``: a linear-attention layer's output, RMS-normed per head and
   scaled by ``silu(z)`` (Qwen3.5, Qwen3-Next), for rows of heads at any token stride.
-* ``gated_add_(out, x, logit)``: a shared expert's output scaled by the sigmoid of its gate's
-  logit and added to the routed experts' (Qwen2-MoE, Qwen3.5-MoE).
 
 Unfused, these are chains of small torch kernels (casts, reductions, multiplies, a cat for the
 rotation): about 35 launches per layer, each a full pass over memory. The kernels round where
@@ -72,40 +71,51 @@ if HAVE_TRITON:
             tl.store(Out + row * stride_o + cols, (y * w).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rotate_heads(X, W, Out, stride_h, H, cos, sin, eps,
-                      HP: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    def _rotate_heads(X, W, Out, stride_h, H, cos, sin, eps, HP: tl.constexpr,
+                      HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+                      REST_P: tl.constexpr, NORM: tl.constexpr):
         """All H heads of one token: [HP, HALF] halves x1 | x2 → x1·cos − x2·sin |
-        x2·cos + x1·sin."""
+        x2·cos + x1·sin; a head's REST features past them (partial rotary) pass as they are
+        (normed with the rest). HALF_P, REST_P: powers of two at least as large."""
         h = tl.arange(0, HP)[:, None]
-        d = tl.arange(0, HALF)[None, :]
-        mask = h < H
+        d = tl.arange(0, HALF_P)[None, :]
+        r = 2 * HALF + tl.arange(0, REST_P)[None, :]
+        mask = (h < H) & (d < HALF)
+        rmask = (h < H) & (r < 2 * HALF + REST)
         x1 = tl.load(X + h * stride_h + d, mask=mask, other=0.0)
         x2 = tl.load(X + h * stride_h + HALF + d, mask=mask, other=0.0)
+        xr = tl.load(X + h * stride_h + r, mask=rmask, other=0.0)
         if NORM:
-            f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-            ms = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF)
+            f1, f2, fr = x1.to(tl.float32), x2.to(tl.float32), xr.to(tl.float32)
+            ms = (tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)
+                  + tl.sum(fr * fr, axis=1)) / (2 * HALF + REST)
             rstd = (1.0 / tl.sqrt(ms + eps))[:, None]
-            w1 = tl.load(W + d).to(tl.float32)
-            w2 = tl.load(W + HALF + d).to(tl.float32)
+            w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
+            w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
+            wr = tl.load(W + r, mask=r < 2 * HALF + REST, other=0.0).to(tl.float32)
             x1 = ((f1 * rstd).to(X.dtype.element_ty).to(tl.float32) * w1).to(X.dtype.element_ty)
             x2 = ((f2 * rstd).to(X.dtype.element_ty).to(tl.float32) * w2).to(X.dtype.element_ty)
+            xr = ((fr * rstd).to(X.dtype.element_ty).to(tl.float32) * wr).to(X.dtype.element_ty)
         x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        o = Out + h * (2 * HALF) + d
-        tl.store(o, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
-        tl.store(o + HALF, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+        o = Out + h * (2 * HALF + REST)
+        tl.store(o + d, (x1 * cos - x2 * sin).to(Out.dtype.element_ty), mask=mask)
+        tl.store(o + HALF + d, (x2 * cos + x1 * sin).to(Out.dtype.element_ty), mask=mask)
+        tl.store(o + r, xr.to(Out.dtype.element_ty), mask=rmask)
 
     @triton.jit
     def rotary_kernel(Q, K, Cos, Sin, QW, KW, QOut, KOut, stride_qt, stride_qh, stride_kt,
                       stride_kh, H, HK, eps, HP: tl.constexpr, HKP: tl.constexpr,
-                      HALF: tl.constexpr, NORM: tl.constexpr):
+                      HALF: tl.constexpr, HALF_P: tl.constexpr, REST: tl.constexpr,
+                      REST_P: tl.constexpr, NORM: tl.constexpr):
         t = tl.program_id(0)
-        d = tl.arange(0, HALF)[None, :]
-        cos = tl.load(Cos + t * 2 * HALF + d)
-        sin = tl.load(Sin + t * 2 * HALF + d)
-        _rotate_heads(Q + t * stride_qt, QW, QOut + t * H * 2 * HALF, stride_qh, H, cos, sin,
-                      eps, HP, HALF, NORM)
-        _rotate_heads(K + t * stride_kt, KW, KOut + t * HK * 2 * HALF, stride_kh, HK, cos, sin,
-                      eps, HKP, HALF, NORM)
+        d = tl.arange(0, HALF_P)[None, :]
+        cos = tl.load(Cos + t * 2 * HALF + d, mask=d < HALF, other=0.0)
+        sin = tl.load(Sin + t * 2 * HALF + d, mask=d < HALF, other=0.0)
+        dim = 2 * HALF + REST
+        _rotate_heads(Q + t * stride_qt, QW, QOut + t * H * dim, stride_qh, H, cos, sin,
+                      eps, HP, HALF, HALF_P, REST, REST_P, NORM)
+        _rotate_heads(K + t * stride_kt, KW, KOut + t * HK * dim, stride_kh, HK, cos, sin,
+                      eps, HKP, HALF, HALF_P, REST, REST_P, NORM)
 
     @triton.jit
     def silu_and_mul_kernel(X, Out, stride_x, stride_o, N, BLOCK: tl.constexpr):
@@ -117,18 +127,6 @@ if HAVE_TRITON:
         s = (g / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
         tl.store(Out + t * stride_o + cols, (s * u).to(Out.dtype.element_ty), mask=mask)
 
-
-    @triton.jit
-    def gated_add_kernel(Out, X, G, stride_o, stride_x, stride_g, N, BLOCK: tl.constexpr):
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
-        g = tl.load(G + t * stride_g).to(tl.float32)
-        s = (1.0 / (1.0 + tl.exp(-g))).to(Out.dtype.element_ty).to(tl.float32)
-        x = tl.load(X + t * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (s * x).to(Out.dtype.element_ty).to(tl.float32)
-        o = tl.load(Out + t * stride_o + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Out + t * stride_o + cols, (o + y).to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def silu_and_mul_quant_kernel(X, Q, S, stride_x, stride_q, N, BLOCK: tl.constexpr,
@@ -232,16 +230,19 @@ def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float,
 def rotary_ref(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
                eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D], k [T, HK, D]; cos, sin [T, D] float32 (Neox layout: both halves equal)."""
+    """q [T, H, D], k [T, HK, D]; cos, sin [T, R] float32 (Neox layout: both halves equal),
+    turning each head's first R features (R < D: partial rotary; the rest pass)."""
     if q_norm is not None:
         q, k = rms_norm_ref(q, q_norm, eps), rms_norm_ref(k, k_norm, eps)
     return _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+    rot = cos.shape[-1]
+    xf = x[..., :rot].float()
     x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    turned = (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
+    return turned if rot == x.shape[-1] else torch.cat([turned, x[..., rot:]], -1)
 
 
 def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -249,8 +250,8 @@ def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                  eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
     """``rotary_ref`` in one kernel: one program per token, every q and k head."""
     t, h, d = q.shape
-    hk = k.shape[1]
-    assert q.stride(2) == 1 and k.stride(2) == 1 and d % 2 == 0
+    hk, rot = k.shape[1], cos.shape[-1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and rot % 2 == 0 and rot <= d
     q_out = torch.empty(t, h, d, dtype=q.dtype, device=q.device)
     k_out = torch.empty(t, hk, d, dtype=k.dtype, device=k.device)
     if t:
@@ -258,8 +259,9 @@ def rotary_fused(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
         rotary_kernel[(t,)](
             q, k, cos, sin, q_norm if norm else cos, k_norm if norm else cos, q_out, k_out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), h, hk, eps,
-            HP=triton.next_power_of_2(h), HKP=triton.next_power_of_2(hk), HALF=d // 2,
-            NORM=norm, num_warps=4)
+            HP=triton.next_power_of_2(h), HKP=triton.next_power_of_2(hk), HALF=rot // 2,
+            HALF_P=triton.next_power_of_2(rot // 2), REST=d - rot,
+            REST_P=triton.next_power_of_2(max(1, d - rot)), NORM=norm, num_warps=4)
     return q_out, k_out
 
 
@@ -316,26 +318,4 @@ def gated_rms_norm_fused(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor,
         gated_rms_norm_kernel[(triton.cdiv(t * h, rows),)](
             x, z, weight, out, x.stride(0), z.stride(0), out.stride(0), t * h, h, eps, D=d,
             BD=triton.next_power_of_2(d), BR=rows, num_warps=4)
-    return out
-
-
-# ---- a shared expert's gated output added to the routed experts' -----------------------------
-
-def gated_add_ref(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
-    """``out += sigmoid(logit) * x`` in place (``out``, ``x`` [T, H], ``logit`` [T, 1]), each
-    op rounded to the activation dtype (transformers' ``Qwen2MoeSparseMoeBlock``)."""
-    return out.add_(torch.sigmoid(logit) * x)
-
-
-def gated_add_fused(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
-    """``gated_add_ref`` in one kernel over [rows, 1024-column blocks], rounding where it
-    rounds (rows with a column stride other than 1: ``gated_add_ref``)."""
-    t, n = out.shape
-    if out.stride(1) != 1 or x.stride(1) != 1:
-        return gated_add_ref(out, x, logit)
-    if t:
-        block = min(1024, triton.next_power_of_2(n))
-        gated_add_kernel[(t, triton.cdiv(n, block))](
-            out, x, logit, out.stride(0), x.stride(0), logit.stride(0), n, BLOCK=block,
-            num_warps=4)
     return out

@@ -23,7 +23,8 @@ from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment, copy_shard, full_shape, split
 from pagedgen.runtime.layers import fused_ops
-from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedgen.runtime.layers.linear import (ColumnParallelLinear, MergedProjections,
+                                           RowParallelLinear)
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
 
@@ -108,11 +109,18 @@ class GatedDeltaNet(nn.Module):
         self.impl: GatedDeltaImpl | None = None  # bound by the model runner, with the state
         self.state: LayerState | None = None
         self.fused = False  # the gated norm as one Triton kernel (``use_fused_kernels``)
+        self.merged: MergedProjections | None = None  # ``merge_projections``
+
+    def merge_projections(self) -> None:
+        """After loading: both projections as one GEMM where both are unquantized."""
+        self.merged = MergedProjections.of([self.in_proj_qkvz, self.in_proj_ba])
 
     def forward(self, x: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         s = self.spec
-        qkv, z = self.in_proj_qkvz(x).split([s.conv_dim, s.num_v_heads * s.head_v], -1)
-        b, a = self.in_proj_ba(x).split([s.num_v_heads, s.num_v_heads], -1)
+        qkvz, ba = (self.merged(x) if self.merged is not None
+                    else (self.in_proj_qkvz(x), self.in_proj_ba(x)))
+        qkv, z = qkvz.split([s.conv_dim, s.num_v_heads * s.head_v], -1)
+        b, a = ba.split([s.num_v_heads, s.num_v_heads], -1)
         with scope("linear_attention"):
             o = self.impl.forward(qkv, a, b, self.conv1d.weight[:, 0], None, self.A_log,
                                   self.dt_bias, self.state, metadata)

@@ -9,6 +9,8 @@ its ``quant_method`` (``runtime/quantization``) owns the weight's form and the G
 - ``RowParallelLinear``: each rank holds some input features; partial sums are all-reduced
   (with symmetric memory, the GEMM writes straight into the buffer the peers read) and the bias
   is added once after.
+- ``MergedProjections``: after loading, several unquantized projections of one input (a MoE
+  block's router beside its shared expert's gate and gate/up) as one matrix and one GEMM.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from torch import nn
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.quantization import QuantizationMethod, get_method
+from pagedgen.runtime.quantization.dense_gemm import linear
 from pagedgen.runtime.quantization.fp8_kernels import QuantizedActivations
+from pagedgen.runtime.quantization.unquantized import Unquantized
 
 
 class LinearBase(nn.Module):
@@ -83,3 +87,43 @@ class RowParallelLinear(LinearBase):
             return partial
         y = self.tp.reduce_partial(partial)
         return y + self.bias if self.bias is not None else y
+
+
+class MergedProjections:
+    """Projections of one input, bias-free and unquantized, computed by one GEMM: their
+    weights' rows in one matrix (each layer's ``weight`` becomes a view of its rows, so
+    nothing is held twice), each part starting at a multiple of ``ALIGN`` rows so that its
+    output columns start 16-byte aligned. A decode step's small projections (a router, a
+    gate of one row) each cost a launch and a wave of their own otherwise."""
+
+    ALIGN = 8
+
+    def __init__(self, layers: list[LinearBase]) -> None:
+        first = layers[0].weight
+        starts, rows = [], 0
+        for layer in layers:
+            starts.append(rows)
+            rows += -(-layer.out_features // self.ALIGN) * self.ALIGN
+        self.weight = first.new_zeros(rows, first.shape[1])
+        self.parts = list(zip(starts, (layer.out_features for layer in layers)))
+        for layer, (start, size) in zip(layers, self.parts):
+            self.weight[start:start + size] = layer.weight.detach()
+            layer.weight = nn.Parameter(self.weight[start:start + size],
+                                        requires_grad=False)
+
+    @classmethod
+    def of(cls, layers: list[LinearBase]) -> MergedProjections | None:
+        """The layers merged, where every one is unquantized and bias-free, with weights of
+        one dtype, device and width; None otherwise."""
+        if not all(type(layer.quant_method) is Unquantized and layer.bias is None
+                   for layer in layers):
+            return None
+        if len({(layer.weight.dtype, layer.weight.device, layer.weight.shape[1])
+                for layer in layers}) != 1:
+            return None
+        return cls(layers)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each layer's output ([T, its features]: views of one GEMM's output)."""
+        y = linear(x, self.weight)
+        return [y[..., start:start + size] for start, size in self.parts]

@@ -34,6 +34,7 @@ from pagedgen.runtime.layers import (fused_ops, moe_dequantized, moe_grouped_mm,
                                      moe_kernels as mk, moe_route)
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
+from pagedgen.runtime.layers.moe_sum import add_gated
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.mxfp4_moe import PER_BYTE
@@ -105,8 +106,11 @@ class FusedMoE(nn.Module):
                                   self.w13_bias, self._down_bias)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """[T, H]: each token's experts' outputs weighted and summed (into ``out``)."""
+                out: torch.Tensor | None = None,
+                gated: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """[T, H]: each token's experts' outputs weighted and summed (into ``out``);
+        ``gated`` (a shared expert's output [T, H] and gate logit [T, 1]): plus
+        ``sigmoid(logit) * output``, added in the same kernel (``moe_sum.slot_sum``)."""
         triton = self.use_triton if self.use_triton is not None else x.is_cuda
         plain = self.act is mk.swiglu and self.w13_bias is None
         scales = self.method.scales(self)
@@ -120,7 +124,8 @@ class FusedMoE(nn.Module):
             if not triton:
                 w13, w2 = self.method.dense(self, x.dtype)
                 y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias, b2)
-                return y if out is None else out.copy_(y)
+                y = y if out is None else out.copy_(y)
+                return y if gated is None else add_gated(y, *gated)
             if not mk.HAVE_TRITON:
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
             if self._plan is None:
@@ -128,16 +133,18 @@ class FusedMoE(nn.Module):
                                       x.dtype, self.act, self.w13_bias, b2)
             if plain and not self.expert_parallel and self._plan.uses_grouped_mm(x.shape[0]):
                 return moe_grouped_mm.experts(x, self.w13_weight, self.w2_weight, weights, ids,
-                                              out, fused_ops.silu_and_mul_fused, scales)
+                                              out, fused_ops.silu_and_mul_fused, scales,
+                                              gated=gated)
             dense = self._plan.dequantizes(x.shape[0])  # MXFP4 prefill chunks
             if dense is not None:
                 return moe_dequantized.experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                                dense, out, scales, self.act, self.w13_bias, b2,
-                                               dropped=self.expert_parallel)
+                                               dropped=self.expert_parallel, gated=gated)
             return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
                                     self._plan.choose(x.shape[0]), out, scales,
                                     self._plan.native(x.shape[0]), self.act,
-                                    self.w13_bias, b2, dropped=self.expert_parallel)
+                                    self.w13_bias, b2, dropped=self.expert_parallel,
+                                    gated=gated)
 
     @property
     def _down_bias(self) -> torch.Tensor | None:

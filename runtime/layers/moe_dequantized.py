@@ -14,6 +14,7 @@ import torch
 
 from pagedgen.runtime.layers import moe_grouped_mm, moe_kernels as mk
 from pagedgen.runtime.layers.moe_act import swiglu
+from pagedgen.runtime.layers.moe_sum import add_gated
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 SCRATCH_BYTES = 2 << 30  # a run of experts' dense weights (gpt-oss-20b's in one run)
@@ -32,17 +33,18 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
             out: torch.Tensor | None,
             scales: ExpertScales, act=swiglu, b13: torch.Tensor | None = None,
             b2: torch.Tensor | None = None, dropped: bool = False,
-            scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+            scratch_bytes: int = SCRATCH_BYTES,
+            gated: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``moe_kernels.fused_experts``' result for MXFP4 experts (``w13`` / ``w2`` packed codes,
     ``scales`` their exponents), each run of experts dequantized to ``x``'s dtype first, then
     multiplied in ``tiles`` or, given ``GROUPED_MM``, by torch's grouped GEMM; ``dropped`` as
-    there (expert parallelism's marker ``E``)."""
-    def gemms(w13, w2, weights, ids, out, b13, b2, dropped):
+    there (expert parallelism's marker ``E``); ``gated`` as there (a shared expert's output)."""
+    def gemms(w13, w2, weights, ids, out, b13, b2, dropped, gated=None):
         if tiles == GROUPED_MM:
             return moe_grouped_mm.experts(x, w13, w2, weights, ids, out, act=act, b13=b13,
-                                          b2=b2, dropped=dropped)
+                                          b2=b2, dropped=dropped, gated=gated)
         return mk.fused_experts(x, w13, w2, weights, ids, tiles, out, act=act, b13=b13,
-                                b2=b2, dropped=dropped)
+                                b2=b2, dropped=dropped, gated=gated)
 
     from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
 
@@ -56,11 +58,12 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         d2 = dequantize(w2[e0:e1], scales.w2[e0:e1],
                         x.new_empty(e1 - e0, w2.shape[1], w2.shape[2] * 2))
         if e1 - e0 == num:  # every expert at once: no slot to skip but the marker's
-            return gemms(d13, d2, weights, ids, out, b13, b2, dropped)
+            return gemms(d13, d2, weights, ids, out, b13, b2, dropped, gated)
         local = ids - e0
         mine = (local >= 0) & (local < e1 - e0)
         y = gemms(d13, d2, weights * mine, torch.where(mine, local, e1 - e0).to(ids.dtype),
                   None, None if b13 is None else b13[e0:e1],
                   None if b2 is None else b2[e0:e1], True)
         total = y if total is None else total.add_(y)
+    total = total if gated is None else add_gated(total, *gated)
     return total if out is None else out.copy_(total)

@@ -43,13 +43,15 @@ def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -
 def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
             ids: torch.Tensor, out: torch.Tensor | None = None,
             silu_and_mul=None, scales=None, act=swiglu, b13: torch.Tensor | None = None,
-            b2: torch.Tensor | None = None, dropped: bool = False) -> torch.Tensor:
+            b2: torch.Tensor | None = None, dropped: bool = False,
+            gated: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``moe_kernels.reference``'s result: ``w13`` [E, 2I, H] (gate rows, then up),
     ``w2`` [E, H, I], ``weights`` / ``ids`` [T, top_k]; summed into ``out`` [T, H] when
     given. ``silu_and_mul``: the activation kernel (default: torch's ops; with ``scales``,
     one that takes ``quantize=True``). ``scales``: FP8 experts' per-row scales. ``act``
     (another activation, bf16 experts) with biases ``b13`` [E, 2I] and ``b2`` [E, H].
-    ``dropped``: id E marks slots of experts elsewhere (weight 0), sorted last and skipped."""
+    ``dropped``: id E marks slots of experts elsewhere (weight 0), sorted last and skipped.
+    ``gated``: a shared expert's output and gate logit, added in the sum (``slot_sum``)."""
     top_k, num = ids.shape[1], w13.shape[0]
     flat = ids.reshape(-1).long()  # the router's ids may be int32
     order = torch.argsort(flat, stable=True)  # slots by expert
@@ -83,4 +85,5 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
     rows = torch.empty_like(order).scatter_(  # each slot's row among the sorted ones
         0, order, torch.arange(order.numel(), device=order.device))
     experts = ids.clamp(max=num - 1) if dropped else ids  # a dropped slot's: any (weight 0)
-    return slot_sum(y, top_k, out, rows=rows, weights=weights, bias=b2, experts=experts)
+    return slot_sum(y, top_k, out, rows=rows, weights=weights, bias=b2, experts=experts,
+                    gated=gated)

@@ -2,9 +2,9 @@
 grouped GEMM kernel (Triton, our own) run twice per layer: gate/up with SiLU-and-mul in its
 epilogue, then down with the routing weight in its epilogue.
 
-A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``align`` sorts the slots
-by expert into blocks of ``block_m`` rows (an expert's last block padded with the sentinel slot
-``num_slots``), so each program of the GEMM multiplies one block of rows by one expert's weight
+A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``moe_align`` sorts the
+slots by expert into blocks of ``block_m`` rows (an expert's last block padded with the sentinel
+slot ``num_slots``), so each program of the GEMM multiplies one block of rows by one expert's weight
 tile: only the experts that got tokens are read. Everything is sized by the token count alone
 (no host sync), so it runs inside CUDA graphs; programs past the last expert's blocks return at
 once. ``reference`` is the per-expert loop the tests check the kernels against (and the path of
@@ -18,8 +18,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED, quantize_activations
+from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
 from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
+from pagedgen.runtime.layers.moe_align import align
 from pagedgen.runtime.layers.moe_sum import slot_sum
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
@@ -48,50 +49,6 @@ def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
         y = F.linear(act(gate, up), w2[e], None if b2 is None else b2[e].to(x.dtype))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
-
-
-def max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
-    """An upper bound on the blocks ``align`` makes: every expert with tokens pads at most one
-    block."""
-    return -(-num_slots // block_m) + min(num_experts, num_slots)
-
-
-def align(ids: torch.Tensor, num_experts: int, block_m: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots [blocks * block_m] int32: the slots grouped by expert, each expert's run padded
-    to whole blocks with ``num_slots``; block_experts [blocks] int32: each block's expert, -1
-    past the last), ``blocks = max_blocks(...)``; no host sync. One Triton program where
-    Triton runs and the step is not huge (slots in an expert's run in any order: each output
-    row depends on its own input row only); torch's sort and scatters otherwise
-    (``align_reference``: in slot order), whose kernels spread over the GPU and win on
-    large steps (``benchmarks/moe_kernels.py`` times both)."""
-    if HAVE_TRITON and (ids.is_cuda or INTERPRETED) and ids.numel() <= ONE_PROGRAM_SLOTS:
-        return align_triton(ids, num_experts, block_m)
-    return align_reference(ids, num_experts, block_m)
-
-
-ONE_PROGRAM_SLOTS = 32768  # align in one Triton program up to this many slots
-
-
-def align_reference(ids: torch.Tensor, num_experts: int, block_m: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    flat = ids.reshape(-1).long()
-    n, dev = flat.numel(), flat.device
-    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(
-        0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
-    block_end = blocks.cumsum(0)
-    nb = max_blocks(n, num_experts, block_m)
-    block_experts = torch.searchsorted(block_end, torch.arange(nb, device=dev), right=True)
-    block_experts = torch.where(block_experts < num_experts, block_experts, -1).int()
-    order = torch.sort(flat, stable=True).indices
-    expert = flat[order]
-    first_slot = counts.cumsum(0) - counts  # each expert's first position among sorted slots
-    pos = (block_end - blocks)[expert] * block_m + torch.arange(n, device=dev) \
-        - first_slot[expert]
-    slots = torch.full((nb * block_m,), n, dtype=torch.int32, device=dev)
-    slots.index_copy_(0, pos, order.int())
-    return slots, block_experts
 
 
 @dataclass(frozen=True)
@@ -297,64 +254,6 @@ if HAVE_TRITON:
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-if HAVE_TRITON:
-    @triton.jit(do_not_specialize=["n", "num_blocks"])
-    def _align_kernel(ids_ptr, slots_ptr, block_experts_ptr, cursor_ptr, n, num_experts,
-                      num_blocks, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                      CHUNK: tl.constexpr, B_CHUNK: tl.constexpr, PAD: tl.constexpr):
-        """One program: count each expert's slots, lay its blocks out (each expert names its
-        own: as many rounds as the busiest has blocks), write the sentinel where no slot goes
-        (runs' padding, rows past the last run), then scatter every slot to the next free row
-        of its expert's run (an atomic cursor per expert)."""
-        experts = tl.arange(0, E_PAD)
-        counts = tl.zeros((E_PAD,), dtype=tl.int32)
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ids = tl.load(ids_ptr + offs, mask=offs < n, other=E_PAD - 1)
-            counts += tl.histogram(ids, E_PAD)
-        counts = tl.where(experts < num_experts, counts, 0)  # the last bin held the padding
-        blocks = (counts + BLOCK_M - 1) // BLOCK_M
-        block_end = tl.cumsum(blocks, 0)
-        first_block, used = block_end - blocks, tl.max(block_end, 0)
-        tl.store(cursor_ptr + experts, first_block * BLOCK_M)  # each run's first row
-        sentinel = tl.zeros((E_PAD, PAD), dtype=tl.int32) + n
-        for j0 in tl.static_range(0, BLOCK_M, PAD):  # each run's rows past its slots
-            row = (first_block * BLOCK_M + counts)[:, None] + j0 + tl.arange(0, PAD)[None, :]
-            tl.store(slots_ptr + row, sentinel, mask=row < (block_end * BLOCK_M)[:, None])
-        for start in range(used * BLOCK_M, num_blocks * BLOCK_M, CHUNK):
-            offs = start + tl.arange(0, CHUNK)  # the blocks past the last run
-            tl.store(slots_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + n,
-                     mask=offs < num_blocks * BLOCK_M)
-        for j in range(0, tl.max(blocks, 0)):
-            tl.store(block_experts_ptr + first_block + j, experts, mask=j < blocks)
-        for start in range(used, num_blocks, B_CHUNK):  # and past the last
-            b = start + tl.arange(0, B_CHUNK)
-            tl.store(block_experts_ptr + b, tl.zeros((B_CHUNK,), dtype=tl.int32) - 1,
-                     mask=b < num_blocks)
-        tl.debug_barrier()  # the cursors stored before any thread adds to them
-        for start in range(0, n, CHUNK):
-            offs = start + tl.arange(0, CHUNK)
-            ok = offs < n
-            ids = tl.load(ids_ptr + offs, mask=ok, other=0)
-            pos = tl.atomic_add(cursor_ptr + ids, 1, mask=ok)
-            tl.store(slots_ptr + pos, offs, mask=ok)
-
-
-def align_triton(ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 8
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    nb = max_blocks(n, num_experts, block_m)
-    e_pad = triton.next_power_of_2(num_experts + 1)  # one bin past the experts: padding
-    slots = torch.empty(nb * block_m, dtype=torch.int32, device=flat.device)
-    block_experts = torch.empty(nb, dtype=torch.int32, device=flat.device)
-    cursor = torch.empty(e_pad, dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat.int() if flat.dtype != torch.int32 else flat, slots,
-                        block_experts, cursor, n, num_experts, nb, E_PAD=e_pad,
-                        BLOCK_M=block_m, CHUNK=1024, B_CHUNK=256, PAD=min(block_m, 16),
-                        num_warps=num_warps)
-    return slots, block_experts
-
 
 SCALED_DOT_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # tl.dot_scaled's names
 
@@ -438,7 +337,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                   ids: torch.Tensor, tiles: tuple[Tiles, Tiles],
                   out: torch.Tensor | None = None, scales: ExpertScales | None = None,
                   native: bool = False, act=swiglu, b13: torch.Tensor | None = None,
-                  b2: torch.Tensor | None = None, dropped: bool = False) -> torch.Tensor:
+                  b2: torch.Tensor | None = None, dropped: bool = False,
+                  gated: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``reference``'s result by the kernels (``tiles``: gate/up's and down's, one block_m),
     summed over each token's slots into ``out`` ([T, H], or a new tensor). ``scales``: the
     weights are e4m3 (or MXFP4: uint8 weights); ``native``: the weights' own format meets
@@ -448,7 +348,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
     writes gate and up, the gate/up biases and the activation run between the GEMMs
     (``bias_and_act``), and the down bias joins the second GEMM's epilogue, before the routing
     weight. ``dropped``: slots of expert ``E`` (one past ``w13``'s; weight 0: another
-    expert-parallel rank's) are skipped and add nothing."""
+    expert-parallel rank's) are skipped and add nothing. ``gated``: a shared expert's output
+    and gate logit, added in the sum (``slot_sum``)."""
     if tiles[0].block_m != tiles[1].block_m:
         raise ValueError("both GEMMs of a MoE layer sort their rows in blocks of one size")
     (t, top_k), h = ids.shape, x.shape[1]
@@ -480,4 +381,4 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
                         block_experts, n, tiles[1], 1, gated=False, weights=slot_weights,
                         w_scale=s2, a_scale=a_scale, group_k=group_k, scaled_dot=dot, bias=b2,
                         small_exps=small)
-    return slot_sum(down, top_k, out)
+    return slot_sum(down, top_k, out, gated=gated)

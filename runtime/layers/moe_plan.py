@@ -28,7 +28,8 @@ import torch
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.hardware import hopper_or_later
-from pagedgen.runtime.layers import fused_ops, moe_dequantized, moe_grouped_mm, moe_kernels as mk
+from pagedgen.runtime.layers import (fused_ops, moe_align, moe_dequantized, moe_grouped_mm,
+                                     moe_kernels as mk)
 from pagedgen.runtime.layers.moe_act import bias_and_act
 from pagedgen.runtime.layers.moe_kernels import Tiles
 
@@ -263,8 +264,8 @@ def _measure(w13: torch.Tensor, w2: torch.Tensor, top_k: int,
             for block_m in sorted({t.block_m for t in CANDIDATES.values()}):
                 if mostly_padding(block_m, tokens, top_k, num_experts):
                     continue
-                slots, experts = mk.align(ids, num_experts, block_m)
-                sort_t = graph_time(lambda: mk.align(ids, num_experts, block_m))
+                slots, experts = moe_align.align(ids, num_experts, block_m)
+                sort_t = graph_time(lambda: moe_align.align(ids, num_experts, block_m))
                 tiles = [t for t in CANDIDATES.values() if t.block_m == block_m]
                 if group_k is not None and any(t.block_k <= group_k for t in tiles):
                     tiles = [t for t in tiles if t.block_k <= group_k]  # others narrow to K

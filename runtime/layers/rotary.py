@@ -147,8 +147,8 @@ class RotaryEmbedding:
 
 class ApplyRotary(nn.Module):
     """q [T, Hq, D], k [T, Hkv, D] rotated by a step's cos/sin; with ``norms`` (q weight, k
-    weight, eps), each head RMS-normed first (Qwen3). Tables narrower than D (partial rotary)
-    turn each head's first features only."""
+    weight, eps), each head RMS-normed first (Qwen3, Qwen3.5). Tables narrower than D (partial
+    rotary) turn each head's first features only; the kernel writes the rest as they are."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -158,12 +158,5 @@ class ApplyRotary(nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor], norms: tuple = ()
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         op = fused_ops.rotary_fused if self.fused else fused_ops.rotary_ref
-        rot = cos_sin[0].shape[-1]
         with scope("rotary"):
-            if rot == q.shape[-1]:
-                return op(q, k, *cos_sin, *norms)
-            if norms:
-                raise ValueError("partial rotary with q/k norms is not supported")
-            # partial rotary: the first ``rot`` features of each head turn, the rest pass
-            q_rot, k_rot = op(q[..., :rot], k[..., :rot], *cos_sin)
-            return torch.cat([q_rot, q[..., rot:]], -1), torch.cat([k_rot, k[..., rot:]], -1)
+            return op(q, k, *cos_sin, *norms)

@@ -181,6 +181,9 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
                 module.plan_kernels()
         except ValueError as e:
             raise PagedgenError(str(e))
+    for module in model.modules():  # projections of one input as one GEMM, in their final form
+        if hasattr(module, "merge_projections"):
+            module.merge_projections()
     return model.eval()
 
 

@@ -112,8 +112,12 @@ class MLP(nn.Module):
     def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sums of the MLP's output (not reduced, not in the symmetric
         buffer: a block that adds them to another output reduces the sum once)."""
+        return self.partial_sums_of(self.gate_up_proj(x))
+
+    def partial_sums_of(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``partial_sums`` from the gate/up projection's output (computed elsewhere)."""
         down = self.down_proj
-        return down.quant_method.apply(down, self.act(self.gate_up_proj(x)), None)
+        return down.quant_method.apply(down, self.act(gate_up), None)
 
 
 class DecoderLayer(nn.Module):

@@ -77,9 +77,8 @@ class GatedAttention(nn.Module):
         s, t = self.spec, x.shape[0]
         qg, k, v = self.qkv_proj(x).split([2 * self.q_size, self.kv_size, self.kv_size], -1)
         q, gate = qg.reshape(t, s.num_heads, 2 * s.head_size).chunk(2, -1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.reshape(t, s.num_kv_heads, s.head_size))
-        q, k = self.rotary(q, k, cos_sin)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+        q, k = self.rotary(q, k.reshape(t, s.num_kv_heads, s.head_size), cos_sin, norms)
         o = self.attn(q, k, v.reshape(t, s.num_kv_heads, s.head_size), kv_cache, metadata)
         return self.o_proj((o * torch.sigmoid(gate)).reshape(t, self.q_size))
 
