@@ -16,7 +16,8 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.engine.report import run_summary
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
-from test_hf_equivalence import check_greedy_with_preemption, check_logits, hf_model, ids
+from test_hf_equivalence import (check_greedy_with_preemption, check_logits, fused_kernels,
+                                 hf_model, ids)
 
 KINDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 
@@ -36,6 +37,12 @@ def dense(tmp_path_factory):
 def test_logits_match_transformers(checkpoint, backend):
     """Prefill whole, and in chunks of 11 (the state carried from chunk to chunk)."""
     check_logits(checkpoint, backend)
+
+
+def test_fused_kernels_match_transformers(checkpoint):
+    """The norms, the q/k norms with partial rotary (one kernel), the gated norm and SwiGLU as
+    the fused Triton kernels (on a CPU: in Triton's interpreter) give transformers' logits."""
+    check_logits(checkpoint, "eager", chunks=(11,), setup=fused_kernels)
 
 
 def test_greedy_generation_matches_transformers_through_preemption(checkpoint):
