@@ -85,19 +85,21 @@ def test_slot_sum_adds_each_slots_expert_bias_before_weighing(device, dtype):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 def test_slot_sum_adds_a_shared_experts_gated_output_rounded_as_torchs_ops(device, dtype):
-    """Qwen3.5-MoE's shared expert in the sum: the slots' sum, then ``sigmoid(logit) * x``
-    added as transformers' three torch ops round it (within a unit in the last place), the
-    logit a column of a wider projection's output."""
+    """Qwen3.5-MoE's shared expert in the sum: the kernel's own sum of the slots, then
+    ``sigmoid(logit) * x`` added as transformers' three torch ops round it (within a unit in
+    the last place: Triton's sigmoid against torch's), the logit a column of a wider
+    projection's output."""
     tokens, top_k, width = 7, 4, 1100
     src, _, rows, weights = _slots(tokens, top_k, width, device, dtype)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, width, generator=g).to(device, dtype)
     logit = (torch.randn(tokens, 3, generator=g) * 4).to(device, dtype)[:, 1:2]
-    summed = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights)
+    summed = moe_sum.slot_sum(src, top_k, rows=rows, weights=weights)
     want = summed + torch.sigmoid(logit) * x
     got = moe_sum.slot_sum(src, top_k, rows=rows, weights=weights, gated=(x, logit))
-    ulp = 1e-6 if dtype == torch.float32 else 1e-3
+    ulp = torch.finfo(dtype).eps
     torch.testing.assert_close(got, want, atol=ulp * want.abs().max().item(), rtol=ulp)
-    ref = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights, gated=(x, logit))
-    torch.testing.assert_close(ref, want, atol=0, rtol=0)
     assert (got - summed).abs().max() > 0.1  # the shared expert was added
+    summed = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights)
+    ref = moe_sum.slot_sum_reference(src, top_k, rows=rows, weights=weights, gated=(x, logit))
+    torch.testing.assert_close(ref, summed + torch.sigmoid(logit) * x, atol=0, rtol=0)
