@@ -44,6 +44,34 @@ def test_the_sparse_layers_hold_a_gated_shared_expert(checkpoint):
                                ckpt["model.layers.0.mlp.shared_expert.down_proj.weight"])
 
 
+def test_one_gemm_reads_the_tokens_for_the_router_and_the_shared_expert(checkpoint):
+    """After loading, the router, the shared expert's gate and its gate/up projection are one
+    matrix (``MergedProjections``); where the gate/up projection is quantized only the first
+    two merge. Each form gives the block's unmerged output."""
+    from pagedgen.runtime.layers.linear import MergedProjections
+    from pagedgen.runtime.quantization.unquantized import Unquantized
+
+    model = build_model(resolve_model(str(checkpoint)), "safetensors", torch.float32,
+                        torch.device("cpu"))
+    block = model.model.layers[0].mlp
+    gate_up = block.shared_expert.gate_up_proj
+    assert len(block.merged.parts) == 3
+    assert block.merged.weight.data_ptr() == block.gate.weight.data_ptr()
+    x = torch.randn(5, block.gate.in_features, generator=torch.Generator().manual_seed(0))
+    merged = block(x)
+    block.merged = None
+    unmerged = block(x)
+    torch.testing.assert_close(merged, unmerged, atol=1e-6, rtol=1e-5)
+
+    class Other(Unquantized):  # a method other than dense weights: not merged
+        pass
+    gate_up.quant_method = Other()
+    block.merge_projections()
+    assert len(block.merged.parts) == 2
+    torch.testing.assert_close(block(x), unmerged, atol=1e-6, rtol=1e-5)
+    assert MergedProjections.of([block.gate, gate_up]) is None
+
+
 def test_tp2_equals_tp1(tmp_path_factory):
     """The shared expert sharded as a dense MLP, its partial sums reduced with the routed
     experts' (two ranks over gloo)."""
