@@ -9,7 +9,7 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 (``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
 (``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
-``--align``: the slot sort's ways alone (``moe_align``) at decode and small-prefill slot counts
+``--align``: the slot sort alone (``moe_align``) at decode and small-prefill slot counts
 of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128, Mixtral's 8), for each warp count.
 ``--tma``: each GEMM at prefill counts in every plan candidate that loads its weights by
 pointers and in its TMA twin (bf16 and FP8 weights), in TFLOP/s.
@@ -180,10 +180,11 @@ def vllm_times() -> dict | str:
 
 
 def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16), (256, 8, 512, 16),
-                       (256, 8, 2048, 64), (128, 8, 256, 16), (8, 2, 256, 16)),
+                       (256, 8, 2048, 64), (256, 8, 4096, 64), (128, 8, 256, 16),
+                       (8, 2, 256, 16)),
                warps=(4, 8, 16)) -> list[dict]:
-    """The slot sort's ways (us a call, replayed in a CUDA graph): torch's ops, one program
-    (``one_w{warps}``) and a program per expert (``by_expert_w{warps}``)."""
+    """The slot sort (us a call, replayed in a CUDA graph): torch's ops and the Triton
+    program per expert (``by_expert_w{warps}``)."""
     from pagedgen.runtime.layers import moe_align, moe_route
 
     rows = []
@@ -193,11 +194,9 @@ def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16), (256
         row = {"experts": e, "top_k": k, "tokens": t, "block_m": block_m,
                "torch_us": round(1000 * _replay_ms(
                    lambda: moe_align.align_reference(ids, e, block_m), calls=20), 2)}
-        for name, way in (("one", moe_align.align_triton),
-                          ("by_expert", moe_align.align_by_expert)):
-            for w in warps:
-                row[f"{name}_w{w}_us"] = round(1000 * _replay_ms(
-                    lambda: way(ids, e, block_m, num_warps=w), calls=20), 2)
+        for w in warps:
+            row[f"by_expert_w{w}_us"] = round(1000 * _replay_ms(
+                lambda: moe_align.align_by_expert(ids, e, block_m, num_warps=w), calls=20), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
