@@ -19,6 +19,7 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   h: Qwen3.5-9B shape (hybrid: Gated DeltaNet linear attention, 3 layers to 1), (a)'s requests
   j: Qwen3.5-35B-A3B shape (hybrid MoE: 256 experts, 8 per token, a shared expert), (a)'s
   l: Qwen3.5-9B shape, 32 prompts x random 8,192-30,000 input, 128 output (long prompts)
+  k: Qwen3.5-35B-A3B shape, (l)'s requests (the MoE preset on long prompts)
   o: gpt-oss-20b shape (MXFP4 experts: 32, 4 per token; attention sinks), (a)'s requests
   g: gpt-oss-120b shape (MXFP4 experts: 128, 4 per token; one H100 holds it), (a)'s requests
   mt, ot, jt: m, o and j sampled at temperature 1 (request i seeded i): decode tokens as
@@ -99,6 +100,7 @@ WORKLOADS = {
     "h": Workload("qwen3.5-9b", 256, (128, 1024), (256, 256)),
     "j": Workload("qwen3.5-35b-a3b", 256, (128, 1024), (256, 256)),
     "l": Workload("qwen3.5-9b", 32, (8192, 30000), (128, 128)),
+    "k": Workload("qwen3.5-35b-a3b", 32, (8192, 30000), (128, 128)),
     "o": Workload("gpt-oss-20b", 256, (128, 1024), (256, 256)),
     "g": Workload("gpt-oss-120b", 256, (128, 1024), (256, 256)),
 }
