@@ -10,7 +10,8 @@ its ``quant_method`` (``runtime/quantization``) owns the weight's form and the G
   (with symmetric memory, the GEMM writes straight into the buffer the peers read) and the bias
   is added once after.
 - ``MergedProjections``: after loading, several unquantized projections of one input (a MoE
-  block's router beside its shared expert's gate and gate/up) as one matrix and one GEMM.
+  block's router beside its shared expert's gate and gate/up; Gated DeltaNet's two input
+  projections) as one matrix and one GEMM.
 """
 
 from __future__ import annotations

@@ -37,8 +37,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots [blocks * block_m] int32: the slots grouped by expert, each expert's run padded
     to whole blocks with ``num_slots``; block_experts [blocks] int32: each block's expert, -1
-    past the last), ``blocks = max_blocks(...)``; no host sync. Slots in an expert's run in
-    any order (each output row depends on its own input row only)."""
+    past the last), ``blocks = max_blocks(...)``; no host sync. Each run in slot order."""
     if HAVE_TRITON and (ids.is_cuda or INTERPRETED) and ids.numel() <= TRITON_SLOTS:
         return align_by_expert(ids, num_experts, block_m)
     return align_reference(ids, num_experts, block_m)
