@@ -43,14 +43,12 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The routed experts' sum plus ``sigmoid(logit) * shared``, added in the experts'
         last kernel (``FusedMoE``'s ``gated``)."""
-        outs = self.merged(x) if self.merged is not None else [self.gate(x)]
+        logits, *merged = self.merged(x) if self.merged is not None else [self.gate(x)]
         with scope("shared_expert"):
-            if len(outs) == 3:
-                shared = self.shared_expert.partial_sums_of(outs[2])
-            else:
-                shared = self.shared_expert.partial_sums(x)
-            logit = outs[1] if len(outs) > 1 else self.shared_expert_gate(x)
-        weights, ids = moe_route.route(outs[0], self.top_k, self.renormalize)
+            rest = (self.shared_expert_gate, self.shared_expert.gate_up_proj)[len(merged):]
+            logit, gate_up = merged + [layer(x) for layer in rest]  # the unmerged: a GEMM each
+            shared = self.shared_expert.partial_sums(gate_up)
+        weights, ids = moe_route.route(logits, self.top_k, self.renormalize)
         partial = self.tp.partial_output(
             x.shape[0], x.shape[1], x.dtype,
             lambda out: self.experts(x, weights, ids, out, gated=(shared, logit)))

@@ -109,13 +109,10 @@ class MLP(nn.Module):
         quant = self.act.fused and down.quant_method.takes_quantized_input(down, gate_up.shape[0])
         return down(self.act(gate_up, quant))
 
-    def partial_sums(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sums of the MLP's output (not reduced, not in the symmetric
-        buffer: a block that adds them to another output reduces the sum once)."""
-        return self.partial_sums_of(self.gate_up_proj(x))
-
-    def partial_sums_of(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``partial_sums`` from the gate/up projection's output (computed elsewhere)."""
+    def partial_sums(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums of the MLP's output from its gate/up projection's output
+        (``gate_up_proj(x)``, or its rows of a merged GEMM's): not reduced, not in the
+        symmetric buffer (a block that adds them to another output reduces the sum once)."""
         down = self.down_proj
         return down.quant_method.apply(down, self.act(gate_up), None)
 
