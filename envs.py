@@ -22,8 +22,14 @@ class EnvVar:
 
 FLASH_ATTN = EnvVar("PAGEDGEN_FLASH_ATTN", "fa4, else fa3, else fa2 (what is installed)",
                     "fa4, fa3 or fa2: the flash-attn backend's flavour")
-FA4_DECODE_TILE = EnvVar("PAGEDGEN_FA4_DECODE_TILE", "64x64 on SM90, FA4's own elsewhere",
-                         "FA4's decode tile, ROWSxKEYS (64x128), or fa4 for FA4's own")
+FA4_DECODE_TILE = EnvVar("PAGEDGEN_FA4_DECODE_TILE",
+                         "64x64 for head sizes up to 128 on SM90, FA4's own elsewhere",
+                         "FA4's decode tile for every head size, ROWSxKEYS (64x128), or fa4 "
+                         "for FA4's own")
+FA4_PREFILL_TILE = EnvVar("PAGEDGEN_FA4_PREFILL_TILE",
+                          "128x64 for head sizes over 128 on SM90 with 64-token pages, FA4's own "
+                          "elsewhere",
+                          "FA4's prefill tile for every head size, ROWSxKEYS, or fa4")
 FA4_GROUP_TILE = EnvVar("PAGEDGEN_FA4_GROUP_TILE", "64x128 on SM90, FA4's own elsewhere",
                         "FA4's tile for cascade decode's shared-prefix calls, or fa4")
 FA4_CASCADE_SUFFIX = EnvVar("PAGEDGEN_FA4_CASCADE_SUFFIX", "triton",
@@ -60,8 +66,7 @@ GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two
 HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",
                         "how many pagedgen processes share this host's cores")
 
-ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_GROUP_TILE, FA4_CASCADE_SUFFIX,
-                           FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM, FP8_FUSED_INPUT,
-                           MOE_TILES, SHIPPED_PLANS, ALL_REDUCE, FUSED_ALL_REDUCE,
-                           GATED_DELTA, GRAMMAR_WORKERS,
-                           HOST_PROCESSES)
+ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GROUP_TILE,
+                           FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM,
+                           FP8_FUSED_INPUT, MOE_TILES, SHIPPED_PLANS, ALL_REDUCE,
+                           FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES)

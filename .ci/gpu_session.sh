@@ -344,6 +344,18 @@ for r in d["rows"]:
 print("vLLM:", d["vllm"]) if d["vllm"] else None
 PY
       ;;
+    long-kernels)  # issue 60: the long-prompt workloads' kernels (k, l): FA4's paged prefill
+      # at head size 256 by tile (pagedgen's default, FA4's own) on a chunk after 0-13.6k
+      # cached tokens, and at 128; decode at 256 by tile; the convolution by tile
+      a="python3 -m benchmarks.attention_kernels --backends flash-attn --page-sizes 64 --iters 5"
+      timed attn-256 "${LONG_LIMIT:-120}" $a --head-dim 256 --heads 16/2,16/4 \
+        --fa4-prefill-tiles default,fa4 --fa4-decode-tiles fa4,64x64 \
+        --shapes prefill:1x16384-30000,decode:32x8192-30000 --json "$S/attn-256.json"
+      timed attn-128 60 $a --heads 32/8 --fa4-prefill-tiles fa4,128x64 \
+        --shapes prefill:1x16384-30000 --json "$S/attn-128.json"
+      grep -hE '^\{' "$S"/attn-256.log "$S"/attn-128.log | cut -c1-260
+      timed conv-tiles 120 python3 -m benchmarks.gdn_kernels --conv --json "$S/conv-tiles.json"
+      grep -E '^\{' "$S/conv-tiles.log" | grep -v "decode 256" | cut -c1-200 ;;
     moe-align)  # issue 60: the slot sort's ways alone (benchmarks/moe_kernels.py --align)
       timed moe-align "${MOE_LIMIT:-150}" python3 -m benchmarks.moe_kernels --align \
         --json "$S/moe-align.json"

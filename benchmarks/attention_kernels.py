@@ -1,11 +1,14 @@
 """Attention kernel throughput per backend on fixed shapes (issues 6 and 7).
 
-``--heads`` query/KV heads (default 32/8, Llama-3-8B's), head_dim 128, bf16, page sizes
-``--page-sizes`` (default 16, and each backend's own with 0), NHD cache; ``--shapes`` (default:
-decode 64 x 4096 and 1 x 32768, in GB/s of K/V read; prefill 8 x 4096 causal, in TFLOP/s; a
-context ``LO-HI`` draws each sequence's length uniformly from it, seeded).
+``--heads`` query/KV heads (default 32/8, Llama-3-8B's), ``--head-dim`` (default 128), bf16,
+page sizes ``--page-sizes`` (default 16, and each backend's own with 0), NHD cache;
+``--shapes`` (default: decode 64 x 4096 and 1 x 32768, in GB/s of K/V read; prefill 8 x 4096
+causal, in TFLOP/s; a context ``LO-HI`` draws each sequence's length uniformly from it, seeded;
+a prefill's new tokens are LO, after the rest cached: a later chunk of a long prompt).
 ``--fa4-decode-tiles`` runs flash-attn once per FA4 decode tile (``fa4``: FA4's own choice;
-``64x128``: 64 query rows x 128 keys), as ``$PAGEDGEN_FA4_DECODE_TILE`` would.
+``64x128``: 64 query rows x 128 keys), as ``$PAGEDGEN_FA4_DECODE_TILE`` would;
+``--fa4-prefill-tiles`` the same for prefill (``$PAGEDGEN_FA4_PREFILL_TILE``; ``default``:
+pagedgen's own choice).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two device synchronizations (decode: replayed from a CUDA graph when
 the backend supports graphs, so host launch overhead is not counted); the forward includes
@@ -17,30 +20,33 @@ writing the new tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
         --heads 16/8 --shapes decode:256x1100,decode:64x1100
     python -m benchmarks.attention_kernels --backends flash-attn --page-sizes 128,64 \
         --fa4-decode-tiles fa4,64x128,64x64 --shapes decode:256x129-1280
+    python -m benchmarks.attention_kernels --backends flash-attn --page-sizes 64 --heads 16/2 \
+        --head-dim 256 --fa4-prefill-tiles default,fa4 --shapes prefill:1x16384-30000
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import decode_tile_env
+from benchmarks.common import env_set
 
 from pagedgen.attention.backend import LayerSpec
+from pagedgen.attention.flash_attn.fa4 import fa4_decode_tiles
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.registry import get_backend
 
-D = 128
 DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
 
 
 def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: int,
-          iters: int, HQ: int = 32, HKV: int = 8, dev: torch.device = torch.device("cuda")
-          ) -> dict:
+          iters: int, HQ: int = 32, HKV: int = 8, dev: torch.device = torch.device("cuda"),
+          D: int = 128) -> dict:
     backend = get_backend(backend_name, dev)
     page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
@@ -90,13 +96,15 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     s = (time.perf_counter() - t0) / iters  # graph replays or a backend's own launches
     res = {"backend": backend_name, "kind": kind, "batch": batch,
            "context": ctx[0] if ctx[0] == ctx[1] else f"{ctx[0]}-{ctx[1]}", "page": page,
-           "heads": f"{HQ}/{HKV}", "cuda_graph": graphed, "ms": s * 1000}
-    if getattr(state, "decode_tile", None) is not None:
-        res["fa4_decode_tile"] = "x".join(map(str, state.decode_tile))
+           "heads": f"{HQ}/{HKV}", "head_dim": D, "cuda_graph": graphed, "ms": s * 1000}
+    if getattr(state, "prefill_tiles", None) is not None:  # FA4: the tile this kind ran with
+        tile = (state.prefill_tiles if kind == "prefill" else fa4_decode_tiles(dev))[D > 128]
+        res[f"fa4_{kind}_tile"] = "x".join(map(str, tile)) if tile else "fa4"
     if kind == "decode":
         res["GB_s"] = sum(ctxs) * HKV * D * 2 * 2 / s / 1e9
     else:
-        res["TFLOP_s"] = sum(4 * HQ * D * c * (c + 1) / 2 for c in ctxs) / s / 1e12
+        pairs = sum(n_new * (c - n_new) + n_new * (n_new + 1) / 2 for c in ctxs)
+        res["TFLOP_s"] = 4 * HQ * D * pairs / s / 1e12
     res["checksum"] = float(out.float().abs().mean())  # equal across variants of one shape
     return res
 
@@ -105,29 +113,37 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--backends", default="flashinfer,triton")
     ap.add_argument("--page-sizes", default="16")
-    ap.add_argument("--heads", default="32/8", help="query/KV heads")
+    ap.add_argument("--heads", default="32/8", help="query/KV heads, e.g. 16/2,16/4")
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="kind:batchxcontext, ...")
     ap.add_argument("--fa4-decode-tiles", default="",
                     help="flash-attn: one run per FA4 decode tile, e.g. fa4,64x128")
+    ap.add_argument("--fa4-prefill-tiles", default="",
+                    help="flash-attn: one run per FA4 prefill tile, e.g. default,fa4,128x64")
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    hq, hkv = map(int, args.heads.split("/"))
+    heads = [tuple(map(int, h.split("/"))) for h in args.heads.split(",")]
     shapes = []
     for kind, bc in (sh.split(":") for sh in args.shapes.split(",")):
         batch, ctx = bc.split("x")
         lo, _, hi = ctx.partition("-")
         shapes.append((kind, int(batch), (int(lo), int(hi or lo))))
     rows = []
+    fa4 = {"decode": args.fa4_decode_tiles, "prefill": args.fa4_prefill_tiles}
     for name in args.backends.split(","):
-        tiles = [t for t in args.fa4_decode_tiles.split(",") if t] if name == "flash-attn" else []
-        for tile in tiles or [None]:
+        variants = [(kind, t) for kind, ts in fa4.items() for t in ts.split(",") if t
+                    ] if name == "flash-attn" else []
+        for tiled, tile in variants or [(None, None)]:
+            env = f"PAGEDGEN_FA4_{tiled.upper()}_TILE" if tiled else ""
             for page in map(int, args.page_sizes.split(",")):
-                for kind, batch, ctx in shapes:
-                    with decode_tile_env(tile):
+                for (kind, batch, ctx), (hq, hkv) in itertools.product(shapes, heads):
+                    if tiled and kind != tiled:
+                        continue
+                    with env_set(env, None if tile == "default" else tile):
                         r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
-                                  torch.device(args.device))
+                                  torch.device(args.device), args.head_dim)
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()  # the cache and graph of that shape are gone
                     rows.append(r)

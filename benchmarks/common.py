@@ -5,7 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
 from typing import Any, Iterator
 
@@ -58,19 +58,25 @@ def run_engine(cfg: EngineConfig, prompts: list[list[int]],
     return runs
 
 
-@contextmanager
-def decode_tile_env(tile: str | None) -> Iterator[None]:
+def decode_tile_env(tile: str | None) -> AbstractContextManager[None]:
     """``$PAGEDGEN_FA4_DECODE_TILE`` = ``tile`` inside (unchanged when None)."""
-    before = os.environ.get(ENV_DECODE_TILE)
-    if tile:
-        os.environ[ENV_DECODE_TILE] = tile
+    return env_set(ENV_DECODE_TILE, tile)
+
+
+@contextmanager
+def env_set(name: str, value: str | None) -> Iterator[None]:
+    """Environment variable ``name`` = ``value`` inside (unchanged when either is empty)."""
+    before = os.environ.get(name) if name else None
+    if name and value:
+        os.environ[name] = value
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(ENV_DECODE_TILE, None)
-        else:
-            os.environ[ENV_DECODE_TILE] = before
+        if name and value:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def build_engine(cfg: EngineConfig) -> tuple[Engine, float]:

@@ -154,7 +154,8 @@ def prefill_rows(shapes: tuple[tuple[int, int], ...] = ((16, 512), (32, 512), (8
     return out_rows
 
 
-def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (32, 64), (32, 128), (64, 64)),
+def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (16, 512), (32, 64),
+                     (32, 128), (32, 256), (64, 64), (64, 128)),
               warps=(4, 8)) -> list[dict]:
     from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
     from pagedgen.attention.recurrent import gated_delta, triton_kernels as tk

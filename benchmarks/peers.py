@@ -26,9 +26,9 @@ Workloads (``--workloads a,b,c``; workloads.py):
      question by question, 32 output, both systems in a KV cache of 196,608 tokens
 
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
-are long). Beside the measured time it prints a roofline estimate: prefill FLOPs / measured
-matmul FLOP/s + for each decode step of an ideal schedule (every request decoding at once),
-max(weight + KV bytes / measured copy bandwidth, FLOPs / matmul FLOP/s); a shared prefix (d) is
+are long). Beside the measured time it prints a roofline estimate (``roofline.py``: prefill
+FLOPs / measured matmul FLOP/s + for each decode step of an ideal schedule, max(bytes / measured
+copy bandwidth, FLOPs / matmul FLOP/s), each layer by its kind); a shared prefix (d) is
 prefilled once and its K/V read once per decode step, as prefix caching and cascade decode do.
 
     python -m benchmarks.peers --json benchmarks/results/h100-peers.json
@@ -48,70 +48,13 @@ import torch
 
 from benchmarks.common import (decode_tile_env, free_gpu, median_run, parse_overrides,
                                print_table, profile_configs, run_engine)
+from benchmarks.roofline import kv_bytes_per_token, roofline_s
 from benchmarks.vllm_peer import run_vllm, same_limits
 from benchmarks.workloads import SPREAD_KEYS, WORKLOADS, Workload
 
 from pagedgen.attention.registry import backend_status
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops
-from pagedgen.runtime.layers.moe import expected_active_experts
 from pagedgen.runtime.models.loader import resolve_model
-
-
-# ---- the roofline estimate ----------------------------------------------------------------------
-
-def roofline_s(hf_config, prompts: list[list[int]], outs: list[int], flops: float,
-               bw: float, shared: int = 0, fp8_flops: float | None = None) -> float:
-    """Lower bound on the workload's time on this GPU (see the module docstring). With
-    ``shared``, every prompt starts with the same ``shared`` tokens, and the ideal reuses them:
-    their prefill runs once, and each decode step reads their K/V once for the whole batch.
-    With ``fp8_flops``, the linear layers' weights are FP8: one byte each, multiplied at that
-    peak (the LM head stays in bf16)."""
-    c = hf_config
-    layers, hidden = c.num_hidden_layers, c.hidden_size
-    head_dim = getattr(c, "head_dim", None) or hidden // c.num_attention_heads
-    q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-    experts, top_k, width = moe_shape(c)
-    attn = hidden * (q_dim + 2 * kv_dim) + q_dim * hidden
-    # matmul weights a token passes through (no embedding, no head): its top-k experts' MLPs
-    linear = layers * (attn + top_k * 3 * hidden * width)
-    head = hidden * c.vocab_size
-    linear_bytes = 1 if fp8_flops else 2
-
-    def weight_bytes(batch: int) -> float:
-        """A decode step's weight bytes: the experts its tokens are expected to choose
-        (uniform routing), the LM head (the embedding: only the batch's rows)."""
-        chosen = expected_active_experts(experts, top_k, batch)
-        return linear_bytes * layers * (attn + chosen * 3 * hidden * width) + 2 * head
-
-    lin_flops = fp8_flops or flops
-    kv_per_token = kv_bytes_per_token(c)
-    # prefill: linear layers + causal attention (each new token over its context), logits for
-    # the last token; the shared prefix once
-    t = 2 * linear * shared / lin_flops + 2 * layers * q_dim * shared * shared / flops
-    for p in prompts:
-        n = len(p) - shared
-        t += 2 * linear * n / lin_flops + (2 * head + 4 * layers * q_dim * n * shared
-                                           + 2 * layers * q_dim * n * n) / flops
-    for step in range(1, max(outs)):  # decode: token `step` of every request still running
-        active = [(len(p) - shared, o) for p, o in zip(prompts, outs) if o > step]
-        kv = (shared + sum(n + step for n, _ in active)) * kv_per_token
-        compute = 2 * len(active) * (linear / lin_flops + head / flops)
-        t += max((weight_bytes(len(active)) + kv) / bw, compute)
-    return t
-
-
-def kv_bytes_per_token(c) -> int:
-    """A token's K and V over every layer, in bf16."""
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2
-
-
-def moe_shape(c) -> tuple[int, int, int]:
-    """(experts, experts per token, expert width) of each MLP; a dense MLP is (1, 1, width)."""
-    if getattr(c, "num_local_experts", 0):
-        width = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
-        return c.num_local_experts, c.num_experts_per_tok, width
-    return 1, 1, c.intermediate_size
 
 
 # ---- Hugging Face transformers ------------------------------------------------------------------

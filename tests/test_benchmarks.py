@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from benchmarks import common, peers, workloads  # the repository's root is on pytest's path
+from benchmarks import common, peers, roofline, workloads  # the root is on pytest's path
 
 
 def test_run_engine_repeats_on_one_engine():
@@ -63,11 +63,11 @@ def test_roofline_estimate_by_hand():
     c, linear = ROOFLINE_CONFIG, ROOFLINE_LINEAR
     flops, bw = 1e3, 1e2
     prefill = (2 * linear * 3 + 2 * 80 + 2 * 2 * 8 * 9) / flops
-    assert peers.roofline_s(c, [[1, 2, 3]], [1], flops, bw) == pytest.approx(prefill)
+    assert roofline.roofline_s(c, [[1, 2, 3]], [1], flops, bw) == pytest.approx(prefill)
     weights = 2 * (linear + 80)
     kv_token = 2 * 2 * 4 * 2
     step = max((weights + 4 * kv_token) / bw, 2 * (linear + 80) / flops)
-    assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+    assert roofline.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
 
 
 def test_roofline_of_a_moe_model_counts_the_experts_a_step_reads():
@@ -82,8 +82,8 @@ def test_roofline_of_a_moe_model_counts_the_experts_a_step_reads():
     prefill = (2 * linear * 3 + 2 * 80 + 2 * 2 * 8 * 9) / flops
     step = max((2 * (2 * (attn + 2 * expert) + 80) + 4 * kv_token) / bw,
                2 * (linear + 80) / flops)
-    assert peers.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
-    two = peers.roofline_s(c, [[1, 2, 3], [4, 5, 6]], [2, 2], flops, bw)
+    assert roofline.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+    two = roofline.roofline_s(c, [[1, 2, 3], [4, 5, 6]], [2, 2], flops, bw)
     step2 = max((2 * (2 * (attn + 3 * expert) + 80) + 8 * kv_token) / bw,
                 2 * 2 * (linear + 80) / flops)
     assert two == pytest.approx(2 * prefill + step2)
@@ -102,9 +102,48 @@ def test_roofline_estimate_with_a_shared_prefix_by_hand():
                + 2 * linear * 2 + 2 * 80 + attn * 2 * 2 + attn * 2 * 2 / 2) / flops  # 2 new
     kv_token = 2 * 2 * 4 * 2
     step = max((2 * (linear + 80) + (2 + 3) * kv_token) / bw, 2 * (linear + 80) / flops)
-    got = peers.roofline_s(c, prompts, outs, flops, bw, shared=2)
+    got = roofline.roofline_s(c, prompts, outs, flops, bw, shared=2)
     assert got == pytest.approx(prefill + step)
-    assert got < peers.roofline_s(c, prompts, outs, flops, bw)  # no reuse costs more
+    assert got < roofline.roofline_s(c, prompts, outs, flops, bw)  # no reuse costs more
+
+
+def test_roofline_of_a_hybrid_model_counts_attention_only_on_its_full_layers():
+    """Two layers, one Gated DeltaNet (2 key heads and 2 value heads of 4, no KV cache) and one
+    full attention (its q_proj also writes the output gate), a shared expert of width 8 beside
+    4 routed experts of width 16 (2 per token)."""
+    c = SimpleNamespace(**vars(ROOFLINE_CONFIG), layer_types=["linear_attention",
+                                                              "full_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=4,
+                        linear_value_head_dim=4, num_local_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=16, shared_expert_intermediate_size=8)
+    flops, bw = 1e3, 1e2
+    attn = 8 * (2 * 8 + 2 * 4) + 8 * 8
+    gdn = 8 * (2 * 8 + 2 * 8 + 2 * 2) + 8 * 8
+    expert, shared = 3 * 8 * 16, 3 * 8 * 8
+    linear = attn + gdn + 2 * (2 * expert + shared)
+    state = 2 * 4 * 4  # value heads x key width x value width
+    # one attention layer's causal pairs (3 tokens: 9 / 2) and 4 FLOPs per state entry a token
+    prefill = (2 * linear * 3 + 2 * 80 + 4 * 8 * 9 / 2 + 4 * state * 3) / flops
+    kv_token = 2 * 1 * 4 * 2  # K and V of one layer's one KV head, bf16
+    step_bytes = 2 * (attn + gdn + 2 * (2 * expert + shared)) + 2 * 80 + 4 * kv_token \
+        + 2 * 2 * state
+    step = max(step_bytes / bw, (2 * (linear + 80) + 4 * state) / flops)
+    assert roofline.roofline_s(c, [[1, 2, 3]], [2], flops, bw) == pytest.approx(prefill + step)
+    assert roofline.kv_bytes_per_token(c) == kv_token
+
+
+def test_roofline_caps_a_sliding_layers_keys_at_its_window():
+    """A 2-token window over 4 causal queries (pairs counted as the full layer's n^2 / 2): 2^2 /
+    2 under the window, then 2 keys each; decode reads 2 tokens' K/V there, all 5 in the full
+    layer."""
+    c = SimpleNamespace(**vars(ROOFLINE_CONFIG), layer_types=["sliding_attention",
+                                                              "full_attention"],
+                        sliding_window=2)
+    m = roofline.Shapes.of(c)
+    assert m.pairs(4, 0) == 4 * 4 / 2 + (2 * 2 / 2 + 2 * 2)
+    assert m.decode_kv_bytes([5]) == 2 * 4 * 2 * (5 + 2)
+    assert roofline.Shapes.of(SimpleNamespace(**{**vars(c), "sliding_window": None})).pairs(
+        4, 0) == 2 * 4 * 4 / 2
 
 
 def test_transformers_peers_run_the_requested_lengths():
@@ -136,8 +175,8 @@ def test_step_weight_bytes_skips_an_untied_embedding_table(tied):
     c = SimpleNamespace(num_hidden_layers=2, hidden_size=8, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=4, intermediate_size=16, vocab_size=10,
                         tie_word_embeddings=tied)
-    assert peers.roofline_s(c, [[1, 2, 3]], [2], 1e3, 1e2) == pytest.approx(
-        peers.roofline_s(SimpleNamespace(**{**vars(c), "tie_word_embeddings": not tied}),
+    assert roofline.roofline_s(c, [[1, 2, 3]], [2], 1e3, 1e2) == pytest.approx(
+        roofline.roofline_s(SimpleNamespace(**{**vars(c), "tie_word_embeddings": not tied}),
                          [[1, 2, 3]], [2], 1e3, 1e2))
 
 

@@ -73,6 +73,8 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
         monkeypatch.delenv(fa4.ENV_DECODE_TILE, raising=False)
     assert fa4.fa4_decode_tile(torch.device("cuda")) == tile
     assert fa4.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
+    # over head size 128 only the asked-for tile (the default was measured up to 128)
+    assert fa4.fa4_decode_tiles(torch.device("cuda")) == (tile, tile if env else None)
     fake_flash_attn.install(monkeypatch, "fa4")
     shown = "x".join(map(str, tile)) if tile else "FA4 own"
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
@@ -90,6 +92,42 @@ def test_fa4_group_tile_default_is_64x128_on_sm90(monkeypatch, cc, env, tile):
     monkeypatch.setenv(fa4.ENV_GROUP_TILE, "64")
     with pytest.raises(PagedgenError, match="PAGEDGEN_FA4_GROUP_TILE=64: expected"):
         fa4.fa4_group_tile(torch.device("cuda"))
+
+
+@pytest.mark.parametrize("cc,page,env,tiles", [
+    ((9, 0), 64, None, (None, (128, 64))), ((9, 0), 128, None, (None, None)),
+    ((10, 0), 64, None, (None, None)), ((9, 0), 64, "fa4", (None, None)),
+    ((9, 0), 16, "128x80", ((128, 80), (128, 80)))])
+def test_fa4_prefill_tile_is_a_page_of_keys_over_head_size_128_on_sm90(monkeypatch, cc, page,
+                                                                        env, tiles):
+    """(up to 128, over 128): the default only where FA4's own tile is not one 64-key page."""
+    _pretend_gpu(monkeypatch, cc)
+    if env:
+        monkeypatch.setenv(fa4.ENV_PREFILL_TILE, env)
+    else:
+        monkeypatch.delenv(fa4.ENV_PREFILL_TILE, raising=False)
+    assert fa4.fa4_prefill_tiles(torch.device("cuda"), page) == tiles
+
+
+def test_fa4_prefill_and_decode_run_each_head_size_with_its_tile():
+    from types import SimpleNamespace
+
+    from pagedgen.attention.backend import LayerSpec
+
+    seen = []
+
+    def fwd(q, k, v, tile_mn=None, **kw):
+        seen.append((q.shape[-1], tile_mn))
+        return q, None, None
+    mod = SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd))
+    prefill, decode, _ = fa4.fa4_calls(mod, False, decode_tiles=((64, 64), None),
+                                       prefill_tiles=((64, 128), (128, 64)))
+    md = SimpleNamespace(query_start_loc=None, max_query_len=1, seq_lens=None, block_tables=None)
+    for d in (64, 128, 256):
+        prefill(torch.zeros(1, 2, d), None, None, md, LayerSpec(2, 1, d, d ** -0.5))
+        decode(torch.zeros(1, 2, d), None, None, md, LayerSpec(2, 1, d, d ** -0.5))
+    assert seen == [(64, (64, 128)), (64, (64, 64)), (128, (64, 128)), (128, (64, 64)),
+                    (256, (128, 64)), (256, None)]
 
 
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])

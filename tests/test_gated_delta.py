@@ -112,9 +112,12 @@ def test_triton_kernels_equal_the_reference(dtype):
 
 
 @INTERPRETED
-def test_the_convolution_of_a_long_step_takes_the_prefill_tile_and_equals_the_reference():
+@pytest.mark.parametrize("taps,bias", [(4, False), (3, True), (5, True)])
+def test_the_convolution_of_a_long_step_takes_the_prefill_tile_and_equals_the_reference(
+        taps, bias):
     """A step past ``CONV_SMALL_STEP`` tokens (the prefill tile): prompts continuing their
-    windows, a fresh one, and decodes, against ``reference.causal_conv``."""
+    windows, a fresh one, and decodes, against ``reference.causal_conv``; the blocks inside a
+    prompt run row by row (up to 4 taps), the rest (and every block of 5 taps) as a block."""
     from pagedgen.attention.recurrent.gated_delta import (CONV_SMALL_STEP, CONV_TILES,
                                                           conv_tile, conv_triton)
 
@@ -126,13 +129,14 @@ def test_the_convolution_of_a_long_step_takes_the_prefill_tile_and_equals_the_re
         [ScheduledSeq(list(range(80)), 9, 1, slot) for slot in (3, 4)])
     assert md.num_tokens > CONV_SMALL_STEP and conv_tile(md.num_tokens) == CONV_TILES[1]
     qkv = torch.randn(md.num_tokens, c, generator=gen)
-    weight = torch.randn(c, 4, generator=gen)
-    conv = torch.randn(6, *SPEC.shapes()[0], generator=gen)  # [slots, K - 1, C]
+    weight = torch.randn(c, taps, generator=gen)
+    b = torch.randn(c, generator=gen) if bias else None
+    conv = torch.randn(6, taps - 1, c, generator=gen)  # [slots, K - 1, C]
     want_conv = conv.clone()
     slots, has, _ = md.recurrent_inputs()
-    want = reference.causal_conv(qkv, weight, None, want_conv, slots.tolist(),
+    want = reference.causal_conv(qkv, weight, b, want_conv, slots.tolist(),
                                  md.query_lens_cpu, has.tolist())
-    got = conv_triton(qkv, weight, None, conv, md)
+    got = conv_triton(qkv, weight, b, conv, md)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(conv, want_conv, atol=0, rtol=0)
 

@@ -22,7 +22,7 @@ from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
 from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.flash_attn.fa2_fa3 import fa2_calls, fa3_calls
 from pagedgen.attention.flash_attn.fa4 import cascade_suffix_kernel, fa4_calls, fa4_decode_tile, \
-    fa4_group_tile
+    fa4_decode_tiles, fa4_group_tile, fa4_prefill_tiles
 from pagedgen.attention.flash_attn.flavours import (FLAVOURS, INSTALL_HINT, Flavour,
                                                     default_page_size, installed,
                                                     select_flavour, version)
@@ -60,11 +60,13 @@ class FlashAttnState(AttentionState):
         self.module = importlib.import_module(self.flavour.module)
         # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
-        calls, self.decode_tile = _CALLS[self.flavour.name], None
+        calls, self.decode_tile, self.prefill_tiles = _CALLS[self.flavour.name], None, None
         if self.flavour.name == "fa4":
-            self.decode_tile = fa4_decode_tile(device)
+            self.decode_tile = fa4_decode_tile(device)  # head sizes up to 128
             self.cascade_suffix = cascade_suffix_kernel()
-            calls = partial(calls, decode_tile=self.decode_tile, suffix=self.cascade_suffix,
+            self.prefill_tiles = fa4_prefill_tiles(device, block_size)
+            calls = partial(calls, decode_tiles=fa4_decode_tiles(device),
+                            prefill_tiles=self.prefill_tiles, suffix=self.cascade_suffix,
                             group_tile=fa4_group_tile(device))
         self.prefill, self.decode, self.cascade = calls(self.module, split_kv)
         # A window would cut into the shared prefix differently per sequence.

@@ -1,5 +1,6 @@
-"""FlashAttention-4's calls (``flash_attn.cute``, CuTe DSL; SM90 and SM100): paged prefill,
-paged decode with the tile chosen for GQA decodes on SM90, and cascade decode (each group's
+"""FlashAttention-4's calls (``flash_attn.cute``, CuTe DSL; SM90 and SM100): paged prefill with
+the tile that loads whole pages by TMA on SM90, paged decode with the tile chosen for GQA
+decodes on SM90, and cascade decode (each group's
 shared pages once, each row's own pages by our Triton decode or FA4's, merged). Kernels compile
 at first use (a few seconds per variant), so the backend's state warms every variant a run can
 need before timing or capture; compiled kernels are kept on disk for the next run."""
@@ -21,14 +22,33 @@ from pagedgen.errors import PagedgenError
 ENV_DECODE_TILE = envs.FA4_DECODE_TILE.name
 ENV_CASCADE_SUFFIX = envs.FA4_CASCADE_SUFFIX.name
 ENV_GROUP_TILE = envs.FA4_GROUP_TILE.name
+ENV_PREFILL_TILE = envs.FA4_PREFILL_TILE.name
 
 
 def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
     """The tile (query rows, keys) FA4's decode kernels run with for head sizes up to 128:
     ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on
     SM90, where FA4's own 128 x 128 holds 2-4 valid query rows of a GQA decode (6.7% longer
-    on (a)'s decode shape, BENCHMARKS.md), and FA4's own elsewhere (None)."""
+    on (a)'s decode shape, BENCHMARKS.md), and FA4's own elsewhere (None). Over 128: the
+    variable's tile where it is set, else FA4's own (``fa4_decode_tiles``)."""
     return _tile(envs.FA4_DECODE_TILE, "64x64", device)
+
+
+def fa4_decode_tiles(device: torch.device
+                     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The decode tiles for head sizes up to 128 and over 128 (``fa4_decode_tile``)."""
+    tile = fa4_decode_tile(device)
+    return tile, (tile if envs.FA4_DECODE_TILE.get() else None)
+
+
+def fa4_prefill_tiles(device: torch.device, page_size: int
+                      ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """The tiles FA4's paged prefill runs with, for head sizes up to 128 and over 128:
+    ``$PAGEDGEN_FA4_PREFILL_TILE`` for both, else on SM90 with 64-token pages 128 x 64 over 128
+    and FA4's own (None) up to it. FA4 loads K/V by TMA only where a tile's keys are one page;
+    its own tile over 128 (128 x 80 at head size 256) gathers pages by cp.async instead."""
+    tile = _tile(envs.FA4_PREFILL_TILE, "128x64" if page_size == 64 else "fa4", device)
+    return (tile if envs.FA4_PREFILL_TILE.get() else None), tile
 
 
 def fa4_group_tile(device: torch.device) -> tuple[int, int] | None:
@@ -55,23 +75,21 @@ def _tile(env: envs.EnvVar, sm90_default: str, device: torch.device
     return m, n
 
 
-def fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
-               suffix: str = "triton", group_tile: tuple[int, int] | None = None
-               ) -> tuple[Callable, Callable, Callable]:
-    # the function behind flash_attn_varlen_func (its autograd wrapper costs host time)
-    fn = _fa4_with_tile(mod, None)
+Tiles = tuple[tuple[int, int] | None, tuple[int, int] | None]  # head sizes <= 128, > 128
+
+
+def fa4_calls(mod, split_kv: bool, decode_tiles: Tiles = (None, None), suffix: str = "triton",
+              group_tile: tuple[int, int] | None = None, prefill_tiles: Tiles = (None, None)
+              ) -> tuple[Callable, Callable, Callable]:
     fwd = mod.interface._flash_attn_fwd  # takes ``out`` and ``lse`` to write into
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
-    tiled = fn if decode_tile is None else _fa4_with_tile(mod, decode_tile)
-
-    def dec(q, *args, **kw):  # the tile is for head sizes up to 128 (FA4's own beyond)
-        return (tiled if q.shape[-1] <= 128 else fn)(q, *args, **kw)
+    pre, dec = (_by_head_size(mod, tiles) for tiles in (prefill_tiles, decode_tiles))
 
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec, out=None
                 ) -> torch.Tensor:
-        return fn(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
-                  max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
-                  page_table=md.block_tables, out=out, **common(spec, (None, None)))[0]
+        return pre(q, k_cache, v_cache, cu_seqlens_q=md.query_start_loc,
+                   max_seqlen_q=md.max_query_len, seqused_k=md.seq_lens,
+                   page_table=md.block_tables, out=out, **common(spec, (None, None)))[0]
 
     def decode(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec, out=None
                ) -> torch.Tensor:
@@ -118,6 +136,12 @@ def cascade_suffix_kernel() -> str:
     if want not in ("triton", "fa4"):
         raise PagedgenError(f"{ENV_CASCADE_SUFFIX}={want}: expected 'triton' or 'fa4'")
     return want
+
+
+def _by_head_size(mod, tiles: Tiles) -> Callable:
+    """FA4's forward with the tile of the query's head size."""
+    narrow, wide = (_fa4_with_tile(mod, t) for t in tiles)
+    return lambda q, *args, **kw: (wide if q.shape[-1] > 128 else narrow)(q, *args, **kw)
 
 
 def _fa4_with_tile(mod, tile: tuple[int, int] | None) -> Callable:

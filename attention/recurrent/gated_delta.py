@@ -29,7 +29,7 @@ KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, thei
 DECODE_LAUNCH = (32, 1)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 # conv_kernel's (tokens, channels) a program: for steps of up to CONV_SMALL_STEP tokens (decodes)
 # and for longer ones (prefill chunks); benchmarks/gdn_kernels.py --conv
-CONV_TILES = ((4, 512), (32, 128))
+CONV_TILES = ((4, 512), (16, 256))
 CONV_SMALL_STEP = 1024
 
 

@@ -4,7 +4,8 @@
   one program per (token block, channel block); taps before a sequence's first new token read its
   conv state (rows [K - 1, C]: read and written along the channels), or zeros for a sequence
   without one. A sequence of one new token (every decode)
-  has its new window written there too: its program is the only one reading that slot.
+  has its new window written there too: its program is the only one reading that slot. A block
+  inside one sequence's inputs (most of a prefill's) runs row by row, reading each input once.
 * ``conv_state_kernel``: then each longer sequence's conv state becomes its last ``K - 1``
   inputs (one program per (prefill, channel block): every read before the barrier, then the
   writes).
@@ -45,6 +46,66 @@ def conv_kernel(X, stride_x, W, Bias, Conv, Slots, HasState, TokenSeq, QSL, Y, s
     tm, cm = t < T, c < C
     s = tl.load(TokenSeq + t, mask=tm, other=0)
     start = tl.load(QSL + s, mask=tm, other=0)
+    # a block whose every tap is an input of its own sequence (no window, no sequence start
+    # inside): row by row, each input read once and kept for the next K - 1 rows
+    need = K - 1
+    if K > 4:  # more taps than registers held: the block path alone
+        need = 1 << 30
+    if tl.min(tl.where(tm, t - start, need), 0) >= need:
+        _conv_inside(X, stride_x, W, Bias, Y, stride_y, C, T, tl.program_id(0) * BT, c, cm, K,
+                     HAS_BIAS, BT)
+    else:
+        _conv_block(X, stride_x, W, Bias, Conv, Slots, HasState, QSL, Y, stride_y, C, t, c, tm,
+                    cm, s, start, K, HAS_BIAS, BT, BC)
+
+
+@triton.jit
+def _conv_inside(X, stride_x, W, Bias, Y, stride_y, C, T, t0, c, cm, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BT: tl.constexpr):
+    """``conv_kernel``'s rows t0 .. t0 + BT - 1 with every tap inside their sequence (K <= 4):
+    the inputs K - 1 .. 1 rows back held in registers (weights 0 past K)."""
+    x_row = X + t0.to(tl.int64) * stride_x + c
+    w = W + c * K
+    # w_j: the weight of the input j rows back; x_j: that input (for the first row)
+    w0 = tl.load(w + K - 1, mask=cm, other=0.0).to(tl.float32)
+    w1, w2, w3 = tl.zeros_like(w0), tl.zeros_like(w0), tl.zeros_like(w0)
+    x1, x2, x3 = tl.zeros_like(w0), tl.zeros_like(w0), tl.zeros_like(w0)
+    if K >= 2:
+        w1 = tl.load(w + K - 2, mask=cm, other=0.0).to(tl.float32)
+        x1 = tl.load(x_row - stride_x, mask=cm, other=0.0).to(tl.float32)
+    if K >= 3:
+        w2 = tl.load(w + K - 3, mask=cm, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row - 2 * stride_x, mask=cm, other=0.0).to(tl.float32)
+    if K >= 4:
+        w3 = tl.load(w + K - 4, mask=cm, other=0.0).to(tl.float32)
+        x3 = tl.load(x_row - 3 * stride_x, mask=cm, other=0.0).to(tl.float32)
+    bias = tl.zeros_like(w0)
+    if HAS_BIAS:
+        bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32)
+    y_row = Y + t0.to(tl.int64) * stride_y + c
+    for i in tl.static_range(BT):
+        m = cm & (c * 0 + t0 + i < T)  # the row as a vector (a scalar mask: not in every Triton)
+        x0 = tl.load(x_row + i * stride_x, mask=m, other=0.0).to(tl.float32)
+        acc = tl.zeros_like(w0)  # the oldest tap first, as ``_conv_block`` sums them
+        if K >= 4:
+            acc += x3 * w3
+        if K >= 3:
+            acc += x2 * w2
+        if K >= 2:
+            acc += x1 * w1
+        acc += x0 * w0
+        if HAS_BIAS:
+            acc += bias
+        tl.store(y_row + i * stride_y, (acc / (1.0 + tl.exp(-acc))).to(Y.dtype.element_ty),
+                 mask=m)
+        x3, x2, x1 = x2, x1, x0
+
+
+@triton.jit
+def _conv_block(X, stride_x, W, Bias, Conv, Slots, HasState, QSL, Y, stride_y, C, t, c, tm, cm,
+                s, start, K: tl.constexpr, HAS_BIAS: tl.constexpr, BT: tl.constexpr,
+                BC: tl.constexpr):
+    """``conv_kernel``'s block of any rows: each tap a load of the block's rows, shifted."""
     single = (tl.load(QSL + s + 1, mask=tm, other=0) - start) == 1
     slot = tl.load(Slots + s, mask=tm, other=0).to(tl.int64)
     has = tl.load(HasState + s, mask=tm, other=0) != 0
