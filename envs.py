@@ -22,10 +22,8 @@ class EnvVar:
 
 FLASH_ATTN = EnvVar("PAGEDGEN_FLASH_ATTN", "fa4, else fa3, else fa2 (what is installed)",
                     "fa4, fa3 or fa2: the flash-attn backend's flavour")
-FA4_DECODE_TILE = EnvVar("PAGEDGEN_FA4_DECODE_TILE",
-                         "64x64 for head sizes up to 128 on SM90, FA4's own elsewhere",
-                         "FA4's decode tile for every head size, ROWSxKEYS (64x128), or fa4 "
-                         "for FA4's own")
+FA4_DECODE_TILE = EnvVar("PAGEDGEN_FA4_DECODE_TILE", "64x64 on SM90, FA4's own elsewhere",
+                         "FA4's decode tile, ROWSxKEYS (64x128), or fa4 for FA4's own")
 FA4_PREFILL_TILE = EnvVar("PAGEDGEN_FA4_PREFILL_TILE",
                           "128x64 for head sizes over 128 on SM90 with 64-token pages, FA4's own "
                           "elsewhere",

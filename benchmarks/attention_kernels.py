@@ -37,7 +37,6 @@ import torch
 from benchmarks.common import env_set
 
 from pagedgen.attention.backend import LayerSpec
-from pagedgen.attention.flash_attn.fa4 import fa4_decode_tiles
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.registry import get_backend
 
@@ -98,7 +97,7 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
            "context": ctx[0] if ctx[0] == ctx[1] else f"{ctx[0]}-{ctx[1]}", "page": page,
            "heads": f"{HQ}/{HKV}", "head_dim": D, "cuda_graph": graphed, "ms": s * 1000}
     if getattr(state, "prefill_tiles", None) is not None:  # FA4: the tile this kind ran with
-        tile = (state.prefill_tiles if kind == "prefill" else fa4_decode_tiles(dev))[D > 128]
+        tile = state.prefill_tiles[D > 128] if kind == "prefill" else state.decode_tile
         res[f"fa4_{kind}_tile"] = "x".join(map(str, tile)) if tile else "fa4"
     if kind == "decode":
         res["GB_s"] = sum(ctxs) * HKV * D * 2 * 2 / s / 1e9

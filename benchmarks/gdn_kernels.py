@@ -179,7 +179,7 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (16, 512), (32, 6
         floor_us = nbytes / bw * 1e6
         whole = 1000 * _replay_ms(lambda: gated_delta.conv_triton(qkv, weight, None, conv, md))
         print(json.dumps({"step": name, "conv_triton_us": round(whole, 1),
-                          "floor_us": round(floor_us, 1), "tile": gated_delta.conv_tile(t)}),
+                          "floor_us": round(floor_us, 1), "tile": gated_delta.CONV_TILE}),
               flush=True)
         for bt, bc in tiles:
             for w in warps:
@@ -192,7 +192,7 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (16, 512), (32, 6
                 row = {"step": name, "tokens": bt, "channels": bc, "warps": w,
                        "conv_kernel_us": round(us, 1), "floor_us": round(floor_us, 1),
                        "conv_triton_us": round(whole, 1),
-                       "used": (bt, bc) == gated_delta.conv_tile(t) and w == 4}
+                       "used": (bt, bc, w) == (*gated_delta.CONV_TILE, gated_delta.CONV_WARPS)}
                 out_rows.append(row)
                 print(json.dumps(row), flush=True)
     return out_rows

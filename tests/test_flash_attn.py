@@ -73,8 +73,6 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
         monkeypatch.delenv(fa4.ENV_DECODE_TILE, raising=False)
     assert fa4.fa4_decode_tile(torch.device("cuda")) == tile
     assert fa4.fa4_decode_tile(torch.device("cpu")) == (tile if env else None)
-    # over head size 128 only the asked-for tile (the default was measured up to 128)
-    assert fa4.fa4_decode_tiles(torch.device("cuda")) == (tile, tile if env else None)
     fake_flash_attn.install(monkeypatch, "fa4")
     shown = "x".join(map(str, tile)) if tile else "FA4 own"
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
@@ -120,14 +118,14 @@ def test_fa4_prefill_and_decode_run_each_head_size_with_its_tile():
         seen.append((q.shape[-1], tile_mn))
         return q, None, None
     mod = SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd))
-    prefill, decode, _ = fa4.fa4_calls(mod, False, decode_tiles=((64, 64), None),
+    prefill, decode, _ = fa4.fa4_calls(mod, False, decode_tile=(64, 64),
                                        prefill_tiles=((64, 128), (128, 64)))
     md = SimpleNamespace(query_start_loc=None, max_query_len=1, seq_lens=None, block_tables=None)
     for d in (64, 128, 256):
         prefill(torch.zeros(1, 2, d), None, None, md, LayerSpec(2, 1, d, d ** -0.5))
         decode(torch.zeros(1, 2, d), None, None, md, LayerSpec(2, 1, d, d ** -0.5))
     assert seen == [(64, (64, 128)), (64, (64, 64)), (128, (64, 128)), (128, (64, 64)),
-                    (256, (128, 64)), (256, None)]
+                    (256, (128, 64)), (256, (64, 64))]
 
 
 @pytest.mark.parametrize("value", ["64", "65x128", "0x128", "big"])

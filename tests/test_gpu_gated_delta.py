@@ -14,8 +14,8 @@ from test_gated_delta import SPEC, STEPS, _steps
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 CUDA = torch.device("cuda")
-# long prompts over many 64-token chunks, beside decodes, from states and from zero (a step
-# past CONV_SMALL_STEP tokens: the convolution's prefill tile)
+# long prompts over many 64-token chunks, beside decodes, from states and from zero (the
+# convolution's blocks inside a prompt and across its start)
 LONG = STEPS + [([(4, 0, 900), (0, 12, 300)], [(1, 5), (2, 3)])]
 
 

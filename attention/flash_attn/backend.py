@@ -22,7 +22,7 @@ from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
 from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.flash_attn.fa2_fa3 import fa2_calls, fa3_calls
 from pagedgen.attention.flash_attn.fa4 import cascade_suffix_kernel, fa4_calls, fa4_decode_tile, \
-    fa4_decode_tiles, fa4_group_tile, fa4_prefill_tiles
+    fa4_group_tile, fa4_prefill_tiles
 from pagedgen.attention.flash_attn.flavours import (FLAVOURS, INSTALL_HINT, Flavour,
                                                     default_page_size, installed,
                                                     select_flavour, version)
@@ -62,10 +62,10 @@ class FlashAttnState(AttentionState):
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
         calls, self.decode_tile, self.prefill_tiles = _CALLS[self.flavour.name], None, None
         if self.flavour.name == "fa4":
-            self.decode_tile = fa4_decode_tile(device)  # head sizes up to 128
+            self.decode_tile = fa4_decode_tile(device)
             self.cascade_suffix = cascade_suffix_kernel()
             self.prefill_tiles = fa4_prefill_tiles(device, block_size)
-            calls = partial(calls, decode_tiles=fa4_decode_tiles(device),
+            calls = partial(calls, decode_tile=self.decode_tile,
                             prefill_tiles=self.prefill_tiles, suffix=self.cascade_suffix,
                             group_tile=fa4_group_tile(device))
         self.prefill, self.decode, self.cascade = calls(self.module, split_kv)

@@ -1,7 +1,7 @@
-"""FlashAttention-4's calls (``flash_attn.cute``, CuTe DSL; SM90 and SM100): paged prefill with
-the tile that loads whole pages by TMA on SM90, paged decode with the tile chosen for GQA
-decodes on SM90, and cascade decode (each group's
-shared pages once, each row's own pages by our Triton decode or FA4's, merged). Kernels compile
+"""FlashAttention-4's calls (``flash_attn.cute``, CuTe DSL; SM90 and SM100): paged prefill
+(over head size 128 on SM90 with the tile that loads whole pages by TMA), paged decode with the
+tile chosen for GQA decodes on SM90, and cascade decode (each group's shared pages once, each
+row's own pages by our Triton decode or FA4's, merged). Kernels compile
 at first use (a few seconds per variant), so the backend's state warms every variant a run can
 need before timing or capture; compiled kernels are kept on disk for the next run."""
 
@@ -26,27 +26,23 @@ ENV_PREFILL_TILE = envs.FA4_PREFILL_TILE.name
 
 
 def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
-    """The tile (query rows, keys) FA4's decode kernels run with for head sizes up to 128:
-    ``$PAGEDGEN_FA4_DECODE_TILE`` ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on
-    SM90, where FA4's own 128 x 128 holds 2-4 valid query rows of a GQA decode (6.7% longer
-    on (a)'s decode shape, BENCHMARKS.md), and FA4's own elsewhere (None). Over 128: the
-    variable's tile where it is set, else FA4's own (``fa4_decode_tiles``)."""
+    """The tile (query rows, keys) FA4's decode kernels run with: ``$PAGEDGEN_FA4_DECODE_TILE``
+    ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on SM90, and FA4's own elsewhere
+    (None). FA4's own on SM90 (128 x 128 up to head size 128, 128 x 80 at 256) holds a few
+    valid query rows of a GQA decode and, at 256, gathers pages by cp.async: 6.7% longer on
+    (a)'s decode shape, 58% on k's (BENCHMARKS.md)."""
     return _tile(envs.FA4_DECODE_TILE, "64x64", device)
 
 
-def fa4_decode_tiles(device: torch.device
-                     ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    """The decode tiles for head sizes up to 128 and over 128 (``fa4_decode_tile``)."""
-    tile = fa4_decode_tile(device)
-    return tile, (tile if envs.FA4_DECODE_TILE.get() else None)
+Tiles = tuple[tuple[int, int] | None, tuple[int, int] | None]  # head sizes <= 128, > 128
 
 
-def fa4_prefill_tiles(device: torch.device, page_size: int
-                      ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+def fa4_prefill_tiles(device: torch.device, page_size: int) -> Tiles:
     """The tiles FA4's paged prefill runs with, for head sizes up to 128 and over 128:
     ``$PAGEDGEN_FA4_PREFILL_TILE`` for both, else on SM90 with 64-token pages 128 x 64 over 128
     and FA4's own (None) up to it. FA4 loads K/V by TMA only where a tile's keys are one page;
-    its own tile over 128 (128 x 80 at head size 256) gathers pages by cp.async instead."""
+    its own tile over 128 (128 x 80 at head size 256) gathers pages by cp.async instead, 11%
+    slower on k's prefill chunks (2% at head size 128: not changed; BENCHMARKS.md)."""
     tile = _tile(envs.FA4_PREFILL_TILE, "128x64" if page_size == 64 else "fa4", device)
     return (tile if envs.FA4_PREFILL_TILE.get() else None), tile
 
@@ -75,15 +71,13 @@ def _tile(env: envs.EnvVar, sm90_default: str, device: torch.device
     return m, n
 
 
-Tiles = tuple[tuple[int, int] | None, tuple[int, int] | None]  # head sizes <= 128, > 128
-
-
-def fa4_calls(mod, split_kv: bool, decode_tiles: Tiles = (None, None), suffix: str = "triton",
-              group_tile: tuple[int, int] | None = None, prefill_tiles: Tiles = (None, None)
-              ) -> tuple[Callable, Callable, Callable]:
+def fa4_calls(mod, split_kv: bool, decode_tile: tuple[int, int] | None = None,
+              suffix: str = "triton", group_tile: tuple[int, int] | None = None,
+              prefill_tiles: Tiles = (None, None)) -> tuple[Callable, Callable, Callable]:
     fwd = mod.interface._flash_attn_fwd  # takes ``out`` and ``lse`` to write into
     num_splits = 0 if split_kv else 1  # 0: FA4's heuristic; SM90 has no split-KV kernel
-    pre, dec = (_by_head_size(mod, tiles) for tiles in (prefill_tiles, decode_tiles))
+    pre = _by_head_size(mod, prefill_tiles)
+    dec = _fa4_with_tile(mod, decode_tile)
 
     def prefill(q, k_cache, v_cache, md: AttentionMetadata, spec: LayerSpec, out=None
                 ) -> torch.Tensor:

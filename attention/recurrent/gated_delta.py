@@ -27,15 +27,11 @@ HAVE_FLA = importlib.util.find_spec("fla") is not None
 HAVE_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, their prefill
 DECODE_LAUNCH = (32, 1)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
-# conv_kernel's (tokens, channels) a program: for steps of up to CONV_SMALL_STEP tokens (decodes)
-# and for longer ones (prefill chunks); benchmarks/gdn_kernels.py --conv
-CONV_TILES = ((4, 512), (16, 256))
-CONV_SMALL_STEP = 1024
-
-
-def conv_tile(tokens: int) -> tuple[int, int]:
-    """conv_kernel's (tokens, channels) a program for a step of ``tokens``."""
-    return CONV_TILES[tokens > CONV_SMALL_STEP]
+# conv_kernel's (tokens, channels) a program and its warps, for every step: the fastest measured
+# at a decode step of 256 sequences and at a 16,384-token prefill chunk (benchmarks/gdn_kernels.py
+# --conv; BENCHMARKS.md)
+CONV_TILE = (4, 512)
+CONV_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -178,12 +174,12 @@ def conv_triton(qkv: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     t, c = qkv.shape
     taps = weight.shape[1]
     out = torch.empty(t, c, dtype=qkv.dtype, device=qkv.device)
-    tokens, block = conv_tile(t)
+    tokens, block = CONV_TILE
     if t:
         tk.conv_kernel[(-(-t // tokens), -(-c // block))](
             qkv, qkv.stride(0), weight, bias if bias is not None else weight, conv, slots, has,
             token_seq, md.query_start_loc, out, out.stride(0), c, t, K=taps,
-            HAS_BIAS=bias is not None, BT=tokens, BC=block)
+            HAS_BIAS=bias is not None, BT=tokens, BC=block, num_warps=CONV_WARPS)
     if md.num_prefills:  # decodes follow the prefills: their windows are written above
         kp = max(2, 1 << (taps - 2).bit_length())
         tk.conv_state_kernel[(md.num_prefills, -(-c // 64))](
