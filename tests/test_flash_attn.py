@@ -76,6 +76,9 @@ def test_fa4_decode_tile_default_is_64x64_on_sm90(monkeypatch, cc, env, tile):
     fake_flash_attn.install(monkeypatch, "fa4")
     shown = "x".join(map(str, tile)) if tile else "FA4 own"
     assert f"decode tile {shown}" in FlashAttnBackend.describe(torch.device("cuda"))
+    prefill = "128x64" if cc[0] == 9 else "FA4 own"  # SM90's pages: 64 tokens
+    assert f"prefill tile over head size 128 {prefill}" in FlashAttnBackend.describe(
+        torch.device("cuda"))
 
 
 @pytest.mark.parametrize("cc,env,tile", [((9, 0), None, (64, 128)), ((10, 0), None, None),
@@ -105,6 +108,10 @@ def test_fa4_prefill_tile_is_a_page_of_keys_over_head_size_128_on_sm90(monkeypat
     else:
         monkeypatch.delenv(fa4.ENV_PREFILL_TILE, raising=False)
     assert fa4.fa4_prefill_tiles(torch.device("cuda"), page) == tiles
+    monkeypatch.setenv(fa4.ENV_PREFILL_TILE, "128")  # `pagedgen backends` shows the error
+    fake_flash_attn.install(monkeypatch, "fa4")
+    assert "PAGEDGEN_FA4_PREFILL_TILE=128: expected" in FlashAttnBackend.describe(
+        torch.device("cuda"))
 
 
 def test_fa4_prefill_and_decode_run_each_head_size_with_its_tile():

@@ -241,12 +241,12 @@ class FlashAttnBackend(AttentionBackend):
     @classmethod
     def describe(cls, device: torch.device) -> str:
         f, notes = select_flavour(device)
-        tile = ""
+        tile, page = "", default_page_size(f, device)
         if f.name == "fa4":
+            shown = lambda t: "x".join(map(str, t)) if t else "FA4 own"  # noqa: E731
             try:
-                t = fa4_decode_tile(device)
-                tile = f", decode tile {'x'.join(map(str, t)) if t else 'FA4 own'}"
+                tile = (f", decode tile {shown(fa4_decode_tile(device))}, prefill tile over head "
+                        f"size 128 {shown(fa4_prefill_tiles(device, page)[1])}")
             except PagedgenError as e:
                 tile = f", {e}"
-        return (f"runs {f.name} {version(f)}, page size {default_page_size(f, device)}{tile} "
-                f"({notes})")
+        return f"runs {f.name} {version(f)}, page size {page}{tile} ({notes})"
