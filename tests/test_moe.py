@@ -534,7 +534,7 @@ def test_a_plan_times_the_tma_twin_of_each_gemms_winner_only(monkeypatch, has_tm
         return (1 + order.index(replace(tiles, tma=False)) / 100) * (0.75 if tiles.tma else 1)
 
     monkeypatch.setattr(mk, "grouped_gemm", gemm)
-    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(moe_align, "align", lambda ids, experts, block_m: (None, None))
     monkeypatch.setattr(kernel_plans, "graph_time", graph_time)
     monkeypatch.setattr(moe_plan, "hopper_or_later", lambda device: has_tma)
     w13, w2 = torch.zeros(8, 64, 32), torch.zeros(8, 32, 32)

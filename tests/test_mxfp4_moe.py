@@ -123,7 +123,7 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
         return (1 + order.index(tiles) / 100) / (2 if dot else 1)
 
     monkeypatch.setattr(mk, "grouped_gemm", gemm)
-    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(moe_align, "align", lambda ids, experts, block_m: (None, None))
     monkeypatch.setattr(kernel_plans, "graph_time", graph_time)
     w13, w2 = (torch.zeros(8, rows, cols, dtype=torch.uint8) for rows, cols in ((64, 32),
                                                                                  (64, 16)))
@@ -157,7 +157,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
     monkeypatch.setattr(mk, "grouped_gemm", gemm)
     monkeypatch.setattr(moe_plan, "bias_and_act", lambda gu, act, b, e: acts.append(
         (gu.shape[1], act, b)))
-    monkeypatch.setattr(mk, "align", lambda ids, experts, block_m: (None, None))
+    monkeypatch.setattr(moe_align, "align", lambda ids, experts, block_m: (None, None))
     monkeypatch.setattr(kernel_plans, "graph_time", lambda fn: (fn(), 1e-6)[1])
     monkeypatch.setattr(moe_plan, "TOKEN_BUCKETS", (1, 64))
     w13, w2 = (torch.zeros(8, rows, cols, dtype=torch.uint8) for rows, cols in ((64, 32),
