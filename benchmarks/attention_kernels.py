@@ -37,6 +37,7 @@ import torch
 from benchmarks.common import env_set
 
 from pagedgen.attention.backend import LayerSpec
+from pagedgen.attention.flash_attn.fa4 import ENV_DECODE_TILE, ENV_PREFILL_TILE
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.registry import get_backend
 
@@ -130,12 +131,13 @@ def main() -> None:
         lo, _, hi = ctx.partition("-")
         shapes.append((kind, int(batch), (int(lo), int(hi or lo))))
     rows = []
-    fa4 = {"decode": args.fa4_decode_tiles, "prefill": args.fa4_prefill_tiles}
+    fa4 = {"decode": (args.fa4_decode_tiles, ENV_DECODE_TILE),
+           "prefill": (args.fa4_prefill_tiles, ENV_PREFILL_TILE)}
     for name in args.backends.split(","):
-        variants = [(kind, t) for kind, ts in fa4.items() for t in ts.split(",") if t
+        variants = [(kind, t) for kind, (ts, _) in fa4.items() for t in ts.split(",") if t
                     ] if name == "flash-attn" else []
         for tiled, tile in variants or [(None, None)]:
-            env = f"PAGEDGEN_FA4_{tiled.upper()}_TILE" if tiled else ""
+            env = fa4[tiled][1] if tiled else ""
             for page in map(int, args.page_sizes.split(",")):
                 for (kind, batch, ctx), (hq, hkv) in itertools.product(shapes, heads):
                     if tiled and kind != tiled:
