@@ -9,8 +9,9 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 (``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
 (``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
-``--align``: the slot sort alone (``moe_align``) at decode and small-prefill slot counts
-of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128, Mixtral's 8), for each warp count.
+``--align``: the slot sort alone (``moe_align``: each way, and ``align``'s choice) at decode
+to long-prefill slot counts of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128,
+Mixtral's 8), for each warp count.
 ``--tma``: each GEMM at prefill counts in every plan candidate that loads its weights by
 pointers and in its TMA twin (bf16 and FP8 weights), in TFLOP/s.
 
@@ -179,12 +180,14 @@ def vllm_times() -> dict | str:
         return json.loads(out.read_text())
 
 
-def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16), (256, 8, 512, 16),
-                       (256, 8, 2048, 64), (256, 8, 4096, 64), (128, 8, 256, 16),
-                       (8, 2, 256, 16)),
-               warps=(4, 8, 16)) -> list[dict]:
-    """The slot sort (us a call, replayed in a CUDA graph): torch's ops and the Triton
-    program per expert (``by_expert_w{warps}``)."""
+def align_rows(cases=((256, 8, 1, 16), (256, 8, 64, 16), (256, 8, 256, 16), (256, 8, 512, 16),
+                       (256, 8, 1024, 64), (256, 8, 2048, 64), (256, 8, 4096, 64),
+                       (256, 8, 8192, 128), (256, 8, 16384, 128), (128, 8, 256, 16),
+                       (128, 8, 16384, 128), (8, 2, 256, 16), (8, 2, 8192, 128)),
+               warps=(4, 8)) -> list[dict]:
+    """The slot sort (us a call, replayed in a CUDA graph): torch's ops, the Triton program
+    per expert (``by_expert_w{warps}``; to 32,768 slots: each program reads every slot) and
+    the chunked one (``by_chunks_w{warps}``), and ``align``'s choice."""
     from pagedgen.runtime.layers import moe_align, moe_route
 
     rows = []
@@ -193,10 +196,16 @@ def align_rows(cases=((256, 8, 256, 16), (256, 8, 64, 16), (256, 8, 1, 16), (256
         _, ids = moe_route.route(logits, k, True)
         row = {"experts": e, "top_k": k, "tokens": t, "block_m": block_m,
                "torch_us": round(1000 * _replay_ms(
-                   lambda: moe_align.align_reference(ids, e, block_m), calls=20), 2)}
+                   lambda: moe_align.align_reference(ids, e, block_m), calls=20), 2),
+               "align_us": round(1000 * _replay_ms(
+                   lambda: moe_align.align(ids, e, block_m), calls=20), 2)}
         for w in warps:
-            row[f"by_expert_w{w}_us"] = round(1000 * _replay_ms(
-                lambda: moe_align.align_by_expert(ids, e, block_m, num_warps=w), calls=20), 2)
+            if t * k <= 32768:
+                row[f"by_expert_w{w}_us"] = round(1000 * _replay_ms(
+                    lambda: moe_align.align_by_expert(ids, e, block_m, num_warps=w),
+                    calls=20), 2)
+            row[f"by_chunks_w{w}_us"] = round(1000 * _replay_ms(
+                lambda: moe_align.align_by_chunks(ids, e, block_m, num_warps=w), calls=20), 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

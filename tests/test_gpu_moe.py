@@ -109,26 +109,33 @@ def test_one_variant_of_each_moe_kernel_serves_every_token_count():
 
     tiles = mk.Tiles(32, 32, 32, 2, 2, 2)  # a launch shape no other test takes
     jit_monitor.install()
-    for t in (64, 37, 50, 333):  # slot counts divisible by 16 and not
+    # slot counts divisible by 16 and not, by each way of the sort (by expert, by chunks)
+    for t in (64, 2500, 37, 50, 333, 3001):
         x, w13, w2, weights, ids = _layer(24, 4, 256, 128, t, seed=t)
         mk.fused_experts(x, w13, w2, weights, ids, (tiles, tiles))
-        if t == 64:
+        if t == 2500:
             first = jit_monitor.MONITOR.mark()
     made = [(c.kernel, c.variant) for c in jit_monitor.MONITOR.compiles[first:]]
-    assert not [m for m in made if m[0] in ("_align_kernel", "_grouped_gemm_kernel")], made
+    assert not [m for m in made if m[0] in ("_align_kernel", "_grouped_gemm_kernel")
+                or m[0].startswith("_chunk_")], made
 
 
+@pytest.mark.parametrize("way", ["align_by_expert", "align_by_chunks"])
 @pytest.mark.parametrize("t,e,k,block_m", [(1, 256, 8, 16), (256, 256, 8, 16),
                                            (300, 128, 8, 32), (512, 8, 2, 64),
-                                           (4096, 256, 8, 64)])
-def test_the_slot_sort_by_expert_equals_torchs_in_slot_order(t, e, k, block_m):
-    """Decode-sized sorts on the GPU: a program per expert lays out exactly torch's sort
-    (each run in slot order)."""
+                                           (4096, 256, 8, 64), (16384, 256, 8, 128),
+                                           (40000, 128, 8, 64)])
+def test_the_slot_sort_by_expert_equals_torchs_in_slot_order(t, e, k, block_m, way):
+    """Sorts on the GPU, decode-sized to a long prefill chunk's: a program per expert, and
+    the chunked way (past 256 chunks too), lay out exactly torch's sort (each run in slot
+    order)."""
     from pagedgen.runtime.layers import moe_align, moe_route
 
+    if way == "align_by_expert" and t * k > 32768:
+        pytest.skip("every program of the sort by expert reads every slot: not used so large")
     _, ids = moe_route.route(torch.randn(t, e, device="cuda"), k, True)
     want, want_blocks = moe_align.align_reference(ids, e, block_m)
-    got, blocks = moe_align.align_by_expert(ids, e, block_m)
+    got, blocks = getattr(moe_align, way)(ids, e, block_m)
     assert torch.equal(blocks, want_blocks) and torch.equal(got, want)
 
 

@@ -4,6 +4,7 @@ transformers (fp32), their checkpoint forms, -tp 2, presets and bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -42,8 +43,12 @@ def _experts(t: int, e: int, k: int, h: int, i: int, dtype=torch.float32, seed: 
     return x, w13, w2, weights, chosen
 
 
-ALIGNS = [moe_align.align_reference, pytest.param(getattr(moe_align, "align_by_expert", None),
-                                                  marks=INTERPRETED_ONLY, id="triton")]
+ALIGNS = [moe_align.align_reference,
+          pytest.param(getattr(moe_align, "align_by_expert", None), marks=INTERPRETED_ONLY,
+                       id="triton"),
+          # two chunks' share at a time: the per-expert loop over chunks carries its count
+          pytest.param(functools.partial(moe_align.align_by_chunks, chunk_step=2),
+                       marks=INTERPRETED_ONLY, id="triton-chunks")]
 
 
 @pytest.mark.parametrize("align", ALIGNS)
@@ -52,12 +57,15 @@ ALIGNS = [moe_align.align_reference, pytest.param(getattr(moe_align, "align_by_e
     (3, 32, 2, 64, 96, 16),    # most experts get no token
     (37, 8, 3, 40, 24, 32),    # full and partial blocks; N and K not multiples of the tiles
     (20, 16, 16, 32, 48, 16),  # every token to every expert
-    (300, 128, 8, 8, 8, 64),   # more slots than one chunk of the Triton program
+    (300, 128, 8, 8, 8, 64),   # more slots than one chunk of either Triton way
 ])
 def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, block_m, align):
     _, _, _, _, chosen = _experts(t, e, k, h, i)
     slots, block_experts = align(chosen, e, block_m)
     n = t * k
+    if align is not moe_align.align_reference:  # torch's stable sort: each run in slot order
+        want, want_blocks = moe_align.align_reference(chosen, e, block_m)
+        assert torch.equal(slots, want) and torch.equal(block_experts, want_blocks)
     assert block_experts.numel() == moe_align.max_blocks(n, e, block_m)
     real = slots[slots < n]
     assert sorted(real.tolist()) == list(range(n))
@@ -116,16 +124,19 @@ ROUTES = [moe_route.route_reference, pytest.param(getattr(moe_route, "route_trit
 def test_router_equals_transformers(route, experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     import transformers as tf
-    x = torch.randn(9, 32, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(37, 32, generator=torch.Generator().manual_seed(3))  # programs of 8 rows
     for renorm in (True, False):
         cfg = tf.Qwen3MoeConfig(hidden_size=32, num_experts=experts, num_experts_per_tok=top_k,
                                 norm_topk_prob=renorm)
         router = Qwen3MoeTopKRouter(cfg)
         torch.nn.init.normal_(router.weight)
         _, want_w, want_ids = router(x)
-        got_w, got_ids = route(x @ router.weight.t(), top_k, renorm)
+        logits = x @ router.weight.t()
+        got_w, got_ids = route(logits, top_k, renorm)
         assert torch.equal(got_ids.long(), want_ids)
         torch.testing.assert_close(got_w, want_w.float())
+        wide = torch.cat([logits, torch.randn(37, 5)], 1)  # a merged GEMM's strided columns
+        assert torch.equal(route(wide[:, :experts], top_k, renorm)[1], got_ids)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
