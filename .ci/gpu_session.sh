@@ -712,7 +712,8 @@ PY
     run-kernels)  # issues 59-61: each run of $RUNK_RUNS (WORKLOAD:QUANT, default m:bf16; quant
       # bf16 or fp8) whole under torch.profiler, pagedgen on GPU 0 and vLLM on GPU 1 at once:
       # GPU time by kernel group and the heaviest kernels side by side
-      # (benchmarks/run_kernels.py); then $RUNK_AFTER's steps on GPU 0; RUNK_LIMIT a run
+      # (benchmarks/run_kernels.py); then $RUNK_AFTER's steps on GPU 0; RUNK_LIMIT a run;
+      # RUNK_TOP: the heaviest kernels listed (default 20)
       # RUNK_SYSTEMS=pagedgen: pagedgen alone, on the GPU this step was given (a PAIR_AFTER);
       # vLLM's weights: the run's third part or the last of PEERS_VLLM_WEIGHTS
       runs=${RUNK_RUNS:-m:bf16}
@@ -721,7 +722,7 @@ PY
         for r in $runs; do
           run_parts "$r"
           timed "runk-vllm-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=1 python3 -m \
-            benchmarks.run_kernels --workload "$w" \
+            benchmarks.run_kernels --workload "$w" --top "${RUNK_TOP:-20}" \
             $([ "$q" = fp8 ] && echo "--quantization fp8") --vllm-weights "${vw##*,}" \
             --systems vllm --json "$S/runk-vllm-$w-$q.json"
         done > "$S/runk-vllm.txt" &
@@ -729,7 +730,8 @@ PY
       for r in $runs; do
         run_parts "$r"
         timed "runk-pagedgen-$w-$q" "${RUNK_LIMIT:-500}" env CUDA_VISIBLE_DEVICES=$mine python3 -m \
-          benchmarks.run_kernels --workload "$w" $([ "$q" = fp8 ] && echo "--quantization fp8") \
+          benchmarks.run_kernels --workload "$w" --top "${RUNK_TOP:-20}" \
+          $([ "$q" = fp8 ] && echo "--quantization fp8") \
           --systems pagedgen --json "$S/runk-pagedgen-$w-$q.json"
       done
       for s in ${RUNK_AFTER:-}; do CUDA_VISIBLE_DEVICES=0 bash "$0" "$s"; done

@@ -25,8 +25,8 @@ from pagedgen.runtime.kernel_stats import GROUPS, group_from_name, load_kernels,
 TOP = 20
 
 
-def kernel_table(kernels: Iterable[tuple[str, float]]) -> dict[str, Any]:
-    """Seconds by group, launches, and the ``TOP`` kernels by time, of (name, µs) pairs."""
+def kernel_table(kernels: Iterable[tuple[str, float]], top: int = TOP) -> dict[str, Any]:
+    """Seconds by group, launches, and the ``top`` kernels by time, of (name, µs) pairs."""
     groups: dict[str, float] = defaultdict(float)
     by_name: Counter[str] = Counter()
     launches = 0
@@ -36,7 +36,7 @@ def kernel_table(kernels: Iterable[tuple[str, float]]) -> dict[str, Any]:
         launches += 1
     return {"gpu_s": sum(groups.values()), "launches": launches,
             "groups_s": {g: groups[g] for g in GROUPS if groups.get(g)},
-            "top_s": by_name.most_common(TOP)}
+            "top_s": by_name.most_common(top)}
 
 
 def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
@@ -44,7 +44,31 @@ def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
     return [(k.name, k.dur) for p in paths for k in load_kernels(p) if k.group != "memory copy"]
 
 
-def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
+def idle_table(trace: Path, wall_s: float, largest: int = 8) -> dict[str, Any]:
+    """Where the GPU waited in one run's trace: the gaps between its busy spans (kernels,
+    copies), their sum and those over a millisecond, the ``largest`` with when they came
+    (seconds from the first kernel) and the kernels either side, and the run's wall time
+    outside the first kernel's start and the last one's end (its host start and finish)."""
+    ks = load_kernels(trace)
+    gaps, end, before = [], None, ""
+    for k in ks:
+        if end is not None and k.ts > end:
+            gaps.append((k.ts - end, k.ts, before, short_name(k.name)))
+        if end is None or k.ts + k.dur > end:
+            end, before = k.ts + k.dur, short_name(k.name)
+    if not ks:
+        return {}
+    t0 = ks[0].ts
+    return {"idle_s": sum(g[0] for g in gaps) / 1e6,
+            "gaps_over_1ms": sum(g[0] > 1000 for g in gaps),
+            "gaps_over_1ms_s": sum(g[0] for g in gaps if g[0] > 1000) / 1e6,
+            "outside_kernels_s": wall_s - (end - t0) / 1e6,
+            "largest_gaps": [{"at_s": round((ts - t0) / 1e6, 4), "ms": round(us / 1000, 3),
+                              "after": a, "before": b}
+                             for us, ts, a, b in sorted(gaps, reverse=True)[:largest]]}
+
+
+def pagedgen_run(workload: str, quantization: str | None, top: int = TOP) -> dict[str, Any]:
     import torch
 
     from benchmarks.common import build_engine, free_gpu, profile_configs, timed_runs
@@ -66,15 +90,17 @@ def pagedgen_run(workload: str, quantization: str | None) -> dict[str, Any]:
             profiled = timed_runs(engine, prompts, params, repeats=1)[0]
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        table = kernel_table(trace_kernels([trace]))
+        table = kernel_table(trace_kernels([trace]), top)
+        idle = idle_table(trace, profiled["wall_time_s"])
     del engine
     free_gpu()
     return {"system": "pagedgen", "backend": warm.get("backend"),
             "warm_output_tokens_per_s": warm["output_tokens_per_s"],
-            "profiled_wall_s": profiled["wall_time_s"], **table}
+            "profiled_wall_s": profiled["wall_time_s"], **table, "idle": idle}
 
 
-def vllm_run(workload: str, quantization: str | None, weights: str = "dummy") -> dict[str, Any]:
+def vllm_run(workload: str, quantization: str | None, weights: str = "dummy",
+             top: int = TOP) -> dict[str, Any]:
     """vLLM's warm run and a profiled one, on its dummy weights or ("normal") on them drawn
     again in pagedgen's distribution (``vllm_peer.normal_weights``)."""
     from benchmarks.peers import vllm_engine
@@ -91,7 +117,7 @@ def vllm_run(workload: str, quantization: str | None, weights: str = "dummy") ->
             return {"system": "vLLM", "skipped": res.get("skipped") or res["outran"],
                     "log": res.get("log", "")}
         traces = sorted(Path(d).rglob("*.pt.trace.json*"))
-        table = kernel_table(trace_kernels(traces))
+        table = kernel_table(trace_kernels(traces), top)
     warm, profiled = res["runs"][0], res["runs"][-1]
     return {"system": f"vLLM {res['vllm']}" + (" normal" if weights == "normal" else ""),
             "traces": len(traces),
@@ -114,6 +140,14 @@ def side_by_side(rows: list[dict[str, Any]]) -> list[str]:
             continue
         lines.append(f"{r['system']}: {r['launches']:,} kernels; heaviest (s):")
         lines += [f"  {s:8.3f}  {name}" for name, s in r["top_s"]]
+        idle = r.get("idle") or {}
+        if idle:
+            lines.append(f"{r['system']}: GPU idle {idle['idle_s']:.3f} s between kernels "
+                         f"({idle['gaps_over_1ms']} gaps over 1 ms: "
+                         f"{idle['gaps_over_1ms_s']:.3f} s), {idle['outside_kernels_s']:.3f} s "
+                         "of the run outside them; largest:")
+            lines += [f"  {g['ms']:8.3f} ms at {g['at_s']:7.3f} s  {g['after']} -> {g['before']}"
+                      for g in idle["largest_gaps"]]
     return lines
 
 
@@ -124,10 +158,11 @@ def main() -> None:
     ap.add_argument("--systems", default="pagedgen,vllm")
     ap.add_argument("--vllm-weights", choices=["dummy", "normal"], default="dummy",
                     help="normal: vLLM's weights drawn again in pagedgen's distribution")
+    ap.add_argument("--top", type=int, default=TOP, help="the heaviest kernels listed")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs = {"pagedgen": pagedgen_run,
-            "vllm": lambda w, q: vllm_run(w, q, args.vllm_weights)}
+    runs = {"pagedgen": lambda w, q: pagedgen_run(w, q, args.top),
+            "vllm": lambda w, q: vllm_run(w, q, args.vllm_weights, args.top)}
     rows = []
     for system in args.systems.split(","):
         rows.append(runs[system](args.workload, args.quantization))

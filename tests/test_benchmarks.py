@@ -323,6 +323,42 @@ def test_run_kernels_groups_both_systems_kernels_by_the_same_rules(tmp_path):
     assert "vLLM fp8: not installed" in lines
 
 
+def test_run_kernels_finds_where_the_gpu_waited_between_kernels(tmp_path):
+    from benchmarks import run_kernels
+
+    spans = [("a", 0.0, 150.0), ("b", 20.0, 30.0),  # b inside a (two streams): no gap
+             ("c", 2200.0, 10.0), ("d", 2310.0, 40.0), ("e", 2350.0, 5.0)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": us, "tid": 1,
+         "args": {"correlation": i}} for i, (n, ts, us) in enumerate(spans)]}))
+    idle = run_kernels.idle_table(path, wall_s=0.01, largest=2)
+    assert idle["idle_s"] == pytest.approx((2050 + 100) / 1e6)  # a ends at 150, c at 2210
+    assert idle["gaps_over_1ms"] == 1 and idle["gaps_over_1ms_s"] == pytest.approx(2.05e-3)
+    assert idle["outside_kernels_s"] == pytest.approx(0.01 - 2355 / 1e6)
+    assert idle["largest_gaps"] == [
+        {"at_s": 0.0022, "ms": 2.05, "after": "a", "before": "c"},
+        {"at_s": 0.0023, "ms": 0.1, "after": "c", "before": "d"}]
+    lines = run_kernels.side_by_side([{"system": "pagedgen", "groups_s": {}, "gpu_s": 0,
+                                       "launches": 5, "top_s": [], "idle": idle}])
+    assert "2.050 ms at   0.002 s  a -> c" in "\n".join(lines)
+
+
+def test_prefill_gemms_are_the_hybrid_models_projections_by_hand():
+    from benchmarks import prefill_gemms
+    from pagedgen.runtime.models.loader import resolve_model
+
+    dense = prefill_gemms.projections(resolve_model("qwen3.5-9b").hf_config)
+    assert dense == [("attn qkv+gate", 2 * 16 * 256 + 2 * 4 * 256, 4096, 8),
+                     ("attn o", 4096, 16 * 256, 8),
+                     ("gdn in (qkvz | ba)", 2 * 2048 + 2 * 4096 + 64, 4096, 24),
+                     ("gdn out", 4096, 4096, 24),
+                     ("mlp gate_up", 2 * 12288, 4096, 32), ("mlp down", 4096, 12288, 32)]
+    moe = prefill_gemms.projections(resolve_model("qwen3.5-35b-a3b").hf_config)
+    assert moe[-2:] == [("router | shared gate | gate/up", 256 + 8 + 1024, 2048, 40),
+                        ("shared down", 2048, 512, 40)]  # the gate's one row padded to 8
+
+
 def test_vllm_profiles_its_last_run_where_asked(tmp_path, monkeypatch):
     from benchmarks import vllm_peer
     from pagedgen.runtime.models.loader import resolve_model
