@@ -10,7 +10,7 @@ those programs reads every slot, so above that the work goes by chunks of ``CHUN
 (``align_by_chunks``): a program per chunk counts its experts, a program per expert places
 each chunk's share within its run, and a program per chunk sorts its slots by expert
 (``tl.sort`` of expert and position) and writes each where its run and chunk say: every slot
-read three times, three launches whatever the count, each run still in slot order. Torch's sort
+read twice, three launches whatever the count, each run still in slot order. Torch's sort
 and scatters (``align_reference``) are the CPU path and the tests' oracle.
 ``benchmarks/moe_kernels.py --align`` times the three ways, and timed the one-program kernel
 with an atomic cursor per expert that the program per expert replaced: slower at every count
