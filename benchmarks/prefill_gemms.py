@@ -9,11 +9,13 @@ through cuBLAS at these shapes).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import event_ms
 from pagedgen.runtime.layers.linear import MergedProjections
 from pagedgen.runtime.models.loader import resolve_model
 
@@ -49,21 +51,12 @@ def projections(c) -> list[tuple[str, int, int, int]]:
     return rows
 
 
-def time_gemm(m: int, n: int, k: int, iters: int = 20) -> float:
-    """Median µs of ``x @ w.T`` (bf16, random, four input sets rotated)."""
-    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+def time_gemm(m: int, n: int, k: int, calls: int = 20) -> float:
+    """Mean µs of ``x @ w.T`` (bf16, random, four input sets rotated: ``common.event_ms``)."""
+    xs = itertools.cycle([torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                          for _ in range(4)])
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
-    for x in xs:
-        torch.nn.functional.linear(x, w)
-    times = []
-    for i in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        torch.nn.functional.linear(xs[i % 4], w)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+    return 1000 * event_ms(lambda: torch.nn.functional.linear(next(xs), w), calls)
 
 
 def main() -> None:

@@ -20,7 +20,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from pagedgen.runtime.kernel_stats import GROUPS, group_from_name, load_kernels, short_name
+from pagedgen.runtime.kernel_stats import (GROUPS, Kernel, group_from_name, load_kernels,
+                                           short_name)
 
 TOP = 20
 
@@ -41,15 +42,20 @@ def kernel_table(kernels: Iterable[tuple[str, float]], top: int = TOP) -> dict[s
 
 def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
     """(name, µs) of every kernel in these Chrome traces (memory copies apart)."""
-    return [(k.name, k.dur) for p in paths for k in load_kernels(p) if k.group != "memory copy"]
+    return [pair for p in paths for pair in named(load_kernels(p))]
 
 
-def idle_table(trace: Path, wall_s: float, largest: int = 8) -> dict[str, Any]:
-    """Where the GPU waited in one run's trace: the gaps between its busy spans (kernels,
-    copies), their sum and those over a millisecond, the ``largest`` with when they came
-    (seconds from the first kernel) and the kernels either side, and the run's wall time
-    outside the first kernel's start and the last one's end (its host start and finish)."""
-    ks = load_kernels(trace)
+def named(kernels: Iterable[Kernel]) -> list[tuple[str, float]]:
+    """(name, µs) of these kernels, memory copies apart."""
+    return [(k.name, k.dur) for k in kernels if k.group != "memory copy"]
+
+
+def idle_table(ks: list[Kernel], wall_s: float, largest: int = 8) -> dict[str, Any]:
+    """Where the GPU waited in one run's trace (``ks``, as ``load_kernels`` gives them): the
+    gaps between its busy spans (kernels, copies), their sum and those over a millisecond,
+    the ``largest`` with when they came (seconds from the first kernel) and the kernels either
+    side, and the run's wall time outside the first kernel's start and the last one's end (its
+    host start and finish)."""
     gaps, end, before = [], None, ""
     for k in ks:
         if end is not None and k.ts > end:
@@ -90,8 +96,9 @@ def pagedgen_run(workload: str, quantization: str | None, top: int = TOP) -> dic
             profiled = timed_runs(engine, prompts, params, repeats=1)[0]
         trace = Path(d) / "trace.json"
         prof.export_chrome_trace(str(trace))
-        table = kernel_table(trace_kernels([trace]), top)
-        idle = idle_table(trace, profiled["wall_time_s"])
+        kernels = load_kernels(trace)  # one parse of the trace for both tables
+        table = kernel_table(named(kernels), top)
+        idle = idle_table(kernels, profiled["wall_time_s"])
     del engine
     free_gpu()
     return {"system": "pagedgen", "backend": warm.get("backend"),

@@ -325,6 +325,7 @@ def test_run_kernels_groups_both_systems_kernels_by_the_same_rules(tmp_path):
 
 def test_run_kernels_finds_where_the_gpu_waited_between_kernels(tmp_path):
     from benchmarks import run_kernels
+    from pagedgen.runtime.kernel_stats import load_kernels
 
     spans = [("a", 0.0, 150.0), ("b", 20.0, 30.0),  # b inside a (two streams): no gap
              ("c", 2200.0, 10.0), ("d", 2310.0, 40.0), ("e", 2350.0, 5.0)]
@@ -332,7 +333,7 @@ def test_run_kernels_finds_where_the_gpu_waited_between_kernels(tmp_path):
     path.write_text(json.dumps({"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": us, "tid": 1,
          "args": {"correlation": i}} for i, (n, ts, us) in enumerate(spans)]}))
-    idle = run_kernels.idle_table(path, wall_s=0.01, largest=2)
+    idle = run_kernels.idle_table(load_kernels(path), wall_s=0.01, largest=2)
     assert idle["idle_s"] == pytest.approx((2050 + 100) / 1e6)  # a ends at 150, c at 2210
     assert idle["gaps_over_1ms"] == 1 and idle["gaps_over_1ms_s"] == pytest.approx(2.05e-3)
     assert idle["outside_kernels_s"] == pytest.approx(0.01 - 2355 / 1e6)
