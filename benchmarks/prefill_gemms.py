@@ -21,10 +21,8 @@ from pagedgen.runtime.models.loader import resolve_model
 
 
 def merged(*widths: int) -> int:
-    """The rows of projections merged into one GEMM (``MergedProjections``: each part's rows
-    rounded up to its alignment)."""
-    align = MergedProjections.ALIGN
-    return sum(-(-w // align) * align for w in widths)
+    """The rows of projections merged into one GEMM (as ``MergedProjections`` lays them out)."""
+    return MergedProjections.layout(widths)[1]
 
 
 def projections(c) -> list[tuple[str, int, int, int]]:

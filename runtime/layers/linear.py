@@ -16,7 +16,7 @@ its ``quant_method`` (``runtime/quantization``) owns the weight's form and the G
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -99,12 +99,18 @@ class MergedProjections:
 
     ALIGN = 8
 
+    @classmethod
+    def layout(cls, widths: Iterable[int]) -> tuple[list[int], int]:
+        """Each part's first row in the merged matrix, and its rows, for parts this wide."""
+        starts, rows = [], 0
+        for width in widths:
+            starts.append(rows)
+            rows += -(-width // cls.ALIGN) * cls.ALIGN
+        return starts, rows
+
     def __init__(self, layers: list[LinearBase]) -> None:
         first = layers[0].weight
-        starts, rows = [], 0
-        for layer in layers:
-            starts.append(rows)
-            rows += -(-layer.out_features // self.ALIGN) * self.ALIGN
+        starts, rows = self.layout(layer.out_features for layer in layers)
         self.weight = first.new_zeros(rows, first.shape[1])
         self.parts = list(zip(starts, (layer.out_features for layer in layers)))
         for layer, (start, size) in zip(layers, self.parts):

@@ -144,18 +144,25 @@ if HAVE_TRITON:
                            B_CHUNK)
 
 
+def _outputs(ids: torch.Tensor, num_experts: int, block_m: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The Triton ways' shared start: the slots' experts flat in int32, and the (slots,
+    block_experts) pair ``align`` returns, unfilled, at ``max_blocks``."""
+    flat = ids.reshape(-1)
+    flat = flat.int() if flat.dtype != torch.int32 else flat
+    nb = max_blocks(flat.numel(), num_experts, block_m)
+    return (flat, torch.empty(nb * block_m, dtype=torch.int32, device=flat.device),
+            torch.empty(nb, dtype=torch.int32, device=flat.device))
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int, num_warps: int = 4
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """``align`` by a Triton program per expert (and one for the rows past the last run)."""
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    nb = max_blocks(n, num_experts, block_m)
-    slots = torch.empty(nb * block_m, dtype=torch.int32, device=flat.device)
-    block_experts = torch.empty(nb, dtype=torch.int32, device=flat.device)
+    flat, slots, block_experts = _outputs(ids, num_experts, block_m)
     _align_kernel[(num_experts + 1,)](
-        flat.int() if flat.dtype != torch.int32 else flat, slots, block_experts, n,
-        num_experts, nb, E_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m,
-        CHUNK=1024, B_CHUNK=64, PAD=min(block_m, 16), num_warps=num_warps)
+        flat, slots, block_experts, flat.numel(), num_experts, block_experts.numel(),
+        E_PAD=triton.next_power_of_2(num_experts + 1), BLOCK_M=block_m, CHUNK=1024,
+        B_CHUNK=64, PAD=min(block_m, 16), num_warps=num_warps)
     return slots, block_experts
 
 
@@ -221,13 +228,10 @@ def align_by_chunks(ids: torch.Tensor, num_experts: int, block_m: int, num_warps
                     chunk_step: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
     """``align`` by chunks of ``CHUNK`` slots: counted, laid out per expert (its share of
     ``chunk_step`` chunks at a time), then placed."""
-    flat = ids.reshape(-1)
-    flat = flat.int() if flat.dtype != torch.int32 else flat
-    n, dev = flat.numel(), flat.device
-    nb, chunks = max_blocks(n, num_experts, block_m), -(-n // CHUNK)
+    flat, slots, block_experts = _outputs(ids, num_experts, block_m)
+    n, dev, nb = flat.numel(), flat.device, block_experts.numel()
+    chunks = -(-n // CHUNK)
     e_pad = triton.next_power_of_2(num_experts + 1)  # the last bin holds the padding
-    slots = torch.empty(nb * block_m, dtype=torch.int32, device=dev)
-    block_experts = torch.empty(nb, dtype=torch.int32, device=dev)
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
     offsets = torch.empty_like(counts)
     totals = torch.zeros(e_pad, dtype=torch.int32, device=dev)
