@@ -4,12 +4,15 @@ read from a cache or a shipped file), written to ``runtime/plans/<gpu>.json``: a
 of that name then times nothing at start-up (``runtime/kernel_plans.py``).
 
 Each preset is built with dummy weights in each quantization at each tensor-parallel size
-(rank 0's shard: every rank's has its shape; ``:ep`` adds expert parallel), on one GPU. The
-file is rewritten after each, so a run cut short keeps what it measured; shapes measured
-before (other presets) stay.
+(rank 0's shard: every rank's has its shape; ``:ep`` adds expert parallel), on one GPU, with
+its first ``--layers`` layers only (default 4: every layer kind of the presets, and a plan is
+keyed by a layer's shape, not by how many layers have it; so a preset larger than the GPU
+plans too, and no time goes into drawing the other layers' weights). The file is rewritten
+after each, so a run cut short keeps what it measured; shapes measured before (other presets)
+stay.
 
     python -m benchmarks.kernel_plans [--models qwen3-30b-a3b,...] [--quantizations none,fp8]
-        [--tp 1,2,2:ep] [--out FILE]
+        [--tp 1,2,2:ep] [--layers 4] [--out FILE]
     python -m benchmarks.kernel_plans --merge FILE...  # runs on other GPUs into the shipped
     python -m benchmarks.kernel_plans --list  # the runs as MODEL:QUANT lines (to deal over GPUs)
 
@@ -20,6 +23,8 @@ or memory running out while its dummy weights are drawn), and the next one runs.
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import datetime
 import gc
 import json
@@ -59,6 +64,19 @@ def default_runs() -> list[tuple[str, str | None]]:
     return runs
 
 
+def shortened(src, layers: int):
+    """``src`` with its first ``layers`` layers only (per-layer lists cut alike); as it is
+    when it has no more."""
+    cfg = src.hf_config
+    if layers <= 0 or cfg.num_hidden_layers <= layers:
+        return src
+    cfg = copy.deepcopy(cfg)
+    cfg.num_hidden_layers = layers
+    if isinstance(getattr(cfg, "layer_types", None), list):
+        cfg.layer_types = cfg.layer_types[:layers]
+    return dataclasses.replace(src, hf_config=cfg)
+
+
 def merge(path: Path, gpu: str, plans: dict[str, dict[str, Any]]) -> dict[str, int]:
     """``plans`` (by kind, then shape key) merged into the file at ``path``: shapes measured
     before stay, except those of an older version of a kind that arrives (a key's first field
@@ -95,6 +113,8 @@ def main() -> None:
                     f"dense ones we run in FP8: {', '.join(DENSE_FP8)})")
     ap.add_argument("--quantizations", default="none,fp8")
     ap.add_argument("--tp", default="1", help="tensor-parallel sizes; N:ep for expert parallel")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="build each preset's first N layers only (0: all)")
     ap.add_argument("--out", default=None, help="default: runtime/plans/<this GPU>.json")
     ap.add_argument("--copy-to", type=Path, default=None,
                     help="a folder that gets a copy of the file after each preset (what a "
@@ -124,7 +144,7 @@ def main() -> None:
     sizes = [(int(t.split(":")[0]), t.endswith(":ep")) for t in args.tp.split(",")]
     for size, ep in sizes:  # one GPU's shapes first: a run cut short keeps those
         for name, quant in runs:
-            src = resolve_model(name)
+            src = shortened(resolve_model(name), args.layers)
             if ep and not is_moe(src):
                 continue
             label = f"{name} {quant or 'as shipped'} tp {size}{' ep' if ep else ''}"

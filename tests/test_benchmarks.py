@@ -417,6 +417,25 @@ def test_a_preset_that_runs_out_of_memory_while_planned_is_skipped_not_fatal(mon
     assert kp.build(src, None, 1, False, cpu) is None
 
 
+def test_presets_planned_on_their_first_layers_keep_every_layer_kind():
+    """Plans are keyed by a layer's shape: the first layers a preset is planned on must hold
+    every kind of layer (attention shape, linear attention or not) the whole preset has."""
+    from benchmarks import kernel_plans as kp
+    from pagedgen.runtime.models import registry
+
+    def kinds(src):
+        cls = registry.model_class(src.hf_config)
+        attn = {repr(s) for s in cls.layer_specs(src.hf_config, 1)}
+        return attn, {repr(s) for s in cls.state_specs(src.hf_config, 1)}
+
+    for name in {m for m, _ in kp.default_runs()}:
+        full = kp.resolve_model(name)
+        short = kp.shortened(full, 4)
+        assert short.hf_config.num_hidden_layers == min(4, full.hf_config.num_hidden_layers)
+        assert kinds(short) == kinds(full), name
+    assert kp.shortened(full, 0) is full
+
+
 def test_plan_runs_are_listed_for_a_host_to_deal_over_its_gpus(monkeypatch, capsys):
     from benchmarks import kernel_plans as kp
 
