@@ -12,10 +12,15 @@ read and checked by the same code as the command's input (``cli/formats``): a ba
 arguments (or ``sampling_params``: one dict for all, or one per prompt) apply where a request
 sets none. The engine is built once and reused by every ``generate``; requests run batched
 exactly as ``pagedgen generate`` runs a file's lines.
+
+One ``LLM`` runs one call at a time: calls from several threads wait their turn, and each
+returns exactly its own requests. A call that ends early (Ctrl-C, an error) drops its
+requests from the engine (``Engine.abort``), so the next call starts on an idle engine.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Sequence
 
 from pagedgen.cli.common import engine_and_sampling
@@ -39,11 +44,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, profile: str | None = None,
                  **engine_options: Any) -> None:
-        cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {})
+        cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {},
+                                                    keywords=True)
         self.options = InputOptions()
         self._driver = LocalDriver(cfg.with_seats(), self.defaults)
         self._driver.load()
         self.engine = self._driver.engine
+        self._lock = threading.Lock()  # one call at a time
+        self._owner: int | None = None  # the thread whose call holds it
 
     @property
     def chat_format(self) -> str | None:
@@ -60,6 +68,19 @@ class LLM:
         ``stop=[...]``, a constraint: ``structured_outputs={"json": schema}`` or
         ``response_format=...``; chats' ``continue_final_message`` or
         ``add_generation_prompt``) apply to every prompt; a request dict's own fields win."""
+        if self._owner == threading.get_ident():
+            raise PagedgenError("LLM.generate was called from inside a call of the same LLM "
+                                "(a logits processor?); make a second LLM for that")
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                return self._generate(prompts, sampling_params, sampling)
+            finally:
+                self._owner = None
+
+    def _generate(self, prompts: Prompt | Sequence[Prompt],
+                  sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None,
+                  sampling: dict[str, Any]) -> list[RequestOutput]:
         if isinstance(prompts, (bytes, bytearray)):
             raise PagedgenError("prompts: bytes; decode them to a string first")
         try:
@@ -91,7 +112,8 @@ class LLM:
         tokenize_requests(rf, eng.tokenizer)
         vocab, limit = eng.src.hf_config.vocab_size, eng.max_model_len
         check_requests(rf, lambda r: checked_request(r, self.defaults, limit, vocab,
-                                                     eng.config.max_num_seqs))
+                                                     eng.config.max_num_seqs,
+                                                     eng.config.named("max_num_seqs")))
         constraints = {c: r for r in reqs
                        if (c := (r.overrides or {}).get("structured")) is not None}
         if constraints:  # each compiled once, a bad one named before the run
@@ -100,9 +122,13 @@ class LLM:
                 c = min(errors, key=lambda c: constraints[c].index)
                 raise PagedgenError(f"{rf.where(constraints[c])}: {errors[c]}")
         out: list[RequestOutput | None] = [None] * len(reqs)
-        for step in self._driver.outputs(reqs):
-            for index, result in step:
-                out[index] = result
+        try:
+            for step in self._driver.outputs(reqs):
+                for index, result in step:
+                    out[index] = result
+        except BaseException:  # Ctrl-C, an error: this call's requests leave the engine
+            eng.abort()
+            raise
         return out  # type: ignore[return-value]
 
 

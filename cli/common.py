@@ -46,9 +46,11 @@ def cli_errors(fn: Callable) -> Callable:
 
 
 def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
-                        sampling_overrides: dict):
+                        sampling_overrides: dict, keywords: bool = False):
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
-    options, every value checked (types, ranges, names) before anything loads."""
+    options (``keywords``: the Python API's keyword arguments), every value checked (types,
+    ranges, names) before anything loads; the engine config keeps where each setting came
+    from (``EngineConfig.origin``), so messages name what the user gave."""
     from pagedgen.meta import PROFILES_DIR
     from pagedgen.attention.registry import backend_names
     from pagedgen.runtime.config import DEFAULT_MODEL
@@ -56,7 +58,10 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
                                            load_profile)
 
     name = profile
-    if name is None and (model is None or model in list_profiles()):
+    # a preset's name implies its profile, unless a local folder or file has that name: the
+    # model the run uses is that checkpoint, with no preset's engine or sampling settings
+    if name is None and (model is None or (model in list_profiles()
+                                           and not Path(model).expanduser().exists())):
         name = model or DEFAULT_MODEL
     prof = load_profile(name) if name else None
     engine, sampling = configs_from_profile(prof)  # checks the profile's own values
@@ -72,8 +77,10 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
                       if Path(prof["_path"]).parent == PROFILES_DIR else prof["_path"])
     origin = {k[7:]: f"{where}:{line}: {k}" for k, line in lines.items()
               if k.startswith("engine.")}
-    origin.update({k: "--" + k.replace("_", "-") for k in given})
-    engine.validate(origin)
+    origin.update({k: f"keyword {k}" if keywords else "--" + k.replace("_", "-")
+                   for k in given})
+    engine.origin = origin
+    engine.validate()
     if engine.backend != "auto" and engine.backend not in backend_names():
         raise PagedgenError(f"unknown backend '{engine.backend}'; choose auto or one of "
                             f"{', '.join(backend_names())} (`pagedgen backends` says which "

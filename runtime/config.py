@@ -76,6 +76,9 @@ class SamplingParams:
     skip_special_tokens: bool = True  # the text leaves special tokens out
     spaces_between_special_tokens: bool = True  # with them in: a space around each
     structured: StructuredOutput | None = None  # the output's grammar (per line)
+    # whether the run's reasoning parser (if any) splits the output: off for OpenAI
+    # /v1/completions bodies unless the run names a parser (runtime/engine/reasoning.py)
+    reasoning: bool = True
 
     def has_controls(self) -> bool:
         """Whether any sampling control is set (``runtime/sampling/controls.py``, min_p)."""
@@ -194,12 +197,21 @@ class EngineConfig:
     # run's first steps would make are made before it (runtime/engine/rehearsal.py); None: on
     # CUDA
     startup_rehearsal: bool | None = None
+    # where each setting was given, for messages: an option (``--num-blocks``), a profile's
+    # line (``prof.yaml:3: engine.num_blocks``), an API keyword (``keyword num_blocks``); a
+    # field it lacks has its default. Not a setting itself (profiles and options cannot set it).
+    origin: dict[str, str] = field(default_factory=dict, compare=False, repr=False,
+                                   metadata={"setting": False})
+
+    def named(self, name: str) -> str:
+        """Setting ``name`` as the user gave it (its origin), else as its option names it."""
+        return self.origin.get(name) or f"--{name.replace('_', '-')}"
 
     def validate(self, origin: dict[str, str] | None = None) -> None:
         """Raise PagedgenError naming the first setting out of range (before anything loads),
-        as the user set it: ``origin`` maps a field to where it came from (``--num-blocks``,
-        ``prof.yaml:3: engine.num_blocks``); a field it lacks was left at its default."""
-        origin = origin or {}
+        as the user set it: ``origin`` (default: ``self.origin``) maps a field to where it
+        came from; a field it lacks was left at its default."""
+        origin = self.origin if origin is None else origin
 
         def named(name: str) -> str:
             return origin.get(name) or f"--{name.replace('_', '-')}"
@@ -237,7 +249,7 @@ class EngineConfig:
                 f"{named('max_num_seqs')} {self.max_num_seqs:,} is more than "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens:,}: "
                 f"{source('max_num_batched_tokens')}): a step gives each sequence at least one "
-                "token; lower max_num_seqs or raise --max-num-batched-tokens")
+                f"token; lower it or raise {named('max_num_batched_tokens')}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise PagedgenError(f"{named('gpu_memory_utilization')} must be in (0, 1]")
         if self.kv_cache_memory is not None and parse_bytes(self.kv_cache_memory) < 1:
@@ -259,12 +271,19 @@ class EngineConfig:
         """This config with the limits a device decides set: ``max_num_batched_tokens``
         (``hardware.default_batched_tokens``) and ``max_num_seqs`` (``default_seats``, at
         most the tokens), each where no profile or option set it."""
-        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
-            return self
-        device = self.torch_device()
-        tokens = self.max_num_batched_tokens or default_batched_tokens(device)
-        seats = self.max_num_seqs or min(default_seats(device), tokens)
-        return dataclasses.replace(self, max_num_seqs=seats, max_num_batched_tokens=tokens)
+        cfg = self
+        if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            device = self.torch_device()
+            tokens = self.max_num_batched_tokens or default_batched_tokens(device)
+            seats = self.max_num_seqs or min(default_seats(device), tokens)
+            cfg = dataclasses.replace(self, max_num_seqs=seats, max_num_batched_tokens=tokens)
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise PagedgenError(f"{cfg.named('max_num_batched_tokens')} must be >= "
+                                f"{cfg.named('max_num_seqs')}")
+        if (cfg.block_size is not None and cfg.block_size < 1) or cfg.max_num_seqs < 1:
+            raise PagedgenError(f"{cfg.named('block_size')} and {cfg.named('max_num_seqs')} "
+                                "must be positive")
+        return cfg
 
     def context_limit(self, hf_config: Any) -> int:
         """``max_model_len``, or the model's own; the engine may lower it to what its KV
@@ -272,7 +291,7 @@ class EngineConfig:
         return self.max_model_len or int(getattr(hf_config, "max_position_embeddings", 4096))
 
     def torch_device(self) -> torch.device:
-        return parse_device(self.device)
+        return parse_device(self.device, self.named("device"))
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
@@ -290,9 +309,9 @@ class EngineConfig:
                             "float32, float16 or bfloat16")
 
 
-def parse_device(name: str) -> torch.device:
+def parse_device(name: str, named: str = "--device") -> torch.device:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a torch device that exists here; any other
-    name, or a GPU this machine lacks, is a one-line error."""
+    name, or a GPU this machine lacks, is a one-line error (``named``: where it was given)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m = re.fullmatch(r"(cpu|cuda)(?::(\d{1,4}))?", str(name))
@@ -301,10 +320,10 @@ def parse_device(name: str) -> torch.device:
     if m.group(1) == "cpu":
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise PagedgenError(f"--device {name}: CUDA is not available here (use --device cpu)")
+        raise PagedgenError(f"{named} {name}: CUDA is not available here (use cpu)")
     index = int(m.group(2) or 0)
     if index >= torch.cuda.device_count():
-        raise PagedgenError(f"--device {name}: this machine has {torch.cuda.device_count()} "
+        raise PagedgenError(f"{named} {name}: this machine has {torch.cuda.device_count()} "
                             f"GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return torch.device("cuda", index) if m.group(2) is not None else torch.device("cuda")
 

@@ -5,13 +5,15 @@
     sampling: {max_tokens: 64, temperature: 0.0, ...}                           # SamplingParams
     workload: {...}                                                             # for `profile`
 
-A profile whose ``model`` has a Hugging Face ``config`` is also a preset (dummy weights). Every
-error names the file and the line of the field.
+A profile whose ``model`` has a Hugging Face ``config`` is also a preset (dummy weights). A
+profile is checked as strictly as options: an unknown section or field, a value of the wrong
+type and a key given twice (at any depth) are errors naming the file and the line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,29 @@ import yaml
 from pagedgen.meta import PROFILES_DIR
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams, type_error
+
+
+SECTIONS = ("description", "model", "engine", "sampling", "workload")
+MODEL_FIELDS = ("name", "tokenizer", "config")
+PRESET_TOKENIZERS = ("byte", "none")  # a preset has no tokenizer files
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, but a key given twice in one mapping is an error at its line (the
+    plain loader keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = self.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"'{key}' is given twice (first at line {seen[key]})",
+                    key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def list_profiles() -> list[str]:
@@ -36,7 +61,7 @@ def load_profile(name_or_file: str) -> dict[str, Any]:
         raise PagedgenError(f"profile '{name_or_file}' not found; "
                             f"built-in profiles: {', '.join(list_profiles())}")
     try:
-        loader = yaml.SafeLoader(path.read_text(encoding="utf-8"))
+        loader = _UniqueKeys(path.read_text(encoding="utf-8"))
         try:
             node = loader.get_single_node()
             data = loader.construct_document(node) if node is not None else {}
@@ -50,16 +75,53 @@ def load_profile(name_or_file: str) -> dict[str, Any]:
         raise PagedgenError(f"{path}: invalid YAML: {str(e).splitlines()[0] if str(e) else e}")
     if not isinstance(data, dict):
         raise PagedgenError(f"{path}: a profile must be a mapping of sections")
-    unknown = set(data) - {"description", "model", "engine", "sampling", "workload"}
-    if unknown:
-        raise PagedgenError(f"{path}: unknown section(s) {sorted(unknown)}")
+    for section in data:
+        if section not in SECTIONS:
+            raise PagedgenError(f"{path}{_line_of(node, str(section))}: unknown section "
+                                f"'{section}'{_hint(str(section), SECTIONS)}; sections: "
+                                f"{', '.join(SECTIONS)}")
     for section in ("engine", "sampling", "workload"):
         if data.get(section) is not None and not isinstance(data[section], dict):
             raise PagedgenError(f"{path}{_line_of(node, section)}: '{section}' must be a "
                                 "mapping of fields")
+    _check_model(data.get("model"), path, _field_lines(node))
     data["_path"] = str(path)
     data["_lines"] = _field_lines(node)
     return data
+
+
+def _check_model(model: Any, path: Path, lines: dict[str, int]) -> None:
+    """A profile's ``model``: a name (a checkpoint or preset), or a mapping of ``name``,
+    ``tokenizer`` (a preset's: byte or none) and ``config`` (a Hugging Face config)."""
+    at = f"{path}:{lines['model']}" if "model" in lines else str(path)
+    if model is None or isinstance(model, str):
+        return
+    if not isinstance(model, dict):
+        raise PagedgenError(f"{at}: 'model' must be a name (a checkpoint or a preset) or a "
+                            f"mapping of {', '.join(MODEL_FIELDS)}, not {type(model).__name__}")
+    for key, value in model.items():
+        at = f"{path}:{lines.get(f'model.{key}', lines.get('model', '?'))}"
+        if key not in MODEL_FIELDS:
+            raise PagedgenError(f"{at}: unknown field 'model.{key}'"
+                                f"{_hint(str(key), MODEL_FIELDS)}; known: "
+                                f"{', '.join(MODEL_FIELDS)}")
+        if key == "name" and not (isinstance(value, str) and value.strip()):
+            raise PagedgenError(f"{at}: model.name must be a non-empty string")
+        if key == "config" and not isinstance(value, dict):
+            raise PagedgenError(f"{at}: model.config must be a mapping (a Hugging Face "
+                                "config's fields)")
+        if key == "tokenizer" and value not in PRESET_TOKENIZERS:
+            raise PagedgenError(f"{at}: model.tokenizer must be one of "
+                                f"{', '.join(PRESET_TOKENIZERS)} (a preset's; a checkpoint "
+                                f"brings its own), not {value!r}")
+    if "tokenizer" in model and "config" not in model:
+        raise PagedgenError(f"{path}:{lines.get('model.tokenizer')}: model.tokenizer is a "
+                            "preset's (with model.config); a checkpoint brings its own")
+
+
+def _hint(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def _field_lines(node: yaml.Node) -> dict[str, int]:
@@ -83,11 +145,12 @@ def apply_fields(obj: Any, values: dict[str, Any], where: str,
     """Return a copy of dataclass ``obj`` with ``values`` set, rejecting unknown field names
     and values of the wrong type (``where``: the file, or "options"; ``lines``: the line of
     each field, ``where`` then ending in ``:LINE``)."""
-    names = {f.name for f in dataclasses.fields(obj)}
+    names = {f.name for f in dataclasses.fields(obj) if f.metadata.get("setting", True)}
     for name, value in values.items():
         at = f"{where}:{lines[name]}" if lines and name in lines else where
         if name not in names:
-            raise PagedgenError(f"{at}: unknown field '{name}'; known: {', '.join(sorted(names))}")
+            raise PagedgenError(f"{at}: unknown field '{name}'{_hint(str(name), names)}; "
+                                f"known: {', '.join(sorted(names))}")
         why = type_error(obj, name, value)
         if why:
             raise PagedgenError(f"{at}: {name} {why}")

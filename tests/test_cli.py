@@ -102,7 +102,7 @@ def test_profile_and_options_apply(tmp_path):
     ([{"prompt": "a", "n": 2.5}], r"p.jsonl:1: 'n' must be an integer"),
     ([{"prompt": "a", "n": True}], r"p.jsonl:1: 'n' must be an integer"),
     ([{"prompt": "a", "n": 100}], r"p.jsonl:1: n = 100 samples need as many seats; "
-                                  r"--max-num-seqs is 32"),
+                                  r"profile tiny:\d+: engine.max_num_seqs is 32"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, lines, message):
     import re

@@ -111,7 +111,7 @@ def test_openai_served_model_name_and_resume(tmp_path):
      "body 'max_tokens' and 'max_completion_tokens' differ"),
     (chat("x", best_of=3), "body 'best_of' = 3 is not supported"),
     (chat("x", messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
-     "body 'messages': only text content parts"),
+     "body 'messages'[0]: only text content parts"),
     (completion("x", messages=[]), "body 'messages' belongs to /v1/chat/completions"),
     (completion("x", prompt=["a", "b"]), "body 'prompt' holds 2 prompts"),
     ({**chat("x"), "url": "/v1/embeddings"}, "'url' must be one of"),

@@ -119,3 +119,70 @@ def test_a_real_model_answers_as_the_command_does(tmp_path):
     outs = LLM(model="smollm2-135m", device="cpu").generate(lines, max_tokens=16)
     assert [o.text for o in outs] == [want[0]["text"], want[1]["text"]]
     assert outs[1].finish_reason == want[1]["finish_reason"]
+
+
+# ---- an LLM after an interrupt, and under threads (issue 100) ---------------------------------
+
+PROMPTS = ["Hello", "The capital", [256, 65, 66], "x y z"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_an_interrupted_call_leaves_the_engine_as_a_fresh_one(async_scheduling):
+    """Ctrl-C inside ``generate`` used to leave its requests in the scheduler: the next call
+    failed, or (without async scheduling) returned the interrupted call's outputs as its
+    own. Now the call drops them, and the next call is served as on a fresh engine."""
+    from pagedgen import LLM
+
+    llm = LLM(device="cpu", async_scheduling=async_scheduling, max_num_seqs=2)
+    params = {"max_tokens": 7, "temperature": 0.8, "seed": 3}
+    want = [o.token_ids for o in llm.generate(PROMPTS, **params)]
+    eng, step, calls = llm.engine, llm.engine.step, [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 4:
+            raise KeyboardInterrupt
+        return step()
+
+    eng.step = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["other", "prompts", "cut", "short"], max_tokens=30)
+    del eng.step
+    assert not eng.has_unfinished()
+    bm = eng.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.cached
+    assert [o.token_ids for o in llm.generate(PROMPTS, **params)] == want
+
+
+def test_calls_from_several_threads_each_get_their_own_outputs():
+    """Three threads calling one LLM used to break its engine for good ("scheduler produced
+    an empty step with requests pending"): calls now take turns."""
+    import threading
+
+    from pagedgen import LLM
+
+    llm = LLM(device="cpu")
+    batches = [[f"thread {t} prompt {i}" for i in range(3)] for t in range(3)]
+    want = [[o.token_ids for o in llm.generate(b, max_tokens=6, temperature=0)] for b in batches]
+    got: dict[int, list] = {}
+    start = threading.Barrier(3)
+
+    def call(t: int) -> None:
+        start.wait()
+        got[t] = [o.token_ids for o in llm.generate(batches[t], max_tokens=6, temperature=0)]
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert [got.get(t) for t in range(3)] == want
+
+
+def test_a_call_from_inside_a_call_is_refused_not_a_deadlock(llm):
+    llm._owner = __import__("threading").get_ident()  # as inside a call on this thread
+    try:
+        with pytest.raises(PagedgenError, match="inside a call"):
+            llm.generate("Hello", max_tokens=1)
+    finally:
+        llm._owner = None

@@ -24,7 +24,7 @@ THINK = ReasoningParser("think", OPEN, CLOSE)
 # harmony: <|channel|> 100, <|message|> 101, <|end|> 102, <|start|> 103; channel names
 NAMES = {200: "analysis", 201: "final", 202: "commentary"}
 HARMONY = ReasoningParser("harmony", 100, 101, 102,
-                          lambda ids: " ".join(NAMES.get(t, "assistant") for t in ids))
+                          lambda ids: " ".join(NAMES.get(t, "assistant") for t in ids), 103)
 
 
 def follow(parser: ReasoningParser, tokens: list[int], prompt: list[int] = (5, 6)):
@@ -54,6 +54,21 @@ def test_a_prompt_that_opens_the_reasoning_starts_the_output_in_it():
     assert spans == [[1, 2]] and answer == [3]
 
 
+def test_a_prompt_that_only_mentions_the_tag_opens_nothing():
+    """A user's text about ``<think>`` (its tokenizer makes it the tag's token) used to start
+    the output in reasoning: text empty, ``length_in_reasoning``. Only a prompt that ends in
+    the open tag, whitespace after it at most (DeepSeek-R1's template), opens it."""
+    blank = ReasoningParser("think", OPEN, CLOSE,
+                            decode=lambda ids: "".join("\n" if t == 9 else "w" for t in ids))
+    for parser in (THINK, blank):
+        state, (spans, answer) = follow(parser, [1, 2], prompt=[5, OPEN, 6, 7, 8])
+        assert spans == [] and answer == [1, 2] and not state.ended_in_reasoning(2)
+    _, (spans, answer) = follow(blank, [1, CLOSE, 2], prompt=[5, OPEN, 9])  # "<think>\n"
+    assert spans == [[1]] and answer == [2]
+    _, (spans, answer) = follow(blank, [1], prompt=[5, OPEN, 9, CLOSE, 9])  # closed: no
+    assert spans == [] and answer == [1]
+
+
 def test_nested_tags_stay_inside_the_reasoning():
     _, (spans, answer) = follow(THINK, [OPEN, 1, OPEN, 2, CLOSE, 3, CLOSE])
     assert spans == [[1, OPEN, 2]] and answer == [3, CLOSE]
@@ -72,6 +87,18 @@ def test_harmony_takes_the_final_channel_as_the_answer():
     assert spans == [[1, 2], [3]] and answer == [4, 5] and not state.ended_in_reasoning(20)
     state, (spans, answer) = follow(HARMONY, tokens[:4])
     assert spans == [[1]] and answer is None and state.ended_in_reasoning(4)
+
+
+def test_harmony_text_outside_any_message_is_the_answer():
+    """A plain gpt-oss prompt (or a completions body) whose output has no channels used to
+    give "": every token outside a final message was dropped."""
+    state, (spans, answer) = follow(HARMONY, [1, 2, 3])
+    assert spans == [] and answer == [1, 2, 3] and not state.ended_in_reasoning(3)
+    tokens = [1, 2, 100, 200, 101, 3, 102, 103, 9, 100, 201, 101, 4, 5, 102, 6]
+    _, (spans, answer) = follow(HARMONY, tokens)
+    assert spans == [[3]] and answer == [1, 2, 4, 5, 6]
+    _, (spans, answer) = follow(HARMONY, [103, 9, 101, 7, 8])  # a message with no channel
+    assert spans == [] and answer == [7, 8]
 
 
 # ---- a run ---------------------------------------------------------------------------------
@@ -288,3 +315,30 @@ def test_a_chat_can_continue_its_last_message_or_leave_the_turn_closed(tmp_path)
         src.write_text(json.dumps(bad) + "\n")
         res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
         assert res.exit_code == 1 and says in " ".join(res.output.split()), res.output
+
+
+def test_completions_bodies_get_no_parser_unless_the_run_names_one(thinker):
+    """As vLLM: an OpenAI /v1/completions body's output is all text (its ``<think>`` kept);
+    a chat body's is split; ``--reasoning-parser NAME`` splits both."""
+    from pagedgen.cli.formats.openai_batch import parse_line
+    from pagedgen.cli.formats.request import InputOptions
+
+    def body(url, **b):
+        return {"custom_id": "c", "url": url, "body": {"model": "m", **b}}
+
+    completion = body("/v1/completions", prompt="Say")
+    chat = body("/v1/chat/completions", messages=[{"role": "user", "content": "Say"}])
+    defaults = SamplingParams()
+    for line, options, split in ((completion, InputOptions(), False),
+                                 (chat, InputOptions(), True),
+                                 (completion, InputOptions(completions_reasoning=True), True)):
+        req = parse_line(line, 0, 1, "line 1", options)
+        assert req.sampling(defaults).reasoning is split
+    path, tok = thinker
+    words = tok.encode(" plan first", add_special_tokens=False)
+    think = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    params = SamplingParams(max_tokens=len(words) + 2, temperature=0.0, reasoning=False)
+    out = run(path, [think[0], *words, think[1]], params)[0].outputs[0]
+    assert out.reasoning_content is None and out.finish_reason == "length"
+    assert out.token_ids[:len(words) + 2] == [think[0], *words, think[1]]
+    assert "plan first" in out.text

@@ -403,30 +403,100 @@ def test_a_run_wide_json_schema_applies_where_a_line_gives_none(bpe_model, tmp_p
 _ITEMS = {"type": "array", "items": {"type": "integer"}}
 _OBJECT = {"type": "object", "properties": {"a": {"type": "integer"}, "s": {"type": "string"}},
            "additionalProperties": {"type": "string"}}
-UNENFORCED_USES = {  # keyword: (the schema it sits in, its value there)
-    "uniqueItems": (_ITEMS, True), "contains": (_ITEMS, {"const": 1}),
-    "if": ({"type": "integer", "then": {"const": 2}}, {"const": 1}),
-    "then": ({"type": "integer", "if": {"const": 1}}, {"const": 2}),
-    "else": ({"type": "integer", "if": {"const": 1}}, {"const": 2}),
-    "dependentRequired": (_OBJECT, {"a": ["s"]}),
-    "dependentSchemas": (_OBJECT, {"a": {"required": ["s"]}}),
+_LOWER = {"type": "string", "pattern": "^[a-z]+$"}
+UNENFORCED_USES = {  # keyword: (the schema it sits in, its value there, a document breaking it)
+    "uniqueItems": (_ITEMS, True, "[1, 1]"), "contains": (_ITEMS, {"const": 1}, "[2]"),
+    "if": ({"type": "integer", "then": {"const": 2}}, {"const": 1}, "1"),
+    "then": ({"type": "integer", "if": {"const": 1}}, {"const": 2}, "1"),
+    "else": ({"type": "integer", "if": {"const": 1}}, {"const": 2}, "3"),
+    "dependentRequired": (_OBJECT, {"a": ["s"]}, '{"a": 1}'),
+    "dependentSchemas": (_OBJECT, {"a": {"required": ["s"]}}, '{"a": 1}'),
+    "not": ({"type": "string"}, {"const": "a"}, '"a"'),
+}
+# uses of keywords xgrammar enforces elsewhere: (schema, a document breaking only that use)
+UNENFORCED_PARTS = {
+    "'allOf' of 2 schemas": ({"allOf": [_OBJECT, {"properties": {"a": {"maximum": 3}}}]},
+                             '{"a": 7}'),
+    "'maxLength' beside 'pattern'": ({**_LOWER, "maxLength": 3}, '"abcd"'),
+    "'minLength' beside 'format'": ({"type": "string", "format": "email", "minLength": 30},
+                                    '"a@b.cd"'),
+    "'multipleOf' 2.5 at": ({"type": "integer", "multipleOf": 2.5}, "3"),
+    "'multipleOf' 2 at": ({"type": "number", "multipleOf": 2}, "3"),
+    "'required' 'b'": ({**_OBJECT, "required": ["b"]}, '{"a": 1}'),
 }
 
 
-def test_every_keyword_refused_is_one_the_installed_xgrammar_ignores():
-    """The list stays true: a keyword leaves the installed xgrammar's grammar as it was
-    (when a version enforces one, this fails: take it off the list)."""
+def xgrammar_accepts(schema: dict, text: str) -> bool:
+    """Whether the installed xgrammar's matcher for ``schema`` takes ``text`` whole."""
     import xgrammar as xgr
-    from pagedgen.runtime.sampling.structured import UNENFORCED_KEYWORDS
+
+    info = xgr.TokenizerInfo([bytes([i]) for i in range(256)], xgr.VocabType.RAW,
+                             vocab_size=256, stop_token_ids=[])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(info).compile_json_schema(
+        json.dumps(schema)), terminate_without_stop_token=True)
+    return all(matcher.accept_token(b) for b in text.encode()) and matcher.is_terminated()
+
+
+def test_every_keyword_refused_is_one_the_installed_xgrammar_does_not_enforce():
+    """The lists stay true: a document that breaks only the refused keyword (or use) passes
+    the installed xgrammar's matcher, and the schema is refused (when a version enforces
+    one, this fails: take it off the list)."""
+    from pagedgen.runtime.sampling.structured import UNENFORCED_KEYWORDS, unenforced
 
     assert sorted(UNENFORCED_USES) == sorted(UNENFORCED_KEYWORDS)
-    for key, (schema, value) in UNENFORCED_USES.items():
-        without, with_it = (str(xgr.Grammar.from_json_schema(json.dumps(s)))
-                            for s in (schema, {**schema, key: value}))
-        assert with_it == without, key
-    enforced = {**_ITEMS, "maxItems": 2}  # the check itself tells them apart
-    assert str(xgr.Grammar.from_json_schema(json.dumps(enforced))) != \
-        str(xgr.Grammar.from_json_schema(json.dumps(_ITEMS)))
+    for key, (schema, value, broken) in UNENFORCED_USES.items():
+        assert xgrammar_accepts({**schema, key: value}, broken), key
+        assert unenforced({**schema, key: value}).startswith("'")  # refused
+    for why, (schema, broken) in UNENFORCED_PARTS.items():
+        assert xgrammar_accepts(schema, broken), why
+        assert unenforced(schema).startswith(why), (unenforced(schema), why)
+    assert not xgrammar_accepts({**_ITEMS, "maxItems": 1}, "[1, 2]")  # the check tells
+    for enforced in ({"allOf": [_OBJECT]}, {"type": "string", "maxLength": 3},
+                     {"type": "integer", "multipleOf": 3}, {**_OBJECT, "required": ["a"]}):
+        assert unenforced(enforced) is None, enforced
+
+
+def test_a_schema_no_output_can_meet_is_refused_before_the_run(tmp_path):
+    """``required`` of a property ``additionalProperties: false`` forbids used to run
+    unenforced (``{}``); now it is a one-line error naming where."""
+    from pagedgen.runtime.sampling.structured import unsatisfiable
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
+              "additionalProperties": False}
+    assert unsatisfiable({"type": "array", "items": schema}) == (
+        "an object at #/items that must hold 'b', which 'additionalProperties': false forbids")
+    assert unsatisfiable({**schema, "required": ["a"]}) is None
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "x", "structured_outputs": {"json": schema}}) + "\n")
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o",
+                              str(tmp_path / "o.jsonl")])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    assert "must hold 'b'" in res.output and "no output could meet it" in res.output
+
+
+def test_bad_words_that_forbid_every_token_the_grammar_allows_end_the_sample(tmp_path):
+    """A constrained sample whose grammar's tokens its bad_words all forbid used to sample
+    from no distribution at all and go on unconstrained ("ye\\u0000yy", exit 0): it ends
+    ``unsatisfiable`` where no token is left, and the summary counts it."""
+    src = tmp_path / "p.jsonl"
+    lines = [{"prompt": "Answer", "structured_outputs": {"choice": ["yes", "no"]},
+              "bad_words": ["y"], "temperature": 0.9, "max_tokens": 20, "seed": s}
+             for s in range(6)]
+    lines.append({"prompt": "Answer", "structured_outputs": {"choice": ["yes"]},
+                  "bad_words": ["e"], "max_tokens": 20})
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o", str(out),
+                              "--json"])
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    for r in rows[:6]:  # "no", or "y" refused: unsatisfiable at once
+        assert (r["text"], r["finish_reason"]) in (("no", "stop"), ("", "unsatisfiable")), r
+    assert rows[6]["text"] == "y" and rows[6]["finish_reason"] == "unsatisfiable"
+    summary = json.loads(res.output[res.output.index("{"):])
+    assert summary["grammar_unsatisfiable_samples"] == sum(
+        r["finish_reason"] == "unsatisfiable" for r in rows) >= 1
+    assert summary.get("grammar_rejected_samples", 0) == 0
 
 
 def test_keywords_named_as_properties_or_held_as_values_are_not_refused():
@@ -438,3 +508,23 @@ def test_keywords_named_as_properties_or_held_as_values_are_not_refused():
     assert unenforced(schema) is None
     schema["$defs"]["else"]["items"] = {"anyOf": [{"type": "array", "uniqueItems": True}]}
     assert unenforced(schema) == "'uniqueItems' at #/$defs/else/items/anyOf/0"
+
+
+def test_json_strings_a_pattern_lets_hold_control_characters_are_escaped(tmp_path):
+    """A ``pattern`` that names a control character lets xgrammar write it raw inside a JSON
+    string, which ``json.loads`` refuses; the text escapes it, and the value still matches."""
+    from pagedgen.runtime.sampling.structured import escape_json_controls
+
+    assert escape_json_controls('{"a": "x\ty", "b": "q\\"\x01"}') == \
+        '{"a": "x\\ty", "b": "q\\"\\u0001"}'
+    schema = {"type": "object", "properties": {"s": {"type": "string", "pattern": "\\t"}},
+              "required": ["s"], "additionalProperties": False}
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"prompt": "x", "max_tokens": 20,
+                               "structured_outputs": {"json": schema}}) + "\n")
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o", str(out)])
+    assert res.exit_code == 0, res.output
+    row = json.loads(out.read_text())
+    assert 9 in row["token_ids"] and row["finish_reason"] == "stop"  # a raw tab, as allowed
+    assert json.loads(row["text"]) == {"s": "\t"}  # escaped in the text: the value matches

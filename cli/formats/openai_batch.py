@@ -92,6 +92,8 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         set_chat_options(req, body, where, "body ")
     else:
         _set_completion_prompt(req, body.get("prompt"), where)
+        if not opts.completions_reasoning:  # as vLLM: no reasoning parser on completions
+            req.overrides = {**(req.overrides or {}), "reasoning": False}
     if "max_tokens" in body and "max_completion_tokens" in body \
             and body["max_tokens"] != body["max_completion_tokens"]:
         raise PagedgenError(f"{where}: body 'max_tokens' and 'max_completion_tokens' differ")

@@ -4,6 +4,7 @@ lines and OpenAI batch lines): prompt kinds, sampling fields, users' own fields.
 from __future__ import annotations
 
 import dataclasses
+import json
 from array import array
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,8 @@ class InputOptions:
     messages_field: str = "messages"
     strict_fields: bool = False  # unknown fields are errors instead of output metadata
     served_model_name: str | None = None  # OpenAI lines' body "model" must equal it
+    # the run names a reasoning parser: it splits OpenAI /v1/completions bodies' outputs too
+    completions_reasoning: bool = False
 
     def __post_init__(self) -> None:
         for option, name in (("--prompt-field", self.prompt_field),
@@ -79,6 +82,9 @@ class Request:
     metadata: Any = None  # the user's own fields, carried into the output line
     # chat lines: more chat-template variables (``chat_template_kwargs``, ``reasoning_effort``)
     template_kwargs: dict[str, Any] | None = None
+    # a sampling field's name as the line gave it, where it differs ({"logprobs": "body
+    # 'top_logprobs'"}): range errors name what the user wrote
+    labels: dict[str, str] | None = None
     endpoint: str | None = None  # OpenAI lines: "chat" or "completions"
     model: str | None = None  # OpenAI lines: the body's "model"
     source: int = 0  # which of the input's files holds the line
@@ -103,13 +109,12 @@ def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> N
     elif kind == "prompt_token_ids":
         req.prompt_token_ids = token_ids(value, where, label)
     else:
-        if isinstance(value, list):
-            value = [_text_content(m, where, label) for m in value]
-        if not isinstance(value, list) or not value or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str) for m in value):
+        if not isinstance(value, list) or not value:
             raise PagedgenError(f"{where}: {label} must be a non-empty list of "
                                 "{\"role\": str, \"content\": str} objects")
+        value = [_text_content(m, where, f"{label}[{i}]") for i, m in enumerate(value)]
+        for i, m in enumerate(value):
+            _check_message(m, where, f"{label}[{i}]")
         req.messages = value
 
 
@@ -152,6 +157,22 @@ def set_chat_options(req: Request, obj: dict, where: str, prefix: str = "") -> N
         raise PagedgenError(f"{where}: {prefix}'continue_final_message' continues the last "
                             "message and 'add_generation_prompt' opens a new one: give one")
     req.template_kwargs = {**(req.template_kwargs or {}), **given}
+
+
+def _check_message(m: Any, where: str, label: str) -> None:
+    """One chat message: a {"role": str, "content": str} object; a tool call or a tool's
+    result is named as such (pagedgen runs no tools), any other fault by what is wrong."""
+    if not isinstance(m, dict):
+        raise PagedgenError(f"{where}: {label} must be a {{\"role\": str, \"content\": str}} "
+                            f"object, not {type(m).__name__}")
+    if m.get("tool_calls") or m.get("role") == "tool" or m.get("function_call"):
+        raise PagedgenError(f"{where}: {label} is a tool call or a tool's result: pagedgen "
+                            "runs no tools (its chats are text messages)")
+    if not isinstance(m.get("role"), str):
+        raise PagedgenError(f"{where}: {label} needs a 'role' string")
+    if not isinstance(m.get("content"), str):
+        raise PagedgenError(f"{where}: {label}: 'content' must be a string (or text parts), "
+                            f"not {json.dumps(m.get('content'))[:40]}")
 
 
 def _text_content(message: Any, where: str, label: str) -> Any:
@@ -204,6 +225,8 @@ def set_sampling(req: Request, name: str, value: Any, where: str, label: str | N
     if req.overrides is None:
         req.overrides = {}
     req.overrides[name] = value
+    if label != f"'{name}'":
+        req.labels = {**(req.labels or {}), name: label}
 
 
 def _logit_bias(value: dict, where: str, label: str) -> dict[int, float]:
@@ -224,7 +247,9 @@ def check_sampling(req: Request, where: str) -> None:
         try:
             req.sampling(SamplingParams()).validate()
         except ValueError as e:
-            raise PagedgenError(f"{where}: {e}")
+            field, _, rest = str(e).partition(" ")
+            label = (req.labels or {}).get(field)
+            raise PagedgenError(f"{where}: {f'{label} {rest}' if label else e}")
 
 
 def user_fields(obj: dict, known: set[str] | frozenset[str], where: str,

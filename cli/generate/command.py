@@ -194,7 +194,8 @@ def generate(
         except ValueError as e:
             raise PagedgenError(f"--json-schema: {e}")
     job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
-              InputOptions(prompt_field, messages_field, strict_fields, served_model_name),
+              InputOptions(prompt_field, messages_field, strict_fields, served_model_name,
+                           engine_cfg.reasoning_parser not in ("auto", "none")),
               tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)
     summary = run(job)
     if summary is None:  # a torchrun rank other than 0: rank 0 reports

@@ -39,7 +39,7 @@ from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, ch
                                              start_driver)
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
-                                            weights_format)
+                                            weights_fingerprint, weights_format)
 from pagedgen.runtime.models.tokenizer import has_text
 
 
@@ -122,7 +122,8 @@ def run(job: Job) -> dict[str, Any] | None:
             tokenize_requests(rf, tokenizer, lambda n: progress.update(task, completed=n))
             grammars = compiling.wait()
             check_requests(rf, lambda r: checked_request(r, job.defaults, limit, vocab,
-                                                         cfg.max_num_seqs))
+                                                         cfg.max_num_seqs,
+                                                         cfg.named("max_num_seqs")))
             input_s += time.perf_counter() - t_tok
 
         record = line_maker(rf.format, job.opts.served_model_name or src.name)
@@ -167,11 +168,11 @@ def run(job: Job) -> dict[str, Any] | None:
 
 
 def _check_context(cfg: EngineConfig, src) -> None:
-    """``--max-model-len`` within the model's context (as vLLM checks it)."""
+    """``max_model_len`` within the model's context (as vLLM checks it)."""
     own = getattr(src.hf_config, "max_position_embeddings", None)
     if cfg.max_model_len is not None and own and cfg.max_model_len > own:
-        raise PagedgenError(f"--max-model-len {cfg.max_model_len:,} is more than {src.name}'s "
-                            f"context ({own:,} tokens, max_position_embeddings)")
+        raise PagedgenError(f"{cfg.named('max_model_len')} {cfg.max_model_len:,} is more than "
+                            f"{src.name}'s context ({own:,} tokens, max_position_embeddings)")
 
 
 def _say_what_reading_waits_for(sources: list[InputSource]) -> None:
@@ -272,7 +273,9 @@ def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: In
     dtype = engine_cfg.torch_dtype(engine_cfg.torch_device())
     sampling = dataclasses.asdict(defaults)
     sampling["request_seed"] = sampling.pop("seed")  # a profile's; --seed is the run's
-    return {"model": model, "load_format": engine_cfg.load_format,
+    return {"model": model, "weights": weights_fingerprint(resolve_model(engine_cfg.model),
+                                                           engine_cfg.load_format),
+            "load_format": engine_cfg.load_format,
             "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
             "quantization": engine_cfg.quantization,

@@ -211,6 +211,18 @@ def check_tensor_parallel(backend_name: str, model: str, dtype: str, device: tor
     return judge(got, base, ref32, MODEL_TOL[dt], label, dt != torch.float32)
 
 
+def prefix_cache_unused(model: str) -> str | None:
+    """Why ``model``'s runs use no prefix cache (so no check of it applies), or None."""
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    src = resolve_model(model)
+    if registry.model_class(src.hf_config).state_specs(src.hf_config, 1):
+        return (f"{src.name} has linear-attention layers, whose state a prefix's cached pages "
+                "do not hold: its runs cache no prefixes")
+    return None
+
+
 def check_prefix_cache(backend_name: str, model: str, dtype: str, device: torch.device,
                        steps: int, seed: int, page_size: int) -> Row:
     """A prompt whose first blocks come from the prefix cache against an uncached run of the

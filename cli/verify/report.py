@@ -37,6 +37,8 @@ class BackendReport:
     reason: str = ""
     rows: list[Row] = field(default_factory=list)
     reference: str = "eager"  # what the rows are checked against (the table's title)
+    # checks left out because the model does not use what they check: (check, why)
+    not_checked: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -58,3 +60,5 @@ def render(reports: list[BackendReport], console: Console) -> None:
                       "[green]pass[/]" if r.passed else "[bold red]FAIL[/]",
                       f"{r.seconds:.1f} s", escape(r.detail))
         console.print(t)
+        for check, why in rep.not_checked:
+            console.print(f"  not checked: {escape(check)} — {escape(why)}", highlight=False)

@@ -22,7 +22,8 @@ from pagedgen.cli.common import console
 from pagedgen.cli.verify.kernel_checks import (cascade_cases, cascade_dtype, cascade_row,
                                                kernel_cases, kernel_groups, kernel_row,
                                                page_sizes)
-from pagedgen.cli.verify.model_checks import check_model, check_prefix_cache
+from pagedgen.cli.verify.model_checks import (check_model, check_prefix_cache,
+                                              prefix_cache_unused)
 from pagedgen.cli.verify.report import BackendReport, Row, render
 from pagedgen.runtime.children import die_with_parent
 from pagedgen.errors import PagedgenError
@@ -70,10 +71,14 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
     for graphs in graph_modes(backend, device):
         checks.append(Check([(check_model, (name, model, dtype, device, steps, seed, graphs))],
                             single))
-    for page in page_sizes(backend):
+    report = BackendReport(name, "checked")
+    unused = prefix_cache_unused(model)
+    if unused:
+        report.not_checked.append(("prefix-cached prefill", unused))
+    for page in page_sizes(backend) if not unused else ():
         checks.append(Check([(check_prefix_cache,
                               (name, model, dtype, device, steps, seed, page))], single))
-    return BackendReport(name, "checked"), checks
+    return report, checks
 
 
 def graph_modes(backend: type[AttentionBackend], device: torch.device) -> list[bool]:

@@ -127,7 +127,9 @@ def _output_itself(out: RequestOutput) -> RequestOutput:
 
 
 def checked_request(request: Request, defaults: SamplingParams, limit: int, vocab: int,
-                    seats: int | None) -> None:
+                    seats: int | None, seats_named: str = "--max-num-seqs") -> None:
     """``engine.requests.check_request`` of one input request before any engine loads (its
-    prompt against the model's context and vocabulary, its settings against the seats)."""
-    check_request(request.prompt_token_ids, request.sampling(defaults), limit, vocab, seats)
+    prompt against the model's context and vocabulary, its settings against the seats, which
+    ``seats_named`` set)."""
+    check_request(request.prompt_token_ids, request.sampling(defaults), limit, vocab, seats,
+                  seats_named=seats_named)

@@ -23,7 +23,7 @@ from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.output_stage import OutputStage
 from pagedgen.runtime.engine.outputs import RequestOutput
 from pagedgen.runtime.engine.report import run_summary
-from pagedgen.runtime.engine.stats import DecodeReads, StepStats
+from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
@@ -40,11 +40,7 @@ class Engine:
         sample (``runtime/sampling/processors.py``); None: no request has any. ``grammars``:
         structured-output constraints already compiled for this model's tokenizer (made at
         the first constrained request otherwise)."""
-        config = config.with_seats()
-        if config.max_num_batched_tokens < config.max_num_seqs:
-            raise PagedgenError("--max-num-batched-tokens must be >= --max-num-seqs")
-        if (config.block_size is not None and config.block_size < 1) or config.max_num_seqs < 1:
-            raise PagedgenError("--block-size and --max-num-seqs must be positive")
+        config = config.with_seats()  # checked: seats within the tokens, both positive
         self.config = config
         self.src = src or resolve_model(config.model)
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
@@ -58,14 +54,7 @@ class Engine:
         recurrent = self.runner.recurrent
         if recurrent is not None and recurrent.seats < config.max_num_seqs:  # did not fit
             self.config = config = dataclasses.replace(config, max_num_seqs=recurrent.seats)
-        # Linear-attention layers keep no state at a prefix's end, so a prefix's cached pages
-        # alone cannot resume a sequence: no prefix caching for them (the summary says so).
-        self.block_manager = BlockManager(
-            self.runner.num_blocks - 1,  # -1: the scratch block
-            self.runner.block_size, config.prefix_caching and recurrent is None,
-            state_slots=0 if recurrent is None else config.max_num_seqs)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+        self._new_queues()
         self.stats = StepStats()
         self._next_id = 0
         self._pending = None  # (StepHandle, placeholder indices) of the step in flight
@@ -78,6 +67,35 @@ class Engine:
             t = time.perf_counter()
             rehearsal.rehearse(self)  # then counts afresh: jit_marks[1] moves past it
             self.runner.startup_phases["rehearsal"] = time.perf_counter() - t
+
+    def _new_queues(self) -> None:
+        """An empty scheduler over a block manager with every block and state slot free."""
+        config, recurrent = self.config, self.runner.recurrent
+        # Linear-attention layers keep no state at a prefix's end, so a prefix's cached pages
+        # alone cannot resume a sequence: no prefix caching for them (the summary says so).
+        self.block_manager = BlockManager(
+            self.runner.num_blocks - 1,  # -1: the scratch block
+            self.runner.block_size, config.prefix_caching and recurrent is None,
+            state_slots=0 if recurrent is None else config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+
+    def abort(self) -> int:
+        """Drop every request queued or in flight (an interrupted or failed call's); how many.
+        Once the device has run what was launched, every block and state slot is free, the
+        prefix cache empty (a step cut before its launch may have registered blocks never
+        written) and the matchers new (an interrupt may have cut a message to them)."""
+        pending = self._pending[0].sampling if self._pending is not None else []
+        seqs = {id(s): s for s in (*self.scheduler.running, *self.scheduler.waiting,
+                                   *pending)}
+        dropped = len({id(s.samples) if s.samples else id(s) for s in seqs.values()})
+        self.runner.abandon_steps()
+        self._pending = self._ahead = None
+        self._sources = []
+        self._new_queues()
+        if self._grammars is not None:
+            self._grammars.restart_pool()
+        return dropped
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -94,7 +112,7 @@ class Engine:
                 self._output = OutputStage(self.tokenizer, lambda: runner.max_model_len,
                                            self.config.reasoning_parser)
             except ValueError as e:  # a named reasoning parser this tokenizer cannot run
-                raise PagedgenError(f"--reasoning-parser: {e}")
+                raise PagedgenError(f"{self.config.named('reasoning_parser')}: {e}")
         return self._output
 
     @property
@@ -195,7 +213,8 @@ class Engine:
                       f"{r.num_blocks * r.block_bytes() / 2**30:.2f} GiB); give more "
                       "--kv-cache-memory or --num-blocks")
         check_request(prompt_token_ids, params, self.max_model_len,
-                      self.src.hf_config.vocab_size, self.config.max_num_seqs, memory)
+                      self.src.hf_config.vocab_size, self.config.max_num_seqs, memory,
+                      self.config.named("max_num_seqs"))
 
     def add_requests(self, items: Iterable[RequestItem]) -> None:
         """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
@@ -343,25 +362,7 @@ class Engine:
             bm.cache_blocks(seq, min(seq.num_computed_tokens, seq.num_known_tokens))
 
     def _account(self, batch, t0: float) -> None:
-        now = time.perf_counter()
-        st = self.stats
-        if not st.num_steps:
-            st.first_step_wall_time = time.time() - (now - t0)
-        st.num_steps += 1
-        st.num_preemptions += len(batch.preempted)
-        st.prefix_queried_tokens += batch.prefix_queried_tokens
-        st.prefix_hit_tokens += batch.prefix_hit_tokens
-        st.evicted_blocks += batch.evicted_blocks
-        bm = self.block_manager
-        st.peak_blocks_used = max(st.peak_blocks_used, bm.num_blocks - bm.num_free_blocks)
-        if batch.prefills:
-            st.prefill_tokens += batch.num_prefill_tokens
-            st.prefill_time += now - t0
-        else:
-            st.decode_time += now - t0
-            st.decode_steps += 1
-            st.decode_kv_tokens += sum(seq.num_tokens for seq in batch.decodes)
-        st.decode_tokens += len(batch.decodes)
+        self.stats.step_done(batch, self.block_manager, t0, time.perf_counter())
 
     def _place(self, handle) -> list[int]:
         """Append a placeholder token for each sequence the launched step samples; a sequence
@@ -393,8 +394,11 @@ class Engine:
         for (seq, token, entry), i in zip(results, placed):
             if i >= seq.num_output_tokens or seq.output_token_ids[i] != PENDING_TOKEN:
                 continue  # dropped: the sequence stopped at an earlier token
-            if seq.grammar is not None and seq.grammar.dead_index is not None \
-                    and i >= seq.grammar.dead_index and seq.finish_reason is None:
+            if seq.finish_reason is None and (token < 0 or (
+                    seq.grammar is not None and seq.grammar.dead_index is not None
+                    and i >= seq.grammar.dead_index)):  # no token could continue it
+                if token < 0 and seq.grammar is not None:
+                    self._grammars.dead_end()
                 finished.append(self._unsatisfiable(seq, i, now))
                 continue
             seq.output_token_ids[i] = token
@@ -424,15 +428,17 @@ class Engine:
         return finished
 
     def _unsatisfiable(self, seq: Sequence, i: int, now: float) -> Sequence:
-        """End ``seq`` before its output token ``i``, which its grammar allows no choice for
-        (the token sampled there, and any placeholder after it, are dropped)."""
+        """End ``seq`` before its output token ``i``, which its grammar (with its controls)
+        allows no choice for (the token sampled there, and any placeholder after it, are
+        dropped)."""
         extra = seq.num_output_tokens - i
         del seq.output_token_ids[i:], seq.token_ids[-extra:]
         seq.finish_reason, seq.finish_time = "unsatisfiable", now
         if not seq.is_finished:
             self.scheduler.finish(seq)
         self.stats.record_finished(seq)
-        self._grammars.release(seq.grammar)
+        if seq.grammar is not None:
+            self._grammars.release(seq.grammar)
         return seq
 
     def output_text(self, seq: Sequence) -> str:
@@ -448,9 +454,8 @@ class Engine:
         """Step until every queued request has finished."""
         while self.has_unfinished():
             finished = self.step()
-            for seq in finished:
-                if on_finish:
-                    on_finish(seq)
+            for seq in finished if on_finish else ():
+                on_finish(seq)
             if on_step:
                 on_step(finished)
 
@@ -472,16 +477,9 @@ class Engine:
 
     def reset_stats(self) -> None:
         """Start the summary's counters afresh (between benchmark runs on one engine)."""
-        r = self.runner
         self.stats = StepStats()
         self.jit_marks[1] = jit_monitor.MONITOR.mark()
-        r.host_time_s = dict.fromkeys(r.host_time_s, 0.0)
-        r.host_steps = dict.fromkeys(r.host_steps, 0)
-        r.decode_reads = DecodeReads(r.decode_reads.token_bytes)
-        if r.piecewise is not None:
-            r.piecewise.steps = 0
-        if r.graphs is not None:  # graphs captured from here on count for the next run
-            r.graphs.run_captures, r.graphs.run_capture_s, r.graphs.run_warmups = 0, 0.0, 0
+        self.runner.reset_counters()
         if self._grammars is not None:
             self._grammars.reset_counters()
 

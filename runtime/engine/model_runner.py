@@ -109,10 +109,17 @@ class ModelRunner:
         t = self._phase("memory_profile", t)
         self.decode_reads = DecodeReads(self.block_bytes() // self.block_size * self.tp.size)
         if self.num_blocks < 2:
+            size = (f"{self.block_bytes() / 2**20:.2f} MiB each, "
+                    f"{2 * self.block_bytes() / 2**20:.2f} MiB for 2")
+            asked = self._asked_kv_cache()
+            if asked is not None:  # the user sized it
+                raise PagedgenError(f"{asked[1]} holds {self.num_blocks} KV-cache block(s) "
+                                    f"of {self.block_size} tokens ({size}); it needs at "
+                                    "least 2")
             raise PagedgenError(
                 f"the KV cache has room for {self.num_blocks} block(s) of {self.block_size} "
-                f"tokens ({self.block_bytes() / 2**20:.1f} MiB each) and needs at least 2: "
-                "give --kv-cache-memory or --num-blocks, or free device memory")
+                f"tokens ({size}) and needs at least 2: give --kv-cache-memory or "
+                "--num-blocks, or free device memory")
         # The last block is never handed out: CUDA-graph padding rows write into it.
         self.scratch_block = self.num_blocks - 1
         self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
@@ -196,9 +203,11 @@ class ModelRunner:
         the weights before they load."""
         cfg = self.config
         if cfg.num_blocks is not None:
-            return cfg.num_blocks * self.block_bytes(), f"--num-blocks {cfg.num_blocks:,}"
+            return (cfg.num_blocks * self.block_bytes(),
+                    f"{cfg.named('num_blocks')} {cfg.num_blocks:,}")
         if cfg.kv_cache_memory is not None:
-            return parse_bytes(cfg.kv_cache_memory), f"--kv-cache-memory {cfg.kv_cache_memory}"
+            return (parse_bytes(cfg.kv_cache_memory),
+                    f"{cfg.named('kv_cache_memory')} {cfg.kv_cache_memory}")
         return None
 
     def _num_blocks(self) -> int:
@@ -314,6 +323,26 @@ class ModelRunner:
         rows = to_device([[r for r, _ in pending], src], torch.long, self.device)
         ids[rows[0]] = self.last_tokens[rows[1]].to(ids.dtype)
 
+    def reset_counters(self) -> None:
+        """Start the summary's host-time, decode-read and graph counters afresh."""
+        self.host_time_s = dict.fromkeys(self.host_time_s, 0.0)
+        self.host_steps = dict.fromkeys(self.host_steps, 0)
+        self.decode_reads = DecodeReads(self.decode_reads.token_bytes)
+        if self.piecewise is not None:
+            self.piecewise.steps = 0
+        if self.graphs is not None:  # graphs captured from here on count for the next run
+            g = self.graphs
+            g.run_captures, g.run_capture_s, g.run_warmups = 0, 0.0, 0
+
+    def abandon_steps(self) -> None:
+        """Forget the steps launched so far (their requests are dropped), once the device has
+        finished them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.last_tokens, self.last_sampled = None, []
+        if self.advancer is not None:
+            self.advancer.forget()
+
     def can_advance(self, decodes: list[Sequence]) -> bool:
         """Whether a decode step of ``decodes`` can take its inputs from the device (so it may
         launch before the previous step's tokens reach the host)."""
@@ -403,10 +432,10 @@ class ModelRunner:
             self.last_logits, self.last_sampled = handle.plan.logits, handle.sampling
             handle.logits = handle.plan = None
             self.last_tokens = out.tokens  # on the device: the next step's pending inputs
-            handle.tokens, handle.logprobs = out.tokens, out.logprobs
+            handle.tokens, handle.logprobs = out.host_tokens(), out.logprobs
             handle.logprob_rows = out.logprob_rows
             if self.advancer is not None and handle.decode_only:
-                self.advancer.sampled(handle.tokens)
+                self.advancer.sampled(out.tokens)
         if self.device.type != "cuda":
             return handle
         if handle.tokens is not None:

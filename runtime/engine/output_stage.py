@@ -16,6 +16,7 @@ from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChec
 from pagedgen.runtime.engine.outputs import RequestOutput, request_output
 from pagedgen.runtime.engine.reasoning import ReasoningParser, make_parser
 from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.sampling.structured import escape_json_controls
 
 
 class OutputStage:
@@ -31,7 +32,7 @@ class OutputStage:
         """New samples of one request: with stop strings, each a detokenizer (one checker);
         with a reasoning parser, each its reasoning state (its grammar waiting for the
         answer)."""
-        if self.reasoning is not None:
+        if self.reasoning is not None and params.reasoning:
             for s in samples:
                 s.reasoning = self.reasoning.state(s.prompt_token_ids)
                 if s.grammar is not None:
@@ -97,6 +98,15 @@ class OutputStage:
         return self.texts(seq)[0]
 
     def texts(self, seq: Sequence) -> tuple[str, str | None]:
+        """``_texts``, a JSON answer's strings with their control characters escaped (a
+        pattern may let the grammar write them raw: ``structured.escape_json_controls``)."""
+        text, reasoning = self._texts(seq)
+        c = seq.params.structured
+        if c is not None and c.kind in ("json", "json_object"):
+            text = escape_json_controls(text)
+        return text, reasoning
+
+    def _texts(self, seq: Sequence) -> tuple[str, str | None]:
         """A finished sample's (answer, reasoning): with a reasoning parser, its reasoning's
         spans decoded (joined by newlines; None where it did not reason) and the answer's
         tokens decoded ("" where no answer began); a stop string cuts either where it ends

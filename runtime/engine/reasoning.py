@@ -8,11 +8,18 @@ answer's ``text``, and structured output constrains the answer only (the grammar
 the first answer token: ``answer_start``).
 
 * ``think`` (Qwen3, QwQ, DeepSeek-R1 and its distills): reasoning between ``<think>`` and
-  ``</think>``. A prompt that ends inside an open ``<think>`` (DeepSeek-R1's template) starts
-  the output in reasoning; otherwise the sample reasons only if its first token is ``<think>``
-  (Qwen3's thinking mode; with thinking off its template closes an empty block in the prompt).
-* ``harmony`` (gpt-oss): messages ``<|channel|>NAME<|message|>...<|end|>``; the ``final``
-  channel's message is the answer, the others (``analysis``, ``commentary``) the reasoning.
+  ``</think>``. A prompt that ends in an open ``<think>`` (only whitespace after it:
+  DeepSeek-R1's template) starts the output in reasoning; otherwise the sample reasons only if
+  its first token is ``<think>`` (Qwen3's thinking mode; with thinking off its template closes
+  an empty block in the prompt). A ``<think>`` earlier in the prompt (a user's text that
+  mentions the tag) opens nothing.
+* ``harmony`` (gpt-oss): messages ``<|start|>ROLE<|channel|>NAME<|message|>...<|end|>``; the
+  ``final`` channel's message is the answer, the others (``analysis``, ``commentary``) the
+  reasoning. Text outside any message (a completion of a plain prompt) is answer too: nothing
+  the model writes is dropped.
+
+The parser runs on every request of a run, except OpenAI ``/v1/completions`` bodies where the
+run does not name one (``SamplingParams.reasoning``: vLLM applies no parser to completions).
 
 ``qwen3`` and ``deepseek_r1`` name the ``think`` parser, ``gpt_oss`` the ``harmony`` one.
 """
@@ -43,22 +50,25 @@ def token_id(tokenizer: Any, text: str) -> int | None:
 @dataclass(frozen=True)
 class ReasoningParser:
     """A run's parser: ``kind`` "think" (``start``/``end`` the tag ids) or "harmony"
-    (``start`` <|channel|>, ``end`` <|message|>, ``close`` <|end|>)."""
+    (``start`` <|channel|>, ``end`` <|message|>, ``close`` <|end|>, ``role`` <|start|>)."""
 
     kind: str
     start: int
     end: int
     close: int | None = None
-    decode: Any = None  # ids → text (a harmony channel's name)
+    decode: Any = None  # ids → text (a harmony channel's name; what follows a prompt's tag)
+    role: int | None = None
 
     def state(self, prompt_ids) -> ReasoningState:
         """A new sample's state, from its prompt."""
         if self.kind == "harmony":
             return ReasoningState(self, phase="between")
-        ids = list(prompt_ids[-64:])  # the template's tail holds any open tag
+        ids = list(prompt_ids[-8:])  # an open tag the template ends in, and whitespace
         opened = max((i for i, t in enumerate(ids) if t == self.start), default=-1)
-        closed = max((i for i, t in enumerate(ids) if t == self.end), default=-1)
-        return ReasoningState(self, phase="reasoning" if opened > closed else "maybe")
+        after = ids[opened + 1:]
+        blank = not after or (self.decode is not None and not self.decode(after).strip()
+                              and self.end not in after)
+        return ReasoningState(self, phase="reasoning" if opened >= 0 and blank else "maybe")
 
 
 def make_parser(name: str, tokenizer: Any) -> ReasoningParser | None:
@@ -75,28 +85,30 @@ def make_parser(name: str, tokenizer: Any) -> ReasoningParser | None:
         kind = "harmony" if None not in harmony else "think" if None not in think else None
         if kind is None:
             return None
+    decode = lambda ids: tokenizer.decode(ids, True, False)  # noqa: E731
     if kind == "think":
         if None in think:
             raise ValueError(f"reasoning parser '{name}': the tokenizer has no <think> and "
                              "</think> tokens")
-        return ReasoningParser("think", *think)
+        return ReasoningParser("think", *think, decode=decode)
     if None in harmony:
         raise ValueError(f"reasoning parser '{name}': the tokenizer has no harmony tokens "
                          f"({', '.join(HARMONY_TOKENS)})")
-    return ReasoningParser("harmony", harmony[0], harmony[1], harmony[2],
-                           lambda ids: tokenizer.decode(ids, True, False))
+    return ReasoningParser("harmony", harmony[0], harmony[1], harmony[2], decode, harmony[3])
 
 
 @dataclass
 class ReasoningState:
     """Where one sample is: ``phase`` "maybe" (its first token decides), "reasoning",
-    "answer", or (harmony) "between" messages / in a channel's "header"; the output spans
-    of its reasoning and the answer's first index."""
+    "answer", or (harmony) "between" messages, in a message's "role" or its channel's
+    "header"; the output spans of its reasoning and of its answer (harmony's may be several:
+    text outside messages and the final message), and the answer's first index."""
 
     parser: ReasoningParser
     phase: str
     spans: list[list[int]] = field(default_factory=list)  # [first, end) output indices
     answer_start: int | None = None
+    answer_spans: list[list[int]] = field(default_factory=list)  # harmony's
     _header: list[int] = field(default_factory=list)
 
     @property
@@ -131,13 +143,19 @@ class ReasoningState:
                 else:
                     self.spans[-1][1] = i + 1
             return
-        if self.phase == "between" and token == p.start:
+        if self.phase in ("between", "role") and token == p.start:
             self.phase, self._header = "header", []
+        elif self.phase == "between" and token == p.role:
+            self.phase = "role"
+        elif self.phase == "between":  # text outside any message: the answer's
+            self._answer(i, i + 1)
+        elif self.phase == "role" and token == p.end:  # a message without a channel
+            self._answer(i + 1, i + 1)
         elif self.phase == "header":
             if token == p.end:
                 final = p.decode(self._header).strip().split(" ")[0] == "final"
                 if final:
-                    self.phase, self.answer_start = "answer", i + 1
+                    self._answer(i + 1, i + 1)
                 else:
                     self.phase = "reasoning"
                     self.spans.append([i + 1, i + 1])
@@ -148,9 +166,29 @@ class ReasoningState:
                 self.phase = "between"
             else:
                 self.spans[-1][1] = i + 1
+        elif self.phase == "answer":
+            if token == p.close:
+                self.phase = "between"
+            elif token in (p.start, p.role):  # a message begins after text outside any
+                self.phase, self._header = ("header" if token == p.start else "role"), []
+            else:
+                self.answer_spans[-1][1] = i + 1
+
+    def _answer(self, first: int, end: int) -> None:
+        """(harmony) the answer goes on with output indices [first, end)."""
+        self.phase = "answer"
+        if self.answer_start is None:
+            self.answer_start = first
+        if self.answer_spans and self.answer_spans[-1][1] == first:
+            self.answer_spans[-1][1] = end
+        else:
+            self.answer_spans.append([first, end])
 
     def split(self, token_ids: list[int]) -> tuple[list[list[int]], list[int] | None]:
         """The output's reasoning spans' ids and its answer's ids (None: no answer began)."""
         spans = [token_ids[a:b] for a, b in self.spans]
-        answer = None if self.answer_start is None else token_ids[self.answer_start:]
-        return spans, answer
+        if self.answer_start is None:
+            return spans, None
+        if self.parser.kind == "think":
+            return spans, token_ids[self.answer_start:]
+        return spans, [t for a, b in self.answer_spans for t in token_ids[a:b]]

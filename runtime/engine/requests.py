@@ -7,13 +7,13 @@ from pagedgen.runtime.config import SamplingParams
 
 
 def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
-                  vocab_size: int, max_num_seqs: int | None, memory: str | None = None
-                  ) -> None:
+                  vocab_size: int, max_num_seqs: int | None, memory: str | None = None,
+                  seats_named: str = "--max-num-seqs") -> None:
     """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
     has no room for an output token within ``max_model_len`` or holds an id outside the
     vocabulary, or its ``n`` samples need more seats than ``max_num_seqs`` (None: the engine's
-    own, checked when the request reaches it). ``memory``: why
-    ``max_model_len`` is below the model's context, when the KV cache cut it."""
+    own, checked when the request reaches it; ``seats_named``: where that was set). ``memory``:
+    why ``max_model_len`` is below the model's context, when the KV cache cut it."""
     params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
     if not len(prompt_token_ids):
         raise ValueError("the prompt is empty")
@@ -31,7 +31,7 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary "
                              f"(0..{vocab_size - 1})")
     if max_num_seqs is not None and params.n > max_num_seqs:
-        raise ValueError(f"n = {params.n} samples need as many seats; --max-num-seqs is "
+        raise ValueError(f"n = {params.n} samples need as many seats; {seats_named} is "
                          f"{max_num_seqs}")
 
 

@@ -43,6 +43,26 @@ class StepStats:
     tpot_sum: float = 0.0  # time per output token after the first, over requests with >1
     requests_with_tpot: int = 0
 
+    def step_done(self, batch: Any, bm: Any, t0: float, now: float) -> None:
+        """Count a step launched at ``t0`` (``time.perf_counter()``) and bookkept by ``now``:
+        ``batch`` its ``ScheduledBatch``, ``bm`` the block manager after it."""
+        if not self.num_steps:
+            self.first_step_wall_time = time.time() - (now - t0)
+        self.num_steps += 1
+        self.num_preemptions += len(batch.preempted)
+        self.prefix_queried_tokens += batch.prefix_queried_tokens
+        self.prefix_hit_tokens += batch.prefix_hit_tokens
+        self.evicted_blocks += batch.evicted_blocks
+        self.peak_blocks_used = max(self.peak_blocks_used, bm.num_blocks - bm.num_free_blocks)
+        if batch.prefills:
+            self.prefill_tokens += batch.num_prefill_tokens
+            self.prefill_time += now - t0
+        else:
+            self.decode_time += now - t0
+            self.decode_steps += 1
+            self.decode_kv_tokens += sum(seq.num_tokens for seq in batch.decodes)
+        self.decode_tokens += len(batch.decodes)
+
     def record_finished(self, seq: Sequence) -> None:
         self.samples_finished += 1
         if seq.sample_index == 0:

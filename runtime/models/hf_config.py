@@ -98,6 +98,16 @@ def language_model_fields(fields: dict[str, Any], model_type: str, where: str
     return out
 
 
+def check_heads(cfg: ModelConfig, where: str) -> None:
+    """A PagedgenError starting with ``where`` unless the query heads fall into groups, one per
+    KV head (transformers' configs take any counts; the model cannot run them)."""
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    if heads % kv_heads:
+        raise PagedgenError(f"{where}: num_attention_heads ({heads}) must be a multiple of "
+                            f"num_key_value_heads ({kv_heads}): each KV head serves a group "
+                            "of query heads")
+
+
 def check_int(f: dict[str, Any], key: str, where: str, zero: bool = False) -> int:
     """``f[key]``, which must be a positive integer (or 0 too, with ``zero``): else a
     PagedgenError starting with ``where`` (the families' rules use it as well)."""

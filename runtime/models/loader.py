@@ -9,6 +9,7 @@ weights).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import hardware
 from pagedgen.runtime.profiles import list_profiles, load_profile
-from pagedgen.runtime.models.hf_config import ModelConfig, model_config
+from pagedgen.runtime.models.hf_config import ModelConfig, check_heads, model_config
 from pagedgen.runtime.models import gguf_file, registry
 from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
@@ -46,7 +47,8 @@ def resolve_model(name: str) -> ModelSource:
         raise PagedgenError("--model is empty: give a checkpoint directory, a .gguf file or a "
                             "preset")
     path = Path(name).expanduser()
-    packaged = gguf_file.packaged_path(name)
+    # a local file or folder wins over a packaged model of the same name
+    packaged = None if path.exists() else gguf_file.packaged_path(name)
     if packaged is not None or (path.suffix == ".gguf" and path.is_file()):
         return _gguf_source(packaged or path, name)
     if path.suffix == ".gguf":
@@ -77,7 +79,10 @@ def resolve_model(name: str) -> ModelSource:
         raise PagedgenError(f"{profile['_path']}: has no model config to use as a preset")
     if not isinstance(model["config"], dict):
         raise PagedgenError(f"{profile['_path']}: model.config must be a mapping")
-    cfg = model_config({"model_type": "llama", **model["config"]}, profile["_path"])
+    line = (profile.get("_lines") or {}).get("model.config")
+    where = f"{profile['_path']}{f':{line}' if line else ''}: model.config"
+    cfg = model_config({"model_type": "llama", **model["config"]}, where)
+    check_heads(cfg, where)
     return ModelSource(model.get("name", Path(profile["_path"]).stem), cfg, None,
                        model.get("tokenizer", "byte"))
 
@@ -146,6 +151,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     sized by an option, which must fit beside the weights."""
     load_format = weights_format(src, load_format)
     check_device(quant, device)
+    check_heads(src.hf_config, src.name)
     default_dtype = torch.get_default_dtype()
     try:  # build on the meta device in the target dtype, then allocate once on the device
         torch.set_default_dtype(dtype)
@@ -153,6 +159,10 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
             model = registry.model_class(src.hf_config)(src.hf_config, tp, quant)
     except ValueError as e:  # a shape the tensor-parallel size does not divide
         raise PagedgenError(f"{src.name}: {e}")
+    except (ArithmeticError, AssertionError, IndexError, KeyError, RuntimeError,
+            TypeError) as e:  # shapes on the meta device: the config's values do not fit
+        raise PagedgenError(f"{src.name}: its config cannot be built: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}")
     finally:
         torch.set_default_dtype(default_dtype)
     check_fits(model, device, src.name, tp, kv_cache)
@@ -330,6 +340,40 @@ def _safetensors_files(path: Path) -> list[Path]:
     if not files:
         raise PagedgenError(f"model directory {path} has no *.safetensors weights")
     return files
+
+
+FINGERPRINT_HEAD, FINGERPRINT_TAIL = 1 << 20, 1 << 16  # bytes of each file read
+
+
+def weights_fingerprint(src: ModelSource, load_format: str = "auto") -> str | None:
+    """A digest of what a checkpoint holds (None for a preset): per file (its config, its
+    tokenizer's, its weights unless ``load_format`` draws dummy ones) the name, the size, the
+    first MiB (a safetensors or GGUF file's header and index of tensors) and the last 64 KiB.
+    Cheap on a checkpoint of any size, and new weights under the same path (a fine-tune
+    saved over another) change it; the resume record keeps it."""
+    if src.checkpoint is None:
+        return None
+    path = src.checkpoint
+    if path.is_file():  # a GGUF file: config, tokenizer and weights in one
+        files = [path]
+    else:
+        files = [path / n for n in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                                    "tokenizer.model", "generation_config.json")
+                 if (path / n).is_file()]
+        if weights_format(src, load_format) != "dummy":
+            files += _safetensors_files(path)
+    h = hashlib.sha256()
+    for f in files:
+        try:
+            size = f.stat().st_size
+            with open(f, "rb") as fh:
+                head = fh.read(FINGERPRINT_HEAD)
+                fh.seek(max(len(head), size - FINGERPRINT_TAIL))
+                tail = fh.read()
+        except OSError as e:
+            raise PagedgenError(f"{f}: cannot read it: {e.strerror or e}")
+        h.update(f"{f.name}\0{size}\0".encode() + head + b"\0" + tail)
+    return h.hexdigest()[:16]
 
 
 def _iter_safetensors(files: list[Path], where: list[Path]):

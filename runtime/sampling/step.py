@@ -4,7 +4,8 @@ on every rank under -tp), and the log-probabilities of the rows that ask for the
 are read for their ``params``, ``seed``, ``num_output_tokens``, ``output_token_ids``,
 ``prompt_token_ids``, ``bad_words_ids``, ``controlled``, ``logits_processors``, ``grammar``
 and ``is_finished``. The grammar masks come last: nothing before them can put a forbidden
-token back."""
+token back. A row they leave no token at all (the grammar's tokens all forbidden by
+``bad_words`` or a processor) reads -1 on the host: its sample ends ``unsatisfiable``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ class Sampled:
     tokens: torch.Tensor  # [rows] on the device
     logprobs: Logprobs | None = None  # of the rows at ``logprob_rows``
     logprob_rows: list[int] = field(default_factory=list)
+    # [rows] bool on the device, in steps with grammar rows: the rows whose every token was
+    # forbidden (the grammar's mask and the controls together allow none)
+    dead: torch.Tensor | None = None
+
+    def host_tokens(self) -> torch.Tensor:
+        """The tokens as the host reads them: -1 in a dead row (its sample cannot go on; the
+        device's tokens stay valid ids for the next step's input)."""
+        return self.tokens if self.dead is None else torch.where(self.dead, -1, self.tokens)
 
 
 @dataclass
@@ -76,12 +85,15 @@ def finish_sampling(plan: SamplingPlan, device: torch.device, tp,
     the tensor-parallel group whose rank 0 decides; ``fused``: the one-kernel sampler (None:
     where it runs)."""
     logits = plan.logits
+    dead = None
     if plan.grammar_rows:
         with scope("structured_output"):
             grammars.apply(logits, plan.grammar_rows)
+            # a grammar's mask beside bad_words (or a processor) may leave no token at all
+            dead = torch.isneginf(logits).all(-1)
     with scope("sampling"):
         # every rank has the same logits; rank 0's tokens keep the ranks in lockstep
-        out = Sampled(tp.broadcast(sample(logits, plan.batch, fused)))
+        out = Sampled(tp.broadcast(sample(logits, plan.batch, fused)), dead=dead)
     out.logprob_rows = rows = plan.logprob_rows
     if rows:
         with scope("logprobs"):

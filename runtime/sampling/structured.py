@@ -18,8 +18,9 @@ its row is left alone (the engine has already finished the sample). A constraint
 first mask allows no token (a regex that matches no string, say) fails to compile, before the
 run. A sample whose matcher reaches a place where its mask allows no token (no text completes
 the grammar from there: ``GrammarState.dead_at``) ends there with ``finish_reason``
-``"unsatisfiable"``, counted in the summary; the token its last row sampled is dropped. A token
-the grammar refused (only if every token was masked) stops its matcher for good:
+``"unsatisfiable"``, counted in the summary; the token its last row sampled is dropped; so does
+a sample whose grammar's tokens its ``bad_words`` (or a logits processor) all forbid
+(``sampling/step.py``). A token the grammar refused stops its matcher for good:
 ``GrammarState.rejected`` counts it in the summary.
 """
 
@@ -71,13 +72,16 @@ def tokenizer_info(tokenizer: Any, vocab_size: int):
                              stop_token_ids=stop)
 
 
-# JSON-schema keywords xgrammar accepts and does not enforce (its grammar is the same with them
-# as without: tests/test_structured_output.py checks that of the installed xgrammar). A schema
-# asking for one fails to compile, as vLLM's xgrammar backend refuses it, rather than run
-# outputs that may break it. A draft's ``$ref`` outside the schema is read as any value.
-# (``minContains`` and ``maxContains`` mean nothing without ``contains``)
+# JSON-schema keywords xgrammar accepts and does not enforce (a document that breaks only the
+# keyword passes its matcher: tests/test_structured_output.py checks that of the installed
+# xgrammar). A schema asking for one fails to compile, as vLLM's xgrammar backend refuses it,
+# rather than run outputs that may break it. So do the uses of enforced keywords it leaves
+# out (``unenforced``): ``allOf`` of several schemas (it keeps a part of one), a length beside
+# ``pattern`` or ``format``, ``multipleOf`` but by an integer on integers, and a ``required``
+# name that ``properties`` does not list. A draft's ``$ref`` outside the schema is read as any
+# value. (``minContains`` and ``maxContains`` mean nothing without ``contains``)
 UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "if", "then", "else", "dependentRequired",
-                       "dependentSchemas")
+                       "dependentSchemas", "not")
 _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name → schema
 _VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas
 
@@ -96,6 +100,9 @@ def unenforced(schema: Any, where: str = "#") -> str | None:
         if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
             return (f"'$ref' to {value!r} at {where} (outside the schema: put what it names "
                     "under \"$defs\")")
+        use = _unenforced_use(schema, key, value)
+        if use:
+            return f"{use[0]} at {where}{use[1]}"
         if key in _VALUES:
             continue
         subs = value.items() if key in _NAME_MAPS and isinstance(value, dict) else [("", value)]
@@ -104,6 +111,65 @@ def unenforced(schema: Any, where: str = "#") -> str | None:
         if found:
             return found
     return None
+
+
+def _unenforced_use(schema: dict, key: str, value: Any) -> tuple[str, str] | None:
+    """Keyword ``key`` of ``schema`` where xgrammar leaves it out: (the use, a note after its
+    place); else None."""
+    if key == "allOf" and isinstance(value, list) and len(value) > 1:
+        return f"'allOf' of {len(value)} schemas", " (merge them into one)"
+    if key in ("minLength", "maxLength"):
+        beside = next((k for k in ("pattern", "format") if k in schema), None)
+        if beside:
+            return f"'{key}' beside '{beside}'", ""
+    if key == "multipleOf" and not (schema.get("type") == "integer" and type(value) is int):
+        return f"'multipleOf' {value!r}", " (enforced by integers on integers only)"
+    if key == "required" and isinstance(value, list):
+        listed = schema.get("properties")
+        missing = [n for n in value if not isinstance(listed, dict) or n not in listed]
+        if missing:
+            return f"'required' {missing[0]!r}", " (its 'properties' do not list it)"
+    return None
+
+
+def unsatisfiable(schema: Any, where: str = "#") -> str | None:
+    """Where a JSON ``schema`` asks for what no document can be (an object that must hold a
+    property its other keywords forbid), in words; None where none is found."""
+    if isinstance(schema, list):
+        return next(filter(None, (unsatisfiable(s, f"{where}/{i}")
+                                  for i, s in enumerate(schema))), None)
+    if not isinstance(schema, dict):
+        return None
+    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+    closed = schema.get("additionalProperties") is False \
+        and not schema.get("patternProperties")
+    for name in schema.get("required") or []:
+        if closed and name not in listed:
+            return (f"an object at {where} that must hold {name!r}, which "
+                    "'additionalProperties': false forbids")
+    for key, value in schema.items():
+        if key in _VALUES:
+            continue
+        subs = value.items() if key in _NAME_MAPS and isinstance(value, dict) else [("", value)]
+        found = next(filter(None, (unsatisfiable(v, f"{where}/{key}{'/' + n if n else ''}")
+                                   for n, v in subs)), None)
+        if found:
+            return found
+    return None
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)  # to its end if cut short
+_CONTROLS = re.compile(r"[\x00-\x1f]")
+
+
+def escape_json_controls(text: str) -> str:
+    """``text`` (a JSON-constrained sample's) with each control character inside a string
+    literal escaped (a tab as ``\\t``): a schema's ``pattern`` that names one (``\\t``,
+    ``[\\x00-\\x1f]``) lets xgrammar write it raw, which JSON does not allow; escaped, the
+    string's value is the one the pattern matched. (Outside strings JSON has no quotes, so
+    each quote the scan meets opens one.)"""
+    return _JSON_STRING.sub(lambda m: _CONTROLS.sub(lambda c: json.dumps(c.group())[1:-1],
+                                                    m.group()), text)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -203,14 +269,27 @@ class Grammars:
         self._initial: dict[tuple[int, str], torch.Tensor] = {}  # first masks, per device
         self._lock = threading.Lock()
         self.words = (vocab_size + 31) // 32
-        self.pool = GrammarPool(self.info, self.stop, self.words, self._by_key.__getitem__,
-                                workers, threads, pin=torch.cuda.is_available())
+        self._pool_args = (workers, threads)
+        self.pool = self._new_pool()
         self._ready: list[tuple[list, torch.Tensor, Any]] = []  # steps whose tokens are due
         self._copied: Any = None  # the last mask copy to the device (an event)
         self.samples = 0  # states made
         self.mask_time_s = 0.0  # host time putting masks on the logits in the sampling step
         self.masked_rows = 0  # row-steps masked
         self.prefetched_rows = 0  # of which the pool had filled ahead
+
+    def _new_pool(self) -> GrammarPool:
+        return GrammarPool(self.info, self.stop, self.words, self._by_key.__getitem__,
+                           *self._pool_args, pin=torch.cuda.is_available())
+
+    def restart_pool(self) -> None:
+        """Drop every sample's matcher: the pool's workers stop and a new pool starts (the
+        engine's requests were dropped, perhaps by an interrupt between a message to a
+        worker and its answer); compiled grammars stay."""
+        self.pool.close()
+        self.pool = self._new_pool()
+        self._ready.clear()
+        self._copied = None
 
     @property
     def rejected(self) -> int:
@@ -228,6 +307,11 @@ class Grammars:
                 "grammar_rejected_samples": self.rejected,
                 "grammar_unsatisfiable_samples": p.dead_ends}
 
+    def dead_end(self) -> None:
+        """Count a sample whose grammar's tokens its other controls (bad words, a processor)
+        all forbade: it ended ``unsatisfiable`` too."""
+        self.pool.dead_ends += 1
+
     def reset_counters(self) -> None:
         """Zero the summary's timers and row counts."""
         p = self.pool
@@ -242,7 +326,12 @@ class Grammars:
             return hit
         cc = self.compiler
         if c.kind == "json":
-            why = unenforced(json.loads(c.spec))
+            schema = json.loads(c.spec)
+            why = unsatisfiable(schema)
+            if why:
+                raise ValueError(f"{_KIND_NAMES[c.kind]} asks for {why}: no output could "
+                                 "meet it")
+            why = unenforced(schema)
             if why:
                 raise ValueError(f"{_KIND_NAMES[c.kind]} asks for {why}, which xgrammar does "
                                  "not enforce: remove it (outputs could break it)")
