@@ -402,6 +402,19 @@ def test_a_plan_timed_on_other_kernel_sources_is_timed_again(monkeypatch, tmp_pa
     assert plan([5]) == [4]
 
 
+def test_the_h100_plans_hold_every_shape_the_h200_plans_hold():
+    """A first run on an H100 measures nothing for a preset that ships H200 plans: the H100's
+    file holds every shape of the H200's, each file under the name CUDA gives its GPU."""
+    from pagedgen.runtime import kernel_plans
+
+    files = {f.name: json.loads(f.read_text()) for f in kernel_plans.SHIPPED.glob("*.json")}
+    h100, h200 = files["nvidia-h100-80gb-hbm3.json"], files["nvidia-h200.json"]
+    for name, data in files.items():
+        assert kernel_plans.shipped_file(data["gpu"]).name == name
+    for kind in ("moe-plans.json", "fp8-gemm-plans.json"):
+        assert set(h200[kind]) <= set(h100[kind]), kind
+
+
 def test_shipped_kernel_plans_are_taken_by_gpu_name_before_measuring(monkeypatch, tmp_path):
     """A first start on a GPU we ship plans for times nothing: the plan comes from the shipped
     file named after the GPU; another GPU measures; ``PAGEDGEN_SHIPPED_PLANS=0`` passes over
