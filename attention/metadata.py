@@ -41,6 +41,9 @@ class AttentionMetadata:
     least ``cascade.segments()``; 0 elsewhere).
     ``state_slots`` [num_seqs] int32: each sequence's slot of recurrent state (models with
     linear-attention layers: attention/recurrent/state.py); None for other models.
+    ``kv_groups``: the step over each further KV group's pages (runtime/engine/kv_groups.py:
+    window layers' own page tables): the same sequences and tokens, their own slot mapping and
+    block tables, no cascade; a layer of group ``g`` attends with ``group(g)``.
     """
 
     num_prefills: int
@@ -57,9 +60,14 @@ class AttentionMetadata:
     cascade: CascadeLayout | None = None
     cascade_segments: int = 0
     state_slots: torch.Tensor | None = None
+    kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _recurrent: tuple | None = field(default=None, repr=False, compare=False)
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The step's metadata for KV group ``g`` (0: this one)."""
+        return self if g == 0 else self.kv_groups[g - 1]
 
     @property
     def num_seqs(self) -> int:
@@ -142,7 +150,7 @@ class AttentionMetadata:
             query_lens_cpu=self.query_lens_cpu[s0:s1],
             cascade=None if is_prefill else self.cascade,
             state_slots=None if self.state_slots is None else self.state_slots[s0:s1],
-            _prefill=None, _decode=None, _recurrent=None,
+            kv_groups=[], _prefill=None, _decode=None, _recurrent=None,
         )
 
     def extend(self, cls: type[AttentionMetadata], **fields) -> AttentionMetadata:
@@ -177,6 +185,22 @@ class AttentionMetadataBuilder:
         self.cascade = cascade
         self.mixed = cascade and mixed
         self.max_levels = max_levels
+
+    def build_group(self, md: AttentionMetadata, seqs: Sequence[Sequence[int]]
+                    ) -> AttentionMetadata:
+        """``md``'s step over another KV group's pages: ``seqs`` holds each sequence's table in
+        that group (in ``md``'s order); the slot mapping and block tables are its own."""
+        bs, slots = self.block_size, []
+        for table, start, n in zip(seqs, (lo - q for lo, q in zip(md.seq_lens_cpu,
+                                                                     md.query_lens_cpu)),
+                                   md.query_lens_cpu):
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        width = max((len(t) for t in seqs), default=0)
+        tables = host_tensor([list(t) + [0] * (width - len(t)) for t in seqs], torch.int32,
+                             self.device).reshape(len(seqs), width)
+        return dataclasses.replace(md, slot_mapping=to_device(slots, torch.int64, self.device),
+                                   block_tables=upload(tables, self.device), cascade=None,
+                                   kv_groups=[], _prefill=None, _decode=None, _recurrent=None)
 
     def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
               ) -> AttentionMetadata:

@@ -84,7 +84,8 @@ def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch
                       kv_dtype: torch.dtype, model: str) -> type[AttentionBackend]:
     """``get_backend`` for a model of these layer ``specs``: ``auto`` passes over backends
     that cannot run one of its layers (a soft cap, a window, a head size, the dtype, an FP8
-    KV cache) for the next that can; a named one that cannot is a one-line error."""
+    KV cache) for the next that can, and on a GPU never takes the eager reference (it says
+    why none can); a named one that cannot is a one-line error."""
     def why_not(cls: type[AttentionBackend]) -> str | None:
         for spec in specs:
             why = cls.check_layer(spec, dtype)
@@ -102,6 +103,8 @@ def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch
         return cls
     reasons = []
     for cand in _AUTO_ORDER.get(device.type, ["eager"]):
+        if cand == "eager" and device.type == "cuda":  # the reference is for checks only
+            break
         if cand in _BACKENDS and unavailable_reason(cand, device) is None \
                 and _auto_flavour_ok(cand, device):
             cls = _load(cand)
@@ -109,8 +112,12 @@ def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch
             if why is None:
                 return cls
             reasons.append(f"{cand}: {why}")
+    hint = (": the eager reference (float32, every page dense) is for checks, not runs; "
+            "--backend eager runs it anyway" if device.type == "cuda" else "")
+    if kv_dtype.itemsize == 1 and device.type == "cuda":
+        hint += "; --kv-cache-dtype auto keeps the model's dtype"
     raise PagedgenError(f"no attention backend here runs {model} on {device} "
-                        f"({'; '.join(reasons) or 'none is available'})")
+                        f"({'; '.join(reasons) or 'none is available'}){hint}")
 
 
 def get_backend(name: str, device: torch.device) -> type[AttentionBackend]:

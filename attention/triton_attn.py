@@ -63,8 +63,10 @@ class TritonState(AttentionState):
             self.block_m = 64 if big else 128
             self.block_n = 32 if big else 64
         self.block_m = max(self.block_m, 16 * self.g_tile)
-        # A window would cut into the shared prefix differently per sequence.
-        self.supports_cascade = not any(x.sliding_window for x in layer_specs)
+        # A window would cut into the shared prefix differently per sequence; sinks (counted
+        # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
+        # yet, so their layers decode plainly.
+        self.supports_cascade = not any(x.sliding_window or x.sinks for x in layer_specs)
         self.supports_mixed_cascade = self.supports_cascade
         self.cascade_buffers = CascadeBuffers(device)
         # per CUDA graph (batch size, levels): static tiles and the layout they hold

@@ -160,6 +160,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (= dtype) | fp8 (e4m3)
     quantization: str | None = None  # None: the checkpoint's own (if any) | fp8 (at load)
     block_size: int | None = None  # tokens per KV page; None: the backend's default
+    # KV-cache blocks: the memory of this many blocks of every layer (a model whose window
+    # layers hold only their window's pages gets more of its smaller pages: kv_groups.py)
     num_blocks: int | None = None
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
@@ -179,6 +181,10 @@ class EngineConfig:
     schedule_during_mask_fill: bool = True
     fused_kernels: bool = True  # norms, rotary, SwiGLU as Triton kernels on CUDA (else torch ops)
     prefix_caching: bool = True  # reuse the KV blocks of prompt prefixes seen before
+    # a model mixing sliding-window and full-attention layers: window layers hold only their
+    # window's pages (KV groups by layer kind: runtime/engine/kv_groups.py); False: every
+    # layer holds a page for every token
+    kv_cache_groups: bool = True
     # admit queued requests that share a prompt prefix together (runtime/engine/ordering.py)
     prefix_grouping: bool = True
     cascade_attention: bool = True  # decodes attend the pages they all share once per step

@@ -44,7 +44,7 @@ def prefill_logits(eng: Engine, ids: list[int], chunk: int) -> torch.Tensor:
         n = min(chunk, len(ids) - start)
         eng.block_manager.allocate(seq, start + n)
         ids_t, pos_t, md = runner.prepare(ScheduledBatch(prefills=[(seq, n)]))
-        md = runner.attn_state.build(md)
+        md = runner.plan(md)
         with torch.inference_mode():
             h = runner.model(ids_t, pos_t, runner.kv_caches, md)
             out.append(runner.model.compute_logits(h))

@@ -72,7 +72,7 @@ def test_prefill_in_chunks_of_every_size_gives_transformers_logits(dense):
             bm.allocate(seq, start + n)
             ids_t, pos_t, md = runner.prepare(ScheduledBatch(prefills=[(seq, n)]))
             with torch.inference_mode():
-                h = runner.model(ids_t, pos_t, runner.kv_caches, runner.attn_state.build(md))
+                h = runner.model(ids_t, pos_t, runner.kv_caches, runner.plan(md))
                 got.append(runner.model.compute_logits(h))
             seq.num_computed_tokens += n
         torch.testing.assert_close(torch.cat(got), want, atol=2e-4, rtol=1e-4, msg=str(chunk))

@@ -441,7 +441,7 @@ def test_every_keyword_refused_is_one_the_installed_xgrammar_does_not_enforce():
     """The lists stay true: a document that breaks only the refused keyword (or use) passes
     the installed xgrammar's matcher, and the schema is refused (when a version enforces
     one, this fails: take it off the list)."""
-    from pagedgen.runtime.sampling.structured import UNENFORCED_KEYWORDS, unenforced
+    from pagedgen.runtime.sampling.json_schema import UNENFORCED_KEYWORDS, unenforced
 
     assert sorted(UNENFORCED_USES) == sorted(UNENFORCED_KEYWORDS)
     for key, (schema, value, broken) in UNENFORCED_USES.items():
@@ -459,7 +459,7 @@ def test_every_keyword_refused_is_one_the_installed_xgrammar_does_not_enforce():
 def test_a_schema_no_output_can_meet_is_refused_before_the_run(tmp_path):
     """``required`` of a property ``additionalProperties: false`` forbids used to run
     unenforced (``{}``); now it is a one-line error naming where."""
-    from pagedgen.runtime.sampling.structured import unsatisfiable
+    from pagedgen.runtime.sampling.json_schema import unsatisfiable
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["b"],
               "additionalProperties": False}
@@ -500,7 +500,7 @@ def test_bad_words_that_forbid_every_token_the_grammar_allows_end_the_sample(tmp
 
 
 def test_keywords_named_as_properties_or_held_as_values_are_not_refused():
-    from pagedgen.runtime.sampling.structured import unenforced
+    from pagedgen.runtime.sampling.json_schema import unenforced
 
     schema = {"type": "object", "properties": {"if": {"type": "string"}, "contains": {
         "enum": [{"uniqueItems": True}], "default": {"then": 1}}},
@@ -513,7 +513,7 @@ def test_keywords_named_as_properties_or_held_as_values_are_not_refused():
 def test_json_strings_a_pattern_lets_hold_control_characters_are_escaped(tmp_path):
     """A ``pattern`` that names a control character lets xgrammar write it raw inside a JSON
     string, which ``json.loads`` refuses; the text escapes it, and the value still matches."""
-    from pagedgen.runtime.sampling.structured import escape_json_controls
+    from pagedgen.runtime.sampling.json_schema import escape_json_controls
 
     assert escape_json_controls('{"a": "x\ty", "b": "q\\"\x01"}') == \
         '{"a": "x\\ty", "b": "q\\"\\u0001"}'

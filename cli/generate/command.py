@@ -96,7 +96,8 @@ def generate(
     block_size: Optional[int] = typer.Option(
         None, help="Tokens per KV page [default: the backend's]."),
     num_blocks: Optional[int] = typer.Option(
-        None, help="KV-cache pages [default: sized from memory, see --kv-cache-memory]."),
+        None, help="KV-cache size as the memory of this many blocks of every layer "
+                   "[default: sized from memory, see --kv-cache-memory]."),
     kv_cache_memory: Optional[str] = typer.Option(
         None, help="KV-cache size, e.g. 4GiB [default: what the GPU has left at 90% use "
                    "after the model; on a CPU up to 1 GiB, at least one whole sequence]."),
@@ -119,6 +120,10 @@ def generate(
     prefix_caching: Optional[bool] = typer.Option(
         None, "--prefix-caching/--no-prefix-caching",
         help="Reuse the KV cache of prompt prefixes computed before [default: on]."),
+    kv_cache_groups: Optional[bool] = typer.Option(
+        None, "--kv-cache-groups/--no-kv-cache-groups",
+        help="A model mixing sliding-window and full-attention layers: window layers hold "
+             "only their window's KV pages [default: on]."),
     prefix_grouping: Optional[bool] = typer.Option(
         None, "--prefix-grouping/--no-prefix-grouping",
         help="Admit lines whose prompts share a prefix together, so its KV is computed once "
@@ -177,6 +182,7 @@ def generate(
              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
+             kv_cache_groups=kv_cache_groups,
              cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
              expert_parallel=expert_parallel, threads=threads, reasoning_parser=reasoning_parser),
         dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,

@@ -1,64 +1,174 @@
-"""Fixed-size KV-cache blocks: a free queue, per-sequence block tables, reference counts, and
-the prefix cache.
+"""Fixed-size KV-cache pages (blocks) for sequences: one pool of them, a page table per KV group
+of a sequence, and the prefix cache.
+
+A model's attention layers fall into KV groups (``kv_groups.py``): group 0 holds a page for
+every token of a sequence (``seq.block_table``); a window group ``g`` >= 1 (``windows[g - 1]``,
+None for another full group) holds only the pages its sliding window needs
+(``seq.group_tables[g - 1]``, whose entries before ``seq.group_first[g - 1]`` were let go:
+they keep a stale page id, which a window kernel never reads unmasked). Every group takes its
+pages from the one pool, so the cache's memory goes wherever the running sequences need it.
+
+Before a step, a window group's table covers the positions its queries see: from the first
+new token's position minus the window (plus one) to the step's last token; the pages wholly
+before that are let go then, as the window slides. A sequence's need is counted over every
+group, net of the pages it lets go (``pages_needed``).
 
 With prefix caching, a full block whose K/V are computed is registered under its key
-(``prefix_cache.block_keys``). When its last owner lets go it stays cached, at the back of the
-free queue; the free queue hands out its front first, so cached blocks are evicted least
-recently used first, after every block that holds nothing. A block with a reference is never in
-the free queue, so it is never evicted or handed out twice.
+(``prefix_cache.block_keys``; a window group's under ``(group, key)``), and stays cached when
+its last owner lets go (``block_pool.py``: evicted least recently used first). A prefix is a hit
+where group 0 holds every block of it and each window group the blocks its window needs at the
+prefix's end (the longest such prefix within group 0's run: ``match_prefix``).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from typing import Sequence as Seq
 
-from pagedgen.runtime.engine.prefix_cache import BlockKey, block_keys
+from pagedgen.runtime.engine.block_pool import BlockPool
+from pagedgen.runtime.engine.prefix_cache import block_keys
 from pagedgen.runtime.engine.sequence import Sequence
 
 
+class PrefixHit(list):
+    """Group 0's cached blocks of a prefix (a list, as before groups), with each further
+    group's pages for the window at its end: ``groups[k]`` = (first block index, pages)."""
+
+    groups: list[tuple[int, list[int]]]
+
+    def __init__(self, blocks: list[int], groups: list[tuple[int, list[int]]] | None = None):
+        super().__init__(blocks)
+        self.groups = groups or []
+
+
 class BlockManager:
-    """Hands out physical blocks of ``block_size`` token slots to sequences.
+    """Hands out blocks of ``block_size`` token slots to sequences, from one pool shared by
+    group 0 and the groups of ``windows`` (each a window in tokens, or None: every token).
 
     Blocks are reference-counted: the samples of one request share their prompt's full blocks,
     and with ``prefix_caching`` sequences share the cached blocks of a common prefix.
     """
 
     def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False,
-                 state_slots: int = 0) -> None:
+                 state_slots: int = 0, windows: Seq[int | None] = ()) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.prefix_caching = prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self.windows = tuple(windows)
+        self.held = [0] * (1 + len(self.windows))  # blocks referenced by each group
+        self.peak_held = list(self.held)
+        self._group = [0] * num_blocks  # the group a referenced block belongs to
         # a model with linear-attention layers: a recurrent-state slot per running sequence
         # (one per seat: the scheduler's seats bound how many are held), taken with its first
         # blocks and freed with them
         self.has_state = state_slots > 0
         self.free_slots = list(range(state_slots - 1, -1, -1))
-        self.ref_counts = [0] * num_blocks
-        # blocks with no reference, in the order they are handed out (front first)
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[BlockKey, int] = {}
-        self.block_key: list[BlockKey | None] = [None] * num_blocks
-        self.num_evicted = 0  # cached blocks handed out for new contents
+
+    # ---- the pool, as callers read it ---------------------------------------------------
 
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (empty, or cached but evictable)."""
-        return len(self.free_blocks)
+        return self.pool.num_free
+
+    @property
+    def ref_counts(self) -> list[int]:
+        return self.pool.ref_counts
+
+    @property
+    def free_blocks(self):
+        return self.pool.free_blocks
+
+    @property
+    def cached(self) -> dict:
+        return self.pool.cached
+
+    @property
+    def block_key(self) -> list:
+        return self.pool.block_key
+
+    @property
+    def num_evicted(self) -> int:
+        return self.pool.num_evicted
+
+    def _take(self, g: int) -> int:
+        block = self.pool.take()
+        self._held(g, block, 1)
+        return block
+
+    def _ref(self, g: int, block: int) -> None:
+        if self.pool.ref_counts[block] == 0:
+            self._held(g, block, 1)
+        self.pool.ref(block)
+
+    def _release(self, block: int) -> None:
+        self.pool.release(block)
+        if self.pool.ref_counts[block] == 0:
+            self._held(self._group[block], block, -1)
+
+    def _held(self, g: int, block: int, change: int) -> None:
+        self._group[block] = g
+        self.held[g] += change
+        self.peak_held[g] = max(self.peak_held[g], self.held[g])
+
+    # ---- what a sequence needs ----------------------------------------------------------
+
+    def _span(self, seq: Sequence, k: int, num_tokens: int, computed: int | None = None
+              ) -> tuple[int, int]:
+        """Window group ``k + 1``'s block range [lo, hi) for a step of ``seq`` that ends at
+        ``num_tokens`` tokens, its first new token at position ``computed``."""
+        w, bs = self.windows[k], self.block_size
+        computed = seq.num_computed_tokens if computed is None else computed
+        lo = 0 if w is None else max(0, computed - w + 1) // bs
+        return lo, -(-num_tokens // bs)
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
-        """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
+        """New group-0 blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
 
+    def pages_needed(self, seq: Sequence, num_tokens: int, computed: int | None = None,
+                     hit: PrefixHit | None = None) -> int:
+        """New blocks of every group ``seq`` needs so that a step from position ``computed``
+        (default: its computed tokens) to ``num_tokens`` tokens runs, net of the window
+        pages it lets go first; from ``hit`` where it starts on a cached prefix."""
+        if hit is not None:
+            n = max(0, -(-num_tokens // self.block_size) - len(hit))
+            return n + sum(max(0, self._span(seq, k, num_tokens, computed)[1]
+                               - max(len(hit), self._span(seq, k, num_tokens, computed)[0]))
+                           for k in range(len(self.windows)))
+        n = self.blocks_needed(seq, num_tokens)
+        for k in range(len(self.windows)):
+            lo, hi = self._span(seq, k, num_tokens, computed)
+            table, first = self._table(seq, k)
+            n += max(0, hi - max(len(table), lo)) - max(0, min(lo, len(table)) - first)
+        return n
+
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+        return self.pages_needed(seq, num_tokens) <= self.num_free_blocks
+
+    def _table(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        while len(seq.group_tables) <= k:
+            seq.group_tables.append([])
+            seq.group_first.append(0)
+        return seq.group_tables[k], seq.group_first[k]
 
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
-        """Grow ``seq``'s block table to cover ``num_tokens`` tokens."""
-        n = self.blocks_needed(seq, num_tokens)
+        """Grow ``seq``'s tables to cover ``num_tokens`` tokens (from its computed tokens on:
+        window pages before the window let go first)."""
+        n = self.pages_needed(seq, num_tokens)
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV-cache blocks: need {n}, have {self.num_free_blocks}")
-        for _ in range(n):
-            seq.block_table.append(self._take_free())
+        for k in range(len(self.windows)):
+            lo, hi = self._span(seq, k, num_tokens)
+            table, first = self._table(seq, k)
+            for i in range(first, min(lo, len(table))):
+                self._release(table[i])
+            seq.group_first[k] = max(first, min(lo, len(table)))
+            while len(table) < hi:
+                table.append(self._take(k + 1) if len(table) >= lo else 0)
+            seq.group_first[k] = max(seq.group_first[k], min(lo, hi))
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            seq.block_table.append(self._take(0))
         if self.has_state and seq.state_slot is None:
             seq.state_slot = self._take_slot()
 
@@ -67,26 +177,16 @@ class BlockManager:
             raise RuntimeError("no recurrent-state slot free: more running sequences than seats")
         return self.free_slots.pop()
 
-    def _take_free(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)
-        key = self.block_key[block]
-        if key is not None:  # the least recently used cached block: evict it
-            del self.cached[key]
-            self.block_key[block] = None
-            self.num_evicted += 1
-        self.ref_counts[block] = 1
-        return block
-
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (shared ones only when their last owner lets go). Cached
         ones stay cached, the sequence's last block nearest the front (evicted first)."""
+        for k, table in enumerate(seq.group_tables):
+            for block in reversed(table[seq.group_first[k]:]):
+                self._release(block)
         for block in reversed(seq.block_table):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                self.free_blocks[block] = None
-                if self.block_key[block] is None:  # holds nothing reusable: hand out first
-                    self.free_blocks.move_to_end(block, last=False)
+            self._release(block)
         seq.block_table = []
+        seq.group_tables, seq.group_first = [], []
         seq.num_computed_tokens = 0
         seq.num_cached_blocks = 0
         if seq.state_slot is not None:
@@ -95,31 +195,57 @@ class BlockManager:
 
     # ---- prefix caching -------------------------------------------------------------------
 
-    def match_prefix(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """The cached blocks that hold ``seq``'s longest run of leading full blocks within its
-        first ``max_tokens`` tokens (no side effects but extending ``seq.block_keys``)."""
+    def match_prefix(self, seq: Sequence, max_tokens: int) -> PrefixHit:
+        """The cached blocks that hold ``seq``'s longest prefix of full blocks within its first
+        ``max_tokens`` tokens that every group can resume from (no side effects but extending
+        ``seq.block_keys``)."""
         if not self.prefix_caching:
-            return []
+            return PrefixHit([])
+        bs = self.block_size
+        keys = block_keys(seq, bs, max_tokens // bs)
         hits: list[int] = []
-        for i in range(max_tokens // self.block_size):
-            block = self.cached.get(block_keys(seq, self.block_size, i + 1)[i])
+        for key in keys:
+            block = self.pool.lookup(key)
             if block is None:
                 break
             hits.append(block)
-        return hits
+        if not self.windows or not hits:
+            return PrefixHit(hits)
+        pages = [[self.pool.lookup((k + 1, key)) for key in keys[:len(hits)]]
+                 for k in range(len(self.windows))]
+        runs = []  # per group: how many cached blocks end at each index, in a row
+        for found in pages:
+            run, n = [], 0
+            for block in found:
+                n = n + 1 if block is not None else 0
+                run.append(n)
+            runs.append(run)
+        for h in range(len(hits), 0, -1):  # the longest prefix every group resumes from
+            spans = [self._span(seq, k, h * bs, h * bs)[0] for k in range(len(self.windows))]
+            if all(runs[k][h - 1] >= h - lo for k, lo in enumerate(spans)):
+                return PrefixHit(hits[:h], [(lo, pages[k][lo:h]) for k, lo in enumerate(spans)])
+        return PrefixHit([])
 
     def num_free_among(self, blocks: list[int]) -> int:
-        """How many of ``blocks`` sit in the free queue (taking them shrinks it)."""
-        return sum(1 for b in blocks if self.ref_counts[b] == 0)
+        """How many blocks of ``blocks`` (a ``PrefixHit``: of every group) sit in the free
+        queue (taking them shrinks it)."""
+        n = self.pool.num_free_among(blocks)
+        for _, pages in getattr(blocks, "groups", ()):
+            n += self.pool.num_free_among(pages)
+        return n
 
     def take_prefix(self, seq: Sequence, hits: list[int]) -> None:
-        """Start ``seq`` (which holds no blocks) on the cached blocks ``hits``: they join its
-        block table with a reference each, and count as computed."""
+        """Start ``seq`` (which holds no blocks) on the cached blocks ``hits`` (a
+        ``PrefixHit`` where the model has window groups): they join its tables with a
+        reference each, and count as computed."""
         for block in hits:
-            if self.ref_counts[block] == 0:
-                del self.free_blocks[block]
-            self.ref_counts[block] += 1
+            self._ref(0, block)
         seq.block_table = list(hits)
+        for k, (lo, pages) in enumerate(getattr(hits, "groups", ())):
+            self._table(seq, k)
+            for block in pages:
+                self._ref(k + 1, block)
+            seq.group_tables[k], seq.group_first[k] = [0] * lo + list(pages), lo
         seq.num_cached_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
 
@@ -132,38 +258,51 @@ class BlockManager:
             return
         keys = block_keys(seq, self.block_size, n)
         for i in range(seq.num_cached_blocks, n):
-            block, key = seq.block_table[i], keys[i]
-            if self.block_key[block] is None and key not in self.cached:
-                self.cached[key] = block
-                self.block_key[block] = key
+            self.pool.register(seq.block_table[i], keys[i])
+        for k, table in enumerate(seq.group_tables):
+            for i in range(max(seq.num_cached_blocks, seq.group_first[k]), min(n, len(table))):
+                self.pool.register(table[i], (k + 1, keys[i]))
         seq.num_cached_blocks = n
 
     def reset_prefix_cache(self) -> None:
         """Drop every cached block (all blocks must be free)."""
-        assert len(self.free_blocks) == self.num_blocks, "blocks still referenced"
-        self.cached.clear()
-        self.block_key = [None] * self.num_blocks
+        self.pool.reset_cache()
 
     # ---- parallel sampling ----------------------------------------------------------------
 
     def fork(self, parent: Sequence, child: Sequence, num_tokens: int) -> list[tuple[int, int]]:
         """Give ``child`` the parent's first ``num_tokens`` tokens of K/V: full blocks are
-        shared, the partly filled last block gets a copy of its own. Returns the (src, dst)
-        block copies for ``copy_blocks`` (to run once the parent's K/V are written)."""
+        shared, the partly filled last block gets a copy of its own (in every group). Returns
+        the (src, dst) block copies for ``copy_blocks`` (to run once the parent's K/V are
+        written)."""
         full, partial = divmod(num_tokens, self.block_size)
-        child.block_table = parent.block_table[:full]
-        for block in child.block_table:
-            self.ref_counts[block] += 1
         copies = []
-        if partial:
-            if not self.free_blocks:
-                raise RuntimeError("out of KV-cache blocks")
-            dst = self._take_free()
-            child.block_table.append(dst)
-            copies.append((parent.block_table[full], dst))
+        tables = [(0, parent.block_table, 0)] + [
+            (k + 1, t, parent.group_first[k]) for k, t in enumerate(parent.group_tables)]
+        child.group_tables, child.group_first = [], []
+        for g, table, first in tables:
+            mine = table[:full]
+            for block in mine[first:]:
+                self._ref(g, block)
+            if partial:
+                if not self.pool.num_free:
+                    raise RuntimeError("out of KV-cache blocks")
+                dst = self._take(g)
+                mine.append(dst)
+                copies.append((table[full], dst))
+            if g == 0:
+                child.block_table = mine
+            else:
+                child.group_tables.append(mine)
+                child.group_first.append(min(first, len(mine)))
         child.num_computed_tokens = num_tokens
         if self.has_state:  # its state is copied in once the step has run
             child.state_slot = self._take_slot()
         child.block_keys = parent.block_keys[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         return copies
+
+    def held_tokens(self) -> list[int]:
+        """Token slots each group's referenced blocks hold now."""
+        return [n * self.block_size for n in self.held]
+

@@ -9,6 +9,9 @@ buffers (``AttentionState.build`` with the bucket), the inputs are copied in, an
 replayed. The model runner decides which steps replay; the graphs capture the model's forward
 only (sampling and logits processors run after, eagerly).
 
+A model of several KV groups (runtime/engine/kv_groups.py) has static slot mappings and block
+tables per group, and each group's backend state plans into graph buffers of its own.
+
 A step whose decodes share prefix pages in groups (``metadata.cascade``, attention/cascade.py)
 replays the bucket's cascade graph of as many levels (at most three) and segments a level
 instead, captured the first time a step of that kind runs. Such a capture in the middle of a
@@ -28,6 +31,7 @@ with 257 segments, 45 µs with 32), so the key grows with the number of groups, 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import time
 
 import torch
@@ -59,15 +63,17 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Graphs of ``model``'s decode forward over ``kv_caches``, planned by ``attn_state``, for
-    up to ``max_num_seqs`` sequences of up to ``max_model_len`` tokens in pages of
-    ``block_size``; padding rows write into page ``scratch_block``."""
+    """Graphs of ``model``'s decode forward over ``kv_caches``, planned by ``attn_state`` (a
+    list: one per KV group, group 0 first), for up to ``max_num_seqs`` sequences of up to
+    ``max_model_len`` tokens in pages of ``block_size``; padding rows write into page
+    ``scratch_block`` (of the pool every group shares)."""
 
-    def __init__(self, model: nn.Module, attn_state: AttentionState,
+    def __init__(self, model: nn.Module, attn_state: AttentionState | list[AttentionState],
                  kv_caches: list[torch.Tensor], max_num_seqs: int, max_model_len: int,
                  block_size: int, scratch_block: int, device: torch.device,
                  scratch_slot: int | None = None) -> None:
-        self.model, self.attn_state, self.kv_caches = model, attn_state, kv_caches
+        self.attn_states = attn_state if isinstance(attn_state, list) else [attn_state]
+        self.model, self.attn_state, self.kv_caches = model, self.attn_states[0], kv_caches
         self.device = device
         self.buckets = graph_buckets(max_num_seqs)
         self.max_bs = self.buckets[-1]
@@ -77,13 +83,14 @@ class CudaGraphRunner:
         dev, n = device, self.max_bs
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
         self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.full((n,), self.scratch_block * self.block_size,
-                                       dtype=torch.long, device=dev)
+        groups = len(self.attn_states)
+        self.slot_mappings = [torch.full((n,), self.scratch_block * self.block_size,
+                                         dtype=torch.long, device=dev) for _ in range(groups)]
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.block_tables = torch.full((n, self.max_blocks), self.scratch_block,
-                                       dtype=torch.int32, device=dev)
+        self.tables = [torch.full((n, self.max_blocks), self.scratch_block, dtype=torch.int32,
+                                  device=dev) for _ in range(groups)]
         # linear-attention layers: each row's state slot (padding rows: the scratch slot)
         self.scratch_slot = scratch_slot
         self.state_slots = None if scratch_slot is None else torch.full(
@@ -102,15 +109,28 @@ class CudaGraphRunner:
 
     def _metadata(self, bs: int, seq_lens: list[int], cascade: CascadeLayout | None = None,
                   cascade_segments: int = 0) -> AttentionMetadata:
-        """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning)."""
-        return AttentionMetadata(
+        """Metadata over the static buffers for ``bs`` decodes (CPU fields for planning); the
+        further KV groups' over theirs, in ``kv_groups``."""
+        md = AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=bs,
-            slot_mapping=self.slot_mapping[:bs], query_start_loc=self.query_start_loc[:bs + 1],
+            slot_mapping=self.slot_mappings[0][:bs],
+            query_start_loc=self.query_start_loc[:bs + 1],
             seq_lens=self.seq_lens[:bs], context_lens=self.context_lens[:bs],
-            block_tables=self.block_tables[:bs], block_size=self.block_size,
+            block_tables=self.tables[0][:bs], block_size=self.block_size,
             seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade,
             cascade_segments=cascade_segments,
             state_slots=None if self.state_slots is None else self.state_slots[:bs])
+        md.kv_groups = [dataclasses.replace(md, slot_mapping=sm[:bs], block_tables=t[:bs],
+                                            cascade=None, cascade_segments=0, kv_groups=[])
+                        for sm, t in zip(self.slot_mappings[1:], self.tables[1:])]
+        return md
+
+    def _plan(self, md: AttentionMetadata, bs: int) -> AttentionMetadata:
+        """Each group's backend plan into its buffers captured for bucket ``bs``."""
+        out = self.attn_states[0].build(md, graph_batch_size=bs)
+        out.kv_groups = [st.build(g, graph_batch_size=bs)
+                         for st, g in zip(self.attn_states[1:], md.kv_groups)]
+        return out
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,12 +150,13 @@ class CudaGraphRunner:
         self._pad(0, bs)
         # page-table entries, not physical blocks: sequences share cached blocks
         levels, segments = key
-        self.attn_state.make_graph_plan(bs, bs * self.max_blocks, levels, segments)
+        for g, state in enumerate(self.attn_states):  # cascade: group 0's pages only
+            state.make_graph_plan(bs, bs * self.max_blocks, *((levels, segments) if g == 0
+                                                              else (0, 0)))
         # a cascade graph captures over groups of nothing: every row its own suffix
         empty = CascadeLayout(list(range(bs)), [[] for _ in range(levels)], [0] * bs,
                               self.block_size) if levels else None
-        md = self.attn_state.build(self._metadata(bs, [1] * bs, empty, segments),
-                                   graph_batch_size=bs)
+        md = self._plan(self._metadata(bs, [1] * bs, empty, segments), bs)
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
         kind = (key, 1 if bs == 1 else 16 + bs % 16)
         warm = warm or kind not in self.warm
@@ -189,10 +210,11 @@ class CudaGraphRunner:
         """Make rows ``start:end`` padding: one token in the scratch block."""
         self.input_ids[start:end].zero_()
         self.positions[start:end].zero_()
-        self.slot_mapping[start:end].fill_(self.scratch_block * self.block_size)
+        for sm, t in zip(self.slot_mappings, self.tables):
+            sm[start:end].fill_(self.scratch_block * self.block_size)
+            t[start:end].fill_(self.scratch_block)
         self.seq_lens[start:end].fill_(1)
         self.context_lens[start:end].zero_()
-        self.block_tables[start:end].fill_(self.scratch_block)
         if self.state_slots is not None:
             self.state_slots[start:end].fill_(self.scratch_slot)
 
@@ -210,20 +232,21 @@ class CudaGraphRunner:
         if bs not in self.graphs.get(key, {}):
             with torch.inference_mode():
                 self._capture(bs, key)
-        width = md.block_tables.shape[1]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(md.slot_mapping)
+        for g, (sm, t) in enumerate(zip(self.slot_mappings, self.tables)):
+            group = md.group(g)
+            sm[:n].copy_(group.slot_mapping)
+            t[:n, :group.block_tables.shape[1]].copy_(group.block_tables)
         self.seq_lens[:n].copy_(md.seq_lens)
         self.context_lens[:n].copy_(md.context_lens)
-        self.block_tables[:n, :width].copy_(md.block_tables)
         if self.state_slots is not None:
             self.state_slots[:n].copy_(md.state_slots)
         pad = bs - n
         if pad:
             self._pad(n, bs)
         graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade, key[1])
-        self.attn_state.build(graph_md, graph_batch_size=bs)  # plans into the captured buffers
+        self._plan(graph_md, bs)  # plans into the captured buffers
         return bs, key
 
     def replay(self, bs: int, n: int, key: tuple[int, int] = (0, 0)) -> torch.Tensor:

@@ -5,10 +5,13 @@ its inputs follow from the previous ones: input ids are the tokens just sampled 
 device), positions, sequence and context lengths grow by one, and the block tables change only
 where a sequence crossed into a new block. Those few new entries are uploaded; the slot mapping
 is then computed on the device. No per-sequence Python work beyond reading lengths remains.
+A model of several KV groups advances each group's tables and slot mapping alike (a window
+group's table grows as group 0's does; the entries it let go stay, stale, as on the host).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -23,8 +26,17 @@ class _DecodeBatch:
     seqs: list[Sequence]
     positions: torch.Tensor
     md: AttentionMetadata
-    table_lens: list[int]
+    table_lens: list[list[int]]  # per KV group, per sequence
     next_ids: torch.Tensor | None = None
+
+
+def _table(seq: Sequence, g: int) -> list[int]:
+    """``seq``'s page table in KV group ``g``."""
+    return seq.block_table if g == 0 else seq.group_tables[g - 1]
+
+
+def _lens(seqs: list[Sequence], groups: int) -> list[list[int]]:
+    return [[len(_table(s, g)) for s in seqs] for g in range(groups)]
 
 
 class DecodeAdvancer:
@@ -38,7 +50,7 @@ class DecodeAdvancer:
     def remember(self, seqs: list[Sequence], positions: torch.Tensor, md: AttentionMetadata
                  ) -> None:
         """Record a decode-only step that was built on the CPU."""
-        self.last = _DecodeBatch(list(seqs), positions, md, [len(s.block_table) for s in seqs])
+        self.last = _DecodeBatch(list(seqs), positions, md, _lens(seqs, 1 + len(md.kv_groups)))
 
     def sampled(self, tokens: torch.Tensor) -> None:
         """The tokens just sampled for the remembered step, in its order (on the device)."""
@@ -62,9 +74,30 @@ class DecodeAdvancer:
             return None
         bs, old = self.block_size, last.md
         positions = last.positions + 1
-        tables = old.block_tables
-        grown = [(r, len(s.block_table)) for r, s in enumerate(seqs)
-                 if len(s.block_table) != last.table_lens[r]]
+        groups = [self._advance(seqs, g, old.group(g), last.table_lens[g], positions)
+                  for g in range(1 + len(old.kv_groups))]
+        md = AttentionMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=len(seqs),
+            slot_mapping=groups[0][1], query_start_loc=old.query_start_loc,
+            seq_lens=old.seq_lens + 1, context_lens=old.context_lens + 1,
+            block_tables=groups[0][0], block_size=bs,
+            seq_lens_cpu=[s.num_tokens for s in seqs], query_lens_cpu=old.query_lens_cpu,
+            cascade=old.cascade,  # shared full pages never change
+            state_slots=old.state_slots)  # nor do the sequences' state slots
+        md.kv_groups = [dataclasses.replace(md, block_tables=t, slot_mapping=sm, cascade=None,
+                                            kv_groups=[]) for t, sm in groups[1:]]
+        ids = last.next_ids
+        self.num_advanced += 1
+        self.last = _DecodeBatch(last.seqs, positions, md, _lens(seqs, len(groups)))
+        return ids, positions, md
+
+    def _advance(self, seqs: list[Sequence], g: int, old: AttentionMetadata, lens: list[int],
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group ``g``'s block tables with the entries its sequences grew by uploaded, and
+        the slot mapping of ``positions`` in them."""
+        bs, tables = self.block_size, old.block_tables
+        grown = [(r, len(_table(s, g))) for r, s in enumerate(seqs)
+                 if len(_table(s, g)) != lens[r]]
         if grown:
             width = max(n for _, n in grown)
             if width > tables.shape[1]:
@@ -75,21 +108,13 @@ class DecodeAdvancer:
                 tables = tables.clone()
             rows, cols, vals = [], [], []
             for r, n in grown:
-                for c in range(last.table_lens[r], n):
+                table = _table(seqs[r], g)
+                for c in range(lens[r], n):
                     rows.append(r)
                     cols.append(c)
-                    vals.append(seqs[r].block_table[c])
+                    vals.append(table[c])
             upload = to_device([rows, cols, vals], torch.int64, self.device)
             tables[upload[0], upload[1]] = upload[2].to(tables.dtype)
-        slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long() * bs + positions % bs
-        md = AttentionMetadata(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=len(seqs),
-            slot_mapping=slots, query_start_loc=old.query_start_loc, seq_lens=old.seq_lens + 1,
-            context_lens=old.context_lens + 1, block_tables=tables, block_size=bs,
-            seq_lens_cpu=[s.num_tokens for s in seqs], query_lens_cpu=old.query_lens_cpu,
-            cascade=old.cascade,  # shared full pages never change
-            state_slots=old.state_slots)  # nor do the sequences' state slots
-        ids = last.next_ids
-        self.num_advanced += 1
-        self.last = _DecodeBatch(last.seqs, positions, md, [len(s.block_table) for s in seqs])
-        return ids, positions, md
+        slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long() * bs \
+            + positions % bs
+        return tables, slots

@@ -76,7 +76,8 @@ class Engine:
         self.block_manager = BlockManager(
             self.runner.num_blocks - 1,  # -1: the scratch block
             self.runner.block_size, config.prefix_caching and recurrent is None,
-            state_slots=0 if recurrent is None else config.max_num_seqs)
+            state_slots=0 if recurrent is None else config.max_num_seqs,
+            windows=self.runner.layout.windows)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens)
 
@@ -210,7 +211,7 @@ class Engine:
         if r.max_model_len < r.context_len:
             memory = (f"the KV cache holds {r.max_model_len:,} tokens of a sequence "
                       f"({r.num_blocks - 1} blocks of {r.block_size}, "
-                      f"{r.num_blocks * r.block_bytes() / 2**30:.2f} GiB); give more "
+                      f"{r.kv_cache_bytes() / 2**30:.2f} GiB); give more "
                       "--kv-cache-memory or --num-blocks")
         check_request(prompt_token_ids, params, self.max_model_len,
                       self.src.hf_config.vocab_size, self.config.max_num_seqs, memory,

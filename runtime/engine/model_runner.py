@@ -8,22 +8,23 @@ sequences whose last token was computed.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
-from pagedgen import buffers
 from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.profiling import scope
 from pagedgen.transfer import to_device
 from pagedgen.attention.registry import backend_for_model
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import EngineConfig, parse_bytes
+from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
+from pagedgen.runtime.engine.kv_groups import plan_layout
+from pagedgen.runtime.engine import memory_plan
+from pagedgen.runtime.engine.kv_memory import KVMemory
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from pagedgen.runtime.engine.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
@@ -40,7 +41,6 @@ from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.step import finish_sampling, plan_sampling
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
 
 
 class ModelRunner:
@@ -69,6 +69,10 @@ class ModelRunner:
         self.backend: type[AttentionBackend] = backend_for_model(
             config.backend, self.device, self.specs, self.dtype, self.kv_dtype, src.name)
         self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
+        # KV groups by layer kind (window layers hold their window's pages only), one pool
+        self.layout = plan_layout(self.specs, config.kv_cache_groups)
+        self.kv = KVMemory(self.backend, self.specs, self.layout, self.block_size,
+                           self.kv_dtype, self.device)
         self.context_len = config.context_limit(hf)  # the model's (or --max-model-len)
         self.max_model_len = self.context_len  # lowered below to what the KV cache holds
         # Seconds each start-up phase took (the summary's start-up breakdown).
@@ -77,17 +81,25 @@ class ModelRunner:
         self.tp.enable_one_shot(self.dtype, self.device)
         self.quant = model_quantization(src, config.quantization)
         self.model = build_model(src, config.load_format, self.dtype, self.device, config.seed,
-                                 self.tp, self.quant, self._asked_kv_cache())
+                                 self.tp, self.quant, memory_plan.asked_kv_cache(
+                                     config, self.kv))
         self.model.setup_rotary(self.max_model_len, self.device)
         t = self._phase("model", t)
         self.fused_kernels = (config.fused_kernels
                               and fused_ops.unavailable_reason(self.device) is None)
         self.model.use_fused_kernels(self.fused_kernels)
         self.model.defer_all_reduces()  # -tp: each all-reduce in the RMSNorm after it
-        self.attn_state = self.backend.get_state_cls()(
-            self.backend, self.specs, self.block_size, self.dtype, self.kv_dtype, self.device)
+        # a backend state per KV group (its own plans and graph buffers over its page tables)
+        self.attn_states = [self.backend.get_state_cls()(
+            self.backend, [self.specs[i] for i in g.layers], self.block_size, self.dtype,
+            self.kv_dtype, self.device) for g in self.layout.groups]
+        self.attn_state = self.attn_states[0]
+        group_of = self.layout.group_of()
         impl_cls = self.backend.get_impl_cls()
-        self.model.bind_attention([impl_cls(s, self.attn_state) for s in self.specs])
+        self.model.bind_attention([impl_cls(s, self.attn_states[group_of[i]])
+                                   for i, s in enumerate(self.specs)])
+        for layer, g in zip(self._attention_layers(), group_of):
+            layer.kv_group = g
         # linear-attention layers: a state slot per seat, before the KV cache takes the rest
         self.max_num_seqs = config.max_num_seqs
         self.recurrent: RecurrentSlots | None = None
@@ -96,8 +108,8 @@ class ModelRunner:
                                             self.dtype, self.device)
             self.max_num_seqs = self.recurrent.seats
         # Kernels that compile at first use compile now, before memory profiling and capture.
-        self.attn_state.warmup(self.max_num_seqs, config.max_num_batched_tokens,
-                               self.max_model_len)
+        for state in self.attn_states:
+            state.warmup(self.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
         t = self._phase("attention", t)
         # Decode steps whose sequences share prefix pages attend them once (cascade attention).
         self.builder = AttentionMetadataBuilder(
@@ -105,13 +117,20 @@ class ModelRunner:
             cascade=config.cascade_attention and self.attn_state.supports_cascade,
             max_levels=self.attn_state.max_cascade_levels,
             mixed=config.cascade_mixed_steps and self.attn_state.supports_mixed_cascade)
-        self.num_blocks = self.tp.min(self._num_blocks(), self.device)  # ranks agree
+        try:
+            self.num_blocks = self.tp.min(memory_plan.num_blocks(self), self.device)
+        except torch.OutOfMemoryError:
+            raise PagedgenError(
+                f"out of GPU memory in the memory profile's forward of "
+                f"{config.max_num_batched_tokens:,} tokens: lower "
+                f"{config.named('max_num_batched_tokens')} (or "
+                f"{config.named('gpu_memory_utilization')})") from None
         t = self._phase("memory_profile", t)
         self.decode_reads = DecodeReads(self.block_bytes() // self.block_size * self.tp.size)
         if self.num_blocks < 2:
-            size = (f"{self.block_bytes() / 2**20:.2f} MiB each, "
-                    f"{2 * self.block_bytes() / 2**20:.2f} MiB for 2")
-            asked = self._asked_kv_cache()
+            size = (f"{self.kv.page_bytes() / 2**20:.2f} MiB each, "
+                    f"{2 * self.kv.page_bytes() / 2**20:.2f} MiB for 2")
+            asked = memory_plan.asked_kv_cache(config, self.kv)
             if asked is not None:  # the user sized it
                 raise PagedgenError(f"{asked[1]} holds {self.num_blocks} KV-cache block(s) "
                                     f"of {self.block_size} tokens ({size}); it needs at "
@@ -122,8 +141,15 @@ class ModelRunner:
                 "--num-blocks, or free device memory")
         # The last block is never handed out: CUDA-graph padding rows write into it.
         self.scratch_block = self.num_blocks - 1
-        self.max_model_len = min(self.max_model_len, (self.num_blocks - 1) * self.block_size)
-        self.kv_caches = self._allocate_kv_caches(self.num_blocks)
+        self.max_model_len = min(self.max_model_len, self.kv.context_cap(self.num_blocks))
+        try:
+            self.kv_caches = self.kv.allocate(self.num_blocks)
+        except torch.OutOfMemoryError:
+            raise PagedgenError(
+                f"out of GPU memory allocating {self.kv_cache_bytes() / 2**30:.2f} GiB of KV "
+                f"cache: lower {config.named('kv_cache_memory')}, "
+                f"{config.named('num_blocks')} or {config.named('gpu_memory_utilization')}"
+            ) from None
         t = self._phase("kv_cache", t)
         self.last_sampled: list[Sequence] = []  # the last sampling step's sequences
         self.last_tokens: torch.Tensor | None = None  # and their tokens, on the device
@@ -139,10 +165,18 @@ class ModelRunner:
                 and not config.enforce_eager and (self.recurrent is None
                                                   or self.recurrent.kernels.scan != "torch"):
             self.graphs = CudaGraphRunner(
-                self.model, self.attn_state, self.kv_caches, self.max_num_seqs,
+                self.model, self.attn_states, self.kv_caches, self.max_num_seqs,
                 self.max_model_len, self.block_size, self.scratch_block, self.device,
                 None if self.recurrent is None else self.recurrent.scratch_slot)
-            self.graphs.capture()
+            try:
+                self.graphs.capture()
+            except torch.OutOfMemoryError:
+                raise PagedgenError(
+                    f"out of GPU memory capturing CUDA graphs for up to {self.max_num_seqs:,} "
+                    f"sequences: lower {config.named('max_num_seqs')}, "
+                    f"{config.named('kv_cache_memory')} or "
+                    f"{config.named('gpu_memory_utilization')}, or give --enforce-eager"
+                ) from None
             self._phase("cuda_graphs", t)
         # why steps with prefills run eagerly although mixed_step_graphs: true asked otherwise
         self.piecewise_off: str | None = None
@@ -154,7 +188,7 @@ class ModelRunner:
         asked = self.config.mixed_step_graphs
         if asked is False:
             return None
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        layers = self._attention_layers()
         why = None
         if self.graphs is None:
             why = "no CUDA graphs in this run"
@@ -193,78 +227,29 @@ class ModelRunner:
     # ---- KV cache ---------------------------------------------------------------------------
 
     def block_bytes(self) -> int:
-        """Bytes one block takes across all layers."""
-        return sum(math.prod(self.backend.get_kv_cache_shape(
-            1, self.block_size, s.num_kv_heads, s.head_size)) for s in self.specs
-        ) * self.kv_dtype.itemsize
+        """Bytes one block of tokens takes across all layers."""
+        return self.kv.block_bytes()
 
-    def _asked_kv_cache(self) -> tuple[int, str] | None:
-        """(bytes, option) of a KV cache an option sizes, checked against free memory with
-        the weights before they load."""
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            return (cfg.num_blocks * self.block_bytes(),
-                    f"{cfg.named('num_blocks')} {cfg.num_blocks:,}")
-        if cfg.kv_cache_memory is not None:
-            return (parse_bytes(cfg.kv_cache_memory),
-                    f"{cfg.named('kv_cache_memory')} {cfg.kv_cache_memory}")
-        return None
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv.page_bytes()
 
-    def _num_blocks(self) -> int:
-        cfg = self.config
-        if cfg.num_blocks is not None:
-            n = cfg.num_blocks
-        elif cfg.kv_cache_memory is not None:
-            n = parse_bytes(cfg.kv_cache_memory) // self.block_bytes()
-        elif self.device.type == "cuda":
-            n = self._profile_free_memory() // self.block_bytes()
-        else:  # CPU: what the batch could use, at most 1 GiB, at least one whole sequence
-            per_seq = math.ceil(self.max_model_len / self.block_size)
-            want = self.max_num_seqs * per_seq + 1  # +1: the scratch block
-            n = max(min(want, CPU_DEFAULT_KV_BYTES // self.block_bytes()), per_seq + 1)
-        return max(0, int(n))
-
-    def _profile_free_memory(self) -> int:
-        """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
-        cfg = self.config
-        bs = self.block_size
-        tokens = min(cfg.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
-        seq_len = min(self.max_model_len, tokens)
-        lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
-        blocks = sum(math.ceil(n / bs) for n in lens)
-        # the peak from here: the live weights and this forward's own, not the build's
-        # transients (dummy experts are drawn whole, a layer at a time, then quantized)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        caches = self._allocate_kv_caches(blocks)
-        table, start, seqs = list(range(blocks)), 0, []
-        for n in lens:
-            nb = math.ceil(n / bs)
-            seqs.append(ScheduledSeq(table[start:start + nb], 0, n, self._scratch_slot))
-            start += nb
-        md = self.attn_state.build(self.builder.build(seqs, []))
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        with torch.inference_mode():
-            h = self.model(ids, pos, caches, md)
-            self.model.compute_logits(h[:self.max_num_seqs])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        del caches, h
-        torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        used_elsewhere = total - torch.cuda.mem_get_info(self.device)[0] \
-            - torch.cuda.memory_reserved(self.device)
-        return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+    def _attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.model.modules() if isinstance(m, PagedAttention)]
 
     @property
-    def _scratch_slot(self) -> int | None:
+    def scratch_slot(self) -> int | None:
+        """The recurrent-state slot padding rows use (models with linear attention)."""
         return None if self.recurrent is None else self.recurrent.scratch_slot
 
-    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        return [buffers.zeros(self.backend.get_kv_cache_shape(
-            num_blocks, self.block_size, s.num_kv_heads, s.head_size),
-            self.kv_dtype, self.device) for s in self.specs]
+    def plan(self, md: AttentionMetadata, graph_batch_size: int | None = None
+              ) -> AttentionMetadata:
+        """Each KV group's backend plan of a step (``AttentionState.build``), the further
+        groups' in the first's ``kv_groups``."""
+        groups = md.kv_groups
+        out = self.attn_states[0].build(md, graph_batch_size)
+        out.kv_groups = [st.build(g, graph_batch_size)
+                         for st, g in zip(self.attn_states[1:], groups)]
+        return out
 
     # ---- one step -----------------------------------------------------------------------------
 
@@ -305,6 +290,10 @@ class ModelRunner:
             pos.append(seq.num_tokens - 1)
             decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1, seq.state_slot))
         md = self.builder.build(prefills, decodes)
+        if len(self.layout.groups) > 1:  # each further group over its own page tables
+            seqs = [s for s, _ in batch.prefills] + batch.decodes
+            md.kv_groups = [self.builder.build_group(md, [s.group_tables[k] for s in seqs])
+                            for k in range(len(self.layout.groups) - 1)]
         ids_t = to_device(ids, torch.long, self.device)
         if pending:
             self._fill_pending(ids_t, pending)
@@ -365,7 +354,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(md):
             graph_bs, graph_key = self.graphs.prepare(ids, pos, md)  # copy inputs in, plan
         else:
-            md = self.attn_state.build(md)
+            md = self.plan(md)
             pieces = self.piecewise is not None and self.piecewise.can_run(md)
         self.host_time_s[kind] += time.perf_counter() - t0
         self.host_steps[kind] += 1
@@ -377,7 +366,7 @@ class ModelRunner:
             else:
                 hidden = self.model(ids, pos, self.kv_caches, md)
         if batch.block_copies:  # forked samples' copies of the last prompt block, now written
-            self.backend.copy_blocks(self.kv_caches, to_device(batch.block_copies, torch.int64,
+            self.backend.copy_blocks(self.kv.slabs, to_device(batch.block_copies, torch.int64,
                                                                self.device))
         if batch.state_copies:  # and of their parent's recurrent state
             self.recurrent.states.copy(to_device(batch.state_copies, torch.int64, self.device))

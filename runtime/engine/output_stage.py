@@ -16,7 +16,7 @@ from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChec
 from pagedgen.runtime.engine.outputs import RequestOutput, request_output
 from pagedgen.runtime.engine.reasoning import ReasoningParser, make_parser
 from pagedgen.runtime.engine.sequence import Sequence
-from pagedgen.runtime.sampling.structured import escape_json_controls
+from pagedgen.runtime.sampling.json_schema import escape_json_controls
 
 
 class OutputStage:

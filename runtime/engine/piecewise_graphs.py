@@ -10,7 +10,9 @@ over a static slot mapping whose padding rows point into the scratch block, as d
 do) and copies q, k and v into static buffers; the next piece reads the attention output from a
 static buffer. A replay runs piece 0, then per layer the backend's ``attend`` over the step's
 real rows (its own metadata, planned once per step as in eager steps), then the next piece.
-Padding rows carry token 0 at position 0.
+Padding rows carry token 0 at position 0. A model of several KV groups has a static slot mapping
+per group (each layer writes through its group's: ``PagedAttention.kv_group``) and attends with
+its group's metadata.
 
 Without graphs, an eager step's host time (~35 ms for the 8B preset's 32 layers: ~330 launches
 through Python) exceeded its GPU time at up to about 1,000 tokens on an H200, so those steps
@@ -55,7 +57,8 @@ class _Split:
                  v: torch.Tensor) -> torch.Tensor:
         qb, kb, vb, out = runner.buffers(layer)
         n = q.shape[0]
-        runner.layers[layer].impl.write_kv(k, v, runner.kv_caches[layer], runner.slot_mapping[:n])
+        slots = runner.slot_mappings[runner.groups[layer]]
+        runner.layers[layer].impl.write_kv(k, v, runner.kv_caches[layer], slots[:n])
         qb[:n].copy_(q)
         kb[:n].copy_(k)
         vb[:n].copy_(v)
@@ -83,7 +86,9 @@ class PiecewiseGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
         self.scratch_slot = scratch_slot
-        self.slot_mapping = torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+        self.groups = [getattr(layer, "kv_group", 0) for layer in attention_layers]
+        self.slot_mappings = [torch.full((n,), scratch_slot, dtype=torch.long, device=device)
+                              for _ in range(1 + max(self.groups, default=0))]
         # one set of q/k/v/output buffers per attention shape (layers run one at a time)
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         for layer in attention_layers:
@@ -120,7 +125,7 @@ class PiecewiseGraphs:
         n = self._tokens
         with scope("attention"):
             o = self.layers[layer].impl.attend(qb[:n], kb[:n], vb[:n], self.kv_caches[layer],
-                                               self._md)
+                                               self._md.group(self.groups[layer]))
         out[:n].copy_(o)
 
     def _load(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
@@ -130,10 +135,11 @@ class PiecewiseGraphs:
         tb = self.bucket(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(md.slot_mapping)
+        for g, slots in enumerate(self.slot_mappings):
+            slots[:n].copy_(md.group(g).slot_mapping)
+            slots[n:tb].fill_(self.scratch_slot)
         self.input_ids[n:tb].zero_()
         self.positions[n:tb].zero_()
-        self.slot_mapping[n:tb].fill_(self.scratch_slot)
         self._md, self._tokens = md, n
         return tb
 

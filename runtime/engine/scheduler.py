@@ -118,21 +118,23 @@ class Scheduler:
         sequence holding no blocks first takes its cached prefix."""
         bm, bs = self.bm, self.bm.block_size
         fresh = not seq.block_table
-        hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else []
+        hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else None
         computed = len(hits) * bs if fresh else seq.num_computed_tokens
-        have = len(hits) if fresh else len(seq.block_table)
-        free = bm.num_free_blocks - bm.num_free_among(hits)
-        fork_copies = len(seq.forks) if seq.num_tokens % bs else 0
+        free = bm.num_free_blocks - (bm.num_free_among(hits) if fresh else 0)
+        # the samples forked when the prompt completes: a copy of its last block in each group
+        fork_copies = len(seq.forks) * (1 + len(bm.windows)) if seq.num_tokens % bs else 0
 
-        def short(n: int) -> bool:  # more blocks than are free?
-            need = -(-(computed + n) // bs) - have
+        def short(n: int) -> bool:  # more blocks (of every KV group) than are free?
+            need = bm.pages_needed(seq, computed + n, computed, hits)
             return need + (fork_copies if computed + n == seq.num_tokens else 0) > free
 
         n = min(seq.num_tokens - computed, budget)
         if short(n):  # leave the cache to the running decodes: admit only what fits now
-            n = min(n, (free + have) * bs - computed)
-            if short(n):  # it completes the prompt, but the samples' block copies do not fit
-                n -= 1
+            fits, over = 0, n  # the most tokens whose blocks fit (need grows with n)
+            while over - fits > 1:
+                mid = (fits + over) // 2
+                fits, over = (fits, mid) if short(mid) else (mid, over)
+            n = fits
         if n <= 0:
             return 0
         if fresh:

@@ -34,7 +34,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # group 0's (kv_groups.py)
+    # each further KV group's table (its entries before ``group_first`` were let go as its
+    # window slid: stale ids, never read unmasked), and where its held blocks begin
+    group_tables: list[list[int]] = field(default_factory=list)
+    group_first: list[int] = field(default_factory=list)
     state_slot: int | None = None  # its recurrent-state slot (models with linear attention)
     finish_reason: str | None = None  # one of FINISH_REASONS
     stop_text_end: int | None = None  # where a stop string starts in the output text

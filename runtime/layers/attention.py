@@ -1,8 +1,9 @@
 """The model's attention layer over the paged KV cache: the selected backend's AttentionImpl
 (bound by the model runner once the backend's state exists), under the profiler's scope; or,
 while piecewise CUDA graphs hold the model (runtime/engine/piecewise_graphs.py), their
-``split`` in its place. A layer with sinks (``LayerSpec.sinks``) holds them as a parameter
-[num_heads] in float32 and hands them to the impl it is bound to."""
+``split`` in its place. It attends with its KV group's metadata (``kv_group``: a window
+layer's own pages, ``AttentionMetadata.group``). A layer with sinks (``LayerSpec.sinks``)
+holds them as a parameter [num_heads] in float32 and hands them to the impl it is bound to."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ class PagedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(spec.num_heads, dtype=torch.float32),
                                   requires_grad=False) if spec.sinks else None
         self._impl: AttentionImpl | None = None
+        self.kv_group = 0  # its KV group (runtime/engine/kv_groups.py), set by the runner
         # set by piecewise CUDA graphs while they run or capture the model: (q, k, v) → output
         self.split: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None \
             = None
@@ -45,4 +47,4 @@ class PagedAttention(nn.Module):
         if self.split is not None:
             return self.split(q, k, v)
         with scope("attention"):
-            return self.impl.forward(q, k, v, kv_cache, metadata)
+            return self.impl.forward(q, k, v, kv_cache, metadata.group(self.kv_group))

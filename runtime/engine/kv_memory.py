@@ -1,0 +1,89 @@
+"""The KV cache's memory: the tensors its layers write into, what a page costs, and how many
+pages a sequence holds.
+
+The pages of every KV group come from one pool (``kv_groups.py``, ``block_manager.py``), so a
+page id is the same bytes everywhere: one page of each slab, a [pages, 2, page size, KV heads,
+head size] tensor (the backend's ``get_kv_cache_shape``) that one layer of each group writes.
+A model of one group has a slab per layer, as before groups.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+from pagedgen import buffers
+from pagedgen.attention.backend import AttentionBackend, LayerSpec
+from pagedgen.runtime.engine.kv_groups import KVLayout
+
+
+class KVMemory:
+    """The slabs of ``layout`` for layers ``specs`` in pages of ``block_size`` tokens."""
+
+    def __init__(self, backend: type[AttentionBackend], specs: Sequence[LayerSpec],
+                 layout: KVLayout, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.backend, self.layout = backend, layout
+        self.block_size, self.dtype, self.device = block_size, dtype, device
+        first = {}  # each slab's first layer: its shape (every layer of a slab has one)
+        for layer, slot in enumerate(layout.slots):
+            first.setdefault(slot, specs[layer])
+        self.slab_specs = [first[j] for j in range(layout.num_slabs)]
+        self.layer_bytes = [self._page(s) for s in specs]
+        self.slabs: list[torch.Tensor] = []
+
+    def _page(self, s: LayerSpec) -> int:
+        return math.prod(self.backend.get_kv_cache_shape(
+            1, self.block_size, s.num_kv_heads, s.head_size)) * self.dtype.itemsize
+
+    def page_bytes(self) -> int:
+        """Bytes one page of the pool takes (a page of every slab)."""
+        return sum(self._page(s) for s in self.slab_specs)
+
+    def block_bytes(self) -> int:
+        """Bytes one block of tokens takes across every layer (what a token costs where every
+        layer holds it)."""
+        return sum(self.layer_bytes)
+
+    def allocate(self, num_blocks: int) -> list[torch.Tensor]:
+        """The slabs of ``num_blocks`` pages (zeros), and each attention layer's view: its
+        slab."""
+        self.slabs = [buffers.zeros(self.backend.get_kv_cache_shape(
+            num_blocks, self.block_size, s.num_kv_heads, s.head_size), self.dtype, self.device)
+            for s in self.slab_specs]
+        return [self.slabs[j] for j in self.layout.slots]
+
+    def free(self) -> None:
+        self.slabs = []
+
+    def seq_pages(self, tokens: int) -> int:
+        """The most pages one sequence of ``tokens`` tokens holds over every group while it
+        decodes (a window group: its window's; a prefill chunk holds more for a step, and the
+        scheduler cuts a chunk to the pages free)."""
+        bs, n = self.block_size, -(-tokens // self.block_size)
+        for group in self.layout.groups[1:]:
+            w = group.window
+            n += -(-tokens // bs) if w is None else min(-(-tokens // bs), -(-w // bs) + 1)
+        return n
+
+    def context_cap(self, num_blocks: int) -> int:
+        """The longest sequence ``num_blocks`` pages hold (one held back: the scratch block)."""
+        lo, hi = 0, (num_blocks - 1) * self.block_size
+        while lo < hi:  # the pages a sequence holds grow with its length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.seq_pages(mid) <= num_blocks - 1 else (lo, mid - 1)
+        return lo
+
+    def summary(self, num_blocks: int, peak_held: list[int]) -> dict:
+        """The run summary's KV groups: each one's window, layers and the most tokens its
+        pages held at once, beside the pool's pages and token slots."""
+        groups = self.layout.describe()
+        for g, peak in zip(groups, peak_held):
+            g["peak_tokens_held"] = peak * self.block_size
+        out = {"kv_cache_blocks": num_blocks, "kv_cache_bytes": num_blocks * self.page_bytes(),
+               "kv_cache_token_slots": num_blocks * self.block_size, "kv_groups": groups}
+        if self.layout.note:
+            out["kv_groups_note"] = self.layout.note
+        return out
