@@ -66,8 +66,7 @@ def main() -> None:
     step = statistics.median(times)
     r = engine.runner
     weight_bytes = r.model.step_weight_bytes()
-    per_token_kv = r.block_bytes() // r.block_size
-    kv_bytes = args.batch * (args.context + args.steps // 2) * per_token_kv
+    kv_bytes = args.batch * r.kv.read_bytes(args.context + args.steps // 2)
     rec = r.recurrent  # linear-attention layers: each sequence's state read and written
     state_bytes = 0 if rec is None else args.batch * sum(
         s.state_bytes_per_token(rec.states.dtype) for s in rec.states.specs)

@@ -22,6 +22,9 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   k: Qwen3.5-35B-A3B shape, (l)'s requests (the MoE preset on long prompts)
   o: gpt-oss-20b shape (MXFP4 experts: 32, 4 per token; attention sinks), (a)'s requests
   g: gpt-oss-120b shape (MXFP4 experts: 128, 4 per token; one H100 holds it), (a)'s requests
+  e: Gemma-3-27B shape (5:1 windows of 1,024), 16 prompts x random 8,192-30,000 input, 128
+     output (long prompts: the window layers' pages decide how many run at once)
+  f: Gemma-3-12B shape, (e)'s requests
   mt, ot, jt: m, o and j sampled at temperature 1 (request i seeded i): decode tokens as
      varied as sampling makes them (``output_spread`` counts them). Not a like-for-like MoE
      comparison with vLLM: sampling slowed it more than pagedgen (most likely its seeded
@@ -103,6 +106,8 @@ WORKLOADS = {
     "k": Workload("qwen3.5-35b-a3b", 32, (8192, 30000), (128, 128)),
     "o": Workload("gpt-oss-20b", 256, (128, 1024), (256, 256)),
     "g": Workload("gpt-oss-120b", 256, (128, 1024), (256, 256)),
+    "e": Workload("gemma-3-27b", 16, (8192, 30000), (128, 128)),
+    "f": Workload("gemma-3-12b", 16, (8192, 30000), (128, 128)),
 }
 WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o", "j")}
 

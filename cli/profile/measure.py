@@ -103,7 +103,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                **{k: v for k, v in timings["reads"].items() if k != "cascade_most_levels"}}
         if "copy_bw" in limits:
             weights = r.model.step_weight_bytes(batch)
-            kv = batch * ctx * r.block_bytes() / r.block_size
+            kv = batch * r.kv.read_bytes(ctx)
             state = batch * _state_bytes(r)  # linear-attention state: read and written
             row["decode_roofline_ms"] = 1000 * (weights + kv + state) / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
@@ -116,7 +116,8 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                               "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
                               "quantization": r.quant.describe() if r.quant else None,
                               "batches": per_batch, "kernel_batch": kernel_batch,
-                              "decode_steps": decode_steps}
+                              "decode_steps": decode_steps,
+                              **r.kv.summary(r.num_blocks, engine.block_manager.peak_held)}
     rank = f"-rank{r.tp.rank}" if r.tp.size > 1 else ""  # every rank writes its own
     trace = out_dir / f"trace-{name}{rank}.json"
     prof.export_chrome_trace(str(trace))
@@ -174,7 +175,7 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
                            "matmul_tflop_s": limits["matmul"] / 1e12}
     dec, pre = result["phases"]["decode"], result["phases"]["prefill"]
     steps, batch = result["decode_steps"], row["batch"]
-    kv_bytes = batch * row["mean_context"] * r.block_bytes() / r.block_size
+    kv_bytes = batch * r.kv.read_bytes(row["mean_context"])
     attn_s = dec["groups_us"]["attention"] / 1e6 / steps
     if attn_s:
         out["decode_attention_tb_s"] = kv_bytes / attn_s / 1e12

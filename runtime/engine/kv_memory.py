@@ -32,6 +32,7 @@ class KVMemory:
             first.setdefault(slot, specs[layer])
         self.slab_specs = [first[j] for j in range(layout.num_slabs)]
         self.layer_bytes = [self._page(s) for s in specs]
+        self.windows = [s.sliding_window for s in specs]
         self.slabs: list[torch.Tensor] = []
 
     def _page(self, s: LayerSpec) -> int:
@@ -46,6 +47,12 @@ class KVMemory:
         """Bytes one block of tokens takes across every layer (what a token costs where every
         layer holds it)."""
         return sum(self.layer_bytes)
+
+    def read_bytes(self, context: int) -> float:
+        """K/V bytes a decode of ``context`` tokens reads over every layer (a window layer: its
+        window's)."""
+        return sum(b / self.block_size * (context if w is None else min(context, w))
+                   for b, w in zip(self.layer_bytes, self.windows))
 
     def allocate(self, num_blocks: int) -> list[torch.Tensor]:
         """The slabs of ``num_blocks`` pages (zeros), and each attention layer's view: its
