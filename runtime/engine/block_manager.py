@@ -144,6 +144,8 @@ class BlockManager:
         return n
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        if len(seq.block_table) * self.block_size >= num_tokens:
+            return True  # no group takes a page (every table is as long as group 0's)
         return self.pages_needed(seq, num_tokens) <= self.num_free_blocks
 
     def _table(self, seq: Sequence, k: int) -> tuple[list[int], int]:
@@ -155,12 +157,15 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_tokens: int) -> None:
         """Grow ``seq``'s tables to cover ``num_tokens`` tokens (from its computed tokens on:
         window pages before the window let go first)."""
-        n = self.pages_needed(seq, num_tokens)
+        grows = len(seq.block_table) * self.block_size < num_tokens
+        n = self.pages_needed(seq, num_tokens) if grows else 0
         if n > self.num_free_blocks:
             raise RuntimeError(f"out of KV-cache blocks: need {n}, have {self.num_free_blocks}")
         for k in range(len(self.windows)):
             lo, hi = self._span(seq, k, num_tokens)
             table, first = self._table(seq, k)
+            if lo <= first and len(table) >= hi:
+                continue  # nothing slid out, nothing to add
             for i in range(first, min(lo, len(table))):
                 self._release(table[i])
             seq.group_first[k] = max(first, min(lo, len(table)))
