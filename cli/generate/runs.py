@@ -153,7 +153,9 @@ def run(job: Job) -> dict[str, Any] | None:
                  **({"output_stream": f"{target.stream}, lines in completion order"}
                     if target is not None and target.is_stream else {}),
                  **({} if has_text(tokenizer) else
-                    {"output_text": "empty: no tokenizer files"})}
+                    {"output_text": "empty: no tokenizer files"}),
+                 **({"weights": "dummy (random: no trained model)"}
+                    if weights_format(src, cfg.load_format) == "dummy" else {})}
         start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
         return driver.summary(len(todo), wall, start, extra)
     except (KeyboardInterrupt, Terminated) as e:

@@ -91,6 +91,10 @@ class KVMemory:
             g["peak_tokens_held"] = peak * self.block_size
         out = {"kv_cache_blocks": num_blocks, "kv_cache_bytes": num_blocks * self.page_bytes(),
                "kv_cache_token_slots": num_blocks * self.block_size, "kv_groups": groups}
+        if len(groups) > 1:  # the table's view: each group's most tokens at once
+            out["kv_peak_tokens_held"] = {
+                f"group {i} ({'full' if g['window'] is None else 'window ' + str(g['window'])}"
+                f", {g['layers']} layers)": g["peak_tokens_held"] for i, g in enumerate(groups)}
         if self.layout.note:
             out["kv_groups_note"] = self.layout.note
         return out
