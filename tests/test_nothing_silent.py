@@ -177,3 +177,35 @@ def test_verify_of_a_hybrid_model_skips_the_prefix_cache_and_says_so(tmp_path):
     assert rep["rows"] and all(r["passed"] for r in rep["rows"])
     assert not any("prefix" in r["group"] for r in rep["rows"])
     assert rep["not_checked"][0][0] == "prefix-cached prefill"
+
+
+# ---- Hugging Face Hub ids (issue 99's first item) -----------------------------------------------
+
+def test_a_hub_id_in_the_users_cache_is_the_same_model_as_its_folder(tmp_path):
+    """``--model org/name`` with ``HF_HUB_OFFLINE=1`` reads the user's Hugging Face cache (its
+    layout: refs/main naming a snapshot) and writes what the folder itself gives; an id the
+    cache lacks is one line naming the command that downloads it."""
+    import os
+    import subprocess
+    import sys
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf" / "hub" / "models--acme--tiny-llama"
+    snapshot = make_checkpoint("llama", repo / "snapshots" / commit, with_tokenizer=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    src = prompts(tmp_path / "p.jsonl")
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+
+    def generate(model: str, out: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", str(src),
+                               "--model", model, "-o", str(tmp_path / out), *FAST],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    hub, local = generate("acme/tiny-llama", "hub.jsonl"), generate(str(snapshot), "dir.jsonl")
+    assert hub.returncode == 0 and local.returncode == 0, hub.stderr[-2000:]
+    assert texts(tmp_path / "hub.jsonl") == texts(tmp_path / "dir.jsonl")
+    miss = generate("acme/absent", "miss.jsonl")
+    err = miss.stderr.strip()
+    assert miss.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert "not in the Hugging Face cache" in err and "hf download acme/absent" in err

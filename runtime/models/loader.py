@@ -9,6 +9,7 @@ weights).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime import hardware
 from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, check_heads, model_config
-from pagedgen.runtime.models import gguf_file, registry
+from pagedgen.runtime.models import gguf_file, hub, registry
 from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.collectives.parallel import TensorParallel
@@ -41,8 +42,9 @@ class ModelSource:
 
 
 def resolve_model(name: str) -> ModelSource:
-    """A checkpoint directory, a GGUF file, a packaged model's name, a preset name, or a
-    profile file with a model config."""
+    """A checkpoint directory, a GGUF file, a packaged model's name, a Hugging Face Hub id
+    (``org/name``, ``org/name@revision``, ``org/name/file.gguf``: ``hub.py``), a preset name,
+    or a profile file with a model config."""
     if not str(name).strip():
         raise PagedgenError("--model is empty: give a checkpoint directory, a .gguf file or a "
                             "preset")
@@ -51,6 +53,10 @@ def resolve_model(name: str) -> ModelSource:
     packaged = None if path.exists() else gguf_file.packaged_path(name)
     if packaged is not None or (path.suffix == ".gguf" and path.is_file()):
         return _gguf_source(packaged or path, name)
+    repo, _, revision = str(name).partition("@")
+    if not path.exists() and hub.is_hub_id(repo):  # org/name[@revision]: the Hub
+        src = resolve_model(str(hub.download(repo, revision or None)))
+        return dataclasses.replace(src, name=str(name))
     if path.suffix == ".gguf":
         raise PagedgenError(f"{path}: no such GGUF file")
     if path.is_dir():
