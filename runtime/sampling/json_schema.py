@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, Iterator
 
 # JSON-schema keywords xgrammar accepts and does not enforce (a document that breaks only the
 # keyword passes its matcher: tests/test_structured_output.py checks that of the installed
@@ -27,15 +27,29 @@ _NAME_MAPS = ("properties", "patternProperties", "$defs", "definitions")  # name
 _VALUES = ("const", "enum", "default", "examples")  # JSON values, not schemas
 
 
+def _subschemas(schema: Any, where: str) -> Iterator[tuple[Any, str]]:
+    """The schemas directly inside ``schema`` (a list's items, an object's keyword values, a
+    name map's entries), each with where it sits; JSON values (``const``, ``enum``, ...) are
+    not schemas."""
+    if isinstance(schema, list):
+        yield from ((s, f"{where}/{i}") for i, s in enumerate(schema))
+    elif isinstance(schema, dict):
+        for key, value in schema.items():
+            if key in _VALUES:
+                continue
+            if key in _NAME_MAPS and isinstance(value, dict):
+                yield from ((v, f"{where}/{key}/{n}") for n, v in value.items())
+            else:
+                yield value, f"{where}/{key}"
+
+
 def unenforced(schema: Any, where: str = "#") -> str | None:
     """The first part of a JSON ``schema`` xgrammar would not enforce, and where, as
     "'uniqueItems' at #/properties/tags"; None if there is none."""
-    if isinstance(schema, list):
-        return next(filter(None, (unenforced(s, f"{where}/{i}")
-                                  for i, s in enumerate(schema))), None)
     if not isinstance(schema, dict):
-        return None
-    for key, value in schema.items():
+        return next(filter(None, (unenforced(s, w) for s, w in _subschemas(schema, where))),
+                    None)
+    for key, value in schema.items():  # each keyword, then what it holds
         if key in UNENFORCED_KEYWORDS:
             return f"'{key}' at {where}"
         if key == "$ref" and isinstance(value, str) and not value.startswith("#"):
@@ -44,11 +58,8 @@ def unenforced(schema: Any, where: str = "#") -> str | None:
         use = _unenforced_use(schema, key, value)
         if use:
             return f"{use[0]} at {where}{use[1]}"
-        if key in _VALUES:
-            continue
-        subs = value.items() if key in _NAME_MAPS and isinstance(value, dict) else [("", value)]
-        found = next(filter(None, (unenforced(v, f"{where}/{key}{'/' + n if n else ''}")
-                                   for n, v in subs)), None)
+        found = next(filter(None, (unenforced(s, w)
+                                   for s, w in _subschemas({key: value}, where))), None)
         if found:
             return found
     return None
@@ -76,27 +87,16 @@ def _unenforced_use(schema: dict, key: str, value: Any) -> tuple[str, str] | Non
 def unsatisfiable(schema: Any, where: str = "#") -> str | None:
     """Where a JSON ``schema`` asks for what no document can be (an object that must hold a
     property its other keywords forbid), in words; None where none is found."""
-    if isinstance(schema, list):
-        return next(filter(None, (unsatisfiable(s, f"{where}/{i}")
-                                  for i, s in enumerate(schema))), None)
-    if not isinstance(schema, dict):
-        return None
-    listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    closed = schema.get("additionalProperties") is False \
-        and not schema.get("patternProperties")
-    for name in schema.get("required") or []:
-        if closed and name not in listed:
-            return (f"an object at {where} that must hold {name!r}, which "
-                    "'additionalProperties': false forbids")
-    for key, value in schema.items():
-        if key in _VALUES:
-            continue
-        subs = value.items() if key in _NAME_MAPS and isinstance(value, dict) else [("", value)]
-        found = next(filter(None, (unsatisfiable(v, f"{where}/{key}{'/' + n if n else ''}")
-                                   for n, v in subs)), None)
-        if found:
-            return found
-    return None
+    if isinstance(schema, dict):
+        listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        closed = schema.get("additionalProperties") is False \
+            and not schema.get("patternProperties")
+        for name in schema.get("required") or []:
+            if closed and name not in listed:
+                return (f"an object at {where} that must hold {name!r}, which "
+                        "'additionalProperties': false forbids")
+    return next(filter(None, (unsatisfiable(s, w) for s, w in _subschemas(schema, where))),
+                None)
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"?', re.DOTALL)  # to its end if cut short
