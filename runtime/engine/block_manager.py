@@ -131,11 +131,12 @@ class BlockManager:
         """New blocks of every group ``seq`` needs so that a step from position ``computed``
         (default: its computed tokens) to ``num_tokens`` tokens runs, net of the window
         pages it lets go first; from ``hit`` where it starts on a cached prefix."""
-        if hit is not None:
+        if hit is not None:  # every group starts on the hit's blocks (the windows' from lo)
             n = max(0, -(-num_tokens // self.block_size) - len(hit))
-            return n + sum(max(0, self._span(seq, k, num_tokens, computed)[1]
-                               - max(len(hit), self._span(seq, k, num_tokens, computed)[0]))
-                           for k in range(len(self.windows)))
+            for k in range(len(self.windows)):
+                lo, hi = self._span(seq, k, num_tokens, computed)
+                n += max(0, hi - max(len(hit), lo))
+            return n
         n = self.blocks_needed(seq, num_tokens)
         for k in range(len(self.windows)):
             lo, hi = self._span(seq, k, num_tokens, computed)
@@ -306,8 +307,3 @@ class BlockManager:
         child.block_keys = parent.block_keys[:full]
         child.num_cached_blocks = min(parent.num_cached_blocks, full)
         return copies
-
-    def held_tokens(self) -> list[int]:
-        """Token slots each group's referenced blocks hold now."""
-        return [n * self.block_size for n in self.held]
-

@@ -1,11 +1,11 @@
-"""A pool of KV-cache pages (blocks) of one KV group: reference counts, the free queue, and the
-prefix cache's registry of full blocks by key.
+"""The pool of KV-cache pages (blocks) every KV group takes from: reference counts, the free
+queue, and the prefix cache's registry of full blocks by key.
 
 A block with no reference sits in the free queue, which hands out its front first. A freed
 block that holds nothing reusable goes to the front; one registered in the prefix cache goes to
 the back, so cached blocks are evicted least recently used first, after every block that holds
 nothing. A block with a reference is never in the queue, so it is never evicted or handed out
-twice. ``BlockManager`` keeps one pool per KV group (``kv_groups.py``).
+twice. ``BlockManager`` keeps one pool for all of a model's KV groups (``kv_groups.py``).
 """
 
 from __future__ import annotations
@@ -26,16 +26,11 @@ class BlockPool:
         self.cached: dict[BlockKey, int] = {}
         self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.num_evicted = 0  # cached blocks handed out for new contents
-        self.peak_used = 0  # most blocks referenced at once
 
     @property
     def num_free(self) -> int:
         """Blocks that can be handed out now (empty, or cached but evictable)."""
         return len(self.free_blocks)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
 
     def take(self) -> int:
         """A free block, with one reference (the least recently used cached one is evicted
@@ -47,14 +42,12 @@ class BlockPool:
             self.block_key[block] = None
             self.num_evicted += 1
         self.ref_counts[block] = 1
-        self.peak_used = max(self.peak_used, self.num_used)
         return block
 
     def ref(self, block: int) -> None:
         """One more reference to ``block`` (a cached block taken off the free queue)."""
         if self.ref_counts[block] == 0:
             del self.free_blocks[block]
-            self.peak_used = max(self.peak_used, self.num_used)
         self.ref_counts[block] += 1
 
     def release(self, block: int) -> None:
