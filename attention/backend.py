@@ -141,6 +141,16 @@ class AttentionState:
         raise NotImplementedError(f"{self.backend.name} does not support CUDA graphs")
 
 
+def plan_groups(states: Sequence[AttentionState], metadata: AttentionMetadata,
+                graph_batch_size: int | None = None) -> AttentionMetadata:
+    """A step's plans by each KV group's state (``build``; a model of one group: one), the
+    further groups' in the first's ``kv_groups``, each from ``metadata.kv_groups``'s own."""
+    groups = metadata.kv_groups
+    out = states[0].build(metadata, graph_batch_size)
+    out.kv_groups = [st.build(g, graph_batch_size) for st, g in zip(states[1:], groups)]
+    return out
+
+
 class AttentionBackend(ABC):
     """Static facts about a backend. Subclasses are registered in ``registry.py``."""
 

@@ -65,6 +65,14 @@ class AttentionMetadata:
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _recurrent: tuple | None = field(default=None, repr=False, compare=False)
 
+    def over_pages(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+                   ) -> AttentionMetadata:
+        """This step over another KV group's pages: its own slot mapping and block tables, no
+        cascade (a window's pages differ per sequence), nothing derived from this one's."""
+        return dataclasses.replace(self, slot_mapping=slot_mapping, block_tables=block_tables,
+                                   cascade=None, cascade_segments=0, kv_groups=[],
+                                   _prefill=None, _decode=None, _recurrent=None)
+
     def group(self, g: int) -> AttentionMetadata:
         """The step's metadata for KV group ``g`` (0: this one)."""
         return self if g == 0 else self.kv_groups[g - 1]
@@ -198,9 +206,8 @@ class AttentionMetadataBuilder:
         width = max((len(t) for t in seqs), default=0)
         tables = host_tensor([list(t) + [0] * (width - len(t)) for t in seqs], torch.int32,
                              self.device).reshape(len(seqs), width)
-        return dataclasses.replace(md, slot_mapping=to_device(slots, torch.int64, self.device),
-                                   block_tables=upload(tables, self.device), cascade=None,
-                                   kv_groups=[], _prefill=None, _decode=None, _recurrent=None)
+        return md.over_pages(to_device(slots, torch.int64, self.device),
+                             upload(tables, self.device))
 
     def build(self, prefills: Sequence[ScheduledSeq], decodes: Sequence[ScheduledSeq]
               ) -> AttentionMetadata:

@@ -31,13 +31,12 @@ with 257 segments, 45 µs with 32), so the key grows with the number of groups, 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import time
 
 import torch
 from torch import nn
 
-from pagedgen.attention.backend import AttentionState
+from pagedgen.attention.backend import AttentionState, plan_groups
 from pagedgen.attention.cascade_layout import CascadeLayout
 from pagedgen.attention.metadata import AttentionMetadata
 
@@ -120,17 +119,9 @@ class CudaGraphRunner:
             seq_lens_cpu=seq_lens, query_lens_cpu=[1] * bs, cascade=cascade,
             cascade_segments=cascade_segments,
             state_slots=None if self.state_slots is None else self.state_slots[:bs])
-        md.kv_groups = [dataclasses.replace(md, slot_mapping=sm[:bs], block_tables=t[:bs],
-                                            cascade=None, cascade_segments=0, kv_groups=[])
+        md.kv_groups = [md.over_pages(sm[:bs], t[:bs])
                         for sm, t in zip(self.slot_mappings[1:], self.tables[1:])]
         return md
-
-    def _plan(self, md: AttentionMetadata, bs: int) -> AttentionMetadata:
-        """Each group's backend plan into its buffers captured for bucket ``bs``."""
-        out = self.attn_states[0].build(md, graph_batch_size=bs)
-        out.kv_groups = [st.build(g, graph_batch_size=bs)
-                         for st, g in zip(self.attn_states[1:], md.kv_groups)]
-        return out
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -156,7 +147,7 @@ class CudaGraphRunner:
         # a cascade graph captures over groups of nothing: every row its own suffix
         empty = CascadeLayout(list(range(bs)), [[] for _ in range(levels)], [0] * bs,
                               self.block_size) if levels else None
-        md = self._plan(self._metadata(bs, [1] * bs, empty, segments), bs)
+        md = plan_groups(self.attn_states, self._metadata(bs, [1] * bs, empty, segments), bs)
         args = (self.input_ids[:bs], self.positions[:bs], self.kv_caches, md)
         kind = (key, 1 if bs == 1 else 16 + bs % 16)
         warm = warm or kind not in self.warm
@@ -246,7 +237,7 @@ class CudaGraphRunner:
         if pad:
             self._pad(n, bs)
         graph_md = self._metadata(bs, md.seq_lens_cpu + [1] * pad, md.cascade, key[1])
-        self._plan(graph_md, bs)  # plans into the captured buffers
+        plan_groups(self.attn_states, graph_md, bs)  # plans into the captured buffers
         return bs, key
 
     def replay(self, bs: int, n: int, key: tuple[int, int] = (0, 0)) -> torch.Tensor:

@@ -11,7 +11,6 @@ group's table grows as group 0's does; the entries it let go stay, stale, as on 
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -84,8 +83,7 @@ class DecodeAdvancer:
             seq_lens_cpu=[s.num_tokens for s in seqs], query_lens_cpu=old.query_lens_cpu,
             cascade=old.cascade,  # shared full pages never change
             state_slots=old.state_slots)  # nor do the sequences' state slots
-        md.kv_groups = [dataclasses.replace(md, block_tables=t, slot_mapping=sm, cascade=None,
-                                            kv_groups=[]) for t, sm in groups[1:]]
+        md.kv_groups = [md.over_pages(sm, t) for t, sm in groups[1:]]
         ids = last.next_ids
         self.num_advanced += 1
         self.last = _DecodeBatch(last.seqs, positions, md, _lens(seqs, len(groups)))

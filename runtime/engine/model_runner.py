@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from pagedgen.attention.backend import AttentionBackend
+from pagedgen.attention.backend import AttentionBackend, plan_groups
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.profiling import scope
 from pagedgen.transfer import to_device
@@ -243,13 +243,8 @@ class ModelRunner:
 
     def plan(self, md: AttentionMetadata, graph_batch_size: int | None = None
               ) -> AttentionMetadata:
-        """Each KV group's backend plan of a step (``AttentionState.build``), the further
-        groups' in the first's ``kv_groups``."""
-        groups = md.kv_groups
-        out = self.attn_states[0].build(md, graph_batch_size)
-        out.kv_groups = [st.build(g, graph_batch_size)
-                         for st, g in zip(self.attn_states[1:], groups)]
-        return out
+        """Each KV group's backend plan of a step (``plan_groups``)."""
+        return plan_groups(self.attn_states, md, graph_batch_size)
 
     # ---- one step -----------------------------------------------------------------------------
 

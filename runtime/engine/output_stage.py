@@ -99,7 +99,7 @@ class OutputStage:
 
     def texts(self, seq: Sequence) -> tuple[str, str | None]:
         """``_texts``, a JSON answer's strings with their control characters escaped (a
-        pattern may let the grammar write them raw: ``structured.escape_json_controls``)."""
+        pattern may let the grammar write them raw: ``json_schema.escape_json_controls``)."""
         text, reasoning = self._texts(seq)
         c = seq.params.structured
         if c is not None and c.kind in ("json", "json_object"):
