@@ -38,8 +38,8 @@ from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, checked_request,
                                              start_driver)
 from pagedgen.runtime.sampling.structured import Grammars
-from pagedgen.runtime.models.loader import (load_tokenizer, model_quantization, resolve_model,
-                                            weights_fingerprint, weights_format)
+from pagedgen.runtime.models.loader import (ModelSource, load_tokenizer, model_quantization,
+                                            resolve_model, weights_fingerprint, weights_format)
 from pagedgen.runtime.models.tokenizer import has_text
 
 
@@ -95,11 +95,11 @@ def run(job: Job) -> dict[str, Any] | None:
         with startup_progress(job.quiet or not lead) as progress:
             task = progress.add_task("reading", total=sum(s.size or 0 for s in sources) or None)
             rf = read_requests(sources, lambda n: progress.update(task, completed=n), job.opts)
-            if lead:  # the output is claimed before anything slow: it may refuse this run
-                writer = _writer(target, out_path, sources, rf, cfg, job)
             input_s = time.perf_counter() - t_read
             t_load = time.perf_counter()
-            src = resolve_model(cfg.model)
+            src = resolve_model(cfg.model)  # its files' fingerprint joins the resume record
+            if lead:  # the output is claimed before anything slow: it may refuse this run
+                writer = _writer(target, out_path, sources, rf, cfg, job, src)
             weights_format(src, cfg.load_format)  # no weight files: fail now
             model_quantization(src, cfg.quantization)  # nor an unknown quantization
             tokenizer = load_tokenizer(src)
@@ -190,7 +190,7 @@ def _say_what_reading_waits_for(sources: list[InputSource]) -> None:
 
 
 def _writer(target: OutputTarget | None, out_path: str, sources: list[InputSource],
-            rf: RequestFile, cfg: EngineConfig, job: Job):
+            rf: RequestFile, cfg: EngineConfig, job: Job, src: ModelSource):
     """The output's writer, once the input is read: shards, a stream (opened now: a FIFO
     waits for its reader here, before the model loads) or a claimed file."""
     if target is None:
@@ -203,8 +203,8 @@ def _writer(target: OutputTarget | None, out_path: str, sources: list[InputSourc
         writer.open()
         return writer
     return OutputWriter(OutputClaim(target, [s.identity for s in sources], rf.fingerprint,
-                                    result_settings(cfg, job.defaults, job.opts), job.resume,
-                                    job.overwrite),
+                                    result_settings(cfg, job.defaults, job.opts, src),
+                                    job.resume, job.overwrite),
                         rf.index_of, *line_check(rf.format))
 
 
@@ -265,18 +265,18 @@ def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
     return grammars
 
 
-def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: InputOptions
-                    ) -> dict[str, Any]:
-    """The settings that choose a run's results, as its resume record keeps them: a resumed
-    run must have the same (speed settings such as the backend or batch limits may differ)."""
+def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: InputOptions,
+                    src: ModelSource) -> dict[str, Any]:
+    """The settings that choose a run's results, as its resume record keeps them (``src``:
+    the model, its files fingerprinted): a resumed run must have the same (speed settings
+    such as the backend or batch limits may differ)."""
     model = engine_cfg.model
     if Path(model).expanduser().exists():
         model = str(Path(model).expanduser().resolve())
     dtype = engine_cfg.torch_dtype(engine_cfg.torch_device())
     sampling = dataclasses.asdict(defaults)
     sampling["request_seed"] = sampling.pop("seed")  # a profile's; --seed is the run's
-    return {"model": model, "weights": weights_fingerprint(resolve_model(engine_cfg.model),
-                                                           engine_cfg.load_format),
+    return {"model": model, "weights": weights_fingerprint(src, engine_cfg.load_format),
             "load_format": engine_cfg.load_format,
             "dtype": str(dtype).removeprefix("torch."),
             "kv_cache_dtype": str(engine_cfg.cache_dtype(dtype)).removeprefix("torch."),
