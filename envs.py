@@ -36,6 +36,9 @@ FA4_CASCADE_SUFFIX = EnvVar("PAGEDGEN_FA4_CASCADE_SUFFIX", "triton",
 FLASHINFER_PREFILL = EnvVar("PAGEDGEN_FLASHINFER_PREFILL", "fa2",
                             "FlashInfer's prefill kernel: fa2, or fa3 (Hopper; a long first "
                             "compile)")
+FLASHINFER_DECODE = EnvVar("PAGEDGEN_FLASHINFER_DECODE", "xqa where it runs",
+                           "FlashInfer's decode kernel over an FP8 KV cache: xqa (Hopper; "
+                           "TensorRT-LLM's) or fa2 (tensor-core paged decode)")
 CASCADE_MERGE_HEADS = EnvVar("PAGEDGEN_CASCADE_MERGE_HEADS", "4",
                              "heads a program of cascade decode's merge kernel takes")
 FP8_GEMM = EnvVar("PAGEDGEN_FP8_GEMM", "the measured plan per M",
@@ -65,6 +68,7 @@ HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its w
                         "how many pagedgen processes share this host's cores")
 
 ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GROUP_TILE,
-                           FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, CASCADE_MERGE_HEADS, FP8_GEMM,
+                           FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, FLASHINFER_DECODE,
+                           CASCADE_MERGE_HEADS, FP8_GEMM,
                            FP8_FUSED_INPUT, MOE_TILES, SHIPPED_PLANS, ALL_REDUCE,
                            FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES)

@@ -235,6 +235,11 @@ class AttentionBackend(ABC):
         return None
 
     @classmethod
+    def fp8_kv_reason(cls, device: torch.device) -> str | None:
+        """None when it runs an FP8 (e4m3) KV cache on ``device``; otherwise why not."""
+        return None if cls.supports_fp8_kv_cache else "no FP8 KV cache"
+
+    @classmethod
     def lacks(cls) -> list[str]:
         """The layer features it cannot run (``LAYER_FEATURES``, and an FP8 KV cache)."""
         return [f for f, (flag, _) in LAYER_FEATURES.items() if not getattr(cls, flag)] \

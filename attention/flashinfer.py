@@ -13,6 +13,12 @@ their own wrappers (prefill in CUDA-graph mode over fixed buffers).
 The prefill kernel is FlashInfer's ``fa2`` by default (first JIT compile about 30 s on an H100);
 ``PAGEDGEN_FLASHINFER_PREFILL=fa3`` picks the Hopper kernel (about 1.6x faster prefill at 4k,
 first JIT compile about 110 s). Compiled kernels are cached in FlashInfer's JIT cache.
+
+Over an FP8 KV cache on Hopper, decode runs FlashInfer's XQA kernel (TensorRT-LLM's FP8 MHA for
+SM90, ``xqa_batch_decode_with_kv_cache``) where it takes the layers (no soft-cap; pages of
+16-128): it reads the block tables and lengths on the device, so it plans nothing per step, and
+CUDA graphs capture it as it is. ``PAGEDGEN_FLASHINFER_DECODE=fa2`` keeps the tensor-core paged
+decode; cascade steps keep it too (they merge by log-sum-exp, which XQA does not return).
 """
 
 from __future__ import annotations
@@ -28,9 +34,33 @@ from pagedgen.attention.backend import AttentionBackend, AttentionImpl, Attentio
 from pagedgen.attention.cascade import CascadeBuffers
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import write_kv
+from pagedgen.errors import PagedgenError
 
 WORKSPACE_BYTES = 256 << 20
+# XQA's: 8 MiB of semaphores (zero before first use; the kernel leaves them so), then scratch
+# for split-KV partials (a few MiB at most: it splits only batches too small to fill the GPU)
+XQA_WORKSPACE_BYTES = 40 << 20
 INSTALL_HINT = "pip install 'pagedgen[flashinfer]'"
+XQA_PAGES = (16, 32, 64, 128)
+
+
+def xqa_decodes(specs: list[LayerSpec], block_size: int, kv_cache_dtype: torch.dtype,
+                device: torch.device) -> bool:
+    """Whether decode runs XQA: asked for or left to the code, on Hopper (SM90), over an FP8
+    (e4m3) cache, pages of 16-128 tokens, head sizes of multiples of 16 up to 256, no
+    soft-cap."""
+    asked = envs.FLASHINFER_DECODE.get()
+    if asked == "fa2":
+        return False
+    runs = (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and kv_cache_dtype == torch.float8_e4m3fn and block_size in XQA_PAGES
+            and all(not s.logits_soft_cap and s.head_size % 16 == 0 and s.head_size <= 256
+                    for s in specs))
+    if asked == "xqa" and not runs:
+        raise PagedgenError(f"{envs.FLASHINFER_DECODE.name}=xqa: XQA decodes on Hopper (SM90) "
+                            f"over an FP8 KV cache with pages of {'/'.join(map(str, XQA_PAGES))}"
+                            " tokens and no soft-cap")
+    return runs
 
 
 def _key(spec: LayerSpec) -> tuple[int, float]:
@@ -100,6 +130,9 @@ class FlashInferState(AttentionState):
         self.cascade_buffers = CascadeBuffers(device)
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(s.sliding_window for s in layer_specs)
+        self.xqa = xqa_decodes(layer_specs, block_size, kv_cache_dtype, device)
+        self.xqa_workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8,
+                                         device=device) if self.xqa else None
 
     # ---- CUDA graphs --------------------------------------------------------------------------
 
@@ -114,7 +147,8 @@ class FlashInferState(AttentionState):
                                    torch.zeros(max_num_pages, dtype=i32, device=dev),
                                    torch.zeros(batch_size, dtype=i32, device=dev))
         indptr, indices, last = self._graph_buffers
-        plan = FlashInferPlan(decode={
+        plain_xqa = self.xqa and not cascade_levels  # XQA has no plan
+        plan = FlashInferPlan(decode={} if plain_xqa else {
             k: self.fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
                 paged_kv_indptr_buffer=indptr[:batch_size + 1], paged_kv_indices_buffer=indices,
@@ -136,7 +170,16 @@ class FlashInferState(AttentionState):
 
     def warmup(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
                ) -> None:
-        """Compile (JIT) ``merge_state_in_place`` now, not in the first cascade step."""
+        """Compile (JIT) ``merge_state_in_place`` and XQA's variants now, not in the first
+        cascade or decode step."""
+        if self.xqa:
+            s, dev = self.spec, self.device
+            cache = torch.zeros(1, 2, self.block_size, s.num_kv_heads, s.head_size,
+                                dtype=self.kv_cache_dtype, device=dev)
+            q = torch.zeros(1, s.num_heads, s.head_size, dtype=self.dtype, device=dev)
+            one = torch.ones(1, dtype=torch.int32, device=dev)
+            for spec in {_key(x): x for x in self.layer_specs}.values():
+                self.xqa_decode(spec, q, cache, one[:, None] - 1, one, torch.empty_like(q))
         if self.supports_cascade and self.device.type == "cuda":
             v = torch.zeros(1, 1, self.spec.head_size, dtype=self.dtype, device=self.device)
             s = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
@@ -175,6 +218,8 @@ class FlashInferState(AttentionState):
                 plan.members.copy_(members)
             indptr, indices, last = paged_kv_arrays(x.suffix_lens_cpu, x.suffix_lens,
                                                     x.suffix_tables, md.block_size)
+        elif md.num_decodes and self.xqa:
+            return md.extend(FlashInferMetadata, plan=plan)
         elif md.num_decodes:
             p = md.num_prefills
             indptr, indices, last = paged_kv_arrays(md.seq_lens_cpu[p:], md.seq_lens[p:],
@@ -185,6 +230,21 @@ class FlashInferState(AttentionState):
                        md.block_size, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
         return md.extend(FlashInferMetadata, plan=plan)
+
+    def xqa_decode(self, spec: LayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor
+                   ) -> None:
+        """XQA over each sequence's first ``seq_lens`` cached tokens, into ``out`` (query and
+        output contiguous, as XQA reads and writes them)."""
+        window = spec.sliding_window - 1 if spec.sliding_window else -1
+        dst = out if out.is_contiguous() else torch.empty(out.shape, dtype=out.dtype,
+                                                          device=out.device)
+        self.fi.decode.xqa_batch_decode_with_kv_cache(
+            q.contiguous(), kv_cache, self.xqa_workspace, block_tables, seq_lens,
+            block_tables.shape[1] * self.block_size, bmm1_scale=spec.scale * self.k_scale,
+            bmm2_scale=self.v_scale, window_left=window, out=dst)
+        if dst is not out:
+            out.copy_(dst)
 
     @staticmethod
     def _group_arrays(md: AttentionMetadata, x) -> list[tuple[torch.Tensor, ...]]:
@@ -245,7 +305,11 @@ class FlashInferImpl(AttentionImpl):
             return out
         if n:
             metadata.plan.prefill[self.key].run(q[:n], kv_cache, out=out[:n], **scales)
-        if metadata.num_decode_tokens:
+        if metadata.num_decode_tokens and st.xqa:
+            p = metadata.num_prefills
+            st.xqa_decode(self.spec, q[n:], kv_cache, metadata.block_tables[p:],
+                          metadata.seq_lens[p:], out[n:])
+        elif metadata.num_decode_tokens:
             metadata.plan.decode[self.key].run(q[n:], kv_cache, out=out[n:], **scales)
         return out
 

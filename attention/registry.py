@@ -91,9 +91,7 @@ def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch
             why = cls.check_layer(spec, dtype)
             if why:
                 return why
-        if kv_dtype.itemsize == 1 and not cls.supports_fp8_kv_cache:
-            return "no FP8 KV cache"
-        return None
+        return cls.fp8_kv_reason(device) if kv_dtype.itemsize == 1 else None
 
     if name != "auto":
         cls = get_backend(name, device)

@@ -22,7 +22,7 @@ from pagedgen.attention.backend import AttentionBackend, AttentionImpl, Attentio
 from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs, merge
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops import paged_decode
-from pagedgen.attention.ops.kv_cache import write_kv_triton
+from pagedgen.attention.ops.kv_cache import fp8_converts, write_kv, write_kv_triton
 from pagedgen.attention.ops.paged_decode import interpreting as _interpreting
 
 INSTALL_HINT = "pip install 'pagedgen[triton]'"
@@ -149,7 +149,13 @@ class TritonImpl(AttentionImpl):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping)
+        st = self.state
+        if kv_cache.dtype.itemsize == 1 and not kv_cache.is_cuda:
+            # Triton's CPU interpreter rounds to FP8 wrongly (1.999 to 1.0): torch stores there
+            write_kv(kv_cache, k, v, slot_mapping, st.k_scale, st.v_scale)
+            return
+        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping, st.k_scale,
+                        st.v_scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                metadata: TritonMetadata) -> torch.Tensor:
@@ -207,8 +213,9 @@ class TritonImpl(AttentionImpl):
             self.sinks if causal and self.sinks is not None else context_lens,
             query_start_loc, context_lens, tile_seq, tile_qstart,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            lse.stride(0), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0), spec.scale, cap,
-            window, spec.num_heads // spec.num_kv_heads, st.g_tile, st.block_size,
+            lse.stride(0), cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
+            spec.scale * st.k_scale, st.v_scale, cap, window,
+            spec.num_heads // spec.num_kv_heads, st.g_tile, st.block_size,
             D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
             USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
             CAUSAL=causal, WRITE_LSE=not causal, USE_SINKS=causal and self.sinks is not None,
@@ -218,7 +225,7 @@ class TritonImpl(AttentionImpl):
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
         """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""
         paged_decode.decode(q, kv_cache, out, part, lse, block_tables, seq_lens, self.spec,
-                            splits, self.sinks)
+                            splits, self.sinks, self.state.k_scale, self.state.v_scale)
 
     def _merge(self, out, part, lse, splits: int) -> None:
         self.tk.merge_kernel[(out.shape[0], self.spec.num_heads)](
@@ -237,6 +244,7 @@ class TritonBackend(AttentionBackend):
     supports_sliding_window = True
     supports_soft_cap = True
     supports_sinks = True
+    supports_fp8_kv_cache = True
     supported_dtypes = (torch.float16, torch.bfloat16)
 
     @classmethod
@@ -257,6 +265,12 @@ class TritonBackend(AttentionBackend):
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
         return [64, 128, 256]
+
+    @classmethod
+    def fp8_kv_reason(cls, device: torch.device) -> str | None:
+        if not fp8_converts(device):
+            return "Triton converts FP8 on compute capability 8.9+ only"
+        return None
 
     @classmethod
     def unavailable_reason(cls, device: torch.device) -> str | None:

@@ -8,7 +8,9 @@ a prefill's new tokens are LO, after the rest cached: a later chunk of a long pr
 ``--fa4-decode-tiles`` runs flash-attn once per FA4 decode tile (``fa4``: FA4's own choice;
 ``64x128``: 64 query rows x 128 keys), as ``$PAGEDGEN_FA4_DECODE_TILE`` would;
 ``--fa4-prefill-tiles`` the same for prefill (``$PAGEDGEN_FA4_PREFILL_TILE``; ``default``:
-pagedgen's own choice).
+pagedgen's own choice). ``--kv-cache-dtypes bf16,fp8`` runs each shape over a bf16 and an
+FP8 (e4m3) cache (GB/s then counts the bytes the cache holds); ``--flashinfer-decodes xqa,fa2``
+runs flashinfer once per FP8 decode kernel (``$PAGEDGEN_FLASHINFER_DECODE``).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two device synchronizations (decode: replayed from a CUDA graph when
 the backend supports graphs, so host launch overhead is not counted); the forward includes
@@ -22,6 +24,8 @@ writing the new tokens' K/V (at most 0.2 ms of K/V for the prefill shape).
         --fa4-decode-tiles fa4,64x128,64x64 --shapes decode:256x129-1280
     python -m benchmarks.attention_kernels --backends flash-attn --page-sizes 64 --heads 16/2 \
         --head-dim 256 --fa4-prefill-tiles default,fa4 --shapes prefill:1x16384-30000
+    python -m benchmarks.attention_kernels --backends flashinfer,triton --kv-cache-dtypes fp8 \
+        --flashinfer-decodes xqa,fa2 --shapes decode:512x1000-2000
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 
 from benchmarks.common import env_set
 
+from pagedgen import envs
 from pagedgen.attention.backend import LayerSpec
 from pagedgen.attention.flash_attn.fa4 import ENV_DECODE_TILE, ENV_PREFILL_TILE
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
@@ -46,7 +51,7 @@ DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
 
 def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: int,
           iters: int, HQ: int = 32, HKV: int = 8, dev: torch.device = torch.device("cuda"),
-          D: int = 128) -> dict:
+          D: int = 128, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
     backend = get_backend(backend_name, dev)
     page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
@@ -57,14 +62,15 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     pages = [-(-c // page) for c in ctxs]
     num_blocks = sum(pages) + 1
     shape = backend.get_kv_cache_shape(num_blocks, page, HKV, D)
-    cache = torch.randn(shape, dtype=torch.bfloat16, device=dev)
+    cache = torch.randn(shape, dtype=torch.bfloat16, device=dev).to(kv_dtype)
     perm = torch.randperm(num_blocks - 1).tolist()
     starts = [sum(pages[:i]) for i in range(batch)]
     seqs = [ScheduledSeq(perm[s:s + p], c - n_new, n_new)
             for s, p, c in zip(starts, pages, ctxs)]
     builder = AttentionMetadataBuilder(page, dev)
     md = builder.build(seqs, []) if kind == "prefill" else builder.build([], seqs)
-    state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, torch.bfloat16, dev)
+    state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, kv_dtype, dev)
+    state.warmup(batch, batch * n_new, max(ctxs))
     impl = backend.get_impl_cls()(spec, state)
     t = batch * n_new
     q = torch.randn(t, HQ, D, dtype=torch.bfloat16, device=dev)
@@ -96,12 +102,15 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     s = (time.perf_counter() - t0) / iters  # graph replays or a backend's own launches
     res = {"backend": backend_name, "kind": kind, "batch": batch,
            "context": ctx[0] if ctx[0] == ctx[1] else f"{ctx[0]}-{ctx[1]}", "page": page,
-           "heads": f"{HQ}/{HKV}", "head_dim": D, "cuda_graph": graphed, "ms": s * 1000}
+           "heads": f"{HQ}/{HKV}", "head_dim": D, "kv_cache_dtype": str(kv_dtype)[6:],
+           "cuda_graph": graphed, "ms": s * 1000}
+    if getattr(state, "xqa", False):
+        res["decode_kernel"] = "xqa"
     if getattr(state, "prefill_tiles", None) is not None:  # FA4: the tile this kind ran with
         tile = state.prefill_tiles[D > 128] if kind == "prefill" else state.decode_tile
         res[f"fa4_{kind}_tile"] = "x".join(map(str, tile)) if tile else "fa4"
     if kind == "decode":
-        res["GB_s"] = sum(ctxs) * HKV * D * 2 * 2 / s / 1e9
+        res["GB_s"] = sum(ctxs) * HKV * D * 2 * kv_dtype.itemsize / s / 1e9
     else:
         pairs = sum(n_new * (c - n_new) + n_new * (n_new + 1) / 2 for c in ctxs)
         res["TFLOP_s"] = 4 * HQ * D * pairs / s / 1e12
@@ -119,6 +128,9 @@ def main() -> None:
                     help="flash-attn: one run per FA4 decode tile, e.g. fa4,64x128")
     ap.add_argument("--fa4-prefill-tiles", default="",
                     help="flash-attn: one run per FA4 prefill tile, e.g. default,fa4,128x64")
+    ap.add_argument("--kv-cache-dtypes", default="bf16", help="bf16, fp8 or both")
+    ap.add_argument("--flashinfer-decodes", default="",
+                    help="flashinfer: one run per FP8 decode kernel, e.g. xqa,fa2")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
@@ -133,18 +145,24 @@ def main() -> None:
     rows = []
     fa4 = {"decode": (args.fa4_decode_tiles, ENV_DECODE_TILE),
            "prefill": (args.fa4_prefill_tiles, ENV_PREFILL_TILE)}
+    kv_dtypes = [{"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}[d]
+                 for d in args.kv_cache_dtypes.split(",")]
     for name in args.backends.split(","):
-        variants = [(kind, t) for kind, (ts, _) in fa4.items() for t in ts.split(",") if t
-                    ] if name == "flash-attn" else []
-        for tiled, tile in variants or [(None, None)]:
-            env = fa4[tiled][1] if tiled else ""
+        # (the shapes' kind it applies to, the value, the variable that sets it)
+        variants = [(kind, t, var) for kind, (ts, var) in fa4.items() for t in ts.split(",")
+                    if t] if name == "flash-attn" else []
+        if name == "flashinfer":
+            variants = [("decode", d, envs.FLASHINFER_DECODE.name)
+                        for d in args.flashinfer_decodes.split(",") if d]
+        for tiled, tile, env in variants or [(None, None, "")]:
             for page in map(int, args.page_sizes.split(",")):
-                for (kind, batch, ctx), (hq, hkv) in itertools.product(shapes, heads):
+                for (kind, batch, ctx), (hq, hkv), kv in itertools.product(shapes, heads,
+                                                                           kv_dtypes):
                     if tiled and kind != tiled:
                         continue
                     with env_set(env, None if tile == "default" else tile):
                         r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
-                                  torch.device(args.device), args.head_dim)
+                                  torch.device(args.device), args.head_dim, kv)
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()  # the cache and graph of that shape are gone
                     rows.append(r)

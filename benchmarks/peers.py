@@ -159,8 +159,9 @@ def vllm_engine(wl: Workload, quantization: str | None = None,
     """vLLM's engine arguments for ``wl``: pagedgen's batching limits (its profile's config
     with ``overrides``), FP8 where asked, the workload's KV-cache size in tokens."""
     cfg, _ = profile_configs(wl.profile)
-    engine = {**same_limits(replace(cfg, **(overrides or {}))),
-              **({"quantization": quantization} if quantization else {})}
+    cfg = replace(cfg, **(overrides or {}))
+    engine = {**same_limits(cfg), **({"quantization": quantization} if quantization else {}),
+              **({"kv_cache_dtype": "fp8"} if str(cfg.kv_cache_dtype).startswith("fp8") else {})}
     if wl.kv_cache_tokens:
         engine.update(block_size=16, num_gpu_blocks_override=wl.kv_cache_tokens // 16)
     return engine

@@ -22,6 +22,8 @@ every system (and the vLLM peer, in a process of its own) runs exactly the same 
   k: Qwen3.5-35B-A3B shape, (l)'s requests (the MoE preset on long prompts)
   o: gpt-oss-20b shape (MXFP4 experts: 32, 4 per token; attention sinks), (a)'s requests
   g: gpt-oss-120b shape (MXFP4 experts: 128, 4 per token; one H100 holds it), (a)'s requests
+  t: Llama-3-8B shape, 512 prompts x 1,000 input, 1,000 output (TensorRT-LLM's published
+     H100 shape; with ``--quantization fp8 --set kv_cache_dtype=fp8``: FP8 weights and KV)
   e: Gemma-3-27B shape (5:1 windows of 1,024), 16 prompts x random 8,192-30,000 input, 128
      output (long prompts: the window layers' pages decide how many run at once)
   f: Gemma-3-12B shape, (e)'s requests
@@ -106,6 +108,7 @@ WORKLOADS = {
     "k": Workload("qwen3.5-35b-a3b", 32, (8192, 30000), (128, 128)),
     "o": Workload("gpt-oss-20b", 256, (128, 1024), (256, 256)),
     "g": Workload("gpt-oss-120b", 256, (128, 1024), (256, 256)),
+    "t": Workload("llama-3-8b", 512, (1000, 1000), (1000, 1000)),
     "e": Workload("gemma-3-27b", 16, (8192, 30000), (128, 128)),
     "f": Workload("gemma-3-12b", 16, (8192, 30000), (128, 128)),
 }

@@ -67,6 +67,55 @@ def test_flashinfer_decode_only_and_prefill_only():
         compare(b, TOL[torch.bfloat16])
 
 
+def hopper() -> bool:
+    return torch.cuda.get_device_capability()[0] == 9
+
+
+@pytest.mark.parametrize("decode", ["xqa", "fa2"])
+@pytest.mark.parametrize("window", [None, 24])
+def test_fp8_decode_kernels_match_eager_over_the_same_cache(monkeypatch, decode, window):
+    """Each decode kernel over an FP8 cache (XQA on Hopper, the tensor-core decode) with
+    scales other than 1, short and long (split) contexts, prefills alongside, against eager
+    over the same cache and scales."""
+    from pagedgen.attention.flashinfer import FlashInferState
+    if decode == "xqa" and not hopper():
+        pytest.skip("XQA's FP8 kernel is Hopper's (SM90)")
+    monkeypatch.setenv("PAGEDGEN_FLASHINFER_DECODE", decode)
+    fi = flashinfer_backend()
+    for seed, (np_, nd, ctx) in enumerate([(3, 6, 200), (0, 5, 3000), (0, 1, 9000)]):
+        b = make_paged_batch(seed, num_heads=32, num_kv_heads=8, head_size=128,
+                             dtype=torch.bfloat16, device="cuda", sliding_window=window,
+                             cache_dtype=torch.float8_e4m3fn, num_prefills=np_,
+                             num_decodes=nd, max_context=ctx, max_new=80,
+                             min_context=ctx // 2)
+        states = []
+        for cls in (EagerBackend, fi):
+            st = cls.get_state_cls()(cls, [b.spec], b.block_size, b.q.dtype,
+                                     b.kv_cache.dtype, b.q.device)
+            st.k_scale, st.v_scale = 1.5, 0.5
+            states.append(st)
+        assert isinstance(states[1], FlashInferState) and states[1].xqa == (decode == "xqa")
+        states[1].warmup(8, 256, ctx + 80)
+        ref, ref_cache = run_backend(EagerBackend, b, states[0])
+        out, cache = run_backend(fi, b, states[1])
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err < 4e-2, (seed, err)
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+def test_fp8_decode_under_cuda_graphs_gives_eager_logits():
+    """The default FP8 decode (XQA on Hopper) replayed from CUDA graphs gives the logits of
+    the same engine run eagerly."""
+    ps = byte_prompts(11, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    graphed = tiny(backend="flashinfer", kv_cache_dtype="fp8")
+    assert graphed.runner.attn_states[0].xqa == hopper()
+    worst = graphs_vs_eager(graphed, tiny(backend="flashinfer", kv_cache_dtype="fp8",
+                                          enforce_eager=True), ps, params)
+    print(f"fp8 KV graphs vs eager: worst logit diff {worst:.5f}")
+    assert worst < 1e-2
+
+
 def test_flashinfer_fp8_kv_cache():
     b = make_paged_batch(4, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                          device="cuda", cache_dtype=torch.float8_e4m3fn, num_prefills=3,

@@ -283,3 +283,40 @@ def test_sinks_enter_grouped_cascade_decode_once(monkeypatch):
                                       block_size=16, dtype=DTYPES[-1], device=DEVICE), 3)
     assert b.metadata().cascade is not None, "the case shares pages"
     check(b)
+
+
+def fp8_states(batch, k_scale: float, v_scale: float) -> tuple:
+    """Eager's and the triton backend's states for ``batch`` (an FP8 cache) with these
+    scales."""
+    states = []
+    for cls in (EagerBackend, backend()):
+        st = cls.get_state_cls()(cls, [batch.spec], batch.block_size, batch.q.dtype,
+                                 batch.kv_cache.dtype, batch.q.device)
+        st.k_scale, st.v_scale = k_scale, v_scale
+        states.append(st)
+    return states
+
+
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (2.0, 0.25)])
+@pytest.mark.parametrize("window", [None, 19])
+def test_fp8_kv_cache_reads_and_writes_as_eager(scales, window):
+    """An FP8 cache: new tokens stored as x / scale rounded to e4m3 (the same bytes as eager's
+    write), prefill and decode (split-KV over long contexts too) reading K and V back times
+    their scales, within the query dtype's tolerance of eager over the same cache."""
+    fp8 = torch.float8_e4m3fn
+    batches = [make_paged_batch(seed, num_heads=8, num_kv_heads=2, dtype=DTYPES[-1],
+                                cache_dtype=fp8, sliding_window=window, device=DEVICE,
+                                max_context=60, max_new=40) for seed in range(2)]
+    long = make_paged_batch(5, num_prefills=0, num_decodes=3, max_context=700,
+                            dtype=DTYPES[-1], cache_dtype=fp8, device=DEVICE)
+    for s in long.decodes:  # long contexts: split-KV decode
+        extra = 600 - s.num_context
+        s.num_context = 600
+        s.block_table.extend(s.block_table[-1:] * (-(-extra // long.block_size) + 1))
+    for b in [*batches, long]:
+        eager, triton_state = fp8_states(b, *scales)
+        ref, ref_cache = run_backend(EagerBackend, b, eager)
+        out, cache = run_backend(backend(), b, triton_state)
+        err = (out.float() - ref.float()).abs().max().item()
+        assert err <= TOL[b.q.dtype], err
+        assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))

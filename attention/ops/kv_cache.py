@@ -23,23 +23,34 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     FP8 caches store ``x / scale`` (copied as bytes, since index_copy has no FP8 kernels).
     """
     if triton_writes(kv_cache, k):
-        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping)
+        write_kv_triton(kv_cache[:, 0], kv_cache[:, 1], k, v, slot_mapping, k_scale, v_scale)
         return
     with scope("kv_cache_write"):
         _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
 
 
 def triton_writes(cache: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether ``write_kv_triton`` stores into ``cache``: CUDA, not FP8 (scaled on the torch
-    path), a power-of-two head size."""
+    """Whether ``write_kv_triton`` stores into ``cache``: CUDA, a power-of-two head size, and
+    for an FP8 cache a GPU whose Triton converts to FP8 (compute capability 8.9+)."""
     d = k.shape[-1]
-    return HAVE_TRITON and cache.is_cuda and cache.dtype.itemsize > 1 and d & (d - 1) == 0
+    return HAVE_TRITON and cache.is_cuda and d & (d - 1) == 0 and (
+        cache.dtype.itemsize > 1 or fp8_converts(cache.device))
+
+
+def fp8_converts(device: torch.device) -> bool:
+    """Whether Triton kernels convert to and from FP8 (e4m3) on ``device``: a GPU of compute
+    capability 8.9+, or the CPU interpreter."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor,
-                    v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    v: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> None:
     """Store k/v [T, H, D] (any strides) at their slots in page views ``k_cache``, ``v_cache``
-    [num_blocks, block_size, H, D] of equal strides, in one kernel: a program per token."""
+    [num_blocks, block_size, H, D] of equal strides, in one kernel: a program per token (FP8
+    caches: ``x / scale``, rounded to nearest)."""
     import triton
 
     from pagedgen.attention.ops import triton_kernels as tk
@@ -51,7 +62,7 @@ def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     with scope("kv_cache_write"):
         tk.write_kv_kernel[(k.shape[0],)](
             k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), cs[0], cs[1], cs[2], h, k_cache.shape[1],
+            v.stride(1), cs[0], cs[1], cs[2], h, k_cache.shape[1], k_scale, v_scale,
             HP=triton.next_power_of_2(h), D=d)
 
 

@@ -62,12 +62,14 @@ def partials(splits: int, b: int, spec: LayerSpec, device: torch.device
 
 def decode(q: torch.Tensor, kv_blocks: torch.Tensor, out: torch.Tensor, part: torch.Tensor,
            lse: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-           spec: LayerSpec, splits: int, sinks: torch.Tensor | None = None) -> None:
+           spec: LayerSpec, splits: int, sinks: torch.Tensor | None = None,
+           k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Attention of each sequence's one query ``q`` [B, H, D] over its first ``seq_lens``
     cached tokens: straight into ``out`` when ``part is out`` (one split), else ``splits``
     partials into ``part`` / ``lse`` (:func:`partials`). ``kv_blocks``: [pages, 2 (K, V), page,
     KV heads, D], any strides (the flash-attn cache's ``transpose(0, 1)`` view too);
-    ``sinks`` [H]: each head's sink logit, counted once (in split 0)."""
+    ``sinks`` [H]: each head's sink logit, counted once (in split 0); an FP8 cache holds
+    K / ``k_scale`` and V / ``v_scale``."""
     from pagedgen.attention.ops import triton_kernels as tk
 
     cs = kv_blocks.stride()
@@ -80,7 +82,7 @@ def decode(q: torch.Tensor, kv_blocks: torch.Tensor, out: torch.Tensor, part: to
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         cs[0], cs[1], cs[2], cs[3], block_tables.stride(0),
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-        spec.scale, cap, window, splits, group, kv_blocks.shape[2],
+        spec.scale * k_scale, v_scale, cap, window, splits, group, kv_blocks.shape[2],
         GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=block_n(spec.head_size),
         USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=part is out,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_SINKS=sinks is not None,

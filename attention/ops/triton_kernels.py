@@ -29,8 +29,10 @@ def _tanh(x):
 
 @triton.jit
 def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt, stride_vh,
-                    stride_cb, stride_cs, stride_ch, H, PAGE,
+                    stride_cb, stride_cs, stride_ch, H, PAGE, k_scale, v_scale,
                     HP: tl.constexpr, D: tl.constexpr):
+    # Stores x / scale (rounded to the cache's dtype: FP8 caches hold scaled values; the
+    # scales are 1.0 for 16-bit caches, where the division is exact).
     t = tl.program_id(0)
     slot = tl.load(Slots + t)
     blk = slot // PAGE
@@ -39,9 +41,9 @@ def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt
     d = tl.arange(0, D)[None, :]
     mask = h < H
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
-    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask)
+    k = tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask).to(tl.float32) / k_scale
     tl.store(KCache + dst, k.to(KCache.dtype.element_ty), mask=mask)
-    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask)
+    v = tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask).to(tl.float32) / v_scale
     tl.store(VCache + dst, v.to(VCache.dtype.element_ty), mask=mask)
 
 
@@ -55,11 +57,13 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
                    TileQStart,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt,
                    stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
-                   scale, soft_cap, window, G, G_TILE, PAGE,
+                   scale, v_scale, soft_cap, window, G, G_TILE, PAGE,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
                    USE_SINKS: tl.constexpr = False):
+    # An FP8 cache's K and V are read in the queries' dtype: ``scale`` carries K's scale,
+    # ``v_scale`` multiplies the output.
     # CAUSAL=False: every query sees exactly the ``ctx`` cached keys and none of the new tokens
     # (cascade: the batch's decode queries over their shared prefix). WRITE_LSE: also store
     # each row's natural-log log-sum-exp at Lse[token, head]. USE_SINKS: each head's
@@ -102,7 +106,7 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
                       other=0).to(tl.int64)  # pages past 2**31 elements
         kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
             + kvh * stride_ch + d[None, :]
-        k = tl.load(kp, mask=kv_ok[:, None], other=0.0)
+        k = tl.load(kp, mask=kv_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -117,10 +121,10 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     tl.store(Out + (q_off + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
     if WRITE_LSE:
@@ -134,13 +138,13 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
                   stride_qt, stride_qh, stride_ot, stride_oh,
                   stride_cb, stride_c2, stride_cs, stride_ch, stride_bt,
                   stride_ps, stride_pt, stride_ph, stride_ls, stride_lt,
-                  scale, soft_cap, window, num_splits, G, PAGE,
+                  scale, v_scale, soft_cap, window, num_splits, G, PAGE,
                   GP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                   USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
                   DIRECT: tl.constexpr, PRECISION: tl.constexpr,
                   USE_SINKS: tl.constexpr = False):
     # USE_SINKS: each head's Sinks[head] logit joins the softmax with a zero value, in split 0
-    # only (the merge then counts it once)
+    # only (the merge then counts it once). FP8 caches: as in ``prefill_kernel``.
     seq = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -173,7 +177,7 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
                       other=0).to(tl.int64)  # pages past 2**31 elements
         kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
             + kvh * stride_ch + d[None, :]
-        k = tl.load(kp, mask=kv_ok[:, None], other=0.0)
+        k = tl.load(kp, mask=kv_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -183,10 +187,10 @@ def decode_kernel(Q, Cache, Out, OutPart, LsePart, BlockTables, SeqLens, Sinks,
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
     if DIRECT:
         tl.store(Out + seq * stride_ot + head[:, None] * stride_oh + d[None, :],
                  out.to(Out.dtype.element_ty), mask=g_ok[:, None])

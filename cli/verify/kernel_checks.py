@@ -53,9 +53,11 @@ def kernel_groups(backend: type[AttentionBackend], device: torch.device
             groups.append((f"{name} soft-cap", dtype, {"soft_cap": 20.0}))
         if backend.supports_sinks:
             groups.append((f"{name} sinks", dtype, {"sinks": True}))
-    if backend.supports_fp8_kv_cache and torch.bfloat16 in backend.get_supported_dtypes():
-        groups.append(("bfloat16 fp8 KV cache", torch.bfloat16,
-                       {"cache_dtype": torch.float8_e4m3fn}))
+    query = next((d for d in (torch.bfloat16, torch.float16)
+                  if d in backend.get_supported_dtypes()), None)
+    if query is not None and backend.fp8_kv_reason(device) is None:
+        name = str(query).removeprefix("torch.")
+        groups.append((f"{name} fp8 KV cache", query, {"cache_dtype": torch.float8_e4m3fn}))
     return groups
 
 
