@@ -6,7 +6,7 @@ imported at first use: ``import pagedgen`` alone loads no torch).
 
 from pagedgen.meta import PACKAGE_DIR, PROFILES_DIR, __version__
 
-__all__ = ["LLM", "PACKAGE_DIR", "PROFILES_DIR", "__version__"]
+__all__ = ["LLM", "PACKAGE_DIR", "PROFILES_DIR", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -14,4 +14,8 @@ def __getattr__(name: str):
         from pagedgen.cli.api import LLM
 
         return LLM
+    if name == "SamplingParams":
+        from pagedgen.cli.sampling_params import SamplingParams
+
+        return SamplingParams
     raise AttributeError(f"module 'pagedgen' has no attribute {name!r}")

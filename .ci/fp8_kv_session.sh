@@ -8,7 +8,7 @@
 # Triton's FP8 kernels, FP8 weights with an FP8 cache). kernels: decode kernels over FP8 and
 # bf16 caches on workload t's decode shapes. e2e: workload t (512 x 1,000 / 1,000, FP8 weights
 # and KV) through flashinfer with each FP8 decode kernel and through triton (E2E_REPEATS runs,
-# default 2). save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
+# default 2). long: LONG_WORKLOADS (default f) at pagedgen's defaults. save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -20,7 +20,8 @@ for line in sys.stdin:
            if k in ("backend", "system", "batch", "context", "page", "kv_cache_dtype",
                     "decode_kernel", "ms", "GB_s", "output_tokens_per_s", "wall_time_s",
                     "runs_output_tokens_per_s", "max_num_seqs", "decode_step_ms",
-                    "startup_breakdown_s", "kernel_compile_at_startup_s", "checksum")})'; }
+                    "startup_breakdown_s", "kernel_compile_at_startup_s", "checksum",
+                    "preemptions", "kv_cache_bytes", "kv_peak_tokens_held")})'; }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -31,10 +32,10 @@ for step in "$@"; do
     kernels)
       timeout 240 python3 -m benchmarks.attention_kernels --backends flashinfer,triton \
         --kv-cache-dtypes fp8 --flashinfer-decodes xqa,fa2 --iters 30 \
-        --shapes decode:512x1000-2000,decode:128x1000-2000,decode:64x4096,decode:8x8192 \
+        --shapes decode:512x1000-2000,decode:64x4096,decode:8x8192 \
         --json "$OUT/fp8-kernels.json" 2>&1 | keys
       timeout 120 python3 -m benchmarks.attention_kernels --backends flash-attn,triton \
-        --page-sizes 0 --iters 30 --shapes decode:512x1000-2000,decode:64x4096 \
+        --page-sizes 0 --iters 30 --shapes decode:512x1000-2000 \
         --json "$OUT/bf16-kernels.json" 2>&1 | keys ;;
     e2e)
       for d in xqa fa2; do
@@ -45,6 +46,9 @@ for step in "$@"; do
       timeout 200 python3 -m benchmarks.peers --workloads t --backends triton --peers "" \
         --repeats 1 --quantization fp8 --set kv_cache_dtype=fp8 \
         --json "$OUT/t-triton.json" 2>&1 | keys ;;
+    long)  # workload f (Gemma-3-12B, 8k-30k prompts) at pagedgen's defaults: KV groups
+      timeout 300 python3 -m benchmarks.peers --workloads "${LONG_WORKLOADS:-f}" \
+        --backends default --peers "" --repeats 1 --json "$OUT/long.json" 2>&1 | keys ;;
     save-cache)
       tar czf "$OUT/flashinfer-cache.tgz" -C /tmp/fiws .cache && ls -la "$OUT" ;;
   esac

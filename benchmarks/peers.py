@@ -245,7 +245,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                                 "kernels_compiled_at_startup", "kernel_compile_at_startup_s",
                                 "runs_kernels_compiled", "runs_kernel_compile_s",
                                 "first_run_slowest_compiles", "first_run_compiles_s",
-                                "runs_detail", *SPREAD_KEYS)
+                                "runs_detail", "preemptions", "kv_cache_bytes",
+                                "kv_cache_token_slots", "kv_peak_tokens_held", *SPREAD_KEYS)
             if k in res})
     if "vllm" in peers:
         engine = vllm_engine(wl, quantization, overrides)

@@ -38,8 +38,11 @@ def reference(hf, tokens: list[int]) -> torch.Tensor:
 
 def assert_entries(entries, ref_rows: torch.Tensor, targets: list[int], k: int) -> None:
     assert len(entries) == len(targets) == ref_rows.shape[0]
-    for (lp, top), row, t in zip(entries, ref_rows, targets):
+    for (lp, top, rank), row, t in zip(entries, ref_rows, targets):
         assert lp == pytest.approx(row[t].item(), abs=1e-4)
+        # the token's rank: 1 + the tokens above it (those within 1e-3 of it may go either way)
+        above, near = (row > row[t] + 1e-3).sum().item(), (row > row[t] - 1e-3).sum().item()
+        assert above + 1 <= rank <= near, (rank, above, near)
         vals, ids = row.topk(k)
         assert len(top) == k
         assert [v for _, v in top] == pytest.approx(vals.tolist(), abs=1e-4)
@@ -62,7 +65,8 @@ def test_generated_and_prompt_logprobs_match_transformers(checkpoint):
         assert_entries(seq.prompt_logprobs, ref[:P - 1], prompt[1:], K)
         assert_entries(seq.logprobs, ref[P - 1:P - 1 + 6], seq.output_token_ids, K)
         # greedy: each chosen token is its row's best
-        assert all(lp == pytest.approx(top[0][1]) for lp, top in seq.logprobs)
+        assert all(lp == pytest.approx(top[0][1]) and rank == 1
+                   for lp, top, rank in seq.logprobs)
 
 
 def test_parallel_samples_have_their_own_logprobs(checkpoint):

@@ -48,8 +48,9 @@ def test_request_dicts_give_what_the_command_writes(tmp_path, llm):
         assert [c.finish_reason for c in out.outputs] == [c["finish_reason"] for c in choices]
         assert out.prompt == ref["prompt"] and out.num_prompt_tokens == ref["num_prompt_tokens"]
     d = outs[3]
-    assert len(d.outputs) == 3 and len(d.outputs[0].logprobs) == d.outputs[0].num_output_tokens
-    assert d.outputs[0].logprobs[0].token == want["d"]["choices"][0]["logprobs"][0]["token"]
+    c = d.outputs[0]
+    assert len(d.outputs) == 3 and len(c.token_logprobs) == c.num_output_tokens
+    assert c.token_logprobs[0].token == want["d"]["choices"][0]["logprobs"][0]["token"]
 
 
 def test_strings_and_token_ids_with_shared_or_per_prompt_settings(llm):
@@ -71,7 +72,7 @@ def test_strings_and_token_ids_with_shared_or_per_prompt_settings(llm):
     (lambda llm: llm.generate(None), r"prompts: a prompt .* or a list of them, not NoneType"),
     (lambda llm: llm.generate(["x"], top_p=2), r"prompt 0: top_p must be in \(0, 1\]"),
     (lambda llm: llm.generate(["x"], nonsense=1), r"prompt 0: unknown sampling field"),
-    (lambda llm: llm.generate(["x", "y"], [{}]), r"sampling_params: one dict for every"),
+    (lambda llm: llm.generate(["x", "y"], [{}]), r"sampling_params: one dict or SamplingParams"),
     (lambda llm: llm.generate([{"prompt": "x", "structured_outputs": {"regex": "[^\\s\\S]"}}]),
      r"prompt 0: the regex matches no text"),
     (lambda llm: llm.generate([{"prompt": "x" * 3000}]), r"prompt 0: the prompt has 3,?001 "),

@@ -155,7 +155,7 @@ def test_logprobs_are_log_softmax_of_transformers_logits(smol, reference):
         with torch.inference_mode():
             ref = torch.log_softmax(hf(ids).logits[0].float(), dim=-1)
         n = seq.num_prompt_tokens
-        got = [lp for lp, _ in seq.prompt_logprobs] + [lp for lp, _ in seq.logprobs]
+        got = [e[0] for e in seq.prompt_logprobs] + [e[0] for e in seq.logprobs]
         want = [ref[i - 1, t].item() for i, t in enumerate(seq.token_ids) if i >= 1]
         assert got == pytest.approx(want, abs=2e-4), seq.seq_id
         top = seq.logprobs[0][1]  # the first output position's alternatives

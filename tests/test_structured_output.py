@@ -277,7 +277,7 @@ def test_logprobs_are_of_the_masked_distribution(bpe_model):
         max_tokens=4, temperature=1.0, logprobs=20,
         structured=StructuredOutput("regex", "[0-9]{3}")))])
     tok = eng.tokenizer
-    for chosen, top in seq.logprobs[:3]:
+    for chosen, top, _ in seq.logprobs[:3]:
         finite = {t: lp for t, lp in top if math.isfinite(lp)}
         assert finite and all(re.fullmatch(r"[0-9]+", tok.decode([t])) for t in finite)
         assert math.isfinite(chosen)

@@ -176,8 +176,8 @@ def record(out: RequestOutput, model: str = "") -> dict[str, Any]:
         "usage": {"prompt_tokens": out.num_prompt_tokens,
                   "completion_tokens": out.num_output_tokens,
                   "total_tokens": out.num_prompt_tokens + out.num_output_tokens}}
-    if out.prompt_logprobs is not None:  # vLLM's extension
-        body["prompt_logprobs"] = [None] + entries(out.prompt_logprobs)
+    if out.prompt_token_logprobs is not None:  # vLLM's extension
+        body["prompt_logprobs"] = [None] + entries(out.prompt_token_logprobs)
     line = {"custom_id": req.id, "id": f"batch_req_{req.index}",
             "response": {"status_code": 200, "request_id": f"req_{req.index}", "body": body},
             "error": None}
@@ -198,13 +198,13 @@ def is_complete(obj: dict[str, Any]) -> bool:
 
 def _chat_choice(c: CompletionOutput) -> dict[str, Any]:
     logprobs = None
-    if c.logprobs is not None:
+    if c.token_logprobs is not None:
         def item(b: bytes, lp: float) -> dict[str, Any]:
             return {"token": b.decode("utf-8", errors="replace"), "logprob": lp,
                     "bytes": list(b)}
 
         logprobs = {"content": [{**item(e.token_bytes, e.logprob), "top_logprobs": [
-            item(b, lp) for b, (_, lp) in zip(e.top_bytes, e.top)]} for e in c.logprobs],
+            item(b, lp) for b, (_, lp) in zip(e.top_bytes, e.top)]} for e in c.token_logprobs],
                     "refusal": None}
     message: dict[str, Any] = {"role": "assistant", "content": c.text}
     if c.reasoning_content is not None:  # vLLM's field; no answer began: content null
@@ -223,15 +223,15 @@ def _openai_reason(reason: str) -> str:
 
 def _completion_choice(c: CompletionOutput) -> dict[str, Any]:
     logprobs = None
-    if c.logprobs is not None:
-        tokens = [e.token for e in c.logprobs]
+    if c.token_logprobs is not None:
+        tokens = [e.token for e in c.token_logprobs]
         offsets, pos = [], 0
         for s in tokens:
             offsets.append(pos)
             pos += len(s)
-        logprobs = {"tokens": tokens, "token_logprobs": [e.logprob for e in c.logprobs],
+        logprobs = {"tokens": tokens, "token_logprobs": [e.logprob for e in c.token_logprobs],
                     "top_logprobs": [dict(zip(e.top_tokens, (lp for _, lp in e.top)))
-                                     for e in c.logprobs],
+                                     for e in c.token_logprobs],
                     "text_offset": offsets}
     out = {"index": c.index, "text": c.text, "logprobs": logprobs,
            "finish_reason": _openai_reason(c.finish_reason)}

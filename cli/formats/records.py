@@ -18,8 +18,8 @@ def record(out: RequestOutput) -> dict[str, Any]:
     req = out.request
     line: dict[str, Any] = {"id": req.id, "prompt": out.prompt,
                             "num_prompt_tokens": out.num_prompt_tokens}
-    if out.prompt_logprobs is not None:
-        line["prompt_logprobs"] = [None] + entries(out.prompt_logprobs)
+    if out.prompt_token_logprobs is not None:
+        line["prompt_logprobs"] = [None] + entries(out.prompt_token_logprobs)
     if out.n == 1:
         line.update(choice(out.outputs[0]))
     else:
@@ -34,8 +34,8 @@ def choice(c: CompletionOutput) -> dict[str, Any]:
            "finish_reason": c.finish_reason}
     if c.reasoning_content is not None:  # a reasoning model's thinking, apart from its answer
         out["reasoning_content"] = c.reasoning_content
-    if c.logprobs is not None:
-        out["logprobs"] = entries(c.logprobs)
+    if c.token_logprobs is not None:
+        out["logprobs"] = entries(c.token_logprobs)
     return out
 
 

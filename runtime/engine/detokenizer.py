@@ -77,14 +77,19 @@ class StopChecker:
     def check(self, text: str, new: int) -> int | None:
         """With the last ``new`` characters of ``text`` just added: where the text ends at the
         first stop string (after it, with ``include_stop_str_in_output``), or None."""
+        hit = self.first(text, new)
+        return None if hit is None else hit[0]
+
+    def first(self, text: str, new: int) -> tuple[int, str] | None:
+        """Like :meth:`check`, with the stop string found (vLLM's ``stop_reason``)."""
         if not new or not self.stops:
             return None
         start = max(0, len(text) - new - self.reach)
-        hits = [(i, len(s)) for s in self.stops if (i := text.find(s, start)) >= 0]
+        hits = [(i, len(s), s) for s in self.stops if (i := text.find(s, start)) >= 0]
         if not hits:
             return None
-        i, n = min(hits)
-        return i + n if self.include else i
+        i, n, stop = min(hits)
+        return (i + n if self.include else i), stop
 
     def visible(self, text: str, finished: bool) -> str:
         """The part of ``text`` no stop string can still claim (all of it once finished)."""

@@ -59,12 +59,13 @@ class OutputStage:
         elif not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             seq.finish_reason = "stop"
         elif token in p.stop_token_ids:
-            seq.finish_reason = "stop"
+            seq.finish_reason, seq.stop_reason = "stop", token
             if not p.include_stop_str_in_output:  # the text ends before the stop token's
                 seq.stop_text_end = len(self.decode(seq, seq.output_token_ids[:n_out - 1]))
-        elif seq.stop_checker is not None and (hit := seq.stop_checker.check(
+        elif seq.stop_checker is not None and (hit := seq.stop_checker.first(
                 seq.detok.text, seq.detok.new)) is not None:
-            seq.finish_reason, seq.stop_text_end = "stop", hit
+            seq.finish_reason = "stop"
+            seq.stop_text_end, seq.stop_reason = hit
         if seq.finish_reason is None and self.at_length_limit(seq, n_out):
             seq.finish_reason = "length"
         return seq.finish_reason is not None

@@ -42,6 +42,7 @@ class Sequence:
     state_slot: int | None = None  # its recurrent-state slot (models with linear attention)
     finish_reason: str | None = None  # one of FINISH_REASONS
     stop_text_end: int | None = None  # where a stop string starts in the output text
+    stop_reason: int | str | None = None  # the stop token or string that ended it (vLLM's)
     num_preemptions: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -12,29 +12,34 @@ from dataclasses import dataclass
 
 import torch
 
-# (logprob of the token, [[token id, logprob], ...] of the top k alternatives, best first)
-Entry = tuple[float, list[list]]
+# (logprob of the token, [[token id, logprob], ...] of the top k alternatives, best first,
+# the token's rank in the vocabulary: 1 + the tokens of a higher logprob)
+Entry = tuple[float, list[list], int]
 ROWS_PER_PASS = 512  # prompt rows per logits pass: [512, vocab] float32 at a time
 
 
 @dataclass
 class Logprobs:
-    """Per row: the target token's log-probability and the top ``k`` (id, log-probability)."""
+    """Per row: the target token's log-probability, the top ``k`` (id, log-probability) and
+    the target's rank."""
 
     chosen: torch.Tensor  # [R] float32
     top_ids: torch.Tensor  # [R, k] int64
     top_lps: torch.Tensor  # [R, k] float32
+    rank: torch.Tensor  # [R] int64
 
     def to_host(self) -> Logprobs:
         """Non-blocking copies (read them once the step's event has completed)."""
-        return Logprobs(*(t.to("cpu", non_blocking=True)
-                          for t in (self.chosen, self.top_ids, self.top_lps)))
+        return Logprobs(*(getattr(self, f).to("cpu", non_blocking=True) for f in FIELDS))
 
     def entries(self, ks: list[int]) -> list[Entry]:
         """One entry per row, keeping ``ks[row]`` of the top alternatives."""
         chosen, ids, lps = self.chosen.tolist(), self.top_ids.tolist(), self.top_lps.tolist()
-        return [(c, [[i, lp] for i, lp in zip(ids[r][:k], lps[r][:k])])
-                for r, (c, k) in enumerate(zip(chosen, ks))]
+        return [(c, [[i, lp] for i, lp in zip(ids[r][:k], lps[r][:k])], rank)
+                for r, (c, k, rank) in enumerate(zip(chosen, ks, self.rank.tolist()))]
+
+
+FIELDS = ("chosen", "top_ids", "top_lps", "rank")
 
 
 def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
@@ -43,7 +48,8 @@ def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)
     top, top_ids = logits.topk(k, dim=-1)
-    return Logprobs((logits.gather(1, targets[:, None]) - lse)[:, 0], top_ids, top - lse)
+    target = logits.gather(1, targets[:, None])
+    return Logprobs((target - lse)[:, 0], top_ids, top - lse, (logits > target).sum(-1) + 1)
 
 
 def of_hidden(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logits) -> Logprobs:
@@ -54,5 +60,4 @@ def of_hidden(hidden: torch.Tensor, targets: torch.Tensor, k: int, compute_logit
              for i in range(0, hidden.shape[0], ROWS_PER_PASS)]
     if len(parts) == 1:
         return parts[0]
-    return Logprobs(*(torch.cat([getattr(p, f) for p in parts])
-                      for f in ("chosen", "top_ids", "top_lps")))
+    return Logprobs(*(torch.cat([getattr(p, f) for p in parts]) for f in FIELDS))
