@@ -87,6 +87,24 @@ def test_version_and_short_help():
         assert res.exit_code == 0 and "Usage:" in res.output, args
 
 
+def test_every_summary_value_survives_a_narrow_pipe(tmp_path):
+    """``-o -`` with stderr a pipe and COLUMNS=60: the table folds to 60 columns and keeps
+    every value (a 100-column table was cropped there, labels left without values)."""
+    src = write(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(3)])
+    env = {**os.environ, "COLUMNS": "60"}
+    proc = subprocess.run([*CLI, "generate", str(src), "--device", "cpu", "--max-tokens", "4",
+                           "-o", "-"], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert max(map(len, lines)) <= 60
+    rows = [(x.split("│")[1].strip(), x.split("│")[2].strip()) for x in lines
+            if x.count("│") == 3]
+    values = dict(rows)  # a folded label's continuation rows hold no value
+    assert values.get("requests") == "3" and values.get("output tokens") == "12", rows
+    assert values.get("start-up (command to first") and values.get("wall time"), rows
+    assert sum(bool(v) for _, v in rows) >= 15, rows
+
+
 def test_the_default_summary_is_compact_and_fits_80_columns(tmp_path):
     from rich.console import Console
 

@@ -211,4 +211,4 @@ def generate(
         print(json.dumps(summary, indent=2), file=sys.stderr if to_stderr else sys.stdout)
     else:
         shown = console if to_stderr else out_console()
-        shown.print(summary_table(summary, width=shown.width if shown.is_terminal else None))
+        shown.print(summary_table(summary, width=shown.width))  # a pipe's: COLUMNS, or 80
