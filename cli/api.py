@@ -43,6 +43,7 @@ from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOp
                                           check_sampling, set_chat_options, set_sampling)
 from pagedgen.cli.sampling_params import SamplingParams
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime import clock
 from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
 from pagedgen.runtime.engine.outputs import RequestOutput
 
@@ -58,6 +59,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, profile: str | None = None,
                  **engine_options: Any) -> None:
+        clock.mark()  # the summary's start-up counts from here
         cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {},
                                                     keywords=True)
         self.options = InputOptions()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -283,3 +284,18 @@ def test_a_second_signal_during_the_clean_up_exits_at_once(monkeypatch):
     with pytest.raises(main.Terminated) as e:
         main._on_signal(signal.SIGTERM, None)
     assert e.value.exit_code == 143
+
+
+def test_start_up_counts_from_the_command_not_from_its_process(tmp_path):
+    """A shell execs its last command in its own process (``bash -c 'sleep 3 && pagedgen
+    ...'``): the process is 3 s older than the command, and start-up must not count them."""
+    src = write(tmp_path / "p.jsonl", [{"prompt": "p"}])
+    cmd = " ".join(shlex.quote(a) for a in [*CLI, "generate", str(src), "--device", "cpu",
+                                            "--max-tokens", "2", "-o", "-", "--json"])
+    t0 = time.monotonic()
+    proc = subprocess.run(["bash", "-c", f"sleep 3 && exec {cmd}"], capture_output=True,
+                          text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stderr[proc.stderr.index("{"):])
+    assert 0 < summary["startup_s"] < elapsed - 2.5, (summary["startup_s"], elapsed)

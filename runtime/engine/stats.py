@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from pagedgen.runtime import clock
 from pagedgen.runtime.engine.sequence import Sequence
 
 
@@ -127,11 +128,12 @@ class DecodeReads:
 
 def startup(first_step_wall_time: float | None, phases: dict[str, float] | None = None
             ) -> dict[str, Any]:
-    """``{"startup_s": ...}``: from this process's start (interpreter and imports included) to
-    the first step (``time.time()`` then); empty where either is unknown. With the runner's
-    start-up ``phases``, also their breakdown, led by what came before them (interpreter,
-    imports, reading and tokenizing the input)."""
-    age = process_age()
+    """``{"startup_s": ...}``: from the run's beginning (``runtime/clock.py``: the command's
+    first line or ``LLM()``; else this process's start) to the first step (``time.time()``
+    then); empty where either is unknown. With the runner's start-up ``phases``, also their
+    breakdown, led by what came before them (imports, reading and tokenizing the input)."""
+    began = clock.started()
+    age = process_age() if began is None else time.time() - began
     if age is None or first_step_wall_time is None:
         return {}
     total = age - (time.time() - first_step_wall_time)
