@@ -49,7 +49,7 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "prefix_cache_evicted_blocks": "cached blocks evicted",
            "kv_cache_blocks": "KV-cache blocks", "peak_kv_blocks_used": "most blocks in use",
            "graph_capture_s": "CUDA-graph capture", "graph_memory_bytes": "CUDA-graph memory",
-           "graphs_captured_in_run": "cascade graphs captured during the run",
+           "graphs_captured_in_run": "decode graphs captured during the run",
            "graph_capture_in_run_s": "of which capture time",
            "graph_warmups_in_run": "of which warmed up first",
            "max_num_seqs": "seats (most sequences in a step)",

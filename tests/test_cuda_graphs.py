@@ -125,7 +125,8 @@ def test_start_up_warms_every_bucket_and_a_run_warms_each_cascade_key_once(monke
     forward was warmed up by the bucket's plain graph), and every graph is recorded."""
     r, eager = _runner(monkeypatch)
     r.capture()
-    assert len(eager) == len(r.buckets) and set(r.graphs[(0, 0)]) == set(r.buckets)
+    start = [b for b in r.buckets if b <= cg_max()]
+    assert len(eager) == len(start) and set(r.graphs[(0, 0)]) == set(start)
     eager.clear()
     for bs in (1024, 992, 512, 288, 64, 56, 48, 24, 8, 4, 2, 1, 16):
         r._capture(bs, (1, 8))
@@ -147,3 +148,30 @@ def test_a_capture_that_fails_without_warming_up_warms_up_and_captures_again(mon
     _FakeGraph.fail = 2  # fails after a warm-up too: the error is the caller's
     with pytest.raises(RuntimeError, match="capturing"):
         r._capture(256, (1, 4))
+
+
+def cg_max() -> int:
+    from pagedgen.runtime.engine.cuda_graphs import STARTUP_CAPTURE_MAX
+    return STARTUP_CAPTURE_MAX
+
+
+def test_buckets_past_512_rows_are_captured_by_the_first_step_that_needs_them(monkeypatch):
+    """1,024 seats: start-up captures the 31 buckets up to 512 rows; a step of 700 decodes
+    captures 704's graph then (no eager warm-up: 512's start-up graph warmed its kernels'
+    kind), counted as a capture in the run, and the next step of 700 replays it."""
+    import torch
+
+    from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
+
+    r, eager = _runner(monkeypatch)
+    r.capture()
+    assert max(r.graphs[(0, 0)]) == 512 and len(r.graphs[(0, 0)]) == 31
+    eager.clear()
+    md = AttentionMetadataBuilder(16, torch.device("cpu")).build(
+        [], [ScheduledSeq([i], 3, 1) for i in range(700)])
+    ids = torch.zeros(700, dtype=torch.long)
+    for _ in range(2):
+        bs, key = r.prepare(ids, ids, md)
+        assert (bs, key) == (704, (0, 0))
+    assert 704 in r.graphs[(0, 0)] and eager == []
+    assert r.summary()["graphs_captured_in_run"] == 1
