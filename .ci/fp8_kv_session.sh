@@ -8,7 +8,8 @@
 # Triton's FP8 kernels, FP8 weights with an FP8 cache). kernels: decode kernels over FP8 and
 # bf16 caches on workload t's decode shapes. e2e: workload t (512 x 1,000 / 1,000, FP8 weights
 # and KV) through flashinfer with each FP8 decode kernel and through triton (E2E_REPEATS runs,
-# default 2). long: LONG_WORKLOADS (default f) at pagedgen's defaults. save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
+# default 2). long: LONG_WORKLOADS (default f) at pagedgen's defaults. g: gpt-oss-120b at
+# pagedgen's defaults (G_REPEATS runs, default 1). save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -21,7 +22,8 @@ for line in sys.stdin:
                     "decode_kernel", "ms", "GB_s", "output_tokens_per_s", "wall_time_s",
                     "runs_output_tokens_per_s", "max_num_seqs", "decode_step_ms",
                     "startup_breakdown_s", "kernel_compile_at_startup_s", "checksum",
-                    "preemptions", "kv_cache_bytes", "kv_peak_tokens_held")})'; }
+                    "preemptions", "kv_cache_bytes", "kv_peak_tokens_held",
+                    "graph_capture_s", "graphs_captured_in_run")})'; }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -49,6 +51,9 @@ for step in "$@"; do
     long)  # workload f (Gemma-3-12B, 8k-30k prompts) at pagedgen's defaults: KV groups
       timeout 300 python3 -m benchmarks.peers --workloads "${LONG_WORKLOADS:-f}" \
         --backends default --peers "" --repeats 1 --json "$OUT/long.json" 2>&1 | keys ;;
+    g)  # gpt-oss-120b (workload g) at pagedgen's defaults: start-up phases, throughput
+      timeout 300 python3 -m benchmarks.peers --workloads g --backends default --peers "" \
+        --repeats "${G_REPEATS:-1}" --json "$OUT/g.json" 2>&1 | keys ;;
     save-cache)
       tar czf "$OUT/flashinfer-cache.tgz" -C /tmp/fiws .cache && ls -la "$OUT" ;;
   esac

@@ -30,10 +30,10 @@ def test_decode_logprobs_equal_prefill_scoring(name):
     for p, s, sc in zip(prompts, seqs, scored):
         assert len(s.logprobs) == s.num_output_tokens == 16
         assert len(s.prompt_logprobs) == len(p) - 1 and len(sc.prompt_logprobs) == len(p) + 15
-        assert all(lp == top[0][1] and len(top) == 3 for lp, top in s.logprobs)  # greedy
-        for (a, _), (b, _) in zip(s.prompt_logprobs, sc.prompt_logprobs):
+        assert all(lp == top[0][1] and len(top) == 3 for lp, top, _ in s.logprobs)  # greedy
+        for (a, *_), (b, *_) in zip(s.prompt_logprobs, sc.prompt_logprobs):
             worst_prompt = max(worst_prompt, abs(a - b))  # prefill both times, other chunks
-        for (a, _), (b, _) in zip(s.logprobs, sc.prompt_logprobs[len(p) - 1:]):
+        for (a, *_), (b, *_) in zip(s.logprobs, sc.prompt_logprobs[len(p) - 1:]):
             worst_out = max(worst_out, abs(a - b))
     print(f"{name}: logprobs against prefill scoring, worst difference: prompt tokens "
           f"{worst_prompt:.4f}, generated tokens {worst_out:.4f}")

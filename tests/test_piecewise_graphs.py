@@ -74,9 +74,9 @@ def test_steps_through_the_pieces_equal_eager_steps(kind, tmp_path):
     for a, b in zip(seqs, plain):
         assert a.output_token_ids == b.output_token_ids
         assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
-        for (ca, _), (cb, _) in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
+        for (ca, *_), (cb, *_) in zip(a.prompt_logprobs or [], b.prompt_logprobs or []):
             assert (ca is None and cb is None) or abs(ca - cb) < 1e-4
-        for (ca, top_a), (cb, top_b) in zip(a.logprobs, b.logprobs):
+        for (ca, top_a, _), (cb, top_b, _) in zip(a.logprobs, b.logprobs):
             assert abs(ca - cb) < 1e-4
             assert [i for i, _ in top_a] == [i for i, _ in top_b]
             assert max(abs(x[1] - y[1]) for x, y in zip(top_a, top_b)) < 1e-4
