@@ -128,6 +128,24 @@ def test_bad_options_give_one_line_error(tmp_path, args, message):
     assert "Traceback" not in res.output
 
 
+def test_a_weights_file_as_model_names_its_folder(tmp_path):
+    """``--model dir/model.safetensors``: the message says to give the folder (and that it
+    needs a config.json), not that a directory does not exist."""
+    src = write(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"")
+    for config, want in ((False, "which needs the checkpoint's config.json beside it"),
+                         (True, f"takes its folder ({ckpt})")):
+        if config:
+            (ckpt / "config.json").write_text("{}")
+        res = invoke("generate", src, *FAST, "--model", ckpt / "model.safetensors")
+        text = res.output.replace("\n", "")
+        assert res.exit_code == 1 and "is a weights file" in text and want in text, text
+    res = invoke("generate", src, *FAST, "--model", ckpt / "other.bin")
+    assert "other.bin: no such weights file" in res.output.replace("\n", ""), res.output
+
+
 def test_finished_output_survives_a_later_bad_run(tmp_path):
     src = write(tmp_path / "p.jsonl", [{"prompt": "a"}])
     out = tmp_path / "o.jsonl"

@@ -41,6 +41,9 @@ class ModelSource:
     tokenizer_kind: str  # "hf" | "gguf" | "byte" | "none" (a GGUF file without one)
 
 
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth")  # a checkpoint folder's weights
+
+
 def resolve_model(name: str) -> ModelSource:
     """A checkpoint directory, a GGUF file, a packaged model's name, a Hugging Face Hub id
     (``org/name``, ``org/name@revision``, ``org/name/file.gguf``: ``hub.py``), a preset name,
@@ -59,6 +62,14 @@ def resolve_model(name: str) -> ModelSource:
         return dataclasses.replace(src, name=str(name))
     if path.suffix == ".gguf":
         raise PagedgenError(f"{path}: no such GGUF file")
+    if path.suffix in WEIGHT_FILES:  # a checkpoint's weights: its folder is the model
+        if not path.is_file():
+            raise PagedgenError(f"{path}: no such weights file (--model takes a checkpoint's "
+                                "folder, a .gguf file, a Hub id or a preset)")
+        config = "" if (path.parent / "config.json").is_file() else \
+            ", which needs the checkpoint's config.json beside it"
+        raise PagedgenError(f"{path} is a weights file: --model takes its folder "
+                            f"({path.parent}{config})")
     if path.is_dir():
         file = path / "config.json"
         if not file.is_file():
