@@ -1,15 +1,17 @@
 # Issue 94 part 2 (FP8 KV at the speed of the fastest kernel) on the GPU machine: each step
 # prints its key lines and leaves its JSON under $OUT; a step that fails does not stop the next.
+# FlashInfer's wheels alone suffice (`stage-wheels.sh flashinfer`: one part):
 #
-#   source .whl/p3/setup-device.sh && bash .ci/fp8_kv_session.sh tests kernels
-#   bash .ci/fp8_kv_session.sh e2e
+#   source .whl/p1/setup-device.sh && bash .ci/fp8_kv_session.sh tests e2e save-cache
+#   bash .ci/fp8_kv_session.sh kernels e2e-triton g
 #
 # tests: the FP8-KV GPU tests (XQA and the tensor-core decode against eager, CUDA graphs,
-# Triton's FP8 kernels, FP8 weights with an FP8 cache). kernels: decode kernels over FP8 and
-# bf16 caches on workload t's decode shapes. e2e: workload t (512 x 1,000 / 1,000, FP8 weights
-# and KV) through flashinfer with each FP8 decode kernel and through triton (E2E_REPEATS runs,
-# default 2). long: LONG_WORKLOADS (default f) at pagedgen's defaults. g: gpt-oss-120b at
-# pagedgen's defaults (G_REPEATS runs, default 1). save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
+# Triton's FP8 kernels, FP8 weights with an FP8 cache; TESTS_LIMIT seconds). kernels: decode
+# kernels over FP8 and bf16 caches on workload t's decode shapes. e2e: workload t (512 x 1,000
+# / 1,000, FP8 weights and KV) through flashinfer with each FP8 decode kernel (E2E_DECODES,
+# default "xqa fa2"; E2E_REPEATS runs, default 2); e2e-triton: the same through triton. long:
+# LONG_WORKLOADS (default f) at pagedgen's defaults. g: gpt-oss-120b at pagedgen's defaults
+# (G_REPEATS runs, default 1). save-cache: FlashInfer's JIT cache to $OUT/flashinfer-cache.tgz.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -28,7 +30,7 @@ for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
     tests)
-      timeout 330 python3 -m pytest -m gpu -q -s -k fp8 tests/test_gpu_flashinfer.py \
+      timeout "${TESTS_LIMIT:-330}" python3 -m pytest -m gpu -q -s -k fp8 tests/test_gpu_flashinfer.py \
         tests/test_triton.py tests/test_gpu_fp8.py tests/test_gpu_kv_reuse.py 2>&1 \
         | grep -E "passed|failed|PASS|FAIL|Error|fp8|skipped" | tail -25 ;;
     kernels)
@@ -39,12 +41,13 @@ for step in "$@"; do
       timeout 120 python3 -m benchmarks.attention_kernels --backends flash-attn,triton \
         --page-sizes 0 --iters 30 --shapes decode:512x1000-2000 \
         --json "$OUT/bf16-kernels.json" 2>&1 | keys ;;
-    e2e)
-      for d in xqa fa2; do
+    e2e)  # E2E_DECODES: flashinfer's FP8 decode kernels to run (default "xqa fa2")
+      for d in ${E2E_DECODES-xqa fa2}; do
         PAGEDGEN_FLASHINFER_DECODE=$d timeout 250 python3 -m benchmarks.peers --workloads t \
           --backends flashinfer --peers "" --repeats "${E2E_REPEATS:-2}" --quantization fp8 \
           --set kv_cache_dtype=fp8 --json "$OUT/t-flashinfer-$d.json" 2>&1 | keys
-      done
+      done ;;
+    e2e-triton)
       timeout 200 python3 -m benchmarks.peers --workloads t --backends triton --peers "" \
         --repeats 1 --quantization fp8 --set kv_cache_dtype=fp8 \
         --json "$OUT/t-triton.json" 2>&1 | keys ;;
