@@ -126,8 +126,9 @@ class AttentionState:
         """Compile (JIT) every kernel variant a run of these limits can launch, so that neither
         timing nor CUDA-graph capture pays for compiles. Default: nothing to compile."""
 
-    def compile_stats(self) -> dict[str, float | int]:
-        """Warm-up figures for the run summary (e.g. compile seconds, variants compiled)."""
+    def compile_stats(self) -> dict[str, float | int | str]:
+        """Warm-up figures for the run summary (e.g. compile seconds, variants compiled, a
+        kernel chosen at warm-up)."""
         return {}
 
     def make_graph_plan(self, batch_size: int, max_num_pages: int, cascade_levels: int = 0,

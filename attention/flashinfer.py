@@ -131,6 +131,7 @@ class FlashInferState(AttentionState):
         # A window would cut into the shared prefix differently per sequence.
         self.supports_cascade = not any(s.sliding_window for s in layer_specs)
         self.xqa = xqa_decodes(layer_specs, block_size, kv_cache_dtype, device)
+        self.xqa_failed: str | None = None  # why XQA's warm-up failed, where it did
         self.xqa_workspace = torch.zeros(XQA_WORKSPACE_BYTES, dtype=torch.uint8,
                                          device=device) if self.xqa else None
 
@@ -178,8 +179,15 @@ class FlashInferState(AttentionState):
                                 dtype=self.kv_cache_dtype, device=dev)
             q = torch.zeros(1, s.num_heads, s.head_size, dtype=self.dtype, device=dev)
             one = torch.ones(1, dtype=torch.int32, device=dev)
-            for spec in {_key(x): x for x in self.layer_specs}.values():
-                self.xqa_decode(spec, q, cache, one[:, None] - 1, one, torch.empty_like(q))
+            try:
+                for spec in {_key(x): x for x in self.layer_specs}.values():
+                    self.xqa_decode(spec, q, cache, one[:, None] - 1, one, torch.empty_like(q))
+            except Exception as e:  # its JIT compile, where nvcc or the driver refuses it
+                if envs.FLASHINFER_DECODE.get() == "xqa":
+                    raise PagedgenError(f"{envs.FLASHINFER_DECODE.name}=xqa: XQA failed: "
+                                        f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                self.xqa = False  # the tensor-core decode, and the summary says why
+                self.xqa_failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if self.supports_cascade and self.device.type == "cuda":
             v = torch.zeros(1, 1, self.spec.head_size, dtype=self.dtype, device=self.device)
             s = torch.zeros(1, 1, dtype=torch.float32, device=self.device)
@@ -230,6 +238,14 @@ class FlashInferState(AttentionState):
                        md.block_size, sm_scale=s.scale, window_left=window_left,
                        logits_soft_cap=cap or None, **common)
         return md.extend(FlashInferMetadata, plan=plan)
+
+    def compile_stats(self) -> dict[str, str]:
+        """Which kernel decodes over an FP8 cache (and why not XQA, where it failed)."""
+        if self.kv_cache_dtype.itemsize != 1:
+            return {}
+        kernel = "xqa" if self.xqa else "fa2 tensor-core decode"
+        return {"attention_decode_kernel": kernel + (f" (XQA failed: {self.xqa_failed})"
+                                                     if self.xqa_failed else "")}
 
     def xqa_decode(self, spec: LayerSpec, q: torch.Tensor, kv_cache: torch.Tensor,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor

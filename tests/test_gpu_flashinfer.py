@@ -103,6 +103,32 @@ def test_fp8_decode_kernels_match_eager_over_the_same_cache(monkeypatch, decode,
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
+def test_a_failed_xqa_warm_up_falls_back_and_says_so(monkeypatch):
+    """XQA compiles at warm-up: where that fails, decode runs the tensor-core kernel and the
+    summary's figure says why; asked for by name, the failure is a one-line error."""
+    from pagedgen.attention.flashinfer import FlashInferState
+    from pagedgen.errors import PagedgenError
+    if not hopper():
+        pytest.skip("XQA's FP8 kernel is Hopper's (SM90)")
+
+    def broken(*args, **kw):
+        raise RuntimeError("nvcc failed\nmore lines")
+
+    monkeypatch.setattr(FlashInferState, "xqa_decode", broken)
+    b = make_paged_batch(0, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
+                         device="cuda", cache_dtype=torch.float8_e4m3fn)
+    fi = flashinfer_backend()
+    st = FlashInferState(fi, [b.spec], b.block_size, b.q.dtype, b.kv_cache.dtype, b.q.device)
+    st.warmup(8, 256, 1024)
+    assert not st.xqa and st.compile_stats()["attention_decode_kernel"] == \
+        "fa2 tensor-core decode (XQA failed: RuntimeError: nvcc failed)"
+    compare(b, 4e-2)  # the fallback decodes
+    monkeypatch.setenv("PAGEDGEN_FLASHINFER_DECODE", "xqa")
+    st = FlashInferState(fi, [b.spec], b.block_size, b.q.dtype, b.kv_cache.dtype, b.q.device)
+    with pytest.raises(PagedgenError, match="=xqa: XQA failed: RuntimeError: nvcc failed$"):
+        st.warmup(8, 256, 1024)
+
+
 def test_fp8_decode_under_cuda_graphs_gives_eager_logits():
     """The default FP8 decode (XQA on Hopper) replayed from CUDA graphs gives the logits of
     the same engine run eagerly."""
