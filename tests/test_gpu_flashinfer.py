@@ -20,6 +20,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")]
 
 TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3}
+# XQA's FP8 kernel multiplies in FP8 (queries and probabilities too): on an H100, 0.03-0.04
+# worst and 0.004 mean absolute error on outputs of mean size 0.12, where the tensor-core
+# decode's is 0.004 worst
+XQA_TOL = 8e-2
 
 
 def flashinfer_backend():
@@ -98,8 +102,9 @@ def test_fp8_decode_kernels_match_eager_over_the_same_cache(monkeypatch, decode,
         states[1].warmup(8, 256, ctx + 80)
         ref, ref_cache = run_backend(EagerBackend, b, states[0])
         out, cache = run_backend(fi, b, states[1])
-        err = (out.float() - ref.float()).abs().max().item()
-        assert err < 4e-2, (seed, err)
+        err = (out.float() - ref.float()).abs()
+        assert err.max().item() < XQA_TOL if decode == "xqa" else 4e-2, (seed, err.max())
+        assert err.mean().item() < 1e-2, (seed, err.mean())
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
@@ -148,7 +153,7 @@ def test_flashinfer_fp8_kv_cache():
     b = make_paged_batch(4, num_heads=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16,
                          device="cuda", cache_dtype=torch.float8_e4m3fn, num_prefills=3,
                          num_decodes=6, max_context=200, max_new=80)
-    err = compare(b, 4e-2)  # both read the same FP8 cache
+    err = compare(b, XQA_TOL if hopper() else 4e-2)  # both read the same FP8 cache
     full = make_paged_batch(4, num_heads=32, num_kv_heads=8, head_size=128,
                             dtype=torch.bfloat16, device="cuda", num_prefills=3, num_decodes=6,
                             max_context=200, max_new=80)
