@@ -53,15 +53,16 @@ Sampling = dict[str, Any] | SamplingParams
 
 class LLM:
     """An engine in this process. ``model``: a preset (default ``tiny``), a checkpoint
-    directory or a GGUF file; ``profile``: a run profile; ``engine_options``: EngineConfig
+    directory, a GGUF file or a Hub id (``revision``: its branch, tag or commit, as vLLM's
+    keyword); ``profile``: a run profile; ``engine_options``: EngineConfig
     fields as ``pagedgen generate``'s options name them (``backend``, ``device``, ``dtype``,
     ``quantization``, ``max_num_seqs``, ``kv_cache_memory``, ...)."""
 
     def __init__(self, model: str | None = None, profile: str | None = None,
-                 **engine_options: Any) -> None:
+                 revision: str | None = None, **engine_options: Any) -> None:
         clock.mark()  # the summary's start-up counts from here
         cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {},
-                                                    keywords=True)
+                                                    keywords=True, revision=revision)
         self.options = InputOptions()
         self._driver = LocalDriver(cfg.with_seats(), self.defaults)
         self._driver.load()

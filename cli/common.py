@@ -46,17 +46,21 @@ def cli_errors(fn: Callable) -> Callable:
 
 
 def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
-                        sampling_overrides: dict, keywords: bool = False):
+                        sampling_overrides: dict, keywords: bool = False,
+                        revision: Optional[str] = None):
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
     options (``keywords``: the Python API's keyword arguments), every value checked (types,
     ranges, names) before anything loads; the engine config keeps where each setting came
-    from (``EngineConfig.origin``), so messages name what the user gave."""
+    from (``EngineConfig.origin``), so messages name what the user gave. ``revision``: a Hub
+    id's branch, tag or commit (``--revision``), as ``org/name@revision``."""
     from pagedgen.meta import PROFILES_DIR
     from pagedgen.attention.registry import backend_names
     from pagedgen.runtime.config import DEFAULT_MODEL
     from pagedgen.runtime.profiles import (apply_fields, configs_from_profile, list_profiles,
                                            load_profile)
 
+    if revision is not None:
+        model = with_revision(model, revision, "keyword revision" if keywords else "--revision")
     name = profile
     # a preset's name implies its profile, unless a local folder or file has that name: the
     # model the run uses is that checkpoint, with no preset's engine or sampling settings
@@ -90,3 +94,18 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
     except ValueError as e:
         raise PagedgenError(f"options: {e}")
     return engine, sampling, prof
+
+
+def with_revision(model: Optional[str], revision: str, named: str) -> str:
+    """``model`` (a Hub id) at ``revision``: ``org/name@revision``."""
+    from pagedgen.runtime.models import hub
+
+    if not revision.strip():
+        raise PagedgenError(f"{named} is empty: give a branch, a tag or a commit")
+    if model is None or not hub.is_hub_id(model.partition("@")[0]):
+        raise PagedgenError(f"{named} applies to a Hugging Face Hub id (--model org/name), "
+                            f"not {model or 'the default preset'}")
+    if "@" in model:
+        raise PagedgenError(f"{named} {revision} and --model {model} both name a revision; "
+                            "give one")
+    return f"{model}@{revision}"

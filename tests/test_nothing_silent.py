@@ -6,6 +6,7 @@ constraints: test_python_api.py, test_reasoning.py, test_structured_output.py.)"
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from typer.testing import CliRunner
 
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
+from pagedgen.errors import PagedgenError
 
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
@@ -181,6 +183,20 @@ def test_verify_of_a_hybrid_model_skips_the_prefix_cache_and_says_so(tmp_path):
 
 # ---- Hugging Face Hub ids (issue 99's first item) -----------------------------------------------
 
+@pytest.mark.parametrize("model,revision,message", [
+    ("tiny", "v1", "--revision applies to a Hugging Face Hub id (--model org/name), not tiny"),
+    (None, "v1", "not the default preset"),
+    ("acme/m@v2", "v1", "--revision v1 and --model acme/m@v2 both name a revision"),
+    ("acme/m", " ", "--revision is empty"),
+])
+def test_a_revision_needs_a_hub_id_and_only_one(model, revision, message):
+    from pagedgen.cli.common import engine_and_sampling
+    with pytest.raises(PagedgenError, match=re.escape(message)):
+        engine_and_sampling(None, model, {}, {}, revision=revision)
+    cfg, _, _ = engine_and_sampling(None, "acme/m", {}, {}, revision="v1")
+    assert cfg.model == "acme/m@v1"
+
+
 def test_a_hub_id_in_the_users_cache_is_the_same_model_as_its_folder(tmp_path):
     """``--model org/name`` with ``HF_HUB_OFFLINE=1`` reads the user's Hugging Face cache (its
     layout: refs/main naming a snapshot) and writes what the folder itself gives; an id the
@@ -197,14 +213,16 @@ def test_a_hub_id_in_the_users_cache_is_the_same_model_as_its_folder(tmp_path):
     src = prompts(tmp_path / "p.jsonl")
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
 
-    def generate(model: str, out: str) -> subprocess.CompletedProcess:
+    def generate(model: str, out: str, *more: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", str(src),
-                               "--model", model, "-o", str(tmp_path / out), *FAST],
+                               "--model", model, "-o", str(tmp_path / out), *FAST, *more],
                               capture_output=True, text=True, env=env, timeout=300)
 
     hub, local = generate("acme/tiny-llama", "hub.jsonl"), generate(str(snapshot), "dir.jsonl")
     assert hub.returncode == 0 and local.returncode == 0, hub.stderr[-2000:]
     assert texts(tmp_path / "hub.jsonl") == texts(tmp_path / "dir.jsonl")
+    at = generate("acme/tiny-llama", "at.jsonl", "--revision", commit)  # the same snapshot
+    assert at.returncode == 0 and texts(tmp_path / "at.jsonl") == texts(tmp_path / "dir.jsonl")
     miss = generate("acme/absent", "miss.jsonl")
     err = miss.stderr.strip()
     assert miss.returncode == 1 and "Traceback" not in err and len(err.splitlines()) == 1, err

@@ -35,8 +35,11 @@ def generate(
         False, help="Replace an output file that already holds completions (at the first "
                     "new line; until then it stays as it was)."),
     model: Optional[str] = typer.Option(
-        None, help="Checkpoint directory, .gguf file or preset (smollm2-135m: a real model "
-                   "from pip) [default: the profile's, else tiny]."),
+        None, help="Checkpoint directory, .gguf file, Hugging Face Hub id (org/name) or "
+                   "preset (smollm2-135m: a real model from pip) [default: the profile's, "
+                   "else tiny]."),
+    revision: Optional[str] = typer.Option(
+        None, help="A Hub id's branch, tag or commit [default: main]."),
     profile: Optional[str] = typer.Option(
         None, help="Run profile: a name in profiles/ or a YAML file [default: the preset's, "
                    "else none]."),
@@ -189,7 +192,7 @@ def generate(
              min_p=min_p, presence_penalty=presence_penalty,
              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
              min_tokens=min_tokens, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
-             prompt_logprobs=prompt_logprobs))
+             prompt_logprobs=prompt_logprobs), revision=revision)
     # paths as a shell would give them, where a script quoted them ("~/out.jsonl")
     prompts, output = (p if p in (None, "-") else os.path.expanduser(p) for p in (prompts, output))
     if json_schema is not None:

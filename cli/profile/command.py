@@ -29,7 +29,10 @@ def profile(
                                                      "available backend but eager) "
                                                      "[default: auto]."),
     model: Optional[str] = typer.Option(
-        None, help="Checkpoint directory or preset [default: the profile's]."),
+        None, help="Checkpoint directory, .gguf file, Hub id (org/name) or preset [default: "
+                   "the profile's]."),
+    revision: Optional[str] = typer.Option(
+        None, help="A Hub id's branch, tag or commit [default: main]."),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
     dtype: Optional[str] = typer.Option(
         None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU]."),
@@ -82,7 +85,7 @@ def profile(
                                   fused_kernels=fused_kernels, prefix_caching=prefix_caching,
                                   cascade_attention=cascade_attention,
                                   tensor_parallel_size=tensor_parallel_size,
-                                  expert_parallel=expert_parallel), {})
+                                  expert_parallel=expert_parallel), {}, revision=revision)
     output_dir = output_dir.expanduser()  # where a script quoted "~/..."
     prompts = os.path.expanduser(prompts) if prompts else prompts
     wl = workload_from(prof, dict(batch_sizes=batch_sizes, prompt_len=prompt_len,
