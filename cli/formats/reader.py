@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, ContextManager
 
 from pagedgen.cli.formats import openai_batch
-from pagedgen.cli.formats import structured
+from pagedgen.cli.formats import structured, tables
 from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions, Request,
                                           check_sampling, set_chat_options, set_prompt,
                                           set_sampling, set_template_kwargs, user_fields)
@@ -203,6 +203,12 @@ class _Reader:
         self.first_where = ""
 
     def read(self, source: int, src: InputSource) -> None:
+        kind = tables.table_kind(src.path)
+        if kind is not None:  # CSV, TSV, Parquet: a request a row
+            for row, obj in tables.rows(src.path, kind, self.options, self.digest):
+                self._object(source, row, f"{src.name}:{row}", obj)
+            self.nbytes += src.size or 0
+            return
         lineno = 0
         try:
             with src.open() as f:
@@ -234,6 +240,11 @@ class _Reader:
         obj = parse_json(text, where)
         if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate
             check_encodable(obj, where)
+        self._object(source, lineno, where, obj)
+
+    def _object(self, source: int, lineno: int, where: str, obj: Any) -> None:
+        """One line's (or row's) object as a request of ``rf``."""
+        rf = self.rf
         batch_line = openai_batch.is_batch_line(obj, self.options.prompt_fields)
         if self.fmt is None:
             self.fmt = "openai" if batch_line else "pagedgen"

@@ -1,0 +1,73 @@
+"""CSV, TSV and Parquet inputs (issue 99): each row a request, run as the same lines in JSONL
+would be; cells that hold lists and objects in CSV are JSON; errors name the file and row."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pagedgen.cli.app import app
+
+pa = pytest.importorskip("pyarrow")
+runner = CliRunner()
+FAST = ["--device", "cpu", "--max-tokens", "6", "--temperature", "0"]
+LINES = [{"id": "a", "prompt": "Hello", "max_tokens": 3},
+         {"id": "b", "prompt": "The sky is", "max_tokens": None, "stop": None},
+         {"id": "c", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+          "stop": "q"}]
+
+
+def run(tmp_path: Path, src: Path, *args: str) -> dict:
+    out = tmp_path / f"{src.name}.out.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "-o", str(out), *FAST, *args])
+    assert res.exit_code == 0, res.output
+    return {x["id"]: (x["text"], x["token_ids"], x["finish_reason"])
+            for x in map(json.loads, out.read_text().splitlines())}
+
+
+def jsonl(tmp_path: Path) -> Path:
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({k: v for k, v in x.items() if v is not None}) + "\n"
+                         for x in LINES))
+    return p
+
+
+def test_csv_tsv_and_parquet_rows_run_as_their_jsonl_lines(tmp_path):
+    want = run(tmp_path, jsonl(tmp_path))
+    cols = ["id", "prompt", "messages", "max_tokens", "stop"]
+
+    def cell(x, c):
+        v = x.get(c)
+        return json.dumps(v) if isinstance(v, list) else ("" if v is None else str(v))
+
+    for sep, name in ((",", "p.csv"), ("\t", "p.tsv")):
+        path = tmp_path / name
+        rows = [sep.join(cols)] + [sep.join(
+            '"' + cell(x, c).replace('"', '""') + '"' if sep == "," and cell(x, c) else
+            cell(x, c) for c in cols) for x in LINES]
+        path.write_text("\n".join(rows) + "\n")
+        assert run(tmp_path, path) == want, name
+    import pyarrow.parquet as pq
+    table = pa.table({c: [x.get(c) for x in LINES] for c in cols})
+    pq.write_table(table, tmp_path / "p.parquet")
+    assert run(tmp_path, tmp_path / "p.parquet") == want
+
+
+def test_a_bad_row_is_named_and_pyarrow_errors_are_one_line(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text('prompt,max_tokens\n"Hello",3\n"Hi",-1\n')
+    res = runner.invoke(app, ["generate", str(bad), *FAST])
+    assert res.exit_code == 1 and f"{bad}:2: max_tokens must be" in res.output.replace("\n", "")
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really")
+    res = runner.invoke(app, ["generate", str(broken), *FAST])
+    text = res.output.replace("\n", "")
+    assert res.exit_code == 1 and "cannot read it as PARQUET" in text and "Traceback" not in text
+    js = tmp_path / "js.csv"
+    js.write_text('messages\n"[{""role"": ""user"""\n')
+    res = runner.invoke(app, ["generate", str(js), *FAST])
+    assert res.exit_code == 1 and "row 1: column 'messages' holds invalid JSON" in \
+        res.output.replace("\n", ""), res.output
