@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import sysconfig
@@ -16,6 +17,9 @@ def test_wheel_installs_into_a_fresh_venv_and_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist"), str(ROOT)], check=True)
     wheel = next((tmp_path / "dist").glob("pagedgen-*.whl"))
+    from pagedgen.meta import __version__
+    assert wheel.name.startswith(f"pagedgen-{__version__}-"), wheel.name  # meta's, the one
+    assert not re.search(r'^version\s*=\s*"', (ROOT / "pyproject.toml").read_text(), re.M)
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"pagedgen"}, tops
