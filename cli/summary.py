@@ -40,6 +40,7 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "mean_tpot_s": "mean time per output token", "peak_memory_bytes": "peak memory",
            "load_time_s": "model load", "startup_s": "command to first step",
            "skipped_resumed": "skipped (already in the output)",
+           "lines_with_errors": "lines with errors (records in their places)",
            "input_time_s": "input read, checked, tokenized",
            "samples": "samples (all n of each request)",
            "prefix_caching": "prefix caching",
@@ -129,7 +130,8 @@ MIN_WIDTH = 40  # narrower, rich crops values; wider than the console, it crops 
 _COMPACT: dict[str, tuple[str, ...]] = {
     "run": ("model", "backend", "device", "threads", "tensor_parallel_size", "data_parallel_size",
             "all_reduce", "dtype", "quantization", "requests", "samples", "prompt_tokens",
-            "output_tokens", "skipped_resumed", "preemptions", "structured_samples",
+            "output_tokens", "lines_with_errors", "skipped_resumed", "preemptions",
+            "structured_samples",
             "grammar_unsatisfiable_samples", "grammar_rejected_samples", "output",
             "output_stream", "output_text", "weights"),
     "throughput (tokens/s)": ("output_tokens_per_s", "output_tokens_per_s_while_busy"),
@@ -147,7 +149,7 @@ _COMPACT_LABELS = {"output_tokens_per_s": "output tokens/s", "total_tokens_per_s
 _UNUSED = {"quantization": ("none",), "samples": (), "skipped_resumed": (0,),
            "preemptions": (0,), "grammar_unsatisfiable_samples": (0,),
            "grammar_rejected_samples": (0,), "prefix_cache_hit_rate": (0, 0.0),
-           "cascade_decode_steps": (0,), "peak_memory_bytes": (0,)}
+           "cascade_decode_steps": (0,), "peak_memory_bytes": (0,), "lines_with_errors": (0,)}
 
 
 def _used(summary: dict[str, Any], key: str) -> bool:

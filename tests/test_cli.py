@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from pagedgen.cli.app import app
 from hf_models import make_checkpoint
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "6"]
@@ -107,7 +109,7 @@ def test_profile_and_options_apply(tmp_path):
 def test_bad_input_gives_one_line_error(tmp_path, lines, message):
     import re
     src = write(tmp_path / "p.jsonl", lines)
-    res = invoke("generate", src, *FAST)
+    res = invoke("generate", *STOP, src, *FAST)
     assert res.exit_code == 1
     assert re.search(message, res.output.replace("\n", "")), res.output
     assert "Traceback" not in res.output
@@ -179,7 +181,7 @@ def test_backends_lists_every_backend_with_a_reason():
 
 def test_console_script_runs_as_a_subprocess(tmp_path):
     src = write(tmp_path / "p.jsonl", [{"prompt": "a"}, '{"prompt": 1}'])
-    res = subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", str(src),
+    res = subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", *STOP, str(src),
                           "--device", "cpu"], capture_output=True, text=True)
     assert res.returncode == 1
     assert res.stderr.strip().startswith("error:") and "p.jsonl:2:" in res.stderr
@@ -192,20 +194,20 @@ def test_a_directory_or_glob_of_files_is_one_input_in_file_order(tmp_path):
     write(d / "b.jsonl", [{"id": "b1", "prompt": "x"}, {"prompt": "y"}])
     write(d / "a.jsonl", [{"id": "a1", "prompt": "z"}])
     (d / "notes.txt").write_text("not an input\n")
-    res = invoke("generate", d, *FAST)
+    res = invoke("generate", *STOP, d, *FAST)
     assert res.exit_code == 0, res.output
     assert [r["id"] for r in read(tmp_path / "in.completions.jsonl")] == ["a1", "b1", 2]
-    res = invoke("generate", f"{d}/*.jsonl", *FAST)
+    res = invoke("generate", *STOP, f"{d}/*.jsonl", *FAST)
     assert res.exit_code == 1 and "give --output for a glob" in res.output
     out = tmp_path / "g.jsonl"
-    assert invoke("generate", f"{d}/b*.jsonl", *FAST, "-o", out).exit_code == 0
+    assert invoke("generate", *STOP, f"{d}/b*.jsonl", *FAST, "-o", out).exit_code == 0
     assert [r["id"] for r in read(out)] == ["b1", 1]
     write(d / "c.jsonl", [{"id": "a1", "prompt": "again"}])
-    res = invoke("generate", d, *FAST)
+    res = invoke("generate", *STOP, d, *FAST)
     assert res.exit_code == 1
     assert "c.jsonl:1: duplicate id 'a1' (first on " in res.output.replace("\n", "")
     assert "a.jsonl:1)" in res.output.replace("\n", "")
-    res = invoke("generate", d, *FAST, "-o", f"{tmp_path}/shards/")
+    res = invoke("generate", *STOP, d, *FAST, "-o", f"{tmp_path}/shards/")
     assert res.exit_code == 1 and "needs --ray" in res.output
 
 

@@ -13,6 +13,8 @@ from pagedgen.cli.app import app
 from pagedgen.cli.formats.request import Request
 from pagedgen.runtime.config import SamplingParams
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 runner = CliRunner()
 
 
@@ -55,14 +57,14 @@ def test_bad_dp_options(tmp_path):
     src = write(tmp_path / "p.jsonl", 2)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "a"}\n{"prompt": 5}\n')
-    res = runner.invoke(app, ["generate", str(bad), "--device", "cpu", "-dp", "2"])
+    res = runner.invoke(app, ["generate", *STOP, str(bad), "--device", "cpu", "-dp", "2"])
     assert res.exit_code == 1 and "bad.jsonl:2: 'prompt' must be a non-empty string" in \
         res.output.replace("\n", "")  # the workers, started early, are stopped
     for args, message in [(["-dp", "0"], "--data-parallel-size must be >= 1"),
                           (["-dp", "2", "--ray", "local"], "give one"),
                           (["-dp", "64", "--device", "cuda"], "-dp 64 needs 64 GPUs"
                            if torch.cuda.is_available() else "CUDA is not available here")]:
-        res = runner.invoke(app, ["generate", src, *args])
+        res = runner.invoke(app, ["generate", *STOP, src, *args])
         assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output
 
 

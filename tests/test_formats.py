@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 from pagedgen.cli.app import app
 from pagedgen.cli.formats.request import near_miss
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
 
@@ -84,16 +86,16 @@ def test_openai_batch_file_round_trips_through_openai_types(tmp_path):
 def test_openai_served_model_name_and_resume(tmp_path):
     src = write(tmp_path / "batch.jsonl", [chat(f"r{i}", temperature=0) for i in range(4)])
     out = tmp_path / "out.jsonl"
-    res = run(src, *FAST, "-o", out, "--served-model-name", "other")
+    res = run(src, *FAST, *STOP, "-o", out, "--served-model-name", "other")
     assert res.exit_code == 1 and "body 'model' is 'my-model'; this run serves 'other'" \
         in res.output.replace("\n", "")
-    assert run(src, *FAST, "-o", out, "--served-model-name", "my-model").exit_code == 0
+    assert run(src, *FAST, *STOP, "-o", out, "--served-model-name", "my-model").exit_code == 0
     first = read(out)
     text = out.read_text().splitlines()
     out.write_text(text[0] + "\n" + text[1][:25])  # a crash after one line and a half
-    res = run(src, *FAST, "-o", out, "--resume", "--json")
+    res = run(src, *FAST, *STOP, "-o", out, "--resume", "--json")
     assert res.exit_code == 1 and "was made with served_model_name" in res.output
-    res = run(src, *FAST, "-o", out, "--resume", "--json", "--served-model-name", "my-model")
+    res = run(src, *FAST, *STOP, "-o", out, "--resume", "--json", "--served-model-name", "my-model")
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout[res.stdout.index("{"):])["skipped_resumed"] == 1
     again = read(out)
@@ -121,7 +123,7 @@ def test_openai_served_model_name_and_resume(tmp_path):
 ])
 def test_bad_openai_line_is_a_one_line_error(tmp_path, line, message):
     src = write(tmp_path / "batch.jsonl", [chat("ok"), line])
-    res = run(src, *FAST)
+    res = run(src, *FAST, *STOP)
     assert res.exit_code == 1
     assert f"batch.jsonl:2: {message}" in res.output.replace("\n", ""), res.output
     assert "Traceback" not in res.output
@@ -135,14 +137,14 @@ def test_a_batch_line_without_its_custom_id_is_named_as_one(tmp_path):
     bare = {k: v for k, v in chat("x").items() if k != "custom_id"}
     for lines in ([bare], [chat("ok"), bare]):
         src = write(tmp_path / "batch.jsonl", lines)
-        res = run(src, *FAST)
+        res = run(src, *FAST, *STOP)
         assert res.exit_code == 1
         assert f"batch.jsonl:{len(lines)}: 'custom_id' must be a non-empty string" in \
             res.output.replace("\n", ""), res.output
     for field, args in (("prompt", ()), ("text", ("--prompt-field", "text"))):
         own = write(tmp_path / "own.jsonl", [{field: "x", "url": "u", "body": {"a": 1}}])
         out = tmp_path / "own.out.jsonl"
-        res = run(own, *FAST, *args, "-o", out, "--overwrite")
+        res = run(own, *FAST, *STOP, *args, "-o", out, "--overwrite")
         assert res.exit_code == 0, res.output
         assert read(out)[0]["metadata"] == {"url": "u", "body": {"a": 1}}
 
@@ -155,17 +157,17 @@ def test_own_fields_come_back_under_metadata(tmp_path):
         {"prompt": "w", "seed": None, "logprobs": None},  # null: not set
     ])
     out = tmp_path / "o.jsonl"
-    assert run(src, *FAST, "-o", out).exit_code == 0
+    assert run(src, *FAST, *STOP, "-o", out).exit_code == 0
     lines = read(out)
     assert lines[0]["metadata"] == {"answer": "B", "category": {"k": [1, 2]}}
     assert lines[1]["metadata"] == {"step": 3}
     assert lines[2]["metadata"] == {"step": 4, "idx": 9}
     assert "metadata" not in lines[3] and "logprobs" not in lines[3]
-    res = run(src, *FAST, "-o", out, "--strict-fields")
+    res = run(src, *FAST, *STOP, "-o", out, "--strict-fields")
     assert res.exit_code == 1 and "p.jsonl:1: unknown field 'answer' (--strict-fields)" \
         in res.output.replace("\n", "")
     bad = write(tmp_path / "b.jsonl", [{"prompt": "z", "metadata": {"idx": 1}, "idx": 9}])
-    res = run(bad, *FAST)
+    res = run(bad, *FAST, *STOP)
     assert res.exit_code == 1 and "field 'idx' is both on the line and in 'metadata'" in res.output
 
 
@@ -267,12 +269,12 @@ def test_a_utf8_byte_order_mark_is_skipped(tmp_path):
     (tmp_path / "s.json").write_bytes(b"\xef\xbb\xbf" + schema.encode())
     outs = []
     for d in (plain, marked):
-        res = run(d / "p.jsonl", "-o", d / "out.jsonl", *FAST, "--json-schema",
+        res = run(d / "p.jsonl", "-o", d / "out.jsonl", *FAST, *STOP, "--json-schema",
                   tmp_path / "s.json")
         assert res.exit_code == 0, res.output
         outs.append([(r["prompt"], r["token_ids"]) for r in read(d / "out.jsonl")])
     assert outs[0] == outs[1] and [p for p, _ in outs[0]] == ["one", "two"]
     # a mark anywhere else is still an error, on its line
     (tmp_path / "late.jsonl").write_bytes(b'{"prompt": "one"}\n\xef\xbb\xbf{"prompt": "two"}\n')
-    res = run(tmp_path / "late.jsonl", "-o", tmp_path / "late.out.jsonl", *FAST)
+    res = run(tmp_path / "late.jsonl", "-o", tmp_path / "late.out.jsonl", *FAST, *STOP)
     assert res.exit_code == 1 and "late.jsonl:2: invalid JSON" in res.output, res.output

@@ -20,6 +20,8 @@ from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.collectives.sharding import copy_shard, shard_map
 from pagedgen.runtime.models.loader import build_model, resolve_model
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 PROMPTS = [[1, 5, 9, 33, 7], [1, 200, 3], [1] + list(range(40, 80))]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -124,8 +126,9 @@ def test_generate_takes_a_gguf_file_and_refuses_bad_ones(ckpts, tmp_path):
     runner = CliRunner()
 
     def invoke(model: Path, *extra) -> str:
-        res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "3",
-                                  "--model", str(model), "-o", str(tmp_path / "o.jsonl"),
+        res = runner.invoke(app, ["generate", *STOP, str(src), "--device", "cpu",
+                                  "--max-tokens", "3", "--model", str(model), "-o",
+                                  str(tmp_path / "o.jsonl"),
                                   *extra])
         return f"{res.exit_code} {res.output.strip()}"
 

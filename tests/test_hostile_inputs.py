@@ -17,6 +17,8 @@ from typer.testing import CliRunner
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
 
@@ -44,7 +46,7 @@ def one_line_error(res, pattern: str) -> None:
 ])
 def test_a_lone_surrogate_is_a_line_error_before_the_run(tmp_path, line, field):
     src = write(tmp_path / "p.jsonl", [line])
-    res = runner.invoke(app, ["generate", str(src), *FAST, "-o", str(tmp_path / "o.jsonl")])
+    res = runner.invoke(app, ["generate", *STOP, str(src), *FAST, "-o", str(tmp_path / "o.jsonl")])
     one_line_error(res, rf"p\.jsonl:1: {field}.* holds a lone surrogate")
     assert not (tmp_path / "o.jsonl").exists()
 
@@ -132,7 +134,7 @@ def test_verify_checks_where_its_json_goes_before_any_check(tmp_path, monkeypatc
 def test_a_constraint_that_matches_nothing_fails_before_the_run(tmp_path):
     src = write(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b", "structured_outputs": {
         "regex": "[^\\s\\S]"}}])
-    res = runner.invoke(app, ["generate", str(src), *FAST, "-o", str(tmp_path / "o.jsonl")])
+    res = runner.invoke(app, ["generate", *STOP, str(src), *FAST, "-o", str(tmp_path / "o.jsonl")])
     one_line_error(res, r"p\.jsonl:2: the regex matches no text this tokenizer can write")
 
 
@@ -205,7 +207,7 @@ def test_text_settings_on_a_checkpoint_without_a_tokenizer_are_line_errors(tmp_p
     ckpt = make_checkpoint("llama", tmp_path / "ck")
     out = tmp_path / "o.jsonl"
     ids = {"prompt_token_ids": [1, 2, 3]}
-    res = runner.invoke(app, ["generate", str(write(tmp_path / "ok.jsonl", [ids])), *FAST,
+    res = runner.invoke(app, ["generate", *STOP, str(write(tmp_path / "ok.jsonl", [ids])), *FAST,
                               "--model", str(ckpt), "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert "empty: no tokenizer files" in res.output
@@ -217,7 +219,7 @@ def test_text_settings_on_a_checkpoint_without_a_tokenizer_are_line_errors(tmp_p
             ({"response_format": {"type": "json_object"}},
              r"structured output constrains text")]:
         src = write(tmp_path / "p.jsonl", [ids, {**ids, **extra}])
-        res = runner.invoke(app, ["generate", str(src), *FAST, "--model", str(ckpt),
+        res = runner.invoke(app, ["generate", *STOP, str(src), *FAST, "--model", str(ckpt),
                                   "-o", str(out)])
         one_line_error(res, r"p\.jsonl:2: .*ck has no tokenizer; " + pattern)
         assert not out.exists()

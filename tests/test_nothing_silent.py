@@ -16,6 +16,8 @@ from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 from pagedgen.errors import PagedgenError
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
 
@@ -156,7 +158,7 @@ def test_a_message_names_what_the_user_gave_where(tmp_path, args, lines, message
     prof.write_text("model: tiny\nengine:\n  max_model_len: 9999\n")
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    res = runner.invoke(app, ["generate", str(src), "-o", str(tmp_path / "o.jsonl"), *FAST,
+    res = runner.invoke(app, ["generate", *STOP, str(src), "-o", str(tmp_path / "o.jsonl"), *FAST,
                               *[a.format(prof=prof) for a in args]])
     out = " ".join(res.output.split())
     assert res.exit_code == 1 and out.startswith("error: ") and "Traceback" not in out, out

@@ -19,6 +19,8 @@ from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.engine.reasoning import ReasoningParser
 from pagedgen.runtime.sampling.processors import LogitsProcessor
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 OPEN, CLOSE = 10, 11
 THINK = ReasoningParser("think", OPEN, CLOSE)
 # harmony: <|channel|> 100, <|message|> 101, <|end|> 102, <|start|> 103; channel names
@@ -241,7 +243,7 @@ def test_chat_template_variables_reach_the_template(tmp_path):
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = CliRunner().invoke
     common = ["--model", str(path), "--device", "cpu", "--max-tokens", "1"]
-    res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "o.jsonl")])
+    res = run(app, ["generate", *STOP, str(src), *common, "-o", str(tmp_path / "o.jsonl")])
     assert res.exit_code == 0, res.output
     prompts = [json.loads(x)["prompt"] for x in (tmp_path / "o.jsonl").read_text().splitlines()]
     assert prompts == ["h b c a", "b c a", "b c n a", "l b c a"]
@@ -249,7 +251,7 @@ def test_chat_template_variables_reach_the_template(tmp_path):
     batch.write_text(json.dumps({"custom_id": "r", "method": "POST",
                                  "url": "/v1/chat/completions",
                                  "body": {"messages": hi, "reasoning_effort": "high"}}) + "\n")
-    res = run(app, ["generate", str(batch), *common, "-o", str(tmp_path / "ob.jsonl")])
+    res = run(app, ["generate", *STOP, str(batch), *common, "-o", str(tmp_path / "ob.jsonl")])
     assert res.exit_code == 0, res.output
     body = json.loads((tmp_path / "ob.jsonl").read_text())["response"]["body"]
     first = json.loads((tmp_path / "o.jsonl").read_text().splitlines()[0])
@@ -259,7 +261,7 @@ def test_chat_template_variables_reach_the_template(tmp_path):
                          ({"messages": hi, "chat_template_kwargs": {"reasoning_effort": "max"}},
                           "reasoning_effort must be one of minimal, low, medium, high")):
         src.write_text(json.dumps(bad) + "\n")
-        res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
+        res = run(app, ["generate", *STOP, str(src), *common, "-o", str(tmp_path / "x.jsonl")])
         assert res.exit_code == 1 and message in res.output.replace("\n", ""), res.output
 
 
@@ -287,7 +289,7 @@ def test_a_chat_can_continue_its_last_message_or_leave_the_turn_closed(tmp_path)
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     run = CliRunner().invoke
     common = ["--device", "cpu", "--max-tokens", "1"]
-    res = run(app, ["generate", str(src), "--model", str(path), *common,
+    res = run(app, ["generate", *STOP, str(src), "--model", str(path), *common,
                     "-o", str(tmp_path / "o.jsonl")])
     assert res.exit_code == 0, res.output
     prompts = [json.loads(x)["prompt"] for x in (tmp_path / "o.jsonl").read_text().splitlines()]
@@ -298,12 +300,12 @@ def test_a_chat_can_continue_its_last_message_or_leave_the_turn_closed(tmp_path)
                                  "url": "/v1/chat/completions",
                                  "body": {"messages": chat, "continue_final_message": True}})
                      + "\n")
-    res = run(app, ["generate", str(batch), "--model", str(path), *common,
+    res = run(app, ["generate", *STOP, str(batch), "--model", str(path), *common,
                     "-o", str(tmp_path / "ob.jsonl")])
     assert res.exit_code == 0, res.output
     body = json.loads((tmp_path / "ob.jsonl").read_text())["response"]["body"]
     assert body["usage"]["prompt_tokens"] == 7  # u b c e r a b
-    res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "t.jsonl")])  # tiny
+    res = run(app, ["generate", *STOP, str(src), *common, "-o", str(tmp_path / "t.jsonl")])  # tiny
     assert res.exit_code == 0, res.output
     tiny = [json.loads(x)["prompt"] for x in (tmp_path / "t.jsonl").read_text().splitlines()]
     assert tiny[1] == "<|user|>\nb c\n<|assistant|>\na b" and tiny[2] + "<|assistant|>\n" == tiny[0]
@@ -313,7 +315,7 @@ def test_a_chat_can_continue_its_last_message_or_leave_the_turn_closed(tmp_path)
                        "applies to chat ('messages') prompts only"),
                       ({"messages": chat, "add_generation_prompt": "no"}, "must be true or false")]:
         src.write_text(json.dumps(bad) + "\n")
-        res = run(app, ["generate", str(src), *common, "-o", str(tmp_path / "x.jsonl")])
+        res = run(app, ["generate", *STOP, str(src), *common, "-o", str(tmp_path / "x.jsonl")])
         assert res.exit_code == 1 and says in " ".join(res.output.split()), res.output
 
 

@@ -19,6 +19,8 @@ from typer.testing import CliRunner
 from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "4"]
 PROMPTS = [{"id": i, "prompt": f"p{i}"} for i in range(3)]
@@ -193,7 +195,7 @@ def test_bad_input_is_one_line_and_touches_nothing(tmp_path, previous_output, ch
             a = str(tmp_path / "profile.yaml")
         argv.append(a)
     before = snapshot(tmp_path)
-    res = runner.invoke(app, ["generate", str(src), *FAST, *argv], input="")
+    res = runner.invoke(app, ["generate", *STOP, str(src), *FAST, *argv], input="")
     assert res.exit_code == 1, res.output
     text = res.output.strip()
     assert len(text.splitlines()) <= 3 and "Traceback" not in text, text

@@ -19,6 +19,8 @@ from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.sampling import controls
 from pagedgen.runtime.sampling.sampler import apply_min_p
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 V = 50
 EOS = 7
 runner = CliRunner()
@@ -211,7 +213,7 @@ def test_lines_carry_the_controls_and_bad_values_are_one_line_errors(tmp_path):
     prompts.write_text(json.dumps({"prompt": "hi", "logit_bias": {"65": 100},
                                    "max_tokens": 3, "temperature": 0}) + "\n")
     out = tmp_path / "o.jsonl"
-    res = runner.invoke(app, ["generate", str(prompts), "-o", str(out), "--device", "cpu"])
+    res = runner.invoke(app, ["generate", *STOP, str(prompts), "-o", str(out), "--device", "cpu"])
     assert res.exit_code == 0, res.output
     assert json.loads(out.read_text())["text"] == "AAA"
     for line, msg in [({"prompt": "x", "logit_bias": {"a": 1}}, "keys must be token ids"),
@@ -224,7 +226,8 @@ def test_lines_carry_the_controls_and_bad_values_are_one_line_errors(tmp_path):
                       ({"prompt": "x", "presence_penalty": 3}, r"in \[-2, 2\]")]:
         prompts.write_text(json.dumps(line) + "\n")
         bad = tmp_path / "bad.jsonl"
-        res = runner.invoke(app, ["generate", str(prompts), "-o", str(bad), "--device", "cpu"])
+        res = runner.invoke(app, ["generate", *STOP, str(prompts), "-o", str(bad), "--device",
+                                  "cpu"])
         assert res.exit_code != 0 and "Traceback" not in res.output, res.output
         flat = " ".join(res.output.split())
         assert "p.jsonl:1" in flat and re.search(msg, flat), (line, res.output)

@@ -19,6 +19,8 @@ from pagedgen.cli.app import app
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.engine.engine import Engine
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 runner = CliRunner()
@@ -367,7 +369,7 @@ def test_bad_constraints_are_one_line_errors(tmp_path, line, msg):
     src.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"prompt": "x", **line})
                    + "\n")
     out = tmp_path / "o.jsonl"
-    res = runner.invoke(app, ["generate", str(src), "-o", str(out), "--device", "cpu"])
+    res = runner.invoke(app, ["generate", *STOP, str(src), "-o", str(out), "--device", "cpu"])
     assert res.exit_code != 0 and "Traceback" not in res.output, res.output
     assert re.search(msg, " ".join(res.output.split())), res.output
     assert not out.exists()
@@ -468,7 +470,7 @@ def test_a_schema_no_output_can_meet_is_refused_before_the_run(tmp_path):
     assert unsatisfiable({**schema, "required": ["a"]}) is None
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"prompt": "x", "structured_outputs": {"json": schema}}) + "\n")
-    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o",
+    res = runner.invoke(app, ["generate", *STOP, str(src), "--device", "cpu", "-o",
                               str(tmp_path / "o.jsonl")])
     assert res.exit_code != 0 and "Traceback" not in res.output
     assert "must hold 'b'" in res.output and "no output could meet it" in res.output

@@ -11,6 +11,8 @@ from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
 
+STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
+
 pa = pytest.importorskip("pyarrow")
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-tokens", "6", "--temperature", "0"]
@@ -59,15 +61,15 @@ def test_csv_tsv_and_parquet_rows_run_as_their_jsonl_lines(tmp_path):
 def test_a_bad_row_is_named_and_pyarrow_errors_are_one_line(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text('prompt,max_tokens\n"Hello",3\n"Hi",-1\n')
-    res = runner.invoke(app, ["generate", str(bad), *FAST])
+    res = runner.invoke(app, ["generate", *STOP, str(bad), *FAST])
     assert res.exit_code == 1 and f"{bad}:2: max_tokens must be" in res.output.replace("\n", "")
     broken = tmp_path / "broken.parquet"
     broken.write_bytes(b"PAR1 not really")
-    res = runner.invoke(app, ["generate", str(broken), *FAST])
+    res = runner.invoke(app, ["generate", *STOP, str(broken), *FAST])
     text = res.output.replace("\n", "")
     assert res.exit_code == 1 and "cannot read it as PARQUET" in text and "Traceback" not in text
     js = tmp_path / "js.csv"
     js.write_text('messages\n"[{""role"": ""user"""\n')
-    res = runner.invoke(app, ["generate", str(js), *FAST])
+    res = runner.invoke(app, ["generate", *STOP, str(js), *FAST])
     assert res.exit_code == 1 and "row 1: column 'messages' holds invalid JSON" in \
         res.output.replace("\n", ""), res.output

@@ -18,6 +18,11 @@ def line_maker(fmt: str, model_name: str = "") -> Callable[..., dict[str, Any]]:
     return records.record
 
 
+def error_line(fmt: str, req: Any) -> dict[str, Any]:
+    """The error record of a request that cannot run (``req.error``) in format ``fmt``."""
+    return (openai_batch if fmt == "openai" else records).error_record(req)
+
+
 def line_check(fmt: str) -> tuple[Callable[[dict[str, Any]], bool], str]:
     """(whether a parsed line is a whole record, the field holding its request's id)."""
     if fmt == "openai":

@@ -186,8 +186,19 @@ def record(out: RequestOutput, model: str = "") -> dict[str, Any]:
     return line
 
 
+def error_record(req: Any) -> dict[str, Any]:
+    """The batch output line of a request that cannot run (``req.error``), as OpenAI's batch
+    API writes a failed line: no response, an error with a code and a message."""
+    return {"custom_id": req.id, "id": f"batch_req_{req.index}", "response": None,
+            "error": {"code": "invalid_request", "message": req.error}}
+
+
 def is_complete(obj: dict[str, Any]) -> bool:
-    """Whether a parsed output line is a whole batch output record (``--resume`` keeps those)."""
+    """Whether a parsed output line is a whole batch output record (``--resume`` keeps those:
+    an error record too)."""
+    error = obj.get("error")
+    if obj.get("response") is None and isinstance(error, dict):
+        return isinstance(obj.get("custom_id"), str) and isinstance(error.get("message"), str)
     response = obj.get("response")
     body = response.get("body") if isinstance(response, dict) else None
     return (isinstance(obj.get("custom_id"), str) and obj.get("error") is None

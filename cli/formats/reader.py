@@ -103,9 +103,21 @@ class RequestFile:
     format: str = "pagedgen"  # or "openai" (OpenAI batch lines; ids are their custom_id)
     sources: list[InputSource] = field(default_factory=list)
     fingerprint: str = ""  # sha256 of every input byte, in order (ties an output to its input)
+    on_bad_line: str = "stop"  # InputOptions.on_bad_line: "error" records, "stop" raises
 
     def __len__(self) -> int:
         return len(self.requests)
+
+    def fail(self, r: Request, message: str) -> None:
+        """Request ``r`` cannot run (``message``, naming its file and line): a ``stop`` run
+        ends here; an ``error`` run keeps the message for its record in the line's place."""
+        if self.on_bad_line == "stop":
+            raise PagedgenError(message)
+        r.error = r.error or message
+
+    def runnable(self, requests: list[Request] | None = None) -> list[Request]:
+        """The requests (of ``requests``, default all) no stage has failed."""
+        return [r for r in (self.requests if requests is None else requests) if r.error is None]
 
     def where(self, r: Request) -> str:
         """``file:line`` of a request, for errors."""
@@ -169,7 +181,8 @@ def read_requests(inputs: Path | list[Path] | list[InputSource],
     ``progress(bytes_read)`` is called every few thousand lines."""
     inputs = [inputs] if isinstance(inputs, Path) else inputs
     sources = [s if isinstance(s, InputSource) else _source(s) for s in inputs]
-    rf = RequestFile([s.name for s in sources], [], {}, sources=sources)
+    rf = RequestFile([s.name for s in sources], [], {}, sources=sources,
+                     on_bad_line=options.on_bad_line)
     digest = hashlib.sha256()
     reader = _Reader(rf, options, digest, progress)
     for source, src in enumerate(sources):
@@ -201,12 +214,18 @@ class _Reader:
         self.nbytes = 0
         self.fmt: str | None = None
         self.first_where = ""
+        self._obj: Any = None  # the line being read, once parsed
 
     def read(self, source: int, src: InputSource) -> None:
         kind = tables.table_kind(src.path)
         if kind is not None:  # CSV, TSV, Parquet: a request a row
             for row, obj in tables.rows(src.path, kind, self.options, self.digest):
-                self._object(source, row, f"{src.name}:{row}", obj)
+                try:
+                    self._object(source, row, f"{src.name}:{row}", obj)
+                except PagedgenError as e:
+                    if self.rf.on_bad_line == "stop":
+                        raise
+                    self._bad(source, row, str(e), obj)
             self.nbytes += src.size or 0
             return
         lineno = 0
@@ -226,7 +245,31 @@ class _Reader:
                                 f"short or damaged ({e})")
 
     def _line(self, source: int, lineno: int, raw: bytes) -> None:
+        """One line as a request; under ``--on-bad-line error`` a line that fails is kept as a
+        request with its ``error`` (and its id, where the line gives a usable one)."""
+        try:
+            self._parse_line(source, lineno, raw)
+        except PagedgenError as e:
+            if self.rf.on_bad_line == "stop":
+                raise
+            self._bad(source, lineno, str(e), self._obj)
+
+    def _bad(self, source: int, lineno: int, message: str, obj: Any) -> None:
         rf = self.rf
+        key = "custom_id" if self.fmt == "openai" else "id"
+        given = obj.get(key) if isinstance(obj, dict) else None
+        index = len(rf.requests)
+        ident = given if isinstance(given, (str, int)) and not isinstance(given, bool) \
+            and given not in rf.index_of else (f"line {lineno}" if self.fmt == "openai"
+                                               else index)
+        if ident in rf.index_of:  # a number another line took as its id
+            ident = f"{rf.names[source]}:{lineno}"
+        rf.index_of[ident] = index
+        rf.requests.append(Request(index, lineno, ident, source=source, error=message))
+
+    def _parse_line(self, source: int, lineno: int, raw: bytes) -> None:
+        rf = self.rf
+        self._obj = None
         where = f"{rf.names[source]}:{lineno}"
         if lineno == 1 and raw.startswith(UTF8_BOM):  # as Windows editors save UTF-8
             raw = raw[len(UTF8_BOM):]
@@ -237,7 +280,7 @@ class _Reader:
                                 "of the line)")
         if not text.strip():
             return
-        obj = parse_json(text, where)
+        obj = self._obj = parse_json(text, where)
         if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate
             check_encodable(obj, where)
         self._object(source, lineno, where, obj)
@@ -346,7 +389,9 @@ def tokenize_requests(rf: RequestFile, tokenizer,
     done = sum(r.prompt is None and r.messages is None for r in rf.requests)
     groups: dict[tuple[str, str], list[Request]] = {}  # chats by their template variables
     for r in rf.requests:
-        if r.prompt is not None:
+        if r.error is not None:
+            done += 1
+        elif r.prompt is not None:
             groups.setdefault(("prompt", ""), []).append(r)
         elif r.messages is not None:
             key = json.dumps(r.template_kwargs, sort_keys=True) if r.template_kwargs else ""
@@ -355,18 +400,32 @@ def tokenize_requests(rf: RequestFile, tokenizer,
         for i in range(0, len(reqs), TOKENIZE_BATCH):
             batch = reqs[i:i + TOKENIZE_BATCH]
             try:
-                if kind == "prompt":
-                    out = tokenizer.encode_batch([r.prompt for r in batch])
-                else:
-                    out = tokenizer.apply_chat_template_batch(
-                        [r.messages for r in batch], batch[0].template_kwargs)
+                out = _tokenized(tokenizer, kind, batch)
             except (ValueError, PagedgenError) as e:
-                raise PagedgenError(f"{rf.where(batch[0])}: {e}")
+                if rf.on_bad_line == "stop" or len(batch) == 1:
+                    rf.fail(batch[0], f"{rf.where(batch[0])}: {e}")
+                    out = [None]
+                else:  # which of the batch fails: each alone
+                    out = []
+                    for r in batch:
+                        try:
+                            out += _tokenized(tokenizer, kind, [r])
+                        except (ValueError, PagedgenError) as e:
+                            rf.fail(r, f"{rf.where(r)}: {e}")
+                            out.append(None)
             for r, ids in zip(batch, out):
-                r.prompt_token_ids = array("i", ids)
+                if ids is not None:
+                    r.prompt_token_ids = array("i", ids)
             done += len(batch)
             if progress is not None:
                 progress(done)
+
+
+def _tokenized(tokenizer, kind: str, batch: list[Request]) -> list[list[int]]:
+    if kind == "prompt":
+        return tokenizer.encode_batch([r.prompt for r in batch])
+    return tokenizer.apply_chat_template_batch([r.messages for r in batch],
+                                               batch[0].template_kwargs)
 
 
 def check_text_settings(rf: RequestFile, tokenizer, defaults: SamplingParams) -> None:
@@ -374,21 +433,21 @@ def check_text_settings(rf: RequestFile, tokenizer, defaults: SamplingParams) ->
     settings work on text (``requests.text_setting``) is a file:line error."""
     if has_text(tokenizer):
         return
-    for r in rf.requests:
+    for r in rf.runnable():
         why = text_setting(r.sampling(defaults))
         if why is not None:
-            raise PagedgenError(f"{rf.where(r)}: {tokenizer.path} has no tokenizer; {why}")
+            rf.fail(r, f"{rf.where(r)}: {tokenizer.path} has no tokenizer; {why}")
 
 
 def check_requests(rf: RequestFile, check: Callable[[Request], None],
                    requests: list[Request] | None = None) -> None:
-    """``check`` every request (or ``requests`` of ``rf``); its ValueError becomes a
-    ``file:line:`` error."""
-    for r in rf.requests if requests is None else requests:
+    """``check`` every request (or ``requests`` of ``rf``) no stage has failed; its
+    ValueError becomes a ``file:line:`` error (``RequestFile.fail``)."""
+    for r in rf.runnable(requests):
         try:
             check(r)
         except ValueError as e:
-            raise PagedgenError(f"{rf.where(r)}: {e}")
+            rf.fail(r, f"{rf.where(r)}: {e}")
 
 
 def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions) -> Request:

@@ -39,8 +39,19 @@ def choice(c: CompletionOutput) -> dict[str, Any]:
     return out
 
 
+def error_record(req: Any) -> dict[str, Any]:
+    """The line of a request that cannot run (``req.error``, naming its file and line)."""
+    line: dict[str, Any] = {"id": req.id, "error": req.error}
+    if req.metadata is not None:
+        line["metadata"] = req.metadata
+    return line
+
+
 def is_complete(obj: dict[str, Any]) -> bool:
-    """Whether a parsed output line is a whole pagedgen record (``--resume`` keeps those)."""
+    """Whether a parsed output line is a whole pagedgen record (``--resume`` keeps those: an
+    error record too)."""
+    if "id" in obj and isinstance(obj.get("error"), str) and "prompt" not in obj:
+        return True
     if "id" not in obj or not isinstance(obj.get("prompt"), str) \
             or not isinstance(obj.get("num_prompt_tokens"), int):
         return False

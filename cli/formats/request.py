@@ -38,6 +38,9 @@ SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
 }
 
 
+BAD_LINE_CHOICES = ("error", "stop")
+
+
 @dataclass(frozen=True)
 class InputOptions:
     """How lines are read: which fields hold the prompt, and what happens to other fields."""
@@ -48,8 +51,14 @@ class InputOptions:
     served_model_name: str | None = None  # OpenAI lines' body "model" must equal it
     # the run names a reasoning parser: it splits OpenAI /v1/completions bodies' outputs too
     completions_reasoning: bool = False
+    # a line that cannot run: "error" (an error record in its place, the run goes on:
+    # `generate`'s default) or "stop" (the first one ends the run before anything loads)
+    on_bad_line: str = "stop"
 
     def __post_init__(self) -> None:
+        if self.on_bad_line not in BAD_LINE_CHOICES:
+            raise PagedgenError(f"--on-bad-line {self.on_bad_line}: choose "
+                                f"{' or '.join(BAD_LINE_CHOICES)}")
         for option, name in (("--prompt-field", self.prompt_field),
                              ("--messages-field", self.messages_field)):
             if not name or name == "prompt_token_ids" or name == "id" \
@@ -88,6 +97,7 @@ class Request:
     endpoint: str | None = None  # OpenAI lines: "chat" or "completions"
     model: str | None = None  # OpenAI lines: the body's "model"
     source: int = 0  # which of the input's files holds the line
+    error: str | None = None  # why the line cannot run (``--on-bad-line error``: its record)
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The line's sampling settings (``defaults`` itself when the line sets none)."""

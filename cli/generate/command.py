@@ -151,6 +151,10 @@ def generate(
     strict_fields: bool = typer.Option(
         False, "--strict-fields", help="Unknown fields are errors [default: they are copied "
                                       "into the output line's \"metadata\"]."),
+    on_bad_line: str = typer.Option(
+        "error", help="A line that cannot run: error (an error record in its place; the run "
+                      "goes on, as OpenAI's batch API does) or stop (the first ends the run "
+                      "before the model loads) [default: error]."),
     served_model_name: Optional[str] = typer.Option(
         None, help="OpenAI batch files: the model name their lines' body \"model\" must "
                    "have, and the name reported."),
@@ -204,7 +208,7 @@ def generate(
             raise PagedgenError(f"--json-schema: {e}")
     job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
               InputOptions(prompt_field, messages_field, strict_fields, served_model_name,
-                           engine_cfg.reasoning_parser not in ("auto", "none")),
+                           engine_cfg.reasoning_parser not in ("auto", "none"), on_bad_line),
               tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)
     summary = run(job)
     if summary is None:  # a torchrun rank other than 0: rank 0 reports

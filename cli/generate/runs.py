@@ -11,6 +11,7 @@ replicas (``--ray``: ``runtime/drivers/ray_data.py``), or as one rank of ``torch
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 import threading
@@ -21,7 +22,7 @@ from typing import Any, Callable
 from rich.markup import escape
 
 from pagedgen.cli.common import console
-from pagedgen.cli.formats.lines import line_check, line_maker
+from pagedgen.cli.formats.lines import error_line, line_check, line_maker
 from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.cli.formats.output_claim import OutputClaim
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output
@@ -134,6 +135,10 @@ def run(job: Job) -> dict[str, Any] | None:
                               "damaged or repeated line(s) are dropped; their requests run "
                               "again", highlight=False, soft_wrap=True)
         todo = _lead_todo(ranks, rf, todo if lead else None) if ranks is not None else todo
+        bad = [r for r in todo if r.error is not None]  # this run's lines that cannot run
+        if lead:  # their error records now, in their places
+            write_errors(writer, rf, bad)
+        todo = rf.runnable(todo)
         if driver is None:  # an engine here (a torchrun rank's shard of one)
             driver = LocalDriver(fit_seats(cfg, todo, job.defaults), job.defaults, src,
                                  tokenizer, grammars, load_s)
@@ -142,13 +147,23 @@ def run(job: Job) -> dict[str, Any] | None:
                     lambda what: status.update(f"{loading}: {escape(what)} ...")):
                 driver.load()
         check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
+        late = [r for r in todo if r.error is not None]
+        if lead:
+            write_errors(writer, rf, late)
+        bad += late
+        todo = rf.runnable(todo)
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
             for _ in driver.run(todo, record):
                 pass
             return None
         chats = getattr(tokenizer, "chat_format", None) and any(
             r.messages is not None for r in rf.requests)
-        extra = {"input_time_s": input_s, "skipped_resumed": len(rf) - len(todo),
+        if bad:
+            console.print(f"[yellow]{len(bad)} line(s) cannot run:[/] each has an error record "
+                          f"in its place (the first: {escape(bad[0].error)})", highlight=False,
+                          soft_wrap=True)
+        extra = {"input_time_s": input_s, "lines_with_errors": len(bad),
+                 "skipped_resumed": len(rf) - len(todo) - len(bad),
                  "output": out_path, **({"chat_format": tokenizer.chat_format} if chats else {}),
                  **({"output_stream": f"{target.stream}, lines in completion order"}
                     if target is not None and target.is_stream else {}),
@@ -167,6 +182,13 @@ def run(job: Job) -> dict[str, Any] | None:
             driver.stop()
         if ranks is not None:  # leave the torchrun group before exit: a group torn down by
             parallel.shutdown()  # the interpreter's exit aborted ranks ("terminate called")
+
+
+def write_errors(writer, rf: RequestFile, failed: list[Request]) -> None:
+    """The error records of ``failed`` requests (``--on-bad-line error``), in their places."""
+    if failed:
+        writer.write_lines([(r.index, json.dumps(error_line(rf.format, r), ensure_ascii=False))
+                            for r in failed])
 
 
 def _check_context(cfg: EngineConfig, src) -> None:
@@ -242,7 +264,7 @@ def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
     constraint does not compile is a file:line error. ``progress(done, total)`` hears how
     many have compiled."""
     first: dict[StructuredOutput, Request] = {}
-    for r in rf.requests:
+    for r in rf.runnable():
         c = (r.overrides or {}).get("structured")
         if c is not None and c not in first:
             first[c] = r
@@ -259,9 +281,11 @@ def compile_constraints(rf: RequestFile, tokenizer, vocab_size: int,
             raise PagedgenError(f"--json-schema: {e}")
     base = int(default is not None and default not in first)
     errors = grammars.compile_all(first, progress and (lambda n: progress(base + n, total)))
-    if errors:
-        c = min(errors, key=lambda c: first[c].index)
-        raise PagedgenError(f"{rf.where(first[c])}: {errors[c]}")
+    if errors:  # stop: the first line's; error: every line of a constraint that failed
+        for r in sorted((r for r in rf.runnable()
+                         if (r.overrides or {}).get("structured") in errors),
+                        key=lambda r: r.index):
+            rf.fail(r, f"{rf.where(r)}: {errors[r.overrides['structured']]}")
     return grammars
 
 
