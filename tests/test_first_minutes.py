@@ -299,3 +299,24 @@ def test_start_up_counts_from_the_command_not_from_its_process(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stderr[proc.stderr.index("{"):])
     assert 0 < summary["startup_s"] < elapsed - 2.5, (summary["startup_s"], elapsed)
+
+
+def test_verbose_says_what_start_up_does_and_quiet_says_nothing_but_errors(tmp_path):
+    """``-v``: the start-up phases and the KV cache through logging; ``--quiet``: a run that
+    works prints nothing, one that fails still prints its one-line error."""
+    src = write(tmp_path / "p.jsonl", [{"prompt": "p"}])
+    out = tmp_path / "o.jsonl"
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "2",
+                              "-o", str(out), "-v"])
+    assert res.exit_code == 0 and "start-up: model" in res.output, res.output
+    assert "KV cache:" in res.output and "pages of 16 tokens" in res.output
+    noted = write(tmp_path / "n.jsonl", [{"prompt": "p"}, {"prompt": 5}])  # a note's worth
+    res = runner.invoke(app, ["generate", str(noted), "--device", "cpu", "--max-tokens", "2",
+                              "-o", str(tmp_path / "n.out.jsonl"), "--quiet"])
+    assert res.exit_code == 0 and res.output == "", res.output
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o", str(out),
+                              "--quiet"])
+    assert res.exit_code == 1 and res.output.startswith("error: "), res.output
+    res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "2",
+                              "-o", str(out), "--overwrite"])  # the next command: not quiet
+    assert "start-up: model" not in res.output and "output tokens" in res.output

@@ -10,7 +10,8 @@ from typing import Optional
 
 import typer
 
-from pagedgen.cli.common import cli_errors, console, engine_and_sampling, out_console
+from pagedgen.cli.common import (cli_errors, console, engine_and_sampling, out_console,
+                                 set_verbosity)
 from pagedgen.cli.formats.request import InputOptions
 from pagedgen.cli.formats.structured import schema_file
 from pagedgen.cli.generate.runs import Job, run
@@ -178,8 +179,14 @@ def generate(
                    "other processes leave free, measured at start-up]."),
     json_summary: bool = typer.Option(False, "--json", help="Print every figure of the "
                                                             "summary as JSON."),
+    verbose: int = typer.Option(0, "--verbose", "-v", count=True,
+                                help="Say what start-up does (-v: its phases, the backend and "
+                                     "KV cache; -vv: more)."),
+    quiet: bool = typer.Option(False, "--quiet", help="Errors only: no progress, notes or "
+                                                      "summary."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
+    set_verbosity(verbose, quiet)
     engine_cfg, defaults, _ = engine_and_sampling(
         profile, model,
         dict(backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -214,6 +221,8 @@ def generate(
     if summary is None:  # a torchrun rank other than 0: rank 0 reports
         return
     to_stderr = summary.get("output_stream", "").startswith("standard output")
+    if quiet:
+        return
     if json_summary:  # beside lines written to standard output, the summary goes to stderr
         print(json.dumps(summary, indent=2), file=sys.stderr if to_stderr else sys.stdout)
     else:

@@ -8,6 +8,7 @@ sequences whose last token was computed.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -41,6 +42,7 @@ from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.step import finish_sampling, plan_sampling
 
+log = logging.getLogger(__name__)  # -v: start-up phases, the KV cache
 
 
 class ModelRunner:
@@ -150,6 +152,10 @@ class ModelRunner:
                 f"cache: lower {config.named('kv_cache_memory')}, "
                 f"{config.named('num_blocks')} or {config.named('gpu_memory_utilization')}"
             ) from None
+        log.info("KV cache: %d pages of %d tokens, %.2f GiB (%s, %s); backend %s",
+                 self.num_blocks, self.block_size, self.kv_cache_bytes() / 2**30,
+                 str(self.kv_dtype).removeprefix("torch."), self.layout.note or
+                 f"{len(self.layout.groups)} KV group(s)", self.backend.name)
         t = self._phase("kv_cache", t)
         self.last_sampled: list[Sequence] = []  # the last sampling step's sequences
         self.last_tokens: torch.Tensor | None = None  # and their tokens, on the device
@@ -213,6 +219,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
         self.startup_phases[name] = now - since
+        log.info("start-up: %s %.2f s", name.replace("_", " "), now - since)
         return now
 
     @property
