@@ -320,3 +320,20 @@ def test_verbose_says_what_start_up_does_and_quiet_says_nothing_but_errors(tmp_p
     res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "--max-tokens", "2",
                               "-o", str(out), "--overwrite"])  # the next command: not quiet
     assert "start-up: model" not in res.output and "output tokens" in res.output
+
+
+def test_the_summary_says_the_sampling_a_preset_gave_lines_that_set_none(tmp_path):
+    """The tiny preset samples at temperature 0.8 with 48 tokens: the summary says so (a user
+    who wrote no settings learns what ran); what the options set says nothing."""
+    src = write(tmp_path / "p.jsonl", [{"prompt": "p"}])
+
+    def summary(*args: str) -> dict:
+        res = runner.invoke(app, ["generate", str(src), "--device", "cpu", "-o",
+                                  str(tmp_path / "o.jsonl"), "--overwrite", "--json", *args])
+        assert res.exit_code == 0, res.output
+        return json.loads(res.output[res.output.index("{\n"):])
+
+    assert summary()["sampling_defaults"] == "max_tokens 48, temperature 0.8, top_p 0.95"
+    assert summary("--max-tokens", "4")["sampling_defaults"] == "temperature 0.8, top_p 0.95"
+    assert "sampling_defaults" not in summary("--max-tokens", "4", "--temperature", "0.8",
+                                              "--top-p", "0.95")  # the user's own choices

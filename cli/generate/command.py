@@ -199,11 +199,12 @@ def generate(
              kv_cache_groups=kv_cache_groups,
              cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
              expert_parallel=expert_parallel, threads=threads, reasoning_parser=reasoning_parser),
-        dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-             min_p=min_p, presence_penalty=presence_penalty,
-             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
-             min_tokens=min_tokens, ignore_eos=ignore_eos, n=n, logprobs=logprobs,
-             prompt_logprobs=prompt_logprobs), revision=revision)
+        sampling := dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                         top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                         frequency_penalty=frequency_penalty,
+                         repetition_penalty=repetition_penalty, min_tokens=min_tokens,
+                         ignore_eos=ignore_eos, n=n, logprobs=logprobs,
+                         prompt_logprobs=prompt_logprobs), revision=revision)
     # paths as a shell would give them, where a script quoted them ("~/out.jsonl")
     prompts, output = (p if p in (None, "-") else os.path.expanduser(p) for p in (prompts, output))
     if json_schema is not None:
@@ -216,7 +217,8 @@ def generate(
     job = Job(prompts, output, resume, overwrite, engine_cfg, defaults,
               InputOptions(prompt_field, messages_field, strict_fields, served_model_name,
                            engine_cfg.reasoning_parser not in ("auto", "none"), on_bad_line),
-              tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary)
+              tensor_parallel_size, data_parallel_size, ray, replicas, quiet=json_summary,
+              given_sampling=frozenset(k for k, v in sampling.items() if v is not None))
     summary = run(job)
     if summary is None:  # a torchrun rank other than 0: rank 0 reports
         return

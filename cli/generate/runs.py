@@ -60,6 +60,7 @@ class Job:
     ray: str | None
     replicas: int
     quiet: bool  # --json: no transient bars
+    given_sampling: frozenset[str] = frozenset()  # sampling options given on the command line
 
 
 def run(job: Job) -> dict[str, Any] | None:
@@ -170,7 +171,9 @@ def run(job: Job) -> dict[str, Any] | None:
                  **({} if has_text(tokenizer) else
                     {"output_text": "empty: no tokenizer files"}),
                  **({"weights": "dummy (random: no trained model)"}
-                    if weights_format(src, cfg.load_format) == "dummy" else {})}
+                    if weights_format(src, cfg.load_format) == "dummy" else {}),
+                 **({"sampling_defaults": said} if (said := changed_sampling(
+                     job.defaults, job.given_sampling)) else {})}
         start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
         return driver.summary(len(todo), wall, start, extra)
     except (KeyboardInterrupt, Terminated) as e:
@@ -182,6 +185,16 @@ def run(job: Job) -> dict[str, Any] | None:
             driver.stop()
         if ranks is not None:  # leave the torchrun group before exit: a group torn down by
             parallel.shutdown()  # the interpreter's exit aborted ranks ("terminate called")
+
+
+def changed_sampling(defaults: SamplingParams, given: frozenset[str] = frozenset()) -> str:
+    """The sampling a preset or profile set (not the ``given`` options) where it differs from
+    pagedgen's own: what a line that sets none ran with, said in the summary."""
+    base = SamplingParams()
+    return ", ".join(f"{f.name} {getattr(defaults, f.name)}"
+                     for f in dataclasses.fields(SamplingParams)
+                     if f.name not in ("structured", "reasoning", *given)
+                     and getattr(defaults, f.name) != getattr(base, f.name))
 
 
 def write_errors(writer, rf: RequestFile, failed: list[Request]) -> None:
