@@ -92,3 +92,17 @@ def test_openai_batch_lines_that_cannot_run_get_openais_error_records(tmp_path):
     assert recs[1]["error"]["message"].startswith(f"{src}:2: 'url' must be one of")
     assert "body 'tools' is not supported" in recs[2]["error"]["message"]
     assert recs[0]["error"] is None and recs[3]["response"]["status_code"] == 200
+
+
+def test_an_error_of_the_whole_input_ends_the_run_in_either_mode(tmp_path):
+    """--prompt-field on an OpenAI batch file is the options' mistake, found at the first
+    line: never that line's record, and no line runs."""
+    src, out = tmp_path / "batch.jsonl", tmp_path / "o.jsonl"
+    src.write_text(json.dumps({"custom_id": "r1", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": "Hello"}}) + "\n")
+    for mode in ("error", "stop"):
+        res = runner.invoke(app, ["generate", str(src), "-o", str(out), *FAST, "--prompt-field",
+                                  "text", "--on-bad-line", mode])
+        assert res.exit_code == 1 and "--prompt-field and --messages-field do not apply" in \
+            res.output.replace("\n", ""), res.output
+        assert not out.exists()

@@ -32,6 +32,7 @@ from pagedgen.runtime.engine.requests import text_setting
 from pagedgen.runtime.models.tokenizer import has_text
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
+_BLANK = object()  # a blank line's value: no request
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
 UTF8_BOM = b"\xef\xbb\xbf"  # skipped at the start of an input
 # compressed inputs by their first bytes: gzip is read as it is; the others, each with the
@@ -39,6 +40,11 @@ UTF8_BOM = b"\xef\xbb\xbf"  # skipped at the start of an input
 GZIP_MAGIC = b"\x1f\x8b"
 OTHER_COMPRESSION = {b"\x28\xb5\x2f\xfd": ("zstd", "zstd -dc"), b"\xfd7zXZ\x00": ("xz", "xz -dc"),
                      b"BZh": ("bzip2", "bzip2 -dc")}
+
+
+class InputError(PagedgenError):
+    """An error of the whole input (the options it is read with), found at a line: it ends
+    the run under ``--on-bad-line error`` too, never one line's record."""
 
 
 @dataclass(frozen=True)
@@ -214,18 +220,12 @@ class _Reader:
         self.nbytes = 0
         self.fmt: str | None = None
         self.first_where = ""
-        self._obj: Any = None  # the line being read, once parsed
 
     def read(self, source: int, src: InputSource) -> None:
         kind = tables.table_kind(src.path)
         if kind is not None:  # CSV, TSV, Parquet: a request a row
             for row, obj in tables.rows(src.path, kind, self.options, self.digest):
-                try:
-                    self._object(source, row, f"{src.name}:{row}", obj)
-                except PagedgenError as e:
-                    if self.rf.on_bad_line == "stop":
-                        raise
-                    self._bad(source, row, str(e), obj)
+                self._take(source, row, f"{src.name}:{row}", obj)
             self.nbytes += src.size or 0
             return
         lineno = 0
@@ -245,14 +245,33 @@ class _Reader:
                                 f"short or damaged ({e})")
 
     def _line(self, source: int, lineno: int, raw: bytes) -> None:
-        """One line as a request; under ``--on-bad-line error`` a line that fails is kept as a
-        request with its ``error`` (and its id, where the line gives a usable one)."""
+        where = f"{self.rf.names[source]}:{lineno}"
         try:
-            self._parse_line(source, lineno, raw)
+            obj = _parsed(lineno, raw, where)
         except PagedgenError as e:
-            if self.rf.on_bad_line == "stop":
-                raise
-            self._bad(source, lineno, str(e), self._obj)
+            self._failed(source, lineno, e, None)
+            return
+        if obj is not _BLANK:  # only an escape can make a lone surrogate
+            self._take(source, lineno, where, obj, b"\\ud" in raw or b"\\uD" in raw)
+
+    def _take(self, source: int, lineno: int, where: str, obj: Any,
+              escapes: bool = False) -> None:
+        """One line's (or row's) object as a request; ``escapes``: it may hold a lone
+        surrogate."""
+        try:
+            if escapes:
+                check_encodable(obj, where)
+            self._object(source, lineno, where, obj)
+        except PagedgenError as e:
+            self._failed(source, lineno, e, obj)
+
+    def _failed(self, source: int, lineno: int, e: PagedgenError, obj: Any) -> None:
+        """Under ``--on-bad-line error`` a line that fails is kept as a request with its
+        ``error`` (and its id, where the line gives a usable one); an error of the whole
+        input (``InputError``) ends the run in either mode."""
+        if self.rf.on_bad_line == "stop" or isinstance(e, InputError):
+            raise e
+        self._bad(source, lineno, str(e), obj)
 
     def _bad(self, source: int, lineno: int, message: str, obj: Any) -> None:
         rf = self.rf
@@ -266,24 +285,6 @@ class _Reader:
             ident = f"{rf.names[source]}:{lineno}"
         rf.index_of[ident] = index
         rf.requests.append(Request(index, lineno, ident, source=source, error=message))
-
-    def _parse_line(self, source: int, lineno: int, raw: bytes) -> None:
-        rf = self.rf
-        self._obj = None
-        where = f"{rf.names[source]}:{lineno}"
-        if lineno == 1 and raw.startswith(UTF8_BOM):  # as Windows editors save UTF-8
-            raw = raw[len(UTF8_BOM):]
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise PagedgenError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1} "
-                                "of the line)")
-        if not text.strip():
-            return
-        obj = self._obj = parse_json(text, where)
-        if b"\\ud" in raw or b"\\uD" in raw:  # only an escape can make a lone surrogate
-            check_encodable(obj, where)
-        self._object(source, lineno, where, obj)
 
     def _object(self, source: int, lineno: int, where: str, obj: Any) -> None:
         """One line's (or row's) object as a request of ``rf``."""
@@ -310,6 +311,18 @@ class _Reader:
                 else f"{rf.names[prev.source]}:{prev.line}"
             raise PagedgenError(f"{where}: duplicate id {req.id!r} (first on {at})")
         rf.requests.append(req)
+
+
+def _parsed(lineno: int, raw: bytes, where: str) -> Any:
+    """A line's JSON value, or ``_BLANK`` for a blank line."""
+    if lineno == 1 and raw.startswith(UTF8_BOM):  # as Windows editors save UTF-8
+        raw = raw[len(UTF8_BOM):]
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PagedgenError(f"{where}: not UTF-8 text ({e.reason} at byte {e.start + 1} "
+                            "of the line)")
+    return parse_json(text, where) if text.strip() else _BLANK
 
 
 def parse_json(text: str, where: str) -> Any:
@@ -378,7 +391,7 @@ def _depth(obj: Any) -> int:
 
 def _check_openai_options(options: InputOptions) -> None:
     if options.prompt_field != "prompt" or options.messages_field != "messages":
-        raise PagedgenError("--prompt-field and --messages-field do not apply to OpenAI batch "
+        raise InputError("--prompt-field and --messages-field do not apply to OpenAI batch "
                             "files (their prompt is in \"body\")")
 
 
