@@ -183,11 +183,12 @@ class FlashInferState(AttentionState):
                 for spec in {_key(x): x for x in self.layer_specs}.values():
                     self.xqa_decode(spec, q, cache, one[:, None] - 1, one, torch.empty_like(q))
             except Exception as e:  # its JIT compile, where nvcc or the driver refuses it
+                line = str(e).splitlines()[0] if str(e) else ""
                 if envs.FLASHINFER_DECODE.get() == "xqa":
                     raise PagedgenError(f"{envs.FLASHINFER_DECODE.name}=xqa: XQA failed: "
-                                        f"{type(e).__name__}: {str(e).splitlines()[0]}")
+                                        f"{type(e).__name__}: {line}")
                 self.xqa = False  # the tensor-core decode, and the summary says why
-                self.xqa_failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                self.xqa_failed = f"{type(e).__name__}: {line[:200]}"
         if self.supports_cascade and self.device.type == "cuda":
             v = torch.zeros(1, 1, self.spec.head_size, dtype=self.dtype, device=self.device)
             s = torch.zeros(1, 1, dtype=torch.float32, device=self.device)

@@ -136,10 +136,7 @@ def run(job: Job) -> dict[str, Any] | None:
                               "damaged or repeated line(s) are dropped; their requests run "
                               "again", highlight=False, soft_wrap=True)
         todo = _lead_todo(ranks, rf, todo if lead else None) if ranks is not None else todo
-        bad = [r for r in todo if r.error is not None]  # this run's lines that cannot run
-        if lead:  # their error records now, in their places
-            write_errors(writer, rf, bad)
-        todo = rf.runnable(todo)
+        todo, bad = set_aside(todo, rf, writer if lead else None)  # lines that cannot run
         if driver is None:  # an engine here (a torchrun rank's shard of one)
             driver = LocalDriver(fit_seats(cfg, todo, job.defaults), job.defaults, src,
                                  tokenizer, grammars, load_s)
@@ -148,11 +145,8 @@ def run(job: Job) -> dict[str, Any] | None:
                     lambda what: status.update(f"{loading}: {escape(what)} ...")):
                 driver.load()
         check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
-        late = [r for r in todo if r.error is not None]
-        if lead:
-            write_errors(writer, rf, late)
+        todo, late = set_aside(todo, rf, writer if lead else None)
         bad += late
-        todo = rf.runnable(todo)
         if not lead:  # a torchrun rank: the lead's requests, computed here too, written there
             for _ in driver.run(todo, record):
                 pass
@@ -197,11 +191,16 @@ def changed_sampling(defaults: SamplingParams, given: frozenset[str] = frozenset
                      and getattr(defaults, f.name) != getattr(base, f.name))
 
 
-def write_errors(writer, rf: RequestFile, failed: list[Request]) -> None:
-    """The error records of ``failed`` requests (``--on-bad-line error``), in their places."""
-    if failed:
+def set_aside(todo: list[Request], rf: RequestFile, writer
+              ) -> tuple[list[Request], list[Request]]:
+    """``todo`` split into the requests that run and those a stage failed
+    (``--on-bad-line error``), whose error records ``writer`` (None: a rank that writes
+    nothing) takes now, in their places."""
+    failed = [r for r in todo if r.error is not None]
+    if failed and writer is not None:
         writer.write_lines([(r.index, json.dumps(error_line(rf.format, r), ensure_ascii=False))
                             for r in failed])
+    return rf.runnable(todo), failed
 
 
 def _check_context(cfg: EngineConfig, src) -> None:

@@ -8,7 +8,7 @@ a step whose requests ask for none does no extra work.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -39,7 +39,7 @@ class Logprobs:
                 for r, (c, k, rank) in enumerate(zip(chosen, ks, self.rank.tolist()))]
 
 
-FIELDS = ("chosen", "top_ids", "top_lps", "rank")
+FIELDS = tuple(f.name for f in fields(Logprobs))
 
 
 def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
