@@ -51,7 +51,8 @@ def rows(path: Path, kind: str, options: InputOptions, digest) -> Iterator[tuple
         raise
     except Exception as e:  # pyarrow's own errors: a damaged file, a ragged CSV row
         raise PagedgenError(f"{path}: cannot read it as {kind.upper()}"
-                            f"{f' past row {n}' if n else ''}: {str(e).splitlines()[0]}")
+                            f"{f' past row {n}' if n else ''}: "
+                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
 def _batches(path: Path, kind: str) -> Iterator[Any]:
