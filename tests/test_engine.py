@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from pagedgen.runtime.engine.block_manager import BlockManager
@@ -206,3 +208,28 @@ def test_lockstep_logits_sdpa_vs_eager():
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     worst, agree, total = lockstep_logits(a, ref, byte_prompts(4), params)
     assert total == 4 * 6 and agree == total and worst < 1e-4
+
+
+def test_a_tight_cache_admits_nothing_it_would_preempt_at_once():
+    # No waiting sequence joins in a step that preempted one, and each admission leaves a page
+    # per running sequence; before, a sequence preempted to make room came back in that very
+    # step's free pages and was preempted again (g on an H100: 165 preemptions, 62k tokens
+    # recomputed; benchmarks/schedule_replay.py).
+    from benchmarks.schedule_replay import replay
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randint(60, 100))] for _ in range(6)]
+    bm = BlockManager(60, 4, prefix_caching=True, windows=(8,))
+    seen = {"preempting_steps": 0, "admissions": 0}
+
+    def check(sch, batch, waiting_before):
+        admitted = [s for s, _ in batch.prefills if s in waiting_before]
+        seen["preempting_steps"] += bool(batch.preempted)
+        seen["admissions"] += len(admitted)
+        assert not (batch.preempted and admitted), "admitted in a step that preempted"
+        if admitted:
+            running_before = len(sch.running) - len(admitted)
+            assert sch.bm.num_free_blocks >= running_before, "admission took the last pages"
+
+    out = replay(Scheduler(bm, 16, 64), prompts, [60] * 6, check)
+    assert seen["preempting_steps"] > 0 and seen["admissions"] >= 6
+    assert out["preemptions"] > 0 and out["steps"] > 60

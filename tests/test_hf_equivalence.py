@@ -77,7 +77,7 @@ def check_greedy_with_preemption(path) -> None:
     model = hf_model(path)
     model.generation_config.eos_token_id = None
     eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
-                              block_size=8, num_blocks=10, max_num_seqs=8,
+                              block_size=8, num_blocks=8, max_num_seqs=8,
                               max_num_batched_tokens=64))
     seqs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert eng.stats.num_preemptions > 0

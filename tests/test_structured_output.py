@@ -264,7 +264,7 @@ def test_worker_processes_give_the_inline_outputs(bpe_model, monkeypatch):
     outs = []
     for workers in ("0", "2"):
         monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", workers)
-        eng = make_engine(bpe_model, max_num_seqs=96, num_blocks=40, block_size=16)
+        eng = make_engine(bpe_model, max_num_seqs=96, num_blocks=24, block_size=16)
         outs.append([[x.output_token_ids for x in s.samples or [s]] for s in run(eng, items)])
         summary = eng.grammars.summary()
         assert summary["grammar_workers"] == int(workers) and eng.grammars.rejected == 0

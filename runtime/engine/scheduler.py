@@ -5,6 +5,14 @@ admitted sequences when the cache is full (their blocks are freed and their toke
 later), then fills the remaining token budget with prefills: unfinished chunks first, then
 waiting sequences in arrival order. A prompt larger than the budget is prefilled in chunks.
 
+Admission from the waiting queue holds back while the cache is tight, so that it does not
+preempt again at once what it admits: no sequence is admitted in a step that preempted one
+(vLLM's rule), and an admission leaves a page free per running sequence (room for the next
+``block_size`` tokens of each). Without them a sequence preempted to make room came straight
+back in the same step's free pages and was preempted again: on workload g (gpt-oss-120b, 256
+prompts, a cache ~15% short) 165 preemptions recomputed 62k tokens; with them 36 recompute
+29k (the schedule replayed on this scheduler and block manager: ``benchmarks/schedule_replay.py``).
+
 A sequence admitted with no blocks starts on the longest run of its leading full blocks that the
 prefix cache holds (at least one token is always computed, so the step has logits to sample);
 the blocks a prefill chunk fills are cached as it is scheduled, so prompts admitted later in the
@@ -96,12 +104,13 @@ class Scheduler:
                     break
                 budget -= n
                 self._fork_if_complete(seq, n, batch)
-        # 3. waiting sequences, in order, while seats, tokens and blocks last
-        while self.waiting and budget > 0:
+        # 3. waiting sequences, in order, while seats, tokens and blocks last (none in a step
+        #    that preempted, and each leaving a page per running sequence free)
+        while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
             if len(self.running) + self.reserved_seats + 1 + len(seq.forks) > self.max_num_seqs:
                 break
-            n = self._admit_chunk(seq, budget, batch)
+            n = self._admit_chunk(seq, budget, batch, reserve=len(self.running))
             if n == 0:
                 break
             budget -= n
@@ -113,14 +122,15 @@ class Scheduler:
         batch.evicted_blocks = self.bm.num_evicted - evicted
         return batch
 
-    def _admit_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch) -> int:
-        """Schedule up to ``budget`` of ``seq``'s uncomputed tokens; returns how many. A
-        sequence holding no blocks first takes its cached prefix."""
+    def _admit_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch,
+                     reserve: int = 0) -> int:
+        """Schedule up to ``budget`` of ``seq``'s uncomputed tokens, leaving ``reserve`` blocks
+        free; returns how many. A sequence holding no blocks first takes its cached prefix."""
         bm, bs = self.bm, self.bm.block_size
         fresh = not seq.block_table
         hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else None
         computed = len(hits) * bs if fresh else seq.num_computed_tokens
-        free = bm.num_free_blocks - (bm.num_free_among(hits) if fresh else 0)
+        free = bm.num_free_blocks - (bm.num_free_among(hits) if fresh else 0) - reserve
         # the samples forked when the prompt completes: a copy of its last block in each group
         fork_copies = len(seq.forks) * (1 + len(bm.windows)) if seq.num_tokens % bs else 0
 
