@@ -10,12 +10,12 @@ import functools
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.hardware import default_batched_tokens, default_seats
+
+if TYPE_CHECKING:  # torch is imported where a value needs it: `pagedgen --help` stays quick
+    import torch
 
 DEFAULT_MODEL = "tiny"
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -239,7 +239,7 @@ class EngineConfig:
                                 f"'{self.quantization}'; use fp8 (or none: the checkpoint's own)")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
-        self.cache_dtype(torch.float32)  # names the choices when unknown
+        self.cache_dtype("float32")  # names the choices when unknown
         self.torch_device()
         for name, lo, hi in (("block_size", 1, MAX_BLOCK_SIZE), ("num_blocks", 2, MAX_INT32),
                              ("max_num_seqs", 1, MAX_SEATS),
@@ -279,6 +279,8 @@ class EngineConfig:
         most the tokens), each where no profile or option set it."""
         cfg = self
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
+            from pagedgen.runtime.hardware import default_batched_tokens, default_seats
+
             device = self.torch_device()
             tokens = self.max_num_batched_tokens or default_batched_tokens(device)
             seats = self.max_num_seqs or min(default_seats(device), tokens)
@@ -301,16 +303,19 @@ class EngineConfig:
 
     def torch_dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
+            return parse_dtype("bfloat16" if device.type == "cuda" else "float32")
         return parse_dtype(self.dtype)
 
-    def cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+    def cache_dtype(self, model_dtype: torch.dtype | str) -> torch.dtype:
+        """The KV cache's dtype for a model computing in ``model_dtype`` (a name, or a dtype)."""
         if self.kv_cache_dtype in ("auto", None):
-            return model_dtype
+            return parse_dtype(model_dtype) if isinstance(model_dtype, str) else model_dtype
         if self.kv_cache_dtype in ("fp8", "fp8_e4m3"):
+            import torch
+
             return torch.float8_e4m3fn
         if self.kv_cache_dtype in _DTYPES:
-            return _DTYPES[self.kv_cache_dtype]
+            return parse_dtype(self.kv_cache_dtype)
         raise PagedgenError(f"unknown KV-cache dtype '{self.kv_cache_dtype}'; use auto, fp8, "
                             "float32, float16 or bfloat16")
 
@@ -318,6 +323,8 @@ class EngineConfig:
 def parse_device(name: str, named: str = "--device") -> torch.device:
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a torch device that exists here; any other
     name, or a GPU this machine lacks, is a one-line error (``named``: where it was given)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     m = re.fullmatch(r"(cpu|cuda)(?::(\d{1,4}))?", str(name))
@@ -334,16 +341,19 @@ def parse_device(name: str, named: str = "--device") -> torch.device:
     return torch.device("cuda", index) if m.group(2) is not None else torch.device("cuda")
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {"float32": "float32", "fp32": "float32", "float": "float32",
+           "float16": "float16", "fp16": "float16", "half": "float16",
+           "bfloat16": "bfloat16", "bf16": "bfloat16"}  # each name: torch's
 
 
 def parse_dtype(name: str) -> torch.dtype:
     try:
-        return _DTYPES[name]
+        torch_name = _DTYPES[name]
     except KeyError:
         raise PagedgenError(f"unknown dtype '{name}'; use one of float32, float16, bfloat16")
+    import torch
+
+    return getattr(torch, torch_name)
 
 
 def parse_bytes(value: str | int) -> int:

@@ -110,12 +110,12 @@ def test_backends_names_a_bad_device_in_one_line():
 
 
 def test_verify_checks_where_its_json_goes_before_any_check(tmp_path, monkeypatch):
-    import pagedgen.cli.verify.command as cmd
+    import pagedgen.cli.verify.runner as runner_module  # verify imports it when it runs
 
     def no_checks(*a, **k):
         raise AssertionError("checks ran")
 
-    monkeypatch.setattr(cmd, "run_plans", no_checks)
+    monkeypatch.setattr(runner_module, "run_plans", no_checks)
     (tmp_path / "f").write_text("")
     res = runner.invoke(app, ["verify", "--device", "cpu", "--backend", "eager",
                               "--json", str(tmp_path / "f" / "v.json")])

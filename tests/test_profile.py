@@ -162,7 +162,7 @@ def test_an_output_dir_that_cannot_be_made_is_a_one_line_error(tmp_path, monkeyp
     traceback (FileExistsError) and not after the profiling ran."""
     (tmp_path / "taken").write_text("a file\n")
     loaded = []
-    monkeypatch.setattr("pagedgen.cli.profile.command.run_backend",
+    monkeypatch.setattr("pagedgen.cli.profile.measure.run_backend",
                         lambda *a, **k: loaded.append(a))
     for where in ("taken", "taken/sub"):
         res = runner.invoke(app, ["profile", "--device", "cpu", "--backend", "eager",

@@ -12,10 +12,6 @@ import typer
 
 from pagedgen.cli.common import (cli_errors, console, engine_and_sampling, out_console,
                                  set_verbosity)
-from pagedgen.cli.formats.request import InputOptions
-from pagedgen.cli.formats.structured import schema_file
-from pagedgen.cli.generate.runs import Job, run
-from pagedgen.cli.summary import summary_table
 from pagedgen.errors import PagedgenError
 
 
@@ -186,6 +182,12 @@ def generate(
                                                       "summary."),
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
+    # the run's modules (torch among them) load here, not for --help
+    from pagedgen.cli.formats.request import InputOptions
+    from pagedgen.cli.formats.structured import schema_file
+    from pagedgen.cli.generate.runs import Job, run
+    from pagedgen.cli.summary import summary_table
+
     set_verbosity(verbose, quiet)
     engine_cfg, defaults, _ = engine_and_sampling(
         profile, model,

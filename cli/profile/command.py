@@ -13,11 +13,7 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
-from pagedgen.cli.profile.measure import run_sharded, run_backend
-from pagedgen.cli.profile.report import charts, render
-from pagedgen.cli.profile.workload import workload_from
 from pagedgen.errors import BackendCannotRun, PagedgenError
 
 
@@ -78,6 +74,12 @@ def profile(
     seed: int = typer.Option(0),
 ) -> None:
     """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
+    # the run's modules (torch among them) load here, not for --help
+    from pagedgen.attention.registry import backend_status, get_backend
+    from pagedgen.cli.profile.measure import run_sharded, run_backend
+    from pagedgen.cli.profile.report import charts, render
+    from pagedgen.cli.profile.workload import workload_from
+
     engine_cfg, _, prof = engine_and_sampling(
         profile_name, model, dict(device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                   quantization=quantization,

@@ -12,15 +12,9 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pagedgen.attention.registry import backend_names, get_backend
 from pagedgen.cli.common import cli_errors, console, out_console
 from pagedgen.cli.formats.output_target import check_creatable, write_result
-from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
-from pagedgen.cli.verify.linear_checks import plan_linear
-from pagedgen.cli.verify.model_checks import check_tensor_parallel
-from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.models.loader import resolve_model
 
 
 @cli_errors  # Ctrl-C and SIGTERM: one line (bad options exit with 2 below)
@@ -53,7 +47,14 @@ def verify(
 ) -> None:
     """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch, 3
     when a backend named with --backend (or the FP8 checks of -q fp8) cannot run here."""
+    # the checks' modules (torch among them) load here, not for --help
+    from pagedgen.attention.registry import backend_names, get_backend
+    from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
+    from pagedgen.cli.verify.linear_checks import plan_linear
+    from pagedgen.cli.verify.model_checks import check_tensor_parallel
+    from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
     from pagedgen.runtime.config import EngineConfig
+    from pagedgen.runtime.models.loader import resolve_model
 
     names = backend_names()
     if backend != "all" and backend not in names:

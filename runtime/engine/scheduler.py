@@ -7,11 +7,13 @@ waiting sequences in arrival order. A prompt larger than the budget is prefilled
 
 Admission from the waiting queue holds back while the cache is tight, so that it does not
 preempt again at once what it admits: no sequence is admitted in a step that preempted one
-(vLLM's rule), and an admission leaves a page free per running sequence (room for the next
-``block_size`` tokens of each). Without them a sequence preempted to make room came straight
-back in the same step's free pages and was preempted again: on workload g (gpt-oss-120b, 256
-prompts, a cache ~15% short) 165 preemptions recomputed 62k tokens; with them 36 recompute
-29k (the schedule replayed on this scheduler and block manager: ``benchmarks/schedule_replay.py``).
+(vLLM's rule); an admission leaves a page free per running sequence (room for the next
+``block_size`` tokens of each) besides the pages the prompts still being prefilled will take;
+and a prompt is admitted only where all of its pages fit (a long prompt admitted on a first
+chunk that fits, and then preempted mid-prompt for the decodes, is computed twice). Replayed on
+this scheduler and block manager (``benchmarks/schedule_replay.py``): workload g (gpt-oss-120b,
+a cache ~15% short on an H100) went from 165 preemptions recomputing 62k tokens to 36 and 29k;
+workload e (Gemma-3-27B, prompts of 8k-30k) from 21 and 240k to 10 and 116k.
 
 A sequence admitted with no blocks starts on the longest run of its leading full blocks that the
 prefix cache holds (at least one token is always computed, so the step has logits to sample);
@@ -105,15 +107,19 @@ class Scheduler:
                 budget -= n
                 self._fork_if_complete(seq, n, batch)
         # 3. waiting sequences, in order, while seats, tokens and blocks last (none in a step
-        #    that preempted, and each leaving a page per running sequence free)
+        #    that preempted; each whole prompt fitting beside a page per running sequence and
+        #    the pages the prompts under way will take)
+        promised = sum(map(self._prompt_pages_left, self.running))
         while self.waiting and budget > 0 and not batch.preempted:
             seq = self.waiting[0]
             if len(self.running) + self.reserved_seats + 1 + len(seq.forks) > self.max_num_seqs:
                 break
-            n = self._admit_chunk(seq, budget, batch, reserve=len(self.running))
+            n = self._admit_chunk(seq, budget, batch, reserve=len(self.running) + promised,
+                                  whole_prompt=True)
             if n == 0:
                 break
             budget -= n
+            promised += self._prompt_pages_left(seq)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running[seq] = None
@@ -123,9 +129,10 @@ class Scheduler:
         return batch
 
     def _admit_chunk(self, seq: Sequence, budget: int, batch: ScheduledBatch,
-                     reserve: int = 0) -> int:
+                     reserve: int = 0, whole_prompt: bool = False) -> int:
         """Schedule up to ``budget`` of ``seq``'s uncomputed tokens, leaving ``reserve`` blocks
-        free; returns how many. A sequence holding no blocks first takes its cached prefix."""
+        free (and with ``whole_prompt`` none unless group 0's pages for all of them fit);
+        returns how many. A sequence holding no blocks first takes its cached prefix."""
         bm, bs = self.bm, self.bm.block_size
         fresh = not seq.block_table
         hits = bm.match_prefix(seq, self._cacheable(seq)) if fresh else None
@@ -136,6 +143,8 @@ class Scheduler:
 
         def short(n: int) -> bool:  # more blocks (of every KV group) than are free?
             need = bm.pages_needed(seq, computed + n, computed, hits)
+            if whole_prompt:  # and group 0's pages for the rest of its tokens
+                need += -(-seq.num_tokens // bs) - -(-(computed + n) // bs)
             return need + (fork_copies if computed + n == seq.num_tokens else 0) > free
 
         n = min(seq.num_tokens - computed, budget)
@@ -160,6 +169,13 @@ class Scheduler:
             # from this step when that token turns out to stop it.
             bm.cache_blocks(seq, computed + n)
         return n
+
+    def _prompt_pages_left(self, seq: Sequence) -> int:
+        """Group 0's pages a sequence still to be prefilled (a prompt, or a preempted sequence's
+        tokens) will take before it decodes."""
+        if seq.num_uncomputed <= 1:
+            return 0
+        return max(0, -(-seq.num_tokens // self.bm.block_size) - len(seq.block_table))
 
     @staticmethod
     def _cacheable(seq: Sequence) -> int:
