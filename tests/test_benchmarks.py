@@ -559,3 +559,13 @@ def test_peers_gives_a_vllm_row_per_weight_set_and_ratios_against_each(monkeypat
     assert [r["runs_output_tokens_per_s"] for r in rows] == [[12.0, 11.0], [9.0, 10.0]]
     assert rows[0]["output_tokens_per_s"] == pytest.approx(12.0)  # the median of two: the upper
     assert rows[1]["vs vLLM 0.26.0"] == pytest.approx(10.0 / 12.0)
+
+
+def test_the_schedule_replay_counts_preemptions_only_where_the_cache_is_short():
+    from benchmarks.schedule_replay import workload_replay
+    roomy = workload_replay("g", 260_000)  # every sequence of g held at once
+    assert roomy["windows"] == [128] and roomy["preemptions"] == 0
+    assert roomy["recomputed_tokens"] == 0 and roomy["decode_only_steps"] == 255
+    short = workload_replay("g", 213_408)  # the H100's cache: ~15% short
+    assert short["preemptions"] > 0 and short["recomputed_tokens"] > 0
+    assert short["steps"] > roomy["steps"]

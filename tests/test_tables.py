@@ -73,3 +73,57 @@ def test_a_bad_row_is_named_and_pyarrow_errors_are_one_line(tmp_path):
     res = runner.invoke(app, ["generate", *STOP, str(js), *FAST])
     assert res.exit_code == 1 and "row 1: column 'messages' holds invalid JSON" in \
         res.output.replace("\n", ""), res.output
+
+
+def table_of_lines():
+    cols = ["id", "prompt", "messages", "max_tokens", "stop"]
+    return pa.table({c: [x.get(c) for x in LINES] for c in cols})
+
+
+def test_hugging_face_dataset_directories_run_as_their_jsonl_lines(tmp_path):
+    """A dataset saved with ``save_to_disk`` (Arrow streams in two shards, listed out of name
+    order in state.json, as the datasets library writes them) and a Hub snapshot (Parquet
+    under data/) give the JSONL lines' completions, in the dataset's order."""
+    want = run(tmp_path, jsonl(tmp_path))
+    table = table_of_lines()
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    shards = [("data-00001-of-00002.arrow", table.slice(0, 2)),
+              ("data-00000-of-00002.arrow", table.slice(2))]
+    for name, part in shards:
+        with pa.OSFile(str(saved / name), "wb") as f, pa.ipc.new_stream(f, part.schema) as w:
+            w.write_table(part)
+    (saved / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": n} for n, _ in shards], "_split": None}))
+    (saved / "dataset_info.json").write_text("{}")
+    got = run(tmp_path, saved)
+    assert got == want
+    out = tmp_path / "saved.out.jsonl"
+    assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == ["a", "b", "c"]
+    import pyarrow.parquet as pq
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("# a dataset card\n")
+    pq.write_table(table, hub / "data" / "train-00000-of-00001.parquet")
+    assert run(tmp_path, hub) == want
+
+
+def test_a_dataset_of_several_splits_names_them_in_one_line(tmp_path):
+    import pyarrow.parquet as pq
+    hub = tmp_path / "hub"
+    (hub / "data").mkdir(parents=True)
+    for split in ("train", "test"):
+        pq.write_table(table_of_lines(), hub / "data" / f"{split}-00000-of-00001.parquet")
+    res = runner.invoke(app, ["generate", str(hub), "-o", str(tmp_path / "o.jsonl"), *FAST])
+    assert res.exit_code != 0 and "Traceback" not in res.output
+    text = " ".join(res.output.split())
+    assert "2 splits (test, train)" in text and "train-*.parquet" in text
+    saved = tmp_path / "dict"
+    saved.mkdir()
+    (saved / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "validation"]}))
+    res = runner.invoke(app, ["generate", str(saved), "-o", str(tmp_path / "o.jsonl"), *FAST])
+    assert res.exit_code != 0 and "2 splits (train, validation)" in " ".join(res.output.split())
+    (saved / "dataset_dict.json").unlink()
+    (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "x.arrow"}]}))
+    res = runner.invoke(app, ["generate", str(saved), "-o", str(tmp_path / "o.jsonl"), *FAST])
+    assert res.exit_code != 0 and "lists x.arrow, which is not there" in res.output

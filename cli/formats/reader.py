@@ -132,9 +132,9 @@ class RequestFile:
 
 def input_files(spec: str, note: Callable[[str], None] | None = None) -> list[InputSource]:
     """The inputs of ``spec``: ``-`` (standard input), a file (or a pipe such as
-    ``/dev/stdin``; gzip-compressed or not), a directory (its ``*.jsonl`` and ``*.jsonl.gz``,
-    sorted) or a glob pattern (its matches, sorted); a directory's or glob's earlier outputs
-    are left out (``note`` says so)."""
+    ``/dev/stdin``; gzip-compressed or not), a directory (its ``*.jsonl``, ``*.jsonl.gz`` and
+    table files, sorted, or a Hugging Face dataset's: ``tables``) or a glob pattern (its
+    matches, sorted); a directory's or glob's earlier outputs are left out (``note``)."""
     if spec == "-":
         return [InputSource.stdin()]
     path = Path(spec)
@@ -146,10 +146,14 @@ def input_files(spec: str, note: Callable[[str], None] | None = None) -> list[In
             raise PagedgenError(f"{spec}: no file matches")
         return [InputSource.of_path(p) for p in files]
     if path.is_dir():
-        files = _without_outputs(sorted(p for pattern in ("*.jsonl", "*.jsonl.gz")
-                                        for p in path.glob(pattern) if p.is_file()), spec, note)
+        files = tables.saved_dataset_files(path)
+        if files is None:
+            files = _without_outputs(sorted(p for p in path.iterdir() if p.is_file() and (
+                p.name.endswith((".jsonl", ".jsonl.gz")) or tables.table_kind(p))), spec, note)
+        files = files or tables.hub_dataset_files(path)
         if not files:
-            raise PagedgenError(f"{spec}: a directory without .jsonl files of prompts")
+            raise PagedgenError(f"{spec}: a directory without prompts (.jsonl, .csv, .tsv or "
+                                ".parquet files, or a Hugging Face dataset)")
         return [InputSource.of_path(p) for p in files]
     if not path.exists():
         raise PagedgenError(f"{spec}: no such file")

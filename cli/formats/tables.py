@@ -1,6 +1,9 @@
-"""CSV, TSV and Parquet inputs: each row a request whose columns are the fields of a JSONL
-line (the prompt under ``--prompt-field``, sampling fields, an ``id``, the user's own), read by
-pyarrow where it is installed (``pip install pyarrow``).
+"""CSV, TSV, Parquet and Arrow inputs: each row a request whose columns are the fields of a
+JSONL line (the prompt under ``--prompt-field``, sampling fields, an ``id``, the user's own),
+read by pyarrow where it is installed (``pip install pyarrow``). A Hugging Face dataset
+directory is read as its files: one saved with ``Dataset.save_to_disk`` (Arrow streams, in the
+order its ``state.json`` lists), or a dataset repository downloaded from the Hub (its Parquet
+files, one split); the ``datasets`` library is not needed for either.
 
 pyarrow types a CSV column from its cells (whole numbers: integers; an empty cell: null, which
 leaves a field unset). A CSV cell holds text only, so a column that needs a list or an object
@@ -19,12 +22,13 @@ from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import SAMPLING_FIELDS, InputOptions
 from pagedgen.errors import PagedgenError
 
-KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet"}
+KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
+         ".arrow": "arrow"}
 ROWS_PER_BATCH = 4096
 
 
 def table_kind(path: Path | None) -> str | None:
-    """``csv``, ``tsv`` or ``parquet`` for such a file (by its suffix), else None."""
+    """``csv``, ``tsv``, ``parquet`` or ``arrow`` for such a file (by its suffix), else None."""
     return None if path is None else KINDS.get(path.suffix.lower())
 
 
@@ -39,7 +43,7 @@ def rows(path: Path, kind: str, options: InputOptions, digest) -> Iterator[tuple
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    json_columns = _json_columns(options) if kind != "parquet" else set()
+    json_columns = _json_columns(options) if kind in ("csv", "tsv") else set()
     n = 0
     try:
         for batch in _batches(path, kind):
@@ -55,7 +59,63 @@ def rows(path: Path, kind: str, options: InputOptions, digest) -> Iterator[tuple
                             f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
+def saved_dataset_files(path: Path) -> list[Path] | None:
+    """The Arrow files of a dataset saved with ``save_to_disk`` at ``path``, in the order its
+    ``state.json`` lists, or None where ``path`` holds no such dataset. A dataset of several
+    splits is an error naming them."""
+    splits = path / "dataset_dict.json"  # DatasetDict.save_to_disk: a directory a split
+    if splits.is_file():
+        names = _json(splits).get("splits") or []
+        raise PagedgenError(f"{path}: a dataset of {len(names)} splits ({', '.join(names)}): "
+                            f"give one, e.g. {path / (names[0] if names else 'train')}")
+    state = path / "state.json"
+    if not state.is_file():
+        return None
+    files = [path / f["filename"] for f in _json(state).get("_data_files", [])]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise PagedgenError(f"{state}: lists {missing[0]}, which is not there")
+    return files
+
+
+def hub_dataset_files(path: Path) -> list[Path]:
+    """The Parquet files below ``path`` (a dataset repository from the Hub, as
+    ``huggingface-cli download --repo-type dataset`` leaves it), sorted; files of several
+    splits (the Hub names them ``split-00000-of-00001.parquet``) are an error naming them."""
+    found = sorted(p for p in path.rglob("*.parquet") if p.is_file())
+    by_split: dict[str, list[Path]] = {}
+    for p in found:
+        by_split.setdefault(str(p.parent / p.name.split("-")[0]), []).append(p)
+    if len(by_split) > 1:
+        first = next((k for k in by_split if Path(k).name == "train"), next(iter(by_split)))
+        raise PagedgenError(f"{path}: Parquet files of {len(by_split)} splits "
+                            f"({', '.join(Path(k).name for k in by_split)}): give one as a "
+                            f"glob, e.g. '{first}-*.parquet'")
+    return found
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PagedgenError(f"{path}: cannot read it: {e}")
+    if not isinstance(value, dict):
+        raise PagedgenError(f"{path}: not a JSON object")
+    return value
+
+
 def _batches(path: Path, kind: str) -> Iterator[Any]:
+    if kind == "arrow":  # save_to_disk writes IPC streams; an IPC file is read too
+        import pyarrow as pa
+        with pa.memory_map(str(path)) as source:
+            try:
+                yield from pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:
+                source.seek(0)
+                reader = pa.ipc.open_file(source)
+                for i in range(reader.num_record_batches):
+                    yield reader.get_batch(i)
+        return
     if kind == "parquet":
         import pyarrow.parquet as pq
         yield from pq.ParquetFile(path).iter_batches(batch_size=ROWS_PER_BATCH)
