@@ -3,11 +3,15 @@ at a time, and resumed only from the same input and settings.
 
 ``OutputClaim`` runs its checks when the input has been read, before the tokenizer and the
 model load, and touches nothing the user owns: it reads the output and its resume record, and
-holds an exclusive lock (``flock``) on a hidden lock file beside the output (``.NAME.lock``,
-holding the writer's process id; removed when the run ends). The output itself is created or
-truncated by the writer at its first write, once every check that can fail before the first
-step has passed. Its path is the regular file ``output_target.resolve_output`` found (a
-symlink's target), whose sidecar names were checked there.
+holds an exclusive lock on a hidden lock file beside the output (``.NAME.lock``, holding the
+writer's process id; removed when the run ends). The lock is filelock's ``lock_descriptor``
+(flock on Unix, LockFileEx on Windows) on a descriptor this module opens, not a ``FileLock``:
+the file holds who writes, for a second run's message, and is checked after locking to be the
+one its path names (a holder may remove it between our open and our lock). The output itself
+is created or truncated by the writer at its first write, once every check that can fail
+before the first step has passed. Its path is the regular file
+``output_target.resolve_output`` found (a symlink's target), whose sidecar names were checked
+there.
 
 The resume record (``NAME.resume.json``, written when the output is first opened) ties the
 output to its input (a SHA-256 of every input byte) and to the settings that choose the results
@@ -18,7 +22,6 @@ speed (backend, batch limits, page size, CUDA graphs, -tp/-dp) may change betwee
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import socket
@@ -26,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from filelock import lock_descriptor
 
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output, sidecar
 from pagedgen.errors import PagedgenError
@@ -57,7 +62,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``.NAME.lock`` beside the output, held for the whole run. A
+    """An exclusive lock on ``.NAME.lock`` beside the output, held for the whole run. A
     second writer fails at once, naming the process that holds it. A process killed with -9
     leaves the file but not the lock (the kernel drops it), so a later run takes it over."""
 
@@ -82,8 +87,12 @@ class OutputLock:
                 raise PagedgenError(f"{self.output}: cannot lock ({self.path.name}): "
                                     f"{e.strerror or e}")
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                locked = lock_descriptor(fd, blocking=False)
+            except OSError as e:  # a file system without locks
+                os.close(fd)
+                raise PagedgenError(f"{self.output}: cannot lock ({self.path.name}): "
+                                    f"{e.strerror or e}")
+            if not locked:
                 holder = _read_holder(fd)
                 os.close(fd)
                 raise PagedgenError(f"{self.output}: another pagedgen run is writing it "
@@ -106,7 +115,7 @@ class OutputLock:
             self.path.unlink(missing_ok=True)
         except OSError:
             pass
-        os.close(self._fd)  # closing drops the flock
+        os.close(self._fd)  # closing drops the lock
         self._fd = None
 
 
