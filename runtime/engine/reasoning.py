@@ -22,6 +22,12 @@ The parser runs on every request of a run, except OpenAI ``/v1/completions`` bod
 run does not name one (``SamplingParams.reasoning``: vLLM applies no parser to completions).
 
 ``qwen3`` and ``deepseek_r1`` name the ``think`` parser, ``gpt_oss`` the ``harmony`` one.
+
+Hand-written, in a few states per sample: openai-harmony's ``StreamableParser`` runs over a
+``HarmonyEncoding``, which loads only where the vocabulary is gpt-oss's own (the library checks
+the vocabulary file's SHA-256: ``runtime/models/harmony.py``), while this parser must follow any
+tokenizer that has the harmony tokens (the gpt-oss presets' byte tokenizer, test checkpoints);
+and a batch run keeps every token of a malformed message, which a strict parser would refuse.
 """
 
 from __future__ import annotations

@@ -198,11 +198,11 @@ class HFTokenizer:
 
 @functools.cache
 def byte_level_table() -> dict[str, int]:
-    """GPT-2's character -> byte table of byte-level BPE: printable bytes stand for
-    themselves, the others for 256, 257, ..."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    rest = [b for b in range(256) if b not in keep]
-    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(rest)}}
+    """GPT-2's character -> byte table of byte-level BPE (transformers' ``bytes_to_unicode``
+    turned around: printable bytes stand for themselves, the others for 256, 257, ...)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 @functools.lru_cache(maxsize=4)
