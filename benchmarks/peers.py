@@ -269,6 +269,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
                 "startup_s": res["startup_s"], "max_num_seqs": engine["max_num_seqs"],
                 **{k: mid[k] for k in SPREAD_KEYS if k in mid},
+                **{k: res[k] for k in ("vllm_kv_cache_tokens", "vllm_max_concurrency")
+                   if k in res},
                 "kernel_lines": res.get("kernel_lines", [])})
     hf_peers = [p for p in peers if p != "vllm"]
     if hf_peers:

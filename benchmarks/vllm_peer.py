@@ -166,7 +166,7 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
             [sys.executable, "-m", "benchmarks.vllm_peer", str(Path(tmp) / "spec.json"),
              str(out)], timeout, env=env, cwd=HERE.parent)  # the repository: its package
         got = json.loads(out.read_text()) if out.exists() else {"runs": []}
-        said = {"kernel_lines": kernel_lines(stdout + stderr)}
+        said = {"kernel_lines": kernel_lines(stdout + stderr), **kv_capacity(stdout + stderr)}
         if code == 0:
             return {**got, **said}
         if code is None and got["runs"]:  # the runs it measured before the limit
@@ -225,6 +225,17 @@ def kernel_lines(log: str, limit: int = 30) -> list[str]:
         if any(w in text for w in KERNEL_WORDS) and text not in out:
             out.append(text)
     return out[:limit]
+
+
+def kv_capacity(log: str) -> dict[str, Any]:
+    """The KV cache vLLM reports at start-up: its size in tokens, and the requests of its
+    longest length it holds at once (beside pagedgen's ``kv_cache_token_slots``)."""
+    out: dict[str, Any] = {}
+    if m := re.search(r"GPU KV cache size: ([\d,]+) tokens", log):
+        out["vllm_kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    if m := re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", log):
+        out["vllm_max_concurrency"] = f"{m.group(2)}x at {m.group(1)} tokens"
+    return out
 
 
 def normal_weights(model: Any, std: float = 0.02, fp8_max: float = 448.0) -> int:

@@ -225,6 +225,17 @@ def test_vllms_kernel_choices_are_kept_from_its_log_once_each():
         "Using default MoE config. Performance might be sub-optimal!"]
 
 
+def test_vllms_kv_capacity_is_read_from_its_start_up_log():
+    from benchmarks import vllm_peer
+
+    log = ("(EngineCore pid=7) INFO 12-06 20:58:57 [kv_cache_utils.py:1087] GPU KV cache "
+           "size: 213,344 tokens\n(EngineCore pid=7) INFO 12-06 20:58:57 [kv_cache_utils.py:"
+           "1091] Maximum concurrency for 8,192 tokens per request: 26.04x\n")
+    assert vllm_peer.kv_capacity(log) == {"vllm_kv_cache_tokens": 213_344,
+                                          "vllm_max_concurrency": "26.04x at 8,192 tokens"}
+    assert vllm_peer.kv_capacity("INFO no such lines\n") == {}
+
+
 def test_mixed_steps_diagnostic_counts_every_step_and_its_host_time(tmp_path):
     from benchmarks import mixed_steps
 
