@@ -1,6 +1,14 @@
-"""The one exception type the CLI turns into a one-line error (no traceback)."""
+"""The exceptions the CLI turns into one-line errors (no traceback), and the first line of any
+other exception's message for them."""
 
 import signal
+
+
+def first_line(e: BaseException, default: str | None = None) -> str:
+    """The first line of ``e``'s message (a library's may run on for pages), or ``default``
+    (``e``'s type name when None) where it says nothing."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else (type(e).__name__ if default is None else default)
 
 
 class PagedgenError(Exception):

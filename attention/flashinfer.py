@@ -34,7 +34,7 @@ from pagedgen.attention.backend import AttentionBackend, AttentionImpl, Attentio
 from pagedgen.attention.cascade import CascadeBuffers
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import write_kv
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 
 WORKSPACE_BYTES = 256 << 20
 # XQA's: 8 MiB of semaphores (zero before first use; the kernel leaves them so), then scratch
@@ -183,7 +183,7 @@ class FlashInferState(AttentionState):
                 for spec in {_key(x): x for x in self.layer_specs}.values():
                     self.xqa_decode(spec, q, cache, one[:, None] - 1, one, torch.empty_like(q))
             except Exception as e:  # its JIT compile, where nvcc or the driver refuses it
-                line = str(e).splitlines()[0] if str(e) else ""
+                line = first_line(e, "")
                 if envs.FLASHINFER_DECODE.get() == "xqa":
                     raise PagedgenError(f"{envs.FLASHINFER_DECODE.name}=xqa: XQA failed: "
                                         f"{type(e).__name__}: {line}")

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from pagedgen.meta import PROFILES_DIR
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime.config import EngineConfig, SamplingParams, type_error
 
 
@@ -72,7 +72,7 @@ def load_profile(name_or_file: str) -> dict[str, Any]:
         at = f":{mark.line + 1}" if mark is not None else ""
         raise PagedgenError(f"{path}{at}: invalid YAML: {e.problem or e.context}")
     except (yaml.YAMLError, OSError, UnicodeDecodeError, RecursionError) as e:
-        raise PagedgenError(f"{path}: invalid YAML: {str(e).splitlines()[0] if str(e) else e}")
+        raise PagedgenError(f"{path}: invalid YAML: {first_line(e, '')}")
     if not isinstance(data, dict):
         raise PagedgenError(f"{path}: a profile must be a mapping of sections")
     for section in data:

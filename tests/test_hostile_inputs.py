@@ -270,3 +270,9 @@ def test_the_finite_check_reads_every_dtype():
     t = torch.zeros(5)
     t[4] = -float("inf")
     assert first_nonfinite(t) == ((4,), "inf")
+
+
+def test_a_librarys_message_is_cut_to_its_first_said_line():
+    from pagedgen.errors import first_line
+    assert first_line(ValueError("\n  bad header\nTraceback-like detail\n")) == "bad header"
+    assert first_line(KeyError()) == "KeyError" and first_line(OSError(), "") == ""

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import SAMPLING_FIELDS, InputOptions
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 
 KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
          ".arrow": "arrow"}
@@ -56,7 +56,7 @@ def rows(path: Path, kind: str, options: InputOptions, digest) -> Iterator[tuple
     except Exception as e:  # pyarrow's own errors: a damaged file, a ragged CSV row
         raise PagedgenError(f"{path}: cannot read it as {kind.upper()}"
                             f"{f' past row {n}' if n else ''}: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}")
+                            f"{first_line(e)}")
 
 
 def saved_dataset_files(path: Path) -> list[Path] | None:

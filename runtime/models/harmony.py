@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable
 
+from pagedgen.errors import first_line
 from pagedgen.runtime.models.tokenizer import chat_options
 
 VOCAB_FILE = "o200k_base.tiktoken"  # the name openai-harmony looks up in TIKTOKEN_ENCODINGS_BASE
@@ -85,7 +86,7 @@ def harmony_chat(tokens: list[tuple[int, bytes]]) -> tuple[HarmonyChat | None, s
         try:
             encoding = oh.load_harmony_encoding(oh.HarmonyEncodingName.HARMONY_GPT_OSS)
         except Exception as e:  # the library's hash check: not gpt-oss's vocabulary
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = first_line(e)
             return None, f"the checkpoint's vocabulary is not gpt-oss's o200k ({reason[:80]})"
         finally:
             if before is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 
 # what a run reads of a checkpoint
 NEEDED = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json",
@@ -61,7 +61,7 @@ def download(name: str, revision: str | None = None) -> Path:
         raise PagedgenError(f"model '{repo}' has no revision '{revision}'") from None
     except (OSError, ValueError) as e:
         raise PagedgenError(f"model '{name}'{at}: cannot fetch it from the Hugging Face Hub: "
-                            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+                            f"{first_line(e)}") from None
     if gguf:
         path = folder / gguf
         if not path.is_file():

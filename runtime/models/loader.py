@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime import hardware
 from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.models.hf_config import ModelConfig, check_heads, model_config
@@ -179,7 +179,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
     except (ArithmeticError, AssertionError, IndexError, KeyError, RuntimeError,
             TypeError) as e:  # shapes on the meta device: the config's values do not fit
         raise PagedgenError(f"{src.name}: its config cannot be built: {type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}")
+                            f"{first_line(e, '')}")
     finally:
         torch.set_default_dtype(default_dtype)
     check_fits(model, device, src.name, tp, kv_cache)

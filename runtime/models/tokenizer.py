@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Protocol
 
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 from pagedgen.meta import cache_file
 
 
@@ -97,7 +97,7 @@ class HFTokenizer:
             self.tok = _auto_tokenizer(str(path), gguf_file)
         except Exception as e:
             raise PagedgenError(f"cannot load the tokenizer from {path}: {type(e).__name__}: "
-                                f"{str(e).splitlines()[0] if str(e) else ''}")
+                                f"{first_line(e, '')}")
         ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id]
         self.eos_token_ids = {i for i in ids if i is not None}
         if self.tok.eos_token_id is not None:

@@ -36,7 +36,7 @@ import torch
 
 from pagedgen import envs
 from pagedgen.transfer import to_device
-from pagedgen.errors import PagedgenError
+from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.config import StructuredOutput
 from pagedgen.runtime.sampling.grammar_pool import GrammarPool
@@ -55,7 +55,7 @@ def _xgr():
 
 def _message(e: Exception) -> str:
     """xgrammar's error as one line, without its C++ source position."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    text = first_line(e)
     return _CPP_PREFIX.sub("", text)
 
 
