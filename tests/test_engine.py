@@ -237,3 +237,25 @@ def test_a_tight_cache_admits_nothing_it_would_preempt_at_once():
     out = replay(Scheduler(bm, 16, 64), prompts, [60] * 6, check)
     assert seen["preempting_steps"] > 0 and seen["admissions"] >= 6
     assert out["preemptions"] > 0 and out["steps"] > 60
+
+
+def test_a_full_cache_preempts_the_sequence_with_the_least_to_recompute():
+    # three decoding sequences of 12, 4 and 12 tokens on pages of 4, one page free: the first
+    # takes it; the second, short one is preempted for its own page (4 tokens to recompute)
+    # rather than the last admitted (12), which then takes the page that freed
+    from pagedgen.runtime.engine.sequence import SequenceStatus
+    bm = BlockManager(8, 4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    seqs = []
+    for i, n in enumerate((12, 4, 12)):
+        seq = Sequence(i, list(range(n)), SamplingParams(), 0)
+        bm.allocate(seq, n)
+        seq.num_computed_tokens = n
+        seq.append_token(1)  # decoding: its next token needs a page of its own
+        seq.status = SequenceStatus.RUNNING
+        sch.running[seq] = None
+        seqs.append(seq)
+    assert bm.num_free_blocks == 1
+    batch = sch.schedule()
+    assert batch.preempted == [seqs[1]] and batch.decodes == [seqs[0], seqs[2]]
+    assert list(sch.waiting) == [seqs[1]] and not batch.prefills  # none admitted this step

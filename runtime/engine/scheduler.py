@@ -1,9 +1,10 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Every step first keeps the running decodes going (one token each), preempting the most recently
-admitted sequences when the cache is full (their blocks are freed and their tokens recomputed
-later), then fills the remaining token budget with prefills: unfinished chunks first, then
-waiting sequences in arrival order. A prompt larger than the budget is prefilled in chunks.
+Every step first keeps the running decodes going (one token each), preempting the sequences
+with the fewest computed tokens when the cache is full (their blocks are freed and their tokens
+recomputed later: the least recomputation; of equals, the last admitted), then fills the
+remaining token budget with prefills: unfinished chunks first, then waiting sequences in
+arrival order. A prompt larger than the budget is prefilled in chunks.
 
 Admission from the waiting queue holds back while the cache is tight, so that it does not
 preempt again at once what it admits: no sequence is admitted in a step that preempted one
@@ -11,9 +12,10 @@ preempt again at once what it admits: no sequence is admitted in a step that pre
 ``block_size`` tokens of each) besides the pages the prompts still being prefilled will take;
 and a prompt is admitted only where all of its pages fit (a long prompt admitted on a first
 chunk that fits, and then preempted mid-prompt for the decodes, is computed twice). Replayed on
-this scheduler and block manager (``benchmarks/schedule_replay.py``): workload g (gpt-oss-120b,
-a cache ~15% short on an H100) went from 165 preemptions recomputing 62k tokens to 36 and 29k;
-workload e (Gemma-3-27B, prompts of 8k-30k) from 21 and 240k to 10 and 116k.
+this scheduler and block manager (``benchmarks/schedule_replay.py``) with the victim rule above:
+workload g (gpt-oss-120b, a cache ~15% short on an H100) went from 165 preemptions recomputing
+62k tokens to 57 recomputing 24k; workload e (Gemma-3-27B, prompts of 8k-30k) from 22 and 248k
+to 9 and 61k.
 
 A sequence admitted with no blocks starts on the longest run of its leading full blocks that the
 prefix cache holds (at least one token is always computed, so the step has logits to sample);
@@ -82,21 +84,25 @@ class Scheduler:
         batch = ScheduledBatch()
         evicted = self.bm.num_evicted
         budget = self.max_num_batched_tokens
-        # 1. decodes, preempting from the back when a block is missing
+        # 1. decodes; where a page is missing, the sequence cheapest to recompute is preempted
+        scheduled: set[Sequence] = set()
         for seq in list(self.running):
+            if budget == 0:
+                break
             if seq.status != SequenceStatus.RUNNING:
-                break  # preempted below: so is everything admitted after it
+                continue  # preempted for an earlier one's page
             if seq.num_uncomputed != 1 or seq.forks:  # a prompt's last token forks: a prefill
                 continue
             while not self.bm.can_allocate(seq, seq.num_tokens):
-                victim = next(reversed(self.running))
+                victim = self._victim(scheduled)
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            if seq.status != SequenceStatus.RUNNING or budget == 0:
-                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
             self.bm.allocate(seq, seq.num_tokens)
             batch.decodes.append(seq)
+            scheduled.add(seq)
             budget -= 1
         # 2. unfinished prefill chunks of running sequences
         for seq in list(self.running):
@@ -199,6 +205,12 @@ class Scheduler:
             self.running[child] = None
         self.reserved_seats -= len(children)
         batch.forked[parent] = children
+
+    def _victim(self, scheduled: set[Sequence]) -> Sequence:
+        """The running sequence to preempt, of those this step does not run yet: the one with
+        the fewest computed tokens (the least to recompute; of equals, the last admitted)."""
+        return min((s for s in reversed(self.running) if s not in scheduled),
+                   key=lambda s: s.num_computed_tokens)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """Free ``seq``'s blocks and put it first in line; its K/V will be recomputed."""
