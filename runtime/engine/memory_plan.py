@@ -46,7 +46,10 @@ def num_blocks(runner: Any) -> int:
 
 
 def profile_free_memory(runner: Any) -> int:
-    """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does)."""
+    """GPU bytes left for the KV cache after a forward at the largest batch (as vLLM does).
+    The pages that forward writes its K/V to are not counted: the KV cache takes their place
+    (counted, they left every cache ``max_num_batched_tokens`` token slots short: 16,384, 7.7%
+    of gpt-oss-120b's 213,408 on an H100)."""
     cfg, device, bs = runner.config, runner.device, runner.block_size
     tokens = min(cfg.max_num_batched_tokens, runner.max_num_seqs * runner.max_model_len)
     seq_len = min(runner.max_model_len, tokens)
@@ -56,7 +59,9 @@ def profile_free_memory(runner: Any) -> int:
     # transients (dummy experts are drawn whole, a layer at a time, then quantized)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
     caches = runner.kv.allocate(blocks)
+    own_pages = torch.cuda.memory_allocated(device) - before  # the cache takes their place
     table, start, seqs = list(range(blocks)), 0, []
     for n in lens:
         nb = math.ceil(n / bs)
@@ -72,7 +77,7 @@ def profile_free_memory(runner: Any) -> int:
         h = runner.model(ids, pos, caches, md)
         runner.model.compute_logits(h[:runner.max_num_seqs])
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - own_pages
     del caches, h, md
     runner.kv.free()
     torch.cuda.empty_cache()
