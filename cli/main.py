@@ -5,7 +5,8 @@ KeyboardInterrupt), so a run ends the same way on any of them: output kept and r
 line, exit code 130 / 143 / 129. A second such signal while the first one's clean-up runs (a
 worker that will not stop, say) ends the process at once with the same exit code. This module
 imports nothing heavy before the handlers are in place, and holds the signals during the app's
-imports (torch: seconds), so Ctrl-C then is one line too, once the imports are done.
+imports and, unless only help is asked for, torch's (seconds), so Ctrl-C then is one line too,
+once the imports are done.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def install_handlers() -> None:
         signal.signal(sig, _on_signal)
 
 
+def _help_only(args: list[str]) -> bool:
+    """Whether the command line only asks for help or the version (nothing imports torch)."""
+    return not args or any(a in ("-h", "--help", "-V", "--version") for a in args)
+
+
 def main() -> int:
     clock.mark()  # the start-up figure counts from here
     install_handlers()
@@ -53,6 +59,11 @@ def main() -> int:
                 print(f"pagedgen {__version__}")
                 return 0
             from pagedgen.cli.app import app
+            if not _help_only(sys.argv[1:]):
+                # a command that runs imports torch (the commands do it when they run, so
+                # that --help stays quick): here, under the held signals, as a Ctrl-C inside
+                # torch's import aborts the process (pybind11's terminate), not one line
+                import torch  # noqa: F401
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
     except KeyboardInterrupt:

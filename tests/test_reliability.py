@@ -476,3 +476,32 @@ def test_free_gpu_memory_counts_what_torch_holds_cached(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 50 << 30)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 10 << 30)
     assert hardware.available_memory(torch.device("cuda", 0)) == 43 << 30
+
+
+@pytest.mark.parametrize("with_lock_descriptor", [True, False])
+def test_the_output_lock_keeps_a_second_holder_out(tmp_path, monkeypatch, with_lock_descriptor):
+    """filelock's lock_descriptor, or flock where filelock is older than 3.30: a second lock
+    on the same output fails naming the holder, and is taken once the first lets go."""
+    import importlib
+
+    import filelock
+
+    from pagedgen.cli.formats import output_claim
+    from pagedgen.errors import PagedgenError
+    if not with_lock_descriptor:
+        monkeypatch.delattr(filelock, "lock_descriptor")
+    mod = importlib.reload(output_claim)
+    try:
+        out = tmp_path / "o.jsonl"
+        first, second = mod.OutputLock(out), mod.OutputLock(out)
+        first.acquire()
+        with pytest.raises(PagedgenError, match=rf"another pagedgen run is writing it "
+                                                rf"\(process {os.getpid()} on "):
+            second.acquire()
+        first.release()
+        second.acquire()
+        assert second.held
+        second.release()
+    finally:
+        monkeypatch.undo()
+        importlib.reload(output_claim)

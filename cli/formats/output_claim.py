@@ -30,7 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from filelock import lock_descriptor
+try:
+    from filelock import lock_descriptor
+except ImportError:  # filelock before 3.30 (an environment installed without our pins): flock
+    import fcntl
+
+    def lock_descriptor(fd: int, blocking: bool = True) -> bool:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return False
+        return True
 
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output, sidecar
 from pagedgen.errors import PagedgenError
