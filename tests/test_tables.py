@@ -127,3 +127,22 @@ def test_a_dataset_of_several_splits_names_them_in_one_line(tmp_path):
     (saved / "state.json").write_text(json.dumps({"_data_files": [{"filename": "x.arrow"}]}))
     res = runner.invoke(app, ["generate", str(saved), "-o", str(tmp_path / "o.jsonl"), *FAST])
     assert res.exit_code != 0 and "lists x.arrow, which is not there" in res.output
+    (saved / "state.json").write_text(json.dumps({"_data_files": ["x.arrow"]}))
+    res = runner.invoke(app, ["generate", str(saved), "-o", str(tmp_path / "o.jsonl"), *FAST])
+    assert res.exit_code != 0 and "is not a list of" in res.output and "Traceback" not in \
+        res.output
+
+
+def test_parquet_files_not_named_as_the_hubs_shards_are_one_input(tmp_path):
+    import pyarrow.parquet as pq
+    d = tmp_path / "mine"
+    d.mkdir()
+    table = table_of_lines()
+    pq.write_table(table.slice(0, 2), d / "first-part.parquet")
+    pq.write_table(table.slice(2), d / "second-part.parquet")
+    want = run(tmp_path, jsonl(tmp_path))
+    assert run(tmp_path, d) == want  # read as a directory of tables, sorted by name
+    (d / "sub").mkdir()
+    for p in d.glob("*.parquet"):
+        p.rename(d / "sub" / p.name)
+    assert run(tmp_path, d, "--overwrite") == want  # found below it, as a Hub snapshot's are

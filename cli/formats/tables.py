@@ -15,6 +15,7 @@ and typing are pyarrow's.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +26,7 @@ from pagedgen.errors import PagedgenError, first_line
 KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
          ".arrow": "arrow"}
 ROWS_PER_BATCH = 4096
+HUB_SHARD = re.compile(r"(.+?)-\d{5}-of-\d{5}\.parquet")  # the Hub's: train-00000-of-00001
 
 
 def table_kind(path: Path | None) -> str | None:
@@ -71,7 +73,11 @@ def saved_dataset_files(path: Path) -> list[Path] | None:
     state = path / "state.json"
     if not state.is_file():
         return None
-    files = [path / f["filename"] for f in _json(state).get("_data_files", [])]
+    listed = _json(state).get("_data_files")
+    if not isinstance(listed, list) or not all(
+            isinstance(f, dict) and isinstance(f.get("filename"), str) for f in listed):
+        raise PagedgenError(f"{state}: '_data_files' is not a list of {{\"filename\": ...}}")
+    files = [path / f["filename"] for f in listed]
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise PagedgenError(f"{state}: lists {missing[0]}, which is not there")
@@ -84,8 +90,9 @@ def hub_dataset_files(path: Path) -> list[Path]:
     splits (the Hub names them ``split-00000-of-00001.parquet``) are an error naming them."""
     found = sorted(p for p in path.rglob("*.parquet") if p.is_file())
     by_split: dict[str, list[Path]] = {}
-    for p in found:
-        by_split.setdefault(str(p.parent / p.name.split("-")[0]), []).append(p)
+    for p in found:  # a name of another pattern is no split's: its folder's
+        m = HUB_SHARD.fullmatch(p.name)
+        by_split.setdefault(str(p.parent / m.group(1)) if m else str(p.parent), []).append(p)
     if len(by_split) > 1:
         first = next((k for k in by_split if Path(k).name == "train"), next(iter(by_split)))
         raise PagedgenError(f"{path}: Parquet files of {len(by_split)} splits "
@@ -109,12 +116,13 @@ def _batches(path: Path, kind: str) -> Iterator[Any]:
         import pyarrow as pa
         with pa.memory_map(str(path)) as source:
             try:
-                yield from pa.ipc.open_stream(source)
-            except pa.ArrowInvalid:
+                stream = pa.ipc.open_stream(source)
+            except pa.ArrowInvalid:  # not a stream: an IPC file
                 source.seek(0)
                 reader = pa.ipc.open_file(source)
-                for i in range(reader.num_record_batches):
-                    yield reader.get_batch(i)
+                yield from (reader.get_batch(i) for i in range(reader.num_record_batches))
+                return
+            yield from stream
         return
     if kind == "parquet":
         import pyarrow.parquet as pq
