@@ -115,8 +115,9 @@ class Scheduler:
         # 3. waiting sequences, in order, while seats, tokens and blocks last (none in a step
         #    that preempted; each whole prompt fitting beside a page per running sequence and
         #    the pages the prompts under way will take)
-        promised = sum(map(self._prompt_pages_left, self.running))
-        while self.waiting and budget > 0 and not batch.preempted:
+        admitting = self.waiting and budget > 0 and not batch.preempted
+        promised = sum(map(self._prompt_pages_left, self.running)) if admitting else 0
+        while admitting and self.waiting and budget > 0:
             seq = self.waiting[0]
             if len(self.running) + self.reserved_seats + 1 + len(seq.forks) > self.max_num_seqs:
                 break
@@ -179,9 +180,7 @@ class Scheduler:
     def _prompt_pages_left(self, seq: Sequence) -> int:
         """Group 0's pages a sequence still to be prefilled (a prompt, or a preempted sequence's
         tokens) will take before it decodes."""
-        if seq.num_uncomputed <= 1:
-            return 0
-        return max(0, -(-seq.num_tokens // self.bm.block_size) - len(seq.block_table))
+        return self.bm.blocks_needed(seq, seq.num_tokens) if seq.num_uncomputed > 1 else 0
 
     @staticmethod
     def _cacheable(seq: Sequence) -> int:
