@@ -88,6 +88,19 @@ def test_window_pages_are_let_go_as_the_window_slides():
     assert bm.held == [0, 0] and bm.num_free_blocks == 64 and s.group_tables == []
 
 
+def test_a_chunk_lets_its_window_pages_go_once_computed():
+    bm = BlockManager(64, 4, windows=[6, None])
+    s = seq(40)
+    step(bm, s, 17)  # the chunk's step holds its window pages for all 17 tokens
+    assert bm.held == [5, 5, 5]
+    bm.slide(s)  # the next query, at 17, sees 12..17: blocks 3 and 4 (0-2 go)
+    assert s.group_first == [3, 0] and bm.held == [5, 2, 5] and bm.num_free_blocks == 52
+    bm.slide(s)  # nothing more to let go; the next step takes only its new pages
+    assert bm.held == [5, 2, 5] and bm.pages_needed(s, 18) == 0
+    step(bm, s, 4)  # 17..20: a page more in each group
+    assert s.group_first == [3, 0] and bm.held == [6, 3, 6]
+
+
 def test_what_a_sequence_needs_counts_every_group_net_of_pages_let_go():
     bm = BlockManager(64, 4, windows=[6, None])
     s = seq(40)

@@ -167,9 +167,7 @@ class BlockManager:
             table, first = self._table(seq, k)
             if lo <= first and len(table) >= hi:
                 continue  # nothing slid out, nothing to add
-            for i in range(first, min(lo, len(table))):
-                self._release(table[i])
-            seq.group_first[k] = max(first, min(lo, len(table)))
+            self._let_go(seq, k, lo)
             while len(table) < hi:
                 table.append(self._take(k + 1) if len(table) >= lo else 0)
             seq.group_first[k] = max(seq.group_first[k], min(lo, hi))
@@ -177,6 +175,22 @@ class BlockManager:
             seq.block_table.append(self._take(0))
         if self.has_state and seq.state_slot is None:
             seq.state_slot = self._take_slot()
+
+    def _let_go(self, seq: Sequence, k: int, lo: int) -> None:
+        """Release window group ``k + 1``'s pages of ``seq`` before block ``lo``."""
+        table, first = seq.group_tables[k], seq.group_first[k]
+        for i in range(first, min(lo, len(table))):
+            self._release(table[i])
+        seq.group_first[k] = max(first, min(lo, len(table)))
+
+    def slide(self, seq: Sequence) -> None:
+        """Let go of the window pages no later step of ``seq`` reads (those wholly before its
+        next token's window). A prefill chunk holds its window groups' pages for every token
+        of the chunk; without this they stay taken until the sequence's next step, where the
+        decodes scheduled before it may find the pool short and preempt."""
+        for k, w in enumerate(self.windows[:len(seq.group_tables)]):
+            if w is not None:
+                self._let_go(seq, k, max(0, seq.num_computed_tokens - w + 1) // self.block_size)
 
     def _take_slot(self) -> int:
         if not self.free_slots:
