@@ -1,6 +1,12 @@
 """Run settings: engine and sampling parameters, each checked (types, ranges, names) before
 anything loads. Profiles (``profiles.py``) and command-line options set them; command-line
 options override profile fields, which override the defaults below.
+
+Types are pydantic's decision (strict, by each field's annotation: ``type_error``), shared by
+profiles, options, API keywords and request lines. Ranges and the rules between fields stay
+here as code: their messages name the setting as the user gave it (``--max-num-seqs``, a
+profile's line, a request line's field) and say what to do, which pydantic's generic errors
+would have to be translated back into field by field.
 """
 
 from __future__ import annotations
@@ -375,51 +381,52 @@ def parse_bytes(value: str | int) -> int:
 
 
 # ---- field types (profiles, options, request lines) -------------------------------------
+# pydantic decides (strict: no coercion, bool is no integer, floats finite); the message names
+# the field's type in words, as each source (an option, a profile's line, a request line) says it
 
 _TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
                "None": "null", "list[str]": "a list of strings", "list[int]": "a list of integers",
+               "dict[int, float]": "an object of token id: bias",
                "StructuredOutput": "given per line (response_format or structured_outputs)"}
 
 
-def type_error(obj: Any, name: str, value: Any) -> str | None:
-    """Why ``value`` cannot be dataclass field ``name`` of ``obj`` (by its annotation: int,
-    float, str, bool, None, list[str], list[int] and unions of them), or None. Floats must be
-    finite; bool is not an integer; an integer is a number."""
-    kinds = [k.strip() for k in str(_field_types(type(obj))[name]).split("|")]
-    if any(_is(k, value) for k in kinds):
+def type_error(cls: type, name: str, value: Any) -> str | None:
+    """Why ``value`` cannot be field ``name`` of dataclass ``cls`` (by its annotation), or
+    None."""
+    from pydantic import ValidationError
+
+    try:
+        _validator(cls, name).validate_python(value)
         return None
-    if isinstance(value, float) and not math.isfinite(value) and "float" in kinds:
-        return f"must be a finite number, not {value}"
+    except ValidationError as e:
+        if isinstance(value, float) and any(err["type"] == "finite_number"
+                                            for err in e.errors()):
+            return f"must be a finite number, not {value}"
+    kinds = [k.strip() for k in str(_annotations(cls)[name]).split("|")]
     return f"must be {' or '.join(_TYPE_WORDS.get(k, k) for k in kinds)}, not {value!r}"
 
 
-def _is(kind: str, value: Any) -> bool:
-    if kind == "None":
-        return value is None
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int) and not isinstance(value, bool)
-    if kind == "float":
-        return (isinstance(value, (int, float)) and not isinstance(value, bool)
-                and math.isfinite(value))
-    if kind == "str":
-        return isinstance(value, str)
-    if kind == "StructuredOutput":
-        return isinstance(value, StructuredOutput)
-    if kind.startswith("list["):
-        return isinstance(value, list) and all(_is(kind[5:-1], v) for v in value)
-    return True  # a type this check does not know: left to the field's own checks
-
-
 @functools.lru_cache(maxsize=None)
-def _field_types(cls: type) -> dict[str, Any]:
+def _annotations(cls: type) -> dict[str, Any]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
+@functools.lru_cache(maxsize=None)
+def _validator(cls: type, name: str) -> Any:
+    """pydantic's strict validator of field ``name`` (built once, on first use: importing
+    pydantic is left to a run that checks a value, not ``--help``)."""
+    import typing
+
+    from pydantic import ConfigDict, TypeAdapter
+
+    hint = typing.get_type_hints(cls)[name]
+    return TypeAdapter(hint, config=ConfigDict(strict=True, allow_inf_nan=False))
+
+
 def check_types(obj: Any) -> None:
-    """ValueError for the first field of dataclass ``obj`` whose value has the wrong type."""
+    """ValueError for the first setting of dataclass ``obj`` whose value has the wrong type."""
     for f in dataclasses.fields(obj):
-        why = type_error(obj, f.name, getattr(obj, f.name))
-        if why:
-            raise ValueError(f"{f.name} {why}")
+        if f.metadata.get("setting", True):
+            why = type_error(type(obj), f.name, getattr(obj, f.name))
+            if why:
+                raise ValueError(f"{f.name} {why}")

@@ -151,7 +151,7 @@ def apply_fields(obj: Any, values: dict[str, Any], where: str,
         if name not in names:
             raise PagedgenError(f"{at}: unknown field '{name}'{_hint(str(name), names)}; "
                                 f"known: {', '.join(sorted(names))}")
-        why = type_error(obj, name, value)
+        why = type_error(type(obj), name, value)
         if why:
             raise PagedgenError(f"{at}: {name} {why}")
     return dataclasses.replace(obj, **values)

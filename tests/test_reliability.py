@@ -505,3 +505,24 @@ def test_the_output_lock_keeps_a_second_holder_out(tmp_path, monkeypatch, with_l
     finally:
         monkeypatch.undo()
         importlib.reload(output_claim)
+
+
+@pytest.mark.parametrize("cls, name, value, why", [
+    ("EngineConfig", "max_num_seqs", True, "must be an integer or null, not True"),
+    ("EngineConfig", "max_model_len", "4096", "must be an integer or null, not '4096'"),
+    ("EngineConfig", "gpu_memory_utilization", float("nan"), "must be a finite number, not nan"),
+    ("EngineConfig", "kv_cache_memory", 4.5, "must be a string or an integer or null, not 4.5"),
+    ("EngineConfig", "enforce_eager", 1, "must be true or false, not 1"),
+    ("SamplingParams", "stop", ("a",), "must be a list of strings, not ('a',)"),
+    ("SamplingParams", "stop_token_ids", [1, False], "must be a list of integers"),
+    ("SamplingParams", "logit_bias", {1: float("inf")}, "must be an object of token id: bias"),
+    ("SamplingParams", "temperature", 1, None),  # an integer is a number
+    ("SamplingParams", "logit_bias", {5: -2}, None),
+])
+def test_a_setting_of_the_wrong_type_is_refused_as_it_is_not_coerced(cls, name, value, why):
+    # profiles, options and request lines share these checks (pydantic, strict): nothing is
+    # coerced (a quoted number, 1 for true, a tuple for a list) and no float is NaN or infinite
+    from pagedgen.runtime import config
+
+    got = config.type_error(getattr(config, cls), name, value)
+    assert (got is None) if why is None else (why in (got or ""))

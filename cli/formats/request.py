@@ -10,31 +10,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.config import SamplingParams, type_error
 
-# field -> (accepted JSON types, description for errors); null means "not set"
-SAMPLING_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
-    "max_tokens": ((int,), "an integer"),
-    "temperature": ((int, float), "a number"),
-    "top_p": ((int, float), "a number"),
-    "top_k": ((int,), "an integer"),
-    "seed": ((int,), "an integer"),
-    "stop": ((str, list), "a string or a list of strings"),
-    "ignore_eos": ((bool,), "true or false"),
-    "n": ((int,), "an integer"),
-    "logprobs": ((int,), "an integer"),
-    "prompt_logprobs": ((int,), "an integer"),
-    "presence_penalty": ((int, float), "a number"),
-    "frequency_penalty": ((int, float), "a number"),
-    "repetition_penalty": ((int, float), "a number"),
-    "min_p": ((int, float), "a number"),
-    "logit_bias": ((dict,), "an object of token id: bias"),
-    "min_tokens": ((int,), "an integer"),
-    "stop_token_ids": ((list,), "a list of integers"),
-    "bad_words": ((list,), "a list of strings"),
-    "include_stop_str_in_output": ((bool,), "true or false"),
-    "skip_special_tokens": ((bool,), "true or false"),
-    "spaces_between_special_tokens": ((bool,), "true or false"),
+# a line's sampling fields, each with its type in words for errors (the field's type itself is
+# SamplingParams's, checked by pydantic: ``config.type_error``); null means "not set"
+SAMPLING_FIELDS: dict[str, str] = {
+    "max_tokens": "an integer",
+    "temperature": "a number",
+    "top_p": "a number",
+    "top_k": "an integer",
+    "seed": "an integer",
+    "stop": "a string or a list of strings",
+    "ignore_eos": "true or false",
+    "n": "an integer",
+    "logprobs": "an integer",
+    "prompt_logprobs": "an integer",
+    "presence_penalty": "a number",
+    "frequency_penalty": "a number",
+    "repetition_penalty": "a number",
+    "min_p": "a number",
+    "logit_bias": "an object of token id: bias",
+    "min_tokens": "an integer",
+    "stop_token_ids": "a list of integers",
+    "bad_words": "a list of strings",
+    "include_stop_str_in_output": "true or false",
+    "skip_special_tokens": "true or false",
+    "spaces_between_special_tokens": "true or false",
 }
 
 
@@ -217,21 +218,14 @@ def set_sampling(req: Request, name: str, value: Any, where: str, label: str | N
     Ranges are checked with the line's other fields (``check_sampling``)."""
     if value is None:
         return
-    types, desc = SAMPLING_FIELDS[name]
     label = label or f"'{name}'"
-    if types == (int,) and isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and SAMPLING_FIELDS[name] == "an integer":
         value = int(value)  # 100.0: an integer column with gaps, as pandas writes it
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise PagedgenError(f"{where}: {label} must be {desc}")
-    if name == "stop" and not (isinstance(value, str) or all(isinstance(s, str)
-                                                               for s in value)):
-        raise PagedgenError(f"{where}: {label} must be a string or a list of strings")
-    if name == "bad_words" and not all(isinstance(s, str) for s in value):
-        raise PagedgenError(f"{where}: {label} must be a list of strings")
-    if name == "stop_token_ids" and not all(type(t) is int for t in value):
-        raise PagedgenError(f"{where}: {label} must be a list of integers")
-    if name == "logit_bias":
-        value = _logit_bias(value, where, label)
+    if name == "logit_bias" and isinstance(value, dict):
+        value = _logit_bias(value, where, label)  # its keys are strings in JSON
+    as_field = [value] if name == "stop" and isinstance(value, str) else value
+    if type_error(SamplingParams, name, as_field):
+        raise PagedgenError(f"{where}: {label} must be {SAMPLING_FIELDS[name]}")
     if req.overrides is None:
         req.overrides = {}
     req.overrides[name] = value

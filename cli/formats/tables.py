@@ -136,8 +136,8 @@ def _batches(path: Path, kind: str) -> Iterator[Any]:
 
 def _json_columns(options: InputOptions) -> set[str]:
     """The fields whose CSV cells hold JSON: lists and objects."""
-    listed = {name for name, (types, _) in SAMPLING_FIELDS.items()
-              if list in types or dict in types}
+    listed = {name for name, words in SAMPLING_FIELDS.items() if "list" in words
+              or "object" in words}
     return listed | set(structured.FIELDS) | {options.messages_field, "prompt_token_ids",
                                                "chat_template_kwargs"}
 
