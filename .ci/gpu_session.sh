@@ -239,7 +239,7 @@ for b in json.load(open(sys.argv[1]))['backends']:
     fp8)
       timed fp8-gemm 200 python3 -m benchmarks.fp8_gemm --json "$S/fp8-gemm.json"
       grep -E "^│" "$S/fp8-gemm.log" | cut -c1-250
-      timed fp8-verify 300 pagedgen verify --backend flash-attn -q fp8 --json "$S/fp8-verify.json"
+      timed fp8-verify 300 pagedgen verify --backend flash-attn -q fp8 -o "$S/fp8-verify.json"
       grep -E "fp8|PASS|FAIL" "$S/fp8-verify.log" | cut -c1-200
       for q in fp8 none; do
         timed "fp8-profile-$q" 200 pagedgen profile --model llama-3-8b --backend flash-attn \

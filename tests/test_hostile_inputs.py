@@ -118,9 +118,9 @@ def test_verify_checks_where_its_json_goes_before_any_check(tmp_path, monkeypatc
     monkeypatch.setattr(runner_module, "run_plans", no_checks)
     (tmp_path / "f").write_text("")
     res = runner.invoke(app, ["verify", "--device", "cpu", "--backend", "eager",
-                              "--json", str(tmp_path / "f" / "v.json")])
+                              "-o", str(tmp_path / "f" / "v.json")])
     text = " ".join(res.output.split())
-    assert res.exit_code == 2 and "--json" in text and "cannot be created" in text
+    assert res.exit_code == 2 and "--output" in text and "cannot be created" in text
     assert "Traceback" not in res.output
     for args, message in ((["--model", str(tmp_path / "none")], "does not exist"),
                           (["--dtype", "int8"], "unknown dtype 'int8'")):  # nor a bad model

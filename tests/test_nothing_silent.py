@@ -174,7 +174,7 @@ def test_verify_of_a_hybrid_model_skips_the_prefix_cache_and_says_so(tmp_path):
     out = tmp_path / "v.json"
     res = runner.invoke(app, ["verify", "--backend", "sdpa", "--model", str(ckpt), "--dtype",
                               "float32", "--model-only", "--device", "cpu", "--steps", "3",
-                              "--json", str(out)])
+                              "-o", str(out)])
     assert res.exit_code == 0, res.output
     assert "not checked: prefix-cached prefill" in " ".join(res.output.split())
     (rep,) = json.loads(out.read_text())["backends"]

@@ -143,6 +143,8 @@ CASES = [
      r"profile\.yaml:2: 'engine' must be a mapping"),
     ("invalid-utf8-line-1500", "utf8", [], r"p\.jsonl:1500: not UTF-8"),
     ("max-num-seqs-0", None, ["--max-num-seqs", "0"], r"--max-num-seqs must be in 1\.\."),
+    ("gpu-memory-utilization", None, ["--gpu-memory-utilization", "1.5"],
+     r"--gpu-memory-utilization must be in \(0, 1\]"),
     ("kv-cache-dtype-fp4", None, ["--kv-cache-dtype", "fp4"],
      r"unknown KV-cache dtype 'fp4'; use auto, fp8"),
     ("kv-cache-memory-nan", None, ["--kv-cache-memory", "nan"], r"cannot read a memory size"),

@@ -61,7 +61,7 @@ def test_verify_without_a_terminal_prints_a_line_as_each_check_is_in(tmp_path):
     """A log gets no progress bar: a line for each check's row says how it went and how many
     tasks are done, so a cold run's long kernel compiles show they are moving."""
     import re
-    res = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "v.json")
+    res = invoke("--backend", "sdpa", *FAST, "-o", tmp_path / "v.json")
     assert res.exit_code == 0, res.output
     lines = [ln for ln in res.output.splitlines() if ln.startswith("verifying sdpa: ")]
     (rep,) = json.loads((tmp_path / "v.json").read_text())["backends"]
@@ -74,7 +74,7 @@ def test_verify_without_a_terminal_prints_a_line_as_each_check_is_in(tmp_path):
 
 
 def test_verify_passes_sdpa_and_writes_json(tmp_path):
-    res = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "v.json")
+    res = invoke("--backend", "sdpa", *FAST, "-o", tmp_path / "v.json")
     assert res.exit_code == 0, res.output
     assert "PASS" in res.output
     data = json.loads((tmp_path / "v.json").read_text())
@@ -90,7 +90,7 @@ def test_verify_model_only_runs_the_model_rows_of_a_moe_checkpoint(tmp_path):
     from hf_models import make_checkpoint
     path = make_checkpoint("mixtral", tmp_path / "mixtral")
     res = invoke("--backend", "sdpa", "--model", path, "--dtype", "float32", "--model-only",
-                 "--json", tmp_path / "v.json")
+                 "-o", tmp_path / "v.json")
     assert res.exit_code == 0, res.output
     (rep,) = json.loads((tmp_path / "v.json").read_text())["backends"]
     assert {r["kind"] for r in rep["rows"]} == {"model"} and len(rep["rows"]) >= 2
@@ -112,7 +112,7 @@ def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
     rows = {}
     for jobs in (1, 2):
         res = invoke("--backend", "sdpa", "--device", "cpu", "--cases", 8, "--steps", 2,
-                     "--jobs", jobs, "--json", tmp_path / f"{jobs}.json")
+                     "--jobs", jobs, "-o", tmp_path / f"{jobs}.json")
         assert res.exit_code == 0, res.output
         rows[jobs] = json.loads((tmp_path / f"{jobs}.json").read_text())["backends"][0]["rows"]
         assert all(r.pop("seconds") > 0 for r in rows[jobs])  # each row's tasks, timed
@@ -164,12 +164,12 @@ def test_verify_fails_a_wrong_causal_offset():
 
 def test_prefix_cache_check_fails_a_prefill_that_ignores_cached_context(tmp_path):
     res = verify_planted("broken-causal", "test_verify:WrongCausalOffsetBackend",
-                         "--json", tmp_path / "v.json")
+                         "-o", tmp_path / "v.json")
     assert res.exit_code == 1, res.output
     rows = json.loads((tmp_path / "v.json").read_text())["backends"][0]["rows"]
     prefix = [r for r in rows if r["group"].startswith("prefix-cached prefill")]
     assert len(prefix) == 2 and not any(r["passed"] for r in prefix)
-    good = invoke("--backend", "sdpa", *FAST, "--json", tmp_path / "s.json")
+    good = invoke("--backend", "sdpa", *FAST, "-o", tmp_path / "s.json")
     assert good.exit_code == 0, good.output
     rows = json.loads((tmp_path / "s.json").read_text())["backends"][0]["rows"]
     assert [r["passed"] for r in rows if r["group"].startswith("prefix-cached")] == [True, True]
@@ -302,7 +302,7 @@ def test_a_model_too_large_for_float32_is_judged_without_that_run(monkeypatch):
 
 def test_a_named_backend_that_cannot_run_here_is_not_a_pass(tmp_path):
     """`verify --backend flashinfer --device cpu` checks nothing: it must not say PASS or exit 0."""
-    res = invoke("--backend", "flashinfer", *FAST, "--json", tmp_path / "t.json")
+    res = invoke("--backend", "flashinfer", *FAST, "-o", tmp_path / "t.json")
     assert res.exit_code == 3, res.output
     assert "NOT CHECKED" in res.output and "PASS" not in res.output
     assert "flashinfer cannot run on cpu" in res.output
@@ -314,3 +314,12 @@ def test_fp8_checks_asked_for_on_a_cpu_are_not_a_pass():
     res = invoke("--backend", "eager", *FAST, "-q", "fp8")
     assert res.exit_code == 3, res.output
     assert "fp8-linear cannot run on cpu" in res.output
+
+
+def test_verify_json_is_the_report_on_stdout_as_generate_json_is_the_summary(tmp_path):
+    # `--json` is a flag in both commands (issue 99); the file is -o's
+    res = invoke("--backend", "sdpa", *FAST, "--json", "-o", tmp_path / "v.json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)  # stdout holds the report alone
+    assert report == json.loads((tmp_path / "v.json").read_text()) and report["passed"]
+    assert "PASS" in res.stderr and "verifying sdpa" not in res.stdout

@@ -99,8 +99,12 @@ def generate(
         None, help="KV-cache size as the memory of this many blocks of every layer "
                    "[default: sized from memory, see --kv-cache-memory]."),
     kv_cache_memory: Optional[str] = typer.Option(
-        None, help="KV-cache size, e.g. 4GiB [default: what the GPU has left at 90% use "
-                   "after the model; on a CPU up to 1 GiB, at least one whole sequence]."),
+        None, help="KV-cache size, e.g. 4GiB [default: what the GPU has left at "
+                   "--gpu-memory-utilization after the model; on a CPU up to 1 GiB, at least "
+                   "one whole sequence]."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, help="Share of the GPU's memory the run may use, the KV cache sized to fill it "
+                   "[default: 0.9, vLLM's]."),
     max_num_seqs: Optional[int] = typer.Option(
         None, help="Most sequences in a step [default: the profile's, else vLLM's rule: "
                    "1024 on a GPU of 70 GiB or more (not an A100), 256 on other GPUs, 128 on a "
@@ -194,8 +198,9 @@ def generate(
         dict(backend=backend, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
              quantization=quantization, load_format=load_format, seed=seed,
              block_size=block_size, num_blocks=num_blocks,
-             kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+             kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
+             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+             max_model_len=max_model_len,
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
              kv_cache_groups=kv_cache_groups,

@@ -40,7 +40,10 @@ def verify(
         help="Only the model-level checks (no kernel checks: nothing compiled beyond what the "
              "model runs); one worker unless --jobs says otherwise, as each check holds the "
              "model on the GPU."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write every figure here."),
+    json_report: bool = typer.Option(False, "--json", help="Print every figure as JSON (on "
+                                                          "stdout; the progress on stderr)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Write every figure here, as JSON."),
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
                        "where kernel compiles dominate; 1 on the CPU)."),
@@ -69,11 +72,11 @@ def verify(
         dev = EngineConfig(device=device or "auto").torch_device()
         EngineConfig(dtype=dtype).torch_dtype(dev)  # a bad dtype or model before any check
         resolve_model(model)
-        if json_path is not None:  # before the checks: their results must have a place
-            json_path = json_path.expanduser()
-            check_creatable(json_path, "--json")
+        if output is not None:  # before the checks: their results must have a place
+            output = output.expanduser()
+            check_creatable(output, "--output")
         t0 = time.perf_counter()
-        out = out_console()
+        out = console if json_report else out_console()
         plans = [plan_backend(n, dev, model, dtype, cases, steps, seed, not model_only)
                  for n in (names if backend == "all" else [backend])]
         if quantization == "fp8":
@@ -102,12 +105,14 @@ def verify(
               + (f"; failing: {', '.join(failed)}" if failed else "")
               + (f"; skipped: {', '.join(skipped)}" if skipped else "")
               + f" ({time.perf_counter() - t0:.1f} s)")
-    if json_path:
+    report = json.dumps({"device": str(dev), "passed": not failed and not unchecked,
+                         "not_checked": unchecked,
+                         "backends": [dataclasses.asdict(r) for r in reports]}, indent=2)
+    if json_report:
+        print(report)
+    if output:
         try:
-            write_result(json_path, json.dumps({
-                "device": str(dev), "passed": not failed and not unchecked,
-                "not_checked": unchecked,
-                "backends": [dataclasses.asdict(r) for r in reports]}, indent=2), "--json")
+            write_result(output, report, "--output")
         except PagedgenError as e:
             console.print(f"[bold red]error:[/] {escape(str(e))}")
             raise typer.Exit(2)
