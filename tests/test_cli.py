@@ -103,7 +103,7 @@ def test_profile_and_options_apply(tmp_path):
     ([{"prompt": "a"}, {"prompt": "a", "n": 129}], r"p.jsonl:2: n must be in 1..128"),
     ([{"prompt": "a", "n": 2.5}], r"p.jsonl:1: 'n' must be an integer"),
     ([{"prompt": "a", "n": True}], r"p.jsonl:1: 'n' must be an integer"),
-    ([{"prompt": "a", "n": 100}], r"p.jsonl:1: n = 100 samples need as many seats; "
+    ([{"prompt": "a", "n": 100}], r"p.jsonl:1: n = 100 samples run as 100 sequences at once; "
                                   r"profile tiny:\d+: engine.max_num_seqs is 32"),
 ])
 def test_bad_input_gives_one_line_error(tmp_path, lines, message):

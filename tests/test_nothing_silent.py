@@ -125,7 +125,7 @@ def test_an_api_keyword_is_named_as_a_keyword_not_an_option():
     from pagedgen.errors import PagedgenError
 
     llm = LLM(device="cpu", max_num_seqs=2)
-    with pytest.raises(PagedgenError, match=r"prompt 0: n = 3 samples need as many seats; "
+    with pytest.raises(PagedgenError, match=r"prompt 0: n = 3 samples run as 3 sequences at once; "
                                             r"keyword max_num_seqs is 2"):
         llm.generate("Hello", n=3)
     with pytest.raises(PagedgenError, match=r"keyword max_num_batched_tokens must be >= "

@@ -194,7 +194,8 @@ class BlockManager:
 
     def _take_slot(self) -> int:
         if not self.free_slots:
-            raise RuntimeError("no recurrent-state slot free: more running sequences than seats")
+            raise RuntimeError("no recurrent-state slot free: more running sequences than "
+                               "max_num_seqs")
         return self.free_slots.pop()
 
     def free(self, seq: Sequence) -> None:

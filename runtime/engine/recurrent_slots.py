@@ -43,7 +43,7 @@ class RecurrentSlots:
             "recurrent_state_bytes": self.states.nbytes,
             "recurrent_state_bytes_per_slot": per}
         if self.lowered_from is not None:
-            out["max_num_seqs_lowered"] = (f"{self.lowered_from:,} → {self.seats:,}: a seat's "
+            out["max_num_seqs_lowered"] = (f"{self.lowered_from:,} → {self.seats:,}: a sequence's "
                                            f"linear-attention state takes {per / 2**20:.1f} MiB")
         return out
 

@@ -31,8 +31,8 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary "
                              f"(0..{vocab_size - 1})")
     if max_num_seqs is not None and params.n > max_num_seqs:
-        raise ValueError(f"n = {params.n} samples need as many seats; {seats_named} is "
-                         f"{max_num_seqs}")
+        raise ValueError(f"n = {params.n} samples run as {params.n} sequences at once; "
+                         f"{seats_named} is {max_num_seqs}")
 
 
 def text_setting(params: SamplingParams) -> str | None:
