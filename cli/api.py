@@ -59,10 +59,13 @@ class LLM:
     ``quantization``, ``max_num_seqs``, ``kv_cache_memory``, ...)."""
 
     def __init__(self, model: str | None = None, profile: str | None = None,
-                 revision: str | None = None, **engine_options: Any) -> None:
+                 revision: str | None = None, _named_as_options: bool = False,
+                 **engine_options: Any) -> None:
         clock.mark()  # the summary's start-up counts from here
+        # a command built on the API (``bench``) names settings as its options in errors
         cfg, self.defaults, _ = engine_and_sampling(profile, model, engine_options, {},
-                                                    keywords=True, revision=revision)
+                                                    keywords=not _named_as_options,
+                                                    revision=revision)
         self.options = InputOptions()
         self._driver = LocalDriver(cfg.with_seats(), self.defaults)
         self._driver.load()

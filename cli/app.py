@@ -1,4 +1,5 @@
-"""The `pagedgen` Typer app: generate, backends, verify, profile (``cli/main.py`` runs it)."""
+"""The `pagedgen` Typer app: generate, backends, verify, profile, bench (``cli/main.py`` runs
+it)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from pagedgen import envs
+from pagedgen.cli.bench.command import bench
 from pagedgen.cli.common import cli_errors, out_console
 from pagedgen.cli.generate.command import generate
 from pagedgen.cli.profile.command import profile
@@ -67,3 +69,4 @@ def backends(device: Optional[str] = typer.Option(
 app.command()(generate)
 app.command()(verify)
 app.command("profile")(profile)
+app.add_typer(bench, name="bench")

@@ -1,0 +1,1 @@
+"""`pagedgen bench`: measurements a user runs on their own machine (``throughput``)."""

@@ -1,0 +1,107 @@
+"""The `pagedgen bench` commands' options (``throughput.py`` measures)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from pagedgen.cli.common import cli_errors, console, out_console
+from pagedgen.cli.formats.output_target import check_creatable, write_result
+
+bench = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
+                    help="Measure this machine: offline throughput (vllm bench's shape).")
+
+SHOWN = {"model": "model", "backend": "backend", "device": "device", "dtype": "dtype",
+         "quantization": "quantization", "requests": "requests",
+         "prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
+         "wall_time_s": "wall time (s)", "requests_per_s": "requests/s",
+         "total_tokens_per_s": "total tokens/s", "output_tokens_per_s": "output tokens/s",
+         "preemptions": "preemptions", "max_num_seqs": "max_num_seqs",
+         "kv_cache_token_slots": "KV cache token slots",
+         "startup_s": "start-up (s): command to first request"}
+
+
+@bench.command()
+@cli_errors
+def throughput(
+    model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
+                                                   "Hub id [default: tiny]."),
+    input_len: int = typer.Option(1024, min=1, help="Prompt tokens (random ids)."),
+    output_len: int = typer.Option(128, min=1, help="Output tokens of every request (EOS "
+                                                    "ignored)."),
+    num_prompts: int = typer.Option(1000, min=1, help="Requests."),
+    range_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
+                                      help="Prompt lengths drawn from input-len x [1 - r, 1 + r]."),
+    dataset: Optional[Path] = typer.Option(None, help="A JSONL file of pagedgen's lines instead "
+                                                      "of random prompts (its first "
+                                                      "--num-prompts)."),
+    seed: int = typer.Option(0, help="Seed of the random prompts and of the run."),
+    backend: Optional[str] = typer.Option(None, help="Attention backend [default: auto]."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, float16 or bfloat16."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", "-q",
+                                               help="fp8: FP8 weights made at load."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Most tokens in a step."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, help="Share of the GPU's memory the run may use [default: 0.9]."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
+    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
+                                                 help="CUDA graphs off [default: on]."),
+    json_out: bool = typer.Option(False, "--json", help="Print every figure as JSON."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Write every figure here, as JSON."),
+) -> None:
+    """Offline throughput: NUM-PROMPTS requests of INPUT-LEN random tokens (or a dataset's
+    lines), each to OUTPUT-LEN tokens, through one engine at its defaults; requests and tokens
+    per second over the run, start-up apart."""
+    started = time.perf_counter()
+    from pagedgen.cli.api import LLM
+    from pagedgen.cli.bench.throughput import (dataset_prompts, measure, synthetic_prompts,
+                                               throughput_line)
+
+    if output is not None:
+        output = output.expanduser()
+        check_creatable(output, "--output")
+    options = dict(backend=backend, device=device, dtype=dtype, quantization=quantization,
+                   kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                   gpu_memory_utilization=gpu_memory_utilization,
+                   kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, seed=seed)
+    llm = LLM(model=model, _named_as_options=True,
+              **{k: v for k, v in options.items() if v is not None})
+    if dataset is not None:
+        prompts = dataset_prompts(dataset.expanduser(), num_prompts)
+    else:
+        vocab = llm.engine.src.hf_config.vocab_size
+        prompts = synthetic_prompts(vocab, num_prompts, input_len, range_ratio, seed)
+    summary = measure(llm, prompts, output_len, started)
+    report = json.dumps(summary, indent=2, default=str)
+    if output is not None:
+        write_result(output, report, "--output")
+    if json_out:
+        print(report)
+        return
+    table = Table(title="pagedgen bench throughput", show_header=False, title_justify="left")
+    table.add_column()
+    table.add_column(justify="right")
+    for key, label in SHOWN.items():
+        if key in summary:
+            value = summary[key]
+            text = f"{value:,.2f}" if isinstance(value, float) else (
+                f"{value:,}" if isinstance(value, int) else str(value))
+            table.add_row(label, escape(text))
+    out = out_console()
+    out.print(table)
+    out.print(throughput_line(summary))
+    if summary.get("preemptions"):
+        console.print(f"note: {summary['preemptions']} preemption(s): the KV cache held fewer "
+                      "sequences than were admitted")

@@ -1,0 +1,78 @@
+"""`pagedgen bench throughput`: offline throughput of one engine on synthetic prompts (random
+token ids of ``--input-len`` tokens, ``--range-ratio`` around it) or a JSONL file's lines, each
+to ``--output-len`` tokens with EOS ignored, as ``vllm bench throughput`` measures it (its random
+dataset, temperature 1, top_p 1): requests, total and output tokens per second over the
+generate call, start-up apart. Built on the Python API (``pagedgen.LLM``) and the engine's
+summary, so it measures what ``generate`` runs."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from pagedgen.errors import PagedgenError
+
+
+def synthetic_prompts(vocab_size: int, num_prompts: int, input_len: int, range_ratio: float,
+                      seed: int) -> list[list[int]]:
+    """``num_prompts`` lists of random token ids, each of a length drawn uniformly from
+    ``input_len`` x [1 - range_ratio, 1 + range_ratio] (at least one token)."""
+    rng = random.Random(seed)
+    lo = max(1, round(input_len * (1 - range_ratio)))
+    hi = max(lo, round(input_len * (1 + range_ratio)))
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))]
+            for _ in range(num_prompts)]
+
+
+def dataset_prompts(path: Path, num_prompts: int | None) -> list[dict[str, Any]]:
+    """The first ``num_prompts`` (None: all) lines of a JSONL file of pagedgen's own lines
+    (``prompt``, ``messages`` or ``prompt_token_ids``, with their fields), as request dicts."""
+    lines = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    line = json.loads(text)
+                except ValueError as e:
+                    raise PagedgenError(f"{path}:{number}: invalid JSON: {e}")
+                if not isinstance(line, dict):
+                    raise PagedgenError(f"{path}:{number}: a line must be a JSON object")
+                lines.append(line)
+                if num_prompts is not None and len(lines) == num_prompts:
+                    break
+    except OSError as e:
+        raise PagedgenError(f"{path}: cannot read it ({e.strerror or e})")
+    if not lines:
+        raise PagedgenError(f"{path}: no lines")
+    return lines
+
+
+def measure(llm: Any, prompts: list, output_len: int, started: float) -> dict[str, Any]:
+    """Run ``prompts`` through ``llm`` (each to ``output_len`` tokens unless a line sets its
+    own ``max_tokens``); the engine's summary with requests per second and the start-up from
+    ``started`` (a ``time.perf_counter()``) to the first request. Each request samples from
+    its own seed (the run's seed and its index), as ``generate`` does."""
+    from pagedgen.cli.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+    engine = llm.engine
+    engine.reset_stats()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=True)
+    wall = time.perf_counter() - t0
+    summary = engine.summary(wall, t0)
+    summary["requests_per_s"] = summary["requests"] / wall if wall else 0.0
+    summary["startup_s"] = t0 - started
+    return summary
+
+
+def throughput_line(s: dict[str, Any]) -> str:
+    """The figures as ``vllm bench throughput`` prints them."""
+    return (f"Throughput: {s['requests_per_s']:.2f} requests/s, "
+            f"{s['total_tokens_per_s']:.2f} total tokens/s, "
+            f"{s['output_tokens_per_s']:.2f} output tokens/s")

@@ -1,0 +1,67 @@
+"""`pagedgen bench throughput` (issue 98): random prompts of the asked lengths, or a dataset's
+lines, each to its output length with EOS ignored; the figures on a terminal, as JSON, in a
+file; bad options in one line."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from pagedgen.cli.app import app
+from pagedgen.cli.bench.throughput import synthetic_prompts
+
+runner = CliRunner()
+FAST = ["--device", "cpu", "--max-num-seqs", "4"]
+
+
+def bench(*args):
+    return runner.invoke(app, ["bench", "throughput", *FAST, *map(str, args)])
+
+
+def test_throughput_runs_every_request_to_its_length_and_reports_the_rates(tmp_path):
+    res = bench("--num-prompts", 6, "--input-len", 12, "--output-len", 5, "--json",
+                "-o", tmp_path / "b.json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s == json.loads((tmp_path / "b.json").read_text())
+    # every request ran to --output-len (EOS ignored), from prompts of exactly --input-len
+    assert (s["requests"], s["prompt_tokens"], s["output_tokens"]) == (6, 72, 30)
+    assert s["output_tokens_per_s"] == s["output_tokens"] / s["wall_time_s"]
+    assert s["requests_per_s"] == 6 / s["wall_time_s"] and s["startup_s"] > 0
+    shown = bench("--num-prompts", 2, "--input-len", 4, "--output-len", 2)
+    assert shown.exit_code == 0 and "requests/s" in shown.stdout
+    assert shown.stdout.strip().splitlines()[-1].startswith("Throughput: ")
+
+
+def test_random_prompts_spread_around_the_input_length_and_repeat_by_seed():
+    ps = synthetic_prompts(500, 200, 100, 0.5, seed=1)
+    lengths = [len(p) for p in ps]
+    assert 50 <= min(lengths) < 60 and 140 < max(lengths) <= 150
+    assert all(0 <= t < 500 for p in ps for t in p)
+    assert ps == synthetic_prompts(500, 200, 100, 0.5, seed=1) != synthetic_prompts(
+        500, 200, 100, 0.5, seed=2)
+    assert {len(p) for p in synthetic_prompts(500, 5, 3, 0.0, 0)} == {3}
+
+
+def test_a_dataset_gives_its_lines_and_their_own_lengths_eos_ignored(tmp_path):
+    # the second line pushes the tiny preset's EOS (257) up: it still writes all 7 tokens
+    src = tmp_path / "d.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in (
+        {"prompt_token_ids": [1, 2, 3]},
+        {"prompt_token_ids": [4, 5], "max_tokens": 7, "logit_bias": {"257": 100}},
+        {"prompt_token_ids": [6]})) + "\n")
+    res = bench("--dataset", src, "--num-prompts", 2, "--output-len", 3, "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert (s["requests"], s["prompt_tokens"], s["output_tokens"]) == (2, 5, 3 + 7)
+
+
+def test_bad_options_are_one_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    for args, message in ((["--dataset", tmp_path / "none.jsonl"], "cannot read it"),
+                          (["--dataset", tmp_path / "bad.jsonl"], "bad.jsonl:1: invalid JSON"),
+                          (["--max-num-seqs", 0], "--max-num-seqs must be in 1..")):
+        res = bench(*args)
+        assert res.exit_code != 0 and message in res.output, res.output
+        assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
