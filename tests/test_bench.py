@@ -1,6 +1,6 @@
-"""`pagedgen bench throughput` (issue 98): random prompts of the asked lengths, or a dataset's
-lines, each to its output length with EOS ignored; the figures on a terminal, as JSON, in a
-file; bad options in one line."""
+"""`pagedgen bench throughput` and `latency` (issue 98): random prompts of the asked lengths,
+or a dataset's lines, each to its output length with EOS ignored; the figures on a terminal,
+as JSON, in a file; the latency's warm-up apart; bad options in one line."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from pagedgen.cli.bench.throughput import synthetic_prompts
+from pagedgen.cli.bench.measures import synthetic_prompts
 
 runner = CliRunner()
 FAST = ["--device", "cpu", "--max-num-seqs", "4"]
@@ -65,3 +65,31 @@ def test_bad_options_are_one_line(tmp_path):
         res = bench(*args)
         assert res.exit_code != 0 and message in res.output, res.output
         assert "Traceback" not in res.output and len(res.output.strip().splitlines()) == 1
+
+
+def test_latency_times_each_batch_size_after_its_warm_up(tmp_path, monkeypatch):
+    import pagedgen.cli.api as api
+
+    calls = []
+    generate = api.LLM.generate
+
+    def counted(self, prompts, params=None, use_tqdm=True, **kw):
+        calls.append(len(prompts))
+        return generate(self, prompts, params, use_tqdm, **kw)
+
+    monkeypatch.setattr(api.LLM, "generate", counted)
+    res = runner.invoke(app, ["bench", "latency", "--device", "cpu", "--batch-sizes", "1,3",
+                              "--input-len", "40", "--output-len", "3", "--num-iters-warmup", "2",
+                              "--num-iters", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.stdout)["rows"]
+    assert calls == [1] * 6 + [3] * 6  # warm-up, then the measured batches, per size
+    for r, size in zip(rows, (1, 3)):
+        assert r["batch_size"] == size and len(r["latencies_s"]) == 4
+        assert r["avg_latency_s"] == sum(r["latencies_s"]) / 4
+        assert r["p50_latency_s"] in r["latencies_s"] and r["p99_latency_s"] == max(
+            r["latencies_s"])
+        assert 0 < r["mean_ttft_s"] <= r["avg_latency_s"] and r["mean_tpot_s"] > 0
+        assert r["prefix_cache_hit_tokens"] == 0  # each batch prefilled afresh
+    bad = runner.invoke(app, ["bench", "latency", "--device", "cpu", "--batch-sizes", "0,x"])
+    assert bad.exit_code == 1 and "--batch-sizes: positive integers" in bad.output

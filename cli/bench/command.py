@@ -1,4 +1,4 @@
-"""The `pagedgen bench` commands' options (``throughput.py`` measures)."""
+"""The `pagedgen bench` commands' options (``measures.py`` measures)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from rich.table import Table
 
 from pagedgen.cli.common import cli_errors, console, out_console
 from pagedgen.cli.formats.output_target import check_creatable, write_result
+from pagedgen.errors import PagedgenError
 
 bench = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                    help="Measure this machine: offline throughput (vllm bench's shape).")
+                    help="Measure this machine: offline throughput, batch latency (vllm "
+                         "bench's shapes).")
 
 SHOWN = {"model": "model", "backend": "backend", "device": "device", "dtype": "dtype",
          "quantization": "quantization", "requests": "requests",
@@ -65,7 +67,7 @@ def throughput(
     per second over the run, start-up apart."""
     started = time.perf_counter()
     from pagedgen.cli.api import LLM
-    from pagedgen.cli.bench.throughput import (dataset_prompts, measure, synthetic_prompts,
+    from pagedgen.cli.bench.measures import (dataset_prompts, measure, synthetic_prompts,
                                                throughput_line)
 
     if output is not None:
@@ -105,3 +107,75 @@ def throughput(
     if summary.get("preemptions"):
         console.print(f"note: {summary['preemptions']} preemption(s): the KV cache held fewer "
                       "sequences than were admitted")
+
+
+@bench.command()
+@cli_errors
+def latency(
+    model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
+                                                   "Hub id [default: tiny]."),
+    batch_sizes: str = typer.Option("8", help="Requests in the batch; a comma list measures "
+                                              "each (e.g. 1,8,64)."),
+    input_len: int = typer.Option(32, min=1, help="Prompt tokens (random ids)."),
+    output_len: int = typer.Option(128, min=1, help="Output tokens of every request."),
+    num_iters_warmup: int = typer.Option(10, min=0, help="Unmeasured batches first."),
+    num_iters: int = typer.Option(30, min=1, help="Measured batches."),
+    seed: int = typer.Option(0, help="Seed of the random prompts and of the run."),
+    backend: Optional[str] = typer.Option(None, help="Attention backend [default: auto]."),
+    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, help="auto, float32, float16 or bfloat16."),
+    quantization: Optional[str] = typer.Option(None, "--quantization", "-q",
+                                               help="fp8: FP8 weights made at load."),
+    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step."),
+    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Most tokens in a step."),
+    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, help="Share of the GPU's memory the run may use [default: 0.9]."),
+    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
+    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
+                                                 help="CUDA graphs off [default: on]."),
+    json_out: bool = typer.Option(False, "--json", help="Print every figure as JSON."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o",
+                                          help="Write every figure here, as JSON."),
+) -> None:
+    """Latency of one batch: BATCH-SIZES requests of INPUT-LEN random tokens, each to
+    OUTPUT-LEN tokens, generated NUM-ITERS times after NUM-ITERS-WARMUP; the mean and
+    percentiles of the batch's time, time to first token and per output token."""
+    from pagedgen.cli.api import LLM
+    from pagedgen.cli.bench.measures import latency as measure_latency
+
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise PagedgenError(f"--batch-sizes: positive integers separated by commas, not "
+                            f"{batch_sizes!r}")
+    if output is not None:
+        output = output.expanduser()
+        check_creatable(output, "--output")
+    options = dict(backend=backend, device=device, dtype=dtype, quantization=quantization,
+                   kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs or max(sizes),
+                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                   gpu_memory_utilization=gpu_memory_utilization,
+                   kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, seed=seed)
+    llm = LLM(model=model, _named_as_options=True,
+              **{k: v for k, v in options.items() if v is not None})
+    rows = [measure_latency(llm, b, input_len, output_len, num_iters_warmup, num_iters, seed)
+            for b in sizes]
+    report = json.dumps({"model": llm.engine.src.name, "rows": rows}, indent=2)
+    if output is not None:
+        write_result(output, report, "--output")
+    if json_out:
+        print(report)
+        return
+    table = Table(title="pagedgen bench latency", title_justify="left")
+    for col in ("batch", "avg (s)", "p50 (s)", "p90 (s)", "p99 (s)", "TTFT (ms)",
+                "per output token (ms)"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(str(r["batch_size"]), *(f"{r[k]:.4f}" for k in (
+            "avg_latency_s", "p50_latency_s", "p90_latency_s", "p99_latency_s")),
+            f"{r['mean_ttft_s'] * 1e3:.2f}", f"{r['mean_tpot_s'] * 1e3:.2f}")
+    out_console().print(table)

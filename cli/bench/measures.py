@@ -1,9 +1,13 @@
-"""`pagedgen bench throughput`: offline throughput of one engine on synthetic prompts (random
-token ids of ``--input-len`` tokens, ``--range-ratio`` around it) or a JSONL file's lines, each
-to ``--output-len`` tokens with EOS ignored, as ``vllm bench throughput`` measures it (its random
-dataset, temperature 1, top_p 1): requests, total and output tokens per second over the
-generate call, start-up apart. Built on the Python API (``pagedgen.LLM``) and the engine's
-summary, so it measures what ``generate`` runs."""
+"""What `pagedgen bench` measures, through the Python API (``pagedgen.LLM``) and the engine's
+summary, so that it measures what ``generate`` runs.
+
+* ``throughput``: offline throughput on synthetic prompts (random token ids of ``--input-len``
+  tokens, ``--range-ratio`` around it) or a JSONL file's lines, each to ``--output-len`` tokens
+  with EOS ignored, as ``vllm bench throughput`` measures it (its random dataset, temperature 1,
+  top_p 1): requests, total and output tokens per second over the generate call, start-up
+  apart (``measure``);
+* ``latency``: one batch generated again and again, as ``vllm bench latency`` times it.
+"""
 
 from __future__ import annotations
 
@@ -76,3 +80,38 @@ def throughput_line(s: dict[str, Any]) -> str:
     return (f"Throughput: {s['requests_per_s']:.2f} requests/s, "
             f"{s['total_tokens_per_s']:.2f} total tokens/s, "
             f"{s['output_tokens_per_s']:.2f} output tokens/s")
+
+
+def latency(llm: Any, batch_size: int, input_len: int, output_len: int, warmup: int,
+            iters: int, seed: int) -> dict[str, Any]:
+    """``vllm bench latency``'s measurement: one batch of ``batch_size`` random prompts of
+    ``input_len`` tokens, each to ``output_len`` tokens (EOS ignored), generated ``warmup``
+    times unmeasured, then ``iters`` times; each generate call's wall time, their mean and
+    percentiles, and the measured calls' mean time to first token and per output token. Each
+    measured batch starts on an empty prefix cache (it would hit the last one's prompts)."""
+    from pagedgen.cli.sampling_params import SamplingParams
+
+    vocab = llm.engine.src.hf_config.vocab_size
+    prompts = synthetic_prompts(vocab, batch_size, input_len, 0.0, seed)
+    params = SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+    for _ in range(warmup):
+        llm.generate(prompts, params, use_tqdm=False)
+    walls, ttft, tpot, hits = [], [], [], 0
+    for _ in range(iters):
+        llm.engine.reset_stats()
+        llm.engine.reset_prefix_cache()  # the same prompts again: no hit on the last batch's
+        t0 = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+        s = llm.engine.summary(walls[-1], t0)
+        ttft.append(s["mean_ttft_s"])
+        tpot.append(s["mean_tpot_s"])
+        hits += s["prefix_cache_hit_tokens"]
+    ordered = sorted(walls)
+    return {"backend": s["backend"], "batch_size": batch_size, "input_len": input_len,
+            "output_len": output_len,
+            "iterations": iters, "avg_latency_s": sum(walls) / iters,
+            **{f"p{q}_latency_s": ordered[min(iters - 1, round(q / 100 * (iters - 1)))]
+               for q in (10, 25, 50, 75, 90, 99)},
+            "mean_ttft_s": sum(ttft) / iters, "mean_tpot_s": sum(tpot) / iters,
+            "prefix_cache_hit_tokens": hits, "latencies_s": walls}
