@@ -69,4 +69,4 @@ def backends(device: Optional[str] = typer.Option(
 app.command()(generate)
 app.command()(verify)
 app.command("profile")(profile)
-app.add_typer(bench, name="bench")
+app.command("bench")(bench)

@@ -1,4 +1,5 @@
-"""The `pagedgen bench` commands' options (``measures.py`` measures)."""
+"""`pagedgen bench throughput|latency`: one command and its options for both measures
+(``measures.py``), the engine's options shared."""
 
 from __future__ import annotations
 
@@ -15,10 +16,7 @@ from pagedgen.cli.common import cli_errors, console, out_console
 from pagedgen.cli.formats.output_target import check_creatable, write_result
 from pagedgen.errors import PagedgenError
 
-bench = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
-                    help="Measure this machine: offline throughput, batch latency (vllm "
-                         "bench's shapes).")
-
+KINDS = ("throughput", "latency")
 SHOWN = {"model": "model", "backend": "backend", "device": "device", "dtype": "dtype",
          "quantization": "quantization", "requests": "requests",
          "prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
@@ -29,20 +27,28 @@ SHOWN = {"model": "model", "backend": "backend", "device": "device", "dtype": "d
          "startup_s": "start-up (s): command to first request"}
 
 
-@bench.command()
 @cli_errors
-def throughput(
+def bench(
+    kind: str = typer.Argument(..., help="throughput: NUM-PROMPTS requests (random or a "
+                                         "dataset's) through the engine, as vllm bench "
+                                         "throughput; latency: one batch of each BATCH-SIZES "
+                                         "again and again, as vllm bench latency."),
     model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
                                                    "Hub id [default: tiny]."),
-    input_len: int = typer.Option(1024, min=1, help="Prompt tokens (random ids)."),
+    input_len: Optional[int] = typer.Option(None, min=1, help="Prompt tokens (random ids) "
+                                            "[default: 1024 for throughput, 32 for latency]."),
     output_len: int = typer.Option(128, min=1, help="Output tokens of every request (EOS "
                                                     "ignored)."),
-    num_prompts: int = typer.Option(1000, min=1, help="Requests."),
-    range_ratio: float = typer.Option(0.0, min=0.0, max=1.0,
-                                      help="Prompt lengths drawn from input-len x [1 - r, 1 + r]."),
-    dataset: Optional[Path] = typer.Option(None, help="A JSONL file of pagedgen's lines instead "
-                                                      "of random prompts (its first "
-                                                      "--num-prompts)."),
+    num_prompts: int = typer.Option(1000, min=1, help="throughput: requests."),
+    range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="throughput: prompt lengths "
+                                      "drawn from input-len x [1 - r, 1 + r]."),
+    dataset: Optional[Path] = typer.Option(None, help="throughput: a JSONL file of pagedgen's "
+                                                      "lines instead of random prompts (its "
+                                                      "first --num-prompts)."),
+    batch_sizes: str = typer.Option("8", help="latency: requests in the batch; a comma list "
+                                              "measures each (e.g. 1,8,64)."),
+    num_iters_warmup: int = typer.Option(10, min=0, help="latency: unmeasured batches first."),
+    num_iters: int = typer.Option(30, min=1, help="latency: measured batches."),
     seed: int = typer.Option(0, help="Seed of the random prompts and of the run."),
     backend: Optional[str] = typer.Option(None, help="Attention backend [default: auto]."),
     device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
@@ -50,7 +56,9 @@ def throughput(
     quantization: Optional[str] = typer.Option(None, "--quantization", "-q",
                                                help="fp8: FP8 weights made at load."),
     kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
-    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step."),
+    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step "
+                                               "[default: the device's; latency: the largest "
+                                               "batch]."),
     max_num_batched_tokens: Optional[int] = typer.Option(None, help="Most tokens in a step."),
     max_model_len: Optional[int] = typer.Option(None, help="Longest sequence."),
     gpu_memory_utilization: Optional[float] = typer.Option(
@@ -62,36 +70,60 @@ def throughput(
     output: Optional[Path] = typer.Option(None, "--output", "-o",
                                           help="Write every figure here, as JSON."),
 ) -> None:
-    """Offline throughput: NUM-PROMPTS requests of INPUT-LEN random tokens (or a dataset's
-    lines), each to OUTPUT-LEN tokens, through one engine at its defaults; requests and tokens
-    per second over the run, start-up apart."""
+    """Measure this machine as vllm bench does: offline throughput, or one batch's latency
+    (each request to OUTPUT-LEN tokens, EOS ignored; the engine at its defaults)."""
     started = time.perf_counter()
     from pagedgen.cli.api import LLM
-    from pagedgen.cli.bench.measures import (dataset_prompts, measure, synthetic_prompts,
-                                               throughput_line)
+    from pagedgen.cli.bench import measures
 
+    if kind not in KINDS:
+        raise PagedgenError(f"unknown measure {kind!r}; use {' or '.join(KINDS)}")
+    sizes = _sizes(batch_sizes) if kind == "latency" else []
     if output is not None:
         output = output.expanduser()
         check_creatable(output, "--output")
     options = dict(backend=backend, device=device, dtype=dtype, quantization=quantization,
-                   kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                   kv_cache_dtype=kv_cache_dtype,
+                   max_num_seqs=max(sizes, default=None) if max_num_seqs is None
+                   else max_num_seqs,
                    max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                    gpu_memory_utilization=gpu_memory_utilization,
                    kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, seed=seed)
     llm = LLM(model=model, _named_as_options=True,
               **{k: v for k, v in options.items() if v is not None})
-    if dataset is not None:
-        prompts = dataset_prompts(dataset.expanduser(), num_prompts)
+    if kind == "latency":
+        figures = {"model": llm.engine.src.name, "rows": [
+            measures.latency(llm, b, input_len or 32, output_len, num_iters_warmup, num_iters,
+                             seed) for b in sizes]}
     else:
-        vocab = llm.engine.src.hf_config.vocab_size
-        prompts = synthetic_prompts(vocab, num_prompts, input_len, range_ratio, seed)
-    summary = measure(llm, prompts, output_len, started)
-    report = json.dumps(summary, indent=2, default=str)
+        prompts = (measures.dataset_prompts(dataset.expanduser(), num_prompts) if dataset
+                   else measures.synthetic_prompts(llm.engine.src.hf_config.vocab_size,
+                                                   num_prompts, input_len or 1024, range_ratio,
+                                                   seed))
+        figures = measures.measure(llm, prompts, output_len, started)
+    report = json.dumps(figures, indent=2, default=str)
     if output is not None:
         write_result(output, report, "--output")
     if json_out:
         print(report)
-        return
+    elif kind == "latency":
+        _show_latency(figures["rows"])
+    else:
+        _show_throughput(figures, measures.throughput_line(figures))
+
+
+def _sizes(batch_sizes: str) -> list[int]:
+    try:
+        sizes = [int(b) for b in batch_sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise PagedgenError(f"--batch-sizes: positive integers separated by commas, not "
+                            f"{batch_sizes!r}")
+    return sizes
+
+
+def _show_throughput(summary: dict, line: str) -> None:
     table = Table(title="pagedgen bench throughput", show_header=False, title_justify="left")
     table.add_column()
     table.add_column(justify="right")
@@ -103,73 +135,13 @@ def throughput(
             table.add_row(label, escape(text))
     out = out_console()
     out.print(table)
-    out.print(throughput_line(summary))
+    out.print(line)
     if summary.get("preemptions"):
         console.print(f"note: {summary['preemptions']} preemption(s): the KV cache held fewer "
                       "sequences than were admitted")
 
 
-@bench.command()
-@cli_errors
-def latency(
-    model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
-                                                   "Hub id [default: tiny]."),
-    batch_sizes: str = typer.Option("8", help="Requests in the batch; a comma list measures "
-                                              "each (e.g. 1,8,64)."),
-    input_len: int = typer.Option(32, min=1, help="Prompt tokens (random ids)."),
-    output_len: int = typer.Option(128, min=1, help="Output tokens of every request."),
-    num_iters_warmup: int = typer.Option(10, min=0, help="Unmeasured batches first."),
-    num_iters: int = typer.Option(30, min=1, help="Measured batches."),
-    seed: int = typer.Option(0, help="Seed of the random prompts and of the run."),
-    backend: Optional[str] = typer.Option(None, help="Attention backend [default: auto]."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
-    dtype: Optional[str] = typer.Option(None, help="auto, float32, float16 or bfloat16."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", "-q",
-                                               help="fp8: FP8 weights made at load."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
-    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Most tokens in a step."),
-    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence."),
-    gpu_memory_utilization: Optional[float] = typer.Option(
-        None, help="Share of the GPU's memory the run may use [default: 0.9]."),
-    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
-    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
-                                                 help="CUDA graphs off [default: on]."),
-    json_out: bool = typer.Option(False, "--json", help="Print every figure as JSON."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
-                                          help="Write every figure here, as JSON."),
-) -> None:
-    """Latency of one batch: BATCH-SIZES requests of INPUT-LEN random tokens, each to
-    OUTPUT-LEN tokens, generated NUM-ITERS times after NUM-ITERS-WARMUP; the mean and
-    percentiles of the batch's time, time to first token and per output token."""
-    from pagedgen.cli.api import LLM
-    from pagedgen.cli.bench.measures import latency as measure_latency
-
-    try:
-        sizes = [int(b) for b in batch_sizes.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 1:
-        raise PagedgenError(f"--batch-sizes: positive integers separated by commas, not "
-                            f"{batch_sizes!r}")
-    if output is not None:
-        output = output.expanduser()
-        check_creatable(output, "--output")
-    options = dict(backend=backend, device=device, dtype=dtype, quantization=quantization,
-                   kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs or max(sizes),
-                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                   gpu_memory_utilization=gpu_memory_utilization,
-                   kv_cache_memory=kv_cache_memory, enforce_eager=enforce_eager, seed=seed)
-    llm = LLM(model=model, _named_as_options=True,
-              **{k: v for k, v in options.items() if v is not None})
-    rows = [measure_latency(llm, b, input_len, output_len, num_iters_warmup, num_iters, seed)
-            for b in sizes]
-    report = json.dumps({"model": llm.engine.src.name, "rows": rows}, indent=2)
-    if output is not None:
-        write_result(output, report, "--output")
-    if json_out:
-        print(report)
-        return
+def _show_latency(rows: list[dict]) -> None:
     table = Table(title="pagedgen bench latency", title_justify="left")
     for col in ("batch", "avg (s)", "p50 (s)", "p90 (s)", "p99 (s)", "TTFT (ms)",
                 "per output token (ms)"):
