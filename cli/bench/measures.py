@@ -11,12 +11,12 @@ summary, so that it measures what ``generate`` runs.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
 from typing import Any
 
+from pagedgen.cli.formats.reader import parse_json
 from pagedgen.errors import PagedgenError
 
 
@@ -40,10 +40,7 @@ def dataset_prompts(path: Path, num_prompts: int | None) -> list[dict[str, Any]]
             for number, text in enumerate(f, 1):
                 if not text.strip():
                     continue
-                try:
-                    line = json.loads(text)
-                except ValueError as e:
-                    raise PagedgenError(f"{path}:{number}: invalid JSON: {e}")
+                line = parse_json(text, f"{path}:{number}")
                 if not isinstance(line, dict):
                     raise PagedgenError(f"{path}:{number}: a line must be a JSON object")
                 lines.append(line)
@@ -56,14 +53,20 @@ def dataset_prompts(path: Path, num_prompts: int | None) -> list[dict[str, Any]]
     return lines
 
 
+def vllm_bench_sampling(output_len: int) -> Any:
+    """vLLM's benchmarks' sampling: each request to ``output_len`` tokens, EOS ignored,
+    temperature 1, top_p 1."""
+    from pagedgen.cli.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+
+
 def measure(llm: Any, prompts: list, output_len: int, started: float) -> dict[str, Any]:
     """Run ``prompts`` through ``llm`` (each to ``output_len`` tokens unless a line sets its
     own ``max_tokens``); the engine's summary with requests per second and the start-up from
     ``started`` (a ``time.perf_counter()``) to the first request. Each request samples from
     its own seed (the run's seed and its index), as ``generate`` does."""
-    from pagedgen.cli.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+    params = vllm_bench_sampling(output_len)
     engine = llm.engine
     engine.reset_stats()
     t0 = time.perf_counter()
@@ -89,11 +92,9 @@ def latency(llm: Any, batch_size: int, input_len: int, output_len: int, warmup: 
     times unmeasured, then ``iters`` times; each generate call's wall time, their mean and
     percentiles, and the measured calls' mean time to first token and per output token. Each
     measured batch starts on an empty prefix cache (it would hit the last one's prompts)."""
-    from pagedgen.cli.sampling_params import SamplingParams
-
     vocab = llm.engine.src.hf_config.vocab_size
     prompts = synthetic_prompts(vocab, batch_size, input_len, 0.0, seed)
-    params = SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
+    params = vllm_bench_sampling(output_len)
     for _ in range(warmup):
         llm.generate(prompts, params, use_tqdm=False)
     walls, ttft, tpot, hits = [], [], [], 0

@@ -14,6 +14,7 @@ and typing are pyarrow's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 from pagedgen.cli.formats import structured
 from pagedgen.cli.formats.request import SAMPLING_FIELDS, InputOptions
 from pagedgen.errors import PagedgenError, first_line
+from pagedgen.runtime.config import SamplingParams
 
 KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
          ".arrow": "arrow"}
@@ -136,8 +138,8 @@ def _batches(path: Path, kind: str) -> Iterator[Any]:
 
 def _json_columns(options: InputOptions) -> set[str]:
     """The fields whose CSV cells hold JSON: lists and objects."""
-    listed = {name for name, words in SAMPLING_FIELDS.items() if "list" in words
-              or "object" in words}
+    listed = {f.name for f in dataclasses.fields(SamplingParams) if f.name in SAMPLING_FIELDS
+              and str(f.type).startswith(("list[", "dict["))}  # by the field's type
     return listed | set(structured.FIELDS) | {options.messages_field, "prompt_token_ids",
                                                "chat_template_kwargs"}
 
