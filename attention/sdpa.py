@@ -123,4 +123,4 @@ class SdpaBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
-        return [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256]
+        return [16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256, 512]

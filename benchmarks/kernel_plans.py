@@ -65,9 +65,13 @@ def default_runs() -> list[tuple[str, str | None]]:
 
 
 def shortened(src, layers: int):
-    """``src`` with its first ``layers`` layers only (per-layer lists cut alike); as it is
+    """``src`` with its first ``layers`` layers only (per-layer lists cut alike; more where
+    those hold not every kind of layer: Gemma 4's first global layer is its sixth); as it is
     when it has no more."""
     cfg = src.hf_config
+    types = getattr(cfg, "layer_types", None)
+    if layers > 0 and isinstance(types, list):
+        layers = max(layers, max(types.index(t) for t in set(types)) + 1)
     if layers <= 0 or cfg.num_hidden_layers <= layers:
         return src
     cfg = copy.deepcopy(cfg)

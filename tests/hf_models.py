@@ -19,7 +19,7 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
     torch.manual_seed({"llama": 0, "mistral": 1, "qwen2": 2, "qwen3": 3, "gemma2": 4,
                        "gemma3_text": 5, "phi3": 6, "qwen3_moe": 7, "mixtral": 8,
                        "qwen2_moe": 9, "qwen3_5_text": 10, "qwen3_5_moe_text": 11,
-                       "qwen3_next": 12, "gpt_oss": 13}[kind])
+                       "qwen3_next": 12, "gpt_oss": 13, "gemma4_text": 14}[kind])
     # hybrid: three Gated DeltaNet layers, then a gated full-attention one (a quarter rotates)
     hybrid = dict(COMMON, num_hidden_layers=4, head_dim=32, linear_num_key_heads=2,
                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
@@ -84,6 +84,18 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                               head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                               sliding_window=12, swiglu_limit=0.2)
         model = tf.GptOssForCausalLM(cfg)
+    elif kind == "gemma4_text":  # local layers of heads of 32, global ones of 64 with a KV
+        # head of their own; a short window, a soft cap that bites (overrides: the variants)
+        fields = dict(COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64,
+                      sliding_window=12, final_logit_softcapping=5.0,
+                      hidden_size_per_layer_input=0,
+                      layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)
+        cfg = tf.Gemma4TextConfig(**{**fields, **overrides})
+        model = tf.Gemma4ForCausalLM(cfg)
+        with torch.no_grad():  # each layer's output scale and the router's away from 1
+            for name, t in [*model.named_buffers(), *model.named_parameters()]:
+                if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                    t.add_(torch.randn_like(t) * 0.1)
     else:
         cfg = tf.Qwen3Config(**COMMON, head_dim=64, tie_word_embeddings=True)
         model = tf.Qwen3ForCausalLM(cfg)

@@ -69,7 +69,24 @@ CASES = [(t, {}) for t in SUPPORTED_MODEL_TYPES] + [
 def _reference(model_type: str, fields: dict):
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type, **json.loads(json.dumps(fields)))  # its own copy
+    return _global_values(AutoConfig.for_model(model_type, **json.loads(json.dumps(fields))))
+
+
+def _global_values(cfg):
+    """A config of per-layer shapes (Gemma 4) reading its global fields (the local layers'
+    shape, as ours holds them; each layer's own: tests/test_gemma4.py)."""
+    if hasattr(cfg, "per_layer_config"):
+        cfg.allow_global_per_layer_attribute_access = True
+    return cfg
+
+
+def _rotary(cfg):
+    """transformers' rotary module with a table per layer type (Gemma 3, Gemma 4)."""
+    if cfg.model_type == "gemma4_text":
+        from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+        return Gemma4TextRotaryEmbedding(cfg)
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+    return Gemma3RotaryEmbedding(cfg)
 
 
 def _windows(cfg) -> list[int | None]:
@@ -93,7 +110,7 @@ def _head_dim(cfg) -> int:
 @pytest.mark.parametrize("model_type,fields", CASES)
 def test_fields_equal_transformers_config_classes(model_type, fields):
     ours = model_config({"model_type": model_type, **fields}, "config.json")
-    for ref in (_reference(model_type, fields), ours.to_transformers()):
+    for ref in (_reference(model_type, fields), _global_values(ours.to_transformers())):
         for f in FIELDS:
             if hasattr(ref, f):  # Qwen3.5-MoE's class has no intermediate_size
                 assert getattr(ours, f) == getattr(ref, f), f
@@ -109,13 +126,13 @@ def test_rope_frequencies_equal_transformers(model_type, fields):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     ours = model_config({"model_type": model_type, **fields}, "config.json")
-    if "rope_type" not in ours.rope_parameters:  # one per layer type (Gemma 3)
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
-        ref = Gemma3RotaryEmbedding(_reference(model_type, fields))
+    if "rope_type" not in ours.rope_parameters:  # one per layer type (Gemma 3, Gemma 4)
+        ref = _rotary(_reference(model_type, fields))
         for kind in set(ours.layer_types):  # transformers builds the kinds the layers use
             rope = ours.rope_parameters[kind]
-            inv_freq, scaling = rope_frequencies(rope, ours.head_dim,
-                                                 ours.max_position_embeddings)
+            head = ours.global_head_dim if kind == "full_attention" and hasattr(
+                ours, "global_head_dim") else ours.head_dim  # Gemma 4's global heads
+            inv_freq, scaling = rope_frequencies(rope, head, ours.max_position_embeddings)
             assert torch.equal(inv_freq, getattr(ref, f"{kind}_inv_freq"))
             assert scaling == getattr(ref, f"{kind}_attention_scaling")
         return
@@ -133,7 +150,7 @@ def test_a_saved_checkpoint_reads_as_transformers_wrote_it(tmp_path):
     for kind in SUPPORTED_MODEL_TYPES:
         path = make_checkpoint(kind, tmp_path / kind)
         ours = resolve_model(str(path)).hf_config
-        ref = AutoConfig.from_pretrained(str(path))
+        ref = _global_values(AutoConfig.from_pretrained(str(path)))
         for f in FIELDS:
             if hasattr(ref, f):
                 assert getattr(ours, f) == getattr(ref, f), (kind, f)

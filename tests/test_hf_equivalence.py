@@ -70,14 +70,14 @@ def check_logits(path, backend: str, length: int = 30, chunks: tuple[int, ...] =
         torch.testing.assert_close(prefill_logits(eng, prompt, chunk), ref, atol=2e-4, rtol=1e-4)
 
 
-def check_greedy_with_preemption(path) -> None:
+def check_greedy_with_preemption(path, num_blocks: int = 8) -> None:
     """Greedy continuations equal transformers' generate, with prefix caching on and a cache
-    small enough to preempt (the families' own test files)."""
+    of ``num_blocks`` pages of 8, small enough to preempt (the families' own test files)."""
     prompts = [ids(n, seed) for seed, n in enumerate((5, 17, 9, 26))]
     model = hf_model(path)
     model.generation_config.eos_token_id = None
     eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
-                              block_size=8, num_blocks=8, max_num_seqs=8,
+                              block_size=8, num_blocks=num_blocks, max_num_seqs=8,
                               max_num_batched_tokens=64))
     seqs = eng.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
     assert eng.stats.num_preemptions > 0

@@ -202,6 +202,8 @@ class ModelRunner:
             why = "not under -tp yet"
         elif self.recurrent is not None:
             why = "not with linear-attention layers yet"
+        elif getattr(self.model, "kv_shared_layers", 0):  # they attend outside the pieces' cuts
+            why = "not with layers that read another layer's K/V yet"
         elif len(layers) != len(self.kv_caches):
             why = "the model's attention layers do not match its KV caches"
         if why:

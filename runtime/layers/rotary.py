@@ -19,11 +19,14 @@ from torch import nn
 from pagedgen.profiling import scope
 from pagedgen.runtime.layers import fused_ops
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional")
 
 
 def rotary_dim(rope: dict, head_dim: int) -> int:
-    """The features each head rotates (all of them unless ``partial_rotary_factor``)."""
+    """The features each head rotates (all of them unless ``partial_rotary_factor``; Gemma 4's
+    proportional rope turns the whole head, its last frequencies zero)."""
+    if rope.get("rope_type") == "proportional":
+        return head_dim
     return int(head_dim * rope.get("partial_rotary_factor", 1.0))
 
 
@@ -42,6 +45,12 @@ def rope_frequencies(rope: dict, head_dim: int, max_position_embeddings: int,
             dim / (dim - 2))
     if kind == "yarn":
         return _yarn(rope, base, dim, max_position_embeddings)
+    if kind == "proportional":  # Gemma 4's global layers: the first frequencies of the whole
+        # head's spectrum turn, the rest are zero (those features pass unturned)
+        turned = int(rope.get("partial_rotary_factor", 1.0) * dim // 2)
+        inv_freq = torch.zeros(dim // 2)
+        inv_freq[:turned] = 1.0 / (base ** (torch.arange(0, 2 * turned, 2).float() / dim))
+        return inv_freq / rope.get("factor", 1.0), 1.0
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if kind == "linear":
         inv_freq /= rope["factor"]

@@ -286,7 +286,8 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
     the same in every dtype (``DUMMY_STORAGE_DTYPE``). A sharded parameter takes its part of
     the tensor the unsharded model would draw, so every tensor-parallel size runs the same
     model; a quantized layer gets the tensor the dense model would draw (in ``dtype``),
-    quantized as a checkpoint's would be."""
+    quantized as a checkpoint's would be. Norm weights, and the parameters whose names end as
+    the model's ``DUMMY_ONES`` say, are ones."""
     gens: dict[torch.device, torch.Generator] = {}
 
     def draw(shape: torch.Size, device: torch.device) -> torch.Tensor:
@@ -313,8 +314,9 @@ def _init_dummy(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> None:
                     layer.load_drawn(attr, draw(layer.drawn_shape(attr), p.device).to(dtype))
                 elif name.endswith("bias"):
                     p.zero_()
-            elif "norm" in name:
-                p.fill_(1.0)
+            elif "norm" in name or name.endswith(getattr(model, "DUMMY_ONES", ())):
+                p.fill_(1.0)  # norms, and the scales a family names (drawn, they would
+                # shrink every layer's output to nothing)
             elif name.endswith("bias"):
                 p.zero_()
             else:

@@ -34,8 +34,8 @@ class MLP(llama.MLP):
     """Llama's fused gate/up and down projections around GeGLU."""
 
     def __init__(self, config, tp: TensorParallel, quant: QuantConfig | None = None,
-                 prefix: str = "") -> None:
-        super().__init__(config, tp, quant, prefix)
+                 prefix: str = "", intermediate: int | None = None) -> None:
+        super().__init__(config, tp, quant, prefix, intermediate)
         self.act = GeluTanhAndMul()
 
     def forward(self, x) -> torch.Tensor:
