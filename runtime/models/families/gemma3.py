@@ -53,12 +53,19 @@ class Gemma3ForCausalLM(gemma2.Gemma2ForCausalLM):
         super().__init__(config, tp, quant)
         self.rotaries: dict[str, RotaryEmbedding] = {}
 
+    def rotary_head(self, kind: str) -> int:
+        """The head size the layers of ``kind`` rotate (one for every layer here)."""
+        return self.model.layers[0].self_attn.spec.head_size
+
     def setup_rotary(self, max_positions: int, device: torch.device) -> None:
-        head = self.model.layers[0].self_attn.spec.head_size
+        """A table per layer type the layers use."""
         for kind, rope in self.config.rope_parameters.items():
+            if kind not in self.config.layer_types:
+                continue
             view = SimpleNamespace(rope_parameters=rope,
                                    max_position_embeddings=self.config.max_position_embeddings)
-            self.rotaries[kind] = RotaryEmbedding(view, head, max_positions, device)
+            self.rotaries[kind] = RotaryEmbedding(view, self.rotary_head(kind), max_positions,
+                                                  device)
 
     def rotary_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's cos/sin from its type's table (each table looked up once)."""

@@ -25,7 +25,6 @@ Layers of two KV shapes plan their KV groups as ``kv_groups.py`` says (a tensor 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 from typing import Any, Iterable
 
 import torch
@@ -42,7 +41,7 @@ from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLine
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
-from pagedgen.runtime.models.families import gemma2, llama
+from pagedgen.runtime.models.families import gemma2, gemma3, llama
 from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
@@ -227,11 +226,11 @@ class Model(nn.Module):
             self.per_layer_projection_norm = RMSNorm(p, eps)
 
 
-class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
-    """Gemma 4 text causal LM (Gemma 2's embedding scale, soft-capped logits and tied head)."""
+class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
+    """Gemma 4 text causal LM (Gemma 2's embedding scale, soft-capped logits and tied head;
+    Gemma 3's rotary table per layer type, each at its kind's head size)."""
 
     DUMMY_ONES = ("layer_scalar", "router.scale", "router.per_expert_scale")
-    STACKED = {k: v for k, v in llama.LlamaForCausalLM.STACKED.items()}
 
     def __init__(self, config, tp: TensorParallel | None = None,
                  quant: QuantConfig | None = None) -> None:
@@ -290,18 +289,8 @@ class Gemma4ForCausalLM(gemma2.Gemma2ForCausalLM):
     def defer_all_reduces(self) -> None:
         """Each layer reduces its own outputs (its norms follow them before the residual)."""
 
-    def setup_rotary(self, max_positions: int, device: torch.device) -> None:
-        for kind, rope in self.config.rope_parameters.items():
-            if kind not in self.config.layer_types:
-                continue
-            head = layer_shape(self.config, self.config.layer_types.index(kind))[1]
-            view = SimpleNamespace(rope_parameters=rope,
-                                   max_position_embeddings=self.config.max_position_embeddings)
-            self.rotaries[kind] = RotaryEmbedding(view, head, max_positions, device)
-
-    def rotary_tables(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        tables = {kind: r.lookup(positions) for kind, r in self.rotaries.items()}
-        return [tables[kind] for kind in self.config.layer_types]
+    def rotary_head(self, kind: str) -> int:
+        return layer_shape(self.config, self.config.layer_types.index(kind))[1]
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """[T, layers, P]: each layer's own vector of each token, mixed with a projection of
