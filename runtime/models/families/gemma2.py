@@ -94,9 +94,7 @@ class Gemma2ForCausalLM(llama.LlamaForCausalLM):
                 for t in config.layer_types]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        # the scale rounded to the activation dtype first, as transformers does
-        return x * torch.tensor(math.sqrt(self.config.hidden_size), dtype=x.dtype).item()
+        return scaled(self.model.embed_tokens(input_ids), self.config.hidden_size)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         # the soft cap's tanh runs in float32 whatever the caller asks
@@ -113,6 +111,12 @@ class Gemma2ForCausalLM(llama.LlamaForCausalLM):
             for m in self.modules():
                 if isinstance(m, RMSNorm):
                     m.weight.add_(1.0)
+
+
+def scaled(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Embeddings ``x`` times ``sqrt(dim)``, the scale rounded to their dtype first, as
+    transformers does."""
+    return x * torch.tensor(math.sqrt(dim), dtype=x.dtype).item()
 
 
 _LAYER_TYPES = ("full_attention", "sliding_attention")

@@ -24,7 +24,6 @@ Layers of two KV shapes plan their KV groups as ``kv_groups.py`` says (a tensor 
 
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable
 
 import torch
@@ -38,6 +37,7 @@ from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedgen.runtime.layers import moe_route
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
@@ -49,10 +49,7 @@ from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-
-def kinds(config) -> list[str]:
-    return list(config.layer_types)
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # multimodal, not read
 
 
 def first_shared(config) -> int:
@@ -69,8 +66,7 @@ def layer_shape(config, i: int) -> tuple[int, int]:
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight, in float32 (the values', and the router's input)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def replicated(inputs: int, outputs: int) -> ColumnParallelLinear:
@@ -146,10 +142,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = unweighted_rms_norm(x, self.eps) * self.scale * self.root
-        probs = torch.softmax(self.proj(h).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights * self.per_expert_scale[ids].float(), ids.to(torch.int32)
+        weights, ids = moe_route.route(self.proj(h), self.top_k, renormalize=True)
+        return weights * self.per_expert_scale[ids].float(), ids
 
 
 def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -243,22 +237,22 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
         self.final_soft_cap = config.final_logit_softcapping
         self.rotaries: dict[str, RotaryEmbedding] = {}
-        owners = [i for i in range(config.num_hidden_layers) if i < first_shared(config)]
-        self.cache_of = {layer: n for n, layer in enumerate(owners)}  # layer → its KV cache
         self.kv_shared_layers = config.num_kv_shared_layers
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
-        for heads in {config.num_key_value_heads, config.num_global_key_value_heads}:
-            if heads % tp_size and tp_size % heads:
-                return (f"{heads} KV heads cannot be split over (or replicated on) {tp_size} "
-                        f"tensor-parallel ranks")
-        for field in ("num_attention_heads", "intermediate_size", "moe_intermediate_size"):
-            value = getattr(config, field) if field != "moe_intermediate_size" \
-                or config.enable_moe_block else 0
-            if value % tp_size:
-                return f"{field} {value} cannot be split over {tp_size} tensor-parallel ranks"
-        return None
+        """Llama's rules (query heads, the local layers' KV heads, the MLP), then the global
+        layers' KV heads and the experts' width."""
+        why = super().tensor_parallel_error(config, tp_size)
+        heads = config.num_global_key_value_heads
+        if why is None and heads % tp_size and tp_size % heads:
+            why = (f"{heads} KV heads cannot be split over (or replicated on) {tp_size} "
+                   f"tensor-parallel ranks")
+        width = config.moe_intermediate_size
+        if why is None and config.enable_moe_block and width % tp_size:
+            why = (f"moe_intermediate_size {width} cannot be split over {tp_size} "
+                   f"tensor-parallel ranks")
+        return why
 
     @classmethod
     def decoder_specs(cls, config, tp_size: int = 1) -> list[LayerSpec]:
@@ -299,7 +293,7 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         m, p = self.model, self.config.hidden_size_per_layer_input
         shape = (x.shape[0], self.config.num_hidden_layers, p)
         own = m.embed_tokens_per_layer(input_ids)
-        own = (own * torch.tensor(math.sqrt(p), dtype=own.dtype).item()).reshape(shape)
+        own = gemma2.scaled(own, p).reshape(shape)
         mixed = m.per_layer_model_projection(x) * self.config.hidden_size ** -0.5
         mixed = m.per_layer_projection_norm(mixed.reshape(shape))
         return (mixed + own) * 2 ** -0.5
@@ -312,9 +306,10 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         shared: dict = {}  # layer kind → (attention, k, v, cache) of its last K/V layer
         for i, (layer, cos_sin) in enumerate(zip(self.model.layers,
                                                  self.rotary_tables(positions))):
-            cache = self.cache_of.get(i)
-            x = layer(cos_sin, x, None if per_layer is None else per_layer[:, i],
-                      None if cache is None else kv_caches[cache], metadata, shared)
+            # the layers that keep K/V come first: layer i's cache is the i-th
+            cache = kv_caches[i] if i < len(kv_caches) else None
+            x = layer(cos_sin, x, None if per_layer is None else per_layer[:, i], cache,
+                      metadata, shared)
         return self.model.norm(x)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
@@ -336,9 +331,6 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         load_checkpoint(self, renamed(), self.STACKED, lambda name: "rotary_emb" in name
                         or (tied and name == "lm_head.weight")
                         or name.rsplit(".", 1)[0] in reads_shared)
-
-
-TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
