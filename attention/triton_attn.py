@@ -56,13 +56,16 @@ class TritonState(AttentionState):
         s = layer_specs[0]
         self.group = s.num_heads // s.num_kv_heads
         self.g_tile = self.group if self.group == _pow2(self.group) and self.group <= 16 else 1
-        big = s.head_size > 128
+        big, widest = s.head_size > 128, s.head_size > 256
+        if widest:  # heads of 512 (Gemma 4's global layers): a tile's [rows, D] float32
+            self.g_tile = min(self.g_tile, 2)  # accumulator in 32 rows over 8 warps
         if _interpreting():
             self.block_m, self.block_n = 16 * self.g_tile, 16
         else:
-            self.block_m = 64 if big else 128
+            self.block_m = 32 if widest else 64 if big else 128
             self.block_n = 32 if big else 64
         self.block_m = max(self.block_m, 16 * self.g_tile)
+        self.num_warps = 8 if self.block_m >= 128 or widest else 4
         # A window would cut into the shared prefix differently per sequence; sinks (counted
         # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
         # yet, so their layers decode plainly.
@@ -219,8 +222,7 @@ class TritonImpl(AttentionImpl):
             D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
             USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
             CAUSAL=causal, WRITE_LSE=not causal, USE_SINKS=causal and self.sinks is not None,
-            **({} if _interpreting() else {"num_warps": 8 if st.block_m >= 128 else 4,
-                                          "num_stages": 2}))
+            **({} if _interpreting() else {"num_warps": st.num_warps, "num_stages": 2}))
 
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
         """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""
@@ -264,7 +266,7 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def get_supported_head_sizes() -> list[int]:
-        return [64, 128, 256]
+        return [64, 128, 256, 512]
 
     @classmethod
     def fp8_kv_reason(cls, device: torch.device) -> str | None:

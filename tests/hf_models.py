@@ -84,9 +84,9 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
                               head_dim=32, num_local_experts=4, num_experts_per_tok=2,
                               sliding_window=12, swiglu_limit=0.2)
         model = tf.GptOssForCausalLM(cfg)
-    elif kind == "gemma4_text":  # local layers of heads of 32, global ones of 64 with a KV
+    elif kind == "gemma4_text":  # local layers of heads of 64, global ones of 512 with a KV
         # head of their own; a short window, a soft cap that bites (overrides: the variants)
-        fields = dict(COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64,
+        fields = dict(COMMON, num_hidden_layers=6, head_dim=64, global_head_dim=512,
                       sliding_window=12, final_logit_softcapping=5.0,
                       hidden_size_per_layer_input=0,
                       layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2)

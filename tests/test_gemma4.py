@@ -1,6 +1,7 @@
 """The Gemma 4 text family (runtime/models/families/gemma4.py) against transformers (fp32,
-CPU): local and global layers of two head sizes, values that are the keys' projection, per-layer
-inputs, layers that read an earlier layer's K/V, and the MoE block beside the dense MLP."""
+CPU): local and global layers of two head sizes (64 and 512), values that are the keys'
+projection, per-layer inputs, layers that read an earlier layer's K/V, and the MoE block beside
+the dense MLP."""
 
 from __future__ import annotations
 
@@ -16,11 +17,12 @@ from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.layers.rotary import rope_frequencies
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.layers import fused_ops
+from test_gemma2 import BACKENDS
 from test_hf_equivalence import (check_greedy_with_preemption, check_logits, fused_kernels,
                                  hf_model, ids)
 
 VARIANTS = {
-    # global layers: one KV head of 64 whose values are the keys' projection
+    # global layers: one KV head of 512 whose values are the keys' projection
     "k-eq-v": dict(attention_k_eq_v=True, num_global_key_value_heads=1),
     # per-layer inputs, and the last two layers reading layers 1 and 2's K/V (double-wide MLPs)
     "shared-kv": dict(hidden_size_per_layer_input=16, vocab_size_per_layer_input=320,
@@ -37,9 +39,10 @@ def path(request, tmp_path_factory):
                            **VARIANTS[request.param])
 
 
-@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("backend", ["eager", "sdpa", *BACKENDS[1:]])
 def test_logits_match_transformers(path, backend):
-    """Prefill whole and in chunks over cached pages (windows of 12 crossed)."""
+    """Prefill whole and in chunks over cached pages (windows of 12 crossed); the Triton
+    kernels (in Triton's interpreter on a CPU) at both head sizes."""
     check_logits(path, backend)
 
 
@@ -65,7 +68,7 @@ def test_samples_of_one_prompt_each_equal_a_greedy_run(path):
 
 
 def test_two_kv_shapes_plan_their_own_groups_and_shared_layers_hold_no_cache(path):
-    """The local layers (heads of 32) and the global ones (64) plan a group each; a layer that
+    """The local layers (heads of 64) and the global ones (512) plan a group each; a layer that
     reads another's K/V has no cache of its own."""
     eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
                               block_size=8, max_num_seqs=4, max_num_batched_tokens=64))
@@ -73,8 +76,8 @@ def test_two_kv_shapes_plan_their_own_groups_and_shared_layers_hold_no_cache(pat
     owners = cfg.num_hidden_layers - cfg.num_kv_shared_layers
     assert len(runner.kv_caches) == len(runner.specs) == owners
     assert [g.window for g in runner.layout.groups] == [None, 12]
-    assert {runner.specs[i].head_size for i in runner.layout.groups[0].layers} == {64}
-    assert {runner.specs[i].head_size for i in runner.layout.groups[1].layers} == {32}
+    assert {runner.specs[i].head_size for i in runner.layout.groups[0].layers} == {512}
+    assert {runner.specs[i].head_size for i in runner.layout.groups[1].layers} == {64}
 
 
 def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():
@@ -94,9 +97,9 @@ def test_published_and_transformers_written_configs_read_alike(tmp_path):
     path = make_checkpoint("gemma4_text", tmp_path, **VARIANTS["k-eq-v"])
     written = json.loads((path / "config.json").read_text())
     published = {k: v for k, v in written.items() if k != "per_layer_config"}
-    published.update(global_head_dim=64, num_global_key_value_heads=1)
+    published.update(global_head_dim=512, num_global_key_value_heads=1)
     a, b = model_config(written, "a"), model_config(published, "b")
-    assert (a.global_head_dim, a.num_global_key_value_heads) == (64, 1)
+    assert (a.global_head_dim, a.num_global_key_value_heads) == (512, 1)
     assert vars(a) == vars(b)
     nested = model_config({"model_type": "gemma4", "text_config": published,
                            "tie_word_embeddings": True}, "c")

@@ -46,9 +46,16 @@ def test_mixed_batches_match_eager(heads, block_size, dtype):
                                max_context=2 * block_size + 7, max_new=block_size + 9))
 
 
-@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 128, 256, 512])
 def test_head_sizes(head_size):
     check(make_paged_batch(3, head_size=head_size, dtype=DTYPES[-1], device=DEVICE))
+
+
+def test_heads_of_512_in_groups_of_8():
+    """Gemma-4-31B's global layers: 8 query heads to a KV head of 512 (a prefill tile holds
+    2 of them, so the group runs as 4 tiles of heads), mixed prefills and decodes."""
+    check(make_paged_batch(5, num_heads=16, num_kv_heads=2, head_size=512, dtype=DTYPES[-1],
+                           device=DEVICE))
 
 
 @pytest.mark.parametrize("window,cap", [(19, None), (None, 20.0), (7, 5.0)])

@@ -37,7 +37,7 @@ def block_n(head_size: int) -> int:
     """Keys a program takes per step."""
     if interpreting():
         return 16
-    return 64 if head_size > 128 else 128
+    return 32 if head_size > 256 else 64 if head_size > 128 else 128
 
 
 def num_splits(batch: int, spec: LayerSpec, device: torch.device,
@@ -86,7 +86,8 @@ def decode(q: torch.Tensor, kv_blocks: torch.Tensor, out: torch.Tensor, part: to
         GP=max(16, _pow2(group)), D=spec.head_size, BLOCK_N=block_n(spec.head_size),
         USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, DIRECT=part is out,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_SINKS=sinks is not None,
-        **({} if interpreting() else {"num_warps": 4, "num_stages": 2}))
+        **({} if interpreting() else {"num_warps": 8 if spec.head_size > 256 else 4,
+                                      "num_stages": 2}))
 
 
 def _pow2(n: int) -> int:
