@@ -32,7 +32,7 @@ FP8_KV_TOL = 4e-2  # bf16 queries over an FP8 cache, compared with eager over th
 GQA_RATIOS = (1, 2, 4, 8)
 
 
-HEAD_SIZES = (64, 128, 256)
+HEAD_SIZES = (64, 128, 256, 512)  # 512: Gemma 4's global layers
 
 
 PAGE_SIZES = (16, 32)
