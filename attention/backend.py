@@ -162,6 +162,9 @@ class AttentionBackend(ABC):
     supports_soft_cap: ClassVar[bool] = False
     supports_sinks: ClassVar[bool] = False
     supports_fp8_kv_cache: ClassVar[bool] = False
+    # Whether its kernels read a cache of any strides and page size: it may attend through a
+    # view of another backend's KV slabs (a model whose KV groups run two backends)
+    reads_any_strides: ClassVar[bool] = False
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16,
                                                            torch.float32)
     default_block_size: ClassVar[int] = 16
@@ -210,6 +213,13 @@ class AttentionBackend(ABC):
         """The cache seen as [num_blocks, 2, block_size, num_kv_heads, head_size] (a view), the
         layout tests and `verify` fill and compare in."""
         return kv_cache
+
+    @staticmethod
+    def from_blocks_view(blocks: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``blocks_view``: this backend's cache seen in a [num_blocks, 2,
+        block_size, num_kv_heads, head_size] tensor of any strides (a view; a layer whose pages
+        share another backend's slab)."""
+        return blocks
 
     @classmethod
     def describe(cls, device: torch.device) -> str:

@@ -70,6 +70,7 @@ class EagerBackend(AttentionBackend):
     supports_sinks = True
     supports_fp8_kv_cache = True
     supported_dtypes = (torch.float16, torch.bfloat16, torch.float32)
+    reads_any_strides = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

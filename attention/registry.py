@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
@@ -80,36 +81,77 @@ def _auto_flavour_ok(name: str, device: torch.device) -> bool:
     return flavours is None or _load(name).flavour(device).name in flavours
 
 
+def _why_not(cls: type[AttentionBackend], device: torch.device, specs: list,
+             dtype: torch.dtype, kv_dtype: torch.dtype) -> str | None:
+    """Why ``cls`` cannot run these layers (a soft cap, a window, a head size, the dtype, an
+    FP8 KV cache), or None."""
+    for spec in specs:
+        why = cls.check_layer(spec, dtype)
+        if why:
+            return why
+    return cls.fp8_kv_reason(device) if kv_dtype.itemsize == 1 else None
+
+
+def _auto_candidates(device: torch.device) -> Iterator[type[AttentionBackend]]:
+    """The backends ``auto`` may take here, best first (never the eager reference on a GPU),
+    each loaded only when asked for."""
+    for cand in _AUTO_ORDER.get(device.type, ["eager"]):
+        if cand == "eager" and device.type == "cuda":  # the reference is for checks only
+            break
+        if cand in _BACKENDS and unavailable_reason(cand, device) is None \
+                and _auto_flavour_ok(cand, device):
+            yield _load(cand)
+
+
+def backends_for_groups(name: str, device: torch.device, groups: list[list],
+                        dtype: torch.dtype, kv_dtype: torch.dtype, model: str,
+                        whole: list[bool] | None = None
+                        ) -> tuple[type[AttentionBackend], list[type[AttentionBackend]]]:
+    """The backend whose layout the KV slabs take, and each KV group's (``groups``: each
+    group's layer specs; ``whole``: whether its layers fill their slabs' pages). A named
+    backend runs every group (``backend_for_model``). ``auto`` gives each group the best
+    backend that runs its layers (Gemma 4: FA4 on the 256-wide window layers, triton on the
+    512-wide global ones) where the mix shares one pool: every backend but one reads a cache
+    of any strides and page size (``reads_any_strides``: it attends through a view of the
+    other's slabs), and that one runs only groups whose layers fill their pages (its caches
+    are then its own layout, unstrided); otherwise one backend runs the model."""
+    one = backend_for_model(name, device, [s for g in groups for s in g], dtype, kv_dtype,
+                            model) if name != "auto" else None
+    if one is not None:
+        return one, [one] * len(groups)
+    chosen: list[type[AttentionBackend] | None] = [None] * len(groups)
+    for cls in _auto_candidates(device):  # best first, until every group has one
+        chosen = [c or (cls if _why_not(cls, device, g, dtype, kv_dtype) is None
+                        and (cls.reads_any_strides or fills) else None)
+                  for c, g, fills in zip(chosen, groups, whole or [True] * len(groups))]
+        if None not in chosen:
+            break
+    fixed = {c for c in chosen if c is not None and not c.reads_any_strides}
+    if None in chosen or len(fixed) > 1 or len(set(chosen)) == 1:
+        one = backend_for_model(name, device, [s for g in groups for s in g], dtype, kv_dtype,
+                                model)
+        return one, [one] * len(groups)
+    return (fixed.pop() if fixed else chosen[0]), chosen
+
+
 def backend_for_model(name: str, device: torch.device, specs: list, dtype: torch.dtype,
                       kv_dtype: torch.dtype, model: str) -> type[AttentionBackend]:
     """``get_backend`` for a model of these layer ``specs``: ``auto`` passes over backends
     that cannot run one of its layers (a soft cap, a window, a head size, the dtype, an FP8
     KV cache) for the next that can, and on a GPU never takes the eager reference (it says
     why none can); a named one that cannot is a one-line error."""
-    def why_not(cls: type[AttentionBackend]) -> str | None:
-        for spec in specs:
-            why = cls.check_layer(spec, dtype)
-            if why:
-                return why
-        return cls.fp8_kv_reason(device) if kv_dtype.itemsize == 1 else None
-
     if name != "auto":
         cls = get_backend(name, device)
-        why = why_not(cls)
+        why = _why_not(cls, device, specs, dtype, kv_dtype)
         if why:
             raise BackendCannotRun(f"backend '{cls.name}' cannot run {model}: {why}")
         return cls
     reasons = []
-    for cand in _AUTO_ORDER.get(device.type, ["eager"]):
-        if cand == "eager" and device.type == "cuda":  # the reference is for checks only
-            break
-        if cand in _BACKENDS and unavailable_reason(cand, device) is None \
-                and _auto_flavour_ok(cand, device):
-            cls = _load(cand)
-            why = why_not(cls)
-            if why is None:
-                return cls
-            reasons.append(f"{cand}: {why}")
+    for cls in _auto_candidates(device):
+        why = _why_not(cls, device, specs, dtype, kv_dtype)
+        if why is None:
+            return cls
+        reasons.append(f"{cls.name}: {why}")
     hint = (": the eager reference (float32, every page dense) is for checks, not runs; "
             "--backend eager runs it anyway" if device.type == "cuda" else "")
     if kv_dtype.itemsize == 1 and device.type == "cuda":

@@ -116,6 +116,7 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     supports_sliding_window = True
     supports_sinks = True
+    reads_any_strides = True
 
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:

@@ -248,6 +248,7 @@ class TritonBackend(AttentionBackend):
     supports_sinks = True
     supports_fp8_kv_cache = True
     supported_dtypes = (torch.float16, torch.bfloat16)
+    reads_any_strides = True
 
     @classmethod
     def get_supported_dtypes(cls) -> tuple[torch.dtype, ...]:

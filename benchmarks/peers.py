@@ -24,6 +24,8 @@ Workloads (``--workloads a,b,c``; workloads.py):
      tokens, 16-512 output
   q: Llama-3-8B-shaped, 4 questions about each of 256 documents of 1,024 tokens, listed
      question by question, 32 output, both systems in a KV cache of 196,608 tokens
+  (and the families' own: workloads.py's table, e.g. u and w: Gemma-4-31B on a's shape and on
+  16 prompts of 8k-30k tokens)
 
 Each figure is the median of ``--repeats`` runs (``--peer-repeats`` for transformers, whose runs
 are long). Beside the measured time it prints a roofline estimate (``roofline.py``: prefill

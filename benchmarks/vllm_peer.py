@@ -54,7 +54,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM"}
+                 "gpt_oss": "GptOssForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
 # text-only families vLLM registers only as their multimodal checkpoints: the text config
 # goes under ``text_config`` and vLLM runs with ``language_model_only`` (no vision tower)
 MULTIMODAL = {"qwen3_5_text": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),

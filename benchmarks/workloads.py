@@ -111,6 +111,8 @@ WORKLOADS = {
     "t": Workload("llama-3-8b", 512, (1000, 1000), (1000, 1000)),
     "e": Workload("gemma-3-27b", 16, (8192, 30000), (128, 128)),
     "f": Workload("gemma-3-12b", 16, (8192, 30000), (128, 128)),
+    "u": Workload("gemma-4-31b", 256, (128, 1024), (256, 256)),
+    "w": Workload("gemma-4-31b", 16, (8192, 30000), (128, 128)),
 }
 WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o", "j")}
 

@@ -40,7 +40,10 @@ def _main(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 @app.command()
 @cli_errors
 def backends(device: Optional[str] = typer.Option(
-        None, help="auto, cpu, cuda or cuda:N [default: auto].")) -> None:
+        None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+        model: Optional[str] = typer.Option(
+            None, help="Also show the KV groups of this model (a preset, checkpoint directory, "
+                       "GGUF file or Hub id) and the backend auto runs each on.")) -> None:
     """List the attention backends and whether each runs here (and why not), and the
     environment variables pagedgen reads."""
     from pagedgen.attention.registry import backend_status, get_backend
@@ -56,6 +59,8 @@ def backends(device: Optional[str] = typer.Option(
     out = out_console()
     out.print(table)
     out.print(f"auto → {get_backend('auto', dev).name}")
+    if model:
+        out.print(_model_groups(model, dev))
     env = Table(title="environment variables (none is needed; each overrides a choice)",
                 title_justify="left")
     for col in ("variable", "now", "meaning", "unset"):
@@ -64,6 +69,30 @@ def backends(device: Optional[str] = typer.Option(
         env.add_row(var.name, escape(var.get() or "-"), escape(var.meaning),
                     escape(var.default))
     out.print(env)
+
+
+def _model_groups(model: str, dev) -> Table:
+    """The model's KV groups (kind, layers, KV shape) and the backend ``auto`` runs each on."""
+    from pagedgen.runtime.config import EngineConfig
+    from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = EngineConfig(model=model)
+    hf = resolve_model(model).hf_config
+    specs = registry.model_class(hf).layer_specs(hf, 1)
+    layout = plan_layout(specs, cfg.kv_cache_groups)
+    dtype = cfg.torch_dtype(dev)
+    _, chosen = group_backends(specs, layout, "auto", dev, dtype, cfg.cache_dtype(dtype), model)
+    table = Table(title=f"{model}: KV groups and auto's backend for each on {dev}",
+                  title_justify="left", caption=layout.note)
+    for col in ("group", "attends to", "layers", "KV heads x head size", "backend"):
+        table.add_column(col)
+    for i, (g, b) in enumerate(zip(layout.groups, chosen)):
+        kinds = sorted({f"{specs[j].num_kv_heads} x {specs[j].head_size}" for j in g.layers})
+        table.add_row(str(i), "every token" if g.window is None else f"last {g.window:,}",
+                      str(len(g.layers)), ", ".join(kinds), b.name)
+    return table
 
 
 app.command()(generate)

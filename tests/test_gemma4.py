@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
+from pagedgen.attention.sdpa import SdpaBackend, SdpaImpl
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
@@ -68,16 +69,94 @@ def test_samples_of_one_prompt_each_equal_a_greedy_run(path):
 
 
 def test_two_kv_shapes_plan_their_own_groups_and_shared_layers_hold_no_cache(path):
-    """The local layers (heads of 64) and the global ones (512) plan a group each; a layer that
-    reads another's K/V has no cache of its own."""
+    """The local layers (heads of 64) and the global ones (512) plan groups of their own kind;
+    a layer that reads another's K/V has no cache of its own."""
     eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
                               block_size=8, max_num_seqs=4, max_num_batched_tokens=64))
     cfg, runner = eng.runner.model.config, eng.runner
     owners = cfg.num_hidden_layers - cfg.num_kv_shared_layers
     assert len(runner.kv_caches) == len(runner.specs) == owners
-    assert [g.window for g in runner.layout.groups] == [None, 12]
-    assert {runner.specs[i].head_size for i in runner.layout.groups[0].layers} == {512}
-    assert {runner.specs[i].head_size for i in runner.layout.groups[1].layers} == {64}
+    kinds = [{(runner.specs[i].sliding_window, runner.specs[i].head_size) for i in g.layers}
+             for g in runner.layout.groups]
+    assert kinds[0] == {(None, 512)} and {(12, 64)} in kinds
+    assert all(k in ({(None, 512)}, {(12, 64)}) for k in kinds)
+    assert all(g.window is None for g, k in zip(runner.layout.groups, kinds) if k == {(None, 512)})
+
+
+def test_window_layers_wider_than_the_global_ones_hold_just_their_window(tmp_path):
+    """Gemma-4-31B's proportions (window layers 4 KV heads of 64, global ones one of 128, half
+    as wide: two to a slab's page): in a budget that holds the four sequences at once only
+    because the window layers keep just their window, none is preempted; with every layer
+    holding every page the same bytes take more steps. Both give transformers' tokens."""
+    from test_kv_groups import PARAMS, PROMPTS, reference
+
+    path = make_checkpoint("gemma4_text", tmp_path, num_key_value_heads=4, global_head_dim=128,
+                           attention_k_eq_v=True, num_global_key_value_heads=1)
+    want, steps = reference(path), {}
+    for groups in (True, False):
+        eng = Engine(EngineConfig(model=str(path), device="cpu", dtype="float32",
+                                  backend="eager", block_size=8, kv_cache_memory=96 * 8 * 512 * 4,
+                                  max_num_seqs=8, max_num_batched_tokens=64,
+                                  kv_cache_groups=groups))
+        seqs = eng.generate(PROMPTS, PARAMS)
+        assert [s.output_token_ids for s in seqs] == want, groups
+        steps[groups] = eng.stats.num_steps
+        if groups:
+            layout = eng.runner.layout
+            assert layout.num_slabs == 1 and layout.groups[0].layers == (2, 5)
+            assert [layout.share(i) for i in (2, 5)] == [(0, 2), (1, 2)]
+            assert eng.stats.num_preemptions == 0
+    assert steps[False] > steps[True]
+
+
+class Sdpa256(SdpaBackend):
+    """A stand-in for FA4 on a CPU: heads up to 256 (its kernels refuse wider ones), and
+    kernels that read only their own cache strides."""
+
+    name = "sdpa-256"
+    reads_any_strides = False
+
+    @staticmethod
+    def get_supported_head_sizes() -> list[int]:
+        return [64, 128, 256]
+
+    @staticmethod
+    def get_impl_cls():
+        class Impl(SdpaImpl):
+            def attend(self, q, k, v, kv_cache, metadata):
+                assert q.shape[-1] <= 256 and kv_cache.is_contiguous()
+                return super().attend(q, k, v, kv_cache, metadata)
+        return Impl
+
+
+def test_auto_runs_each_kv_group_on_the_best_backend_that_takes_it(tmp_path, monkeypatch):
+    """With a backend before sdpa that takes heads up to 256 only, ``auto`` runs the local
+    groups on it and the 512-wide global group on sdpa (which reads the other's slabs through
+    views): transformers' logits, and the summary names both. Where the local layers do not
+    fill their slabs' pages (narrower than the global ones), or neither backend reads the
+    other's strides, one backend runs the model."""
+    from pagedgen.attention import registry
+
+    monkeypatch.setitem(registry._BACKENDS, "sdpa-256", f"{__name__}:Sdpa256")
+    monkeypatch.setitem(registry._AUTO_ORDER, "cpu", ["sdpa-256", "sdpa"])
+    # local layers 4 KV heads of 128, global ones 1 of 512: as wide, a slab page each
+    path = make_checkpoint("gemma4_text", tmp_path / "even", head_dim=128,
+                           num_key_value_heads=4, **VARIANTS["k-eq-v"])
+    narrow = make_checkpoint("gemma4_text", tmp_path / "narrow", **VARIANTS["k-eq-v"])
+    check_logits(path, "auto")
+
+    def backends(p) -> Engine:
+        return Engine(EngineConfig(model=str(p), device="cpu", dtype="float32", block_size=8,
+                                   max_num_seqs=4, max_num_batched_tokens=64))
+    runner = backends(path).runner
+    on = {runner.specs[i].head_size: b.name for b, g in zip(runner.group_backends,
+                                                           runner.layout.groups)
+          for i in g.layers}
+    assert on == {128: "sdpa-256", 512: "sdpa"} and runner.backend.name == "sdpa-256"
+    assert runner.backend_name == "sdpa-256 (4 layers) + sdpa (2 layers)"
+    assert backends(narrow).backend_name == "sdpa"  # local layers half a page each
+    monkeypatch.setattr(SdpaBackend, "reads_any_strides", False)
+    assert backends(path).backend_name == "sdpa"
 
 
 def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():

@@ -80,3 +80,40 @@ def test_window_groups_give_the_tokens_of_one_group(model, backend, tmp_path):
     print(model, backend, eng.runner.layout.describe(), f"peak KV held {held / 2**20:.1f} MiB,",
           f"one group {one / 2**20:.1f} MiB")
     assert held < one
+
+
+# Gemma 4's proportions on a small scale: window layers 4 KV heads of 128, global ones one KV
+# head of 512 (as wide: each fills its slab's pages), values the keys' projection
+GEMMA4 = dict(BASE, model_type="gemma4_text", num_hidden_layers=6, num_key_value_heads=4,
+              head_dim=128, global_head_dim=512, attention_k_eq_v=True,
+              num_global_key_value_heads=1, sliding_window=48, final_logit_softcapping=30.0,
+              hidden_size_per_layer_input=0,
+              layer_types=["sliding_attention"] * 2 + ["full_attention"]
+              + ["sliding_attention"] * 2 + ["full_attention"])
+
+
+def test_gemma4_runs_flash_attn_beside_triton_as_triton_alone_does(tmp_path):
+    """``auto`` runs the window groups on FA4 and the 512-wide global group on triton, in one
+    pool: the prefill logits (whole, and in chunks over cached pages past the window) agree
+    with triton running every layer, to bf16's rounding."""
+    from test_hf_equivalence import prefill_logits
+
+    if not {"flash-attn", "triton"} <= available():
+        pytest.skip("needs flash-attn and triton")
+    profile = tmp_path / "gemma4.yaml"
+    profile.write_text(yaml.safe_dump({"model": {"name": "gemma4", "tokenizer": "byte",
+                                                 "config": GEMMA4}}))
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    logits = {}
+    for backend in ("auto", "triton"):
+        eng = Engine(EngineConfig(model=str(profile), backend=backend, load_format="dummy",
+                                  max_num_seqs=16, max_num_batched_tokens=512,
+                                  kv_cache_memory="1GiB"))
+        logits[backend] = [prefill_logits(eng, prompt, chunk).float() for chunk in (300, 100)]
+        print(backend, eng.backend_name, eng.runner.layout.describe())
+        if backend == "auto":
+            assert eng.backend_name == "flash-attn (4 layers) + triton (2 layers)"
+    for auto, alone in zip(logits["auto"], logits["triton"]):
+        err = (auto - alone).abs().max() / alone.abs().max()
+        print(f"largest difference {err:.2e} of the largest logit")
+        assert err < 2e-2

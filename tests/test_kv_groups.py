@@ -50,12 +50,57 @@ def test_a_mixed_model_plans_a_group_per_kind_of_equally_many_layers():
     assert [(g.window, g.layers) for g in windows_only.groups] == [(None, (1, 3)), (64, (0, 2))]
 
 
-def test_a_model_with_two_head_sizes_plans_two_groups():
-    """Gemma 4's shape: window layers of head size 256, global ones of 512 (fewer KV heads)."""
-    layout = plan_layout(specs(([512] * 5 + [None]) * 2, heads=[(8, 256)] * 5 + [(2, 512)]))
-    assert [(g.window, g.layers) for g in layout.groups] == [
-        (None, (5, 11)), (512, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10))]
-    assert layout.num_slabs == 12 and "no memory yet" in layout.note  # a tensor per layer
+def test_a_model_with_two_kv_shapes_shares_one_pool_of_pages():
+    """Gemma-4-31B's shape: 50 window layers of 16 KV heads of 256, 10 global ones of 4 of 512
+    (half as wide): the global layers take half a slab's page each, two to a slab, so every
+    group has 5 slabs and the window groups' pages save memory as the one-shape models' do."""
+    layout = plan_layout(specs(([1024] * 5 + [None]) * 10, heads=[(16, 256)] * 5 + [(4, 512)]))
+    glob = tuple(range(5, 60, 6))
+    assert [(g.window, len(g.layers)) for g in layout.groups] == [(None, 10)] + [(1024, 5)] * 10
+    assert layout.groups[0].layers == glob and layout.num_slabs == 5 and layout.note is None
+    assert [(layout.slots[i], layout.share(i)) for i in glob] == \
+        [(j % 5, (j // 5, 2)) for j in range(10)]
+    for g in layout.groups[1:]:  # a window layer fills its slab's page
+        assert sorted(layout.slots[i] for i in g.layers) == list(range(5))
+        assert {layout.share(i) for i in g.layers} == {(0, 1)}
+    odd = plan_layout(specs([512, None] * 2, heads=[(8, 256), (3, 512)]))  # 2048 and 1536
+    assert len(odd.groups) == 2 and odd.num_slabs == 4 and "do not divide" in odd.note
+
+
+def test_layers_sharing_a_slab_write_their_own_bytes():
+    """Each layer's cache is a view of its share of its slab's pages, in its backend's layout
+    (a flash-attn slab keeps K and V apart; an eager group reads it through a view): a write
+    into one layer leaves the bytes of every other layer of its group as they were (a page id
+    belongs to one group at a time)."""
+    from pagedgen.attention.eager import EagerBackend
+    from pagedgen.attention.flash_attn.backend import FlashAttnBackend
+    from pagedgen.attention.ops.kv_cache import write_kv
+    from pagedgen.runtime.engine.kv_memory import KVMemory
+
+    layer_specs = specs(([16] * 2 + [None]) * 2, heads=[(4, 32)] * 2 + [(1, 64)])
+    layout = plan_layout(layer_specs)  # globals 2 and 5 (64 wide) share slab 0's pages
+    group = layout.group_of()
+    assert layout.groups[0].layers == (2, 5) and layout.num_slabs == 1
+    for primary, backends in [(EagerBackend, None),  # the global group eager, the rest FA
+                              (FlashAttnBackend, [EagerBackend] + [FlashAttnBackend] * 4)]:
+        kv = KVMemory(primary, layer_specs, layout, 4, torch.float32, torch.device("cpu"),
+                      backends)
+        caches = kv.allocate(6)
+        assert kv.page_bytes() == 2 * 4 * 128 * 4 * layout.num_slabs
+        for i, cache in enumerate(caches):
+            before = [c.clone() for c in caches]
+            s = layer_specs[i]
+            k = torch.randn(3, s.num_kv_heads, s.head_size)
+            v = torch.randn(3, s.num_kv_heads, s.head_size)
+            slots = torch.tensor([1, 9, 22])
+            blocks = kv.layer_backends[i].blocks_view(cache)
+            assert tuple(blocks.shape) == (6, 2, 4, s.num_kv_heads, s.head_size)
+            write_kv(blocks, k, v, slots)
+            assert torch.equal(blocks[slots // 4, 0, slots % 4], k)
+            assert torch.equal(blocks[slots // 4, 1, slots % 4], v)
+            for j, c in enumerate(caches):  # a page id is one group's: its layers apart
+                if j != i and group[j] == group[i]:
+                    assert torch.equal(c, before[j]), (i, j)
 
 
 # ---- the block manager ------------------------------------------------------------------------

@@ -209,6 +209,10 @@ class FlashAttnBackend(AttentionBackend):
     def blocks_view(kv_cache: torch.Tensor) -> torch.Tensor:
         return kv_cache.transpose(0, 1)
 
+    @staticmethod
+    def from_blocks_view(blocks: torch.Tensor) -> torch.Tensor:
+        return blocks.transpose(0, 1)
+
     @classmethod
     def flavour(cls, device: torch.device | None = None) -> Flavour:
         device = device or torch.device("cuda")

@@ -79,12 +79,17 @@ def write_kv_split(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor
 
 def _write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale) -> None:
     num_blocks, _, block_size, h, d = kv_cache.shape
-    rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
-    flat = kv_cache.view(num_blocks * 2 * block_size, h, d)
     if kv_cache.dtype.itemsize == 1 and kv_cache.dtype.is_floating_point:
         k = (k.float() / k_scale).to(kv_cache.dtype).view(torch.uint8)
         v = (v.float() / v_scale).to(kv_cache.dtype).view(torch.uint8)
-        flat = flat.view(torch.uint8)
+        kv_cache = kv_cache.view(torch.uint8)
+    if not kv_cache.is_contiguous():  # a layer's share of a slab's pages (kv_memory.py)
+        blk, off = slot_mapping // block_size, slot_mapping % block_size
+        kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
+        kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+        return
+    rows = slot_mapping // block_size * (2 * block_size) + slot_mapping % block_size
+    flat = kv_cache.view(num_blocks * 2 * block_size, h, d)
     flat.index_copy_(0, rows, k.to(flat.dtype))
     flat.index_copy_(0, rows + block_size, v.to(flat.dtype))
 

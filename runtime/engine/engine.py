@@ -137,7 +137,7 @@ class Engine:
 
     @property
     def backend_name(self) -> str:
-        return self.runner.backend.name
+        return self.runner.backend_name
 
     @property
     def startup_phases(self) -> dict[str, float]:

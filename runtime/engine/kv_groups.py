@@ -9,13 +9,17 @@ table lets its pages go as the window slides. Group 0 holds every token (the mod
 layers; in a model of windows only, its first window's layers, which then keep every page).
 
 Every group takes its pages from one pool, so the memory goes where the running sequences need
-it: a page id means the same bytes in every group. So groups hold equally many layers (the
+it: a page id means the same bytes in every group. So groups hold equally many slabs (the
 fewest of any kind: a kind with more is split; its last group padded where the count does not
 divide, as vLLM's hybrid KV cache manager does), and the K/V tensors are shared: layer ``j`` of
-every group uses slab ``j`` (``KVLayout.slots``), a [pages, 2, page, KV heads, head size] tensor.
-That needs one KV shape (heads and head size) for every layer; where layers differ (Gemma 4's
-512-wide global heads), the groups are planned the same but every layer keeps a tensor of its
-own, so a window group's pages save no memory yet (``KVLayout.note`` says so).
+every group uses slab ``j`` (``KVLayout.slots``), a [pages, 2, page, KV heads, head size] tensor
+of the widest layer's shape. Where layers' KV shapes differ (Gemma 4: window layers of 16 KV
+heads of 256, global ones of 4 of 512), a narrower kind shares a slab's page among layers
+(``KVLayout.shares``: layer ``j`` of such a group takes share ``j // slabs`` of slab
+``j % slabs``; Gemma 4's global layers two to a page), so every page id still means the same
+bytes, the pages are of one byte size, and a window group's pages save memory whatever its
+shape. Only widths that do not divide the widest fall back to a tensor per layer
+(``KVLayout.note`` says so).
 
 Hand-written: the grouping follows the design vLLM documents (docs/design/hybrid_kv_cache_manager)
 in a few lines of our own; no library plans KV memory for another engine's kernels.
@@ -26,7 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from pagedgen.attention.backend import LayerSpec
+import torch
+
+from pagedgen.attention.backend import AttentionBackend, LayerSpec
+from pagedgen.attention.registry import backends_for_groups
 
 
 @dataclass(frozen=True)
@@ -40,18 +47,28 @@ class KVGroup:
 @dataclass(frozen=True)
 class KVLayout:
     """A model's KV groups (group 0 first), each attention layer's slab (its index within its
-    group), how many slabs there are, and what the summary should say of it (why every layer
-    is in one group, or why the groups save no memory), if anything."""
+    group, modulo the slabs) and share of the slab's page (share, shares: 0, 1 where the layer
+    is as wide as the slab), how many slabs there are, and what the summary should say of it
+    (why every layer is in one group, or why the groups save no memory), if anything."""
 
     groups: tuple[KVGroup, ...]
     slots: tuple[int, ...]
     num_slabs: int
     note: str | None = None
+    shares: tuple[tuple[int, int], ...] = ()
+
+    def share(self, layer: int) -> tuple[int, int]:
+        """Layer ``layer``'s (share, shares) of its slab's page."""
+        return self.shares[layer] if self.shares else (0, 1)
 
     @property
     def windows(self) -> list[int | None]:
         """Each group's window after group 0 (the block manager's ``windows``)."""
         return [g.window for g in self.groups[1:]]
+
+    def fills(self, group: KVGroup) -> bool:
+        """Whether ``group``'s layers fill their slabs' pages (each is as wide as its slab)."""
+        return all(self.share(i)[1] == 1 for i in group.layers)
 
     def group_of(self) -> list[int]:
         """Each attention layer's group."""
@@ -75,27 +92,39 @@ def one_group(n: int, why: str | None = None) -> KVLayout:
 def plan_layout(specs: Sequence[LayerSpec], enabled: bool = True) -> KVLayout:
     """The KV groups of a model with these attention layers (``enabled`` False: one group)."""
     n = len(specs)
-    kinds: dict[int | None, list[int]] = {}
+    kinds: dict[tuple[int | None, int, int], list[int]] = {}  # (window, KV heads, head size)
     for i, s in enumerate(specs):
-        kinds.setdefault(s.sliding_window, []).append(i)
-    if len(kinds) < 2:
+        kinds.setdefault((s.sliding_window, s.num_kv_heads, s.head_size), []).append(i)
+    if len({k[0] for k in kinds}) < 2:  # one window (or none): every page held anyway
         return one_group(n)
     if not enabled:
         return one_group(n, "off (kv_cache_groups: false)")
-    # group 0: full attention, else the widest window (its pages then all kept)
-    order = sorted(kinds, key=lambda w: (w is not None, -(w or 0)))
-    if len({(s.num_kv_heads, s.head_size) for s in specs}) > 1:  # a tensor per layer
-        groups = [KVGroup(None if i == 0 else w, tuple(kinds[w])) for i, w in enumerate(order)]
+    # group 0: full attention (the widest such kind), else the widest window (its pages kept)
+    order = sorted(kinds, key=lambda k: (k[0] is not None, -(k[0] or 0), -k[1] * k[2]))
+    widest = max(k[1] * k[2] for k in kinds)
+    if any(widest % (k[1] * k[2]) for k in kinds):  # a tensor per layer
+        groups = [KVGroup(None if i == 0 else k[0], tuple(kinds[k]))
+                  for i, k in enumerate(order)]
         return KVLayout(tuple(groups), tuple(range(n)), n,
-                        "its layers' KV shapes differ: every layer keeps a tensor of its own, "
-                        "so the window groups' pages save no memory yet")
-    size = min(len(layers) for layers in kinds.values())
-    groups, slots = [], [0] * n
-    for w in order:
-        layers = kinds[w]
-        for start in range(0, len(layers), size):
-            part = tuple(layers[start:start + size])
-            groups.append(KVGroup(None if not groups else w, part))
+                        "its layers' KV widths do not divide one another: every layer keeps a "
+                        "tensor of its own, so the window groups' pages save no memory")
+    per_page = {k: widest // (k[1] * k[2]) for k in kinds}  # layers sharing a slab's page
+    size = min(-(-len(kinds[k]) // per_page[k]) for k in kinds)  # slabs
+    groups, slots, shares = [], [0] * n, [(0, 1)] * n
+    for k in order:
+        layers, span = kinds[k], size * per_page[k]
+        for start in range(0, len(layers), span):
+            part = tuple(layers[start:start + span])
+            groups.append(KVGroup(None if not groups else k[0], part))
             for j, layer in enumerate(part):
-                slots[layer] = j
-    return KVLayout(tuple(groups), tuple(slots), size)
+                slots[layer], shares[layer] = j % size, (j // size, per_page[k])
+    return KVLayout(tuple(groups), tuple(slots), size, shares=tuple(shares))
+
+
+def group_backends(specs: Sequence[LayerSpec], layout: KVLayout, name: str,
+                   device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, model: str
+                   ) -> tuple[type[AttentionBackend], list[type[AttentionBackend]]]:
+    """The backend whose layout the slabs take, and each group's (``backends_for_groups``)."""
+    return backends_for_groups(name, device, [[specs[i] for i in g.layers]
+                                              for g in layout.groups],
+                               dtype, kv_dtype, model, [layout.fills(g) for g in layout.groups])

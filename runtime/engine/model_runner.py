@@ -17,13 +17,12 @@ from pagedgen.attention.backend import AttentionBackend, plan_groups
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.profiling import scope
 from pagedgen.transfer import to_device
-from pagedgen.attention.registry import backend_for_model
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
 from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
-from pagedgen.runtime.engine.kv_groups import plan_layout
+from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
 from pagedgen.runtime.engine import memory_plan
 from pagedgen.runtime.engine.kv_memory import KVMemory
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
@@ -68,13 +67,19 @@ class ModelRunner:
             state_specs = model_cls.state_specs(hf, self.tp.size)
         except ValueError as e:  # a size the model's heads do not divide
             raise PagedgenError(f"{src.name}: {e}")
-        self.backend: type[AttentionBackend] = backend_for_model(
-            config.backend, self.device, self.specs, self.dtype, self.kv_dtype, src.name)
-        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
         # KV groups by layer kind (window layers hold their window's pages only), one pool
         self.layout = plan_layout(self.specs, config.kv_cache_groups)
+        # each group's backend (auto: the best that runs its layers); the slabs take the
+        # layout of ``backend``
+        self.backend: type[AttentionBackend]
+        self.backend, self.group_backends = group_backends(
+            self.specs, self.layout, config.backend, self.device, self.dtype, self.kv_dtype,
+            src.name)
+        self.block_size = self.backend.resolve_block_size(config.block_size)  # tokens per page
+        for b in set(self.group_backends):  # the others read any page size; say if not
+            b.resolve_block_size(self.block_size)
         self.kv = KVMemory(self.backend, self.specs, self.layout, self.block_size,
-                           self.kv_dtype, self.device)
+                           self.kv_dtype, self.device, self.group_backends)
         self.context_len = config.context_limit(hf)  # the model's (or --max-model-len)
         self.max_model_len = self.context_len  # lowered below to what the KV cache holds
         # Seconds each start-up phase took (the summary's start-up breakdown).
@@ -92,14 +97,13 @@ class ModelRunner:
         self.model.use_fused_kernels(self.fused_kernels)
         self.model.defer_all_reduces()  # -tp: each all-reduce in the RMSNorm after it
         # a backend state per KV group (its own plans and graph buffers over its page tables)
-        self.attn_states = [self.backend.get_state_cls()(
-            self.backend, [self.specs[i] for i in g.layers], self.block_size, self.dtype,
-            self.kv_dtype, self.device) for g in self.layout.groups]
+        self.attn_states = [b.get_state_cls()(
+            b, [self.specs[i] for i in g.layers], self.block_size, self.dtype,
+            self.kv_dtype, self.device) for b, g in zip(self.group_backends, self.layout.groups)]
         self.attn_state = self.attn_states[0]
         group_of = self.layout.group_of()
-        impl_cls = self.backend.get_impl_cls()
-        self.model.bind_attention([impl_cls(s, self.attn_states[group_of[i]])
-                                   for i, s in enumerate(self.specs)])
+        self.model.bind_attention([self.group_backends[group_of[i]].get_impl_cls()(
+            s, self.attn_states[group_of[i]]) for i, s in enumerate(self.specs)])
         for layer, g in zip(self._attention_layers(), group_of):
             layer.kv_group = g
         # linear-attention layers: a state slot per seat, before the KV cache takes the rest
@@ -116,9 +120,11 @@ class ModelRunner:
         # Decode steps whose sequences share prefix pages attend them once (cascade attention).
         self.builder = AttentionMetadataBuilder(
             self.block_size, self.device,
-            cascade=config.cascade_attention and self.attn_state.supports_cascade,
-            max_levels=self.attn_state.max_cascade_levels,
-            mixed=config.cascade_mixed_steps and self.attn_state.supports_mixed_cascade)
+            cascade=config.cascade_attention and all(s.supports_cascade
+                                                     for s in self.attn_states),
+            max_levels=min(s.max_cascade_levels for s in self.attn_states),
+            mixed=config.cascade_mixed_steps and all(s.supports_mixed_cascade
+                                                     for s in self.attn_states))
         try:
             self.num_blocks = self.tp.min(memory_plan.num_blocks(self), self.device)
         except torch.OutOfMemoryError:
@@ -155,7 +161,7 @@ class ModelRunner:
         log.info("KV cache: %d pages of %d tokens, %.2f GiB (%s, %s); backend %s",
                  self.num_blocks, self.block_size, self.kv_cache_bytes() / 2**30,
                  str(self.kv_dtype).removeprefix("torch."), self.layout.note or
-                 f"{len(self.layout.groups)} KV group(s)", self.backend.name)
+                 f"{len(self.layout.groups)} KV group(s)", self.backend_name)
         t = self._phase("kv_cache", t)
         self.last_sampled: list[Sequence] = []  # the last sampling step's sequences
         self.last_tokens: torch.Tensor | None = None  # and their tokens, on the device
@@ -167,7 +173,8 @@ class ModelRunner:
         self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
             if config.advance_decode_on_device else None
         self.graphs: CudaGraphRunner | None = None
-        if self.backend.supports_cuda_graphs and self.device.type == "cuda" \
+        if all(b.supports_cuda_graphs for b in self.group_backends) \
+                and self.device.type == "cuda" \
                 and not config.enforce_eager and (self.recurrent is None
                                                   or self.recurrent.kernels.scan != "torch"):
             self.graphs = CudaGraphRunner(
@@ -223,6 +230,17 @@ class ModelRunner:
         self.startup_phases[name] = now - since
         log.info("start-up: %s %.2f s", name.replace("_", " "), now - since)
         return now
+
+    @property
+    def backend_name(self) -> str:
+        """The backend, or where KV groups run two, each with the attention layers it runs
+        (``flash-attn (50 layers) + triton (10 layers)``)."""
+        layers = {self.backend.name: 0}  # the slabs' backend first
+        for b, g in zip(self.group_backends, self.layout.groups):
+            layers[b.name] = layers.get(b.name, 0) + len(g.layers)
+        if len(layers) == 1:
+            return self.backend.name
+        return " + ".join(f"{name} ({n} layers)" for name, n in layers.items())
 
     @property
     def cascade_steps(self) -> int:

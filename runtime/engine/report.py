@@ -21,7 +21,7 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
     prompt_tokens, output_tokens = st.prompt_tokens, st.output_tokens
     out = {
         "model": engine.src.name,
-        "backend": engine.runner.backend.name,
+        "backend": engine.runner.backend_name,
         "device": str(engine.runner.device),
         **({"threads": torch.get_num_threads()} if engine.runner.device.type == "cpu" else {}),
         **({"tensor_parallel_size": engine.runner.tp.size,
@@ -75,7 +75,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         out["mixed_graph_capture_s"] = pw.capture_time_s
         if pw.failed:
             out["mixed_graph_failed"] = {str(k): v for k, v in pw.failed.items()}
-    out.update(runner.attn_state.compile_stats())
+    for state in {s.backend: s for s in runner.attn_states}.values():  # one per backend
+        out.update(state.compile_stats())
     if runner.device.type == "cuda" and jit_monitor.MONITOR.installed:
         out.update(jit_monitor.MONITOR.summary(*engine.jit_marks))
     if kernel_plans.sources:
