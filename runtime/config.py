@@ -32,7 +32,8 @@ MAX_BLOCK_SIZE = 1024  # tokens per KV page (vLLM's largest is 256; FA2 needs 25
 MAX_SEATS = 65536  # sequences in a step
 MAX_BATCHED_TOKENS = 1 << 20  # tokens in a step
 # reasoning parsers (runtime/engine/reasoning.py: auto from the tokenizer's vocabulary)
-REASONING_PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony", "gpt_oss")
+REASONING_PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony", "gpt_oss",
+                     "gemma4")
 # structured output: the kinds of constraint a line can give (runtime/sampling/structured.py)
 STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

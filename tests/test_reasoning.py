@@ -200,6 +200,40 @@ def test_a_sample_cut_while_reasoning_says_so(thinker):
     assert line["reasoning_content"] == out.reasoning_content and is_complete(line)
 
 
+@pytest.fixture(scope="module")
+def gemma4_thinker(tmp_path_factory):
+    """A random checkpoint whose tokenizer has Gemma 4's ``<|channel>`` and ``<channel|>``."""
+    pytest.importorskip("gguf", reason="pip install gguf (the README's test command does)")
+    from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+
+    path = tmp_path_factory.mktemp("gemma4_thinker")
+    tok = copy.deepcopy(load_tokenizer(resolve_model("smollm2-135m")).tok)
+    tok.add_tokens(["<|channel>", "<channel|>"])
+    make_checkpoint("qwen3", path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
+    tok.save_pretrained(path)
+    return path, tok
+
+
+def test_gemma4_reasoning_between_its_channel_tags_without_the_thought_label(gemma4_thinker,
+                                                                            thinker):
+    """``auto`` finds Gemma 4's tags; ``<|channel>thought\nplan<channel|>answer`` gives the
+    reasoning "plan" (the label the model writes first dropped, as transformers'
+    ``parse_thinking_output`` does) and the answer after the closing tag. A tokenizer
+    without them refuses the parser in one line."""
+    path, tok = gemma4_thinker
+    open_, close = tok.convert_tokens_to_ids(["<|channel>", "<channel|>"])
+    label = tok.encode("thought\n", add_special_tokens=False)
+    plan = tok.encode("check the sum", add_special_tokens=False)
+    answer = tok.encode(" 42", add_special_tokens=False)
+    script = [open_, *label, *plan, close, *answer]
+    for parser in ("auto", "gemma4"):
+        out = run(path, script, SamplingParams(max_tokens=len(script), temperature=0.0,
+                                               ignore_eos=True), parser)[0].outputs[0]
+        assert out.reasoning_content == "check the sum" and out.text == " 42", parser
+    with pytest.raises(PagedgenError, match=r"no <\|channel> and <channel\|> tokens"):
+        run(thinker[0], [], SamplingParams(max_tokens=4), parser="gemma4")
+
+
 def test_no_reasoning_without_its_tokens_and_none_turns_it_off(thinker, tmp_path):
     path, tok = thinker
     out = run(path, [], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),

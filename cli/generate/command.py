@@ -139,8 +139,9 @@ def generate(
     reasoning_parser: Optional[str] = typer.Option(
         None, help="How a reasoning model's thinking is split from its answer (into "
                    "reasoning_content; structured output constrains the answer only): auto "
-                   "(from the tokenizer: <think> tags or gpt-oss's harmony channels), none, "
-                   "qwen3, deepseek_r1, gpt_oss [default: auto]."),
+                   "(from the tokenizer: <think> tags, gpt-oss's harmony channels or Gemma "
+                   "4's <|channel> tags), none, qwen3, deepseek_r1, gpt_oss, gemma4 "
+                   "[default: auto]."),
     logprobs: Optional[int] = typer.Option(
         None, help="Log-probabilities per output token, with this many top alternatives "
                    "(0-20), where a line sets none [default: none]."),

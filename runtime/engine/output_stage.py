@@ -130,7 +130,7 @@ class OutputStage:
                 if reasoning is not None:
                     start = len(self.decode(seq, ids[:r.spans[0][0]]))
                     reasoning = reasoning[:max(0, seq.stop_text_end - start)]
-        return text, reasoning
+        return text, None if reasoning is None else r.parser.reasoning_text(reasoning)
 
     def request_output(self, samples: list[Sequence]) -> RequestOutput:
         """The output of a request whose ``samples`` have all finished."""

@@ -13,6 +13,9 @@ the first answer token: ``answer_start``).
   its first token is ``<think>`` (Qwen3's thinking mode; with thinking off its template closes
   an empty block in the prompt). A ``<think>`` earlier in the prompt (a user's text that
   mentions the tag) opens nothing.
+* ``gemma4``: the ``think`` rules on Gemma 4's tags, reasoning between ``<|channel>`` and
+  ``<channel|>``; the ``thought`` label the model writes first inside (``<|channel>thought\n``)
+  is not reasoning, and is dropped from it (as transformers' ``parse_thinking_output`` does).
 * ``harmony`` (gpt-oss): messages ``<|start|>ROLE<|channel|>NAME<|message|>...<|end|>``; the
   ``final`` channel's message is the answer, the others (``analysis``, ``commentary``) the
   reasoning. Text outside any message (a completion of a plain prompt) is answer too: nothing
@@ -21,7 +24,8 @@ the first answer token: ``answer_start``).
 The parser runs on every request of a run, except OpenAI ``/v1/completions`` bodies where the
 run does not name one (``SamplingParams.reasoning``: vLLM applies no parser to completions).
 
-``qwen3`` and ``deepseek_r1`` name the ``think`` parser, ``gpt_oss`` the ``harmony`` one.
+``qwen3`` and ``deepseek_r1`` name the ``think`` parser, ``gpt_oss`` the ``harmony`` one;
+``auto`` takes harmony, think or gemma4, whichever's tokens the vocabulary holds.
 
 Hand-written, in a few states per sample: openai-harmony's ``StreamableParser`` runs over a
 ``HarmonyEncoding``, which loads only where the vocabulary is gpt-oss's own (the library checks
@@ -40,6 +44,8 @@ from pagedgen.runtime.config import REASONING_PARSERS
 PARSERS = REASONING_PARSERS
 _ALIASES = {"qwen3": "think", "deepseek_r1": "think", "gpt_oss": "harmony"}
 HARMONY_TOKENS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>")
+TAGS = {"think": ("<think>", "</think>"), "gemma4": ("<|channel>", "<channel|>")}
+LABELS = {"gemma4": "thought\n"}  # what the model writes first inside its reasoning tags
 
 
 def token_id(tokenizer: Any, text: str) -> int | None:
@@ -55,8 +61,9 @@ def token_id(tokenizer: Any, text: str) -> int | None:
 
 @dataclass(frozen=True)
 class ReasoningParser:
-    """A run's parser: ``kind`` "think" (``start``/``end`` the tag ids) or "harmony"
-    (``start`` <|channel|>, ``end`` <|message|>, ``close`` <|end|>, ``role`` <|start|>)."""
+    """A run's parser: ``kind`` "think" (``start``/``end`` the tag ids; ``label``: text its
+    reasoning begins with that is not reasoning) or "harmony" (``start`` <|channel|>, ``end``
+    <|message|>, ``close`` <|end|>, ``role`` <|start|>)."""
 
     kind: str
     start: int
@@ -64,6 +71,11 @@ class ReasoningParser:
     close: int | None = None
     decode: Any = None  # ids → text (a harmony channel's name; what follows a prompt's tag)
     role: int | None = None
+    label: str | None = None
+
+    def reasoning_text(self, text: str) -> str:
+        """A reasoning span's text without the ``label`` it begins with."""
+        return text[len(self.label):] if self.label and text.startswith(self.label) else text
 
     def state(self, prompt_ids) -> ReasoningState:
         """A new sample's state, from its prompt."""
@@ -85,18 +97,19 @@ def make_parser(name: str, tokenizer: Any) -> ReasoningParser | None:
     if name == "none":
         return None
     kind = _ALIASES.get(name, name)
-    think = [token_id(tokenizer, t) for t in ("<think>", "</think>")]
+    tags = {k: [token_id(tokenizer, t) for t in pair] for k, pair in TAGS.items()}
     harmony = [token_id(tokenizer, t) for t in HARMONY_TOKENS]
     if kind == "auto":
-        kind = "harmony" if None not in harmony else "think" if None not in think else None
+        kind = next((k for k, ids in [("harmony", harmony), *tags.items()] if None not in ids),
+                    None)
         if kind is None:
             return None
     decode = lambda ids: tokenizer.decode(ids, True, False)  # noqa: E731
-    if kind == "think":
-        if None in think:
-            raise ValueError(f"reasoning parser '{name}': the tokenizer has no <think> and "
-                             "</think> tokens")
-        return ReasoningParser("think", *think, decode=decode)
+    if kind in TAGS:
+        if None in tags[kind]:
+            raise ValueError(f"reasoning parser '{name}': the tokenizer has no "
+                             f"{' and '.join(TAGS[kind])} tokens")
+        return ReasoningParser("think", *tags[kind], decode=decode, label=LABELS.get(kind))
     if None in harmony:
         raise ValueError(f"reasoning parser '{name}': the tokenizer has no harmony tokens "
                          f"({', '.join(HARMONY_TOKENS)})")
