@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -44,6 +44,9 @@ class AttentionMetadata:
     ``kv_groups``: the step over each further KV group's pages (runtime/engine/kv_groups.py:
     window layers' own page tables): the same sequences and tokens, their own slot mapping and
     block tables, no cascade; a layer of group ``g`` attends with ``group(g)``.
+    ``model_inputs``: what the model reads of a step beside token ids and positions, where
+    there is more (a multimodal step's image embeddings and M-RoPE positions:
+    runtime/models/multimodal.py's ``StepImages``); None otherwise.
     """
 
     num_prefills: int
@@ -60,6 +63,7 @@ class AttentionMetadata:
     cascade: CascadeLayout | None = None
     cascade_segments: int = 0
     state_slots: torch.Tensor | None = None
+    model_inputs: Any = None
     kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)

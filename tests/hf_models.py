@@ -127,3 +127,56 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
     fast.chat_template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} "
                           "{% endfor %}{% if add_generation_prompt %}a{% endif %}")
     fast.save_pretrained(path)
+
+
+def make_vision_checkpoint(path: Path) -> Path:
+    """A random Qwen3.5 multimodal checkpoint (``qwen3_5``: the hybrid language model and a
+    two-block vision tower) with a word-level tokenizer holding the image tokens, a chat
+    template that writes one ``<|image_pad|>`` per image part, and Qwen2-VL's image processor
+    (patches of 16, merged 2 x 2, images scaled to at most 128 x 128 pixels)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz") + special
+    words += [f"w{i}" for i in range(320 - len(words))]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>",
+                                   additional_special_tokens=special)
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }} {% if m['content'] is string %}"
+        "{{ m['content'] }} {% else %}{% for p in m['content'] %}"
+        "{% if p['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|> "
+        "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}a{% endif %}")
+    fast.save_pretrained(path)
+    tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             min_pixels=32 * 32, max_pixels=128 * 128).save_pretrained(path)
+    ids = {t: words.index(t) for t in special}
+    cfg = tf.Qwen3_5Config(
+        text_config=dict(COMMON, num_hidden_layers=4, head_dim=64, hidden_size=64,
+                         intermediate_size=128, linear_num_key_heads=2,
+                         linear_num_value_heads=4, linear_key_head_dim=16,
+                         linear_value_head_dim=16, rope_parameters={
+                             "rope_type": "default", "rope_theta": 10000.0,
+                             "partial_rotary_factor": 0.25, "mrope_section": [3, 3, 2],
+                             "mrope_interleaved": True}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=16),
+        image_token_id=ids["<|image_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], video_token_id=ids["<|video_pad|>"],
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(15)
+    model = tf.Qwen3_5ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # make every weight matter (HF zero-inits biases, ones norms)
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("A_log"):
+                p.copy_(torch.empty_like(p).uniform_(0.01, 0.1).log())
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -72,8 +72,9 @@ class DecodeAdvancer:
         if not self.can_advance(seqs):
             return None
         bs, old = self.block_size, last.md
-        positions = last.positions + 1
-        groups = [self._advance(seqs, g, old.group(g), last.table_lens[g], positions)
+        positions = last.positions + 1  # rotary positions (an image prompt's are offset)
+        index = old.seq_lens.long()  # the new token's index in its sequence
+        groups = [self._advance(seqs, g, old.group(g), last.table_lens[g], index)
                   for g in range(1 + len(old.kv_groups))]
         md = AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=len(seqs),
@@ -90,9 +91,9 @@ class DecodeAdvancer:
         return ids, positions, md
 
     def _advance(self, seqs: list[Sequence], g: int, old: AttentionMetadata, lens: list[int],
-                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Group ``g``'s block tables with the entries its sequences grew by uploaded, and
-        the slot mapping of ``positions`` in them."""
+        the slot mapping of the tokens at ``index`` in them."""
         bs, tables = self.block_size, old.block_tables
         grown = [(r, len(_table(s, g))) for r, s in enumerate(seqs)
                  if len(_table(s, g)) != lens[r]]
@@ -113,6 +114,5 @@ class DecodeAdvancer:
                     vals.append(table[c])
             upload = to_device([rows, cols, vals], torch.int64, self.device)
             tables[upload[0], upload[1]] = upload[2].to(tables.dtype)
-        slots = tables.gather(1, (positions // bs)[:, None]).squeeze(1).long() * bs \
-            + positions % bs
+        slots = tables.gather(1, (index // bs)[:, None]).squeeze(1).long() * bs + index % bs
         return tables, slots

@@ -14,6 +14,7 @@ from pagedgen.runtime.engine.model_runner import ModelRunner
 from pagedgen.runtime.engine.ordering import prefix_grouped
 from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
+from pagedgen.runtime.models.multimodal import ImagePrompter, MultiModalPrompt
 from pagedgen.runtime.engine.scheduler import Scheduler
 from pagedgen.runtime.sampling.controls import bad_words_ids
 from pagedgen.runtime.sampling.processors import ProcessorFactory
@@ -83,9 +84,8 @@ class Engine:
 
     def abort(self) -> int:
         """Drop every request queued or in flight (an interrupted or failed call's); how many.
-        Once the device has run what was launched, every block and state slot is free, the
-        prefix cache empty (a step cut before its launch may have registered blocks never
-        written) and the matchers new (an interrupt may have cut a message to them)."""
+        Then every block and state slot is free, the prefix cache empty (a step cut before
+        its launch may have registered blocks never written), the matchers new."""
         pending = self._pending[0].sampling if self._pending is not None else []
         seqs = {id(s): s for s in (*self.scheduler.running, *self.scheduler.waiting,
                                    *pending)}
@@ -168,13 +168,15 @@ class Engine:
         return self.runner.max_model_len
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request: Any = None, index: int | None = None) -> Sequence:
+                    request: Any = None, index: int | None = None,
+                    images: MultiModalPrompt | None = None) -> Sequence:
         """Queue a request. Raises ValueError for a prompt the model cannot take.
 
         Without a seed in ``params`` the request's seed is derived from the run seed and
         ``index`` (its position in the input; default: arrival order), so reruns repeat it.
         With ``params.n`` > 1 the returned sequence is sample 0; ``seq.samples`` lists all
-        ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V.
+        ``n``, each seeded with ``derive_seed(seed, i)``. They share the prompt's K/V (and
+        ``images``, the prompt's: ``prompt_images``).
         """
         self.check_request(prompt_token_ids, params)  # validates params too
         index = self._next_id if index is None else index
@@ -188,7 +190,7 @@ class Engine:
         for i in range(params.n):
             samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,
                                     arrival_time=now, sample_index=i,
-                                    bad_words_ids=bad_words))
+                                    bad_words_ids=bad_words, mm=images))
             if self.processor_factory is not None:
                 samples[-1].logits_processors = self.processor_factory(request, params, i)
             if params.structured is not None:
@@ -202,6 +204,12 @@ class Engine:
                 s.samples = samples
         self.scheduler.add(seq)
         return seq
+
+    def prompt_images(self, prompt_ids: list[int], images: list[Any], where: str = ""
+                      ) -> tuple[list[int], MultiModalPrompt]:
+        """``ImagePrompter.prompt`` on this model (the ids and ``add_request``'s images)."""
+        return ImagePrompter.of(self.src, self.runner.model, where).prompt(prompt_ids, images,
+                                                                           where)
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
         """``check_request`` against this engine: its context, which the KV cache may cut
@@ -340,15 +348,13 @@ class Engine:
             p.needs_tokens for s in decodes for p in s.logits_processors)
 
     def _schedule(self):
-        batch = self.scheduler.schedule()
-        if batch.is_empty:
+        if (batch := self.scheduler.schedule()).is_empty:
             raise RuntimeError("scheduler produced an empty step with requests pending")
         return batch
 
     def _computed(self, batch) -> None:
-        """The launched step's tokens count as computed; full blocks among them that the
-        scheduler did not cache yet (decodes, and chunks of sequences that waited on a token)
-        join the prefix cache now that their step is launched."""
+        """The launched step's tokens count as computed; full blocks among them not cached
+        yet (decodes, chunks of sequences that waited on a token) join the prefix cache."""
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
             self._cache_blocks(seq)
@@ -429,9 +435,8 @@ class Engine:
         return finished
 
     def _unsatisfiable(self, seq: Sequence, i: int, now: float) -> Sequence:
-        """End ``seq`` before its output token ``i``, which its grammar (with its controls)
-        allows no choice for (the token sampled there, and any placeholder after it, are
-        dropped)."""
+        """End ``seq`` before its output token ``i``, for which its grammar (with its controls)
+        allows no choice (that token and any placeholder after it dropped)."""
         extra = seq.num_output_tokens - i
         del seq.output_token_ids[i:], seq.token_ids[-extra:]
         seq.finish_reason, seq.finish_time = "unsatisfiable", now
@@ -467,9 +472,8 @@ class Engine:
         return seqs
 
     def reset_prefix_cache(self, enabled: bool | None = None) -> None:
-        """Forget every cached block (between benchmark repeats: a rerun of the same prompts
-        must not hit the last run's cache), and turn caching on or off when ``enabled`` says.
-        Only when no request is in flight."""
+        """Forget every cached block (between benchmark repeats), and turn caching on or off
+        when ``enabled`` says. Only when no request is in flight."""
         if self.has_unfinished():
             raise RuntimeError("reset_prefix_cache with requests in flight")
         self.block_manager.reset_prefix_cache()
@@ -485,14 +489,12 @@ class Engine:
             self._grammars.reset_counters()
 
     def forget_requests(self) -> None:
-        """Number requests from 0 again (after the start-up rehearsal): the run's seeds
-        and ids are as without it. Only when no request is in flight."""
+        """Number requests from 0 again (after the start-up rehearsal), none in flight."""
         if self.has_unfinished():
             raise RuntimeError("forget_requests with requests in flight")
         self._next_id = 0
 
     def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
                 ) -> dict[str, Any]:
-        """The run's figures (``report.py``): requests finished since ``start``, the
-        ``time.perf_counter()`` at which the run began."""
+        """The run's figures since ``start`` (a ``time.perf_counter()``: ``report.py``)."""
         return run_summary(self, wall, start, extra)

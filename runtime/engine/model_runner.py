@@ -26,6 +26,7 @@ from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
 from pagedgen.runtime.engine import memory_plan
 from pagedgen.runtime.engine.kv_memory import KVMemory
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from pagedgen.runtime.engine.step_images import ImageEncoder
 from pagedgen.runtime.engine.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
@@ -106,6 +107,8 @@ class ModelRunner:
             s, self.attn_states[group_of[i]]) for i, s in enumerate(self.specs)])
         for layer, g in zip(self._attention_layers(), group_of):
             layer.kv_group = g
+        self.images = ImageEncoder(self.model, self.device) \
+            if getattr(self.model, "takes_images", False) else None
         # linear-attention layers: a state slot per seat, before the KV cache takes the rest
         self.max_num_seqs = config.max_num_seqs
         self.recurrent: RecurrentSlots | None = None
@@ -303,15 +306,19 @@ class ModelRunner:
         for seq, n in batch.prefills:
             start = seq.num_computed_tokens
             ids += seq.token_ids[start:start + n]
-            pos += range(start, start + n)
+            pos += range(start, start + n) if seq.mm is None \
+                else seq.mm.rope_positions(start, start + n)[0].tolist()
             prefills.append(ScheduledSeq(seq.block_table, start, n, seq.state_slot))
         for seq in batch.decodes:
             if seq.token_ids[-1] == PENDING_TOKEN:
                 pending.append((len(ids), seq))
             ids.append(seq.token_ids[-1])
-            pos.append(seq.num_tokens - 1)
+            pos.append(seq.num_tokens - 1 + (0 if seq.mm is None else seq.mm.delta))
             decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1, seq.state_slot))
         md = self.builder.build(prefills, decodes)
+        if self.images is not None:  # image tokens' embeddings, M-RoPE positions
+            md.model_inputs = self.images.step_inputs(batch.prefills,
+                                                      pos[len(pos) - len(decodes):])
         if len(self.layout.groups) > 1:  # each further group over its own page tables
             seqs = [s for s, _ in batch.prefills] + batch.decodes
             md.kv_groups = [self.builder.build_group(md, [s.group_tables[k] for s in seqs])

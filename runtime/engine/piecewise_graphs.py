@@ -113,7 +113,10 @@ class PiecewiseGraphs:
         return self._buffers[(s.num_heads, s.num_kv_heads, s.head_size)]
 
     def can_run(self, md: AttentionMetadata) -> bool:
-        return md.num_prefills > 0 and 0 < md.num_tokens <= self.max_tokens
+        """A step with prefills of at most ``max_tokens`` tokens, and no inputs beside ids
+        and positions (a step with image tokens runs eagerly)."""
+        return md.num_prefills > 0 and 0 < md.num_tokens <= self.max_tokens \
+            and md.model_inputs is None
 
     def bucket(self, tokens: int) -> int:
         return self.buckets[bisect.bisect_left(self.buckets, tokens)]

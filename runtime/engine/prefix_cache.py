@@ -22,8 +22,12 @@ def block_keys(seq: Sequence, block_size: int, num_blocks: int) -> list[BlockKey
     ids must be known: no placeholders)."""
     keys = seq.block_keys
     tokens = seq.token_ids
+    images = seq.mm.images if seq.mm is not None else ()
     for i in range(len(keys), num_blocks):
         parent = hash(keys[-1]) if keys else ROOT_HASH
-        keys.append((parent, tuple(tokens[i * block_size:(i + 1) * block_size])))
-    return keys
+        lo, hi = i * block_size, (i + 1) * block_size
+        block = tuple(tokens[lo:hi])
+        seen = tuple(im.key for im in images if im.start < hi and im.start + im.num_tokens > lo)
+        keys.append((parent, block + seen if seen else block))  # an image's placeholders:
+    return keys  # the same ids for every image, so its pixels' hash keys them
 

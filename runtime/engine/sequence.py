@@ -40,6 +40,7 @@ class Sequence:
     group_tables: list[list[int]] = field(default_factory=list)
     group_first: list[int] = field(default_factory=list)
     state_slot: int | None = None  # its recurrent-state slot (models with linear attention)
+    mm: Any = None  # its prompt's images (runtime/models/multimodal.py's MultiModalPrompt)
     finish_reason: str | None = None  # one of FINISH_REASONS
     stop_text_end: int | None = None  # where a stop string starts in the output text
     stop_reason: int | str | None = None  # the stop token or string that ended it (vLLM's)

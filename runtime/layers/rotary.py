@@ -153,6 +153,29 @@ class RotaryEmbedding:
         with scope("rotary"):
             return self.cos[positions], self.sin[positions]
 
+    def lookup_mrope(self, positions: torch.Tensor, sections: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim] for multimodal positions [3, T] (temporal, row, column):
+        each column of the table takes the stream ``sections`` [head_dim] names for it."""
+        with scope("rotary"):
+            rows = positions[sections].T  # [T, head_dim]: each column's position
+            cols = torch.arange(rows.shape[1], device=rows.device)
+            return self.cos[rows, cols], self.sin[rows, cols]
+
+
+def mrope_sections(mrope_section: list[int], dim: int, interleaved: bool = True
+                   ) -> torch.Tensor:
+    """Which position stream (0 temporal, 1 row, 2 column) turns each of a rotary table's
+    ``dim`` columns: Qwen3.5's interleaved layout gives frequency ``j`` the row stream where
+    ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, the column's where ``j % 3 == 2`` and
+    ``j < 3 * mrope_section[2]``, the temporal one elsewhere; the table's two halves alike."""
+    if not interleaved:
+        raise ValueError("only interleaved multimodal rotary (mrope_interleaved) is supported")
+    half = torch.zeros(dim // 2, dtype=torch.long)
+    for stream in (1, 2):
+        half[stream:3 * mrope_section[stream]:3] = stream
+    return torch.cat([half, half])
+
 
 class ApplyRotary(nn.Module):
     """q [T, Hq, D], k [T, Hkv, D] rotated by a step's cos/sin; with ``norms`` (q weight, k

@@ -6,35 +6,96 @@ renormalized) beside a gated shared expert. Their checkpoints hold the linear-at
 projections apart (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
 
 The published checkpoints are multimodal (``qwen3_5`` / ``qwen3_5_moe``:
-``Qwen3_5ForConditionalGeneration``): pagedgen runs their language model on text prompts, read
-from ``text_config`` and the ``model.language_model.*`` tensors (the vision tower's are not
-read). The multimodal rotary (``mrope_section``) turns every section by the same text position,
-which is plain rotary.
+``Qwen3_5ForConditionalGeneration``): the language model is read from ``text_config`` and the
+``model.language_model.*`` tensors, the vision tower from ``vision_config`` and
+``model.visual.*``. An image's embeddings (the tower's patch merger's output) replace its
+placeholder tokens' in the prompt (``runtime/models/multimodal.py``), and a step with image
+tokens turns each rotary column by its stream's position (``mrope_section``, interleaved);
+elsewhere every stream has the same position, which is plain rotary.
+
+The vision tower is transformers' ``Qwen3_5VisionModel`` (patch embedding, learned positions
+resampled to the image's grid, 2D rotary, blocks attending within each image, patch merger):
+pagedgen runs it as transformers defines it, on its weights, once per image; only the language
+model runs on pagedgen's paged layers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.layers.rotary import mrope_sections
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen2_moe import shared_expert_moe
 from pagedgen.runtime.models.families.qwen3_moe import check_experts
 from pagedgen.runtime.models.families.qwen3_next import HYBRID, HybridForCausalLM, check_hybrid
 from pagedgen.runtime.models.hf_config import check_int
+from pagedgen.runtime.models.multimodal import StepImages
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
+    def __init__(self, config, tp: TensorParallel | None = None,
+                 quant: QuantConfig | None = None) -> None:
+        super().__init__(config, tp, quant)
+        vision = getattr(config, "vision_config", None)
+        self.visual = vision_tower(vision) if isinstance(vision, dict) else None
+        self.sections: torch.Tensor | None = None  # each rotary column's position stream
+
+    @property
+    def takes_images(self) -> bool:
+        return self.visual is not None
+
+    def setup_rotary(self, max_positions: int, device: torch.device) -> None:
+        super().setup_rotary(max_positions, device)
+        if self.visual is not None:  # its rotary's frequencies: computed, not loaded
+            with torch.device(device):
+                rotary = self.visual.rotary_pos_emb
+                self.visual.rotary_pos_emb = type(rotary)(rotary.config)
+            rope = self.config.rope_parameters
+            self.sections = mrope_sections(rope.get("mrope_section", [11, 11, 10]),
+                                           self.rotary.cos.shape[1],
+                                           rope.get("mrope_interleaved", True)).to(device)
+
+    def encode_images(self, pixel_values: list[torch.Tensor],
+                      grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Each image's embeddings [tokens, hidden], the images encoded in one call."""
+        device, dtype = self.sections.device, self.visual.patch_embed.proj.weight.dtype
+        pixels = torch.cat(pixel_values).to(device, dtype)
+        grid = torch.tensor(grids, device=device)
+        out = self.visual(pixels, grid_thw=grid).pooler_output
+        merge = self.visual.spatial_merge_size ** 2
+        return list(out.split([t * h * w // merge for t, h, w in grids]))
+
+    def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata) -> tuple[torch.Tensor, tuple]:
+        images = getattr(metadata, "model_inputs", None)
+        if not isinstance(images, StepImages):
+            return super().inputs(input_ids, positions, metadata)
+        x = self.embed(input_ids)
+        x[images.rows] = images.embeds.to(x.dtype)
+        return x, self.rotary.lookup_mrope(images.positions, self.sections)
+
     @classmethod
     def make_mlp(cls, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
         if config.model_type == "qwen3_5_moe_text":
             return shared_expert_moe(config, tp, quant, prefix, renormalize=True)
         return llama.MLP(config, tp, quant, prefix)
+
+
+def vision_tower(vision: dict[str, Any]) -> nn.Module:
+    """transformers' Qwen3.5 vision tower for this ``vision_config`` (SDPA attention)."""
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+    cfg = Qwen3_5VisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
+    cfg._attn_implementation = "sdpa"
+    return Qwen3_5VisionModel(cfg)
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:

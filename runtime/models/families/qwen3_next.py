@@ -148,6 +148,8 @@ class HybridForCausalLM(MoeForCausalLM):
             self.lm_head = VocabParallelEmbedding(config.vocab_size, config.hidden_size, self.tp)
         self.rotary = None
 
+    takes_images = False  # a vision tower's images go into the prompt (Qwen3.5)
+
     @classmethod
     def make_mlp(cls, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
@@ -208,14 +210,18 @@ class HybridForCausalLM(MoeForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
-        x = self.embed(input_ids)
+        x, cos_sin = self.inputs(input_ids, positions, metadata)
         residual = None
         caches = iter(kv_caches)
-        cos_sin = self.rotary.lookup(positions)
         for layer in self.model.layers:
             cache = None if layer.linear else next(caches)
             x, residual = layer(cos_sin, x, residual, cache, metadata)
         return self.model.norm(x, residual)[0]
+
+    def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               metadata: AttentionMetadata | None) -> tuple[torch.Tensor, tuple]:
+        """The step's input embeddings and cos/sin (a family with images adds theirs)."""
+        return self.embed(input_ids), self.rotary.lookup(positions)
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The checkpoint's tensors (a multimodal checkpoint's language model's; per-group
@@ -230,7 +236,11 @@ class HybridForCausalLM(MoeForCausalLM):
         spec = spec_of(self.config)
         key, rep = spec.head_k, spec.num_v_heads // spec.num_k_heads
         for name, tensor in weights:
-            if name.startswith(("mtp.", "model.visual.")):
+            if name.startswith("mtp.") or (name.startswith("model.visual.")
+                                            and not self.takes_images):
+                continue
+            if name.startswith("model.visual."):  # the vision tower's (images)
+                yield name.removeprefix("model."), tensor
                 continue
             name = name.replace("model.language_model.", "model.", 1)
             if name.endswith("linear_attn.in_proj_qkvz.weight"):

@@ -1,0 +1,74 @@
+"""A step's images: the embeddings of the image tokens its prefill chunks carry and every
+row's M-RoPE positions (``StepImages``, the model's ``metadata.model_inputs``).
+
+Each image runs through the vision tower once, when the first chunk holding its tokens is
+scheduled, with every other image that step needs (one batched call of the tower); its
+embeddings stay in a cache keyed by its pixels' hash, so a chunked prompt's later chunks, a
+preempted sequence's recompute and another request with the same image take them from there
+(``encoded`` counts the tower's images, ``reused`` the cache's hits). The cache holds the
+``capacity`` images last used.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.models.multimodal import StepImages
+
+
+class ImageEncoder:
+    """Image embeddings for ``model`` (one with ``encode_images``) on ``device``."""
+
+    def __init__(self, model: Any, device: torch.device, capacity: int = 256) -> None:
+        self.model, self.device, self.capacity = model, device, capacity
+        self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.encoded = 0
+        self.reused = 0
+
+    def step_inputs(self, prefills: list[tuple[Sequence, int]], decode_positions: list[int]
+                    ) -> StepImages | None:
+        """The step's ``StepImages`` (prefill rows first, then one row per decode at
+        ``decode_positions``), or None when no chunk holds an image's tokens."""
+        spans = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n, im)
+                 for seq, n in prefills if seq.mm is not None for im in seq.mm.images
+                 if im.start < seq.num_computed_tokens + n
+                 and im.start + im.num_tokens > seq.num_computed_tokens]
+        if not spans:
+            return None
+        self._encode([im for *_, im in spans])
+        rows, embeds, positions, row = [], [], [], 0
+        for seq, n in prefills:
+            start = seq.num_computed_tokens
+            positions.append(seq.mm.rope_positions(start, start + n) if seq.mm is not None
+                             else torch.arange(start, start + n).expand(3, -1))
+            for s, lo, hi, im in spans:
+                if s is seq:
+                    a, b = max(lo, im.start), min(hi, im.start + im.num_tokens)
+                    rows.append(torch.arange(row + a - lo, row + b - lo))
+                    embeds.append(self.cache[im.key][a - im.start:b - im.start])
+            row += n
+        positions.append(torch.tensor(decode_positions, dtype=torch.long).expand(3, -1))
+        return StepImages(torch.cat(rows).to(self.device), torch.cat(embeds),
+                          torch.cat(positions, dim=1).to(self.device))
+
+    def _encode(self, images: list) -> None:
+        """Run the tower over the images not cached (each once), and mark all as used."""
+        todo = {}
+        for im in images:
+            if im.key in self.cache:
+                self.cache.move_to_end(im.key)
+                self.reused += 1
+            else:
+                todo.setdefault(im.key, im)
+        if todo:
+            out = self.model.encode_images([im.pixel_values for im in todo.values()],
+                                           [im.grid_thw for im in todo.values()])
+            self.encoded += len(todo)
+            for key, embeds in zip(todo, out):
+                self.cache[key] = embeds
+        while len(self.cache) > max(self.capacity, len(images)):
+            self.cache.popitem(last=False)

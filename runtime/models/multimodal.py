@@ -1,0 +1,172 @@
+"""Image inputs of a multimodal checkpoint (Qwen3.5's): each image's pixels as the checkpoint's
+image processor makes them, its placeholder tokens in the prompt, and the multimodal rotary
+(M-RoPE) positions of the whole prompt.
+
+A chat template writes one ``<|image_pad|>`` per image; the prompt holds as many as the image
+gives the language model (its patch grid over the merge size squared), and its positions run
+in three streams: text tokens advance all three together, an image's tokens take the same
+temporal position and their row and column in the merged grid, and the text after an image
+resumes past the grid's larger side, so token ``i`` past the prompt sits at ``i + delta``.
+
+Hand-written: transformers' ``Qwen3VLProcessor`` expands the placeholders but cannot load
+without torchvision (its video processor), and computes the positions inside its model's
+forward; both are a few lines here over its image processor (``AutoImageProcessor``), which
+does the resizing and patching.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedgen.errors import PagedgenError
+
+
+@dataclass
+class ImageInput:
+    """One image of a prompt: its patches (``pixel_values`` [patches, channels x temporal x
+    patch x patch], let go once encoded), its patch grid (t, h, w), a hash of its pixels (the
+    encoder's cache and the prefix cache key it), and where its placeholders sit."""
+
+    pixel_values: torch.Tensor | None
+    grid_thw: tuple[int, int, int]
+    key: bytes
+    start: int
+    num_tokens: int
+
+
+@dataclass
+class StepImages:
+    """A step's images as the model reads them (``AttentionMetadata.model_inputs``): the
+    embeddings ([n, hidden]) of the step rows ``rows`` [n] that are image tokens, and every
+    row's M-RoPE positions ([3, tokens])."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    positions: torch.Tensor
+
+
+@dataclass
+class MultiModalPrompt:
+    """A prompt's images and its M-RoPE positions ([3, prompt length]); a token ``i`` past the
+    prompt is at ``i + delta`` in all three streams."""
+
+    images: list[ImageInput]
+    positions: torch.Tensor
+    delta: int
+    embeds: dict[bytes, torch.Tensor] = field(default_factory=dict)  # encoded, by key
+
+    def rope_positions(self, start: int, end: int) -> torch.Tensor:
+        """[3, end - start] positions of tokens ``start`` to ``end``."""
+        n = self.positions.shape[1]
+        inside = self.positions[:, start:min(end, n)]
+        if end <= n:
+            return inside
+        after = torch.arange(max(start, n), end).expand(3, -1) + self.delta
+        return torch.cat([inside, after], dim=1)
+
+
+def load_image(ref: Any, where: str = "") -> Any:
+    """A PIL image from a PIL image, a path, a ``file://`` URL, a ``data:`` URL or an
+    ``http(s)`` URL (fetched; a one-line error where the network is not reachable)."""
+    from PIL import Image
+
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    prefix = f"{where}: " if where else ""
+    if not isinstance(ref, (str, Path)):
+        raise PagedgenError(f"{prefix}an image must be a URL or a path, not "
+                            f"{type(ref).__name__}")
+    text, shown = str(ref), str(ref)[:60]
+    try:
+        if text.startswith("data:"):
+            head, _, payload = text.partition(",")
+            raw = base64.b64decode(payload) if head.endswith(";base64") \
+                else urllib.parse.unquote_to_bytes(payload)
+            return Image.open(io.BytesIO(raw)).convert("RGB")
+        if text.startswith(("http://", "https://")):
+            with urllib.request.urlopen(text, timeout=30) as r:
+                return Image.open(io.BytesIO(r.read())).convert("RGB")
+        path = urllib.parse.unquote(text.removeprefix("file://")) \
+            if text.startswith("file://") else text
+        return Image.open(path).convert("RGB")
+    except (OSError, ValueError) as e:
+        raise PagedgenError(f"{prefix}cannot read the image {shown!r}: "
+                            f"{type(e).__name__}: {e}") from None
+
+
+class ImagePrompter:
+    """A multimodal checkpoint's image rules: its image processor, placeholder token and merge
+    size (``config``: the checkpoint's outer config; ``path``: its directory)."""
+
+    def __init__(self, path: str | Path, config: Any) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        vision = config.vision_config
+        vision = vision if isinstance(vision, dict) else vision.to_dict()
+        self.merge = int(vision["spatial_merge_size"])
+        self.image_token_id = int(config.image_token_id)
+
+    @classmethod
+    def of(cls, src: Any, model: Any, where: str = "") -> ImagePrompter:
+        """The prompter of checkpoint ``src`` (a ``ModelSource``) run as ``model``; a
+        PagedgenError (starting with ``where``) where the model takes no images."""
+        if not getattr(model, "takes_images", False) or src.checkpoint is None:
+            raise PagedgenError(f"{where + ': ' if where else ''}{src.name} takes no images "
+                                "(its language model runs text prompts only)")
+        if getattr(model, "image_prompter", None) is None:  # made once per model
+            model.image_prompter = cls(src.checkpoint, src.hf_config)
+        return model.image_prompter
+
+    def prompt(self, ids: list[int], images: list[Any], where: str = ""
+               ) -> tuple[list[int], MultiModalPrompt]:
+        """``ids`` (one placeholder per image, as the chat template writes them) with each
+        placeholder repeated as the image asks, and the images' inputs and positions."""
+        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(pads) != len(images):
+            raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
+                                f"image placeholder(s) for {len(images)} image(s)")
+        out, inputs, last = [], [], 0
+        for pad, image in zip(pads, images):
+            image = load_image(image, where)
+            pixels = self.processor(images=[image], return_tensors="pt")
+            t, h, w = (int(x) for x in pixels["image_grid_thw"][0])
+            n = t * h * w // self.merge ** 2
+            out += ids[last:pad]
+            key = hashlib.sha256(pixels["pixel_values"].numpy().tobytes()).digest()
+            inputs.append(ImageInput(pixels["pixel_values"], (t, h, w), key, len(out), n))
+            out += [self.image_token_id] * n
+            last = pad + 1
+        out += ids[last:]
+        positions, delta = mrope_positions(len(out), inputs, self.merge)
+        return out, MultiModalPrompt(inputs, positions, delta)
+
+
+def mrope_positions(length: int, images: list[ImageInput], merge: int
+                    ) -> tuple[torch.Tensor, int]:
+    """The [3, length] M-RoPE positions of a prompt with these images (transformers'
+    ``get_rope_index`` for images), and the delta of the tokens after it."""
+    parts, pos, at = [], 0, 0
+    for im in images:
+        if im.start > at:  # text: the three streams advance together
+            parts.append(torch.arange(pos, pos + im.start - at).expand(3, -1))
+            pos += im.start - at
+        t, h, w = im.grid_thw[0], im.grid_thw[1] // merge, im.grid_thw[2] // merge
+        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w),
+                                          indexing="ij")).reshape(3, -1)
+        parts.append(grid + pos)
+        pos += max(h, w)
+        at = im.start + im.num_tokens
+    if length > at:
+        parts.append(torch.arange(pos, pos + length - at).expand(3, -1))
+        pos += length - at
+    return torch.cat(parts, dim=1), pos - length

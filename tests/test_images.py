@@ -1,0 +1,174 @@
+"""Images in prompts (issue 96): a random tiny Qwen3.5 multimodal checkpoint (vision tower,
+hybrid language model, Qwen2-VL's image processor) gives transformers' greedy tokens for
+prompts with no image, one, two of other sizes in one message, an image in a multi-turn chat,
+through chunked prefill that splits an image's tokens and through preemption; an image two
+prompts share runs through the tower once; the M-RoPE positions are transformers'; an image
+that cannot be read, or a model that takes none, is a one-line error."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from hf_models import make_checkpoint, make_vision_checkpoint
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.engine.engine import Engine
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+LONG = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def image(h: int, w: int, seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_vision_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl"))
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)
+
+
+def chat(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def reference(hf, messages, images, max_tokens: int = 8) -> list[int]:
+    """transformers' greedy tokens: the template's placeholders repeated per image, as its
+    processor does, with the image processor's pixels."""
+    model, tok, proc = hf
+    ids = chat(tok, messages)
+    pad = model.config.image_token_id
+    kw = {}
+    if images:
+        pix = proc(images=images, return_tensors="pt")
+        counts = iter((pix["image_grid_thw"].prod(-1) // 4).tolist())
+        ids = [t for i in ids for t in ([pad] * next(counts) if i == pad else [i])]
+        kw = dict(pixel_values=pix["pixel_values"], image_grid_thw=pix["image_grid_thw"])
+    x = torch.tensor([ids])
+    kw["mm_token_type_ids"] = (x == pad).int()
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x),
+                             max_new_tokens=max_tokens,
+                             do_sample=False, pad_token_id=0, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def engine(ckpt, **kw) -> Engine:
+    args = dict(model=str(ckpt), device="cpu", dtype="float32", backend="eager", block_size=8,
+                num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64)
+    return Engine(EngineConfig(**{**args, **kw}))
+
+
+def msg(*parts, role="user") -> dict:
+    return {"role": role, "content": [{"type": "image"} if not isinstance(p, str)
+                                      else {"type": "text", "text": p} for p in parts]}
+
+
+CASES = {
+    "no image": ([msg("a b c")], []),
+    "one image": ([msg(0, "d e f")], [image(60, 90, 0)]),
+    "two images of other sizes": ([msg(0, "g h", 1, "i")], [image(60, 90, 1),
+                                                            image(100, 40, 2)]),
+    "an image in a multi-turn chat": ([msg(0, "j k"), {"role": "assistant", "content": "l m"},
+                                       msg("n o p")], [image(70, 70, 3)]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_tokens_equal_transformers(ckpt, hf, case):
+    messages, images = CASES[case]
+    want = reference(hf, messages, images, LONG.max_tokens)
+    eng = engine(ckpt)
+    ids = chat(hf[1], messages)
+    ids, mm = eng.prompt_images(ids, images) if images else (ids, None)
+    seq = eng.add_request(ids, LONG, images=mm)
+    eng.run()
+    assert seq.output_token_ids == want
+
+
+def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf):
+    """Chunks of 4 tokens (an image's 6 to 20 tokens cut across steps) and a cache of 10
+    pages of 8 for three prompts at once (a preemption, whose recompute takes the tower's
+    embeddings from the cache); an image shared by two prompts is encoded once."""
+    shared = image(90, 60, 4)
+    prompts = [([msg(0, "q r")], [shared]), ([msg(0, "s")], [shared]),
+               CASES["two images of other sizes"]]
+    want = [reference(hf, m, im, LONG.max_tokens) for m, im in prompts]
+    eng = engine(ckpt, max_num_batched_tokens=4, num_blocks=10, max_num_seqs=3)
+    seqs = []
+    for messages, images in prompts:
+        ids, mm = eng.prompt_images(chat(hf[1], messages), images)
+        seqs.append(eng.add_request(ids, LONG, images=mm))
+    eng.run()
+    assert [s.output_token_ids for s in seqs] == want
+    assert eng.stats.num_preemptions > 0
+    assert eng.runner.images.encoded == 3 and eng.runner.images.reused > 0
+
+
+def test_mrope_positions_are_transformers(ckpt, hf):
+    model, tok, proc = hf
+    messages, images = CASES["two images of other sizes"]
+    ids, mm = engine(ckpt).prompt_images(chat(tok, messages), images)
+    x = torch.tensor([ids])
+    want, delta = model.model.get_rope_index(
+        x, (x == model.config.image_token_id).int(),
+        image_grid_thw=proc(images=images, return_tensors="pt")["image_grid_thw"])
+    assert torch.equal(mm.positions, want[:, 0]) and mm.delta == int(delta)
+    assert torch.equal(mm.rope_positions(len(ids), len(ids) + 2),
+                       torch.tensor([len(ids), len(ids) + 1]).expand(3, -1) + mm.delta)
+
+
+def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path):
+    """A path, a ``file://`` URL and a ``data:`` URL give the same prompt; an unreadable
+    image and a model without a vision tower are one-line errors."""
+    eng = engine(ckpt)
+    img = image(60, 90, 5)
+    img.save(tmp_path / "x.png")
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    ids = chat(hf[1], [msg(0, "t")])
+    made = [eng.prompt_images(ids, [ref]) for ref in (img, str(tmp_path / "x.png"),
+                                                      f"file://{tmp_path / 'x.png'}", data)]
+    assert all(m[0] == made[0][0] and m[1].images[0].key == made[0][1].images[0].key
+               for m in made)
+    with pytest.raises(PagedgenError, match=r"^line 3: cannot read the image '.*nope.png'"):
+        eng.prompt_images(ids, [str(tmp_path / "nope.png")], "line 3")
+    with pytest.raises(PagedgenError, match="line 3: the prompt has 1 image placeholder"):
+        eng.prompt_images(ids, [img, img], "line 3")
+    plain = Engine(EngineConfig(model=str(make_checkpoint("qwen3_5_text", tmp_path / "text")),
+                                device="cpu", dtype="float32", num_blocks=16))
+    with pytest.raises(PagedgenError, match="takes no images"):
+        plain.prompt_images([1, 2], [img])
+
+
+def test_prefix_cache_keys_tell_images_apart():
+    """Two prompts of the same ids (an image's placeholders are the same token for every
+    image) key the blocks holding image tokens by the image, the blocks before alike."""
+    from pagedgen.runtime.engine.prefix_cache import block_keys
+    from pagedgen.runtime.engine.sequence import Sequence
+    from pagedgen.runtime.models.multimodal import ImageInput, MultiModalPrompt
+
+    ids = [5] * 8 + [9] * 8 + [6] * 8
+
+    def seq(key: bytes) -> Sequence:
+        mm = MultiModalPrompt([ImageInput(None, (1, 2, 4), key, 10, 2)], torch.zeros(3, 24), 0)
+        return Sequence(0, list(ids), GREEDY, 0, mm=mm)
+
+    a, b = block_keys(seq(b"a"), 8, 3), block_keys(seq(b"b"), 8, 3)
+    assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # the image's block, then its heirs
