@@ -172,3 +172,68 @@ def test_prefix_cache_keys_tell_images_apart():
 
     a, b = block_keys(seq(b"a"), 8, 3), block_keys(seq(b"b"), 8, 3)
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # the image's block, then its heirs
+
+
+def test_lines_with_images_from_the_command_line(ckpt, hf, tmp_path):
+    """``pagedgen generate`` on chat lines with ``image_url`` parts (a path and a data URL;
+    defaults but greedy): transformers' tokens; a line whose image cannot be read is its own
+    error record (the others run); ``--resume`` of a file cut short writes the whole run's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+
+    img = image(60, 90, 6)
+    img.save(tmp_path / "x.png")
+    buf = io.BytesIO()
+    image(100, 40, 7).save(buf, format="PNG")
+    data = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+    def part(url):
+        return {"type": "image_url", "image_url": {"url": url}}
+
+    lines = [[part(str(tmp_path / "x.png")), {"type": "text", "text": "d e"}],
+             [part(data), {"type": "text", "text": "f"}],
+             [part(str(tmp_path / "missing.png")), {"type": "text", "text": "g"}]]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}],
+                                       "max_tokens": 8, "temperature": 0}) + "\n"
+                           for c in lines))
+    out = tmp_path / "o.jsonl"
+    args = ["generate", str(src), "--model", str(ckpt), "-o", str(out), "--device", "cpu",
+            "--dtype", "float32", "--on-bad-line", "error"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    for line, (content, pil) in zip(got, [(lines[0], img), (lines[1], image(100, 40, 7))]):
+        msgs = [{"role": "user", "content": [{"type": "image"}, content[1]]}]
+        assert line["token_ids"] == reference(hf, msgs, [pil]), line
+    assert "cannot read the image" in got[2]["error"] and "p.jsonl:3" in got[2]["error"]
+    whole = out.read_text()
+    out.write_text(whole.splitlines(keepends=True)[0])
+    res = CliRunner().invoke(app, args + ["--resume"])
+    assert res.exit_code == 0, res.output
+    assert out.read_text() == whole
+
+
+def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf):
+    """``LLM.chat`` with an ``image_pil`` part and ``LLM.generate`` with vLLM's
+    ``multi_modal_data`` on a prompt holding the placeholder: transformers' tokens; an image
+    without its placeholder is an error naming the prompt."""
+    from pagedgen import LLM
+
+    llm = LLM(model=str(ckpt), device="cpu", dtype="float32")
+    img = image(60, 90, 8)
+    messages = [msg(0, "d e")]
+    want = reference(hf, messages, [img])
+    chat = [{"role": "user", "content": [{"type": "image_pil", "image_pil": img},
+                                         {"type": "text", "text": "d e"}]}]
+    out = llm.chat(chat, max_tokens=8, temperature=0, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want
+    text = hf[1].apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": img}}, max_tokens=8,
+                       temperature=0, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == want
+    with pytest.raises(PagedgenError, match="prompt 0: the prompt has 0 image placeholder"):
+        llm.generate({"prompt": "a b", "multi_modal_data": {"image": img}}, use_tqdm=False)

@@ -148,18 +148,36 @@ def test_a_multimodal_checkpoint_runs_its_language_model(dense, tmp_path):
     assert _engine(path).generate([prompt], greedy)[0].output_token_ids == want
 
 
-def test_an_image_in_a_line_is_a_one_line_error(tmp_path):
+def test_image_parts_parse_and_a_text_model_refuses_them_in_one_line(dense, tmp_path):
+    """A line's image parts become the template's image parts and the line's images; other
+    parts are one-line errors; a model without a vision tower refuses the line by name."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
     from pagedgen.cli.formats.request import Request, set_prompt
 
     image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                           {"type": "image_url", "image_url": {"url": "x"}}]}]
-    with pytest.raises(PagedgenError, match="only text content parts.*image_url.*text prompts"):
-        set_prompt(Request(0, 1, 0), "messages", image, "p.jsonl:1", "messages")
+    req = Request(0, 1, 0)
+    set_prompt(req, "messages", image, "p.jsonl:1", "messages")
+    assert req.messages[0]["content"][1] == {"type": "image"} and req.images == ["x"]
+    with pytest.raises(PagedgenError, match="only text and image parts.*'input_audio'"):
+        set_prompt(Request(0, 1, 0), "messages", [{"role": "user", "content": [
+            {"type": "input_audio"}]}], "p.jsonl:1", "messages")
     req = Request(0, 1, 0)
     set_prompt(req, "messages", [{"role": "user", "content": [
         {"type": "text", "text": "two "}, {"type": "text", "text": "parts"}]}],
         "p.jsonl:1", "messages")
-    assert req.messages == [{"role": "user", "content": "two \nparts"}]
+    assert req.messages == [{"role": "user", "content": "two \nparts"}] and req.images is None
+    src = tmp_path / "p.jsonl"
+    src.write_text(json.dumps({"messages": image}) + "\n")
+    res = CliRunner().invoke(app, ["generate", str(src), "--model", str(dense), "--device",
+                                   "cpu", "-o", str(tmp_path / "o.jsonl"), "--on-bad-line",
+                                   "stop"])
+    assert res.exit_code != 0 and "p.jsonl:1: " in res.output
+    assert "takes no images" in res.output and "Traceback" not in res.output
 
 
 def test_a_misshapen_grouped_projection_is_named(tmp_path):

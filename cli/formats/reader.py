@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Callable, ContextManager
 from pagedgen.cli.formats import openai_batch
 from pagedgen.cli.formats import structured, tables
 from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions, Request,
-                                          check_sampling, set_chat_options, set_prompt,
+                                          check_sampling, set_chat_options, set_images, set_prompt,
                                           set_sampling, set_template_kwargs, user_fields)
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import SamplingParams
@@ -474,7 +474,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
         raise PagedgenError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     kinds = opts.prompt_fields
     known = {*kinds, *SAMPLING_FIELDS, *structured.FIELDS, *CHAT_OPTIONS, "id", "metadata",
-             "chat_template_kwargs"}
+             "chat_template_kwargs", "multi_modal_data"}
     given = [k for k in kinds if k in obj]
     if len(given) != 1:
         raise PagedgenError(f"{where}: need exactly one of "
@@ -488,6 +488,7 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
     set_template_kwargs(req, obj.get("chat_template_kwargs"), where, "'chat_template_kwargs'")
     set_chat_options(req, obj, where)
+    set_images(req, obj.get("multi_modal_data"), where, "'multi_modal_data'")
     for name in SAMPLING_FIELDS:
         if name in obj:
             set_sampling(req, name, obj[name], where)

@@ -99,6 +99,8 @@ class Request:
     model: str | None = None  # OpenAI lines: the body's "model"
     source: int = 0  # which of the input's files holds the line
     error: str | None = None  # why the line cannot run (``--on-bad-line error``: its record)
+    images: list[Any] | None = None  # its images' URLs, paths or PIL images, in order
+    mm: Any = None  # and what the engine made of them (``Engine.prompt_images``)
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams:
         """The line's sampling settings (``defaults`` itself when the line sets none)."""
@@ -123,10 +125,11 @@ def set_prompt(req: Request, kind: str, value: Any, where: str, label: str) -> N
         if not isinstance(value, list) or not value:
             raise PagedgenError(f"{where}: {label} must be a non-empty list of "
                                 "{\"role\": str, \"content\": str} objects")
-        value = [_text_content(m, where, f"{label}[{i}]") for i, m in enumerate(value)]
+        images: list[str] = []
+        value = [_content(m, where, f"{label}[{i}]", images) for i, m in enumerate(value)]
         for i, m in enumerate(value):
             _check_message(m, where, f"{label}[{i}]")
-        req.messages = value
+        req.messages, req.images = value, images or None
 
 
 REASONING_EFFORTS = ("minimal", "low", "medium", "high")
@@ -181,25 +184,56 @@ def _check_message(m: Any, where: str, label: str) -> None:
                             "runs no tools (its chats are text messages)")
     if not isinstance(m.get("role"), str):
         raise PagedgenError(f"{where}: {label} needs a 'role' string")
-    if not isinstance(m.get("content"), str):
-        raise PagedgenError(f"{where}: {label}: 'content' must be a string (or text parts), "
-                            f"not {json.dumps(m.get('content'))[:40]}")
+    if not isinstance(m.get("content"), (str, list)):  # a list: parts with an image
+        raise PagedgenError(f"{where}: {label}: 'content' must be a string (or text and "
+                            f"image parts), not {json.dumps(m.get('content'))[:40]}")
 
 
-def _text_content(message: Any, where: str, label: str) -> Any:
-    """A message whose content is a list of parts (OpenAI's form) with its text parts joined
-    by newlines; any other part (an image) is an error: pagedgen runs text prompts only."""
+def _content(message: Any, where: str, label: str, images: list[str]) -> Any:
+    """A message whose content is a list of parts (OpenAI's form): its text parts joined by
+    newlines where it has no image; with images, its parts as the chat template reads them
+    (``{"type": "text", "text": ...}``, ``{"type": "image"}``) and each image's URL or path
+    added to ``images`` (``image_url`` parts, OpenAI's; ``image`` and ``image_pil`` parts,
+    vLLM's, which may hold a PIL image in the Python API)."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
         return message
-    texts = []
-    for part in message["content"]:
+    parts = []
+    for j, part in enumerate(message["content"]):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise PagedgenError(f"{where}: {label}: only text content parts are supported, not "
-                                f"{kind!r}: pagedgen runs text prompts only (a multimodal "
-                                "checkpoint's language model)")
-        texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind in ("image_url", "image", "image_pil"):
+            ref = part.get(kind)
+            ref = ref.get("url") if isinstance(ref, dict) else ref
+            if not (isinstance(ref, str) and ref or hasattr(ref, "convert")):  # or PIL's
+                raise PagedgenError(f"{where}: {label}: content part {j}: an {kind} part "
+                                    f"needs a URL or path ({'{'}\"{kind}\": "
+                                    f"{'{'}\"url\": ...{'}'}{'}'})")
+            images.append(ref)
+            parts.append({"type": "image"})
+        else:
+            raise PagedgenError(f"{where}: {label}: content part {j}: only text and image "
+                                f"parts are supported, not {kind!r}")
+    if all(p["type"] == "text" for p in parts):
+        return {**message, "content": "\n".join(p["text"] for p in parts)}
+    return {**message, "content": parts}
+
+
+def set_images(req: Request, value: Any, where: str, label: str) -> None:
+    """vLLM's ``multi_modal_data``: ``{"image": one or a list}`` (URLs, paths, PIL images),
+    one per image placeholder of the prompt, in order; null sets none."""
+    if value is None:
+        return
+    images = value.get("image") if isinstance(value, dict) and set(value) <= {"image"} \
+        else None
+    images = images if isinstance(images, list) else [images] if images is not None else None
+    if not images or not all(isinstance(i, str) and i or hasattr(i, "convert")
+                             for i in images):
+        raise PagedgenError(f"{where}: {label} must be {{\"image\": an image or a list of "
+                            "them}} (URLs, paths, PIL images)")
+    if req.images:
+        raise PagedgenError(f"{where}: give images as content parts or as {label}, not both")
+    req.images = images
 
 
 def token_ids(value: Any, where: str, label: str) -> array:

@@ -184,7 +184,9 @@ class DataParallel:
         return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
     def check(self, request: Request) -> None:
-        """Each worker's engine checks its own requests."""
+        """Each worker's engine checks its own requests; images run in one engine for now."""
+        if request.images:
+            raise ValueError("images run in one engine for now: drop -dp and -tp")
 
     def summary(self, requests: int, wall: float, start: float,
                 extra: dict[str, Any]) -> dict[str, Any]:

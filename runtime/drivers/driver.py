@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from array import array
 from typing import Any, Iterator, Protocol
 
 from pagedgen.errors import PagedgenError
@@ -92,7 +93,15 @@ class LocalDriver:
 
     def check(self, request: Request) -> None:
         eng = self.engine
-        if eng.max_model_len < self.cfg.context_limit(eng.src.hf_config):
+        if request.images:  # the placeholders as the images ask, their pixels and positions
+            try:
+                ids, request.mm = eng.prompt_images(list(request.prompt_token_ids),
+                                                    request.images)
+            except PagedgenError as e:
+                raise ValueError(str(e)) from None
+            request.prompt_token_ids = array("i", ids)
+            eng.check_request(request.prompt_token_ids, request.sampling(self.defaults))
+        elif eng.max_model_len < self.cfg.context_limit(eng.src.hf_config):
             # the KV cache holds less than the model's context: the error names the memory
             eng.check_request(request.prompt_token_ids, request.sampling(self.defaults))
 

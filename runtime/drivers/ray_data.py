@@ -127,7 +127,9 @@ class RayReplicas:
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
     def check(self, request: Request) -> None:
-        """Each actor's engine checks its own requests."""
+        """Each actor's engine checks its own requests; images run in one engine for now."""
+        if request.images:
+            raise ValueError("images run in one engine for now: drop --ray")
 
     def stop(self) -> None:
         """Ray's actors end with its pipeline."""

@@ -25,6 +25,8 @@ class Request(Protocol):
 
     index: int
     prompt_token_ids: Any
+    images: list[str] | None
+    mm: Any  # its images as the engine made them (``Engine.prompt_images``)
 
     def sampling(self, defaults: SamplingParams) -> SamplingParams: ...
 
@@ -47,7 +49,7 @@ class Replica:
         """Run ``requests`` (tokenized and checked); after each step, the requests it
         finished (often none) as (input index, output line, output tokens)."""
         eng = self.engine
-        eng.add_requests((r.prompt_token_ids, r.sampling(self.defaults), r, r.index)
+        eng.add_requests((r.prompt_token_ids, r.sampling(self.defaults), r, r.index, r.mm)
                          for r in requests)
         while eng.has_unfinished():
             yield [(g[0].request.index, self.record(eng.request_output(g)),

@@ -28,8 +28,9 @@ from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
-# What ``Engine.add_requests`` takes: (prompt token ids, sampling, caller's handle, index).
-RequestItem = tuple[Any, SamplingParams, Any, int | None]
+# What ``Engine.add_requests`` takes: (prompt token ids, sampling, caller's handle, index[,
+# the prompt's images: ``prompt_images``]).
+RequestItem = tuple
 
 
 class Engine:
@@ -242,8 +243,7 @@ class Engine:
             if item is None:
                 self._sources.pop(0)
                 continue
-            ids, params, request, index = item
-            self.add_request(ids, params, request=request, index=index)
+            self.add_request(*item)  # ids, params, request, index[, images]
 
     def has_unfinished(self) -> bool:
         self._top_up()
