@@ -117,7 +117,8 @@ def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf
     eng.run()
     assert [s.output_token_ids for s in seqs] == want
     assert eng.stats.num_preemptions > 0
-    assert eng.runner.images.encoded == 3 and eng.runner.images.reused > 0
+    summary = eng.summary(1.0, 0.0)
+    assert summary["images_encoded"] == 3 and summary["image_cache_hits"] > 0
 
 
 def test_mrope_positions_are_transformers(ckpt, hf):

@@ -64,6 +64,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         **engine.runner.decode_reads.summary(),
     }
     runner = engine.runner
+    if runner.images is not None:
+        out.update(runner.images.summary(wall))
     if runner.graphs is not None:
         out.update(runner.graphs.summary())
     if runner.piecewise_off:

@@ -55,6 +55,12 @@ class ImageEncoder:
         return StepImages(torch.cat(rows).to(self.device), torch.cat(embeds),
                           torch.cat(positions, dim=1).to(self.device))
 
+    def summary(self, wall: float) -> dict[str, float | int]:
+        """The run summary's image figures: images through the tower (and per second of the
+        run), and the steps' images taken from the cache."""
+        return {"images_encoded": self.encoded, "images_encoded_per_s":
+                self.encoded / wall if wall else 0.0, "image_cache_hits": self.reused}
+
     def _encode(self, images: list) -> None:
         """Run the tower over the images not cached (each once), and mark all as used."""
         todo = {}
