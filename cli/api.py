@@ -165,7 +165,9 @@ class LLM:
         check_requests(rf, lambda r: checked_request(r, self.defaults, limit, vocab,
                                                      eng.config.max_num_seqs,
                                                      eng.config.named("max_num_seqs")))
-        check_requests(rf, self._driver.check, [r for r in reqs if r.images])  # their pixels
+        images = [r for r in rf.runnable() if r.images]
+        self._driver.prepare(images)  # read and sized in threads
+        check_requests(rf, self._driver.check, images)
         constraints = {c: r for r in reqs
                        if (c := (r.overrides or {}).get("structured")) is not None}
         if constraints:  # each compiled once, a bad one named before the run

@@ -144,6 +144,7 @@ def run(job: Job) -> dict[str, Any] | None:
             with console.status(f"{loading} ...") as status, kernel_plans.telling(
                     lambda what: status.update(f"{loading}: {escape(what)} ...")):
                 driver.load()
+        driver.prepare(todo)  # images: read and sized in threads
         check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
         todo, late = set_aside(todo, rf, writer if lead else None)
         bad += late

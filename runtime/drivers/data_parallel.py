@@ -183,6 +183,9 @@ class DataParallel:
         """Output tokens so far: each replica's generated count, or its finished lines'."""
         return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
+    def prepare(self, requests: list[Request]) -> None:
+        """Nothing: images run in one engine for now (``check`` refuses them)."""
+
     def check(self, request: Request) -> None:
         """Each worker's engine checks its own requests; images run in one engine for now."""
         if request.images:

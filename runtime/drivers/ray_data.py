@@ -126,6 +126,9 @@ class RayReplicas:
                 raise
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
+    def prepare(self, requests: list[Request]) -> None:
+        """Nothing: images run in one engine for now (``check`` refuses them)."""
+
     def check(self, request: Request) -> None:
         """Each actor's engine checks its own requests; images run in one engine for now."""
         if request.images:
