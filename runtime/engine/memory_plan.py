@@ -1,6 +1,7 @@
 """How many KV-cache pages a run gets: as an option sizes them (``num_blocks``,
-``kv_cache_memory``), else what the GPU has left after a forward of the largest step (as vLLM
-profiles it), else on a CPU what the batch could use, at most 1 GiB.
+``kv_cache_memory``), else what the GPU has left after a forward of the largest step (and,
+for a model with a vision tower, the tower over the largest image a step takes: as vLLM
+profiles them), else on a CPU what the batch could use, at most 1 GiB.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def profile_free_memory(runner: Any) -> int:
     with torch.inference_mode():
         h = runner.model(ids, pos, caches, md)
         runner.model.compute_logits(h[:runner.max_num_seqs])
+        if getattr(runner.model, "takes_images", False):
+            profile_vision_tower(runner.model, tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - own_pages
     del caches, h, md
@@ -84,3 +87,14 @@ def profile_free_memory(runner: Any) -> int:
     total = torch.cuda.get_device_properties(device).total_memory
     used_elsewhere = total - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
     return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+
+
+def profile_vision_tower(model: Any, tokens: int, most_patches: int = 16384) -> None:
+    """The vision tower over one image as large as a step's tokens allow (its patches, at
+    most ``most_patches``: a 1,280 x 960 image has 4,800 at Qwen3.5's 16-pixel patches), so
+    the memory profile's peak counts what encoding a step's images takes."""
+    cfg = model.visual.config
+    merge = cfg.spatial_merge_size
+    side = max(1, int(math.sqrt(min(tokens * merge ** 2, most_patches)) // merge)) * merge
+    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+    model.encode_images([torch.zeros(side * side, width)], [(1, side, side)])
