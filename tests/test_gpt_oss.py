@@ -253,7 +253,7 @@ def test_dummy_mxfp4_experts_are_the_dense_dummy_experts_quantized(mxfp4_checkpo
 def test_bias_and_clamped_swiglu_kernel_equals_the_torch_ops(dtype):
     """One program per slot: its expert's gate and up biases added, the clamp and the
     activation in float32 (Triton's interpreter), against torch's ops in float32; a width
-    past one block."""
+    past one block. Gemma 4's GeGLU by the same kernel."""
     from test_moe import INTERPRETED_ONLY
 
     from pagedgen.runtime.layers import moe_act
@@ -271,3 +271,9 @@ def test_bias_and_clamped_swiglu_kernel_equals_the_torch_ops(dtype):
     no_bias = moe_act.bias_and_act(gate_up, act, None, expert)
     torch.testing.assert_close(no_bias.float(), act(*gate_up.float().chunk(2, -1)), atol=tol,
                                rtol=tol)
+    geglu = moe_act.bias_and_act(gate_up, moe_act.geglu, None, expert)  # Gemma 4's experts'
+    torch.testing.assert_close(geglu.float(), moe_act.geglu(*gate_up.float().chunk(2, -1)),
+                               atol=tol, rtol=tol)
+    with_bias = moe_act.bias_and_act(gate_up, moe_act.geglu, bias, expert)
+    torch.testing.assert_close(with_bias.float(), moe_act.geglu(
+        *(gate_up.float() + bias[expert]).chunk(2, -1)), atol=tol, rtol=tol)

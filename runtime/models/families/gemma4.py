@@ -38,6 +38,7 @@ from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers import moe_route
+from pagedgen.runtime.layers.moe_act import geglu
 from pagedgen.runtime.layers.moe import FusedMoE
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
@@ -144,11 +145,6 @@ class Router(nn.Module):
         h = unweighted_rms_norm(x, self.eps) * self.scale * self.root
         weights, ids = moe_route.route(self.proj(h), self.top_k, renormalize=True)
         return weights * self.per_expert_scale[ids].float(), ids
-
-
-def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """The experts' activation: ``gelu_tanh(gate) * up``."""
-    return F.gelu(gate, approximate="tanh") * up
 
 
 class DecoderLayer(nn.Module):
