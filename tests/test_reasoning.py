@@ -105,20 +105,24 @@ def test_harmony_text_outside_any_message_is_the_answer():
 
 # ---- a run ---------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def thinker(tmp_path_factory):
-    """A random checkpoint whose BPE tokenizer (SmolLM2's) has ``<think>`` and ``</think>``."""
-    pytest.importorskip("xgrammar")
+def tagged_checkpoint(path, tags: list[str]):
+    """A random checkpoint whose BPE tokenizer (SmolLM2's) has these tags as tokens."""
     pytest.importorskip("gguf", reason="pip install gguf (the README's test command does)")
     from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 
-    path = tmp_path_factory.mktemp("thinker")
     # a copy: the loaded tokenizer is cached for the process, other tests' runs share it
     tok = copy.deepcopy(load_tokenizer(resolve_model("smollm2-135m")).tok)
-    tok.add_tokens(["<think>", "</think>"])
+    tok.add_tokens(tags)
     make_checkpoint("qwen3", path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
     tok.save_pretrained(path)
     return path, tok
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    """``<think>`` and ``</think>`` (Qwen3's)."""
+    pytest.importorskip("xgrammar")
+    return tagged_checkpoint(tmp_path_factory.mktemp("thinker"), ["<think>", "</think>"])
 
 
 class Script(LogitsProcessor):
@@ -202,16 +206,9 @@ def test_a_sample_cut_while_reasoning_says_so(thinker):
 
 @pytest.fixture(scope="module")
 def gemma4_thinker(tmp_path_factory):
-    """A random checkpoint whose tokenizer has Gemma 4's ``<|channel>`` and ``<channel|>``."""
-    pytest.importorskip("gguf", reason="pip install gguf (the README's test command does)")
-    from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
-
-    path = tmp_path_factory.mktemp("gemma4_thinker")
-    tok = copy.deepcopy(load_tokenizer(resolve_model("smollm2-135m")).tok)
-    tok.add_tokens(["<|channel>", "<channel|>"])
-    make_checkpoint("qwen3", path, vocab_size=len(tok), eos_token_id=2, bos_token_id=1)
-    tok.save_pretrained(path)
-    return path, tok
+    """Gemma 4's ``<|channel>`` and ``<channel|>``."""
+    return tagged_checkpoint(tmp_path_factory.mktemp("gemma4_thinker"),
+                             ["<|channel>", "<channel|>"])
 
 
 def test_gemma4_reasoning_between_its_channel_tags_without_the_thought_label(gemma4_thinker,
