@@ -115,6 +115,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
                "recurrent_state_bytes_per_slot", "graph_memory_bytes"),
     "linear attention": ("linear_attention_layers", "linear_attention_kernels",
                          "recurrent_state_slots", "max_num_seqs_lowered"),
+    "images": ("images_encoded", "images_encoded_per_s", "image_cache_hits"),
     "start-up": ("startup_s", "startup_breakdown_s", "input_time_s", "load_time_s",
                  "graph_capture_s", "mixed_graph_capture_s", "attention_warmup_s",
                  "attention_kernels_compiled_at_warmup",

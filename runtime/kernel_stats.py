@@ -21,14 +21,15 @@ from typing import Any
 from pagedgen.profiling import PREFIX
 
 GROUPS = ("attention", "linear attention", "GEMM", "FP8 GEMM", "MoE", "normalization",
-          "activation", "rotary", "sampling", "KV-cache write", "all-reduce", "memory copy",
-          "other")
+          "activation", "rotary", "sampling", "KV-cache write", "all-reduce", "vision encoder",
+          "memory copy", "other")
 _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "activation": "activation", "rotary": "rotary", "sampling": "sampling",
                 "kv_cache_write": "KV-cache write", "all_reduce": "all-reduce",
                 "logits_processors": "sampling", "sampling_controls": "sampling",
                 "structured_output": "sampling",
-                "fp8_gemm": "FP8 GEMM", "moe": "MoE", "linear_attention": "linear attention"}
+                "fp8_gemm": "FP8 GEMM", "moe": "MoE", "linear_attention": "linear attention",
+                "vision_encoder": "vision encoder"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
     ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
