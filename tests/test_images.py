@@ -104,7 +104,8 @@ def test_greedy_tokens_equal_transformers(ckpt, hf, case):
 def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf):
     """Chunks of 4 tokens (an image's 6 to 20 tokens cut across steps) and a cache of 10
     pages of 8 for three prompts at once (a preemption, whose recompute takes the tower's
-    embeddings from the cache); an image shared by two prompts is encoded once."""
+    embeddings from the cache); an image shared by two prompts is encoded once; an image's
+    pixels are made when its sequence is queued and let go once it is encoded."""
     shared = image(90, 60, 4)
     prompts = [([msg(0, "q r")], [shared]), ([msg(0, "s")], [shared]),
                CASES["two images of other sizes"]]
@@ -113,9 +114,12 @@ def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf
     seqs = []
     for messages, images in prompts:
         ids, mm = eng.prompt_images(chat(hf[1], messages), images)
+        assert all(im.pixel_values is None for im in mm.images)  # sized, pixels let go
         seqs.append(eng.add_request(ids, LONG, images=mm))
+        assert all(im.pixel_values is not None for im in mm.images)  # being made ahead
     eng.run()
     assert [s.output_token_ids for s in seqs] == want
+    assert all(im.pixel_values is None for s in seqs for im in s.mm.images)  # encoded: gone
     assert eng.stats.num_preemptions > 0
     summary = eng.summary(1.0, 0.0)
     assert summary["images_encoded"] == 3 and summary["image_cache_hits"] > 0

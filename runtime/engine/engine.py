@@ -73,8 +73,7 @@ class Engine:
     def _new_queues(self) -> None:
         """An empty scheduler over a block manager with every block and state slot free."""
         config, recurrent = self.config, self.runner.recurrent
-        # Linear-attention layers keep no state at a prefix's end, so a prefix's cached pages
-        # alone cannot resume a sequence: no prefix caching for them (the summary says so).
+        # no prefix caching with linear-attention layers: their state at a prefix's end is gone
         self.block_manager = BlockManager(
             self.runner.num_blocks - 1,  # -1: the scratch block
             self.runner.block_size, config.prefix_caching and recurrent is None,
@@ -203,6 +202,8 @@ class Engine:
             seq.forks = samples[1:]
             for s in samples:
                 s.samples = samples
+        if images is not None:  # their pixels made ahead, in threads
+            self.runner.images.prefetch(images)
         self.scheduler.add(seq)
         return seq
 
@@ -228,10 +229,9 @@ class Engine:
 
     def add_requests(self, items: Iterable[RequestItem]) -> None:
         """Queue requests lazily: each item becomes a sequence (``add_request``) only when the
-        scheduler's waiting queue runs short, so a million queued requests cost no more per
-        step than a hundred, and hold no per-sequence state until they are near admission.
-        Items must already have passed ``check_request``. With ``prefix_grouping`` (default),
-        requests that share a prompt prefix are admitted together (``ordering.py``)."""
+        waiting queue runs short, so a million queued requests cost no more per step than a
+        hundred. Items must already have passed ``check_request``. With ``prefix_grouping``
+        (default), requests that share a prompt prefix are admitted together."""
         if self.config.prefix_grouping:
             items = prefix_grouped(items, lambda item: item[0])
         self._sources.append(iter(items))

@@ -1,17 +1,22 @@
 """A step's images: the embeddings of the image tokens its prefill chunks carry and every
 row's M-RoPE positions (``StepImages``, the model's ``metadata.model_inputs``).
 
-Each image runs through the vision tower once, when the first chunk holding its tokens is
-scheduled, with every other image that step needs (one batched call of the tower); its
-embeddings stay in a cache keyed by its pixels' hash, so a chunked prompt's later chunks, a
-preempted sequence's recompute and another request with the same image take them from there
-(``encoded`` counts the tower's images, ``reused`` the cache's hits). The cache holds the
-``capacity`` images last used.
+A sequence's images are read and patched (``ImagePrompter.pixels``) in worker threads as soon
+as the engine makes the sequence (``prefetch``: a scheduler's lookahead ahead of admission),
+so the CPU work runs beside the GPU's and only the images of the sequences near admission
+hold their pixels in host memory. Each image runs through the vision tower once, when the
+first chunk holding its tokens is scheduled, with every other image that step needs (one
+batched call of the tower); its pixels are then let go and its embeddings stay in a cache
+keyed by its pixels' hash, so a chunked prompt's later chunks, a preempted sequence's
+recompute and another request with the same image take them from there (``encoded`` counts
+the tower's images, ``reused`` the cache's hits). The cache holds the ``capacity`` images
+last used; one evicted and needed again is patched again.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -23,11 +28,20 @@ from pagedgen.runtime.models.multimodal import StepImages
 class ImageEncoder:
     """Image embeddings for ``model`` (one with ``encode_images``) on ``device``."""
 
-    def __init__(self, model: Any, device: torch.device, capacity: int = 256) -> None:
+    def __init__(self, model: Any, device: torch.device, capacity: int = 256,
+                 threads: int = 4) -> None:
         self.model, self.device, self.capacity = model, device, capacity
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.encoded = 0
         self.reused = 0
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedgen-images")
+
+    def prefetch(self, images: Any) -> None:
+        """Start patching ``images``' (a ``MultiModalPrompt``'s) images not encoded yet."""
+        for im in images.images:
+            if im.pixel_values is None and im.key not in self.cache:
+                im.pixel_values = self.pool.submit(self.model.image_prompter.pixels,
+                                                   im.source)
 
     def step_inputs(self, prefills: list[tuple[Sequence, int]], decode_positions: list[int]
                     ) -> StepImages | None:
@@ -71,10 +85,20 @@ class ImageEncoder:
             else:
                 todo.setdefault(im.key, im)
         if todo:
-            out = self.model.encode_images([im.pixel_values for im in todo.values()],
+            out = self.model.encode_images([self._pixels(im) for im in todo.values()],
                                            [im.grid_thw for im in todo.values()])
             self.encoded += len(todo)
             for key, embeds in zip(todo, out):
                 self.cache[key] = embeds
+        for im in images:  # encoded (now or before): its pixels let go
+            im.pixel_values = None
         while len(self.cache) > max(self.capacity, len(images)):
             self.cache.popitem(last=False)
+
+    def _pixels(self, im: Any) -> torch.Tensor:
+        """``im``'s patches: prefetched, or made now (an image evicted and needed again)."""
+        if isinstance(im.pixel_values, Future):
+            return im.pixel_values.result()
+        if im.pixel_values is None:
+            return self.model.image_prompter.pixels(im.source)
+        return im.pixel_values

@@ -33,14 +33,18 @@ from pagedgen.errors import PagedgenError
 @dataclass
 class ImageInput:
     """One image of a prompt: its patches (``pixel_values`` [patches, channels x temporal x
-    patch x patch], let go once encoded), its patch grid (t, h, w), a hash of its pixels (the
-    encoder's cache and the prefix cache key it), and where its placeholders sit."""
+    patch x patch]: made again from ``source`` shortly before it is encoded, in a thread
+    ahead of the engine, and let go once encoded, so a file's images do not all sit in host
+    memory at once; a ``Future`` while being made), its patch grid (t, h, w), a hash of its
+    pixels (the encoder's cache and the prefix cache key it), and where its placeholders
+    sit."""
 
-    pixel_values: torch.Tensor | None
+    pixel_values: Any
     grid_thw: tuple[int, int, int]
     key: bytes
     start: int
     num_tokens: int
+    source: Any = None  # what the line gave: a URL, a path or a PIL image
 
 
 @dataclass
@@ -136,19 +140,23 @@ class ImagePrompter:
             raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
                                 f"image placeholder(s) for {len(images)} image(s)")
         out, inputs, last = [], [], 0
-        for pad, image in zip(pads, images):
-            image = load_image(image, where)
-            pixels = self.processor(images=[image], return_tensors="pt")
+        for pad, source in zip(pads, images):
+            pixels = self.processor(images=[load_image(source, where)], return_tensors="pt")
             t, h, w = (int(x) for x in pixels["image_grid_thw"][0])
             n = t * h * w // self.merge ** 2
             out += ids[last:pad]
             key = hashlib.sha256(pixels["pixel_values"].numpy().tobytes()).digest()
-            inputs.append(ImageInput(pixels["pixel_values"], (t, h, w), key, len(out), n))
+            inputs.append(ImageInput(None, (t, h, w), key, len(out), n, source))
             out += [self.image_token_id] * n
             last = pad + 1
         out += ids[last:]
         positions, delta = mrope_positions(len(out), inputs, self.merge)
         return out, MultiModalPrompt(inputs, positions, delta)
+
+
+    def pixels(self, source: Any) -> torch.Tensor:
+        """An image's patches, made again from what the line gave (read when checked)."""
+        return self.processor(images=[load_image(source)], return_tensors="pt")["pixel_values"]
 
 
 def mrope_positions(length: int, images: list[ImageInput], merge: int
