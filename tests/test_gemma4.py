@@ -232,3 +232,36 @@ def test_tp2_equals_tp1(tmp_path_factory):
     assert_tp2_equals_tp1([str(make_checkpoint("gemma4_text", tmp_path_factory.mktemp(name),
                                                **fields))
                            for name, fields in VARIANTS.items()], tol=3e-5)
+
+
+def test_verify_checks_the_model_on_the_backends_auto_mixes(tmp_path, monkeypatch):
+    """``pagedgen verify --backend auto --model-only``: where ``auto`` runs the KV groups on
+    two backends (the stand-in above; "all" then adds this row), the model check names both
+    and passes against the eager reference; a backend that cannot run the model's layers is
+    skipped with the reason."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from pagedgen.attention import registry
+    from pagedgen.cli.app import app
+
+    monkeypatch.setitem(registry._BACKENDS, "sdpa-256", f"{__name__}:Sdpa256")
+    monkeypatch.setitem(registry._AUTO_ORDER, "cpu", ["sdpa-256", "sdpa"])
+    path = make_checkpoint("gemma4_text", tmp_path / "even", head_dim=128,
+                           num_key_value_heads=4, **VARIANTS["k-eq-v"])
+    from pagedgen.cli.verify.runner import mixes_backends, plan_backend
+
+    assert mixes_backends(str(path), "float32", torch.device("cpu"))
+    report, checks = plan_backend("sdpa-256", torch.device("cpu"), str(path), "float32", 1, 4,
+                                  0, kernels=False)
+    assert report.status == "skipped" and "head size 512" in report.reason and not checks
+    res = CliRunner().invoke(app, ["verify", "--model", str(path), "--model-only", "--device",
+                                   "cpu", "--dtype", "float32", "--steps", "4", "--json",
+                                   "--backend", "auto"])
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.output[res.output.index("{"):])
+    auto = next(b for b in report["backends"] if b["backend"] == "auto")
+    assert auto["status"] == "checked" and auto["rows"] and all(r["passed"]
+                                                               for r in auto["rows"])
+    assert "on sdpa-256 (4 layers) + sdpa (2 layers)" in auto["rows"][0]["group"]

@@ -19,7 +19,9 @@ from pagedgen.errors import PagedgenError
 
 @cli_errors  # Ctrl-C and SIGTERM: one line (bad options exit with 2 below)
 def verify(
-    backend: str = typer.Option("all", help="A backend name, or all."),
+    backend: str = typer.Option("all", help="A backend name, all, or auto (the model on "
+                                            "what auto picks for each KV group; all adds it "
+                                            "where that mixes backends)."),
     model: str = typer.Option("tiny", help="Model for the model-level check (its own weights; "
                                            "dummy ones for a preset)."),
     dtype: str = typer.Option("auto", help="Model dtype for the model-level check."),
@@ -55,12 +57,13 @@ def verify(
     from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
     from pagedgen.cli.verify.linear_checks import plan_linear
     from pagedgen.cli.verify.model_checks import check_tensor_parallel
-    from pagedgen.cli.verify.runner import default_jobs, graph_modes, plan_backend, run_plans
+    from pagedgen.cli.verify.runner import (default_jobs, graph_modes, mixes_backends,
+                                            plan_backend, run_plans)
     from pagedgen.runtime.config import EngineConfig
     from pagedgen.runtime.models.loader import resolve_model
 
     names = backend_names()
-    if backend != "all" and backend not in names:
+    if backend not in ("all", "auto") and backend not in names:
         console.print(f"[bold red]error:[/] unknown backend '{backend}'; known: "
                       f"{', '.join(names)}")
         raise typer.Exit(2)
@@ -77,8 +80,9 @@ def verify(
             check_creatable(output, "--output")
         t0 = time.perf_counter()
         out = console if json_report else out_console()
+        every = names + (["auto"] if mixes_backends(model, dtype, dev) else [])
         plans = [plan_backend(n, dev, model, dtype, cases, steps, seed, not model_only)
-                 for n in (names if backend == "all" else [backend])]
+                 for n in (every if backend == "all" else [backend])]
         if quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
         if dev.type == "cuda" and backend == "all" and not model_only:

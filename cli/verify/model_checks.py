@@ -188,7 +188,8 @@ def check_model(backend_name: str, model: str, dtype: str, device: torch.device,
     base, ref32 = references(model, dtype, str(device), steps, seed)
     eng = Engine(model_config(backend_name, model, dtype, device, seed, graphs))
     label = f"model {eng.src.name} {str(eng.dtype).removeprefix('torch.')}, " \
-            f"CUDA graphs {'on' if graphs else 'off'}"
+            f"CUDA graphs {'on' if graphs else 'off'}" + \
+        (f", on {eng.backend_name}" if eng.backend_name != backend_name else "")
     got = trace(eng, model_prompts(seed), steps, (ref32 or base)[1])
     return judge(got, base, ref32, MODEL_TOL[eng.dtype], label, eng.dtype != torch.float32)
 

@@ -56,8 +56,13 @@ def plan_backend(name: str, device: torch.device, model: str, dtype: str, cases:
     if name == "eager":
         return BackendReport(name, "reference", "the reference itself (tested against a dense "
                                                 "float64 computation in the test suite)"), []
-    why = unavailable_reason(name, device)  # this backend only, not every backend's status
-    if why is not None:
+    if name == "auto":  # the model on what auto picks for each KV group: the model's checks
+        backend = get_backend("auto", device)
+        return BackendReport(name, "checked"), [
+            Check([(check_model, (name, model, dtype, device, steps, seed, graphs))], single)
+            for graphs in graph_modes(backend, device)]
+    why = unavailable_reason(name, device) or cannot_run(name, model, dtype, device)
+    if why is not None:  # not here, or not this model's layers
         return BackendReport(name, "skipped", why), []
     backend = get_backend(name, device)
     chunks = [list(range(i, min(i + CHUNK, cases))) for i in range(0, cases, CHUNK)]
@@ -197,3 +202,42 @@ def _result(task: Future | _Deferred) -> Any:
     except BrokenProcessPool as e:
         raise PagedgenError(f"a verify worker process died ({e}); rerun with --jobs 1 to see "
                             f"where")
+
+
+def _layers(model: str, dtype: str, device: torch.device) -> tuple[Any, list, Any, Any]:
+    """``model``'s engine config (in ``dtype``), attention layer specs, and its query and KV
+    dtypes on ``device``."""
+    from pagedgen.runtime.config import EngineConfig
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = EngineConfig(model=model, dtype=dtype)
+    hf = resolve_model(model).hf_config
+    t = cfg.torch_dtype(device)
+    return cfg, registry.model_class(hf).layer_specs(hf, 1), t, cfg.cache_dtype(t)
+
+
+def cannot_run(name: str, model: str, dtype: str, device: torch.device) -> str | None:
+    """Why backend ``name`` cannot run ``model``'s layers (a head size, a soft cap), or None."""
+    from pagedgen.attention.registry import backend_for_model
+
+    _, specs, t, kv = _layers(model, dtype, device)
+    try:
+        backend_for_model(name, device, specs, t, kv, model)
+    except PagedgenError as e:
+        return str(e)
+    return None
+
+
+def mixes_backends(model: str, dtype: str, device: torch.device) -> bool:
+    """Whether ``auto`` runs ``model``'s KV groups on more than one backend here (Gemma 4 on a
+    GPU: FA4 beside triton), so ``verify``'s "all" checks that mix too."""
+    from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
+
+    cfg, specs, t, kv = _layers(model, dtype, device)
+    try:
+        _, chosen = group_backends(specs, plan_layout(specs, cfg.kv_cache_groups), "auto",
+                                   device, t, kv, model)
+    except PagedgenError:  # no backend runs it here: the named backends' rows say why
+        return False
+    return len(set(chosen)) > 1
