@@ -256,3 +256,19 @@ def test_the_memory_profile_runs_the_vision_tower_over_a_steps_largest_image(ckp
     profile_vision_tower(model, 9)  # 9 tokens: 36 patches, 6 x 6
     profile_vision_tower(model, 10_000, most_patches=100)  # capped: 10 x 10
     assert seen == [[(1, 6, 6)], [(1, 10, 10)]]
+
+
+def test_samples_forked_from_an_image_prompt_share_its_prefill(ckpt, hf):
+    """``n`` = 3 greedy samples of one image prompt: one prefill (the image encoded once),
+    three forks, each transformers' tokens."""
+    from pagedgen.runtime.config import SamplingParams
+
+    messages, images = CASES["one image"]
+    want = reference(hf, messages, images, LONG.max_tokens)
+    eng = engine(ckpt)
+    ids, mm = eng.prompt_images(chat(hf[1], messages), images)
+    seq = eng.add_request(ids, SamplingParams(max_tokens=LONG.max_tokens, temperature=0.0,
+                                              ignore_eos=True, n=3), images=mm)
+    eng.run()
+    assert [s.output_token_ids for s in seq.samples] == [want] * 3
+    assert eng.summary(1.0, 0.0)["images_encoded"] == 1
