@@ -138,9 +138,10 @@ def test_mrope_positions_are_transformers(ckpt, hf):
                        torch.tensor([len(ids), len(ids) + 1]).expand(3, -1) + mm.delta)
 
 
-def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path):
-    """A path, a ``file://`` URL and a ``data:`` URL give the same prompt; an unreadable
-    image and a model without a vision tower are one-line errors."""
+def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path, monkeypatch):
+    """A path, a ``file://`` URL and a ``data:`` URL give the same prompt; a missing file, a
+    file that is not an image, bad base64, a folder, a decompression bomb and a model without
+    a vision tower are one-line errors."""
     eng = engine(ckpt)
     img = image(60, 90, 5)
     img.save(tmp_path / "x.png")
@@ -154,6 +155,15 @@ def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path):
                for m in made)
     with pytest.raises(PagedgenError, match=r"^line 3: cannot read the image '.*nope.png'"):
         eng.prompt_images(ids, [str(tmp_path / "nope.png")], "line 3")
+    (tmp_path / "text.png").write_text("not an image")
+    for bad in (str(tmp_path / "text.png"), "data:image/png;base64,@@@", str(tmp_path)):
+        with pytest.raises(PagedgenError, match="^line 3: cannot read the image"):
+            eng.prompt_images(ids, [bad], "line 3")
+    from PIL import Image
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # a decompression bomb's size
+    with pytest.raises(PagedgenError, match="cannot read the image .*DecompressionBombError"):
+        eng.prompt_images(ids, [str(tmp_path / "x.png")], "line 3")
+    monkeypatch.undo()
     with pytest.raises(PagedgenError, match="line 3: the prompt has 1 image placeholder"):
         eng.prompt_images(ids, [img, img], "line 3")
     plain = Engine(EngineConfig(model=str(make_checkpoint("qwen3_5_text", tmp_path / "text")),

@@ -102,7 +102,7 @@ def load_image(ref: Any, where: str = "") -> Any:
         path = urllib.parse.unquote(text.removeprefix("file://")) \
             if text.startswith("file://") else text
         return Image.open(path).convert("RGB")
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # a bomb: too many pixels
         raise PagedgenError(f"{prefix}cannot read the image {shown!r}: "
                             f"{type(e).__name__}: {e}") from None
 
