@@ -327,3 +327,36 @@ def test_fp8_kv_cache_reads_and_writes_as_eager(scales, window):
         err = (out.float() - ref.float()).abs().max().item()
         assert err <= TOL[b.q.dtype], err
         assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+@pytest.mark.parametrize("share", [0, 1])
+def test_a_layer_on_its_share_of_a_flash_attn_slab(share):
+    """Gemma 4's global layers on a GPU: triton attends through a view of its share of a slab
+    laid out as flash-attn lays a cache (K and V apart, pages twice as wide): the same output
+    and written K/V as eager on a cache of its own, and the other share untouched."""
+    from pagedgen.attention.flash_attn.backend import FlashAttnBackend
+    from pagedgen.runtime.engine.kv_groups import plan_layout
+    from pagedgen.runtime.engine.kv_memory import KVMemory
+
+    b = make_paged_batch(3, num_heads=4, num_kv_heads=1, head_size=128, block_size=16,
+                         dtype=DTYPES[-1], device=DEVICE, max_context=40, max_new=20)
+    pages = b.kv_cache.shape[0]
+    wide = b.spec.__class__(4, 2, 128, b.spec.scale, 64)  # a window layer: 2 KV heads of 128
+    specs = [wide, wide, b.spec, b.spec]  # the two narrow ones share the slab's pages
+    layout = plan_layout(specs)
+    triton = backend()
+    kv = KVMemory(FlashAttnBackend, specs, layout, 16, b.kv_cache.dtype, torch.device(DEVICE),
+                  [triton if g.window is None else FlashAttnBackend for g in layout.groups])
+    caches = kv.allocate(pages)
+    mine = caches[2 + share]
+    assert layout.share(2 + share) == (share, 2) and not mine.is_contiguous()
+    other = caches[3 - share]
+    other_before = triton.blocks_view(other).clone()
+    triton.blocks_view(mine).copy_(b.kv_cache)
+    ref, ref_cache = run_backend(EagerBackend, b)
+    state = triton.get_state_cls()(triton, [b.spec], 16, b.q.dtype, mine.dtype, b.q.device)
+    impl = triton.get_impl_cls()(b.spec, state)
+    out = impl.forward(b.q, b.k, b.v, mine, state.build(b.metadata()))
+    assert (out.float() - ref.float()).abs().max().item() <= TOL[b.q.dtype]
+    assert torch.equal(triton.blocks_view(mine), ref_cache)
+    assert torch.equal(triton.blocks_view(other), other_before)
