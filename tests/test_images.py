@@ -282,3 +282,24 @@ def test_samples_forked_from_an_image_prompt_share_its_prefill(ckpt, hf):
     eng.run()
     assert [s.output_token_ids for s in seq.samples] == [want] * 3
     assert eng.summary(1.0, 0.0)["images_encoded"] == 1
+
+
+def test_images_are_read_in_threads_before_the_run_and_counted(ckpt, hf):
+    """``LocalDriver.prepare``: every request's images read and sized (the command's "reading
+    images" bar counts them), each request's result kept for its ``check``."""
+    from array import array
+
+    from pagedgen.cli.formats.request import Request
+    from pagedgen.runtime.drivers.driver import LocalDriver
+
+    driver = LocalDriver(EngineConfig(model=str(ckpt), device="cpu", dtype="float32",
+                                      num_blocks=64), SamplingParams())
+    ids = chat(hf[1], [msg(0, "a", 1, "b")])
+    reqs = [Request(i, i + 1, i, prompt_token_ids=array("i", ids),
+                    images=[image(40 + 10 * i, 60, i), image(60, 40, i)]) for i in range(5)]
+    seen = []
+    driver.prepare(reqs, seen.append)
+    assert sorted(seen) == [2] * 5
+    for r in reqs:
+        driver.check(r)
+        assert r.mm is not None and len(r.prompt_token_ids) > len(ids)

@@ -144,7 +144,10 @@ def run(job: Job) -> dict[str, Any] | None:
             with console.status(f"{loading} ...") as status, kernel_plans.telling(
                     lambda what: status.update(f"{loading}: {escape(what)} ...")):
                 driver.load()
-        driver.prepare(todo)  # images: read and sized in threads
+        images = sum(len(r.images) for r in todo if r.images)
+        with startup_progress(job.quiet or not lead or not images) as progress:
+            task = progress.add_task("reading images", total=images)
+            driver.prepare(todo, lambda n: progress.update(task, advance=n))
         check_requests(rf, driver.check, todo)  # against its KV cache, once it is known
         todo, late = set_aside(todo, rf, writer if lead else None)
         bad += late

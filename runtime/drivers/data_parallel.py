@@ -183,7 +183,7 @@ class DataParallel:
         """Output tokens so far: each replica's generated count, or its finished lines'."""
         return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
-    def prepare(self, requests: list[Request]) -> None:
+    def prepare(self, requests: list[Request], progress=None) -> None:
         """Nothing: images run in one engine for now (``check`` refuses them)."""
 
     def check(self, request: Request) -> None:

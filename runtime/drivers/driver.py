@@ -17,7 +17,7 @@ import os
 import time
 from array import array
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
@@ -34,8 +34,10 @@ Batch = tuple[list[tuple[int, str]], int]
 class Driver(Protocol):
     def run(self, todo: list[Request], record: RecordFn) -> Iterator[Batch]: ...
 
-    def prepare(self, requests: list[Request]) -> None:
-        """Make the requests' images ready for ``check`` (their pixels, in threads)."""
+    def prepare(self, requests: list[Request],
+                progress: Callable[[int], None] | None = None) -> None:
+        """Make the requests' images ready for ``check`` (read and sized, in threads);
+        ``progress(n)`` as each request's ``n`` images are done."""
 
     def check(self, request: Request) -> None:
         """ValueError for a request its engines cannot take (a KV cache smaller than the
@@ -97,13 +99,15 @@ class LocalDriver:
             self.load()
         return self.replica.engine
 
-    def prepare(self, requests: list[Request]) -> None:
+    def prepare(self, requests: list[Request],
+                progress: Callable[[int], None] | None = None) -> None:
         """Each request's images read and sized (``Engine.prompt_images``) in threads: the
         image processor's resizing runs in C with the GIL released, ~8 ms per 448 x 448 image
         on one core, so a file of thousands waits seconds, not minutes, before the run."""
-        self._images = self._made([r for r in requests if r.images])
+        self._images = self._made([r for r in requests if r.images], progress)
 
-    def _made(self, requests: list[Request]) -> dict[int, Any]:
+    def _made(self, requests: list[Request], progress: Callable[[int], None] | None = None
+              ) -> dict[int, Any]:
         """id(request) → its (ids, images), or the PagedgenError that says why not."""
         eng = self.engine
 
@@ -112,6 +116,9 @@ class LocalDriver:
                 return eng.prompt_images(list(r.prompt_token_ids), r.images)
             except PagedgenError as e:
                 return e
+            finally:
+                if progress is not None:
+                    progress(len(r.images))
         if len(requests) < 2:
             return {id(r): one(r) for r in requests}
         with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:

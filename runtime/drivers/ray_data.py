@@ -126,7 +126,7 @@ class RayReplicas:
                 raise
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
-    def prepare(self, requests: list[Request]) -> None:
+    def prepare(self, requests: list[Request], progress=None) -> None:
         """Nothing: images run in one engine for now (``check`` refuses them)."""
 
     def check(self, request: Request) -> None:
