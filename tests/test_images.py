@@ -303,3 +303,18 @@ def test_images_are_read_in_threads_before_the_run_and_counted(ckpt, hf):
     for r in reqs:
         driver.check(r)
         assert r.mm is not None and len(r.prompt_token_ids) > len(ids)
+
+
+def test_an_image_file_gone_after_the_check_still_runs(ckpt, hf, tmp_path):
+    """The check keeps an image's bytes, not its path: the pixels made during the run do not
+    read the file again (a file deleted, or a URL that fails the second time, mid-run)."""
+    img = image(60, 90, 11)
+    img.save(tmp_path / "gone.png")
+    messages = [msg(0, "w")]
+    want = reference(hf, messages, [img], LONG.max_tokens)
+    eng = engine(ckpt)
+    ids, mm = eng.prompt_images(chat(hf[1], messages), [str(tmp_path / "gone.png")])
+    (tmp_path / "gone.png").unlink()
+    seq = eng.add_request(ids, LONG, images=mm)
+    eng.run()
+    assert seq.output_token_ids == want

@@ -44,7 +44,7 @@ class ImageInput:
     key: bytes
     start: int
     num_tokens: int
-    source: Any = None  # what the line gave: a URL, a path or a PIL image
+    source: Any = None  # its file's bytes, or the PIL image the caller gave
 
 
 @dataclass
@@ -78,13 +78,18 @@ class MultiModalPrompt:
         return torch.cat([inside, after], dim=1)
 
 
-def load_image(ref: Any, where: str = "") -> Any:
-    """A PIL image from a PIL image, a path, a ``file://`` URL, a ``data:`` URL or an
-    ``http(s)`` URL (fetched; a one-line error where the network is not reachable)."""
+def load_image(ref: Any, where: str = "") -> tuple[Any, Any]:
+    """(a PIL image, what to read it from again) from a PIL image, a path, a ``file://`` URL, a
+    ``data:`` URL or an ``http(s)`` URL (fetched; a one-line error where the network is not
+    reachable). What it is read from again is the image itself or its file's bytes, never the
+    URL or the path: patching it again during the run (``ImagePrompter.pixels``) reads nothing
+    that can fail (compressed bytes: a 448 x 448 JPEG holds ~50 KB where its pixels take 5 MB)."""
     from PIL import Image
 
     if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
+        return ref.convert("RGB"), ref
+    if isinstance(ref, bytes):
+        return Image.open(io.BytesIO(ref)).convert("RGB"), ref
     prefix = f"{where}: " if where else ""
     if not isinstance(ref, (str, Path)):
         raise PagedgenError(f"{prefix}an image must be a URL or a path, not "
@@ -95,13 +100,14 @@ def load_image(ref: Any, where: str = "") -> Any:
             head, _, payload = text.partition(",")
             raw = base64.b64decode(payload) if head.endswith(";base64") \
                 else urllib.parse.unquote_to_bytes(payload)
-            return Image.open(io.BytesIO(raw)).convert("RGB")
-        if text.startswith(("http://", "https://")):
+        elif text.startswith(("http://", "https://")):
             with urllib.request.urlopen(text, timeout=30) as r:
-                return Image.open(io.BytesIO(r.read())).convert("RGB")
-        path = urllib.parse.unquote(text.removeprefix("file://")) \
-            if text.startswith("file://") else text
-        return Image.open(path).convert("RGB")
+                raw = r.read()
+        else:
+            path = urllib.parse.unquote(text.removeprefix("file://")) \
+                if text.startswith("file://") else text
+            raw = Path(path).read_bytes()
+        return Image.open(io.BytesIO(raw)).convert("RGB"), raw
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # a bomb: too many pixels
         raise PagedgenError(f"{prefix}cannot read the image {shown!r}: "
                             f"{type(e).__name__}: {e}") from None
@@ -140,8 +146,9 @@ class ImagePrompter:
             raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
                                 f"image placeholder(s) for {len(images)} image(s)")
         out, inputs, last = [], [], 0
-        for pad, source in zip(pads, images):
-            pixels = self.processor(images=[load_image(source, where)], return_tensors="pt")
+        for pad, ref in zip(pads, images):
+            image, source = load_image(ref, where)
+            pixels = self.processor(images=[image], return_tensors="pt")
             t, h, w = (int(x) for x in pixels["image_grid_thw"][0])
             n = t * h * w // self.merge ** 2
             out += ids[last:pad]
@@ -155,8 +162,9 @@ class ImagePrompter:
 
 
     def pixels(self, source: Any) -> torch.Tensor:
-        """An image's patches, made again from what the line gave (read when checked)."""
-        return self.processor(images=[load_image(source)], return_tensors="pt")["pixel_values"]
+        """An image's patches, made again from its bytes (or PIL image) read when checked."""
+        return self.processor(images=[load_image(source)[0]],
+                              return_tensors="pt")["pixel_values"]
 
 
 def mrope_positions(length: int, images: list[ImageInput], merge: int
