@@ -103,6 +103,34 @@ def failure(stdout: str, stderr: str) -> dict[str, str]:
             "log": log[first:first + 4000] + "\n...\n" + log[-1500:]}
 
 
+def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``config.json`` vLLM loads for ``hf_config`` (a preset's: dummy weights), and what
+    its engine needs besides: a multimodal family's text config under ``text_config`` with
+    ``language_model_only``; gpt-oss's MXFP4 experts as its ``quantization_config``; Gemma
+    4's global layers' head size and KV heads in the published form (``global_head_dim``,
+    ``num_global_key_value_heads``: vLLM reads those, where newer transformers writes
+    ``per_layer_config``: without them vLLM's global layers would take the local shape)."""
+    cfg, more = hf_config.to_transformers().to_dict(), {}
+    for key in ("global_head_dim", "num_global_key_value_heads"):
+        if getattr(hf_config, key, None) is not None:
+            cfg[key] = getattr(hf_config, key)
+    if cfg.get("mxfp4_experts"):  # gpt-oss's experts 4-bit in vLLM too (its MXFP4 path)
+        cfg["quantization_config"] = cfg.pop("mxfp4_experts")
+    if cfg["model_type"] in MULTIMODAL:
+        outer, arch = MULTIMODAL[cfg["model_type"]]
+        rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text
+        half = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
+        third = -(-half // 3)  # positions equal in all three sections for text
+        rope.setdefault("mrope_section", [third, third, half - 2 * third])
+        rope.setdefault("mrope_interleaved", True)
+        cfg = {"model_type": outer, "architectures": [arch], "text_config": cfg,
+               "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
+        more["language_model_only"] = True
+    else:
+        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+    return cfg, more
+
+
 def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
              engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
              requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
@@ -127,22 +155,9 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         model.mkdir()
-        cfg = hf_config.to_transformers().to_dict()
-        vocab = cfg["vocab_size"]
-        if cfg.get("mxfp4_experts"):  # gpt-oss's experts 4-bit in vLLM too (its MXFP4 path)
-            cfg["quantization_config"] = cfg.pop("mxfp4_experts")
-        if cfg["model_type"] in MULTIMODAL:
-            outer, arch = MULTIMODAL[cfg["model_type"]]
-            rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text
-            half = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
-            third = -(-half // 3)  # positions equal in all three sections for text
-            rope.setdefault("mrope_section", [third, third, half - 2 * third])
-            rope.setdefault("mrope_interleaved", True)
-            cfg = {"model_type": outer, "architectures": [arch], "text_config": cfg,
-                   "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
-            engine = {**engine, "language_model_only": True}
-        else:
-            cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
+        cfg, more = peer_config(hf_config)
+        vocab = cfg.get("text_config", cfg)["vocab_size"]
+        engine = {**engine, **more}
         (model / "config.json").write_text(json.dumps(cfg))
         if tokenizer_dir is not None:
             for f in Path(tokenizer_dir).iterdir():

@@ -581,3 +581,17 @@ def test_the_schedule_replay_counts_preemptions_only_where_the_cache_is_short():
     short = workload_replay("g", 213_408)  # the H100's cache: ~15% short
     assert short["preemptions"] > 0 and short["recomputed_tokens"] > 0
     assert short["steps"] > roomy["steps"]
+
+
+def test_vllm_gets_gemma_4s_global_shape_in_the_published_form():
+    """vLLM reads ``global_head_dim`` and ``num_global_key_value_heads`` (transformers 5.25
+    writes ``per_layer_config`` instead): without them its global layers take heads of 256."""
+    from benchmarks import vllm_peer
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg, more = vllm_peer.peer_config(resolve_model("gemma-4-31b").hf_config)
+    assert cfg["architectures"] == ["Gemma4ForCausalLM"] and more == {}
+    assert (cfg["global_head_dim"], cfg["num_global_key_value_heads"]) == (512, 4)
+    assert cfg["head_dim"] == 256 and cfg["attention_k_eq_v"] is True
+    qwen, more = vllm_peer.peer_config(resolve_model("qwen3.5-9b").hf_config)
+    assert qwen["model_type"] == "qwen3_5" and more == {"language_model_only": True}
