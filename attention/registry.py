@@ -115,19 +115,16 @@ def backends_for_groups(name: str, device: torch.device, groups: list[list],
     of any strides and page size (``reads_any_strides``: it attends through a view of the
     other's slabs), and that one runs only groups whose layers fill their pages (its caches
     are then its own layout, unstrided); otherwise one backend runs the model."""
-    one = backend_for_model(name, device, [s for g in groups for s in g], dtype, kv_dtype,
-                            model) if name != "auto" else None
-    if one is not None:
-        return one, [one] * len(groups)
     chosen: list[type[AttentionBackend] | None] = [None] * len(groups)
-    for cls in _auto_candidates(device):  # best first, until every group has one
-        chosen = [c or (cls if _why_not(cls, device, g, dtype, kv_dtype) is None
-                        and (cls.reads_any_strides or fills) else None)
-                  for c, g, fills in zip(chosen, groups, whole or [True] * len(groups))]
-        if None not in chosen:
-            break
+    if name == "auto":
+        for cls in _auto_candidates(device):  # best first, until every group has one
+            chosen = [c or (cls if _why_not(cls, device, g, dtype, kv_dtype) is None
+                            and (cls.reads_any_strides or fills) else None)
+                      for c, g, fills in zip(chosen, groups, whole or [True] * len(groups))]
+            if None not in chosen:
+                break
     fixed = {c for c in chosen if c is not None and not c.reads_any_strides}
-    if None in chosen or len(fixed) > 1 or len(set(chosen)) == 1:
+    if None in chosen or len(fixed) > 1 or len(set(chosen)) == 1:  # one backend: as named
         one = backend_for_model(name, device, [s for g in groups for s in g], dtype, kv_dtype,
                                 model)
         return one, [one] * len(groups)

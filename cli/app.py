@@ -73,17 +73,10 @@ def backends(device: Optional[str] = typer.Option(
 
 def _model_groups(model: str, dev) -> Table:
     """The model's KV groups (kind, layers, KV shape) and the backend ``auto`` runs each on."""
-    from pagedgen.runtime.config import EngineConfig
-    from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
-    from pagedgen.runtime.models import registry
-    from pagedgen.runtime.models.loader import resolve_model
+    from pagedgen.runtime.engine.kv_groups import group_backends, model_layout
 
-    cfg = EngineConfig(model=model)
-    hf = resolve_model(model).hf_config
-    specs = registry.model_class(hf).layer_specs(hf, 1)
-    layout = plan_layout(specs, cfg.kv_cache_groups)
-    dtype = cfg.torch_dtype(dev)
-    _, chosen = group_backends(specs, layout, "auto", dev, dtype, cfg.cache_dtype(dtype), model)
+    specs, layout, dtype, kv_dtype = model_layout(model, dev)
+    _, chosen = group_backends(specs, layout, "auto", dev, dtype, kv_dtype, model)
     table = Table(title=f"{model}: KV groups and auto's backend for each on {dev}",
                   title_justify="left", caption=layout.note)
     for col in ("group", "attends to", "layers", "KV heads x head size", "backend"):

@@ -204,24 +204,12 @@ def _result(task: Future | _Deferred) -> Any:
                             f"where")
 
 
-def _layers(model: str, dtype: str, device: torch.device) -> tuple[Any, list, Any, Any]:
-    """``model``'s engine config (in ``dtype``), attention layer specs, and its query and KV
-    dtypes on ``device``."""
-    from pagedgen.runtime.config import EngineConfig
-    from pagedgen.runtime.models import registry
-    from pagedgen.runtime.models.loader import resolve_model
-
-    cfg = EngineConfig(model=model, dtype=dtype)
-    hf = resolve_model(model).hf_config
-    t = cfg.torch_dtype(device)
-    return cfg, registry.model_class(hf).layer_specs(hf, 1), t, cfg.cache_dtype(t)
-
-
 def cannot_run(name: str, model: str, dtype: str, device: torch.device) -> str | None:
     """Why backend ``name`` cannot run ``model``'s layers (a head size, a soft cap), or None."""
     from pagedgen.attention.registry import backend_for_model
+    from pagedgen.runtime.engine.kv_groups import model_layout
 
-    _, specs, t, kv = _layers(model, dtype, device)
+    specs, _, t, kv = model_layout(model, device, dtype)
     try:
         backend_for_model(name, device, specs, t, kv, model)
     except PagedgenError as e:
@@ -232,12 +220,11 @@ def cannot_run(name: str, model: str, dtype: str, device: torch.device) -> str |
 def mixes_backends(model: str, dtype: str, device: torch.device) -> bool:
     """Whether ``auto`` runs ``model``'s KV groups on more than one backend here (Gemma 4 on a
     GPU: FA4 beside triton), so ``verify``'s "all" checks that mix too."""
-    from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
+    from pagedgen.runtime.engine.kv_groups import group_backends, model_layout
 
-    cfg, specs, t, kv = _layers(model, dtype, device)
+    specs, layout, t, kv = model_layout(model, device, dtype)
     try:
-        _, chosen = group_backends(specs, plan_layout(specs, cfg.kv_cache_groups), "auto",
-                                   device, t, kv, model)
+        _, chosen = group_backends(specs, layout, "auto", device, t, kv, model)
     except PagedgenError:  # no backend runs it here: the named backends' rows say why
         return False
     return len(set(chosen)) > 1

@@ -128,3 +128,19 @@ def group_backends(specs: Sequence[LayerSpec], layout: KVLayout, name: str,
     return backends_for_groups(name, device, [[specs[i] for i in g.layers]
                                               for g in layout.groups],
                                dtype, kv_dtype, model, [layout.fills(g) for g in layout.groups])
+
+
+def model_layout(model: str, device: torch.device, dtype: str = "auto"
+                 ) -> tuple[list[LayerSpec], KVLayout, torch.dtype, torch.dtype]:
+    """The attention layers and KV groups ``model`` (a preset, checkpoint or Hub id) plans at
+    its defaults, with its query and KV dtypes on ``device``: what ``pagedgen backends
+    --model`` and ``verify`` show, read from the config alone (no weights)."""
+    from pagedgen.runtime.config import EngineConfig
+    from pagedgen.runtime.models import registry
+    from pagedgen.runtime.models.loader import resolve_model
+
+    cfg = EngineConfig(model=model, dtype=dtype)
+    hf = resolve_model(model).hf_config
+    specs = registry.model_class(hf).layer_specs(hf, 1)
+    t = cfg.torch_dtype(device)
+    return specs, plan_layout(specs, cfg.kv_cache_groups), t, cfg.cache_dtype(t)

@@ -65,7 +65,8 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
     def encode_images(self, pixel_values: list[torch.Tensor],
                       grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """Each image's embeddings [tokens, hidden], the images encoded in one call."""
-        device, dtype = self.sections.device, self.visual.patch_embed.proj.weight.dtype
+        weight = self.visual.patch_embed.proj.weight
+        device, dtype = weight.device, weight.dtype
         pixels = torch.cat(pixel_values).to(device, dtype)
         grid = torch.tensor(grids, device=device)
         with scope("vision_encoder"):  # profile's kernel group of its own
