@@ -66,6 +66,7 @@ class TritonState(AttentionState):
             self.block_n = 32 if big else 64
         self.block_m = max(self.block_m, 16 * self.g_tile)
         self.num_warps = 8 if self.block_m >= 128 or widest else 4
+        self.num_stages = 2
         # A window would cut into the shared prefix differently per sequence; sinks (counted
         # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
         # yet, so their layers decode plainly.
@@ -222,7 +223,7 @@ class TritonImpl(AttentionImpl):
             D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
             USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
             CAUSAL=causal, WRITE_LSE=not causal, USE_SINKS=causal and self.sinks is not None,
-            **({} if _interpreting() else {"num_warps": st.num_warps, "num_stages": 2}))
+            **({} if _interpreting() else {"num_warps": st.num_warps, "num_stages": st.num_stages}))
 
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:
         """Decode kernel over ``splits`` KV splits: into ``out`` when 1, else partials."""

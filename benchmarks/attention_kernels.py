@@ -10,7 +10,9 @@ a prefill's new tokens are LO, after the rest cached: a later chunk of a long pr
 ``--fa4-prefill-tiles`` the same for prefill (``$PAGEDGEN_FA4_PREFILL_TILE``; ``default``:
 pagedgen's own choice). ``--kv-cache-dtypes bf16,fp8`` runs each shape over a bf16 and an
 FP8 (e4m3) cache (GB/s then counts the bytes the cache holds); ``--flashinfer-decodes xqa,fa2``
-runs flashinfer once per FP8 decode kernel (``$PAGEDGEN_FLASHINFER_DECODE``).
+runs flashinfer once per FP8 decode kernel (``$PAGEDGEN_FLASHINFER_DECODE``);
+``--triton-prefill-tiles 32x32x8x2x2,64x32x8x2x4`` runs triton's prefill once per tile
+(query rows x keys x warps x pipeline stages x query heads a tile; ``default``: the state's).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two device synchronizations (decode: replayed from a CUDA graph when
 the backend supports graphs, so host launch overhead is not counted); the forward includes
@@ -51,7 +53,8 @@ DEFAULT_SHAPES = "decode:64x4096,decode:1x32768,prefill:8x4096"
 
 def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: int,
           iters: int, HQ: int = 32, HKV: int = 8, dev: torch.device = torch.device("cuda"),
-          D: int = 128, kv_dtype: torch.dtype = torch.bfloat16) -> dict:
+          D: int = 128, kv_dtype: torch.dtype = torch.bfloat16,
+          triton_tile: str | None = None) -> dict:
     backend = get_backend(backend_name, dev)
     page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
@@ -70,6 +73,9 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     builder = AttentionMetadataBuilder(page, dev)
     md = builder.build(seqs, []) if kind == "prefill" else builder.build([], seqs)
     state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, kv_dtype, dev)
+    if triton_tile and triton_tile != "default":
+        state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile = map(
+            int, triton_tile.split("x"))
     state.warmup(batch, batch * n_new, max(ctxs))
     impl = backend.get_impl_cls()(spec, state)
     t = batch * n_new
@@ -109,6 +115,9 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     if getattr(state, "prefill_tiles", None) is not None:  # FA4: the tile this kind ran with
         tile = state.prefill_tiles[D > 128] if kind == "prefill" else state.decode_tile
         res[f"fa4_{kind}_tile"] = "x".join(map(str, tile)) if tile else "fa4"
+    if backend_name == "triton" and kind == "prefill":
+        res["triton_prefill_tile"] = "x".join(map(str, (
+            state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile)))
     if kind == "decode":
         res["GB_s"] = sum(ctxs) * HKV * D * 2 * kv_dtype.itemsize / s / 1e9
     else:
@@ -131,6 +140,8 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default="bf16", help="bf16, fp8 or both")
     ap.add_argument("--flashinfer-decodes", default="",
                     help="flashinfer: one run per FP8 decode kernel, e.g. xqa,fa2")
+    ap.add_argument("--triton-prefill-tiles", default="",
+                    help="triton: one prefill run per tile, e.g. default,64x32x8x2x4")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
@@ -154,15 +165,24 @@ def main() -> None:
         if name == "flashinfer":
             variants = [("decode", d, envs.FLASHINFER_DECODE.name)
                         for d in args.flashinfer_decodes.split(",") if d]
+        if name == "triton":  # no variable: the tile is set on the state
+            variants = [("prefill", t, "") for t in args.triton_prefill_tiles.split(",") if t]
         for tiled, tile, env in variants or [(None, None, "")]:
             for page in map(int, args.page_sizes.split(",")):
                 for (kind, batch, ctx), (hq, hkv), kv in itertools.product(shapes, heads,
                                                                            kv_dtypes):
                     if tiled and kind != tiled:
                         continue
-                    with env_set(env, None if tile == "default" else tile):
-                        r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
-                                  torch.device(args.device), args.head_dim, kv)
+                    try:
+                        with env_set(env, None if tile == "default" else tile):
+                            r = bench(name, kind, batch, ctx, page, args.iters, hq, hkv,
+                                      torch.device(args.device), args.head_dim, kv,
+                                      tile if name == "triton" else None)
+                    except Exception as e:  # a variant that does not fit (shared memory)
+                        if not tile:
+                            raise
+                        r = {"backend": name, "kind": kind, "tile": tile,
+                             "error": f"{type(e).__name__}: {str(e)[:200]}"}
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()  # the cache and graph of that shape are gone
                     rows.append(r)
