@@ -189,15 +189,11 @@ def test_prefix_cache_keys_tell_images_apart():
     assert a[0] == b[0] and a[1] != b[1] and a[2] != b[2]  # the image's block, then its heirs
 
 
-def test_lines_with_images_from_the_command_line(ckpt, hf, tmp_path):
-    """``pagedgen generate`` on chat lines with ``image_url`` parts (a path and a data URL;
-    defaults but greedy): transformers' tokens; a line whose image cannot be read is its own
-    error record (the others run); ``--resume`` of a file cut short writes the whole run's."""
+def image_lines(hf, tmp_path) -> tuple[list[str], list]:
+    """A file of chat lines with ``image_url`` parts (a path, a data URL, a missing file), and
+    the command's arguments (defaults but greedy) with what each line should hold:
+    transformers' tokens, or for the missing image its line's error."""
     import json
-
-    from typer.testing import CliRunner
-
-    from pagedgen.cli.app import app
 
     img = image(60, 90, 6)
     img.save(tmp_path / "x.png")
@@ -215,21 +211,60 @@ def test_lines_with_images_from_the_command_line(ckpt, hf, tmp_path):
     src.write_text("".join(json.dumps({"messages": [{"role": "user", "content": c}],
                                        "max_tokens": 8, "temperature": 0}) + "\n"
                            for c in lines))
+    want = [reference(hf, [{"role": "user", "content": [{"type": "image"}, content[1]]}], [pil])
+            for content, pil in zip(lines, [img, image(100, 40, 7)])]
+    return [str(src), "-o", str(tmp_path / "o.jsonl"), "--device", "cpu", "--dtype",
+            "float32", "--on-bad-line", "error"], want + ["cannot read the image"]
+
+
+def check_image_lines(out, want) -> None:
+    import json
+
+    got = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["token_ids"] for line in got[:2]] == want[:2], got
+    assert want[2] in got[2]["error"] and "p.jsonl:3" in got[2]["error"]
+
+
+def test_lines_with_images_from_the_command_line(ckpt, hf, tmp_path):
+    """``pagedgen generate`` on chat lines with images: transformers' tokens; a line whose
+    image cannot be read is its own error record (the others run); ``--resume`` of a file
+    cut short writes the whole run's."""
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+
+    args, want = image_lines(hf, tmp_path)
+    args = ["generate", *args, "--model", str(ckpt)]
     out = tmp_path / "o.jsonl"
-    args = ["generate", str(src), "--model", str(ckpt), "-o", str(out), "--device", "cpu",
-            "--dtype", "float32", "--on-bad-line", "error"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
-    got = [json.loads(line) for line in out.read_text().splitlines()]
-    for line, (content, pil) in zip(got, [(lines[0], img), (lines[1], image(100, 40, 7))]):
-        msgs = [{"role": "user", "content": [{"type": "image"}, content[1]]}]
-        assert line["token_ids"] == reference(hf, msgs, [pil]), line
-    assert "cannot read the image" in got[2]["error"] and "p.jsonl:3" in got[2]["error"]
+    check_image_lines(out, want)
     whole = out.read_text()
     out.write_text(whole.splitlines(keepends=True)[0])
     res = CliRunner().invoke(app, args + ["--resume"])
     assert res.exit_code == 0, res.output
     assert out.read_text() == whole
+
+
+@pytest.mark.parametrize("how", [["-dp", "2"], ["--ray", "local", "--replicas", "2"]],
+                         ids=["dp", "ray"])
+def test_lines_with_images_run_on_replicas(ckpt, hf, tmp_path, how):
+    """The same lines on ``-dp 2`` worker processes and on Ray replicas: the images made
+    ready in the command's process (a bad one is its line's error there), the requests
+    travelling with their images' bytes: transformers' tokens."""
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+
+    ray = pytest.importorskip("ray") if how[0] == "--ray" else None
+    args, want = image_lines(hf, tmp_path)
+    try:
+        res = CliRunner().invoke(app, ["generate", *args, "--model", str(ckpt), *how])
+    finally:
+        if ray is not None:  # the command's local instance: tests after it start their own
+            ray.shutdown()
+    assert res.exit_code == 0, res.output
+    check_image_lines(tmp_path / "o.jsonl", want)
 
 
 def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf):
@@ -318,3 +353,27 @@ def test_an_image_file_gone_after_the_check_still_runs(ckpt, hf, tmp_path):
     seq = eng.add_request(ids, LONG, images=mm)
     eng.run()
     assert seq.output_token_ids == want
+
+
+def test_the_progress_bar_counts_the_images_of_finished_requests(monkeypatch):
+    """On a terminal, the run's bar counts the images of the requests written so far."""
+    from rich.console import Console
+
+    from pagedgen.cli.generate import stream
+
+    term = Console(file=io.StringIO(), force_terminal=True, width=200)
+    monkeypatch.setattr(stream, "console", term)
+
+    class Writer:
+        def write_lines(self, lines):
+            pass
+
+        def close(self, reorder=True):
+            pass
+
+    batches = [([(0, "{}"), (1, "{}")], 10), ([(2, "{}")], 20)]
+    stream.stream_output(Writer(), 3, batches, quiet=False, images={0: 2, 2: 1, 5: 4})
+    shown = term.file.getvalue()
+    assert "3/7 images, 20 tokens out" in shown, shown
+    stream.stream_output(Writer(), 3, batches, quiet=False)
+    assert "images" not in term.file.getvalue().replace(shown, "")

@@ -172,7 +172,8 @@ def run(job: Job) -> dict[str, Any] | None:
                     if weights_format(src, cfg.load_format) == "dummy" else {}),
                  **({"sampling_defaults": said} if (said := changed_sampling(
                      job.defaults, job.given_sampling)) else {})}
-        start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet)
+        start, wall = stream_output(writer, len(todo), driver.run(todo, record), job.quiet,
+                                    {r.index: len(r.images) for r in todo if r.images})
         return driver.summary(len(todo), wall, start, extra)
     except (KeyboardInterrupt, Terminated) as e:
         interrupted(e, writer, len(rf) if rf is not None else 0)

@@ -20,25 +20,33 @@ Writer = OutputWriter | ShardWriter | StreamWriter
 Batches = Iterable[tuple[list[tuple[int, str]], int]]
 
 
-def stream_output(writer: Writer, total: int, batches: Batches,
-                  quiet: bool) -> tuple[float, float]:
+def stream_output(writer: Writer, total: int, batches: Batches, quiet: bool,
+                  images: dict[int, int] | None = None) -> tuple[float, float]:
     """Write each batch of ``batches`` as it comes (one write each), with a progress bar (live
-    tok/s) on a terminal. Ctrl-C or an error keeps what was written. Returns (start, wall
-    seconds)."""
+    tok/s; with ``images``, each input index's image count, the images of the finished
+    requests too) on a terminal. Ctrl-C or an error keeps what was written. Returns (start,
+    wall seconds)."""
     start = time.perf_counter()
-    written = 0
+    written = images_done = 0
+    images_all = sum(images.values()) if images else 0
     progress = Progress(TextColumn("[bold]generating"), BarColumn(), MofNCompleteColumn(),
-                        TextColumn("{task.fields[tokens]:,} tokens out, "
+                        TextColumn("{task.fields[images]}{task.fields[tokens]:,} tokens out, "
                                    "{task.fields[rate]:,.0f} tok/s"), TimeElapsedColumn(),
                         TimeRemainingColumn(), console=console, transient=quiet,
                         disable=not console.is_terminal)  # a log gets the summary
+
+    def images_text() -> str:
+        return f"{images_done:,}/{images_all:,} images, " if images_all else ""
     try:
         with progress:
-            task = progress.add_task("gen", total=total, tokens=0, rate=0.0)
+            task = progress.add_task("gen", total=total, tokens=0, rate=0.0,
+                                     images=images_text())
             for lines, tokens in batches:
                 writer.write_lines(lines)
                 written += len(lines)
-                progress.update(task, advance=len(lines), tokens=tokens,
+                if images_all:
+                    images_done += sum(images.get(i, 0) for i, _ in lines)
+                progress.update(task, advance=len(lines), tokens=tokens, images=images_text(),
                                 rate=tokens / max(time.perf_counter() - start, 1e-9))
     except BaseException:
         close_quietly(writer)  # Ctrl-C or an error: keep what was written

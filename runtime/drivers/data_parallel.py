@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.drivers.images import RemoteImages
 from pagedgen.runtime.drivers.launch import WorkerError, Workers
 from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
 from pagedgen.runtime.engine.stats import startup
@@ -144,6 +145,7 @@ class DataParallel:
     def __init__(self, engine_config: EngineConfig, defaults: SamplingParams, replicas: int,
                  gpus: list[list[int] | None]) -> None:
         self.engine_config, self.defaults, self.replicas = engine_config, defaults, replicas
+        self.images = RemoteImages(engine_config, defaults)
         self.workers = Workers(replica_main, [(engine_config, defaults)] * replicas, gpus,
                                engine_config.tensor_parallel_size)
         self.per = [{"name": "", "requests": 0, "output_tokens": 0, "busy_s": 0.0, "load_s": 0.0,
@@ -184,12 +186,12 @@ class DataParallel:
         return sum(max(r.get("generated", 0), r["output_tokens"]) for r in self.per)
 
     def prepare(self, requests: list[Request], progress=None) -> None:
-        """Nothing: images run in one engine for now (``check`` refuses them)."""
+        """The requests' images made ready here (``RemoteImages``), while the workers load."""
+        self.images.prepare(requests, progress)
 
     def check(self, request: Request) -> None:
-        """Each worker's engine checks its own requests; images run in one engine for now."""
-        if request.images:
-            raise ValueError("images run in one engine for now: drop -dp and -tp")
+        """A request with images (here); each worker's engine checks the others."""
+        self.images.check(request)
 
     def summary(self, requests: int, wall: float, start: float,
                 extra: dict[str, Any]) -> dict[str, Any]:

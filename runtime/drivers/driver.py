@@ -13,15 +13,13 @@ and the requests' constraints are ready.
 from __future__ import annotations
 
 import json
-import os
 import time
-from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Protocol
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.drivers import data_parallel, ray_data
+from pagedgen.runtime.drivers.images import PreparedImages
 from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
 from pagedgen.runtime.engine.outputs import RequestOutput
 from pagedgen.runtime.engine.requests import check_request
@@ -85,7 +83,7 @@ class LocalDriver:
         self.src, self.tokenizer, self.grammars = src, tokenizer, grammars
         self.load_s = load_s  # the caller's share of the load (config, tokenizer)
         self.replica: Replica | None = None
-        self._images: dict[int, Any] = {}  # prepared: id(request) → (ids, images) or error
+        self.images = PreparedImages()
 
     def load(self) -> None:
         t0 = time.perf_counter()
@@ -101,36 +99,13 @@ class LocalDriver:
 
     def prepare(self, requests: list[Request],
                 progress: Callable[[int], None] | None = None) -> None:
-        """Each request's images read and sized (``Engine.prompt_images``) in threads: the
-        image processor's resizing runs in C with the GIL released, ~8 ms per 448 x 448 image
-        on one core, so a file of thousands waits seconds, not minutes, before the run."""
-        self._images = self._made([r for r in requests if r.images], progress)
-
-    def _made(self, requests: list[Request], progress: Callable[[int], None] | None = None
-              ) -> dict[int, Any]:
-        """id(request) → its (ids, images), or the PagedgenError that says why not."""
-        eng = self.engine
-
-        def one(r: Request) -> Any:
-            try:
-                return eng.prompt_images(list(r.prompt_token_ids), r.images)
-            except PagedgenError as e:
-                return e
-            finally:
-                if progress is not None:
-                    progress(len(r.images))
-        if len(requests) < 2:
-            return {id(r): one(r) for r in requests}
-        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
-            return dict(zip((id(r) for r in requests), pool.map(one, requests)))
+        """Each request's images read and sized in threads (``drivers/images.py``)."""
+        self.images.prepare(requests, self.engine.prompt_images, progress)
 
     def check(self, request: Request) -> None:
         eng = self.engine
         if request.images:  # the placeholders as the images ask, their pixels and positions
-            made = self._images.pop(id(request), None) or self._made([request])[id(request)]
-            if isinstance(made, PagedgenError):
-                raise ValueError(str(made))
-            request.prompt_token_ids, request.mm = array("i", made[0]), made[1]
+            self.images.take(request, eng.prompt_images)
             eng.check_request(request.prompt_token_ids, request.sampling(self.defaults))
         elif eng.max_model_len < self.cfg.context_limit(eng.src.hf_config):
             # the KV cache holds less than the model's context: the error names the memory

@@ -20,6 +20,7 @@ import numpy as np
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.drivers.data_parallel import replicas_summary
+from pagedgen.runtime.drivers.images import RemoteImages
 from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
 
 
@@ -95,6 +96,7 @@ class RayReplicas:
                  replicas: int) -> None:
         self.engine_config, self.defaults = engine_config, defaults
         self.address, self.replicas = address, replicas
+        self.images = RemoteImages(engine_config, defaults)
         self.per: dict[str, dict[str, Any]] = {}
         self.output_tokens = 0
 
@@ -127,12 +129,12 @@ class RayReplicas:
             raise PagedgenError(f"Ray: {str(e).strip().splitlines()[-1]}")
 
     def prepare(self, requests: list[Request], progress=None) -> None:
-        """Nothing: images run in one engine for now (``check`` refuses them)."""
+        """The requests' images made ready here (``RemoteImages``): actors get them made."""
+        self.images.prepare(requests, progress)
 
     def check(self, request: Request) -> None:
-        """Each actor's engine checks its own requests; images run in one engine for now."""
-        if request.images:
-            raise ValueError("images run in one engine for now: drop --ray")
+        """A request with images (here); each actor's engine checks the others."""
+        self.images.check(request)
 
     def stop(self) -> None:
         """Ray's actors end with its pipeline."""

@@ -28,9 +28,7 @@ from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 
 
-# What ``Engine.add_requests`` takes: (prompt token ids, sampling, caller's handle, index[,
-# the prompt's images: ``prompt_images``]).
-RequestItem = tuple
+RequestItem = tuple  # add_requests': (ids, sampling, handle, index[, ``prompt_images``'s])
 
 
 class Engine:
@@ -210,8 +208,9 @@ class Engine:
     def prompt_images(self, prompt_ids: list[int], images: list[Any], where: str = ""
                       ) -> tuple[list[int], MultiModalPrompt]:
         """``ImagePrompter.prompt`` on this model (the ids and ``add_request``'s images)."""
-        return ImagePrompter.of(self.src, self.runner.model, where).prompt(prompt_ids, images,
-                                                                           where)
+        enc = self.runner.images
+        prompter = enc.prompter if enc else ImagePrompter.of(self.src, where)  # raises: no images
+        return prompter.prompt(prompt_ids, images, where)
 
     def check_request(self, prompt_token_ids, params: SamplingParams) -> None:
         """``check_request`` against this engine: its context, which the KV cache may cut

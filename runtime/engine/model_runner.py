@@ -38,6 +38,7 @@ from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.loader import ModelSource, build_model, model_quantization
+from pagedgen.runtime.models.multimodal import ImagePrompter
 from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.step import finish_sampling, plan_sampling
@@ -107,7 +108,7 @@ class ModelRunner:
             s, self.attn_states[group_of[i]]) for i, s in enumerate(self.specs)])
         for layer, g in zip(self._attention_layers(), group_of):
             layer.kv_group = g
-        self.images = ImageEncoder(self.model, self.device) \
+        self.images = ImageEncoder(self.model, ImagePrompter.of(src), self.device) \
             if getattr(self.model, "takes_images", False) else None
         # linear-attention layers: a state slot per seat, before the KV cache takes the rest
         self.max_num_seqs = config.max_num_seqs

@@ -22,15 +22,17 @@ from typing import Any
 import torch
 
 from pagedgen.runtime.engine.sequence import Sequence
-from pagedgen.runtime.models.multimodal import StepImages
+from pagedgen.runtime.models.multimodal import ImagePrompter, StepImages
 
 
 class ImageEncoder:
-    """Image embeddings for ``model`` (one with ``encode_images``) on ``device``."""
+    """Image embeddings for ``model`` (one with ``encode_images``) on ``device``; ``prompter``
+    (its checkpoint's) patches the images."""
 
-    def __init__(self, model: Any, device: torch.device, capacity: int = 256,
-                 threads: int = 4) -> None:
-        self.model, self.device, self.capacity = model, device, capacity
+    def __init__(self, model: Any, prompter: ImagePrompter, device: torch.device,
+                 capacity: int = 256, threads: int = 4) -> None:
+        self.model, self.prompter, self.device = model, prompter, device
+        self.capacity = capacity
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.encoded = 0
         self.reused = 0
@@ -40,7 +42,7 @@ class ImageEncoder:
         """Start patching ``images``' (a ``MultiModalPrompt``'s) images not encoded yet."""
         for im in images.images:
             if im.pixel_values is None and im.key not in self.cache:
-                im.pixel_values = self.pool.submit(self.model.image_prompter.pixels,
+                im.pixel_values = self.pool.submit(self.prompter.pixels,
                                                    im.source)
 
     def step_inputs(self, prefills: list[tuple[Sequence, int]], decode_positions: list[int]
@@ -100,5 +102,5 @@ class ImageEncoder:
         if isinstance(im.pixel_values, Future):
             return im.pixel_values.result()
         if im.pixel_values is None:
-            return self.model.image_prompter.pixels(im.source)
+            return self.prompter.pixels(im.source)
         return im.pixel_values

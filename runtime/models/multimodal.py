@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pagedgen.errors import PagedgenError
+from pagedgen.runtime.models import registry
 
 
 @dataclass
@@ -127,15 +128,13 @@ class ImagePrompter:
         self.image_token_id = int(config.image_token_id)
 
     @classmethod
-    def of(cls, src: Any, model: Any, where: str = "") -> ImagePrompter:
-        """The prompter of checkpoint ``src`` (a ``ModelSource``) run as ``model``; a
-        PagedgenError (starting with ``where``) where the model takes no images."""
-        if not getattr(model, "takes_images", False) or src.checkpoint is None:
+    def of(cls, src: Any, where: str = "") -> ImagePrompter:
+        """The prompter of checkpoint ``src`` (a ``ModelSource``); a PagedgenError (starting
+        with ``where``) where its model takes no images."""
+        if src.checkpoint is None or not registry.takes_images(src.hf_config):
             raise PagedgenError(f"{where + ': ' if where else ''}{src.name} takes no images "
                                 "(its language model runs text prompts only)")
-        if getattr(model, "image_prompter", None) is None:  # made once per model
-            model.image_prompter = cls(src.checkpoint, src.hf_config)
-        return model.image_prompter
+        return cls(src.checkpoint, src.hf_config)
 
     def prompt(self, ids: list[int], images: list[Any], where: str = ""
                ) -> tuple[list[int], MultiModalPrompt]:

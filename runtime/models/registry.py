@@ -73,7 +73,8 @@ class ModelFamily:
     ``activations``: the ``hidden_act`` values it runs; ``partial_rotary``: whether heads may
     rotate only part of their features; ``multimodal``: the model_type of a multimodal
     checkpoint → that of its language model, whose config is the checkpoint's
-    ``text_config`` (pagedgen runs it on text)."""
+    ``text_config``; ``images``: whether its model reads a multimodal checkpoint's images
+    (its vision tower from ``vision_config``), else it runs the language model on text."""
 
     name: str
     model_types: dict[str, dict[str, Any]]
@@ -82,6 +83,7 @@ class ModelFamily:
     activations: tuple[str, ...] = ("silu",)
     partial_rotary: bool = False  # runs a partial_rotary_factor below 1
     multimodal: dict[str, str] = field(default_factory=dict)
+    images: bool = False
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # by model_type
@@ -122,6 +124,13 @@ def language_model_type(model_type: str) -> str | None:
     """The model_type of a supported multimodal checkpoint's language model, or None."""
     _discover()
     return _MULTIMODAL.get(model_type)
+
+
+def takes_images(config: Any) -> bool:
+    """Whether a (normalized) config's model reads images: a family that takes them, on a
+    multimodal checkpoint's config (its vision tower's ``vision_config`` kept)."""
+    fam = family(config.model_type)
+    return bool(fam and fam.images and isinstance(getattr(config, "vision_config", None), dict))
 
 
 def model_class(config: Any) -> type:

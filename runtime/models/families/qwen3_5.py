@@ -126,4 +126,5 @@ register(ModelFamily(
     model_cls=Qwen3_5ForCausalLM,
     normalize=_rules,
     partial_rotary=True,
-    multimodal={"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}))
+    multimodal={"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"},
+    images=True))
