@@ -67,6 +67,7 @@ class TritonState(AttentionState):
         self.block_m = max(self.block_m, 16 * self.g_tile)
         self.num_warps = 8 if self.block_m >= 128 or widest else 4
         self.num_stages = 2
+        self.prefill_dv = 0  # the output columns of a prefill program (0: the whole head)
         # A window would cut into the shared prefix differently per sequence; sinks (counted
         # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
         # yet, so their layers decode plainly.
@@ -212,7 +213,8 @@ class TritonImpl(AttentionImpl):
         st, spec, cs = self.state, self.spec, kv_cache.stride()
         cap = spec.logits_soft_cap or 0.0
         window = spec.sliding_window or 0
-        self.tk.prefill_kernel[grid](
+        splits = spec.head_size // st.prefill_dv if st.prefill_dv else 1
+        self.tk.prefill_kernel[(*grid, splits)](
             q, kv_cache, out, lse, block_tables,
             self.sinks if causal and self.sinks is not None else context_lens,
             query_start_loc, context_lens, tile_seq, tile_qstart,
@@ -223,6 +225,7 @@ class TritonImpl(AttentionImpl):
             D=spec.head_size, BLOCK_M=st.block_m, BLOCK_N=st.block_n,
             USE_WINDOW=window > 0, USE_SOFTCAP=cap > 0, PRECISION=_precision(q),
             CAUSAL=causal, WRITE_LSE=not causal, USE_SINKS=causal and self.sinks is not None,
+            DV=st.prefill_dv,
             **({} if _interpreting() else {"num_warps": st.num_warps, "num_stages": st.num_stages}))
 
     def _decode(self, q, kv_cache, out, part, lse, block_tables, seq_lens, splits: int) -> None:

@@ -11,8 +11,9 @@ a prefill's new tokens are LO, after the rest cached: a later chunk of a long pr
 pagedgen's own choice). ``--kv-cache-dtypes bf16,fp8`` runs each shape over a bf16 and an
 FP8 (e4m3) cache (GB/s then counts the bytes the cache holds); ``--flashinfer-decodes xqa,fa2``
 runs flashinfer once per FP8 decode kernel (``$PAGEDGEN_FLASHINFER_DECODE``);
-``--triton-prefill-tiles 32x32x8x2x2,64x32x8x2x4`` runs triton's prefill once per tile
-(query rows x keys x warps x pipeline stages x query heads a tile; ``default``: the state's).
+``--triton-prefill-tiles 32x32x8x2x2,64x32x8x2x4x256`` runs triton's prefill once per tile
+(query rows x keys x warps x pipeline stages x query heads a tile [x output columns a
+program: the head split over programs]; ``default``: the state's).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two device synchronizations (decode: replayed from a CUDA graph when
 the backend supports graphs, so host launch overhead is not counted); the forward includes
@@ -74,8 +75,9 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     md = builder.build(seqs, []) if kind == "prefill" else builder.build([], seqs)
     state = backend.get_state_cls()(backend, [spec], page, torch.bfloat16, kv_dtype, dev)
     if triton_tile and triton_tile != "default":
-        state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile = map(
-            int, triton_tile.split("x"))
+        tile = [int(x) for x in triton_tile.split("x")]
+        state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile = tile[:5]
+        state.prefill_dv = tile[5] if len(tile) > 5 else 0
     state.warmup(batch, batch * n_new, max(ctxs))
     impl = backend.get_impl_cls()(spec, state)
     t = batch * n_new
@@ -117,7 +119,8 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
         res[f"fa4_{kind}_tile"] = "x".join(map(str, tile)) if tile else "fa4"
     if backend_name == "triton" and kind == "prefill":
         res["triton_prefill_tile"] = "x".join(map(str, (
-            state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile)))
+            state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile,
+            *([state.prefill_dv] if state.prefill_dv else []))))
     if kind == "decode":
         res["GB_s"] = sum(ctxs) * HKV * D * 2 * kv_dtype.itemsize / s / 1e9
     else:

@@ -58,6 +58,33 @@ def test_heads_of_512_in_groups_of_8():
                            device=DEVICE))
 
 
+def split_heads(monkeypatch, dv: int) -> None:
+    """Every Triton state's prefill programs make ``dv`` of a head's output columns."""
+    from pagedgen.attention.triton_attn import TritonState
+    init = TritonState.__init__
+
+    def split(self, *args, **kw):
+        init(self, *args, **kw)
+        self.prefill_dv = dv
+    monkeypatch.setattr(TritonState, "__init__", split)
+
+
+@pytest.mark.parametrize("dv,window", [(256, None), (128, 23)])
+def test_a_head_of_512_split_over_prefill_programs(monkeypatch, dv, window):
+    """A head's output columns split over prefill programs (each computes all of Q K^T and
+    its share of P V): eager's output, with a window too, and cascade's prefix levels (the
+    log-sum-exp each split writes)."""
+    from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.cases import make_shared_prefix_batch
+    split_heads(monkeypatch, dv)
+    check(make_paged_batch(5, num_heads=16, num_kv_heads=2, head_size=512, dtype=DTYPES[-1],
+                           device=DEVICE, sliding_window=window, max_context=60, max_new=40))
+    monkeypatch.setattr(cl, "ROW_TOKENS", 0)
+    check(make_shared_prefix_batch(1, shared_pages=3, num_decodes=5, num_heads=8,
+                                   num_kv_heads=2, head_size=512, block_size=16,
+                                   dtype=DTYPES[-1], device=DEVICE))
+
+
 @pytest.mark.parametrize("window,cap", [(19, None), (None, 20.0), (7, 5.0)])
 def test_sliding_window_and_soft_cap(window, cap):
     for seed in range(2):

@@ -61,7 +61,10 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
                    CAUSAL: tl.constexpr = True, WRITE_LSE: tl.constexpr = False,
-                   USE_SINKS: tl.constexpr = False):
+                   USE_SINKS: tl.constexpr = False, DV: tl.constexpr = 0):
+    # DV (0: D): the output columns a program makes, the third grid axis choosing which; every
+    # program of a tile computes the whole of Q K^T, so a split trades those FLOPs for an
+    # accumulator of [BLOCK_M, DV] (heads of 512: half of one, and tiles twice as tall).
     # An FP8 cache's K and V are read in the queries' dtype: ``scale`` carries K's scale,
     # ``v_scale`` multiplies the output.
     # CAUSAL=False: every query sees exactly the ``ctx`` cached keys and none of the new tokens
@@ -85,6 +88,8 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
     row_ok = tok < q_len
     q_pos = ctx + tok
     d = tl.arange(0, D)
+    DV_: tl.constexpr = D if DV == 0 else DV
+    dv = tl.program_id(2) * DV_ + tl.arange(0, DV_)
     q = tl.load(Q + (q_off + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=row_ok[:, None], other=0.0)
     hi = ctx  # keys [lo, hi) can be seen by this tile
@@ -98,15 +103,15 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
     if USE_SINKS:
         m_i = tl.load(Sinks + head).to(tl.float32)
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
-    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    acc = tl.zeros([BLOCK_M, DV_], tl.float32)
     for n in range(lo, hi, BLOCK_N):
         offs = n + tl.arange(0, BLOCK_N)
         kv_ok = offs < hi
         blk = tl.load(BlockTables + seq * stride_bt + offs // PAGE, mask=kv_ok,
                       other=0).to(tl.int64)  # pages past 2**31 elements
-        kp = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
-            + kvh * stride_ch + d[None, :]
-        k = tl.load(kp, mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        row = Cache + blk[:, None] * stride_cb + (offs % PAGE)[:, None] * stride_cs \
+            + kvh * stride_ch
+        k = tl.load(row + d[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         if USE_SOFTCAP:
             s = soft_cap * _tanh(s / soft_cap)
@@ -121,13 +126,13 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(kp + stride_c2, mask=kv_ok[:, None], other=0.0).to(q.dtype)
+        v = tl.load(row + stride_c2 + dv[None, :], mask=kv_ok[:, None], other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-    tl.store(Out + (q_off + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+    tl.store(Out + (q_off + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
              out.to(Out.dtype.element_ty), mask=row_ok[:, None])
-    if WRITE_LSE:
+    if WRITE_LSE:  # each split's the same
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
         tl.store(Lse + (q_off + tok) * stride_lt + head, lse, mask=row_ok)
 
