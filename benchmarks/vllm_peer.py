@@ -107,13 +107,19 @@ def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``config.json`` vLLM loads for ``hf_config`` (a preset's: dummy weights), and what
     its engine needs besides: a multimodal family's text config under ``text_config`` with
     ``language_model_only``; gpt-oss's MXFP4 experts as its ``quantization_config``; Gemma
-    4's global layers' head size and KV heads in the published form (``global_head_dim``,
-    ``num_global_key_value_heads``: vLLM reads those, where newer transformers writes
-    ``per_layer_config``: without them vLLM's global layers would take the local shape)."""
+    4's global layers' head size and KV heads as vLLM reads them (``getattr(config,
+    "global_head_dim")``), set by ``hf_overrides`` on the config transformers made, since
+    transformers 5.x turns the published keys into ``per_layer_config`` (leaving
+    ``global_head_dim`` None) and raises where vLLM reads ``head_dim`` of a config whose
+    layers differ unless ``allow_global_per_layer_attribute_access`` is set."""
     cfg, more = hf_config.to_transformers().to_dict(), {}
-    for key in ("global_head_dim", "num_global_key_value_heads"):
-        if getattr(hf_config, key, None) is not None:
-            cfg[key] = getattr(hf_config, key)
+    wide = {key: getattr(hf_config, key) for key in ("global_head_dim",
+                                                    "num_global_key_value_heads")
+            if getattr(hf_config, key, None) is not None}
+    if wide:
+        cfg.update(wide)
+        cfg["allow_global_per_layer_attribute_access"] = True
+        more["hf_overrides"] = {**wide, "allow_global_per_layer_attribute_access": True}
     if cfg.get("mxfp4_experts"):  # gpt-oss's experts 4-bit in vLLM too (its MXFP4 path)
         cfg["quantization_config"] = cfg.pop("mxfp4_experts")
     if cfg["model_type"] in MULTIMODAL:

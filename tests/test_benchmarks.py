@@ -583,15 +583,24 @@ def test_the_schedule_replay_counts_preemptions_only_where_the_cache_is_short():
     assert short["steps"] > roomy["steps"]
 
 
-def test_vllm_gets_gemma_4s_global_shape_in_the_published_form():
-    """vLLM reads ``global_head_dim`` and ``num_global_key_value_heads`` (transformers 5.25
-    writes ``per_layer_config`` instead): without them its global layers take heads of 256."""
+def test_vllm_gets_gemma_4s_global_shape_in_the_published_form(tmp_path):
+    """vLLM reads ``global_head_dim`` and ``num_global_key_value_heads`` by ``getattr`` (else
+    its global layers take heads of 256) and ``head_dim``: on the config transformers makes
+    of the written file, with vLLM's ``hf_overrides`` applied as vLLM applies them
+    (``config.update``), all three read as the published Gemma-4-31B's."""
+    import json
+
+    from transformers import AutoConfig
+
     from benchmarks import vllm_peer
     from pagedgen.runtime.models.loader import resolve_model
 
     cfg, more = vllm_peer.peer_config(resolve_model("gemma-4-31b").hf_config)
-    assert cfg["architectures"] == ["Gemma4ForCausalLM"] and more == {}
-    assert (cfg["global_head_dim"], cfg["num_global_key_value_heads"]) == (512, 4)
-    assert cfg["head_dim"] == 256 and cfg["attention_k_eq_v"] is True
+    assert cfg["architectures"] == ["Gemma4ForCausalLM"] and set(more) == {"hf_overrides"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = AutoConfig.from_pretrained(tmp_path)
+    loaded.update(more["hf_overrides"])
+    assert (loaded.head_dim, loaded.global_head_dim, loaded.num_global_key_value_heads,
+            loaded.num_key_value_heads, loaded.attention_k_eq_v) == (256, 512, 4, 16, True)
     qwen, more = vllm_peer.peer_config(resolve_model("qwen3.5-9b").hf_config)
     assert qwen["model_type"] == "qwen3_5" and more == {"language_model_only": True}
