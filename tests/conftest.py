@@ -12,6 +12,8 @@ if not torch.cuda.is_available():  # test our Triton kernels on CPU, in Triton's
 
 from pagedgen.attention.cases import PagedBatch, make_paged_batch, run_backend  # noqa: F401
 
+pytest_plugins = ("tiers",)  # the tier marks' guard (after TRITON_INTERPRET is set)
+
 
 def _quicken_the_interpreter() -> None:
     """What Triton's interpreter repeats for nothing, left out (same results; about half of an

@@ -524,6 +524,7 @@ def test_a_vllm_run_that_outruns_its_limit_keeps_the_runs_it_measured(monkeypatc
         assert "INFO loading" in res["log"]
 
 
+@pytest.mark.process
 def test_a_process_group_outrunning_its_limit_is_killed_with_its_children(tmp_path):
     from benchmarks import vllm_peer
 

@@ -179,6 +179,7 @@ def test_backends_lists_every_backend_with_a_reason():
     assert "auto → sdpa" in res.output
 
 
+@pytest.mark.process
 def test_console_script_runs_as_a_subprocess(tmp_path):
     src = write(tmp_path / "p.jsonl", [{"prompt": "a"}, '{"prompt": 1}'])
     res = subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", *STOP, str(src),
@@ -252,6 +253,7 @@ def test_paths_a_script_quoted_with_a_tilde_go_to_the_home_folder(tmp_path, monk
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.process
 def test_summary_reports_startup_from_the_command(tmp_path):
     """``startup_s`` runs from the process start (interpreter and imports included) to the first
     step: more than the model load, less than the whole command."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from array import array
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -24,6 +25,7 @@ def write(path, n: int = 24):
     return str(path)
 
 
+@pytest.mark.process
 def test_dp2_writes_the_dp1_file_and_resumes(tmp_path):
     src = write(tmp_path / "p.jsonl")
     common = ["generate", src, "--device", "cpu", "--temperature", "0", "--max-num-seqs", "4"]
@@ -44,6 +46,7 @@ def test_dp2_writes_the_dp1_file_and_resumes(tmp_path):
     assert out.read_text() == want
 
 
+@pytest.mark.process
 def test_a_failing_worker_is_a_one_line_error(tmp_path):
     src = write(tmp_path / "p.jsonl", 4)
     res = runner.invoke(app, ["generate", src, "--device", "cpu", "-dp", "2",
@@ -53,6 +56,7 @@ def test_a_failing_worker_is_a_one_line_error(tmp_path):
     assert "Traceback" not in res.output
 
 
+@pytest.mark.process
 def test_bad_dp_options(tmp_path):
     src = write(tmp_path / "p.jsonl", 2)
     bad = tmp_path / "bad.jsonl"

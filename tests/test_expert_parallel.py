@@ -32,6 +32,7 @@ def _assert_same(ref, sharded, label: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe"])
+@pytest.mark.process
 def test_two_expert_parallel_ranks_give_one_ranks_trace(kind, tmp_path):
     """Per-expert checkpoint names (Qwen3-MoE, Mixtral), stacked and biased experts
     (gpt-oss), a shared expert beside them split by width (Qwen2-MoE)."""
@@ -39,6 +40,7 @@ def test_two_expert_parallel_ranks_give_one_ranks_trace(kind, tmp_path):
     _assert_same(*_ep_trace(ckpt), kind)
 
 
+@pytest.mark.process
 def test_fp8_experts_and_dummy_weights_split_by_expert(tmp_path):
     dense = make_checkpoint("qwen3_moe", tmp_path / "dense")
     _assert_same(*_ep_trace(str(write_fp8(dense, tmp_path / "q", "hf-block", block=(16, 16)))),
@@ -58,6 +60,7 @@ def _kernels_trace_worker(cfg, prompts, steps, inbox):
 
 
 @INTERPRETED_ONLY
+@pytest.mark.process
 def test_expert_parallel_in_the_grouped_gemm_kernels(tmp_path):
     """Slots of the other rank's experts sorted into a dropped expert's blocks, which return at
     once and add nothing."""

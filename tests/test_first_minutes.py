@@ -42,6 +42,7 @@ def setup_commands() -> list[str]:
             if part.strip().startswith("pagedgen ")]
 
 
+@pytest.mark.process
 def test_the_readmes_set_up_commands_succeed_in_order_on_a_fresh_copy(tmp_path):
     commands = setup_commands()
     assert len(commands) == 2, commands  # the main job, then the real model
@@ -78,6 +79,7 @@ def test_every_example_line_in_the_readme_runs_on_the_default_model(tmp_path, li
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.process
 def test_version_and_short_help():
     res = runner.invoke(app, ["--version"])
     assert res.exit_code == 0 and re.fullmatch(r"pagedgen \d+\.\d+\.\d+\s*", res.output)
@@ -88,6 +90,7 @@ def test_version_and_short_help():
         assert res.exit_code == 0 and "Usage:" in res.output, args
 
 
+@pytest.mark.process
 def test_every_summary_value_survives_a_narrow_pipe(tmp_path):
     """``-o -`` with stderr a pipe and COLUMNS=60: the table folds to 60 columns and keeps
     every value (a 100-column table was cropped there, labels left without values)."""
@@ -234,6 +237,7 @@ def slow(tmp_path) -> Path:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.process
 def test_data_parallel_workers_die_with_a_killed_parent(tmp_path, slow):
     proc = _start(slow, "--device", "cpu", "--max-tokens", "1500", "--ignore-eos", "-dp", "2",
                   "-o", tmp_path / "o.jsonl")
@@ -254,6 +258,7 @@ def test_data_parallel_workers_die_with_a_killed_parent(tmp_path, slow):
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.process
 def test_sighup_ends_a_run_as_sigterm_does(tmp_path, slow):
     out = tmp_path / "o.jsonl"
     proc = _start(slow, "--device", "cpu", "--max-tokens", "24", "--max-num-seqs", "2",
@@ -286,6 +291,7 @@ def test_a_second_signal_during_the_clean_up_exits_at_once(monkeypatch):
     assert e.value.exit_code == 143
 
 
+@pytest.mark.process
 def test_start_up_counts_from_the_command_not_from_its_process(tmp_path):
     """A shell execs its last command in its own process (``bash -c 'sleep 3 && pagedgen
     ...'``): the process is 3 s older than the command, and start-up must not count them."""

@@ -166,6 +166,7 @@ def test_decode_only_and_prefill_only_steps(monkeypatch):
 
 @pytest.mark.parametrize("page,tile,suffix", [(16, "fa4", "triton"), (128, "fa4", "fa4"),
                                               (128, "64x128", "fa4"), (128, "fa4", "triton")])
+@pytest.mark.kernels
 def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile, suffix):
     """FA4's cascade calls: the batch over the shared pages (one non-causal sequence), each
     suffix (our Triton paged decode, or FA4's with the decode tile), merged by log-sum-exp (the
@@ -187,6 +188,7 @@ def test_fa4_cascade_decode_matches_eager(monkeypatch, page, tile, suffix):
 
 @pytest.mark.parametrize("seed,suffix", [(0, "triton"), (1, "fa4"), (2, "triton"), (3, "fa4"),
                                          (3, "triton")])
+@pytest.mark.kernels
 def test_fa4_grouped_cascade_decode_matches_eager(monkeypatch, seed, suffix):
     """Random nested groups (rows shuffled, groups of one, pages cut mid-block): per level one
     varlen call over the sorted queries (fillers over no keys), written in place, merged with
@@ -283,6 +285,7 @@ def test_unavailable_on_cpu_says_how_to_install():
     assert why is not None and ("pagedgen[flash-attn]" in why or "needs a CUDA GPU" in why)
 
 
+@pytest.mark.kernels
 def test_warmup_runs_every_shape(monkeypatch):
     fake_flash_attn.install(monkeypatch, "fa4")
     b = make_paged_batch(0, num_heads=4, num_kv_heads=2, block_size=16)
@@ -323,6 +326,7 @@ def _run(tmp_path, code: str) -> subprocess.CompletedProcess:
                           timeout=120)
 
 
+@pytest.mark.process
 def test_quack_imports_lean_for_fa4(tmp_path):
     """FA4's quack import runs quack.dsl (its CuTe patches) but not the kernels that pull in
     torch._dynamo; those resolve at first access, as quack's own attributes."""
@@ -348,6 +352,7 @@ except AttributeError as e:
     assert "no attribute 'nothing'" in done.stdout
 
 
+@pytest.mark.process
 def test_other_quack_versions_import_as_they_are(tmp_path):
     _fake_quack(tmp_path, "0.7.0")
     done = _run(tmp_path, """
@@ -359,6 +364,7 @@ import quack
 
 
 @pytest.mark.parametrize("seed,suffix", [(0, "triton"), (1, "fa4"), (2, "triton")])
+@pytest.mark.kernels
 def test_fa4_grouped_cascade_in_a_step_with_prefills_matches_eager(monkeypatch, seed, suffix):
     """Prefill chunks in front of grouped decodes: FA4's prefill call for the chunks, its
     cascade (group calls, suffixes, merge) for the decodes, together equal to eager."""

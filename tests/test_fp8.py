@@ -52,6 +52,7 @@ def test_weight_quantization_error_is_bounded_per_element(group):
 
 @INTERPRETED
 @pytest.mark.parametrize("group,static", [(None, False), (64, False), (None, True)])
+@pytest.mark.kernels
 def test_activation_quantization_kernel_equals_reference(group, static):
     x = torch.randn(7, 200) * 3
     scale = torch.tensor([0.02]) if static else None
@@ -69,6 +70,7 @@ def test_activation_quantization_kernel_equals_reference(group, static):
     (3, 40, 300, 128, True),  # partial last K group
     (70, 24, 192, 64, False),  # block scales, W8A16, the large-M tile
 ])
+@pytest.mark.kernels
 def test_scaled_gemm_kernel_equals_reference(m, n, kk, group, a_quant):
     x = torch.randn(m, kk)
     w = torch.randn(n, kk) * 0.1
@@ -85,6 +87,7 @@ def test_scaled_gemm_kernel_equals_reference(m, n, kk, group, a_quant):
 @INTERPRETED
 @pytest.mark.parametrize("tile", list(k.TILES))
 @pytest.mark.parametrize("group,a_quant", [(None, True), (None, False), (64, True)])
+@pytest.mark.kernels
 def test_every_tile_computes_the_same_gemm(tile, group, a_quant):
     x = torch.randn(19, 192)
     wq, ws = k.quantize_weight(torch.randn(40, 192) * 0.1, group)
@@ -101,6 +104,7 @@ def test_every_tile_computes_the_same_gemm(tile, group, a_quant):
     (130, 72, 320, 64),  # block scales, per-token-group activations
     (9, 48, 272, 128),  # partial last K group
 ])
+@pytest.mark.kernels
 def test_tma_kernel_computes_the_same_gemm(tile, m, n, kk, group):
     """The TMA tiles (operands past the tensors' ends read as zeros) against the reference,
     with per-token activation scales and, for block weights, per-token-group ones."""
@@ -114,6 +118,7 @@ def test_tma_kernel_computes_the_same_gemm(tile, m, n, kk, group):
 
 
 @INTERPRETED
+@pytest.mark.kernels
 def test_tma_gemm_takes_misaligned_activations_through_the_plain_kernel():
     from pagedgen.runtime.quantization.fp8_gemm import run_quantized, standalone_layer
 
@@ -132,6 +137,7 @@ def test_tma_gemm_takes_misaligned_activations_through_the_plain_kernel():
 
 @INTERPRETED
 @pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.kernels
 def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(residual):
     from pagedgen.runtime.layers import fused_ops as f
 
@@ -161,6 +167,7 @@ def test_norm_and_swiglu_quantize_in_their_kernels_as_the_quant_kernel_would(res
 
 @INTERPRETED
 @pytest.mark.parametrize("gemm", ["triton_w8a8", "triton_tma", "triton_w8a16", "dequantize"])
+@pytest.mark.kernels
 def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm):
     """What the GPU runs, on the CPU: a row- and a column-parallel FP8 layer with a plan, fed
     a tensor or (where the kernel quantizes per token) ``QuantizedActivations``."""
@@ -284,6 +291,7 @@ def assert_tp2_trace_equals_tp1(ckpt: str, label: str, steps: int = 5) -> None:
     assert row.worst_abs < 1e-4 and sharded[1] == ref[1], (label, row)
 
 
+@pytest.mark.process
 def test_tp2_fp8_checkpoint_equals_tp1(dense, tmp_path):
     even = make_checkpoint("llama", tmp_path / "even", hidden_size=256, intermediate_size=256)
     for fmt, block in (("ct-channel", (128, 128)), ("hf-block", (32, 32))):

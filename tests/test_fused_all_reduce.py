@@ -66,6 +66,7 @@ def _peers_pushed(buf: far.PushBuffer, partials: list[torch.Tensor], slot: int) 
     (1, 3, 32, torch.float32), (2, 5, 64, torch.float32), (4, 300, 96, torch.float16),
     (8, 7, 40, torch.float16)])  # 300 rows: programs loop over rows; 40: a partial block
 # (not bfloat16: the interpreter's float32 -> bfloat16 truncates where a GPU rounds)
+@pytest.mark.kernels
 def test_push_kernel_equals_the_all_reduce_then_the_norm(world, rows, n, dtype):
     partials, residual, weight = _parts(world, rows, n, dtype)
     _, buf = _ranks(world, dtype, cap=rows * n + 5, step=4)  # slot 1
@@ -82,6 +83,7 @@ def test_push_kernel_equals_the_all_reduce_then_the_norm(world, rows, n, dtype):
 
 @INTERPRETED
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.kernels
 def test_push_kernel_writes_each_peer_and_leaves_its_own_slot_empty(dtype):
     """Rank 0's rows land in every peer's slot (its region, -0.0 sent as +0.0), its own slot is
     emptied as read, nothing else is touched, and the step counter turns once."""
@@ -105,6 +107,7 @@ def test_push_kernel_writes_each_peer_and_leaves_its_own_slot_empty(dtype):
 
 
 @INTERPRETED
+@pytest.mark.kernels
 def test_push_kernel_turns_its_slots_and_sums_in_place():
     """Calls of changing row counts take slots 0, 1, 2, 0: each reads only its own turn."""
     world, n, cap = 2, 32, 200
@@ -142,6 +145,7 @@ def _chain_worker(inbox):
     yield out.numpy(), res.numpy(), {k: os.environ.get(k) for k in parallel.NO_MULTICAST}
 
 
+@pytest.mark.process
 def test_the_chain_over_gloo_sums_every_ranks_partials():
     with Workers(_chain_worker, [()], [None], tp=2) as w:
         (out, res, env), = [msg for _, msg in w.messages()]

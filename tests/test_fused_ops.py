@@ -34,6 +34,7 @@ def _randn(*shape, device, dtype, seed):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("n", [96, 300])
+@pytest.mark.kernels
 def test_rms_norm(device, dtype, n):
     wide = _randn(7, n + 40, device=device, dtype=dtype, seed=0)
     x = wide[:, 8:8 + n]  # strided rows
@@ -56,6 +57,7 @@ def test_rms_norm(device, dtype, n):
     (4, 2, 64, False, 48),  # rotated halves not a power of two (Phi-4-mini: 96 of 128)
     (6, 6, 24, True, 24),   # nor whole heads
 ])
+@pytest.mark.kernels
 def test_rotary(device, dtype, heads, kv_heads, d, norm, rot):
     t = 9
     qkv = _randn(t, (heads + 2 * kv_heads) * d, device=device, dtype=dtype, seed=3)
@@ -82,6 +84,7 @@ def test_rotary(device, dtype, heads, kv_heads, d, norm, rot):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("n", [88, 1500])
+@pytest.mark.kernels
 def test_silu_and_mul(device, dtype, n):
     x = _randn(5, 2 * n, device=device, dtype=dtype, seed=6) * 3
     torch.testing.assert_close(fused_ops.silu_and_mul_fused(x),
@@ -90,6 +93,7 @@ def test_silu_and_mul(device, dtype, n):
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("d", [128, 48])
+@pytest.mark.kernels
 def test_gated_rms_norm(device, dtype, d):
     """x [T, H, D] as the delta rule writes it; z a strided view of the projection's columns."""
     t, h = 5, 3

@@ -101,6 +101,7 @@ STEPS = [([(0, 0, 5), (1, 0, 2), (2, 0, 1)], []),
 
 @INTERPRETED
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.kernels
 def test_triton_kernels_equal_the_reference(dtype):
     want, ref_state = _steps(GatedDeltaKernels("torch", "torch"), dtype, STEPS)
     got, state = _steps(GatedDeltaKernels("triton", "triton"), dtype, STEPS)
@@ -113,6 +114,7 @@ def test_triton_kernels_equal_the_reference(dtype):
 
 @INTERPRETED
 @pytest.mark.parametrize("taps,bias", [(4, False), (3, True), (5, True)])
+@pytest.mark.kernels
 def test_the_convolution_of_a_long_step_equals_the_reference(taps, bias):
     """Prompts continuing their windows, a fresh one, and decodes, against
     ``reference.causal_conv``; the blocks inside a prompt run row by row (up to 4 taps), the
@@ -140,6 +142,7 @@ def test_the_convolution_of_a_long_step_equals_the_reference(taps, bias):
 
 @INTERPRETED
 @pytest.mark.parametrize("tokens", [1, 13])
+@pytest.mark.kernels
 def test_the_q_and_k_heads_for_the_chunked_prefill_are_normalized_as_the_reference_does(
         tokens):
     """``qk_norm_triton``: the q and k heads at the start of each projected row (the v heads
@@ -206,6 +209,7 @@ def test_a_graph_recorded_after_a_warm_up_makes_its_own_step_tensors():
 
 
 @INTERPRETED
+@pytest.mark.kernels
 def test_verify_checks_the_triton_kernels_against_the_reference():
     from pagedgen.cli.verify.linear_checks import kernel_row
 

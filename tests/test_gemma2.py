@@ -22,6 +22,7 @@ BACKENDS = ["eager"] + (["triton"] if importlib.util.find_spec("triton") else []
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.kernels
 def test_logits_match_transformers(path, backend):
     """1 + w norms, four norms a layer, the embedding scale, the score scale, both soft-caps,
     alternating windows (the chunks cross them), GeGLU."""

@@ -20,6 +20,7 @@ def path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.kernels
 def test_logits_match_transformers(path, backend):
     check_logits(path, backend)
 

@@ -41,6 +41,7 @@ def path(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", *BACKENDS[1:]])
+@pytest.mark.kernels
 def test_logits_match_transformers(path, backend):
     """Prefill whole and in chunks over cached pages (windows of 12 crossed); the Triton
     kernels (in Triton's interpreter on a CPU) at both head sizes."""
@@ -195,6 +196,7 @@ def test_published_and_transformers_written_configs_read_alike(tmp_path):
 
 
 @pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.kernels
 def test_fused_kernels_match_transformers(path):
     """Norms and rotary as the fused Triton kernels (Triton's interpreter on a CPU), a layer
     reading shared K/V rotating its queries alone."""
@@ -222,6 +224,7 @@ def test_presets_read_as_transformers_would(preset):
     assert got == want and {s.sliding_window for s in specs} == {None, 1024}
 
 
+@pytest.mark.process
 def test_tp2_equals_tp1(tmp_path_factory):
     """Every variant sharded over 2 gloo ranks (a global layer's one KV head replicated, the
     experts' width split, per-layer inputs whole on each rank) gives one rank's logits and

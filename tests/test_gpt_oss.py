@@ -34,6 +34,7 @@ def test_greedy_generation_matches_transformers_through_preemption(checkpoint):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.kernels
 def test_grouped_gemm_kernels_take_biases_and_the_clamped_swiglu(dtype):
     """The first GEMM writes gate and up, the biases and the clamp run between, the down
     bias joins each slot weighted: the per-expert loop's result (Triton's interpreter)."""
@@ -54,6 +55,7 @@ def test_grouped_gemm_kernels_take_biases_and_the_clamped_swiglu(dtype):
     torch.testing.assert_close(got.float(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.kernels
 def test_the_model_in_the_grouped_gemm_kernels_matches_transformers(checkpoint):
     """gpt-oss's experts through the kernels a GPU runs (Triton's interpreter)."""
     from test_moe import INTERPRETED_ONLY, _moe_kernels
@@ -168,6 +170,7 @@ def test_an_mxfp4_checkpoint_equals_transformers_dequantized(mxfp4_checkpoint):
     _mxfp4_logits(mxfp4_checkpoint)
 
 
+@pytest.mark.kernels
 def test_an_mxfp4_checkpoint_in_the_grouped_gemm_kernels_equals_transformers(mxfp4_checkpoint):
     """The 4-bit experts through the kernels a GPU runs (Triton's interpreter)."""
     from test_moe import INTERPRETED_ONLY, _moe_kernels
@@ -176,6 +179,7 @@ def test_an_mxfp4_checkpoint_in_the_grouped_gemm_kernels_equals_transformers(mxf
     _mxfp4_logits(mxfp4_checkpoint, _moe_kernels)
 
 
+@pytest.mark.process
 def test_tp2_equals_tp1_dense_and_mxfp4(checkpoint, mxfp4_checkpoint):
     """Two gloo ranks: each holds its query heads' sinks, its rows of gate/up (and of their
     biases), its columns of down (MXFP4: in whole scale groups); rank 0 alone adds the down
@@ -250,6 +254,7 @@ def test_dummy_mxfp4_experts_are_the_dense_dummy_experts_quantized(mxfp4_checkpo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.kernels
 def test_bias_and_clamped_swiglu_kernel_equals_the_torch_ops(dtype):
     """One program per slot: its expert's gate and up biases added, the clamp and the
     activation in float32 (Triton's interpreter), against torch's ops in float32; a width

@@ -29,6 +29,7 @@ def test_a_bad_worker_count_is_a_one_line_error(tmp_path, monkeypatch):
         " ".join(res.output.split())
 
 
+@pytest.mark.process
 def test_a_dead_worker_is_a_one_line_error():
     """A worker killed (say, by the kernel's OOM killer) stops the run with a line that says
     which and how to run without workers, not a hang."""
@@ -53,6 +54,7 @@ def _host_processes(inbox):  # a -dp worker's target: what it was told of its ho
     yield os.environ.get("PAGEDGEN_HOST_PROCESSES")
 
 
+@pytest.mark.process
 def test_grammar_workers_take_this_processs_share_of_the_cores(monkeypatch):
     """One grammar worker a two cores past two, 1 to 8, of the cores this process shares
     with pagedgen's other processes on the host: the -dp / -tp workers it starts are told
@@ -102,6 +104,7 @@ def test_masks_apply_on_the_device_for_the_constrained_rows_only():
 
 
 @pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.process
 def test_the_pool_keeps_each_state_as_its_matcher_would(workers):
     """A token outside the grammar is a refusal; a stop token ends its state as the matcher
     terminates; the next masks follow the tokens taken, filled ahead from a step's tokens."""
@@ -131,6 +134,7 @@ def test_the_pool_keeps_each_state_as_its_matcher_would(workers):
 
 
 @pytest.mark.parametrize("workers", [0, 3])
+@pytest.mark.process
 def test_pool_masks_equal_a_matcher_per_sample(workers):
     """The pool (inline, and in three worker processes) step by step against one xgrammar
     matcher per sample kept here: the same masks, ends and refusals, with samples that skip

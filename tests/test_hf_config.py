@@ -195,6 +195,7 @@ def test_llama_ignores_a_sliding_window_field_as_transformers_llama_does():
     assert _windows(cfg) == [None] * 3 and getattr(cfg, "sliding_window", None) is None
 
 
+@pytest.mark.process
 def test_a_preset_run_imports_neither_transformers_nor_sympy(tmp_path):
     """Start-up: transformers' model config modules import torchvision and scikit-learn where
     installed, and torch's meta-tensor helpers import sympy (seconds each); a preset with the

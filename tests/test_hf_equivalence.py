@@ -101,6 +101,7 @@ def fused_kernels(eng: Engine) -> None:
 
 
 @pytest.mark.skipif(not fused_ops.HAVE_TRITON, reason="triton is not installed")
+@pytest.mark.kernels
 def test_fused_kernels_match_transformers(checkpoint):
     """The model with its norms, rotary (and Qwen3's q/k norm) and SwiGLU as the fused Triton
     kernels (on CPU: in Triton's interpreter) gives Hugging Face's logits."""

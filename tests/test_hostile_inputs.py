@@ -139,6 +139,7 @@ def test_a_constraint_that_matches_nothing_fails_before_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("workers", ["0", "1"])
+@pytest.mark.process
 def test_a_sample_at_a_dead_end_of_its_grammar_ends_unsatisfiable(tmp_path, monkeypatch,
                                                                   workers):
     monkeypatch.setenv("PAGEDGEN_GRAMMAR_WORKERS", workers)

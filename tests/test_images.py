@@ -248,6 +248,7 @@ def test_lines_with_images_from_the_command_line(ckpt, hf, tmp_path):
 
 @pytest.mark.parametrize("how", [["-dp", "2"], ["--ray", "local", "--replicas", "2"]],
                          ids=["dp", "ray"])
+@pytest.mark.process
 def test_lines_with_images_run_on_replicas(ckpt, hf, tmp_path, how):
     """The same lines on ``-dp 2`` worker processes and on Ray replicas: the images made
     ready in the command's process (a bad one is its line's error there), the requests

@@ -29,6 +29,7 @@ def test_write_then_gather_roundtrip():
                                             or os.environ.get("TRITON_INTERPRET") == "1"),
                     reason="needs a GPU, or TRITON_INTERPRET=1 for CPU tensors")
 @pytest.mark.parametrize("layout", ["blocks", "split"])
+@pytest.mark.kernels
 def test_write_kv_triton_matches_torch(layout):
     """The Triton write (on CPU in the interpreter) into both cache layouts, from k/v that are
     strided views of one projection (as the model passes v), with 3 heads (a masked head tile).

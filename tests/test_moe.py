@@ -59,6 +59,7 @@ ALIGNS = [moe_align.align_reference,
     (20, 16, 16, 32, 48, 16),  # every token to every expert
     (300, 128, 8, 8, 8, 64),   # more slots than one chunk of either Triton way
 ])
+@pytest.mark.kernels
 def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, block_m, align):
     _, _, _, _, chosen = _experts(t, e, k, h, i)
     slots, block_experts = align(chosen, e, block_m)
@@ -88,6 +89,7 @@ def test_align_sorts_every_slot_once_into_its_experts_blocks(t, e, k, h, i, bloc
 @pytest.mark.parametrize("t,e,k,h,i,block_m", [
     (1, 8, 2, 48, 40, 16), (3, 32, 2, 64, 96, 16), (37, 8, 3, 40, 24, 32),
     (20, 16, 16, 32, 48, 16)])
+@pytest.mark.kernels
 def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, dtype, swap,
                                                         tma):
     """By TMA, a tile's rows past an expert's N read the next rows (masked outputs only) and
@@ -103,6 +105,7 @@ def test_grouped_gemm_kernels_equal_the_per_expert_loop(t, e, k, h, i, block_m, 
 
 
 @INTERPRETED_ONLY
+@pytest.mark.kernels
 def test_a_tma_tile_on_weights_tma_cannot_load_runs_them_by_pointers():
     """A plan's TMA tile meeting experts that are not contiguous (TMA reads rows of a
     descriptor) runs as its pointer twin, with the same result."""
@@ -121,6 +124,7 @@ ROUTES = [moe_route.route_reference, pytest.param(getattr(moe_route, "route_trit
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("experts,top_k", [(16, 4), (60, 3), (128, 8)])
+@pytest.mark.kernels
 def test_router_equals_transformers(route, experts, top_k):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     import transformers as tf
@@ -140,6 +144,7 @@ def test_router_equals_transformers(route, experts, top_k):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.kernels
 def test_logits_match_transformers(checkpoint, backend):
     """Prefill in one chunk and in chunks over cached pages (test_hf_equivalence)."""
     check_logits(checkpoint[1], backend)
@@ -154,6 +159,7 @@ def _moe_kernels(eng) -> None:
 
 
 @INTERPRETED_ONLY
+@pytest.mark.kernels
 def test_fused_kernels_match_transformers(checkpoint):
     """The model with its MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
     check_logits(checkpoint[1], "eager", chunks=(11,), setup=_moe_kernels)
@@ -217,6 +223,7 @@ def test_each_rank_holds_its_share_of_every_expert(checkpoint):
         assert torch.equal(moe.gate.weight, ckpt[f"model.layers.0.{block}.gate.weight"])
 
 
+@pytest.mark.process
 def test_tp2_equals_tp1(tmp_path_factory):
     from test_tensor_parallel import assert_tp2_equals_tp1
     assert_tp2_equals_tp1([str(make_checkpoint(k, tmp_path_factory.mktemp(f"tp-{k}")))
@@ -512,6 +519,7 @@ def test_moe_layers_plan_their_kernels_at_load_not_in_the_first_step(monkeypatch
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.kernels
 def test_torch_grouped_gemm_path_equals_the_per_expert_loop(dtype, top_k):
     """Prefill-sized counts may run on torch's grouped GEMM: its result equals ``reference``,
     with experts that get no token and a token count that is no multiple of anything."""

@@ -51,6 +51,7 @@ def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:
     (1, 8, 2, 64, 96, 16),    # one token, most experts without one; I not a multiple of 64
     (37, 8, 3, 96, 64, 32),   # full and partial blocks, H three K groups
     (20, 16, 16, 64, 32, 16)])  # every token to every expert
+@pytest.mark.kernels
 def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, block_m,
                                                               group_k, swap, tma, fp8_input):
     x, w13, w2, weights, ids = _experts(t, e, top_k, h, i)
@@ -68,6 +69,7 @@ def test_fp8_grouped_gemm_kernels_equal_the_dequantized_loop(t, e, top_k, h, i, 
 
 
 @INTERPRETED_ONLY
+@pytest.mark.kernels
 def test_fp8_kernels_take_fp16_activations():
     x, w13, w2, weights, ids = _experts(9, 8, 2, 64, 64, torch.float16)
     q13, q2, scales = mk.ExpertScales.quantize(w13.float(), w2.float(), 32)
@@ -80,6 +82,7 @@ def test_fp8_kernels_take_fp16_activations():
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("group_k,fp8_input", [(16, False), (32, False), (32, True)])
+@pytest.mark.kernels
 def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input):
     """Block scales of 16 or 32 columns (the config allows them) under 64-wide K tiles: each K
     tile must lie in one group, so the tile narrows to the group."""
@@ -93,6 +96,7 @@ def test_a_k_tile_wider_than_the_scale_groups_narrows_to_them(group_k, fp8_input
 
 
 @INTERPRETED_ONLY
+@pytest.mark.kernels
 def test_swapped_tiles_refuse_k_group_scales_in_one_line():
     x, w13, w2, weights, ids = _experts(9, 4, 2, 64, 64)
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, 32)
@@ -132,6 +136,7 @@ def test_fp8_moe_checkpoint_equals_its_weights_dequantized(moe_dense, fmt, block
 
 
 @INTERPRETED_ONLY
+@pytest.mark.kernels
 def test_fp8_moe_checkpoint_through_the_kernels(moe_dense, tmp_path):
     """The same, with the MoE layers in the grouped GEMM kernels (Triton's interpreter)."""
     kind, dense = moe_dense
@@ -172,6 +177,7 @@ def test_dummy_fp8_experts_are_the_dense_dummy_experts_quantized(moe_dense):
         assert torch.equal(s.reshape(-1, 1), want_s)
 
 
+@pytest.mark.process
 def test_tp2_fp8_moe_checkpoint_equals_tp1(tmp_path):
     # per-channel scales; 16 x 16 blocks (Mixtral's 64-wide experts: 32 columns a rank)
     for kind, fmt in (("qwen3_moe", "ct-channel"), ("mixtral", "hf-block")):
@@ -236,6 +242,7 @@ def scaled_grouped_mm_reference(a, b, scale_a, scale_b, offs, out_dtype):
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("top_k", [1, 3])
+@pytest.mark.kernels
 def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_fp8_input_loop(monkeypatch, top_k):
     """Prefill-sized counts of per-channel FP8 experts may run on torch's FP8 grouped GEMM:
     each GEMM's rows quantized per token (the second's by the SiLU-and-mul kernel), the

@@ -35,6 +35,7 @@ def _slots(tokens: int, top_k: int, width: int, device: str, dtype: torch.dtype)
     (37, 8, 96),      # Qwen3-MoE's eight experts a token
     (0, 4, 64),       # no tokens
 ])
+@pytest.mark.kernels
 def test_slot_sum_in_slot_order_equals_torchs_sum(device, dtype, tokens, top_k, width):
     src, _, _, _ = _slots(tokens, top_k, width, device, dtype)
     got = moe_sum.slot_sum(src, top_k)
@@ -45,6 +46,7 @@ def test_slot_sum_in_slot_order_equals_torchs_sum(device, dtype, tokens, top_k, 
 
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.parametrize("tokens,top_k,width", [(5, 2, 1100), (37, 8, 96)])
+@pytest.mark.kernels
 def test_slot_sum_gathers_sorted_rows_and_weighs_them_into_a_strided_output(
         device, dtype, tokens, top_k, width):
     src, order, rows, weights = _slots(tokens, top_k, width, device, dtype)
@@ -63,6 +65,7 @@ def test_slot_sum_gathers_sorted_rows_and_weighs_them_into_a_strided_output(
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.kernels
 def test_slot_sum_adds_each_slots_expert_bias_before_weighing(device, dtype):
     """gpt-oss's down bias in the sum (``moe_grouped_mm``): row + bias[expert], rounded to the
     rows' dtype as a GEMM's epilogue writes it, then weighted."""
@@ -84,6 +87,7 @@ def test_slot_sum_adds_each_slots_expert_bias_before_weighing(device, dtype):
 
 
 @pytest.mark.parametrize("device,dtype", CASES)
+@pytest.mark.kernels
 def test_slot_sum_adds_a_shared_experts_gated_output_rounded_as_torchs_ops(device, dtype):
     """Qwen3.5-MoE's shared expert in the sum: the kernel's own sum of the slots, then
     ``sigmoid(logit) * x`` added as transformers' three torch ops round it (within a unit in

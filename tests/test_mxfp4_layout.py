@@ -74,6 +74,7 @@ def sm90_build(*tile: int) -> tuple[int, int, int]:
     return tuple(map(int, run.stdout.split()))
 
 
+@pytest.mark.process
 def test_the_swapped_mxfp4_tile_takes_its_codes_into_the_mma_by_ldmatrix_not_by_bytes():
     """In checkpoint order a thread's bytes of a group lie four apart: the tile read them from
     shared memory one byte at a time (128 loads a K step of gate and up); in the kernel layout
@@ -84,6 +85,7 @@ def test_the_swapped_mxfp4_tile_takes_its_codes_into_the_mma_by_ldmatrix_not_by_
 
 @pytest.mark.parametrize("tile", [(64, 128, 64, 8, 4, 0), (16, 64, 128, 4, 4, 0)],
                          ids=["m64n128k64w8", "m16n64k128w4"])
+@pytest.mark.process
 def test_the_swapped_mxfp4_tiles_load_nothing_their_k_loop_waits_on(tile):
     """A K step's exponents of a tile are a few hundred bytes: loaded as bytes (one or two a
     thread in these tiles) they were a synchronous load inside the K loop, a memory latency

@@ -28,6 +28,7 @@ def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("biased", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter: no bf16 dot
 @pytest.mark.parametrize("swap", [False, True], ids=["a-left", "weights-left"])
+@pytest.mark.kernels
 def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, block_k, biased,
                                                                         dtype, swap):
     x, w13, w2, weights, chosen = _experts(29, 8, 3, h, i)
@@ -51,6 +52,7 @@ def test_mxfp4_grouped_gemms_equal_the_loop_on_the_dequantized_weights(h, i, blo
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.kernels
 def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_weights(biased):
     """The plan's other MXFP4 way (``native``: codes and scales as they are into
     ``tl.dot_scaled``, bf16 activations) gives the loop's result to bf16's precision, K tiles
@@ -184,6 +186,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
 
 @INTERPRETED_ONLY
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.kernels
 def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
     from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
     w = torch.randn(3, 40, 160) * torch.logspace(-3, 3, 160)  # scales far apart
@@ -200,6 +203,7 @@ def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("ep", [False, True], ids=["all-experts", "expert-parallel"])
 @pytest.mark.parametrize("way", ["tiles", "grouped_mm"])
+@pytest.mark.kernels
 def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep, way, monkeypatch):
     """The prefill way (``moe_dequantized``): a scratch of three experts' dense weights, so
     eight experts take three runs, each skipping the others' slots; gpt-oss's biased, clamped

@@ -199,6 +199,7 @@ def test_a_revision_needs_a_hub_id_and_only_one(model, revision, message):
     assert cfg.model == "acme/m@v1"
 
 
+@pytest.mark.process
 def test_a_hub_id_in_the_users_cache_is_the_same_model_as_its_folder(tmp_path):
     """``--model org/name`` with ``HF_HUB_OFFLINE=1`` reads the user's Hugging Face cache (its
     layout: refs/main naming a snapshot) and writes what the folder itself gives; an id the

@@ -66,6 +66,7 @@ def test_the_reordering_keeps_the_files_mode(tmp_path, clean):
     assert stat.S_IMODE(out.stat().st_mode) == 0o640
 
 
+@pytest.mark.process
 def test_standard_output_gets_the_lines_and_stderr_the_summary(tmp_path, clean):
     src, ref = clean
     proc = subprocess.run([sys.executable, "-m", "pagedgen.cli.main", "generate", str(src),
@@ -117,6 +118,7 @@ def test_a_stream_cut_mid_write_says_how_many_whole_lines_it_got(monkeypatch):
         writer.write_lines([(1, '{"b": 2}'), (2, '{"c": 3}')])
 
 
+@pytest.mark.process
 def test_a_fifo_is_a_stream_and_its_wait_can_be_interrupted(tmp_path, clean):
     src, ref = clean
     fifo = tmp_path / "f"

@@ -24,6 +24,7 @@ def path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.kernels
 def test_logits_match_transformers(path, backend):
     check_logits(path, backend)
 
@@ -118,6 +119,7 @@ def test_partial_rotary_logits_match_transformers(partial, backend):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="CPU tensors run Triton kernels only when interpreted")
+@pytest.mark.kernels
 def test_partial_rotary_in_the_fused_kernel_matches_transformers(partial):
     from test_hf_equivalence import fused_kernels
     check_logits(partial, "eager", length=14, chunks=(14,), setup=fused_kernels)

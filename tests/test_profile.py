@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
@@ -12,6 +13,7 @@ from pagedgen.runtime import kernel_stats as ks
 runner = CliRunner()
 
 
+@pytest.mark.kernels
 def test_profile_on_cpu_writes_trace_json_and_charts(tmp_path, one_layer):
     res = runner.invoke(app, ["profile", "--model", one_layer, "--device", "cpu",
                               "--backend", "all",
@@ -225,6 +227,7 @@ def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
     assert peak_fraction() == flops / 1e12
 
 
+@pytest.mark.kernels
 def test_profile_at_auto_takes_the_backend_that_runs_the_models_layers(tmp_path):
     """Gemma 2's soft cap is beyond SDPA, the CPU's first choice: ``auto`` profiles the backend
     the engine picks for the model (not the device's first, which then refused the model), and

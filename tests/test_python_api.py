@@ -100,6 +100,7 @@ def test_a_constraint_as_a_keyword_applies_where_a_request_gives_none(llm):
     assert chosen[0].text in ('"yes"', '"no"') and chosen[0].finish_reason == "stop"
 
 
+@pytest.mark.process
 def test_importing_pagedgen_loads_no_torch():
     code = "import sys, pagedgen; print('torch' in sys.modules, pagedgen.__version__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -72,6 +72,7 @@ def test_one_gemm_reads_the_tokens_for_the_router_and_the_shared_expert(checkpoi
     assert MergedProjections.of([block.gate, gate_up]) is None
 
 
+@pytest.mark.process
 def test_tp2_equals_tp1(tmp_path_factory):
     """The shared expert sharded as a dense MLP, its partial sums reduced with the routed
     experts' (two ranks over gloo)."""

@@ -39,6 +39,7 @@ def test_logits_match_transformers(checkpoint, backend):
     check_logits(checkpoint, backend)
 
 
+@pytest.mark.kernels
 def test_fused_kernels_match_transformers(checkpoint):
     """The norms, the q/k norms with partial rotary (one kernel), the gated norm and SwiGLU as
     the fused Triton kernels (on a CPU: in Triton's interpreter) give transformers' logits."""
@@ -192,6 +193,7 @@ def test_a_misshapen_grouped_projection_is_named(tmp_path):
         _engine(path)
 
 
+@pytest.mark.process
 def test_tp2_equals_tp1(checkpoint):
     """Two gloo ranks, each with half the full-attention heads (query, gate, KV), half the
     linear-attention key heads with the value heads they serve (their q, k, v, z, b, a rows,

@@ -32,6 +32,7 @@ def prompts(tmp_path, n: int = 30):
     return path
 
 
+@pytest.mark.process
 def test_cli_replicas_write_the_single_process_output(local_ray, tmp_path):
     src = prompts(tmp_path)
     common = ["generate", str(src), "--device", "cpu", "--temperature", "0",
@@ -50,6 +51,7 @@ def test_cli_replicas_write_the_single_process_output(local_ray, tmp_path):
     assert [l["metadata"]["tag"] for l in lines] == list(range(30))
 
 
+@pytest.mark.process
 def test_directory_input_to_output_shards(local_ray, tmp_path):
     d = tmp_path / "in"
     d.mkdir()
@@ -68,6 +70,7 @@ def test_directory_input_to_output_shards(local_ray, tmp_path):
     assert sorted(ids) == sorted(f"{k}-{i}" for k in range(2) for i in range(10))
 
 
+@pytest.mark.process
 def test_generator_in_a_users_pipeline_survives_a_dying_actor(local_ray, tmp_path):
     import pagedgen.ray
 

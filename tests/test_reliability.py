@@ -337,6 +337,7 @@ def slow_input(tmp_path_factory) -> tuple[Path, Path]:
     return src, clean
 
 
+@pytest.mark.process
 def test_a_second_writer_stops_at_once_naming_the_first(tmp_path, slow_input):
     src, clean = slow_input
     out = tmp_path / "o.jsonl"
@@ -356,6 +357,7 @@ def test_a_second_writer_stops_at_once_naming_the_first(tmp_path, slow_input):
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGKILL, -9), (signal.SIGTERM, 143),
                                       (signal.SIGINT, 130)])
+@pytest.mark.process
 def test_a_killed_run_resumes_to_each_id_once_in_order(tmp_path, slow_input, sig, code):
     src, clean = slow_input
     out = tmp_path / "o.jsonl"
@@ -377,6 +379,7 @@ def test_a_killed_run_resumes_to_each_id_once_in_order(tmp_path, slow_input, sig
     assert out.read_text() == clean.read_text()
 
 
+@pytest.mark.process
 def test_ctrl_c_during_the_imports_is_one_line(tmp_path):
     src = write(tmp_path / "p.jsonl", PROMPTS)
     proc = _start(src, *FAST)
@@ -439,6 +442,7 @@ def test_a_request_that_ends_without_a_line_is_an_error_not_a_gap(tmp_path, monk
     assert [json.loads(x)["id"] for x in out.read_text().splitlines()] == [0, 1, 2, 3]
 
 
+@pytest.mark.process
 def test_a_model_larger_than_the_free_memory_is_one_line_before_it_loads(tmp_path, monkeypatch):
     """Checked on the meta device, before any allocation: otherwise a CPU run of a large preset
     is killed by the OOM killer minutes later (a GPU run: CUDA's out-of-memory traceback)."""

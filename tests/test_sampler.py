@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample, uniform_noise
@@ -60,6 +61,7 @@ def test_noise_never_rounds_to_one():
     assert sample(logits, batch(1, seeds=[0], steps=[26])).item() < 10
 
 
+@pytest.mark.kernels
 def test_fused_kernel_samples_what_the_torch_path_samples():
     """The one-pass Triton kernel (interpreter on CPU): the same tokens as the torch chain for
     greedy and tempered rows, min-p, seeds, steps, and a vocabulary that is not a multiple of
@@ -83,6 +85,7 @@ def test_fused_kernel_samples_what_the_torch_path_samples():
         assert sample(logits, sb, fused=True).tolist() == sample(logits, sb, fused=False).tolist()
 
 
+@pytest.mark.kernels
 def test_model_dtype_logits_sample_what_their_float32_copy_samples():
     """A step's logits come in the model's dtype (``compute_logits(float32=False)``): greedy
     rows and the fused kernel read them as they are, every other path upcasts first. Each path

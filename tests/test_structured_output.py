@@ -251,6 +251,7 @@ def test_a_run_after_constrained_lines_schedules_as_a_plain_run(bpe_model):
     assert len({s.num_output_tokens for s in after}) > 5  # lines stopped at many lengths
 
 
+@pytest.mark.process
 def test_worker_processes_give_the_inline_outputs(bpe_model, monkeypatch):
     """The grammar pool in two worker processes against inline: the same tokens for sampled
     constrained rows with n = 2 beside free rows, a cache small enough to preempt, more

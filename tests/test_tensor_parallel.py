@@ -65,6 +65,7 @@ def assert_tp2_equals_tp1(models: list[str], tol: float = 1e-5) -> None:
         assert row.cases == 3 * 6
 
 
+@pytest.mark.process
 def test_tp2_logits_and_greedy_tokens_equal_tp1(checkpoints):
     assert_tp2_equals_tp1(["tiny", *checkpoints])
 
@@ -120,6 +121,7 @@ def test_each_rank_loads_its_slices_of_the_checkpoint(checkpoints, monkeypatch):
         assert len(whole) == sum(t.dim() == 1 for t in ckpt.values())
 
 
+@pytest.mark.process
 def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path, one_layer):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": f"line {i} " * (i % 7 + 1),
@@ -164,6 +166,7 @@ def test_generate_tp2_after_ctrl_c_resumes_to_the_tp1_file(tmp_path, one_layer):
     assert out.read_text() == want
 
 
+@pytest.mark.process
 def test_generate_under_torchrun(tmp_path, one_layer):
     src = tmp_path / "p.jsonl"
     src.write_text("".join(json.dumps({"prompt": f"q{i} " * 9, "max_tokens": 4}) + "\n"
@@ -216,6 +219,7 @@ def barrier_or_fail(inbox, error: type[Exception] = RuntimeError):
     yield "never"
 
 
+@pytest.mark.process
 def test_a_failing_rank_stops_the_others():
     t0 = time.perf_counter()
     seen = []
@@ -235,6 +239,7 @@ def bad_input_or_barrier(inbox):
     return barrier_or_fail(inbox, PagedgenError)
 
 
+@pytest.mark.process
 def test_a_rank_s_bad_input_error_is_its_message_alone():
     """A PagedgenError in a rank is the user's one line, without its type and source line."""
     with pytest.raises(WorkerError, match=r"^worker 0 \(tensor-parallel rank 1\): "
@@ -244,6 +249,7 @@ def test_a_rank_s_bad_input_error_is_its_message_alone():
                 pass
 
 
+@pytest.mark.process
 def test_verify_and_profile_take_tp(tmp_path, one_layer):
     res = runner.invoke(app, ["verify", "--backend", "sdpa", "--device", "cpu", "--cases", "1",
                               "--steps", "4", "-tp", "2"])
@@ -283,6 +289,7 @@ def where_and_what(inbox):
     yield os.getcwd(), env.get("PAGEDGEN_TEST_MARK"), env.get("PAGEDGEN_HOST_PROCESSES")
 
 
+@pytest.mark.process
 def test_cpu_workers_run_in_the_callers_folder_and_environment_of_now(tmp_path, monkeypatch):
     """CPU workers come forked from a forkserver started before (in the folder and with the
     environment it started in): each still runs in its caller's folder (multiprocessing's

@@ -12,11 +12,13 @@ import torch
 from conftest import make_paged_batch, padded_decodes, run_backend
 from pagedgen.attention.eager import EagerBackend
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton is not installed on this machine")
+pytestmark = [pytest.mark.kernels,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="triton is not installed on this machine")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytestmark = pytest.mark.skip(reason="no GPU and TRITON_INTERPRET is not set")
+    pytestmark = [pytest.mark.kernels,
+                  pytest.mark.skip(reason="no GPU and TRITON_INTERPRET is not set")]
 TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from typer.testing import CliRunner
 
@@ -96,6 +97,7 @@ def test_verify_model_only_runs_the_model_rows_of_a_moe_checkpoint(tmp_path):
     assert {r["kind"] for r in rep["rows"]} == {"model"} and len(rep["rows"]) >= 2
 
 
+@pytest.mark.process
 def test_verify_in_worker_processes_gives_the_same_rows(tmp_path, monkeypatch):
     """--jobs 2 splits kernel groups into tasks run by 2 processes; the rows (worst errors
     over the same cases) equal a run in this process."""
