@@ -32,8 +32,11 @@ def test_images_on_the_gpu_give_transformers_tokens(ckpt, hf, backend):  # noqa:
     eng.run()
     got = [s.output_token_ids for s in seqs]
     same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
+    summary = eng.summary(1.0, 0.0)
     print(backend, eng.backend_name, f"{same} of {sum(map(len, want))} tokens as transformers",
-          eng.summary(1.0, 0.0)["images_encoded"], "images encoded")
+          summary["images_encoded"], "images encoded in",
+          f"{summary['vision_encoder_s'] * 1e3:.1f} ms of the tower's kernels")
+    assert 0 < summary["vision_encoder_s"] < 1.0
     if backend == "sdpa":  # float32: the same tokens
         assert got == want
     else:  # float16: the first tokens at least (rounding may part greedy paths later)

@@ -121,8 +121,11 @@ def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf
     assert [s.output_token_ids for s in seqs] == want
     assert all(im.pixel_values is None for s in seqs for im in s.mm.images)  # encoded: gone
     assert eng.stats.num_preemptions > 0
-    summary = eng.summary(1.0, 0.0)
+    summary = eng.summary(100.0, 0.0)
     assert summary["images_encoded"] == 3 and summary["image_cache_hits"] > 0
+    # the tower's time, counted once per run of it, and its share of the run's 100 s
+    assert 0 < summary["vision_encoder_s"] < 100 and summary["image_pixel_wait_s"] >= 0
+    assert summary["vision_encoder_share"] == summary["vision_encoder_s"] / 100
 
 
 def test_mrope_positions_are_transformers(ckpt, hf):

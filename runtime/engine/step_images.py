@@ -15,6 +15,7 @@ last used; one evicted and needed again is patched again.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -36,6 +37,8 @@ class ImageEncoder:
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.encoded = 0
         self.reused = 0
+        self.pixel_wait_s = 0.0  # the step loop waiting for pixels not made ahead
+        self._timings: list[Any] = []  # the tower's runs: (start, end) events, or seconds
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedgen-images")
 
     def prefetch(self, images: Any) -> None:
@@ -73,9 +76,15 @@ class ImageEncoder:
 
     def summary(self, wall: float) -> dict[str, float | int]:
         """The run summary's image figures: images through the tower (and per second of the
-        run), and the steps' images taken from the cache."""
+        run), the steps' images taken from the cache, the tower's time (on a GPU its kernels'
+        time between two events, read once the run is over) and its share of the run, and
+        the time the steps waited for pixels."""
+        tower = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3
+                    for t in self._timings)
         return {"images_encoded": self.encoded, "images_encoded_per_s":
-                self.encoded / wall if wall else 0.0, "image_cache_hits": self.reused}
+                self.encoded / wall if wall else 0.0, "image_cache_hits": self.reused,
+                "vision_encoder_s": tower, "vision_encoder_share": tower / wall if wall else 0.0,
+                "image_pixel_wait_s": self.pixel_wait_s}
 
     def _encode(self, images: list) -> None:
         """Run the tower over the images not cached (each once), and mark all as used."""
@@ -87,8 +96,20 @@ class ImageEncoder:
             else:
                 todo.setdefault(im.key, im)
         if todo:
-            out = self.model.encode_images([self._pixels(im) for im in todo.values()],
-                                           [im.grid_thw for im in todo.values()])
+            t0 = time.perf_counter()
+            pixels = [self._pixels(im) for im in todo.values()]
+            self.pixel_wait_s += time.perf_counter() - t0
+            cuda = self.device.type == "cuda"
+            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if cuda:
+                start.record()
+            out = self.model.encode_images(pixels, [im.grid_thw for im in todo.values()])
+            if cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._timings.append((start, end))
+            else:  # the CPU ran it in the call
+                self._timings.append(time.perf_counter() - start)
             self.encoded += len(todo)
             for key, embeds in zip(todo, out):
                 self.cache[key] = embeds
