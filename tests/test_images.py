@@ -128,6 +128,28 @@ def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf
     assert summary["vision_encoder_share"] == summary["vision_encoder_s"] / 100
 
 
+def test_an_embeddings_cache_over_its_bytes_keeps_only_the_steps_images(ckpt, hf):
+    """The chunked prompts again with the cache bounded to one byte: after each step only
+    that step's images stay (their bytes counted), an image needed again by a later chunk or
+    a recompute is encoded again, and the tokens are still transformers'."""
+    shared = image(90, 60, 4)
+    prompts = [([msg(0, "q r")], [shared]), ([msg(0, "s")], [shared]),
+               CASES["two images of other sizes"]]
+    want = [reference(hf, m, im, LONG.max_tokens) for m, im in prompts]
+    eng = engine(ckpt, max_num_batched_tokens=4, num_blocks=10, max_num_seqs=3)
+    enc = eng.runner.images
+    enc.capacity_bytes = 1
+    made = [eng.prompt_images(chat(hf[1], m), im) for m, im in prompts]
+    seqs = [eng.add_request(ids, LONG, images=mm) for ids, mm in made]
+    seen = []
+    while eng.has_unfinished():
+        eng.step()
+        seen.append(len(enc.cache))
+        assert enc.cache_bytes == sum(e.nbytes for e in enc.cache.values())
+    assert [s.output_token_ids for s in seqs] == want
+    assert max(seen) <= 2 and enc.encoded > 3  # a step's own; evicted ones encoded again
+
+
 def test_mrope_positions_are_transformers(ckpt, hf):
     model, tok, proc = hf
     messages, images = CASES["two images of other sizes"]

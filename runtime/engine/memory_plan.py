@@ -1,7 +1,8 @@
 """How many KV-cache pages a run gets: as an option sizes them (``num_blocks``,
 ``kv_cache_memory``), else what the GPU has left after a forward of the largest step (and,
 for a model with a vision tower, the tower over the largest image a step takes: as vLLM
-profiles them), else on a CPU what the batch could use, at most 1 GiB.
+profiles them, less the bound of its embeddings cache), else on a CPU what the batch could
+use, at most 1 GiB.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def profile_free_memory(runner: Any) -> int:
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(device).total_memory
     used_elsewhere = total - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
-    return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere)
+    cache = runner.images.capacity_bytes if runner.images is not None else 0  # embeddings
+    return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere - cache)
 
 
 def profile_vision_tower(model: Any, tokens: int, most_patches: int = 16384) -> None:

@@ -9,8 +9,10 @@ first chunk holding its tokens is scheduled, with every other image that step ne
 batched call of the tower); its pixels are then let go and its embeddings stay in a cache
 keyed by its pixels' hash, so a chunked prompt's later chunks, a preempted sequence's
 recompute and another request with the same image take them from there (``encoded`` counts
-the tower's images, ``reused`` the cache's hits). The cache holds the ``capacity`` images
-last used; one evicted and needed again is patched again.
+the tower's images, ``reused`` the cache's hits). The cache holds the embeddings last used,
+at most ``capacity_bytes`` of them (``CACHE_BYTES``: the memory plan keeps that much off the
+KV cache; a step's own images stay whatever their size); one evicted and needed again is
+patched and encoded again.
 """
 
 from __future__ import annotations
@@ -26,15 +28,20 @@ from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.multimodal import ImagePrompter, StepImages
 
 
+CACHE_BYTES = 512 << 20  # the embeddings cache's bound (a 1,280 x 960 image's 1,200 tokens
+# of a 4,096-wide model are 9.8 MB: about 50 of the largest, thousands of small ones)
+
+
 class ImageEncoder:
     """Image embeddings for ``model`` (one with ``encode_images``) on ``device``; ``prompter``
     (its checkpoint's) patches the images."""
 
     def __init__(self, model: Any, prompter: ImagePrompter, device: torch.device,
-                 capacity: int = 256, threads: int = 4) -> None:
+                 capacity_bytes: int = CACHE_BYTES, threads: int = 4) -> None:
         self.model, self.prompter, self.device = model, prompter, device
-        self.capacity = capacity
+        self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.cache_bytes = 0
         self.encoded = 0
         self.reused = 0
         self.pixel_wait_s = 0.0  # the step loop waiting for pixels not made ahead
@@ -113,10 +120,12 @@ class ImageEncoder:
             self.encoded += len(todo)
             for key, embeds in zip(todo, out):
                 self.cache[key] = embeds
+                self.cache_bytes += embeds.nbytes
         for im in images:  # encoded (now or before): its pixels let go
             im.pixel_values = None
-        while len(self.cache) > max(self.capacity, len(images)):
-            self.cache.popitem(last=False)
+        own = len({im.key for im in images})  # this step's, last in the cache: kept
+        while self.cache_bytes > self.capacity_bytes and len(self.cache) > own:
+            self.cache_bytes -= self.cache.popitem(last=False)[1].nbytes
 
     def _pixels(self, im: Any) -> torch.Tensor:
         """``im``'s patches: prefetched, or made now (an image evicted and needed again)."""
