@@ -1,6 +1,6 @@
 """The gated delta rule's decode kernel alone (issue 60): ``gated_delta_kernel`` at decode
 (one token a sequence) on Qwen3.5-9B's linear-attention shapes, replayed from a CUDA graph
-(timed as ``moe_kernels`` times), for each value block and warp count it can launch with,
+(timed as ``moe.kernels`` times), for each value block and warp count it can launch with,
 against the floor of reading and writing every sequence's state once (float32 states, as
 Qwen3.5's configs name, and bf16). The launch ``scan_triton`` uses is marked.
 

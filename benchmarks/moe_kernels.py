@@ -9,7 +9,7 @@ channel (``fp8``, with the plan's way of running them: ``fp8_mode``) against the
 (``fp8_roofline_ms``) and vLLM's Triton FP8 experts as its ``quantization="fp8"`` runs them
 (``vllm_fp8``: one scale per expert, activations quantized per tensor as they come).
 
-``--align``: the slot sort alone (``moe_align``: each way, and ``align``'s choice) at decode
+``--align``: the slot sort alone (``moe.align``: each way, and ``align``'s choice) at decode
 to long-prefill slot counts of Qwen3.5-35B-A3B's 256 experts (and Qwen3-30B-A3B's 128,
 Mixtral's 8), for each warp count.
 ``--tma``: each GEMM at prefill counts in every plan candidate that loads its weights by
@@ -69,10 +69,13 @@ def _replay_ms(fn, calls: int = 5) -> float:
 
 
 def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
-    from pagedgen.runtime.layers import (fused_ops, moe_align, moe_grouped_mm, moe_kernels as mk,
-                                         moe_route)
-    from pagedgen.runtime.layers.moe_plan import plan_moe
-    from pagedgen.runtime.layers.moe_sum import slot_sum, slot_sum_reference
+    from pagedgen.runtime.layers import fused_ops
+    from pagedgen.runtime.layers.moe import align as moe_align
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+    from pagedgen.runtime.layers.moe import kernels as mk
+    from pagedgen.runtime.layers.moe import route as moe_route
+    from pagedgen.runtime.layers.moe.plan import plan_moe
+    from pagedgen.runtime.layers.moe.combine import slot_sum, slot_sum_reference
 
     out: dict[str, dict[int, dict[str, float]]] = {}
     for name, shape in SHAPES.items():
@@ -114,8 +117,11 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
 
 def _fp8_times(x, w13, w2, logits, k: int, renorm: bool, t: int) -> dict:
     """The layer's time with these experts quantized to e4m3 per output channel."""
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm, moe_kernels as mk, moe_route
-    from pagedgen.runtime.layers.moe_plan import plan_moe
+    from pagedgen.runtime.layers import fused_ops
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+    from pagedgen.runtime.layers.moe import kernels as mk
+    from pagedgen.runtime.layers.moe import route as moe_route
+    from pagedgen.runtime.layers.moe.plan import plan_moe
 
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2)
     plan = plan_moe(q13, q2, k, scales, x.dtype)
@@ -188,7 +194,8 @@ def align_rows(cases=((256, 8, 1, 16), (256, 8, 64, 16), (256, 8, 256, 16), (256
     """The slot sort (us a call, replayed in a CUDA graph): torch's ops, the Triton program
     per expert (``by_expert_w{warps}``; to 32,768 slots: each program reads every slot) and
     the chunked one (``by_chunks_w{warps}``), and ``align``'s choice."""
-    from pagedgen.runtime.layers import moe_align, moe_route
+    from pagedgen.runtime.layers.moe import align as moe_align
+    from pagedgen.runtime.layers.moe import route as moe_route
 
     rows = []
     for e, k, t, block_m in cases:
@@ -215,8 +222,10 @@ def tma_rows(tokens=(2048, 8192), shapes=("qwen3-30b-a3b",)) -> list[dict]:
     """Each prefill-height candidate against its TMA twin, per GEMM (``--tma``)."""
     from dataclasses import replace
 
-    from pagedgen.runtime.layers import moe_align, moe_kernels as mk, moe_route
-    from pagedgen.runtime.layers.moe_plan import CANDIDATES, fits
+    from pagedgen.runtime.layers.moe import align as moe_align
+    from pagedgen.runtime.layers.moe import kernels as mk
+    from pagedgen.runtime.layers.moe import route as moe_route
+    from pagedgen.runtime.layers.moe.plan import CANDIDATES, fits
 
     rows = []
     for name in shapes:
@@ -272,7 +281,7 @@ def main() -> None:
             Path(args.json).write_text(json.dumps({"rows": rows}, indent=1))
         return
     from pagedgen.runtime.hardware import copy_bandwidth
-    from pagedgen.runtime.layers.moe import expected_active_experts
+    from pagedgen.runtime.layers.moe.layer import expected_active_experts
 
     bw = copy_bandwidth()
     ours = pagedgen_times()

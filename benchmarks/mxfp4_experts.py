@@ -21,10 +21,10 @@ import torch
 from benchmarks.moe_kernels import _replay_ms
 from pagedgen.runtime import hardware
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_kernels as mk
-from pagedgen.runtime.layers.moe import FusedMoE
-from pagedgen.runtime.layers.moe_act import clamped_swiglu
-from pagedgen.runtime.layers.moe_plan import CANDIDATES, mostly_padding, random_routing
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.layer import FusedMoE
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
+from pagedgen.runtime.layers.moe.plan import CANDIDATES, mostly_padding, random_routing
 from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
 
 SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-120b": (128, 4, 2880, 2880)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedgen.runtime.layers.moe import expected_active_experts
+from pagedgen.runtime.layers.moe.layer import expected_active_experts
 
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
 

@@ -1,5 +1,5 @@
 """Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8_gemm.py``) and the
-MoE tiles per token count (``layers/moe_plan.py``), each timed from CUDA-graph replays as the
+MoE tiles per token count (``layers/moe/plan.py``), each timed from CUDA-graph replays as the
 model runs them, for a shape (a plan's key, without the GPU).
 
 A plan comes from, in order: this process (every layer of a shape asks); the machine's cache
@@ -50,8 +50,9 @@ def versions() -> str:
 def sources_digest(folders: tuple[Path, ...]) -> str:
     """A short digest of the Python sources in ``folders`` (names and contents)."""
     h = hashlib.sha256()
-    for path in sorted(p for f in folders for p in f.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for folder in folders:
+        for path in sorted(folder.rglob("*.py")):  # subpackages too (layers/moe/)
+            h.update(path.relative_to(folder).as_posix().encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 
 

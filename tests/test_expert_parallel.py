@@ -50,7 +50,7 @@ def test_fp8_experts_and_dummy_weights_split_by_expert(tmp_path):
 
 def _kernels_trace_worker(cfg, prompts, steps, inbox):
     """``trace_worker`` with every MoE layer in the grouped GEMM kernels."""
-    from pagedgen.runtime.layers.moe import FusedMoE
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
     eng = Engine(cfg)
     for m in eng.runner.model.modules():
         if isinstance(m, FusedMoE):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_models import make_checkpoint
-from pagedgen.runtime.layers.moe_act import clamped_swiglu
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine.engine import Engine
@@ -40,7 +40,7 @@ def test_grouped_gemm_kernels_take_biases_and_the_clamped_swiglu(dtype):
     bias joins each slot weighted: the per-expert loop's result (Triton's interpreter)."""
     from test_moe import INTERPRETED_ONLY, _experts
 
-    from pagedgen.runtime.layers import moe_kernels as mk
+    from pagedgen.runtime.layers.moe import kernels as mk
     if INTERPRETED_ONLY.args[0]:
         pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
     x, w13, w2, weights, chosen = _experts(37, 8, 3, 40, 24, dtype)
@@ -261,7 +261,7 @@ def test_bias_and_clamped_swiglu_kernel_equals_the_torch_ops(dtype):
     past one block. Gemma 4's GeGLU by the same kernel."""
     from test_moe import INTERPRETED_ONLY
 
-    from pagedgen.runtime.layers import moe_act
+    from pagedgen.runtime.layers.moe import act as moe_act
     if INTERPRETED_ONLY.args[0]:
         pytest.skip(INTERPRETED_ONLY.kwargs["reason"])
     g = torch.Generator().manual_seed(3)

@@ -12,9 +12,9 @@ import torch
 from hf_models import make_checkpoint
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.layers import moe_kernels as mk
-from pagedgen.runtime.layers.moe_act import clamped_swiglu
-from pagedgen.runtime.layers.moe_plan import CANDIDATES, fits, plan_moe, random_routing
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
+from pagedgen.runtime.layers.moe.plan import CANDIDATES, fits, plan_moe, random_routing
 
 pytestmark = pytest.mark.gpu
 
@@ -129,7 +129,8 @@ def test_the_slot_sort_by_expert_equals_torchs_in_slot_order(t, e, k, block_m, w
     """Sorts on the GPU, decode-sized to a long prefill chunk's: a program per expert, and
     the chunked way (past 256 chunks too), lay out exactly torch's sort (each run in slot
     order)."""
-    from pagedgen.runtime.layers import moe_align, moe_route
+    from pagedgen.runtime.layers.moe import align as moe_align
+    from pagedgen.runtime.layers.moe import route as moe_route
 
     if way == "align_by_expert" and t * k > 32768:
         pytest.skip("every program of the sort by expert reads every slot: not used so large")
@@ -162,9 +163,9 @@ def test_measured_plan_runs_inside_a_cuda_graph():
 def test_layer_runs_torch_grouped_gemm_where_planned_but_not_inside_a_graph():
     """A layer whose plan sends these counts to torch's grouped GEMM: eager calls run it and
     equal the per-expert loop; a call under CUDA-graph capture runs the Triton tiles."""
-    from pagedgen.runtime.layers import moe_grouped_mm
-    from pagedgen.runtime.layers.moe import FusedMoE
-    from pagedgen.runtime.layers.moe_plan import MoePlan
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
+    from pagedgen.runtime.layers.moe.plan import MoePlan
     from pagedgen.runtime.collectives.parallel import TensorParallel
 
     x, w13, w2, weights, ids = _layer(8, 2, 1024, 1792, 600)
@@ -295,7 +296,8 @@ def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_loop():
     """Prefill-sized counts of per-channel FP8 experts through torch's FP8 grouped GEMM (the
     contract tests/test_moe_fp8.py holds its stand-in to) against the loop on the dequantized
     weights, no further from it than twice our kernels with FP8 inputs."""
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
+    from pagedgen.runtime.layers import fused_ops
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 
     x, w13, w2, weights, ids = _layer(128, 8, 2048, 768, 600)
     q13, q2, scales = mk.ExpertScales.quantize(w13, w2, None)
@@ -368,8 +370,8 @@ def test_mxfp4_experts_written_out_dense_equal_the_dequantized_loop():
     """The prefill way at gpt-oss-20b's shape, 2,048 tokens, biased and clamped, in each dense
     tile and torch's grouped GEMM, with the default scratch (every expert in one run) and one
     of half that (two)."""
-    from pagedgen.runtime.layers import moe_dequantized
-    from pagedgen.runtime.layers.moe_plan import DENSE
+    from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
+    from pagedgen.runtime.layers.moe.plan import DENSE
     o = _gpt_oss_layer(2048)
     half = moe_dequantized.experts_per_run(o.q13, o.q2, o.x.dtype) // 2
     for tiles in [*((t, t) for t in DENSE), moe_dequantized.GROUPED_MM]:

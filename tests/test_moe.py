@@ -14,9 +14,11 @@ import torch
 from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import moe_align, moe_kernels as mk, moe_route
-from pagedgen.runtime.layers.moe import FusedMoE
-from pagedgen.runtime.layers.moe_plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
+from pagedgen.runtime.layers.moe import align as moe_align
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe import route as moe_route
+from pagedgen.runtime.layers.moe.layer import FusedMoE
+from pagedgen.runtime.layers.moe.plan import CANDIDATES, INTERPRETED, MoePlan, fits, plan_moe
 from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
@@ -456,7 +458,7 @@ def test_the_shipped_kernel_plans_parse_into_plans_of_this_version():
     """Every shipped file names kernels and tiles this version has, in increasing counts (a
     change to the candidates must regenerate them: ``benchmarks/kernel_plans.py``)."""
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers.moe_plan import PLAN_VERSION as MOE_VERSION, _from_json
+    from pagedgen.runtime.layers.moe.plan import PLAN_VERSION as MOE_VERSION, _from_json
     from pagedgen.runtime.quantization import fp8_gemm
     files = sorted(kernel_plans.SHIPPED.glob("*.json"))
     for file in files:
@@ -476,7 +478,7 @@ def test_every_moe_preset_finds_its_plan_in_each_shipped_file():
     regenerates the files (``benchmarks/kernel_plans.py``), or its first run times the plan
     at start-up."""
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers.moe_plan import plan_key
+    from pagedgen.runtime.layers.moe.plan import plan_key
     from pagedgen.runtime.models.loader import model_quantization, presets
     keys = set()
     for name in presets():
@@ -523,7 +525,7 @@ def test_moe_layers_plan_their_kernels_at_load_not_in_the_first_step(monkeypatch
 def test_torch_grouped_gemm_path_equals_the_per_expert_loop(dtype, top_k):
     """Prefill-sized counts may run on torch's grouped GEMM: its result equals ``reference``,
     with experts that get no token and a token count that is no multiple of anything."""
-    from pagedgen.runtime.layers import moe_grouped_mm
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 
     torch.manual_seed(top_k)
     e, h, inter, t = 8, 64, 48, 37
@@ -549,7 +551,7 @@ def test_a_plan_times_the_tma_twin_of_each_gemms_winner_only(monkeypatch, has_tm
     from dataclasses import replace
 
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers import moe_plan
+    from pagedgen.runtime.layers.moe import plan as moe_plan
     calls = []
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, **kw):
@@ -584,7 +586,7 @@ def test_a_plan_times_the_tma_twin_of_each_gemms_winner_only(monkeypatch, has_tm
 
 
 def test_plan_says_where_torch_grouped_gemm_runs_and_keeps_it_on_disk():
-    from pagedgen.runtime.layers.moe_plan import _from_json
+    from pagedgen.runtime.layers.moe.plan import _from_json
 
     tiles = list(CANDIDATES.values())
     plan = MoePlan([(256, tiles[0], tiles[1], True), (float("inf"), tiles[2], tiles[2], False)],

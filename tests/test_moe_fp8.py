@@ -15,8 +15,8 @@ from fp8_checkpoints import write_fp8
 from hf_models import make_checkpoint
 from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.layers import moe_kernels as mk
-from pagedgen.runtime.layers.moe import FusedMoE
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.quantization import fp8_kernels as k
 from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
 from test_moe import INTERPRETED_ONLY, KINDS, _experts
@@ -247,7 +247,8 @@ def test_fp8_experts_on_torch_scaled_grouped_gemm_equal_the_fp8_input_loop(monke
     """Prefill-sized counts of per-channel FP8 experts may run on torch's FP8 grouped GEMM:
     each GEMM's rows quantized per token (the second's by the SiLU-and-mul kernel), the
     scales handed as its contract reads them."""
-    from pagedgen.runtime.layers import fused_ops, moe_grouped_mm
+    from pagedgen.runtime.layers import fused_ops
+    from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 
     monkeypatch.setattr(torch, "_scaled_grouped_mm", scaled_grouped_mm_reference, raising=False)
     x, w13, w2, weights, ids = _experts(37, 8, top_k, 64, 48)

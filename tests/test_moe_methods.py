@@ -9,7 +9,7 @@ from torch import nn
 
 from hf_models import make_checkpoint
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe import SparseMoeBlock
+from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.config import quant_config

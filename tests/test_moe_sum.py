@@ -1,5 +1,5 @@
-"""The sum over each token's expert slots (``moe_sum``): the Triton kernel (interpreted on a CPU,
-compiled on a GPU) against torch's scale, scatter and reduce, in slot order and gathered from a
+"""The sum over each token's expert slots (``moe.combine``): the Triton kernel (interpreted on a
+CPU, compiled on a GPU) against torch's scale, scatter and reduce, in slot order and gathered from a
 sorted layout with routing weights."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from pagedgen.runtime.layers import moe_sum
+from pagedgen.runtime.layers.moe import combine as moe_sum
 
 pytestmark = pytest.mark.skipif(not moe_sum.HAVE_TRITON, reason="triton is not installed")
 
@@ -67,7 +67,7 @@ def test_slot_sum_gathers_sorted_rows_and_weighs_them_into_a_strided_output(
 @pytest.mark.parametrize("device,dtype", CASES)
 @pytest.mark.kernels
 def test_slot_sum_adds_each_slots_expert_bias_before_weighing(device, dtype):
-    """gpt-oss's down bias in the sum (``moe_grouped_mm``): row + bias[expert], rounded to the
+    """gpt-oss's down bias in the sum (``moe.grouped_mm``): row + bias[expert], rounded to the
     rows' dtype as a GEMM's epilogue writes it, then weighted."""
     tokens, top_k, width, num_experts = 9, 3, 1100, 5
     src, order, rows, weights = _slots(tokens, top_k, width, device, dtype)

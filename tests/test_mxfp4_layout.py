@@ -36,7 +36,7 @@ import re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedgen.runtime.layers import moe_kernels as mk
+from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.quantization.mxfp4_kernels import exps_in_words
 bm, bn, bk, warps, stages, gated = map(int, sys.argv[1:])
 fn = mk._grouped_gemm_kernel

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedgen.runtime.layers import moe_align, moe_kernels as mk
-from pagedgen.runtime.layers.moe_act import clamped_swiglu
+from pagedgen.runtime.layers.moe import align as moe_align
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
 from pagedgen.runtime.quantization import mxfp4
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 from test_moe import INTERPRETED_ONLY, _experts
@@ -81,7 +82,7 @@ def test_mxfp4_experts_through_tl_dot_scaled_equal_the_loop_on_the_dequantized_w
 
 
 def test_mxfp4_plans_time_tl_dot_scaled_only_for_half_precision_activations():
-    from pagedgen.runtime.layers.moe_plan import natives
+    from pagedgen.runtime.layers.moe.plan import natives
     assert natives(None, 32, True, torch.bfloat16) == (False, True)
     assert natives(None, 32, True, torch.float32) == (False,)
     assert natives(object(), None, False, torch.bfloat16) == (False, True)  # FP8 per channel
@@ -104,7 +105,7 @@ def test_mxfp4_plans_time_the_scaled_dot_only_in_the_converted_ways_best_tiles(m
     block height: the start-up's timing stays bounded) and takes it where it is faster; where
     Triton cannot lower it for the GPU, the plan keeps the conversion in registers."""
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers import moe_plan
+    from pagedgen.runtime.layers.moe import plan as moe_plan
     calls = []
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
@@ -147,7 +148,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
     of its own, with the conversion the run takes (one multiply where every exponent is
     small); plain experts keep theirs (gate/up gated, no activation kernel)."""
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers import moe_plan
+    from pagedgen.runtime.layers.moe import plan as moe_plan
     gemms, acts, folded = [], [], set()
 
     def gemm(a, w, out, slots, experts, n, tiles, a_row_div, gated, weights=None,
@@ -205,11 +206,11 @@ def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
 @pytest.mark.parametrize("way", ["tiles", "grouped_mm"])
 @pytest.mark.kernels
 def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep, way, monkeypatch):
-    """The prefill way (``moe_dequantized``): a scratch of three experts' dense weights, so
+    """The prefill way (``moe.dequantized``): a scratch of three experts' dense weights, so
     eight experts take three runs, each skipping the others' slots; gpt-oss's biased, clamped
     experts; under expert parallelism the marker's slots add nothing. In our tiles and in
     torch's grouped GEMM (whose rows past the last expert hold whatever memory held)."""
-    from pagedgen.runtime.layers import moe_dequantized
+    from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
     x, w13, w2, weights, chosen = _experts(29, 8, 3, 64, 32)
     q13, s13, d13 = packed(w13)
     q2, s2, d2 = packed(w2)
@@ -238,7 +239,8 @@ def test_mxfp4_experts_written_out_dense_a_run_at_a_time_equal_the_loop(ep, way,
 
 
 def test_mxfp4_plans_keep_the_dense_way_from_its_count_and_read_plans_from_before_it():
-    from pagedgen.runtime.layers import moe_dequantized, moe_plan
+    from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
+    from pagedgen.runtime.layers.moe import plan as moe_plan
     t = moe_plan.CANDIDATES
     small, big = t["m16n64k128g1w4s4x"], t["m128n256k64g8w8s3"]
     plan = moe_plan.MoePlan([(64, small, small, False), (8192, small, small, False)],
@@ -256,7 +258,7 @@ def test_mxfp4_plans_keep_the_dense_way_from_its_count_and_read_plans_from_befor
 
 
 def test_a_way_runs_from_the_count_at_which_it_wins_at_every_larger_one():
-    from pagedgen.runtime.layers.moe_plan import _wins_from
+    from pagedgen.runtime.layers.moe.plan import _wins_from
     assert _wins_from([(512, False), (2048, True), (8192, True)]) == 2048
     assert _wins_from([(512, True), (2048, False), (8192, True)]) == 8192
     assert _wins_from([(512, True), (2048, True), (8192, False)]) == float("inf")
@@ -312,7 +314,7 @@ def test_mxfp4_experts_say_whether_every_exponent_is_small_as_loaded():
     """``scales`` says the experts take the one-multiply conversion while every exponent is at
     most 128, and asks again after a load: one expert loaded with a larger one turns it off."""
     from pagedgen.runtime.collectives.parallel import TensorParallel
-    from pagedgen.runtime.layers.moe import FusedMoE
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
     from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
     assert mxfp4.small_exponents(torch.tensor([3, mxfp4.FOLD_MAX_EXPONENT], dtype=torch.uint8))
     assert not mxfp4.small_exponents(torch.tensor([mxfp4.FOLD_MAX_EXPONENT + 1],

@@ -208,7 +208,7 @@ def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
     import torch
     from pagedgen.cli.profile.measure import _moe_roofline
     from pagedgen.runtime.collectives.parallel import TensorParallel
-    from pagedgen.runtime.layers.moe import FusedMoE
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
 
     layer = FusedMoE(4, 2, 64, 32, TensorParallel())
     values = 3 * 64 * 32

@@ -8,7 +8,7 @@ import torch
 
 from hf_models import make_checkpoint
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe_shared import SharedExpertMoeBlock
+from pagedgen.runtime.layers.moe.shared import SharedExpertMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from test_hf_equivalence import check_greedy_with_preemption, check_logits
 

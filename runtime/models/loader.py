@@ -25,7 +25,7 @@ from pagedgen.runtime.models import gguf_file, hub, registry
 from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe import FusedMoE
+from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
 from pagedgen.runtime.models.harmony import harmony_chat

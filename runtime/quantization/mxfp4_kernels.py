@@ -1,8 +1,8 @@
 """MXFP4 weights meeting the grouped GEMM's tensor cores (Triton device functions for
-``moe_kernels``): e2m1 codes and e8m0 scales turned into ``bf16`` / ``fp16`` tiles in
+``moe.kernels``): e2m1 codes and e8m0 scales turned into ``bf16`` / ``fp16`` tiles in
 registers, in either orientation, or handed as they are to ``tl.dot_scaled``; and
 ``dequantize``, which writes a run of experts out dense (prefill chunks:
-``moe_dequantized``). Imported only where Triton is.
+``moe.dequantized``). Imported only where Triton is.
 
 They read the experts' kernel layout (``mxfp4.to_kernel_layout``): each scale group's 16
 bytes of codes stored as a transposed 4 x 4 matrix of bytes, which a tile's reshape and

@@ -3,7 +3,7 @@
 ``w2_weight_scale`` [E, I / 32, H] their e8m0 exponents, in the grouped GEMM's layout
 (``mxfp4.to_kernel_layout``: each group's bytes reordered, the exponents group-major), into
 which gpt-oss's checkpoint tensors (``*_blocks``, ``*_scales``) are loaded. The kernels convert
-them in registers (``moe_kernels``: the bf16 weights never exist in memory); the CPU's
+them in registers (``moe.kernels``: the bf16 weights never exist in memory); the CPU's
 per-expert loop dequantizes them each call. Dense tensors (dummy weights) are quantized at
 load. Under -tp each rank holds its rows of gate/up and its columns of down, in whole scale
 groups."""

@@ -37,9 +37,9 @@ from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedgen.runtime.layers import moe_route
-from pagedgen.runtime.layers.moe_act import geglu
-from pagedgen.runtime.layers.moe import FusedMoE
+from pagedgen.runtime.layers.moe import route as moe_route
+from pagedgen.runtime.layers.moe.act import geglu
+from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedgen.runtime.models.families import gemma2, gemma3, llama

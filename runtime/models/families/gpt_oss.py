@@ -26,8 +26,8 @@ from torch import nn
 from pagedgen.attention.backend import LayerSpec
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe_act import clamped_swiglu
-from pagedgen.runtime.layers.moe import SparseMoeBlock
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
+from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import MoeForCausalLM, check_experts
 from pagedgen.runtime.models.hf_config import check_int

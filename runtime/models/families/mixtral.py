@@ -12,7 +12,7 @@ from typing import Any, Iterable
 from torch import nn
 
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe import MIXTRAL_NAMES
+from pagedgen.runtime.layers.moe.layer import MIXTRAL_NAMES
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import MoeForCausalLM, check_experts
 from pagedgen.runtime.models.registry import ModelFamily, register

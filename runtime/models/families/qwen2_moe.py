@@ -3,7 +3,7 @@
 ``decoder_sparse_step``-th layer outside ``mlp_only_layers``) ``num_experts`` routed SwiGLU
 experts of ``moe_intermediate_size``, ``num_experts_per_tok`` a token (renormalized when
 ``norm_topk_prob``), beside a shared expert of ``shared_expert_intermediate_size`` scaled by
-its sigmoid gate (``layers/moe_shared.py``). Sliding windows follow Qwen2-MoE's own rule: the
+its sigmoid gate (``layers/moe/shared.py``). Sliding windows follow Qwen2-MoE's own rule: the
 even layers below ``max_window_layers`` when ``use_sliding_window``, unless ``layer_types``
 lists them. FP8 quantizes the routed and the shared experts; the router and the shared
 expert's gate stay in the model's dtype.
@@ -17,7 +17,7 @@ from torch import nn
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe_shared import SharedExpertMoeBlock
+from pagedgen.runtime.layers.moe.shared import SharedExpertMoeBlock
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import (MoeForCausalLM, check_experts, is_sparse,
                                                         layer_index)

@@ -19,7 +19,7 @@ from torch import nn
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers.moe import HF_NAMES, SparseMoeBlock
+from pagedgen.runtime.layers.moe.layer import HF_NAMES, SparseMoeBlock
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register

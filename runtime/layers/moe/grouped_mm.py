@@ -1,13 +1,13 @@
 """The experts by torch's grouped GEMM (``torch._grouped_mm``: CUTLASS's grouped kernel on
-Hopper) for the token counts where it beats our Triton tiles, which ``moe_plan`` measures:
+Hopper) for the token counts where it beats our Triton tiles, which ``moe.plan`` measures:
 prefill chunks, where each expert gets hundreds of rows.
 
-The slots (``moe_kernels``: slot ``t * top_k + j``) are sorted by expert into one contiguous
+The slots (``moe.kernels``: slot ``t * top_k + j``) are sorted by expert into one contiguous
 block per expert (no padding: the GEMM takes each expert's row count), the two GEMMs run with
-SiLU-and-mul between them, and ``moe_sum`` adds each token's slot rows where they lie, scaled
+SiLU-and-mul between them, and ``moe.combine`` adds each token's slot rows where they lie, scaled
 by their routing weights (in the order ``fused_experts`` sums in). gpt-oss's experts (biases,
 clamped SwiGLU) take ``moe_act.bias_and_act`` between the GEMMs and their down bias in the
-sum; MXFP4 experts come here written out dense (``moe_dequantized``). Nothing
+sum; MXFP4 experts come here written out dense (``moe.dequantized``). Nothing
 waits on the host, so it runs while the host prepares the next step. FP8 experts with one scale
 per output row go through ``torch._scaled_grouped_mm`` (CUTLASS's FP8 grouped kernel), each
 GEMM's input quantized per row (the SiLU-and-mul kernel quantizes the second's as it writes it).
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.runtime.hardware import hopper_or_later
-from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
-from pagedgen.runtime.layers.moe_sum import slot_sum
+from pagedgen.runtime.layers.moe.act import bias_and_act, swiglu
+from pagedgen.runtime.layers.moe.combine import slot_sum
 from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
 
 
@@ -28,7 +28,7 @@ def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -
     """Whether torch's grouped GEMM can run these experts here: bf16 (or FP8 with ``scales``
     per output row: ``moe_kernels.ExpertScales``) on Hopper or later, every width a multiple
     of 16 bytes (``w13`` [E, 2I, H]; ``dense``: the bf16 shape MXFP4 experts are written out
-    to, ``moe_dequantized``)."""
+    to, ``moe.dequantized``)."""
     if not hopper_or_later(w13.device):
         return False
     if scales is not None:

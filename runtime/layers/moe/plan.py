@@ -11,8 +11,8 @@ without their GEMMs' inputs quantized per token, that quantization timed with th
 experts: converted in registers, and through ``tl.dot_scaled`` in the tiles that won
 converted, which bounds the added timing; on Hopper, each GEMM's winning prefill tile also
 with its weights loaded by TMA), and from which count torch's grouped GEMM
-(``moe_grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
-MXFP4 experts are better written out dense first (``moe_dequantized``; then in a tile or by
+(``moe.grouped_mm``, where it runs) is faster than those (prefill chunks), and from which
+MXFP4 experts are better written out dense first (``moe.dequantized``; then in a tile or by
 torch's grouped GEMM, whichever is faster). Plans are shipped for the GPUs we measure on and
 cached per machine (``runtime/kernel_plans.py``: ``moe-plans.json``).
 ``$PAGEDGEN_MOE_TILES`` forces one tile (``Tiles.name``) for both GEMMs at every count.
@@ -28,10 +28,13 @@ import torch
 from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.hardware import hopper_or_later
-from pagedgen.runtime.layers import (fused_ops, moe_align, moe_dequantized, moe_grouped_mm,
-                                     moe_kernels as mk)
-from pagedgen.runtime.layers.moe_act import bias_and_act
-from pagedgen.runtime.layers.moe_kernels import Tiles
+from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.layers.moe import align as moe_align
+from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
+from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.act import bias_and_act
+from pagedgen.runtime.layers.moe.kernels import Tiles
 
 ENV_TILES = envs.MOE_TILES.name
 CACHE = "moe-plans.json"
@@ -72,7 +75,7 @@ class MoePlan:
     their inputs quantized per token, MXFP4 experts run ``tl.dot_scaled``);
     ``grouped_mm_from``: the token count from which torch's grouped GEMM runs instead (outside
     CUDA-graph capture); ``dequantize_from``: the token count from which MXFP4 experts are
-    written out dense a run at a time (``moe_dequantized``, also outside capture), with
+    written out dense a run at a time (``moe.dequantized``, also outside capture), with
     ``dense`` [(largest token count, tiles or ``moe_dequantized.GROUPED_MM``)] for their
     GEMMs."""
 

@@ -1,8 +1,8 @@
 """The mixture-of-experts layer: a router (softmax top-k, renormalized or not, as the family
-says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe_kernels.py``; tiles per token
-count by measurement, ``moe_plan.py``; torch's grouped GEMM, ``moe_grouped_mm.py``, for the
+says) and the experts' SwiGLU MLPs in two grouped GEMMs (``moe/kernels.py``; tiles per token
+count by measurement, ``moe/plan.py``; torch's grouped GEMM, ``moe/grouped_mm.py``, for the
 prefill-sized counts where it measures faster, in bf16 or FP8; MXFP4 experts written out dense a
-run at a time for such counts, ``moe_dequantized.py``).
+run at a time for such counts, ``moe/dequantized.py``).
 
 ``bias`` (gpt-oss): the router and every expert projection have biases; ``act`` gives the
 experts' activation (gpt-oss clamps its SwiGLU).
@@ -30,11 +30,14 @@ from torch import nn
 
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.layers import (fused_ops, moe_dequantized, moe_grouped_mm,
-                                     moe_kernels as mk, moe_route)
+from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
+from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe import route as moe_route
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
-from pagedgen.runtime.layers.moe_plan import MoePlan, plan_moe
-from pagedgen.runtime.layers.moe_sum import add_gated
+from pagedgen.runtime.layers.moe.plan import MoePlan, plan_moe
+from pagedgen.runtime.layers.moe.combine import add_gated
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.mxfp4_moe import PER_BYTE

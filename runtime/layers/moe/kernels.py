@@ -1,8 +1,8 @@
-"""Mixture-of-experts arithmetic after routing (``moe_route``): tokens sorted by expert, and one
+"""Mixture-of-experts arithmetic after routing (``moe.route``): tokens sorted by expert, and one
 grouped GEMM kernel (Triton, our own) run twice per layer: gate/up with SiLU-and-mul in its
 epilogue, then down with the routing weight in its epilogue.
 
-A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``moe_align`` sorts the
+A token's ``top_k`` choices are its *slots* (slot ``t * top_k + j``). ``moe.align`` sorts the
 slots by expert into blocks of ``block_m`` rows (an expert's last block padded with the sentinel
 slot ``num_slots``), so each program of the GEMM multiplies one block of rows by one expert's weight
 tile: only the experts that got tokens are read. Everything is sized by the token count alone
@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.runtime.quantization.fp8_kernels import quantize_activations
-from pagedgen.runtime.layers.moe_act import bias_and_act, swiglu
-from pagedgen.runtime.layers.moe_align import align
-from pagedgen.runtime.layers.moe_sum import slot_sum
+from pagedgen.runtime.layers.moe.act import bias_and_act, swiglu
+from pagedgen.runtime.layers.moe.align import align
+from pagedgen.runtime.layers.moe.combine import slot_sum
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 try:

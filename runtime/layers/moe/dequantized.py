@@ -1,10 +1,10 @@
 """MXFP4 experts in prefill chunks: a run of experts at a time written out dense (bf16, into a
 scratch of at most ``SCRATCH_BYTES``: ``mxfp4_kernels.dequantize``), then grouped GEMMs on
-those weights (``moe_kernels.fused_experts``' tiles, or torch's, ``moe_grouped_mm``: the way
+those weights (``moe_kernels.fused_experts``' tiles, or torch's, ``moe.grouped_mm``: the way
 ``GROUPED_MM``), the other experts' slots skipped as expert parallelism skips another rank's.
 
 Where each expert gets hundreds of rows, converting each weight once a step costs less than
-converting it in registers in every block of rows that reads it; ``moe_plan`` measures from
+converting it in registers in every block of rows that reads it; ``moe.plan`` measures from
 which token count. Prefill steps run it, outside CUDA graphs; the weights stay 4-bit in memory.
 """
 
@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.runtime.layers import moe_grouped_mm, moe_kernels as mk
-from pagedgen.runtime.layers.moe_act import swiglu
-from pagedgen.runtime.layers.moe_sum import add_gated
+from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
+from pagedgen.runtime.layers.moe import kernels as mk
+from pagedgen.runtime.layers.moe.act import swiglu
+from pagedgen.runtime.layers.moe.combine import add_gated
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
 
 SCRATCH_BYTES = 2 << 30  # a run of experts' dense weights (gpt-oss-20b's in one run)

@@ -1,5 +1,5 @@
 """The last step of a MoE layer: each token's ``top_k`` expert outputs summed into its hidden
-state. The outputs are slot rows (slot ``t * top_k + j``, ``moe_kernels``), in slot order or,
+state. The outputs are slot rows (slot ``t * top_k + j``, ``moe.kernels``), in slot order or,
 with ``rows``, wherever a sorted layout left them, and weighted already or, with ``weights``,
 here; with ``bias`` [E, H] and ``experts`` (each slot's expert, slot order), each row plus its
 expert's bias before the weighting (gpt-oss's down bias); with ``gated`` (x, logit), a shared

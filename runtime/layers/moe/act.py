@@ -1,5 +1,5 @@
 """The experts' activations between their two GEMMs: the usual SwiGLU (``silu(gate) * up``,
-fused into the first GEMM's epilogue by ``moe_kernels``), gpt-oss's clamped SwiGLU after
+fused into the first GEMM's epilogue by ``moe.kernels``), gpt-oss's clamped SwiGLU after
 per-expert biases and Gemma 4's GeGLU (``gelu_tanh(gate) * up``), which the first GEMM leaves
 to ``bias_and_act``: one Triton kernel (a program per slot) that adds each slot's expert's
 gate and up biases (where there are any), clamps and activates in float32, where torch would
