@@ -155,3 +155,30 @@ def test_every_environment_variable_pagedgen_reads_is_listed():
             readers.append(m)
     assert named <= listed, named - listed
     assert not readers, readers
+
+
+def runner_writes(tree: ast.AST) -> list[int]:
+    """Lines that assign to an attribute of a ``runner`` (``x.runner.a = ...``,
+    ``self.runner.a.b += ...``)."""
+    def on_runner(node: ast.AST) -> bool:
+        while isinstance(node, ast.Attribute):
+            if node.attr == "runner":
+                return True
+            node = node.value
+        return False
+    targets = [(t, n.lineno) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign,
+                                                                      ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    return [line for t, line in targets
+            if isinstance(t, ast.Attribute) and on_runner(t.value)]
+
+
+def test_the_engine_sets_no_attribute_of_its_model_runner():
+    """The engine hands the runner what it needs through the runner's methods
+    (``sampling_hooks``), never by setting its attributes; so do the CLI and the drivers."""
+    for m, path in SOURCES.items():
+        if m.startswith(("pagedgen.runtime.engine.engine", "pagedgen.cli",
+                         "pagedgen.runtime.drivers")):
+            assert not runner_writes(ast.parse(path.read_text())), (m, runner_writes(
+                ast.parse(path.read_text())))
+    assert runner_writes(ast.parse("self.runner.grammars = g\neng.runner.a.b += 1")) == [1, 2]

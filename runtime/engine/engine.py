@@ -50,7 +50,7 @@ class Engine:
         self.jit_marks = [startup, jit_monitor.MONITOR.mark()]
         self.processor_factory = processor_factory
         self._grammars = grammars
-        self.runner.processors_enabled = processor_factory is not None
+        self.runner.sampling_hooks(processors=processor_factory is not None)
         recurrent = self.runner.recurrent
         if recurrent is not None and recurrent.seats < config.max_num_seqs:  # did not fit
             self.config = config = dataclasses.replace(config, max_num_seqs=recurrent.seats)
@@ -120,7 +120,7 @@ class Engine:
         constrained rows with them."""
         if self._grammars is None:
             self._grammars = Grammars(self.tokenizer, self.src.hf_config.vocab_size)
-        self.runner.grammars = self._grammars
+        self.runner.sampling_hooks(grammars=self._grammars)
         return self._grammars
 
     # ---- what callers read of the engine (not of its runner) ----------------------------
@@ -154,7 +154,7 @@ class Engine:
     def set_processor_factory(self, factory: ProcessorFactory | None) -> None:
         """Logits processors for the requests added from now on (``processors.py``)."""
         self.processor_factory = factory
-        self.runner.processors_enabled = factory is not None
+        self.runner.sampling_hooks(processors=factory is not None)
 
     @property
     def grammars_used(self) -> Grammars | None:
@@ -183,7 +183,7 @@ class Engine:
         now = time.perf_counter()
         bad_words = bad_words_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if params.min_tokens:
-            self.runner.eos_ids = self.tokenizer.eos_token_ids  # what min_tokens holds back
+            self.runner.sampling_hooks(eos_ids=self.tokenizer.eos_token_ids)  # min_tokens
         samples = []
         for i in range(params.n):
             samples.append(Sequence(self._next_id, ids, params, derive_seed(seed, i), request,

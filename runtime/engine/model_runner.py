@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -169,9 +170,10 @@ class ModelRunner:
         t = self._phase("kv_cache", t)
         self.last_sampled: list[Sequence] = []  # the last sampling step's sequences
         self.last_tokens: torch.Tensor | None = None  # and their tokens, on the device
+        # what the sampler consults beyond each sequence (set by the engine: ``sampling_hooks``)
         self.processors_enabled = False  # the engine makes sequences with logits processors
         self.grammars = None  # the engine's compiled constraints, once a request has one
-        self.eos_ids: set[int] = set()  # EOS ids min_tokens holds back (set by the engine)
+        self.eos_ids: set[int] = set()  # EOS ids min_tokens holds back
         self.host_time_s = {"decode": 0.0, "prefill": 0.0}  # metadata preparation + planning
         self.host_steps = {"decode": 0, "prefill": 0}
         self.advancer = DecodeAdvancer(self.block_size, self.scratch_block, self.device) \
@@ -254,6 +256,17 @@ class ModelRunner:
     def host_ms_per_step(self, kind: str = "decode") -> float:
         """Mean host time (metadata preparation + planning) per step of ``kind``, in ms."""
         return 1000 * self.host_time_s[kind] / max(1, self.host_steps[kind])
+
+    def sampling_hooks(self, *, processors: bool | None = None, grammars: Any = None,
+                       eos_ids: set[int] | None = None) -> None:
+        """The engine's side of sampling, each as given: whether sequences carry logits
+        processors, the run's compiled grammars, the EOS ids ``min_tokens`` holds back."""
+        if processors is not None:
+            self.processors_enabled = processors
+        if grammars is not None:
+            self.grammars = grammars
+        if eos_ids is not None:
+            self.eos_ids = eos_ids
 
     # ---- KV cache ---------------------------------------------------------------------------
 
