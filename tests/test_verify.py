@@ -325,3 +325,31 @@ def test_verify_json_is_the_report_on_stdout_as_generate_json_is_the_summary(tmp
     report = json.loads(res.stdout)  # stdout holds the report alone
     assert report == json.loads((tmp_path / "v.json").read_text()) and report["passed"]
     assert "PASS" in res.stderr and "verifying sdpa" not in res.stdout
+
+
+def test_batch_invariance_rows_say_what_each_condition_changed():
+    """``verify --batch-invariance``: four rows, each made under the condition it names (the
+    prefix cache hit, preemptions happened); exit 1 while a row differs from the request run
+    alone (float32 on a CPU: matrix products whose reductions follow the batch's rows)."""
+    res = runner.invoke(app, ["verify", "--batch-invariance", "--device", "cpu", "--dtype",
+                              "float32", "--cases", "4", "--steps", "8", "--json"])
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    rows = {r["group"]: r for r in report["backends"][0]["rows"]}
+    assert list(rows) == ["in random batches", "behind a cached prefix",
+                          "in other prefill chunks", "after preemptions"]
+    assert "32 prompt tokens from the cache" in rows["behind a cached prefix"]["detail"]
+    assert int(rows["after preemptions"]["detail"].split("; ")[1].split()[0]) > 0
+    assert rows["in random batches"]["cases"] == 4
+    assert res.exit_code == (0 if all(r["passed"] for r in rows.values()) else 1)
+
+
+def test_a_run_is_invariant_only_when_tokens_and_logprobs_are_bitwise_the_same():
+    from pagedgen.cli.verify.invariance_checks import _row
+
+    want = ([5, 6, 7], [-0.5, -1.25, -2.0])
+    assert _row("g", want, [want, ([5, 6, 7], [-0.5, -1.25, -2.0])], "").passed
+    one_ulp = ([5, 6, 7], [-0.5, float(torch.tensor(-1.25).nextafter(torch.tensor(0.0))), -2.0])
+    row = _row("g", want, [want, one_ulp], "")
+    assert not row.passed and 0 < row.worst_abs < 1e-6 and row.detail.startswith("1 of 2")
+    row = _row("g", want, [([5, 9, 7], [-0.5, -1.25, -2.0])], "")
+    assert not row.passed and row.worst_abs == float("inf")

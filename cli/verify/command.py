@@ -49,6 +49,11 @@ def verify(
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
                        "where kernel compiles dominate; 1 on the CPU)."),
+    batch_invariance: bool = typer.Option(
+        False, "--batch-invariance",
+        help="Instead: whether a request's tokens and log-probabilities are bitwise those it "
+             "gets alone, in random batches (--cases of them), behind a cached prefix, in "
+             "other prefill chunks and after preemptions (--model on --backend; all: auto)."),
 ) -> None:
     """Check backends against the eager reference; exit 0 when all pass, 1 on a mismatch, 3
     when a backend named with --backend (or the FP8 checks of -q fp8) cannot run here."""
@@ -83,9 +88,13 @@ def verify(
         every = names + (["auto"] if mixes_backends(model, dtype, dev) else [])
         plans = [plan_backend(n, dev, model, dtype, cases, steps, seed, not model_only)
                  for n in (every if backend == "all" else [backend])]
-        if quantization == "fp8":
+        if batch_invariance:  # these checks alone
+            from pagedgen.cli.verify.invariance_checks import plan_invariance
+            plans = [plan_invariance(dev, model, dtype, "auto" if backend == "all" else backend,
+                                     cases, steps, seed)]
+        elif quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
-        if dev.type == "cuda" and backend == "all" and not model_only:
+        if dev.type == "cuda" and backend == "all" and not model_only and not batch_invariance:
             plans.append(plan_linear(dev, cases, seed))  # linear attention's own kernels
         reports = run_plans(plans, jobs or (1 if model_only else default_jobs(dev)), out,
                             lambda name: check_tensor_parallel(

@@ -1,0 +1,158 @@
+"""`pagedgen verify --batch-invariance`: whether a request's tokens and log-probabilities are
+bitwise what it gets run alone, whatever else the engine runs (issue 97's checks, on the
+machine at hand).
+
+A "needle" request (random ids, greedy, its token's log-probability at every step) runs alone
+on a fresh engine: the reference. Then the same request
+* inside random batches of 1 to 63 other requests, at a random place (prefix caching off);
+* behind a cached prefix (another request sharing its first tokens ran first);
+* split into other prefill chunks (``max_num_batched_tokens`` of 8 and 24 tokens);
+* after a preemption (a KV cache too small for the batch: its tokens recomputed).
+Each row says how many runs gave the reference's exact tokens and log-probabilities, and the
+largest log-probability difference along the tokens they share. The rows describe the engine
+as it runs by default: it is not batch-invariant yet, so they are expected to differ (the
+float32 reductions of a matrix product depend on how many rows it has).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+from pagedgen.cli.verify.report import BackendReport, Row
+from pagedgen.cli.verify.runner import Check, single
+
+NAME = "batch invariance"
+NEEDLE = 48  # the needle's prompt tokens
+
+
+def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, cases: int,
+                    steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
+    """The report and its four checks (each a task of its own)."""
+    args = (device, model, dtype, backend, steps, seed)
+    checks = [Check([(check_batches, (*args, cases))], single),
+              Check([(check_prefix_cache, args)], single),
+              Check([(check_chunks, args)], single),
+              Check([(check_preemption, args)], single)]
+    return BackendReport(NAME, "checked", reference="the request run alone"), checks
+
+
+def _config(device: torch.device, model: str, dtype: str, backend: str, seed: int, **kw: Any):
+    from pagedgen.runtime.config import EngineConfig
+
+    base = dict(model=model, device=str(device), dtype=dtype, backend=backend, seed=seed,
+                load_format="auto", max_num_seqs=64, max_num_batched_tokens=2048,
+                max_model_len=512, num_blocks=1024, prefix_caching=False)
+    return EngineConfig(**{**base, **kw})
+
+
+def _needle(seed: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(NEEDLE)]
+
+
+def _run(eng: Any, prompts: list[list[int]], index: int, steps: int
+         ) -> tuple[list[int], list[float]]:
+    """``prompts`` through ``eng`` at once; prompt ``index``'s tokens and their
+    log-probabilities."""
+    from pagedgen.runtime.config import SamplingParams
+
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=0)
+    seqs = [eng.add_request(p, params) for p in prompts]
+    eng.run()
+    seq = seqs[index]
+    return list(seq.output_token_ids), [float(e[0]) for e in seq.logprobs]
+
+
+def _reference(args: tuple) -> tuple[list[int], list[float], list[int], int]:
+    """The needle alone on a fresh engine: (tokens, log-probabilities, needle, vocabulary)."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    device, model, dtype, backend, steps, seed = args
+    eng = Engine(_config(device, model, dtype, backend, seed))
+    vocab = eng.src.hf_config.vocab_size
+    needle = _needle(seed, vocab)
+    return (*_run(eng, [needle], 0, steps), needle, vocab)
+
+
+def _row(group: str, want: tuple[list[int], list[float]],
+         runs: list[tuple[list[int], list[float]]], detail: str) -> Row:
+    """How many ``runs`` equal ``want`` bit for bit, and the largest log-probability gap along
+    the tokens each shares with it."""
+    same = sum(r == want for r in runs)
+    worst = 0.0
+    for toks, lps in runs:
+        shared = next((i for i, (a, b) in enumerate(zip(toks, want[0])) if a != b),
+                      min(len(toks), len(want[0])))
+        worst = max([worst] + [abs(a - b) for a, b in zip(lps[:shared], want[1][:shared])])
+        if shared < len(want[0]):  # a token changed: as far as a difference can go
+            worst = float("inf")
+    return Row("model", group, len(runs), worst, worst, 0.0, same == len(runs),
+               f"{same} of {len(runs)} bitwise as alone; {detail}")
+
+
+def check_batches(device, model, dtype, backend, steps, seed, cases) -> Row:
+    """The needle among 1 to 63 random requests, at a random place, ``cases`` times."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    toks, lps, needle, vocab = _reference(args)
+    eng = Engine(_config(*args[:4], seed))
+    rng = random.Random(seed + 1)
+    runs, sizes = [], []
+    for _ in range(cases):
+        others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 120))]
+                  for _ in range(rng.randrange(1, 64))]
+        at = rng.randrange(len(others) + 1)
+        runs.append(_run(eng, others[:at] + [needle] + others[at:], at, steps))
+        sizes.append(len(others) + 1)
+    return _row("in random batches", (toks, lps), runs,
+                f"batches of {min(sizes)}-{max(sizes)} requests")
+
+
+def check_prefix_cache(device, model, dtype, backend, steps, seed) -> Row:
+    """The needle behind a cached prefix: another request with its first 32 tokens first."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    toks, lps, needle, vocab = _reference(args)
+    eng = Engine(_config(*args[:4], seed, prefix_caching=True))
+    rng = random.Random(seed + 2)
+    _run(eng, [needle[:32] + [rng.randrange(vocab) for _ in range(20)]], 0, 1)
+    before = eng.stats.prefix_hit_tokens
+    got = _run(eng, [needle], 0, steps)
+    return _row("behind a cached prefix", (toks, lps), [got],
+                f"{eng.stats.prefix_hit_tokens - before} prompt tokens from the cache")
+
+
+def check_chunks(device, model, dtype, backend, steps, seed) -> Row:
+    """The needle beside two others, its prompt in chunks of 8 and of 24 tokens."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    toks, lps, needle, vocab = _reference(args)
+    rng = random.Random(seed + 3)
+    others = [[rng.randrange(vocab) for _ in range(30)] for _ in range(2)]
+    runs = [_run(Engine(_config(*args[:4], seed, max_num_batched_tokens=n, max_num_seqs=4)),
+                 [others[0], needle, others[1]], 1, steps) for n in (8, 24)]
+    return _row("in other prefill chunks", (toks, lps), runs, "chunks of 8 and 24 tokens")
+
+
+def check_preemption(device, model, dtype, backend, steps, seed) -> Row:
+    """The needle among eight requests that each grow by three pages more than the KV cache
+    admitted them with: the scheduler preempts, the preempted recompute their tokens (the
+    needle's first ``steps`` compared)."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    toks, lps, needle, vocab = _reference(args)
+    rng = random.Random(seed + 4)
+    others = [[rng.randrange(vocab) for _ in range(NEEDLE)] for _ in range(7)]
+    bs = Engine(_config(*args[:4], seed)).block_manager.block_size
+    pages = -(-NEEDLE // bs)
+    eng = Engine(_config(*args[:4], seed, num_blocks=4 * (pages + 1) + 1))
+    got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 3 * bs)
+    return _row("after preemptions", (toks, lps), [(got[0][:steps], got[1][:steps])],
+                f"{eng.stats.num_preemptions} preemptions")
