@@ -1,5 +1,5 @@
-"""The tier guard (tests/tiers.py): a test that starts a process or interprets a Triton kernel
-without its mark fails, naming the mark; with the mark it runs."""
+"""The tier guard (tests/tiers.py): where there is no GPU, a test that starts a process or
+interprets a Triton kernel without its mark fails, naming the mark; with the mark it runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ import pytest
 from tiers import TierError
 
 
+GUARDED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                             reason="the guard stands where there is no GPU (as in CI)")
+
+
+@GUARDED
 def test_an_unmarked_test_starts_no_process():
     with pytest.raises(TierError, match="@pytest.mark.process"):
         subprocess.run([sys.executable, "-c", "pass"])
@@ -20,8 +25,7 @@ def test_an_unmarked_test_starts_no_process():
         multiprocessing.get_context("spawn").Process(target=print).start()
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="kernels run on the GPU here, not in the interpreter")
+@GUARDED
 def test_an_unmarked_test_interprets_no_kernel():
     import torch
     import triton

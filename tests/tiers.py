@@ -7,7 +7,9 @@ Triton's interpreter (on a CPU), ``gpu`` (skipped without CUDA). The unit tier i
     python -m pytest -m "not process and not kernels"
 
 The guard fails a test that starts a process or interprets a kernel without its mark (the
-error names the mark to add), so the unit tier stays what it says as tests are added.
+error names the mark to add), so the unit tier stays what it says as tests are added. It
+stands where there is no GPU (conftest sets ``TRITON_INTERPRET=1`` there), as in CI: on a GPU
+machine Triton's compiler starts processes (ptxas) from any test that runs a kernel.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ def _guard(mark: str, what: str, call: Callable[..., Any]) -> Callable[..., Any]
     return guarded
 
 
-subprocess.Popen.__init__ = _guard("process", "a subprocess", subprocess.Popen.__init__)
-multiprocessing.process.BaseProcess.start = _guard(
-    "process", "a process", multiprocessing.process.BaseProcess.start)
+# Where there is no GPU (CI): on a GPU machine Triton's compiles start ptxas in any test
 if os.environ.get("TRITON_INTERPRET") == "1":
+    subprocess.Popen.__init__ = _guard("process", "a subprocess", subprocess.Popen.__init__)
+    multiprocessing.process.BaseProcess.start = _guard(
+        "process", "a process", multiprocessing.process.BaseProcess.start)
     try:
         from triton.runtime import interpreter
     except ImportError:  # no Triton: no kernels to run
