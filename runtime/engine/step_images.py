@@ -86,8 +86,7 @@ class ImageEncoder:
         run), the steps' images taken from the cache, the tower's time (on a GPU its kernels'
         time between two events, read once the run is over) and its share of the run, and
         the time the steps waited for pixels."""
-        tower = sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3
-                    for t in self._timings)
+        tower = sum(t if isinstance(t, float) else _elapsed(*t) for t in self._timings)
         return {"images_encoded": self.encoded, "images_encoded_per_s":
                 self.encoded / wall if wall else 0.0, "image_cache_hits": self.reused,
                 "vision_encoder_s": tower, "vision_encoder_share": tower / wall if wall else 0.0,
@@ -134,3 +133,9 @@ class ImageEncoder:
         if im.pixel_values is None:
             return self.prompter.pixels(im.source)
         return im.pixel_values
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    """Seconds between two CUDA events, once the later has happened."""
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
