@@ -5,7 +5,7 @@ on it or the line's error.
 
 An engine in this process prompts with its own prompter (``Engine.prompt_images``); replicas
 elsewhere (``-dp``/``-tp`` workers, Ray actors) with the checkpoint's prompter made here
-(``remote_prompt``), so a bad image is its line's error before any worker sees it, and the
+(``RemoteImages``), so a bad image is its line's error before any worker sees it, and the
 request travels with what was made: the images' bytes, grids and positions. Where it runs,
 each image's pixels are made again from its bytes just before the vision tower needs them
 (``ImageEncoder.prefetch``), so no patches cross a process boundary.
