@@ -14,6 +14,8 @@ runs flashinfer once per FP8 decode kernel (``$PAGEDGEN_FLASHINFER_DECODE``);
 ``--triton-prefill-tiles 32x32x8x2x2,64x32x8x2x4x256`` runs triton's prefill once per tile
 (query rows x keys x warps x pipeline stages x query heads a tile [x output columns a
 program: the head split over programs]; ``default``: the state's).
+``--vllm`` also times vLLM's Triton kernel (``unified_attention``: what vLLM runs on a model
+with heads over 256) on the same shapes, in vLLM's own process (``vllm_attention.py``).
 Each figure: one layer's AttentionImpl.forward, planned once outside the timing, run ``--iters``
 times back to back between two device synchronizations (decode: replayed from a CUDA graph when
 the backend supports graphs, so host launch overhead is not counted); the forward includes
@@ -145,6 +147,8 @@ def main() -> None:
                     help="flashinfer: one run per FP8 decode kernel, e.g. xqa,fa2")
     ap.add_argument("--triton-prefill-tiles", default="",
                     help="triton: one prefill run per tile, e.g. default,64x32x8x2x4")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also vLLM's Triton kernel on the same shapes (bf16)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script only")
@@ -192,6 +196,36 @@ def main() -> None:
                     print(json.dumps(r), flush=True)
                     if args.json:  # after every row: a time limit keeps what was measured
                         args.json.write_text(json.dumps(rows, indent=2))
+    if args.vllm:
+        for hq, hkv in heads:
+            for r in vllm_rows(hq, hkv, args.head_dim, shapes, args.iters):
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+
+
+def vllm_rows(hq: int, hkv: int, head_dim: int, shapes: list, iters: int) -> list[dict]:
+    """vLLM's kernel on ``shapes`` (``vllm_attention.py`` in a process of vLLM's own), or a
+    row saying why not."""
+    import os
+    import sys
+
+    from benchmarks.vllm_peer import HERE, run_in_group, site_path, vllm_site
+
+    site = vllm_site()
+    if site is None:
+        return [{"backend": "vLLM", "skipped": "vLLM is not installed here (nor under "
+                                               "$PAGEDGEN_VLLM_SITE)"}]
+    spec = {"heads": [hq, hkv], "head_dim": head_dim, "iters": iters,
+            "shapes": [[kind, batch, list(ctx)] for kind, batch, ctx in shapes]}
+    env = {**os.environ, **({"PYTHONPATH": site_path(site)} if site else {})}
+    code, out, err = run_in_group([sys.executable, "-m", "benchmarks.vllm_attention",
+                                   json.dumps(spec)], 590.0, env=env, cwd=HERE.parent)
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    if code != 0 and not rows:
+        rows = [{"backend": "vLLM", "skipped": f"exit {code}: {err.strip()[-600:]}"}]
+    return rows
 
 
 if __name__ == "__main__":
