@@ -72,6 +72,9 @@ class TritonState(AttentionState):
         # A window would cut into the shared prefix differently per sequence; sinks (counted
         # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
         # yet, so their layers decode plainly.
+        # --batch-invariant: every token through the prefill kernel (a decode is a one-token
+        # tile), whose order over the keys does not follow the batch, the chunk or the step
+        self.batch_invariant = False
         self.supports_cascade = not any(x.sliding_window or x.sinks for x in layer_specs)
         self.supports_mixed_cascade = self.supports_cascade
         self.cascade_buffers = CascadeBuffers(device)
@@ -124,6 +127,9 @@ class TritonState(AttentionState):
     def build(self, metadata: AttentionMetadata, graph_batch_size: int | None = None
               ) -> TritonMetadata:
         md, plan = metadata, TritonPlan()
+        if self.batch_invariant:
+            plan.tile_seq, plan.tile_qstart = self._invariant_tiles(md, graph_batch_size)
+            return md.extend(TritonMetadata, plan=plan)
         if md.num_prefills:
             block_q = self.block_m // self.g_tile
             tiles = []  # (work, seq, qstart), longest (most keys) first for load balance
@@ -147,6 +153,20 @@ class TritonState(AttentionState):
         return md.extend(TritonMetadata, plan=plan)
 
 
+    def _invariant_tiles(self, md: AttentionMetadata, graph_batch_size: int | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill tiles over every sequence, decodes included, each tile at the same
+        positions whatever the step: starting at a multiple of its rows from the sequence's
+        first token (a step's first tile may start before its first new token), so a token
+        sits in the same row of the same tile however its prompt was chunked (eager steps
+        only: the mode runs without CUDA graphs)."""
+        block_q = self.block_m // self.g_tile
+        tiles = [(i, qs) for i, (n, length) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu))
+                 for qs in range(-((length - n) % block_q), n, block_q)]
+        arr = torch.tensor(tiles, dtype=torch.int32).to(self.device, non_blocking=True)
+        return arr[:, 0].contiguous(), arr[:, 1].contiguous()
+
+
 class TritonImpl(AttentionImpl):
     def __init__(self, spec: LayerSpec, state: TritonState) -> None:
         super().__init__(spec, state)
@@ -167,6 +187,12 @@ class TritonImpl(AttentionImpl):
                metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
+        if st.batch_invariant:  # every token, decodes too, through the prefill kernel
+            plan = md.plan
+            grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
+            self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
+                          md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
+            return out
         if md.num_prefills:
             plan = md.plan
             grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)

@@ -57,7 +57,8 @@ _LABELS = {"wall_time_s": "wall time", "mean_ttft_s": "mean time to first token"
            "max_num_seqs": "max_num_seqs (most sequences in a step)",
            "decode_host_ms_per_step": "host time per decode step",
            "block_size": "page size (tokens)", "fused_kernels": "fused norm/rotary/SwiGLU",
-           "cascade_attention": "cascade decode", "cascade_decode_steps": "steps that cascaded",
+           "cascade_attention": "cascade decode", "batch_invariant": "batch-invariant",
+           "cascade_decode_steps": "steps that cascaded",
            "cascade_mixed_steps": "cascade in steps with prefills",
            "cascade_steps_with_prefills": "of which steps with prefills",
            "cascade_groups_per_step": "groups per cascade step",
@@ -97,7 +98,7 @@ _GROUPS: dict[str, tuple[str, ...]] = {
     "latency": ("wall_time_s", "mean_ttft_s", "mean_tpot_s", "decode_host_ms_per_step"),
     "steps": ("max_num_seqs", "steps", "steps_launched_ahead", "preemptions", "cuda_graphs",
               "graphs_captured_in_run", "graph_capture_in_run_s", "graph_warmups_in_run",
-              "fused_kernels",
+              "fused_kernels", "batch_invariant",
               "mixed_step_graphs", "mixed_graph_steps", "mixed_graph_buckets",
               "mixed_graph_failed"),
     "shared KV (grouped cascade decode)": (

@@ -194,6 +194,9 @@ class EngineConfig:
     kv_cache_groups: bool = True
     # admit queued requests that share a prompt prefix together (runtime/engine/ordering.py)
     prefix_grouping: bool = True
+    # every request's tokens and log-probabilities bitwise those it gets alone, whatever the
+    # batch (issue 97; dense models on the triton backend: runtime/engine/batch_invariant.py)
+    batch_invariant: bool = False
     cascade_attention: bool = True  # decodes attend the pages they all share once per step
     # ... also the decodes of steps with prefills (flash-attn and triton; flashinfer: not yet)
     cascade_mixed_steps: bool = True

@@ -327,20 +327,20 @@ def test_verify_json_is_the_report_on_stdout_as_generate_json_is_the_summary(tmp
     assert "PASS" in res.stderr and "verifying sdpa" not in res.stdout
 
 
+@pytest.mark.kernels
 def test_batch_invariance_rows_say_what_each_condition_changed():
     """``verify --batch-invariance``: four rows, each made under the condition it names (the
-    prefix cache hit, preemptions happened); exit 1 while a row differs from the request run
-    alone (float32 on a CPU: matrix products whose reductions follow the batch's rows)."""
+    prefix cache hit, a preemption happened), all bitwise in ``--batch-invariant`` mode (the
+    triton backend in the interpreter here); exit 0."""
     res = runner.invoke(app, ["verify", "--batch-invariance", "--device", "cpu", "--dtype",
-                              "float32", "--cases", "4", "--steps", "8", "--json"])
+                              "float32", "--cases", "1", "--steps", "2", "--json"])
     report = json.loads(res.stdout[res.stdout.index("{"):])
     rows = {r["group"]: r for r in report["backends"][0]["rows"]}
     assert list(rows) == ["in random batches", "behind a cached prefix",
                           "in other prefill chunks", "after preemptions"]
     assert "32 prompt tokens from the cache" in rows["behind a cached prefix"]["detail"]
     assert int(rows["after preemptions"]["detail"].split("; ")[1].split()[0]) > 0
-    assert rows["in random batches"]["cases"] == 4
-    assert res.exit_code == (0 if all(r["passed"] for r in rows.values()) else 1)
+    assert all(r["passed"] for r in rows.values()) and res.exit_code == 0, rows
 
 
 def test_a_run_is_invariant_only_when_tokens_and_logprobs_are_bitwise_the_same():

@@ -85,7 +85,7 @@ def prefill_kernel(Q, Cache, Out, Lse, BlockTables, Sinks, QStartLoc, ContextLen
     r = tl.arange(0, BLOCK_M)
     tok = qs + r // G_TILE
     head = kvh * G + g0 + r % G_TILE
-    row_ok = tok < q_len
+    row_ok = (tok >= 0) & (tok < q_len)  # a tile may start before the step's first token
     q_pos = ctx + tok
     d = tl.arange(0, D)
     DV_: tl.constexpr = D if DV == 0 else DV

@@ -136,6 +136,11 @@ def generate(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode steps attend the KV pages all their sequences share once for the batch "
              "[default: on, where the backend can: flash-attn FA4, flashinfer, triton]."),
+    batch_invariant: Optional[bool] = typer.Option(
+        None, "--batch-invariant",
+        help="Every request's tokens and log-probabilities bit for bit those it gets run "
+             "alone, whatever else the batch holds (dense models, triton backend, one GPU; "
+             "pagedgen verify --batch-invariance checks it) [default: off]."),
     reasoning_parser: Optional[str] = typer.Option(
         None, help="How a reasoning model's thinking is split from its answer (into "
                    "reasoning_content; structured output constrains the answer only): auto "
@@ -205,7 +210,8 @@ def generate(
              enforce_eager=enforce_eager, fused_kernels=fused_kernels,
              prefix_caching=prefix_caching, prefix_grouping=prefix_grouping,
              kv_cache_groups=kv_cache_groups,
-             cascade_attention=cascade_attention, tensor_parallel_size=tensor_parallel_size,
+             cascade_attention=cascade_attention, batch_invariant=batch_invariant,
+             tensor_parallel_size=tensor_parallel_size,
              expert_parallel=expert_parallel, threads=threads, reasoning_parser=reasoning_parser),
         sampling := dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                          top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,

@@ -1,6 +1,6 @@
-"""`pagedgen verify --batch-invariance`: whether a request's tokens and log-probabilities are
-bitwise what it gets run alone, whatever else the engine runs (issue 97's checks, on the
-machine at hand).
+"""`pagedgen verify --batch-invariance`: whether, in ``--batch-invariant`` mode, a request's
+tokens and log-probabilities are bitwise what it gets run alone, whatever else the engine runs
+(issue 97's checks, on the machine at hand).
 
 A "needle" request (random ids, greedy, its token's log-probability at every step) runs alone
 on a fresh engine: the reference. Then the same request
@@ -9,9 +9,9 @@ on a fresh engine: the reference. Then the same request
 * split into other prefill chunks (``max_num_batched_tokens`` of 8 and 24 tokens);
 * after a preemption (a KV cache too small for the batch: its tokens recomputed).
 Each row says how many runs gave the reference's exact tokens and log-probabilities, and the
-largest log-probability difference along the tokens they share. The rows describe the engine
-as it runs by default: it is not batch-invariant yet, so they are expected to differ (the
-float32 reductions of a matrix product depend on how many rows it has).
+largest log-probability difference along the tokens they share. Each check takes
+``invariant=False`` to run the engine as it runs by default (the tests show the rows differ
+then: the float32 sums of a matrix product follow the batch's rows).
 """
 
 from __future__ import annotations
@@ -30,7 +30,14 @@ NEEDLE = 48  # the needle's prompt tokens
 
 def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, cases: int,
                     steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
-    """The report and its four checks (each a task of its own)."""
+    """The report and its four checks (each a task of its own), in ``--batch-invariant``
+    mode: on the triton backend, or skipped with the reason where it cannot run."""
+    from pagedgen.attention.registry import unavailable_reason
+
+    why = unavailable_reason("triton", device)
+    if why:
+        return BackendReport(NAME, "skipped", f"--batch-invariant runs on the triton backend: "
+                                              f"{why}"), []
     args = (device, model, dtype, backend, steps, seed)
     checks = [Check([(check_batches, (*args, cases))], single),
               Check([(check_prefix_cache, args)], single),
@@ -39,12 +46,14 @@ def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, 
     return BackendReport(NAME, "checked", reference="the request run alone"), checks
 
 
-def _config(device: torch.device, model: str, dtype: str, backend: str, seed: int, **kw: Any):
+def _config(device: torch.device, model: str, dtype: str, backend: str, seed: int,
+            invariant: bool = True, **kw: Any):
     from pagedgen.runtime.config import EngineConfig
 
     base = dict(model=model, device=str(device), dtype=dtype, backend=backend, seed=seed,
                 load_format="auto", max_num_seqs=64, max_num_batched_tokens=2048,
-                max_model_len=512, num_blocks=1024, prefix_caching=False)
+                max_model_len=512, num_blocks=1024, prefix_caching=False,
+                batch_invariant=invariant)
     return EngineConfig(**{**base, **kw})
 
 
@@ -66,12 +75,13 @@ def _run(eng: Any, prompts: list[list[int]], index: int, steps: int
     return list(seq.output_token_ids), [float(e[0]) for e in seq.logprobs]
 
 
-def _reference(args: tuple) -> tuple[list[int], list[float], list[int], int]:
+def _reference(args: tuple, invariant: bool
+               ) -> tuple[list[int], list[float], list[int], int]:
     """The needle alone on a fresh engine: (tokens, log-probabilities, needle, vocabulary)."""
     from pagedgen.runtime.engine.engine import Engine
 
     device, model, dtype, backend, steps, seed = args
-    eng = Engine(_config(device, model, dtype, backend, seed))
+    eng = Engine(_config(device, model, dtype, backend, seed, invariant))
     vocab = eng.src.hf_config.vocab_size
     needle = _needle(seed, vocab)
     return (*_run(eng, [needle], 0, steps), needle, vocab)
@@ -93,18 +103,19 @@ def _row(group: str, want: tuple[list[int], list[float]],
                f"{same} of {len(runs)} bitwise as alone; {detail}")
 
 
-def check_batches(device, model, dtype, backend, steps, seed, cases) -> Row:
-    """The needle among 1 to 63 random requests, at a random place, ``cases`` times."""
+def check_batches(device, model, dtype, backend, steps, seed, cases,
+                  invariant: bool = True, most: int = 63) -> Row:
+    """The needle among 1 to ``most`` random requests, at a random place, ``cases`` times."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args)
-    eng = Engine(_config(*args[:4], seed))
+    toks, lps, needle, vocab = _reference(args, invariant)
+    eng = Engine(_config(*args[:4], seed, invariant))
     rng = random.Random(seed + 1)
     runs, sizes = [], []
     for _ in range(cases):
         others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 120))]
-                  for _ in range(rng.randrange(1, 64))]
+                  for _ in range(rng.randrange(1, most + 1))]
         at = rng.randrange(len(others) + 1)
         runs.append(_run(eng, others[:at] + [needle] + others[at:], at, steps))
         sizes.append(len(others) + 1)
@@ -112,13 +123,14 @@ def check_batches(device, model, dtype, backend, steps, seed, cases) -> Row:
                 f"batches of {min(sizes)}-{max(sizes)} requests")
 
 
-def check_prefix_cache(device, model, dtype, backend, steps, seed) -> Row:
+def check_prefix_cache(device, model, dtype, backend, steps, seed,
+                       invariant: bool = True) -> Row:
     """The needle behind a cached prefix: another request with its first 32 tokens first."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args)
-    eng = Engine(_config(*args[:4], seed, prefix_caching=True))
+    toks, lps, needle, vocab = _reference(args, invariant)
+    eng = Engine(_config(*args[:4], seed, invariant, prefix_caching=True))
     rng = random.Random(seed + 2)
     _run(eng, [needle[:32] + [rng.randrange(vocab) for _ in range(20)]], 0, 1)
     before = eng.stats.prefix_hit_tokens
@@ -127,32 +139,35 @@ def check_prefix_cache(device, model, dtype, backend, steps, seed) -> Row:
                 f"{eng.stats.prefix_hit_tokens - before} prompt tokens from the cache")
 
 
-def check_chunks(device, model, dtype, backend, steps, seed) -> Row:
+def check_chunks(device, model, dtype, backend, steps, seed,
+                 invariant: bool = True) -> Row:
     """The needle beside two others, its prompt in chunks of 8 and of 24 tokens."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args)
+    toks, lps, needle, vocab = _reference(args, invariant)
     rng = random.Random(seed + 3)
     others = [[rng.randrange(vocab) for _ in range(30)] for _ in range(2)]
-    runs = [_run(Engine(_config(*args[:4], seed, max_num_batched_tokens=n, max_num_seqs=4)),
-                 [others[0], needle, others[1]], 1, steps) for n in (8, 24)]
+    runs = [_run(Engine(_config(*args[:4], seed, invariant, max_num_batched_tokens=n,
+                                max_num_seqs=4)), [others[0], needle, others[1]], 1, steps)
+            for n in (8, 24)]
     return _row("in other prefill chunks", (toks, lps), runs, "chunks of 8 and 24 tokens")
 
 
-def check_preemption(device, model, dtype, backend, steps, seed) -> Row:
-    """The needle among eight requests that each grow by three pages more than the KV cache
-    admitted them with: the scheduler preempts, the preempted recompute their tokens (the
-    needle's first ``steps`` compared)."""
+def check_preemption(device, model, dtype, backend, steps, seed,
+                     invariant: bool = True) -> Row:
+    """The needle among six requests in pages of 8 that each grow by two pages more than the
+    KV cache admitted them with: the scheduler preempts, the preempted recompute their tokens
+    (the needle's first ``steps`` compared)."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args)
+    toks, lps, needle, vocab = _reference(args, invariant)
     rng = random.Random(seed + 4)
-    others = [[rng.randrange(vocab) for _ in range(NEEDLE)] for _ in range(7)]
-    bs = Engine(_config(*args[:4], seed)).block_manager.block_size
-    pages = -(-NEEDLE // bs)
-    eng = Engine(_config(*args[:4], seed, num_blocks=4 * (pages + 1) + 1))
-    got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 3 * bs)
+    others = [[rng.randrange(vocab) for _ in range(NEEDLE)] for _ in range(5)]
+    bs, pages = 8, NEEDLE // 8
+    eng = Engine(_config(*args[:4], seed, invariant, block_size=bs,
+                         num_blocks=4 * (pages + 1) + 1))
+    got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 2 * bs)
     return _row("after preemptions", (toks, lps), [(got[0][:steps], got[1][:steps])],
                 f"{eng.stats.num_preemptions} preemptions")

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine import jit_monitor, rehearsal
+from pagedgen.runtime.engine import batch_invariant, jit_monitor, rehearsal
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
@@ -40,7 +40,8 @@ class Engine:
         sample (``runtime/sampling/processors.py``); None: no request has any. ``grammars``:
         structured-output constraints already compiled for this model's tokenizer (made at
         the first constrained request otherwise)."""
-        config = config.with_seats()  # checked: seats within the tokens, both positive
+        # checked: seats within the tokens, both positive; as --batch-invariant runs it
+        config = batch_invariant.prepared(config.with_seats())
         self.config = config
         self.src = src or resolve_model(config.model)
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)

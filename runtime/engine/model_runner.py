@@ -27,6 +27,7 @@ from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
 from pagedgen.runtime.engine import memory_plan
 from pagedgen.runtime.engine.kv_memory import KVMemory
 from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from pagedgen.runtime.engine import batch_invariant
 from pagedgen.runtime.engine.step_images import ImageEncoder
 from pagedgen.runtime.engine.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
@@ -118,6 +119,8 @@ class ModelRunner:
             self.recurrent = bind_recurrent(self.model, state_specs, config.max_num_seqs,
                                             self.dtype, self.device)
             self.max_num_seqs = self.recurrent.seats
+        if config.batch_invariant:
+            batch_invariant.apply(self)
         # Kernels that compile at first use compile now, before memory profiling and capture.
         for state in self.attn_states:
             state.warmup(self.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedgen.runtime import kernel_plans
-from pagedgen.runtime.engine import jit_monitor
+from pagedgen.runtime.engine import batch_invariant, jit_monitor
 from pagedgen.runtime.engine.stats import peak_memory_bytes
 
 
@@ -64,6 +64,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         **engine.runner.decode_reads.summary(),
     }
     runner = engine.runner
+    if engine.config.batch_invariant:
+        out["batch_invariant"] = batch_invariant.SUMMARY
     if runner.images is not None:
         out.update(runner.images.summary(wall))
     if runner.graphs is not None:

@@ -14,6 +14,7 @@ from torch import nn
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
 from pagedgen.runtime.quantization.dense_gemm import linear
+from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -23,6 +24,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
+        self.invariant_logits = False  # --batch-invariant: logits in fixed tiles
         self.rows = -(-vocab_size // tp.size)
         self.lo = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
@@ -41,5 +43,5 @@ class VocabParallelEmbedding(nn.Module):
         """Logits over the whole vocabulary: this rank's slice computed here, the others
         gathered; float32, or the model's dtype where ``float32`` is False (a step's sampling
         upcasts only what needs it)."""
-        local = linear(hidden, self.weight)
+        local = (invariant_linear if self.invariant_logits else linear)(hidden, self.weight)
         return self.tp.all_gather(local.float() if float32 else local)[..., :self.vocab_size]

@@ -7,10 +7,12 @@ from torch import nn
 
 from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
 from pagedgen.runtime.quantization.dense_gemm import linear
+from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 
 
 class Unquantized(QuantizationMethod):
     name = "none"
+    invariant = False  # --batch-invariant: the GEMM in fixed tiles (invariant_gemm.py)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        bias: bool) -> None:
@@ -20,6 +22,8 @@ class Unquantized(QuantizationMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.invariant:
+            return invariant_linear(x, layer.weight, bias, out)
         if out is None:
             return linear(x, layer.weight, bias)
         return torch.mm(x, layer.weight.t(), out=out)

@@ -1,0 +1,71 @@
+"""``--batch-invariant`` (issue 97): every request's tokens and log-probabilities bit for bit
+those it gets run alone, whatever the batch, its order, the prefill chunks or a preemption's
+recompute.
+
+A row's result may depend on nothing but that row. What the mode changes:
+* the dense GEMMs (the model's projections and its LM head) run in fixed tiles with a fixed
+  reduction order (``quantization/invariant_gemm.py``), not cuBLAS's or MKL's per-shape choice;
+* attention runs on the triton backend with every token through its prefill kernel (a decode is
+  a one-token tile): its order over the keys follows neither the batch nor the chunk, and a
+  recomputed token takes the path its first computation took;
+* no cascade decode (a shared prefix's sums would follow the group) and no CUDA graphs yet (the
+  decode graphs' tiles are not held at fixed addresses).
+Norms, rotary and activations are per row already (the fused Triton kernels on a GPU). What it
+does not cover yet is refused in one line: MoE experts (their tiles follow the tokens an expert
+gets), linear-attention layers, FP8 weights, more than one GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pagedgen.attention.registry import unavailable_reason
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig
+
+WHAT = "--batch-invariant"
+# what the summary says of a run in the mode: the kernels it ran
+SUMMARY = ("on: every token through triton's prefill kernel, dense GEMMs in fixed tiles "
+           "(quantization/invariant_gemm.py), no cascade decode, no CUDA graphs")
+
+
+def prepared(config: EngineConfig) -> EngineConfig:
+    """``config`` as the mode runs it (triton, no cascade, no CUDA graphs), or a
+    PagedgenError for a setting it cannot keep invariant; unchanged without the mode."""
+    if not config.batch_invariant:
+        return config
+    for bad, why in ((config.tensor_parallel_size > 1, "runs on one GPU (its all-reduce order "
+                                                       "would follow the degree)"),
+                     (config.quantization is not None, "runs unquantized weights only"),
+                     (config.backend not in ("auto", "triton"),
+                      f"runs on the triton backend, not {config.backend}")):
+        if bad:
+            raise PagedgenError(f"{WHAT} {why}")
+    why = unavailable_reason("triton", config.torch_device())
+    if why:
+        raise PagedgenError(f"{WHAT} runs on the triton backend, which cannot run here: {why}")
+    return dataclasses.replace(config, backend="triton", cascade_attention=False,
+                               cascade_mixed_steps=False, enforce_eager=True)
+
+
+def apply(runner: Any) -> None:
+    """The mode on ``runner``'s model and attention states: invariant GEMMs, every token
+    through the prefill kernel; a PagedgenError for a model it does not cover."""
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
+    from pagedgen.runtime.quantization.unquantized import Unquantized
+
+    modules = list(runner.model.modules())
+    if any(isinstance(m, FusedMoE) for m in modules):
+        raise PagedgenError(f"{WHAT} does not cover MoE experts yet (their GEMM tiles follow "
+                            "how many tokens reach an expert)")
+    if runner.recurrent is not None:
+        raise PagedgenError(f"{WHAT} does not cover linear-attention layers yet")
+    for m in modules:
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, Unquantized):
+            method.invariant = True
+        if hasattr(m, "invariant_logits"):
+            m.invariant_logits = True
+    for state in runner.attn_states:
+        state.batch_invariant = True

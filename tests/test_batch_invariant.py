@@ -1,0 +1,98 @@
+"""``--batch-invariant`` (issue 97): a request's tokens and log-probabilities bitwise those it
+gets alone, in random batches, behind a cached prefix, in other prefill chunks and after
+preemptions (the tiny preset in float32, Triton's interpreter on a CPU); the same checks fail
+with the mode off; what the mode does not cover is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedgen.cli.verify import invariance_checks as ic
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.engine import batch_invariant
+
+CPU = torch.device("cpu")
+ARGS = (CPU, "tiny", "float32", "auto", 4, 0)
+
+
+def rows(invariant: bool) -> dict[str, ic.Row]:
+    got = [ic.check_batches(*ARGS, 2, invariant, most=5), ic.check_prefix_cache(*ARGS, invariant),
+           ic.check_chunks(*ARGS, invariant), ic.check_preemption(*ARGS, invariant)]
+    return {r.group: r for r in got}
+
+
+@pytest.mark.kernels
+def test_in_the_mode_a_request_gets_what_it_gets_alone():
+    got = rows(True)
+    assert all(r.passed for r in got.values()), got
+    assert "32 prompt tokens from the cache" in got["behind a cached prefix"].detail
+    assert not got["after preemptions"].detail.endswith("0 preemptions")
+
+
+def test_without_the_mode_a_request_gets_other_bits():
+    """The same checks on the engine as it runs by default: a batch, other chunks and a
+    preemption each move the log-probabilities (by ~1e-6 here); a cached prefix does not."""
+    got = rows(False)
+    for group in ("in random batches", "in other prefill chunks", "after preemptions"):
+        assert not got[group].passed and 0 < got[group].worst_abs < 1e-3, got[group]
+    assert got["behind a cached prefix"].passed
+
+
+@pytest.mark.parametrize("field,value,said", [
+    ("tensor_parallel_size", 2, "one GPU"), ("quantization", "fp8", "unquantized"),
+    ("backend", "sdpa", "triton backend, not sdpa")])
+def test_what_the_mode_cannot_keep_invariant_is_one_line(field, value, said):
+    with pytest.raises(PagedgenError, match=said):
+        batch_invariant.prepared(EngineConfig(batch_invariant=True, **{field: value}))
+    assert batch_invariant.prepared(EngineConfig(**{field: value})).backend == \
+        EngineConfig(**{field: value}).backend  # the mode off: unchanged
+
+
+@pytest.mark.kernels
+def test_a_moe_model_is_refused_in_one_line(tmp_path):
+    from hf_models import make_checkpoint
+
+    from pagedgen.runtime.engine.engine import Engine
+    ckpt = make_checkpoint("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(PagedgenError, match="MoE experts"):
+        Engine(EngineConfig(model=str(ckpt), device="cpu", dtype="float32",
+                            batch_invariant=True, num_blocks=64))
+
+
+@pytest.mark.kernels
+def test_the_tiled_gemm_computes_the_product():
+    """The GPU's fixed-tile kernel (interpreted here) against torch's product; its rows'
+    bitwise independence is a GPU test (a CPU BLAS rounds by where a row sits)."""
+    from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(70, 96, generator=g), torch.randn(130, 96, generator=g), \
+        torch.randn(130, generator=g)
+    got = invariant_linear(x, w, b, tiles=True)
+    assert torch.allclose(got, torch.nn.functional.linear(x, w, b), atol=1e-4)
+    rows_alone = torch.cat([invariant_linear(x[i:i + 1], w, b) for i in range(70)])
+    assert torch.equal(invariant_linear(x, w, b), rows_alone)  # the CPU's: a row at a time
+
+
+@pytest.mark.gpu
+def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
+    """On the GPU the fixed tiles make a row's result its own: the rows of 300 at once equal
+    each row alone, bitwise (cuBLAS's do not, the reason for the kernel)."""
+    from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 4096, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(1024, 4096, generator=g).to("cuda", torch.bfloat16)
+    full = invariant_linear(x, w)
+    assert all(torch.equal(full[i], invariant_linear(x[i:i + 1], w)[0]) for i in range(0, 300, 13))
+    assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+def test_the_mode_passes_its_checks_on_a_gpu():
+    """The four checks in the mode on CUDA (bf16, the tiny preset): all bitwise."""
+    args = (torch.device("cuda"), "tiny", "bfloat16", "auto", 8, 0)
+    got = [ic.check_batches(*args, 4, True, most=31), ic.check_prefix_cache(*args),
+           ic.check_chunks(*args), ic.check_preemption(*args)]
+    print([(r.group, r.detail, r.worst_abs) for r in got])
+    assert all(r.passed for r in got), got
