@@ -29,7 +29,7 @@ if HAVE_TRITON:
     @triton.jit
     def _gemm_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         pm, pn = tl.program_id(0), tl.program_id(1)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,7 +41,7 @@ if HAVE_TRITON:
                         mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
             w = tl.load(W + rn[None, :] * stride_wn + kk[:, None],
                         mask=(rn[None, :] < N) & (kk[:, None] < K), other=0.0)
-            acc = tl.dot(x, w, acc, input_precision="ieee")
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(Out + rm[:, None] * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
@@ -73,5 +73,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
         _gemm_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k,
                            x2.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     return out.reshape(*shape[:-1], n)
