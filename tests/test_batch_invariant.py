@@ -1,7 +1,8 @@
 """``--batch-invariant`` (issue 97): a request's tokens and log-probabilities bitwise those it
-gets alone, in random batches, behind a cached prefix, in other prefill chunks and after
-preemptions (the tiny preset in float32, Triton's interpreter on a CPU); the same checks fail
-with the mode off; what the mode does not cover is refused in one line."""
+gets alone, in random batches, behind a cached prefix, in other prefill chunks, after
+preemptions and sampled with its seed (the tiny preset in float32, Triton's interpreter on a
+CPU); the same checks fail with the mode off; what the mode does not cover is refused in one
+line."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ ARGS = (CPU, "tiny", "float32", "auto", 4, 0)
 
 def rows(invariant: bool) -> dict[str, ic.Row]:
     got = [ic.check_batches(*ARGS, 2, invariant, most=5), ic.check_prefix_cache(*ARGS, invariant),
-           ic.check_chunks(*ARGS, invariant), ic.check_preemption(*ARGS, invariant)]
+           ic.check_chunks(*ARGS, invariant), ic.check_preemption(*ARGS, invariant),
+           ic.check_seeded_sampling(*ARGS, invariant, trials=1)]
     return {r.group: r for r in got}
 
 
@@ -32,10 +34,12 @@ def test_in_the_mode_a_request_gets_what_it_gets_alone():
 
 
 def test_without_the_mode_a_request_gets_other_bits():
-    """The same checks on the engine as it runs by default: a batch, other chunks and a
-    preemption each move the log-probabilities (by ~1e-6 here); a cached prefix does not."""
+    """The same checks on the engine as it runs by default: a batch, other chunks, a
+    preemption and a batch of seeded samples each move the log-probabilities (by ~1e-6 here);
+    a cached prefix does not."""
     got = rows(False)
-    for group in ("in random batches", "in other prefill chunks", "after preemptions"):
+    for group in ("in random batches", "in other prefill chunks", "after preemptions",
+                  "sampled with a seed"):
         assert not got[group].passed and 0 < got[group].worst_abs < 1e-3, got[group]
     assert got["behind a cached prefix"].passed
 
@@ -90,9 +94,9 @@ def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
 
 @pytest.mark.gpu
 def test_the_mode_passes_its_checks_on_a_gpu():
-    """The four checks in the mode on CUDA (bf16, the tiny preset): all bitwise."""
+    """The five checks in the mode on CUDA (bf16, the tiny preset): all bitwise."""
     args = (torch.device("cuda"), "tiny", "bfloat16", "auto", 8, 0)
     got = [ic.check_batches(*args, 4, True, most=31), ic.check_prefix_cache(*args),
-           ic.check_chunks(*args), ic.check_preemption(*args)]
+           ic.check_chunks(*args), ic.check_preemption(*args), ic.check_seeded_sampling(*args)]
     print([(r.group, r.detail, r.worst_abs) for r in got])
     assert all(r.passed for r in got), got

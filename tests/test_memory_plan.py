@@ -72,9 +72,12 @@ def test_the_profiles_own_pages_are_not_counted_against_the_kv_cache(monkeypatch
         config=SimpleNamespace(max_num_batched_tokens=640, gpu_memory_utilization=0.9),
         device=torch.device("cpu"), block_size=16, max_num_seqs=8, max_model_len=320,
         scratch_slot=0, builder=Builder(), plan=lambda md: md,
-        layout=SimpleNamespace(groups=[None]), kv=kv, model=Model())
+        layout=SimpleNamespace(groups=[None]), kv=kv, model=Model(), images=None)
     free_bytes = memory_plan.profile_free_memory(runner)
     assert taken == [40]  # two sequences of 320 tokens on pages of 16
     # the budget less the weights, the forward's activations and memory outside torch: the
     # profile's 40 pages (4,000 bytes) go back to the cache
     assert free_bytes == int(TOTAL * 0.9) - 500_000 - activations - 20_000
+    # a model with a vision tower: its embeddings cache's bound kept off the KV cache too
+    runner.images = SimpleNamespace(capacity_bytes=7_000)
+    assert memory_plan.profile_free_memory(runner) == free_bytes - 7_000

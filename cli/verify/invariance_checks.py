@@ -7,7 +7,8 @@ on a fresh engine: the reference. Then the same request
 * inside random batches of 1 to 63 other requests, at a random place (prefix caching off);
 * behind a cached prefix (another request sharing its first tokens ran first);
 * split into other prefill chunks (``max_num_batched_tokens`` of 8 and 24 tokens);
-* after a preemption (a KV cache too small for the batch: its tokens recomputed).
+* after a preemption (a KV cache too small for the batch: its tokens recomputed);
+* sampled at temperature 1 with its own seed, alone and among others with theirs.
 Each row says how many runs gave the reference's exact tokens and log-probabilities, and the
 largest log-probability difference along the tokens they share. Each check takes
 ``invariant=False`` to run the engine as it runs by default (the tests show the rows differ
@@ -30,7 +31,7 @@ NEEDLE = 48  # the needle's prompt tokens
 
 def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, cases: int,
                     steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
-    """The report and its four checks (each a task of its own), in ``--batch-invariant``
+    """The report and its five checks (each a task of its own), in ``--batch-invariant``
     mode: on the triton backend, or skipped with the reason where it cannot run."""
     from pagedgen.attention.registry import unavailable_reason
 
@@ -42,7 +43,8 @@ def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, 
     checks = [Check([(check_batches, (*args, cases))], single),
               Check([(check_prefix_cache, args)], single),
               Check([(check_chunks, args)], single),
-              Check([(check_preemption, args)], single)]
+              Check([(check_preemption, args)], single),
+              Check([(check_seeded_sampling, args)], single)]
     return BackendReport(NAME, "checked", reference="the request run alone"), checks
 
 
@@ -62,14 +64,15 @@ def _needle(seed: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(NEEDLE)]
 
 
-def _run(eng: Any, prompts: list[list[int]], index: int, steps: int
+def _run(eng: Any, prompts: list[list[int]], index: int, steps: int, sampled: bool = False
          ) -> tuple[list[int], list[float]]:
     """``prompts`` through ``eng`` at once; prompt ``index``'s tokens and their
-    log-probabilities."""
+    log-probabilities (greedy; ``sampled``: at temperature 1, each request its own seed)."""
     from pagedgen.runtime.config import SamplingParams
 
-    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True, logprobs=0)
-    seqs = [eng.add_request(p, params) for p in prompts]
+    seqs = [eng.add_request(p, SamplingParams(
+        max_tokens=steps, ignore_eos=True, logprobs=0, temperature=1.0 if sampled else 0.0,
+        seed=7 if i == index else 100 + i)) for i, p in enumerate(prompts)]
     eng.run()
     seq = seqs[index]
     return list(seq.output_token_ids), [float(e[0]) for e in seq.logprobs]
@@ -152,6 +155,27 @@ def check_chunks(device, model, dtype, backend, steps, seed,
                                 max_num_seqs=4)), [others[0], needle, others[1]], 1, steps)
             for n in (8, 24)]
     return _row("in other prefill chunks", (toks, lps), runs, "chunks of 8 and 24 tokens")
+
+
+def check_seeded_sampling(device, model, dtype, backend, steps, seed,
+                          invariant: bool = True, trials: int = 2) -> Row:
+    """The needle sampled at temperature 1 with its own seed, alone and among 1 to 15 others
+    with theirs: the same draws."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    eng = Engine(_config(*args[:4], seed, invariant))
+    vocab = eng.src.hf_config.vocab_size
+    needle = _needle(seed, vocab)
+    want = _run(eng, [needle], 0, steps, sampled=True)
+    rng = random.Random(seed + 5)
+    runs = []
+    for _ in range(trials):
+        others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 60))]
+                  for _ in range(rng.randrange(1, 16))]
+        at = rng.randrange(len(others) + 1)
+        runs.append(_run(eng, others[:at] + [needle] + others[at:], at, steps, sampled=True))
+    return _row("sampled with a seed", want, runs, "temperature 1, each request its seed")
 
 
 def check_preemption(device, model, dtype, backend, steps, seed,

@@ -10,7 +10,9 @@ A row's result may depend on nothing but that row. What the mode changes:
   recomputed token takes the path its first computation took;
 * no cascade decode (a shared prefix's sums would follow the group) and no CUDA graphs yet (the
   decode graphs' tiles are not held at fixed addresses).
-Norms, rotary and activations are per row already (the fused Triton kernels on a GPU). What it
+Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
+CPU the gated activations run a row at a time (torch's CPU exp and tanh round by a value's
+place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``). What it
 does not cover yet is refused in one line: MoE experts (their tiles follow the tokens an expert
 gets), linear-attention layers, FP8 weights, more than one GPU.
 """
@@ -67,5 +69,7 @@ def apply(runner: Any) -> None:
             method.invariant = True
         if hasattr(m, "invariant_logits"):
             m.invariant_logits = True
+        if hasattr(m, "rowwise"):  # activations: a row at a time on a CPU
+            m.rowwise = True
     for state in runner.attn_states:
         state.batch_invariant = True
