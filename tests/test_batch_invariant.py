@@ -100,3 +100,50 @@ def test_the_mode_passes_its_checks_on_a_gpu():
            ic.check_chunks(*args), ic.check_preemption(*args), ic.check_seeded_sampling(*args)]
     print([(r.group, r.detail, r.worst_abs) for r in got])
     assert all(r.passed for r in got), got
+
+
+def _lines(path) -> str:
+    import json
+
+    path.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"line {i} " * (i % 5 + 1),
+                                        "max_tokens": 4, "temperature": 0, "logprobs": 1})
+                            + "\n" for i in range(8)))
+    return str(path)
+
+
+def _generate(src: str, out, *more: str) -> str:
+    from typer.testing import CliRunner
+
+    from pagedgen.cli.app import app
+    res = CliRunner().invoke(app, ["generate", src, "-o", str(out), "--device", "cpu",
+                                   "--dtype", "float32", *more])
+    assert res.exit_code == 0, res.output
+    return out.read_text()
+
+
+@pytest.mark.kernels
+def test_the_mode_writes_each_line_as_run_alone_and_as_resumed(tmp_path):
+    """A file's lines in batches of 4 give the bytes (token ids and log-probabilities) they
+    give one at a time, and a run cut after 3 lines and resumed (the rest in other batches)
+    gives the whole file's; without the mode the log-probabilities move."""
+    src = _lines(tmp_path / "p.jsonl")
+    mode = ["--batch-invariant"]
+    out = tmp_path / "b.jsonl"
+    batched = _generate(src, out, *mode, "--max-num-seqs", "4")
+    alone = _generate(src, tmp_path / "a.jsonl", *mode, "--max-num-seqs", "1")
+    assert batched == alone
+    out.write_text("".join(batched.splitlines(keepends=True)[:3]))  # killed after 3 lines
+    assert _generate(src, out, *mode, "--max-num-seqs", "4", "--resume") == batched
+    assert _generate(src, tmp_path / "b0.jsonl", "--backend", "triton", "--max-num-seqs",
+                     "4") != _generate(src, tmp_path / "a0.jsonl", "--backend", "triton",
+                                       "--max-num-seqs", "1")
+
+
+@pytest.mark.kernels
+@pytest.mark.process
+def test_two_replicas_write_the_one_process_file_in_the_mode(tmp_path):
+    """``-dp 2`` in the mode: the same bytes as one process (each replica's batches differ)."""
+    src = _lines(tmp_path / "p.jsonl")
+    mode = ["--batch-invariant", "--max-num-seqs", "4"]
+    assert _generate(src, tmp_path / "dp.jsonl", *mode, "-dp", "2") == \
+        _generate(src, tmp_path / "one.jsonl", *mode)
