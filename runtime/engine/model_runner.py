@@ -364,7 +364,7 @@ class ModelRunner:
         self.host_steps = dict.fromkeys(self.host_steps, 0)
         self.decode_reads = DecodeReads(self.decode_reads.token_bytes)
         if self.images is not None:
-            self.images.encoded = self.images.reused = 0
+            self.images.reset_counts()
         if self.piecewise is not None:
             self.piecewise.steps = 0
         if self.graphs is not None:  # graphs captured from here on count for the next run

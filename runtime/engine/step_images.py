@@ -42,11 +42,15 @@ class ImageEncoder:
         self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.cache_bytes = 0
+        self.reset_counts()
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedgen-images")
+
+    def reset_counts(self) -> None:
+        """The summary's figures from zero (between benchmark runs on one engine)."""
         self.encoded = 0
         self.reused = 0
         self.pixel_wait_s = 0.0  # the step loop waiting for pixels not made ahead
         self._timings: list[Any] = []  # the tower's runs: (start, end) events, or seconds
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="pagedgen-images")
 
     def prefetch(self, images: Any) -> None:
         """Start patching ``images``' (a ``MultiModalPrompt``'s) images not encoded yet."""
