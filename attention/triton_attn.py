@@ -128,7 +128,7 @@ class TritonState(AttentionState):
               ) -> TritonMetadata:
         md, plan = metadata, TritonPlan()
         if self.batch_invariant:
-            plan.tile_seq, plan.tile_qstart = self._invariant_tiles(md, graph_batch_size)
+            plan.tile_seq, plan.tile_qstart = self._invariant_tiles(md)
             return md.extend(TritonMetadata, plan=plan)
         if md.num_prefills:
             block_q = self.block_m // self.g_tile
@@ -152,9 +152,7 @@ class TritonState(AttentionState):
                 None if graph_batch_size else max(md.seq_lens_cpu[md.num_prefills:]))
         return md.extend(TritonMetadata, plan=plan)
 
-
-    def _invariant_tiles(self, md: AttentionMetadata, graph_batch_size: int | None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _invariant_tiles(self, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill tiles over every sequence, decodes included, each tile at the same
         positions whatever the step: starting at a multiple of its rows from the sequence's
         first token (a step's first tile may start before its first new token), so a token
@@ -187,17 +185,13 @@ class TritonImpl(AttentionImpl):
                metadata: TritonMetadata) -> torch.Tensor:
         md, st, spec = metadata, self.state, self.spec
         out = torch.empty_like(q)
-        if st.batch_invariant:  # every token, decodes too, through the prefill kernel
+        if md.num_prefills or st.batch_invariant:  # the mode: decodes' tiles too
             plan = md.plan
             grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
             self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
                           md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
-            return out
-        if md.num_prefills:
-            plan = md.plan
-            grid = (plan.tile_seq.shape[0], spec.num_heads // st.g_tile)
-            self._prefill(grid, q, kv_cache, out, out, md.block_tables, md.query_start_loc,
-                          md.context_lens, plan.tile_seq, plan.tile_qstart, causal=True)
+            if st.batch_invariant:
+                return out
         if md.cascade is not None:  # the decodes, grouped
             t0 = md.num_prefill_tokens
             self._cascade(q[t0:], kv_cache, out[t0:], md.plan)

@@ -55,7 +55,6 @@ def apply(runner: Any) -> None:
     """The mode on ``runner``'s model and attention states: invariant GEMMs, every token
     through the prefill kernel; a PagedgenError for a model it does not cover."""
     from pagedgen.runtime.layers.moe.layer import FusedMoE
-    from pagedgen.runtime.quantization.unquantized import Unquantized
 
     modules = list(runner.model.modules())
     if any(isinstance(m, FusedMoE) for m in modules):
@@ -63,13 +62,9 @@ def apply(runner: Any) -> None:
                             "how many tokens reach an expert)")
     if runner.recurrent is not None:
         raise PagedgenError(f"{WHAT} does not cover linear-attention layers yet")
-    for m in modules:
-        method = getattr(m, "quant_method", None)
-        if isinstance(method, Unquantized):
-            method.invariant = True
-        if hasattr(m, "invariant_logits"):
-            m.invariant_logits = True
-        if hasattr(m, "rowwise"):  # activations: a row at a time on a CPU
-            m.rowwise = True
-    for state in runner.attn_states:
-        state.batch_invariant = True
+    # what has a ``batch_invariant`` switch: dense linear methods, the LM head, the gated
+    # activations (a row at a time on a CPU), the attention states
+    for obj in [*modules, *(getattr(m, "quant_method", None) for m in modules),
+                *runner.attn_states]:
+        if hasattr(obj, "batch_invariant"):
+            obj.batch_invariant = True

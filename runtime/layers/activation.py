@@ -8,13 +8,7 @@ from torch import nn
 
 from pagedgen.profiling import scope
 from pagedgen.runtime.layers import fused_ops
-
-
-def by_rows(op, x: torch.Tensor, *args):
-    """``op`` a row at a time (``--batch-invariant`` on a CPU: torch's CPU kernels compute
-    exp and tanh in SIMD lanes or a scalar tail by where a value sits in the tensor, so a
-    row's bits would follow the rows around it)."""
-    return torch.cat([op(row, *args) for row in x.split(1)]) if len(x) else op(x, *args)
+from pagedgen.runtime.quantization.invariant_gemm import by_rows
 
 
 class SiluAndMul(nn.Module):
@@ -23,14 +17,14 @@ class SiluAndMul(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.fused = False  # ``use_fused_kernels``
-        self.rowwise = False  # ``by_rows`` on a CPU (--batch-invariant)
+        self.batch_invariant = False  # a row at a time on a CPU (``by_rows``)
 
     def forward(self, gate_up: torch.Tensor, quantize: bool = False):
         """``quantize``: quantized to FP8 per token in the same kernel
         (``QuantizedActivations``)."""
         op = fused_ops.silu_and_mul_fused if self.fused else fused_ops.silu_and_mul_ref
         with scope("activation"):
-            if self.rowwise and not gate_up.is_cuda and not quantize:
+            if self.batch_invariant and not gate_up.is_cuda and not quantize:
                 return by_rows(op, gate_up, quantize)
             return op(gate_up, quantize)
 
@@ -40,11 +34,11 @@ class GeluTanhAndMul(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rowwise = False  # ``by_rows`` on a CPU (--batch-invariant)
+        self.batch_invariant = False  # a row at a time on a CPU (``by_rows``)
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         with scope("activation"):
-            if self.rowwise and not gate_up.is_cuda:
+            if self.batch_invariant and not gate_up.is_cuda:
                 return by_rows(self._op, gate_up)
             return self._op(gate_up)
 

@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
-        self.invariant_logits = False  # --batch-invariant: logits in fixed tiles
+        self.batch_invariant = False  # logits in fixed tiles (invariant_gemm.py)
         self.rows = -(-vocab_size // tp.size)
         self.lo = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))
@@ -43,5 +43,5 @@ class VocabParallelEmbedding(nn.Module):
         """Logits over the whole vocabulary: this rank's slice computed here, the others
         gathered; float32, or the model's dtype where ``float32`` is False (a step's sampling
         upcasts only what needs it)."""
-        local = (invariant_linear if self.invariant_logits else linear)(hidden, self.weight)
+        local = (invariant_linear if self.batch_invariant else linear)(hidden, self.weight)
         return self.tp.all_gather(local.float() if float32 else local)[..., :self.vocab_size]

@@ -48,6 +48,13 @@ if HAVE_TRITON:
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+def by_rows(op, x: torch.Tensor, *args):
+    """``op`` a row at a time, a row's result its own: on a CPU a BLAS rounds a row by its place
+    in the register block, and torch's exp and tanh by a value's place in the tensor (SIMD lane
+    or scalar tail), so a row's bits would follow the rows around it."""
+    return torch.cat([op(row, *args) for row in x.split(1)]) if len(x) else op(x, *args)
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, tiles: bool | None = None) -> torch.Tensor:
     """``x W^T (+ b)`` in fixed tiles on a GPU, a row at a time on a CPU (``x``: [..., K],
@@ -56,8 +63,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not (x.is_cuda if tiles is None else tiles):
-        rows = [torch.nn.functional.linear(r, weight, bias) for r in x2.split(1)]
-        got = torch.cat(rows) if rows else x2.new_empty(0, weight.shape[0])
+        got = by_rows(torch.nn.functional.linear, x2, weight, bias)
         if out is not None:
             out.copy_(got)
             got = out

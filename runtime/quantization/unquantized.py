@@ -12,7 +12,7 @@ from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 
 class Unquantized(QuantizationMethod):
     name = "none"
-    invariant = False  # --batch-invariant: the GEMM in fixed tiles (invariant_gemm.py)
+    batch_invariant = False  # the GEMM in fixed tiles (invariant_gemm.py)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        bias: bool) -> None:
@@ -22,7 +22,7 @@ class Unquantized(QuantizationMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.invariant:
+        if self.batch_invariant:
             return invariant_linear(x, layer.weight, bias, out)
         if out is None:
             return linear(x, layer.weight, bias)
