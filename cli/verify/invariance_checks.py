@@ -90,6 +90,16 @@ def _reference(args: tuple, invariant: bool
     return (*_run(eng, [needle], 0, steps), needle, vocab)
 
 
+def _among_others(rng: random.Random, vocab: int, needle: list[int], most: int, longest: int
+                  ) -> tuple[list[list[int]], int]:
+    """The needle at a random place among 1 to ``most`` random prompts of 4 to ``longest - 1``
+    tokens: (the prompts, the needle's index)."""
+    others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, longest))]
+              for _ in range(rng.randrange(1, most + 1))]
+    at = rng.randrange(len(others) + 1)
+    return others[:at] + [needle] + others[at:], at
+
+
 def _row(group: str, want: tuple[list[int], list[float]],
          runs: list[tuple[list[int], list[float]]], detail: str) -> Row:
     """How many ``runs`` equal ``want`` bit for bit, and the largest log-probability gap along
@@ -117,11 +127,9 @@ def check_batches(device, model, dtype, backend, steps, seed, cases,
     rng = random.Random(seed + 1)
     runs, sizes = [], []
     for _ in range(cases):
-        others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 120))]
-                  for _ in range(rng.randrange(1, most + 1))]
-        at = rng.randrange(len(others) + 1)
-        runs.append(_run(eng, others[:at] + [needle] + others[at:], at, steps))
-        sizes.append(len(others) + 1)
+        prompts, at = _among_others(rng, vocab, needle, most, 120)
+        runs.append(_run(eng, prompts, at, steps))
+        sizes.append(len(prompts))
     return _row("in random batches", (toks, lps), runs,
                 f"batches of {min(sizes)}-{max(sizes)} requests")
 
@@ -169,12 +177,8 @@ def check_seeded_sampling(device, model, dtype, backend, steps, seed,
     needle = _needle(seed, vocab)
     want = _run(eng, [needle], 0, steps, sampled=True)
     rng = random.Random(seed + 5)
-    runs = []
-    for _ in range(trials):
-        others = [[rng.randrange(vocab) for _ in range(rng.randrange(4, 60))]
-                  for _ in range(rng.randrange(1, 16))]
-        at = rng.randrange(len(others) + 1)
-        runs.append(_run(eng, others[:at] + [needle] + others[at:], at, steps, sampled=True))
+    runs = [_run(eng, *_among_others(rng, vocab, needle, 15, 60), steps, sampled=True)
+            for _ in range(trials)]
     return _row("sampled with a seed", want, runs, "temperature 1, each request its seed")
 
 
