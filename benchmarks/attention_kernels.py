@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import env_set
+from benchmarks.vllm_attention import contexts, rate
 
 from pagedgen import envs
 from pagedgen.attention.backend import LayerSpec
@@ -61,10 +62,8 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
     backend = get_backend(backend_name, dev)
     page = page or backend.resolve_block_size(None)
     spec = LayerSpec(HQ, HKV, D, D ** -0.5)
-    n_new = 1 if kind == "decode" else ctx[0]
+    ctxs, n_new = contexts(kind, batch, ctx)
     torch.manual_seed(0)  # the same cache and queries for every variant of a layout
-    g = torch.Generator().manual_seed(0)
-    ctxs = torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=g).tolist()
     pages = [-(-c // page) for c in ctxs]
     num_blocks = sum(pages) + 1
     shape = backend.get_kv_cache_shape(num_blocks, page, HKV, D)
@@ -123,11 +122,7 @@ def bench(backend_name: str, kind: str, batch: int, ctx: tuple[int, int], page: 
         res["triton_prefill_tile"] = "x".join(map(str, (
             state.block_m, state.block_n, state.num_warps, state.num_stages, state.g_tile,
             *([state.prefill_dv] if state.prefill_dv else []))))
-    if kind == "decode":
-        res["GB_s"] = sum(ctxs) * HKV * D * 2 * kv_dtype.itemsize / s / 1e9
-    else:
-        pairs = sum(n_new * (c - n_new) + n_new * (n_new + 1) / 2 for c in ctxs)
-        res["TFLOP_s"] = 4 * HQ * D * pairs / s / 1e12
+    res.update(rate(kind, ctxs, n_new, HQ, HKV, D, kv_dtype.itemsize, s))
     res["checksum"] = float(out.float().abs().mean())  # equal across variants of one shape
     return res
 

@@ -7,7 +7,8 @@ The same contexts as ``attention_kernels`` draws (seeded), pages of 16 as vLLM's
 backend takes, K and V in its layout (``[blocks, KV heads, page, 2 x head]`` seen as
 ``[blocks, page, KV heads, head]`` each), bf16; decodes replayed from a CUDA graph with the
 split-softmax buffers vLLM's backend allocates (its 3D kernel below ``128 / KV heads``
-sequences, as vLLM picks). One JSON row per shape on stdout.
+sequences, as vLLM picks). One JSON row per shape on stdout. The shapes' contexts and rates
+(``contexts``, ``rate``) are ``attention_kernels``' too: this module imports no pagedgen.
 
     PYTHONPATH=/tmp/site-vllm python -m benchmarks.vllm_attention '{"heads": [32, 4],
         "head_dim": 512, "shapes": [["decode", 64, [4096, 4096]]], "iters": 20}'
@@ -26,15 +27,31 @@ SEGMENTS = 16  # vLLM's NUM_PAR_SOFTMAX_SEGMENTS
 MIN_GRID_2D = 128  # vLLM's MIN_LAUNCH_GRID_SIZE_2D
 
 
+def contexts(kind: str, batch: int, ctx: tuple[int, int]) -> tuple[list[int], int]:
+    """A shape's sequence lengths (seeded: each drawn from ``ctx``) and each one's new tokens
+    (a decode's 1; a prefill's ``ctx[0]``, after the rest cached), as ``attention_kernels``
+    and this module both draw them."""
+    g = torch.Generator().manual_seed(0)
+    ctxs = torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=g).tolist()
+    return ctxs, 1 if kind == "decode" else ctx[0]
+
+
+def rate(kind: str, ctxs: list[int], n_new: int, hq: int, hkv: int, d: int, kv_bytes: int,
+         seconds: float) -> dict[str, float]:
+    """A decode's GB/s of K and V read (``kv_bytes`` an element), a causal prefill's TFLOP/s."""
+    if kind == "decode":
+        return {"GB_s": sum(ctxs) * hkv * d * 2 * kv_bytes / seconds / 1e9}
+    pairs = sum(n_new * (c - n_new) + n_new * (n_new + 1) / 2 for c in ctxs)
+    return {"TFLOP_s": 4 * hq * d * pairs / seconds / 1e12}
+
+
 def bench(kind: str, batch: int, ctx: tuple[int, int], hq: int, hkv: int, d: int,
           iters: int) -> dict:
     import vllm
     from vllm.v1.attention.ops.triton_unified_attention import unified_attention
 
     dev = torch.device("cuda")
-    n_new = 1 if kind == "decode" else ctx[0]
-    g = torch.Generator().manual_seed(0)
-    ctxs = torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=g).tolist()
+    ctxs, n_new = contexts(kind, batch, ctx)
     pages = [-(-c // PAGE) for c in ctxs]
     num_blocks = sum(pages) + 1
     torch.manual_seed(0)
@@ -89,12 +106,7 @@ def bench(kind: str, batch: int, ctx: tuple[int, int], hq: int, hkv: int, d: int
            "batch": batch, "context": ctx[0] if ctx[0] == ctx[1] else f"{ctx[0]}-{ctx[1]}",
            "page": PAGE, "heads": f"{hq}/{hkv}", "head_dim": d, "cuda_graph": graphed,
            "kernel": "3D (split softmax)" if graphed and batch <= threshold else "2D",
-           "ms": s * 1000}
-    if kind == "decode":
-        row["GB_s"] = sum(ctxs) * hkv * d * 2 * 2 / s / 1e9
-    else:
-        pairs = sum(n_new * (c - n_new) + n_new * (n_new + 1) / 2 for c in ctxs)
-        row["TFLOP_s"] = 4 * hq * d * pairs / s / 1e12
+           "ms": s * 1000, **rate(kind, ctxs, n_new, hq, hkv, d, 2, s)}
     return row
 
 
