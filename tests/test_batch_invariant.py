@@ -1,8 +1,8 @@
 """``--batch-invariant`` (issue 97): a request's tokens and log-probabilities bitwise those it
 gets alone, in random batches, behind a cached prefix, in other prefill chunks, after
 preemptions and sampled with its seed (the tiny preset in float32, Triton's interpreter on a
-CPU); the same checks fail with the mode off; what the mode does not cover is refused in one
-line."""
+CPU), and on a tiny MoE model; the same checks fail with the mode off; what the mode does not
+cover is refused in one line."""
 
 from __future__ import annotations
 
@@ -54,15 +54,48 @@ def test_what_the_mode_cannot_keep_invariant_is_one_line(field, value, said):
         EngineConfig(**{field: value}).backend  # the mode off: unchanged
 
 
-@pytest.mark.kernels
-def test_a_moe_model_is_refused_in_one_line(tmp_path):
+def _moe_rows(tmp_path, invariant: bool) -> dict[str, ic.Row]:
+    """A tiny Qwen2-MoE (routed experts, a gated shared expert; heads of 64 for triton)."""
     from hf_models import make_checkpoint
 
-    from pagedgen.runtime.engine.engine import Engine
-    ckpt = make_checkpoint("qwen3_moe", tmp_path / "moe")
-    with pytest.raises(PagedgenError, match="MoE experts"):
-        Engine(EngineConfig(model=str(ckpt), device="cpu", dtype="float32",
-                            batch_invariant=True, num_blocks=64))
+    ckpt = str(make_checkpoint("qwen2_moe", tmp_path / "moe", head_dim=64))
+    args = (CPU, ckpt, "float32", "auto", 4, 0)
+    got = [ic.check_batches(*args, 2, invariant, most=5), ic.check_preemption(*args, invariant),
+           ic.check_seeded_sampling(*args, invariant, trials=1)]
+    return {r.group: r for r in got}
+
+
+@pytest.mark.kernels
+def test_a_moe_model_in_the_mode_gets_what_it_gets_alone(tmp_path):
+    """Experts a token at a time (their products, activation and the shared expert's gate),
+    added in the order of their ids: bitwise in batches, after a preemption, sampled."""
+    got = _moe_rows(tmp_path, True)
+    assert all(r.passed for r in got.values()), got
+
+
+def test_without_the_mode_a_moe_model_gets_other_bits(tmp_path):
+    got = _moe_rows(tmp_path, False)
+    assert not got["after preemptions"].passed and not got["sampled with a seed"].passed, got
+
+
+def test_quantized_experts_are_refused_in_one_line():
+    """A checkpoint's own format (here MXFP4 experts, as gpt-oss ships) picks its kernels'
+    tiles by the token count: the mode names it instead of running it unchecked."""
+    from types import SimpleNamespace
+
+    from pagedgen.runtime.collectives.parallel import TensorParallel
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
+    from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
+    from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
+
+    def runner(method):
+        model = torch.nn.Sequential(FusedMoE(4, 2, 64, 64, TensorParallel(), method=method))
+        return SimpleNamespace(model=model, recurrent=None, attn_states=[])
+    with pytest.raises(PagedgenError, match="unquantized weights only .*Mxfp4Moe"):
+        batch_invariant.apply(runner(Mxfp4Moe()))
+    dense = runner(UnquantizedMoe())
+    batch_invariant.apply(dense)
+    assert dense.model[0].batch_invariant
 
 
 @pytest.mark.kernels
@@ -90,6 +123,26 @@ def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
     full = invariant_linear(x, w)
     assert all(torch.equal(full[i], invariant_linear(x[i:i + 1], w)[0]) for i in range(0, 300, 13))
     assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+def test_the_experts_give_each_token_its_bits_alone_on_a_gpu():
+    """The grouped GEMMs in the mode's one tile: a token's output among 300 (its experts
+    shared with many others) equals the token alone, bitwise; the plan's per-count tiles need
+    not."""
+    from pagedgen.runtime.collectives.parallel import TensorParallel
+    from pagedgen.runtime.layers.moe import route
+    from pagedgen.runtime.layers.moe.layer import FusedMoE
+    g = torch.Generator().manual_seed(0)
+    moe = FusedMoE(16, 4, 1024, 512, TensorParallel()).to("cuda", torch.bfloat16)
+    for p in (moe.w13_weight, moe.w2_weight):
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    moe.batch_invariant = True
+    x = torch.randn(300, 1024, generator=g).to("cuda", torch.bfloat16)
+    weights, ids = route.route(torch.randn(300, 16, generator=g).to("cuda"), 4, True)
+    full = moe(x, weights, ids)
+    assert all(torch.equal(full[i], moe(x[i:i + 1], weights[i:i + 1], ids[i:i + 1])[0])
+               for i in range(0, 300, 13))
 
 
 @pytest.mark.gpu

@@ -139,7 +139,8 @@ def generate(
     batch_invariant: Optional[bool] = typer.Option(
         None, "--batch-invariant",
         help="Every request's tokens and log-probabilities bit for bit those it gets run "
-             "alone, whatever else the batch holds (dense models, triton backend, one GPU; "
+             "alone, whatever else the batch holds (unquantized dense and MoE models, triton "
+             "backend, one GPU; "
              "pagedgen verify --batch-invariance checks it) [default: off]."),
     reasoning_parser: Optional[str] = typer.Option(
         None, help="How a reasoning model's thinking is split from its answer (into "

@@ -13,8 +13,11 @@ A row's result may depend on nothing but that row. What the mode changes:
 Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
 CPU the gated activations run a row at a time (torch's CPU exp and tanh round by a value's
 place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``). What it
-does not cover yet is refused in one line: MoE experts (their tiles follow the tokens an expert
-gets), linear-attention layers, FP8 weights, more than one GPU.
+MoE experts run the grouped GEMM in one tile for every token count on a GPU (a token's row
+sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
+token at a time on a CPU; a token's experts add in slot order. What it does not cover yet is
+refused in one line: linear-attention layers, quantized weights (``--quantization`` or a
+checkpoint's FP8 or MXFP4), more than one GPU.
 """
 
 from __future__ import annotations
@@ -25,11 +28,14 @@ from typing import Any
 from pagedgen.attention.registry import unavailable_reason
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
+from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 WHAT = "--batch-invariant"
 # what the summary says of a run in the mode: the kernels it ran
 SUMMARY = ("on: every token through triton's prefill kernel, dense GEMMs in fixed tiles "
-           "(quantization/invariant_gemm.py), no cascade decode, no CUDA graphs")
+           "(quantization/invariant_gemm.py), MoE experts in one tile, no cascade decode, "
+           "no CUDA graphs")
 
 
 def prepared(config: EngineConfig) -> EngineConfig:
@@ -54,17 +60,19 @@ def prepared(config: EngineConfig) -> EngineConfig:
 def apply(runner: Any) -> None:
     """The mode on ``runner``'s model and attention states: invariant GEMMs, every token
     through the prefill kernel; a PagedgenError for a model it does not cover."""
-    from pagedgen.runtime.layers.moe.layer import FusedMoE
-
-    modules = list(runner.model.modules())
-    if any(isinstance(m, FusedMoE) for m in modules):
-        raise PagedgenError(f"{WHAT} does not cover MoE experts yet (their GEMM tiles follow "
-                            "how many tokens reach an expert)")
     if runner.recurrent is not None:
         raise PagedgenError(f"{WHAT} does not cover linear-attention layers yet")
-    # what has a ``batch_invariant`` switch: dense linear methods, the LM head, the gated
-    # activations (a row at a time on a CPU), the attention states
-    for obj in [*modules, *(getattr(m, "quant_method", None) for m in modules),
-                *runner.attn_states]:
+    modules = list(runner.model.modules())
+    methods = [m for mod in modules
+               for m in (getattr(mod, "quant_method", None), getattr(mod, "method", None))
+               if isinstance(m, QuantizationMethod | MoeMethod)]
+    quantized = sorted({type(m).__name__ for m in methods
+                        if not isinstance(m, Unquantized | UnquantizedMoe)})
+    if quantized:  # a checkpoint's own format (FP8, MXFP4 experts): its kernels pick tiles
+        raise PagedgenError(f"{WHAT} runs unquantized weights only (this checkpoint's are "
+                            f"{', '.join(quantized)})")
+    # what has a ``batch_invariant`` switch: dense linear methods, the LM head, MoE experts,
+    # the gated activations (a row at a time on a CPU), the attention states
+    for obj in [*modules, *methods, *runner.attn_states]:
         if hasattr(obj, "batch_invariant"):
             obj.batch_invariant = True

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+from pagedgen.runtime.quantization.invariant_gemm import by_rows
 
 try:
     import triton
@@ -39,10 +40,13 @@ def slot_sum_reference(src: torch.Tensor, top_k: int, out: torch.Tensor | None =
     return out if gated is None else add_gated(out, *gated)
 
 
-def add_gated(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+def add_gated(out: torch.Tensor, x: torch.Tensor, logit: torch.Tensor,
+              rowwise: bool = False) -> torch.Tensor:
     """``out += sigmoid(logit) * x`` in place (``out``, ``x`` [T, H], ``logit`` [T, 1]), each
-    op rounded to the activation dtype (transformers' ``Qwen2MoeSparseMoeBlock``)."""
-    return out.add_(torch.sigmoid(logit) * x)
+    op rounded to the activation dtype (transformers' ``Qwen2MoeSparseMoeBlock``);
+    ``rowwise``: a token's sigmoid on its own (torch's CPU exp rounds by a value's place)."""
+    gate = by_rows(torch.sigmoid, logit) if rowwise else torch.sigmoid(logit)
+    return out.add_(gate * x)
 
 
 if HAVE_TRITON:

@@ -23,6 +23,7 @@ from pagedgen.runtime.layers.moe.act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe.align import align
 from pagedgen.runtime.layers.moe.combine import slot_sum
 from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+from pagedgen.runtime.quantization.invariant_gemm import by_rows
 
 try:
     import triton
@@ -36,17 +37,20 @@ except ImportError:  # CPU-only installs: the per-expert loop
 
 def reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor, act=swiglu, b13: torch.Tensor | None = None,
-              b2: torch.Tensor | None = None) -> torch.Tensor:
+              b2: torch.Tensor | None = None, rowwise: bool = False) -> torch.Tensor:
     """``sum_j weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))`` over each token's
     experts ``e = ids[t, j]``, one expert at a time (``w13`` [E, 2I, H]: gate rows, then up;
     ``w2`` [E, H, I]; biases ``b13`` [E, 2I], ``b2`` [E, H] where the experts have them);
-    [T, H] in ``x``'s dtype."""
+    [T, H] in ``x``'s dtype. A token's experts add in the order of their ids; ``rowwise``
+    (``--batch-invariant``): each token's products and activation on their own, so its bits
+    follow none of the other tokens an expert gets."""
+    rows = by_rows if rowwise else (lambda op, *a: op(*a))
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e in ids.unique().tolist():
         token, slot = (ids == e).nonzero(as_tuple=True)
-        gate, up = F.linear(x[token], w13[e],
-                            None if b13 is None else b13[e].to(x.dtype)).chunk(2, -1)
-        y = F.linear(act(gate, up), w2[e], None if b2 is None else b2[e].to(x.dtype))
+        gate_up = rows(F.linear, x[token], w13[e], None if b13 is None else b13[e].to(x.dtype))
+        inner = rows(lambda gu: act(*gu.chunk(2, -1)), gate_up)
+        y = rows(F.linear, inner, w2[e], None if b2 is None else b2[e].to(x.dtype))
         out.index_add_(0, token, y.float() * weights[token, slot, None])
     return out.to(x.dtype)
 

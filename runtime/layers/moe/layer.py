@@ -36,7 +36,7 @@ from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe import route as moe_route
 from pagedgen.runtime.layers.linear import ColumnParallelLinear
-from pagedgen.runtime.layers.moe.plan import MoePlan, plan_moe
+from pagedgen.runtime.layers.moe.plan import INVARIANT, MoePlan, plan_moe
 from pagedgen.runtime.layers.moe.combine import add_gated
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
@@ -99,6 +99,9 @@ class FusedMoE(nn.Module):
         self.use_triton: bool | None = None
         self.act_dtype = torch.get_default_dtype()  # the model's (built under it)
         self._plan: MoePlan | None = None
+        # --batch-invariant: one tile for every token count on a GPU, a token at a time on a
+        # CPU, so a token's sums follow none of the other tokens its experts get
+        self.batch_invariant = False
 
     def plan_kernels(self) -> None:
         """Choose the grouped GEMMs' tiles at load, before the first step (shipped for this
@@ -126,11 +129,18 @@ class FusedMoE(nn.Module):
         with scope("moe"):
             if not triton:
                 w13, w2 = self.method.dense(self, x.dtype)
-                y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias, b2)
+                y = mk.reference(x, w13, w2, weights, ids, self.act, self.w13_bias, b2,
+                                 rowwise=self.batch_invariant)
                 y = y if out is None else out.copy_(y)
-                return y if gated is None else add_gated(y, *gated)
+                return y if gated is None else add_gated(y, *gated,
+                                                         rowwise=self.batch_invariant)
             if not mk.HAVE_TRITON:
                 raise RuntimeError("MoE layers on a GPU need Triton (pip install triton)")
+            if self.batch_invariant:
+                return mk.fused_experts(x, self.w13_weight, self.w2_weight, weights, ids,
+                                        (INVARIANT, INVARIANT), out, scales, False, self.act,
+                                        self.w13_bias, b2, dropped=self.expert_parallel,
+                                        gated=gated)
             if self._plan is None:
                 self._plan = plan_moe(self.w13_weight, self.w2_weight, self.top_k, scales,
                                       x.dtype, self.act, self.w13_bias, b2)

@@ -64,6 +64,9 @@ CANDIDATES = {t.name: t for t in (
 CANDIDATES.update((t.name, t) for t in [replace(t, tma=True) for t in CANDIDATES.values()
                                         if t.block_m >= 64 and not t.swap])
 INTERPRETED = Tiles(16, 32, 32)  # CPU tensors in Triton's interpreter (tests)
+# --batch-invariant on a GPU: one tile for every token count (no split of K, the same K order
+# wherever a token's row sits), bf16 at any expert shape
+INVARIANT = Tiles(64, 64, 64)
 DENSE = (Tiles(64, 128, 64, 8, 4, 3), Tiles(64, 256, 64, 8, 8, 3), Tiles(128, 128, 64, 8, 8, 4),
          Tiles(128, 256, 64, 8, 8, 3))  # MXFP4 experts written out dense: prefill tiles
 
