@@ -1,7 +1,7 @@
 """FP8 GEMMs against bf16 on this GPU, for a model's linear shapes (issue 32).
 
 For each M, each of the model's four linear layers (qkv, o, gate_up, down; summed) through the
-bf16 GEMM and every FP8 kernel that can run it (``runtime/quantization/fp8.py``), timed from CUDA
+bf16 GEMM and every FP8 kernel that can run it (``runtime/quantization/fp8/``), timed from CUDA
 graph replays as the model runs them, plus the kernel the layer's measured plan picks. Prints
 microseconds, each one's speed-up over bf16, and the weight bandwidth reached;
 ``--every-tile`` also each Triton tile's time (``<kind>/<tile>_us``), and the tensor-core
@@ -25,7 +25,7 @@ import torch
 from benchmarks.common import print_table
 from pagedgen.runtime.hardware import copy_bandwidth
 from pagedgen.runtime.models.loader import resolve_model
-from pagedgen.runtime.quantization.fp8_gemm import (candidates, graph_time, plan_gemm, run_gemm,
+from pagedgen.runtime.quantization.fp8.gemm import (candidates, graph_time, plan_gemm, run_gemm,
                                                     standalone_layer)
 
 
@@ -41,7 +41,7 @@ def shapes(profile: str) -> dict[str, tuple[int, int]]:
 def mma_instructions() -> dict[str, str]:
     """For each Triton FP8 GEMM kernel this process compiled: the tensor-core instructions in
     its PTX and its shared memory."""
-    from pagedgen.runtime.quantization import fp8_kernels as k
+    from pagedgen.runtime.quantization.fp8 import kernels as k
 
     out = {}
     for name in ("_scaled_gemm_kernel", "_scaled_gemm_tma_kernel"):
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--tma-tiles", default="",
                     help="more TMA tiles to try, NAME=BM,BN,BK,WARPS,STAGES;... (this run only)")
     args = ap.parse_args()
-    from pagedgen.runtime.quantization import fp8_kernels
+    from pagedgen.runtime.quantization.fp8 import kernels as fp8_kernels
 
     for spec in filter(None, args.tma_tiles.split(";")):
         name, _, dims = spec.partition("=")

@@ -25,7 +25,7 @@ from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.layers.moe.act import clamped_swiglu
 from pagedgen.runtime.layers.moe.plan import CANDIDATES, mostly_padding, random_routing
-from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
+from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
 
 SHAPES = {"gpt-oss-20b": (32, 4, 2880, 2880), "gpt-oss-120b": (128, 4, 2880, 2880)}
 

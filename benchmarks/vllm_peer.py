@@ -106,7 +106,7 @@ def failure(stdout: str, stderr: str) -> dict[str, str]:
 def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``config.json`` vLLM loads for ``hf_config`` (a preset's: dummy weights), and what
     its engine needs besides: a multimodal family's text config under ``text_config`` with
-    ``language_model_only``; gpt-oss's MXFP4 experts as its ``quantization_config``; Gemma
+    ``language_model_only``; Gemma
     4's global layers' head size and KV heads as vLLM reads them (``getattr(config,
     "global_head_dim")``), set by ``hf_overrides`` on the config transformers made, since
     transformers 5.x turns the published keys into ``per_layer_config`` (leaving
@@ -120,8 +120,6 @@ def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg.update(wide)
         cfg["allow_global_per_layer_attribute_access"] = True
         more["hf_overrides"] = {**wide, "allow_global_per_layer_attribute_access": True}
-    if cfg.get("mxfp4_experts"):  # gpt-oss's experts 4-bit in vLLM too (its MXFP4 path)
-        cfg["quantization_config"] = cfg.pop("mxfp4_experts")
     if cfg["model_type"] in MULTIMODAL:
         outer, arch = MULTIMODAL[cfg["model_type"]]
         rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text

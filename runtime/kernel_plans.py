@@ -1,4 +1,4 @@
-"""Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8_gemm.py``) and the
+"""Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8/gemm.py``) and the
 MoE tiles per token count (``layers/moe/plan.py``), each timed from CUDA-graph replays as the
 model runs them, for a shape (a plan's key, without the GPU).
 

@@ -85,7 +85,7 @@ def test_quantized_experts_are_refused_in_one_line():
 
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe.layer import FusedMoE
-    from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
+    from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
     from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
 
     def runner(method):

@@ -19,8 +19,8 @@ from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.quantization import fp8_kernels as k
-from pagedgen.runtime.quantization.config import check_device, quant_config
+from pagedgen.runtime.quantization.fp8 import kernels as k
+from pagedgen.runtime.quantization.registry import check_device, quant_config
 
 runner = CliRunner()
 QUANTIZING = ("triton_w8a8", "triton_tma")  # the Triton kinds that quantize per token
@@ -120,7 +120,7 @@ def test_tma_kernel_computes_the_same_gemm(tile, m, n, kk, group):
 @INTERPRETED
 @pytest.mark.kernels
 def test_tma_gemm_takes_misaligned_activations_through_the_plain_kernel():
-    from pagedgen.runtime.quantization.fp8_gemm import run_quantized, standalone_layer
+    from pagedgen.runtime.quantization.fp8.gemm import run_quantized, standalone_layer
 
     layer = standalone_layer(torch.randn(40, 96) * 0.1, act_dtype=torch.float32)
     q, s = k.quantize_activations_ref(torch.randn(5, 96))
@@ -174,8 +174,8 @@ def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm)
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
     from pagedgen.runtime.collectives.sharding import Segment
-    from pagedgen.runtime.quantization.fp8 import Fp8
-    from pagedgen.runtime.quantization.fp8_gemm import GemmPlan
+    from pagedgen.runtime.quantization.fp8.scheme import Fp8
+    from pagedgen.runtime.quantization.fp8.gemm import GemmPlan
 
     w = torch.randn(48, 160) * 0.1
     x = torch.randn(5, 160)
@@ -197,14 +197,14 @@ def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm)
 
 
 def test_gemm_plans_pick_by_m_and_forced_names_are_checked(monkeypatch):
-    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM, GemmPlan, check_forced
+    from pagedgen.runtime.quantization.fp8.gemm import ENV_GEMM, GemmPlan, check_forced
 
     plan = GemmPlan([(1, "triton_w8a16/16x32x256"), (64, "rowwise"), (1024, "triton_w8a8")])
     assert [plan.choose(m) for m in (1, 2, 64, 65, 5000)] == [
         "triton_w8a16/16x32x256", "rowwise", "rowwise", "triton_w8a8", "triton_w8a8"]
     check_forced("triton_w8a8/64x64x128")
     check_forced("triton_tma/128x256x128")
-    from pagedgen.runtime.quantization.fp8_gemm import _valid  # plans read back from disk
+    from pagedgen.runtime.quantization.fp8.gemm import _valid  # plans read back from disk
     assert _valid([[1, "triton_w8a16/16x32x256"], [64, "rowwise"]], ["rowwise"])
     assert not _valid([[1, "triton_w8a8/8x8x8"]], ["rowwise"])  # a tile this version lacks
     assert _valid([[256, "triton_tma/128x64x128"]], ["rowwise"])

@@ -104,7 +104,7 @@ def test_mxfp4_dequantizes_as_transformers_does():
     ``quantize`` its inverse on values it can hold."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    from pagedgen.runtime.quantization import mxfp4
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
     g = torch.Generator().manual_seed(0)
     blocks = torch.randint(0, 256, (3, 8, 2, 16), generator=g, dtype=torch.uint8)
     scales = torch.randint(110, 140, (3, 8, 2), generator=g, dtype=torch.uint8)
@@ -124,7 +124,7 @@ def mxfp4_checkpoint(checkpoint, tmp_path_factory):
 
     from safetensors.torch import load_file, save_file
 
-    from pagedgen.runtime.quantization import mxfp4
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
     root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
     path = root / "mxfp4"
     shutil.copytree(checkpoint, path)
@@ -199,16 +199,14 @@ def test_tp_that_splits_an_mxfp4_group_is_refused_with_the_reason(mxfp4_checkpoi
         cfg, 4)
 
 
-def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(checkpoint, tmp_path):
+def test_an_unpaired_mxfp4_tensor_is_a_one_line_error(mxfp4_checkpoint, tmp_path):
     import shutil
 
     from safetensors.torch import load_file, save_file
     path = tmp_path / "unpaired"
-    shutil.copytree(checkpoint, path)
+    shutil.copytree(mxfp4_checkpoint[0], path)
     tensors = load_file(str(path / "model.safetensors"))
-    tensors["model.layers.0.mlp.experts.down_proj_blocks"] = torch.zeros(4, 128, 2, 16,
-                                                                        dtype=torch.uint8)
-    del tensors["model.layers.0.mlp.experts.down_proj"]
+    del tensors["model.layers.0.mlp.experts.down_proj_scales"]
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(PagedgenError, match="down_proj_blocks' has no MXFP4 partner"):
         Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", backend="eager",
@@ -224,7 +222,7 @@ def test_the_presets_read_as_transformers_would(preset, layers, experts):
 
     from pagedgen.runtime.models.loader import resolve_model
     ours = resolve_model(preset).hf_config
-    assert ours.mxfp4_experts == {"quant_method": "mxfp4"}
+    assert ours.quantization_config == {"quant_method": "mxfp4"}
     ref = tf.GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
     for field in ("hidden_size", "intermediate_size", "num_attention_heads", "head_dim",
                   "num_key_value_heads", "sliding_window", "num_experts_per_tok",
@@ -236,7 +234,7 @@ def test_the_presets_read_as_transformers_would(preset, layers, experts):
 def test_dummy_mxfp4_experts_are_the_dense_dummy_experts_quantized(mxfp4_checkpoint):
     """Dummy weights for an MXFP4 config (the presets): each expert drawn as the dense model
     draws it, then stored as a checkpoint's MXFP4 would be; the biases zero."""
-    from pagedgen.runtime.quantization import mxfp4
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
     path, ref = mxfp4_checkpoint
 
     def experts(model):

@@ -93,7 +93,7 @@ def test_graphs_and_eager_agree_with_fp8_weights(checkpoints):
 
 
 def test_quantizing_in_the_norm_and_swiglu_kernels_changes_nothing(checkpoints, monkeypatch):
-    from pagedgen.runtime.quantization.fp8 import ENV_FUSED_INPUT
+    from pagedgen.runtime.quantization.fp8.scheme import ENV_FUSED_INPUT
 
     dense, _ = checkpoints
     fused_eng = Engine(config(str(dense), quantization="fp8"))

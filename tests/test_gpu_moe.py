@@ -34,8 +34,8 @@ def _gpt_oss_layer(t: int, magnitude: float = 1.0) -> SimpleNamespace:
     (``q13``, ``q2``, ``scales``: small exponents unless ``magnitude`` scales the weights
     past them), biased and clamped, and the loop's float32 result on the dequantized
     weights (``ref``)."""
-    from pagedgen.runtime.quantization import mxfp4
-    from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
+    from pagedgen.runtime.quantization.fp8.moe import ExpertScales
     from test_mxfp4_moe import packed
     x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
     (q13, s13, d13), (q2, s2, d2) = packed(w13 * magnitude), packed(w2)

@@ -182,3 +182,41 @@ def test_the_engine_sets_no_attribute_of_its_model_runner():
             assert not runner_writes(ast.parse(path.read_text())), (m, runner_writes(
                 ast.parse(path.read_text())))
     assert runner_writes(ast.parse("self.runner.grammars = g\neng.runner.a.b += 1")) == [1, 2]
+
+
+def format_mentions(tree: ast.AST, formats: set[str]) -> list[int]:
+    """Lines whose code names a weight format (an import of its package, an identifier, a
+    string that is not a docstring): docs may say what a checkpoint holds, code may not."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and n.body and isinstance(n.body[0], ast.Expr)}
+    hits = []
+    for node in ast.walk(tree):
+        words = {ast.Name: lambda n: [n.id], ast.Attribute: lambda n: [n.attr],
+                 ast.ImportFrom: lambda n: [n.module or "", *(a.name for a in n.names)],
+                 ast.Import: lambda n: [a.name for a in n.names],
+                 ast.FunctionDef: lambda n: [n.name], ast.ClassDef: lambda n: [n.name],
+                 ast.Constant: lambda n: [n.value] if isinstance(n.value, str)
+                 and id(n) not in docs else []}.get(type(node), lambda n: [])(node)
+        if any(f in w.lower() for w in words for f in formats):
+            hits.append(node.lineno)
+    return sorted(set(hits))
+
+
+def test_model_families_never_name_a_weight_format():
+    """A family asks its ``QuantConfig`` for a layer's method; which formats exist is the
+    registry's (``runtime/quantization/registry.py``), so a new format touches no family."""
+    from pagedgen.runtime.quantization.registry import FORMATS
+    formats = {f.name for f in FORMATS}
+    named = {m: format_mentions(ast.parse(p.read_text()), formats) for m, p in SOURCES.items()
+             if m.startswith("pagedgen.runtime.models.families.")}
+    assert not any(named.values()), {m: lines for m, lines in named.items() if lines}
+    planted = ("'''MXFP4 experts'''\nfrom pagedgen.runtime.quantization.mxfp4.moe import "
+               "Mxfp4Moe\nx = 'fp8'\ndef f():\n    '''fp8'''\n")
+    assert format_mentions(ast.parse(planted), formats) == [2, 3]
+
+
+def test_every_weight_format_package_is_in_the_registry():
+    from pagedgen.runtime.quantization.registry import FORMATS
+    packages = {p.parent.name for p in (ROOT / "runtime" / "quantization").glob("*/__init__.py")}
+    assert packages == {f.name for f in FORMATS}

@@ -8,7 +8,7 @@ import torch
 
 from pagedgen.runtime.collectives.sharding import Segment
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, MergedProjections
-from pagedgen.runtime.quantization.fp8 import Fp8
+from pagedgen.runtime.quantization.fp8.scheme import Fp8
 
 
 def _layer(out: int, bias: bool = False, method=None) -> ColumnParallelLinear:

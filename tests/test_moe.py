@@ -459,7 +459,7 @@ def test_the_shipped_kernel_plans_parse_into_plans_of_this_version():
     change to the candidates must regenerate them: ``benchmarks/kernel_plans.py``)."""
     from pagedgen.runtime import kernel_plans
     from pagedgen.runtime.layers.moe.plan import PLAN_VERSION as MOE_VERSION, _from_json
-    from pagedgen.runtime.quantization import fp8_gemm
+    from pagedgen.runtime.quantization.fp8 import gemm as fp8_gemm
     files = sorted(kernel_plans.SHIPPED.glob("*.json"))
     for file in files:
         data = json.loads(file.read_text())

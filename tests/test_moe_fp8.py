@@ -17,7 +17,7 @@ from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.layer import FusedMoE
-from pagedgen.runtime.quantization import fp8_kernels as k
+from pagedgen.runtime.quantization.fp8 import kernels as k
 from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
 from test_moe import INTERPRETED_ONLY, KINDS, _experts
 

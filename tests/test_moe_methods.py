@@ -12,8 +12,8 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from pagedgen.runtime.quantization.base import MoeMethod
-from pagedgen.runtime.quantization.config import quant_config
-from pagedgen.runtime.quantization.fp8_moe import Fp8Moe
+from pagedgen.runtime.quantization.registry import quant_config
+from pagedgen.runtime.quantization.fp8.moe import Fp8Moe
 from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
 
 

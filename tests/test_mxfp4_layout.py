@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pagedgen.runtime.quantization import mxfp4
+from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
 
 
 def test_the_kernel_layout_puts_the_four_bytes_an_mma_thread_takes_of_a_group_together():
@@ -37,7 +37,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pagedgen.runtime.layers.moe import kernels as mk
-from pagedgen.runtime.quantization.mxfp4_kernels import exps_in_words
+from pagedgen.runtime.quantization.mxfp4.kernels import exps_in_words
 bm, bn, bk, warps, stages, gated = map(int, sys.argv[1:])
 fn = mk._grouped_gemm_kernel
 ints = ["num_slots", "N", "K", "num_blocks", "group_k", "num_groups", "stride_am",

@@ -1,4 +1,4 @@
-"""MXFP4 experts kept 4-bit (``runtime/quantization/mxfp4_moe.py``): the grouped GEMM kernels
+"""MXFP4 experts kept 4-bit (``runtime/quantization/mxfp4/moe.py``): the grouped GEMM kernels
 convert the e2m1 codes and e8m0 scales in registers and give the per-expert loop's result on
 the dequantized weights (Triton's interpreter), plain SwiGLU experts and gpt-oss's biased,
 clamped ones alike, K tiles that split a scale group or run past K included."""
@@ -11,8 +11,8 @@ import torch
 from pagedgen.runtime.layers.moe import align as moe_align
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.act import clamped_swiglu
-from pagedgen.runtime.quantization import mxfp4
-from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
+from pagedgen.runtime.quantization.fp8.moe import ExpertScales
 from test_moe import INTERPRETED_ONLY, _experts
 
 
@@ -189,7 +189,7 @@ def test_a_biased_clamped_layers_plan_times_its_gemms_as_the_run_has_them(monkey
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.kernels
 def test_mxfp4_rows_written_out_dense_equal_the_dequantized_values(dtype):
-    from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
+    from pagedgen.runtime.quantization.mxfp4.kernels import dequantize
     w = torch.randn(3, 40, 160) * torch.logspace(-3, 3, 160)  # scales far apart
     q, s, values = packed(w)
     got = dequantize(q, s, torch.empty(3, 40, 160, dtype=dtype))
@@ -270,7 +270,7 @@ def test_the_packed_conversions_bits_read_every_code_pair_times_two_to_the_minus
     interpreter runs no PTX, the GPU tests run it) turn every byte, in either half of a word,
     into the bf16 bits of its two codes' values times 2^-126, so the bf16 multiplies by
     ``UNBIAS`` and by the group's scale 2^(e - 127) give the value exactly."""
-    from pagedgen.runtime.quantization import mxfp4_kernels as fk
+    from pagedgen.runtime.quantization.mxfp4 import kernels as fk
     byte = torch.arange(256, dtype=torch.int64)
     other = byte.flip(0)  # the other half's byte, to catch bits leaking across halves
     words = byte | (other << 16)
@@ -293,7 +293,7 @@ def test_the_folded_conversion_scales_and_unbiases_every_code_with_one_multiply(
     (``folded_scale_bits``), and one bf16 multiply of the codes' bits (2^-126 times their
     values) by it gives the value times 2^(e - 127) exactly; at 129 it would overflow, which
     is why larger exponents keep the two multiplies."""
-    from pagedgen.runtime.quantization import mxfp4_kernels as fk
+    from pagedgen.runtime.quantization.mxfp4 import kernels as fk
     byte = torch.arange(256, dtype=torch.int64)
     lo, hi = fk.e2m1_bf16_bits(byte | (byte.flip(0) << 16))
     table = torch.tensor(mxfp4.E2M1, dtype=torch.float32)
@@ -315,7 +315,7 @@ def test_mxfp4_experts_say_whether_every_exponent_is_small_as_loaded():
     most 128, and asks again after a load: one expert loaded with a larger one turns it off."""
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe.layer import FusedMoE
-    from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
+    from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
     assert mxfp4.small_exponents(torch.tensor([3, mxfp4.FOLD_MAX_EXPONENT], dtype=torch.uint8))
     assert not mxfp4.small_exponents(torch.tensor([mxfp4.FOLD_MAX_EXPONENT + 1],
                                                   dtype=torch.uint8))

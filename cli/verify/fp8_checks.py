@@ -46,8 +46,8 @@ def gemm_row(gemm: str, device: torch.device, cases: int, seed: int) -> Row:
     """``cases`` random layers (M from 1 to 700, per-channel or 128-block scales as the
     kernel takes; ``triton_tma`` both, in turn) through ``gemm`` against ``scaled_gemm_ref``
     on the same FP8 operands."""
-    from pagedgen.runtime.quantization import fp8_kernels as k
-    from pagedgen.runtime.quantization.fp8_gemm import run_gemm, standalone_layer
+    from pagedgen.runtime.quantization.fp8 import kernels as k
+    from pagedgen.runtime.quantization.fp8.gemm import run_gemm, standalone_layer
 
     g = torch.Generator().manual_seed(seed)
     worst_abs = worst_rel = 0.0
@@ -80,7 +80,7 @@ def model_row(model: str, dtype: str, device: torch.device, steps: int, seed: in
 
     from pagedgen.cli.verify.model_checks import model_config, model_prompts, compare, trace
     from pagedgen.runtime.engine.engine import Engine
-    from pagedgen.runtime.quantization.fp8_gemm import ENV_GEMM
+    from pagedgen.runtime.quantization.fp8.gemm import ENV_GEMM
 
     prompts = model_prompts(seed)
     cfg = dataclasses.replace(model_config("auto", model, dtype, device, seed, True),

@@ -29,7 +29,7 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
            if engine.runner.tp.size > 1 else {}),
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "quantization": engine.runner.quant.name if engine.runner.quant else "none",
-        **({"quantization_scheme": engine.runner.quant.scheme.describe()}
+        **({"quantization_scheme": engine.runner.quant.describe_scheme()}
            if engine.runner.quant else {}),
         "requests": st.requests_finished,
         "samples": st.samples_finished,

@@ -26,7 +26,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8_kernels import (E4M3, INTERPRETED, QuantizedActivations,
+from pagedgen.runtime.quantization.fp8.kernels import (E4M3, INTERPRETED, QuantizedActivations,
                                                        quantize_activations_ref)
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
@@ -35,12 +35,12 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
-    from pagedgen.runtime.quantization.fp8_kernels import round_to_e4m3_grid
+    from pagedgen.runtime.quantization.fp8.kernels import round_to_e4m3_grid
 
     @triton.jit
     def _store_e4m3_row(Q, S, v, mask, ROUND: tl.constexpr):
         """Per-token FP8 quantization of a whole row ``v`` (float32), as
-        ``fp8_kernels.quantize_activations`` does it."""
+        ``fp8.kernels.quantize_activations`` does it."""
         s = tl.maximum(tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0) / 448.0, 1e-12)
         q = tl.clamp(v / s, -448.0, 448.0)
         if ROUND:

@@ -25,7 +25,7 @@ from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.quantization import QuantizationMethod, get_method
 from pagedgen.runtime.quantization.dense_gemm import linear
-from pagedgen.runtime.quantization.fp8_kernels import QuantizedActivations
+from pagedgen.runtime.quantization.fp8.kernels import QuantizedActivations
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 

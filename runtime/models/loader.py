@@ -26,7 +26,8 @@ from pagedgen.runtime.models.weights import FiniteChecked
 from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe.layer import FusedMoE
-from pagedgen.runtime.quantization.config import QuantConfig, check_device, quant_config
+from pagedgen.runtime.quantization.config import QuantConfig
+from pagedgen.runtime.quantization.registry import check_device, checkpoint_tensors, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
 from pagedgen.runtime.models.harmony import harmony_chat
 from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
@@ -196,7 +197,7 @@ def build_model(src: ModelSource, load_format: str, dtype: torch.dtype, device: 
         files = _safetensors_files(src.checkpoint)
         where = [src.checkpoint]  # the file being read, for errors
         try:
-            model.load_weights(_iter_safetensors(files, where))
+            model.load_weights(checkpoint_tensors(quant, _iter_safetensors(files, where)))
         except ValueError as e:
             raise PagedgenError(f"{where[0]}: {e}")
     for module in model.modules():  # weights into their method's form, kernels planned

@@ -1,14 +1,15 @@
-"""Quantization methods for linear layers (``base.QuantizationMethod``), by name; which one a
-model's layers get is ``config.quant_config``'s answer."""
+"""Weight formats: ``base`` (the interfaces: a linear layer's ``QuantizationMethod``, a MoE
+layer's ``MoeMethod``, a format's ``WeightFormat``), ``unquantized`` (dense weights), one package
+per format (``fp8/``, ``mxfp4/``), ``registry`` (the formats by name), ``config`` (a model's
+``QuantConfig``)."""
 
 from __future__ import annotations
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.quantization.base import QuantizationMethod
-from pagedgen.runtime.quantization.fp8 import Fp8
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
-METHODS: dict[str, type[QuantizationMethod]] = {Unquantized.name: Unquantized, Fp8.name: Fp8}
+METHODS: dict[str, type[QuantizationMethod]] = {Unquantized.name: Unquantized}
 
 
 def get_method(name: str | None) -> QuantizationMethod:

@@ -7,7 +7,7 @@ weight format is one module with one of each."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -98,3 +98,48 @@ class MoeMethod(ABC):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Both stacked weights as ``dtype`` tensors (the CPU's per-expert loop)."""
         return layer.w13_weight, layer.w2_weight
+
+
+class WeightFormat(ABC):
+    """A weight format (one package under ``runtime/quantization/``, one line in
+    ``registry.FORMATS``): the checkpoint ``quant_method`` values it reads, whether
+    ``--quantization NAME`` applies it at load, and the methods a layer gets under it.
+    ``scheme``: the format's own description of one checkpoint's choices (scales, blocks)."""
+
+    name: ClassVar[str]
+    checkpoint_methods: ClassVar[tuple[str, ...]] = ()
+    online: ClassVar[bool] = False  # --quantization NAME quantizes dense weights at load
+    experts_only: ClassVar[bool] = False  # leaves every linear layer dense (MXFP4)
+
+    @abstractmethod
+    def from_checkpoint(self, fields: dict[str, Any], where: str) -> tuple[Any, tuple[str, ...]]:
+        """The scheme of a checkpoint's ``quantization_config`` ``fields`` and the modules it
+        leaves dense; a PagedgenError naming the field it cannot run."""
+
+    def at_load(self) -> tuple[Any, tuple[str, ...]]:
+        """The scheme ``--quantization NAME`` applies and the modules it leaves dense."""
+        raise NotImplementedError(f"{self.name} is read from checkpoints only")
+
+    @abstractmethod
+    def linear_method(self, scheme: Any) -> QuantizationMethod | None:
+        """A quantized linear layer's method (None: the format leaves linear layers dense)."""
+
+    @abstractmethod
+    def moe_method(self, scheme: Any) -> MoeMethod | None:
+        """A MoE layer's experts' method (None: dense)."""
+
+    def describe(self, scheme: Any) -> str:
+        return self.name
+
+    def check_device(self, device: torch.device) -> None:
+        """A PagedgenError where ``device`` cannot run the format's kernels."""
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]
+                           ) -> Iterable[tuple[str, Any]]:
+        """A checkpoint's (name, tensor) pairs as the methods' ``load`` takes them."""
+        return weights
+
+    def experts_split_error(self, width: int, tp_size: int) -> str | None:
+        """Why experts of ``width`` intermediate features cannot be split over ``tp_size``
+        tensor-parallel ranks in this format (None: they can)."""
+        return None

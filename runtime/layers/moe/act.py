@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+from pagedgen.runtime.quantization.fp8.kernels import INTERPRETED
 
 try:
     import triton

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+from pagedgen.runtime.quantization.fp8.kernels import INTERPRETED
 
 try:
     import triton

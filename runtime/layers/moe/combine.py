@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+from pagedgen.runtime.quantization.fp8.kernels import INTERPRETED
 from pagedgen.runtime.quantization.invariant_gemm import by_rows
 
 try:

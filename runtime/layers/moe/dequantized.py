@@ -1,5 +1,5 @@
 """MXFP4 experts in prefill chunks: a run of experts at a time written out dense (bf16, into a
-scratch of at most ``SCRATCH_BYTES``: ``mxfp4_kernels.dequantize``), then grouped GEMMs on
+scratch of at most ``SCRATCH_BYTES``: ``mxfp4.kernels.dequantize``), then grouped GEMMs on
 those weights (``moe_kernels.fused_experts``' tiles, or torch's, ``moe.grouped_mm``: the way
 ``GROUPED_MM``), the other experts' slots skipped as expert parallelism skips another rank's.
 
@@ -16,7 +16,7 @@ from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.act import swiglu
 from pagedgen.runtime.layers.moe.combine import add_gated
-from pagedgen.runtime.quantization.fp8_moe import ExpertScales
+from pagedgen.runtime.quantization.fp8.moe import ExpertScales
 
 SCRATCH_BYTES = 2 << 30  # a run of experts' dense weights (gpt-oss-20b's in one run)
 GROUPED_MM = "grouped_mm"  # the way that runs torch's grouped GEMM on the dense weights
@@ -47,7 +47,7 @@ def experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch
         return mk.fused_experts(x, w13, w2, weights, ids, tiles, out, act=act, b13=b13,
                                 b2=b2, dropped=dropped, gated=gated)
 
-    from pagedgen.runtime.quantization.mxfp4_kernels import dequantize
+    from pagedgen.runtime.quantization.mxfp4.kernels import dequantize
 
     num = w13.shape[0]
     per_run = experts_per_run(w13, w2, x.dtype, scratch_bytes)

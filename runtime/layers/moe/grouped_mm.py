@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from pagedgen.runtime.hardware import hopper_or_later
 from pagedgen.runtime.layers.moe.act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe.combine import slot_sum
-from pagedgen.runtime.quantization.fp8_kernels import E4M3, quantize_activations
+from pagedgen.runtime.quantization.fp8.kernels import E4M3, quantize_activations
 
 
 def available(w13: torch.Tensor, scales=None, dense: torch.Size | None = None) -> bool:

@@ -15,10 +15,10 @@ Mixtral's ``experts.{e}.w1.weight``), or stacked as transformers 5 holds them
 either (``load_checkpoint_tensor``) and names the ones missing (``checkpoint_units``).
 
 The experts' weight format is a ``MoeMethod`` (``runtime/quantization``), chosen as a linear
-layer's method is (``QuantConfig.moe_method_for``): dense in the model's dtype, or FP8
-(``fp8_moe.py``: e4m3 with scales the kernels multiply without dequantizing). The layer keeps
-the stacking, the tensor-parallel split and the checkpoint's names; the method keeps the
-storage and the loading of each expert tensor.
+layer's method is (``QuantConfig.moe_method_for``): dense in the model's dtype, or a format's
+(FP8: e4m3 with scales the kernels multiply without dequantizing; MXFP4: 4-bit codes). The
+layer keeps the stacking, the tensor-parallel split and the checkpoint's names; the method
+keeps the storage and the loading of each expert tensor.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from pagedgen.runtime.layers.moe.plan import INVARIANT, MoePlan, plan_moe
 from pagedgen.runtime.layers.moe.combine import add_gated
 from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.quantization.base import MoeMethod
-from pagedgen.runtime.quantization.mxfp4_moe import PER_BYTE
+from pagedgen.runtime.quantization.mxfp4.moe import PER_BYTE
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 GATE, UP, DOWN = "gate", "up", "down"

@@ -9,10 +9,9 @@ token's top ``num_experts_per_tok`` logits, and experts with biases and a clampe
 Checkpoints stack the experts transposed with gate and up interleaved
 (``experts.gate_up_proj`` [E, H, 2I], columns gate, up, gate, ...; ``experts.down_proj``
 [E, I, H]) and name the router ``mlp.router``; ``load_weights`` turns them into ``FusedMoE``'s
-layout. The published checkpoints hold the experts in MXFP4 (``*_blocks``, ``*_scales`` [E,
-rows, groups, 16] / [E, rows, groups], ``quantization_config: {quant_method: mxfp4}``): they
-stay 4-bit (``runtime/quantization/mxfp4_moe.py``; the grouped GEMM kernels convert them in
-registers), so gpt-oss-20b's experts take 10 GB and 120b's 61 GB.
+layout. The published checkpoints hold the experts 4-bit (their ``quantization_config`` names
+the format; ``runtime/quantization/registry.py`` gives the experts its method, which keeps them
+4-bit: gpt-oss-20b's experts take 10 GB and 120b's 61 GB).
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.families.qwen3_moe import MoeForCausalLM, check_experts
 from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register
-from pagedgen.runtime.quantization import mxfp4
+from pagedgen.runtime.quantization import registry
 from pagedgen.runtime.quantization.config import QuantConfig
-from pagedgen.runtime.quantization.mxfp4_moe import Mxfp4Moe
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -43,7 +41,8 @@ class DecoderLayer(llama.DecoderLayer):
     def make_mlp(self, config, tp: TensorParallel, quant: QuantConfig | None,
                  prefix: str) -> nn.Module:
         experts, top_k, width = (getattr(config, f) for f in GptOssForCausalLM.moe_fields)
-        method = Mxfp4Moe() if getattr(config, "mxfp4_experts", None) else None
+        names = [f"{prefix}.experts.{n}" for n in ("gate_up_proj", "down_proj")]
+        method = quant.moe_method_for(names) if quant else None
         return SparseMoeBlock(config.hidden_size, experts, top_k, width, True, tp,
                               method=method, bias=True,
                               act=clamped_swiglu(config.swiglu_alpha, config.swiglu_limit))
@@ -55,37 +54,10 @@ def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([gate, up], dim)
 
 
-def mxfp4_pairs(weights: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
-    """The checkpoint's tensors with each MXFP4 pair (``X_blocks`` [E, rows, groups, 16],
-    ``X_scales`` [E, rows, groups]) checked whole and yielded together, as ``X`` (the codes
-    [E, rows, groups * 16]) and ``X_scales``."""
-    pending: dict[str, Any] = {}
-    for name, tensor in weights:
-        base, _, kind = name.rpartition("_")
-        if kind not in ("blocks", "scales"):
-            yield name, tensor
-            continue
-        other = pending.pop(f"{base}_{'scales' if kind == 'blocks' else 'blocks'}", None)
-        if other is None:
-            pending[name] = tensor
-            continue
-        blocks, scales = (tensor, other) if kind == "blocks" else (other, tensor)
-        blocks, scales = blocks[:], scales[:]
-        try:
-            mxfp4.check_pair(blocks, scales)
-        except ValueError as e:
-            raise ValueError(f"'{base}': {e}") from None
-        yield base, blocks.flatten(-2)
-        yield f"{base}_scales", scales
-    if pending:
-        raise ValueError(f"'{next(iter(pending))}' has no MXFP4 partner (blocks and scales "
-                         "come in pairs)")
-
-
 def checkpoint_tensor(name: str, tensor) -> tuple[str, Any]:
     """A gpt-oss checkpoint tensor as our layers hold it (name and layout): dense experts
-    [E, in, out] transposed to rows first; MXFP4 ones (rows first already) as they are;
-    gate/up rows interleaved split into every gate, then every up."""
+    [E, in, out] transposed to rows first; packed ones (uint8 codes, rows first already) as
+    they are; gate/up rows interleaved split into every gate, then every up."""
     name = name.replace(".mlp.router.", ".mlp.gate.").replace(".self_attn.sinks",
                                                               ".self_attn.attn.sinks")
     packed = isinstance(tensor, torch.Tensor) and tensor.dtype == torch.uint8
@@ -106,11 +78,8 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
-        width = config.intermediate_size
-        if getattr(config, "mxfp4_experts", None) and width % (tp_size * mxfp4.GROUP):
-            return (f"intermediate_size {width} cannot be split over {tp_size} tensor-parallel "
-                    f"ranks in whole MXFP4 groups of {mxfp4.GROUP}")
-        return super().tensor_parallel_error(config, tp_size)
+        return (registry.experts_split_error(config, config.intermediate_size, tp_size)
+                or super().tensor_parallel_error(config, tp_size))
 
     @classmethod
     def layer_specs(cls, config, tp_size: int = 1) -> list[LayerSpec]:
@@ -118,16 +87,12 @@ class GptOssForCausalLM(MoeForCausalLM):
                 for s in super().layer_specs(config, tp_size)]
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
-        super().load_weights(checkpoint_tensor(name, t) for name, t in mxfp4_pairs(weights))
+        super().load_weights(checkpoint_tensor(name, t) for name, t in weights)
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
     """Windows on the layers ``layer_types`` names (default: sliding, full, sliding, ...);
-    expert fields and the SwiGLU clamp checked; MXFP4 experts (``Mxfp4Moe``) leave no
-    quantization for the run."""
-    q = f.get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == "mxfp4":
-        f["mxfp4_experts"] = f.pop("quantization_config")
+    expert fields and the SwiGLU clamp checked."""
     check_experts(f, where)
     check_int(f, "sliding_window", where)
     if f.get("layer_types") is None:

@@ -15,15 +15,15 @@ import torch
 from torch import nn
 
 from pagedgen.runtime.quantization.base import MoeMethod
-from pagedgen.runtime.quantization.fp8 import ONLINE, Fp8Scheme, load_scale, load_weight
-from pagedgen.runtime.quantization.fp8_kernels import E4M3, dequantize, quantize_weight
+from pagedgen.runtime.quantization.fp8.scheme import ONLINE, Fp8Scheme, load_scale, load_weight
+from pagedgen.runtime.quantization.fp8.kernels import E4M3, dequantize, quantize_weight
 
 
 @dataclass(frozen=True)
 class ExpertScales:
     """FP8 experts' float32 weight scales, rows as their weights' (``w13`` [E, 2I, G(H)],
     ``w2`` [E, H, G(I)]), over K groups of ``group_k`` columns (None: one scale per row); or
-    MXFP4 experts' e8m0 exponents (uint8, ``group_k`` 32: ``mxfp4_moe``; ``small_exponents``:
+    MXFP4 experts' e8m0 exponents (uint8, ``group_k`` 32: ``mxfp4/moe.py``; ``small_exponents``:
     each at most ``mxfp4.FOLD_MAX_EXPONENT``, which the GPU converts with one multiply fewer)."""
 
     w13: torch.Tensor

@@ -1,6 +1,6 @@
 """Which FP8 GEMM kernel runs each layer at each M, chosen by measurement on this GPU.
 
-Candidates (``fp8_kernels.py``): ``rowwise`` and ``rowwise_fast`` (torch._scaled_mm, with
+Candidates (``kernels.py``): ``rowwise`` and ``rowwise_fast`` (torch._scaled_mm, with
 fast accumulation; per-channel weights),
 ``triton_w8a8/<tile>`` (activations quantized, FP8 tensor cores), ``triton_tma/<tile>`` (the
 same, its tiles loaded by TMA: Hopper and later) and ``triton_w8a16/<tile>``
@@ -26,7 +26,7 @@ from pagedgen import envs
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.hardware import hopper_or_later
 from pagedgen.runtime.kernel_plans import graph_time
-from pagedgen.runtime.quantization import fp8_kernels as k
+from pagedgen.runtime.quantization.fp8 import kernels as k
 
 ENV_GEMM = envs.FP8_GEMM.name
 KINDS = ("rowwise", "rowwise_fast", "triton_w8a8", "triton_tma", "triton_w8a16", "dequantize")

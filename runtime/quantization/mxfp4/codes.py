@@ -5,7 +5,7 @@ gpt-oss's checkpoints hold their experts so: ``*_blocks`` [..., rows, groups, 16
 
 ``dequantize`` turns them into a dense tensor [..., rows, groups * 32] (the CPU's experts);
 ``quantize`` is its inverse (round to the nearest e2m1 value under the group's power-of-two
-scale: dummy weights, tests). Experts keep them 4-bit (``mxfp4_moe.py``), in the layout the
+scale: dummy weights, tests). Experts keep them 4-bit (``moe.py``), in the layout the
 grouped GEMM reads (``to_kernel_layout``; ``from_kernel_layout`` undoes it).
 """
 
@@ -17,7 +17,7 @@ import torch
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 GROUP = 32  # values per scale
 SCALE_BIAS = 127
-# the largest exponent the GPU's one-multiply conversion takes (``mxfp4_kernels``: FOLDED)
+# the largest exponent the GPU's one-multiply conversion takes (``kernels``: FOLDED)
 FOLD_MAX_EXPONENT = 128
 
 
@@ -72,7 +72,7 @@ def kernel_codes(codes: torch.Tensor) -> torch.Tensor:
 def to_kernel_layout(codes: torch.Tensor, scales: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [..., rows, K / 2] and exponents [..., rows, K / 32] → the grouped GEMM's layout
-    (``mxfp4_kernels``): the codes with each group's 16 bytes transposed as a 4 x 4 matrix
+    (``kernels``): the codes with each group's 16 bytes transposed as a 4 x 4 matrix
     (byte ``4 j + t`` of a group moves to ``4 t + j``: the four bytes one thread of Hopper's
     MMA takes lie together), the exponents group-major [..., K / 32, rows]."""
     return kernel_codes(codes), scales.transpose(-1, -2).contiguous()

@@ -1,5 +1,5 @@
 """FP8 (e4m3) linear layers: weights in e4m3 with float32 scales, activations quantized as the
-GEMM needs them (``fp8_kernels.py`` holds the arithmetic).
+GEMM needs them (``kernels.py`` holds the arithmetic).
 
 Three ways in, one form on the layer (``weight`` [out, in] e4m3, ``weight_scale`` [out,
 K_groups] float32, ``input_scale`` [1] when static):
@@ -12,7 +12,7 @@ K_groups] float32, ``input_scale`` [1] when static):
   ``weight_scale_inv`` per 128 x 128 block, its rows expanded, so partial edge blocks, fused
   parts and tensor-parallel shards need no special case beyond K blocks staying whole).
 
-On CUDA each GEMM runs the kernel measured fastest for its M on this GPU (``fp8_gemm.py``),
+On CUDA each GEMM runs the kernel measured fastest for its M on this GPU (``gemm.py``),
 without dequantizing; where that kernel quantizes activations per token, the RMSNorm or SwiGLU
 kernel before it writes them quantized (``takes_quantized_input``; the same values a separate
 quantization kernel would write). Elsewhere (CPU) the weight is dequantized and multiplied in
@@ -31,9 +31,9 @@ from torch import nn
 from pagedgen import envs
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.sharding import Shard, take_segment
-from pagedgen.runtime.quantization import fp8_kernels as k
+from pagedgen.runtime.quantization.fp8 import kernels as k
 from pagedgen.runtime.quantization.base import QuantizationMethod
-from pagedgen.runtime.quantization.fp8_gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
+from pagedgen.runtime.quantization.fp8.gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
                                                     run_quantized)
 
 

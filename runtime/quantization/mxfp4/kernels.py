@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedgen.runtime.quantization.fp8_kernels import INTERPRETED
+from pagedgen.runtime.quantization.fp8.kernels import INTERPRETED
 
 # Two bytes of codes, one in each 16-bit half of a word (a ``prmt``): a nibble masked out and
 # multiplied by the sum of two powers of two lands its exponent and mantissa bits at a bf16's
