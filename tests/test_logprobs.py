@@ -124,3 +124,20 @@ def test_runs_without_logprobs_compute_none(monkeypatch):
 def test_bad_logprobs_settings(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad).validate()
+
+
+@pytest.mark.kernels
+def test_the_row_kernel_gives_torchs_logsumexp_and_masked_rows_their_own():
+    """The CUDA path's one-program-a-row log-sum-exp (interpreted) against torch's, with
+    masked (-inf) tokens, a row of a single allowed token and a row of none."""
+    from pagedgen.runtime.sampling.logprobs import row_logsumexp
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 3000, generator=g) * 4
+    x[1, ::3] = float("-inf")
+    x[2] = float("-inf")
+    x[2, 2999] = 1.5
+    x[3] = float("-inf")
+    got = row_logsumexp(x, kernel=True)
+    want = torch.logsumexp(x, dim=-1, keepdim=True)
+    assert got[3, 0] == float("-inf") and got[2, 0] == 1.5
+    assert torch.allclose(got[[0, 1, 4]], want[[0, 1, 4]], rtol=0, atol=1e-5)

@@ -12,6 +12,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # pragma: no cover - a torch without Triton
+    HAVE_TRITON = False
+
 # (logprob of the token, [[token id, logprob], ...] of the top k alternatives, best first,
 # the token's rank in the vocabulary: 1 + the tokens of a higher logprob)
 Entry = tuple[float, list[list], int]
@@ -42,11 +49,46 @@ class Logprobs:
 FIELDS = tuple(f.name for f in fields(Logprobs))
 
 
+if HAVE_TRITON:
+    @triton.jit
+    def _row_lse_kernel(X, Out, V, stride, BLOCK: tl.constexpr):
+        """Row ``pid``'s log-sum-exp: a running max and sum per lane over its blocks in order,
+        then the lanes combined (masked -inf values add nothing; a row of -inf gives -inf)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        for v0 in range(0, V, BLOCK):
+            x = tl.load(X + row * stride + v0 + cols, mask=v0 + cols < V, other=float("-inf"))
+            new = tl.maximum(m, x)
+            alive = new > float("-inf")
+            s = tl.where(alive, s * tl.exp(m - new) + tl.exp(x - new), 0.0)
+            m = new
+        top = tl.max(m, 0)
+        total = tl.sum(tl.where(m > float("-inf"), s * tl.exp(m - top), 0.0), 0)
+        tl.store(Out + row, tl.where(top > float("-inf"), top + tl.log(total), top))
+
+
+def row_logsumexp(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
+    """``log(sum(exp(x)))`` of each row of float32 ``x`` [R, V], as [R, 1]. On CUDA one
+    program a row sums its blocks in one order, so a row's value is its own whatever the row
+    count (torch's reduction spreads a row over several blocks when there are few rows: its
+    order, and a log-probability's last bits, would follow the batch; ``--batch-invariant``
+    found it). Elsewhere torch's (``kernel``: the Triton kernel anyway, interpreted: tests)."""
+    if not ((x.is_cuda if kernel is None else kernel) and HAVE_TRITON) or not x.numel():
+        return torch.logsumexp(x, dim=-1, keepdim=True)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    _row_lse_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=1024)
+    return out
+
+
 def compute(logits: torch.Tensor, targets: torch.Tensor, k: int) -> Logprobs:
     """``logits`` [R, V], ``targets`` [R] → log-probabilities of the targets and the top ``k``.
-    ``logit - logsumexp`` of the few values needed: no [R, V] log-softmax is written."""
+    ``logit - logsumexp`` of the few values needed: no [R, V] log-softmax is written; a row's
+    figures follow that row alone (``row_logsumexp``)."""
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    lse = row_logsumexp(logits)
     top, top_ids = logits.topk(k, dim=-1)
     target = logits.gather(1, targets[:, None])
     return Logprobs((target - lse)[:, 0], top_ids, top - lse, (logits > target).sum(-1) + 1)
