@@ -113,6 +113,8 @@ WORKLOADS = {
     "f": Workload("gemma-3-12b", 16, (8192, 30000), (128, 128)),
     "u": Workload("gemma-4-31b", 256, (128, 1024), (256, 256)),
     "w": Workload("gemma-4-31b", 16, (8192, 30000), (128, 128)),
+    "y": Workload("gemma-4-26b-a4b", 256, (128, 1024), (256, 256)),
+    "z": Workload("gemma-4-26b-a4b", 16, (8192, 30000), (128, 128)),
 }
 WORKLOADS |= {f"{k}t": replace(WORKLOADS[k], temperature=1.0) for k in ("m", "o", "j")}
 

@@ -203,7 +203,7 @@ def test_fused_kernels_match_transformers(path):
     check_logits(path, "eager", chunks=(11,), setup=fused_kernels)
 
 
-@pytest.mark.parametrize("preset", ["gemma-4-31b"])
+@pytest.mark.parametrize("preset", ["gemma-4-31b", "gemma-4-26b-a4b"])
 def test_presets_read_as_transformers_would(preset):
     """The preset's layers, per-layer shapes and rope as transformers' Gemma4TextConfig gives
     them for the same fields; the engine's specs follow them."""
@@ -222,6 +222,9 @@ def test_presets_read_as_transformers_would(preset):
     want = [(ref.per_layer_config[i].head_dim, ref.per_layer_config[i].num_key_value_heads)
             for i in range(ref.num_hidden_layers)]
     assert got == want and {s.sliding_window for s in specs} == {None, 1024}
+    for field in ("enable_moe_block", "num_experts", "top_k_experts", "moe_intermediate_size",
+                  "intermediate_size", "attention_k_eq_v"):
+        assert getattr(cfg, field, None) == getattr(ref, field, None), field
 
 
 @pytest.mark.process
