@@ -15,7 +15,7 @@ When grouping pays (docs/benchmarks-log.md): a group must save at least ``MIN_TO
 ``MAX_LEVELS`` levels. ``ROW_TOKENS`` was 512 for the first cascade kernels (an H100: workload
 s's 4 system prompts grouped made its decode steps slower); with today's (exact segments, our
 Triton decode for the own pages, one merge) 64 groups s and runs it faster on an H200: 10,709
-against 10,376 tok/s at 256 seats, 12,606 against 11,345 at 1,024; p unchanged.
+against 10,376 tok/s at max_num_seqs 256, 12,606 against 11,345 at 1,024; p unchanged.
 """
 
 from __future__ import annotations

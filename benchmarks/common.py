@@ -86,7 +86,7 @@ def build_engine(cfg: EngineConfig) -> tuple[Engine, float]:
 
 
 # each run's phases beside its throughput: where a first run loses to the second (the
-# mixed-step graphs' figures are the engine's totals so far, start-up's rehearsal included)
+# mixed-step graphs' figures are the engine's totals so far, start-up's warm-up included)
 RUN_DETAIL_KEYS = ("wall_time_s", "prefill_tokens_per_s", "decode_step_ms", "steps",
                    "decode_steps", "mixed_graph_steps", "mixed_graph_capture_s",
                    "graphs_captured_in_run", "graph_capture_in_run_s")

@@ -77,7 +77,7 @@ def compare_chunks(num_prompts: int, chunk: int, backend: str, vllm: bool,
 
     wl = workload("r", num_prompts)
     cfg, sampling = profile_configs(wl.profile, backend=backend)
-    cfg = cfg.with_seats()
+    cfg = cfg.with_step_limits()
     rows = []
     if not peer_only:
         rows += _pagedgen_chunks(wl, cfg, sampling, chunk)

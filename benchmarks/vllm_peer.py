@@ -79,9 +79,10 @@ def site_path(site: str) -> str:
 
 def same_limits(engine_config: Any) -> dict[str, Any]:
     """vLLM engine arguments with pagedgen's batching limits (``EngineConfig``) and its
-    ``max_model_len`` where set, prefix caching on (as both run by default); the seats this
-    device gives when the config leaves them to it (``EngineConfig.with_seats``)."""
-    cfg = engine_config.with_seats()
+    ``max_model_len`` where set, prefix caching on (as both run by default); the
+    ``max_num_seqs`` this device gives when the config leaves it to it
+    (``EngineConfig.with_step_limits``)."""
+    cfg = engine_config.with_step_limits()
     return dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_prefix_caching=True,
                 **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}))

@@ -67,7 +67,7 @@ class LLM:
                                                     keywords=not _named_as_options,
                                                     revision=revision)
         self.options = InputOptions()
-        self._driver = LocalDriver(cfg.with_seats(), self.defaults)
+        self._driver = LocalDriver(cfg.with_step_limits(), self.defaults)
         self._driver.load()
         self.engine = self._driver.engine
         self._lock = threading.Lock()  # one call at a time

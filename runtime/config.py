@@ -172,7 +172,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory: str | int | None = None  # e.g. "4GiB"; default: fill GPU / 1 GiB on CPU
     gpu_memory_utilization: float = 0.9
-    max_num_seqs: int | None = None  # None: by the device (hardware.default_seats)
+    max_num_seqs: int | None = None  # None: by the device (hardware.default_max_num_seqs)
     max_num_batched_tokens: int | None = None  # None: by the device (default_batched_tokens)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     seed: int = 0
@@ -210,9 +210,9 @@ class EngineConfig:
     # (gpt_oss)
     reasoning_parser: str = "auto"
     # a few short requests through the engine's own steps at start-up, so that the kernels a
-    # run's first steps would make are made before it (runtime/engine/rehearsal.py); None: on
+    # run's first steps would make are made before it (runtime/engine/warmup.py); None: on
     # CUDA
-    startup_rehearsal: bool | None = None
+    startup_warmup: bool | None = None
     # where each setting was given, for messages: an option (``--num-blocks``), a profile's
     # line (``prof.yaml:3: engine.num_blocks``), an API keyword (``keyword num_blocks``); a
     # field it lacks has its default. Not a setting itself (profiles and options cannot set it).
@@ -283,18 +283,18 @@ class EngineConfig:
             raise PagedgenError(f"{named('reasoning_parser')}: unknown parser "
                                 f"'{self.reasoning_parser}' ({', '.join(REASONING_PARSERS)})")
 
-    def with_seats(self) -> EngineConfig:
+    def with_step_limits(self) -> EngineConfig:
         """This config with the limits a device decides set: ``max_num_batched_tokens``
-        (``hardware.default_batched_tokens``) and ``max_num_seqs`` (``default_seats``, at
+        (``hardware.default_batched_tokens``) and ``max_num_seqs`` (``default_max_num_seqs``, at
         most the tokens), each where no profile or option set it."""
         cfg = self
         if self.max_num_seqs is None or self.max_num_batched_tokens is None:
-            from pagedgen.runtime.hardware import default_batched_tokens, default_seats
+            from pagedgen.runtime.hardware import default_batched_tokens, default_max_num_seqs
 
             device = self.torch_device()
             tokens = self.max_num_batched_tokens or default_batched_tokens(device)
-            seats = self.max_num_seqs or min(default_seats(device), tokens)
-            cfg = dataclasses.replace(self, max_num_seqs=seats, max_num_batched_tokens=tokens)
+            num_seqs = self.max_num_seqs or min(default_max_num_seqs(device), tokens)
+            cfg = dataclasses.replace(self, max_num_seqs=num_seqs, max_num_batched_tokens=tokens)
         if cfg.max_num_batched_tokens < cfg.max_num_seqs:
             raise PagedgenError(f"{cfg.named('max_num_batched_tokens')} must be >= "
                                 f"{cfg.named('max_num_seqs')}")

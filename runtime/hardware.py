@@ -48,9 +48,9 @@ def hopper_or_later(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def default_seats(device: torch.device) -> int:
+def default_max_num_seqs(device: torch.device) -> int:
     """The most sequences a step holds when no profile or option says: vLLM's rule for its
-    offline ``LLM`` class, so a batch job gets as many seats here as it would there: 1,024
+    offline ``LLM`` class, so a batch job gets the max_num_seqs here it would get there: 1,024
     on a GPU of at least 70 GiB that is not an A100, 256 on other GPUs; 128 on a CPU."""
     if device.type != "cuda":
         return 128
@@ -59,7 +59,7 @@ def default_seats(device: torch.device) -> int:
 
 def default_batched_tokens(device: torch.device) -> int:
     """The most tokens a step holds (its prefill chunk budget) when no profile or option
-    says: vLLM's rule for its ``LLM`` class, 16,384 on the large GPUs (as ``default_seats``),
+    says: vLLM's rule for its ``LLM`` class, 16,384 on the large GPUs (as ``default_max_num_seqs``),
     8,192 on other GPUs and on a CPU."""
     return 16384 if device.type == "cuda" and _large_gpu(device) else 8192
 

@@ -45,18 +45,19 @@ def test_default_seats_and_step_tokens_follow_vllms_rule(monkeypatch, name, gib,
 
     props = SimpleNamespace(name=name, total_memory=int(gib * 2**30))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    assert hardware.default_seats(torch.device("cuda")) == seats
-    assert hardware.default_seats(torch.device("cpu")) == 128
+    assert hardware.default_max_num_seqs(torch.device("cuda")) == seats
+    assert hardware.default_max_num_seqs(torch.device("cpu")) == 128
     monkeypatch.setattr(EngineConfig, "torch_device", lambda self: torch.device("cuda"))
-    assert EngineConfig().with_seats().max_num_seqs == seats
-    assert EngineConfig(max_num_seqs=7).with_seats().max_num_seqs == 7  # an explicit count
+    assert EngineConfig().with_step_limits().max_num_seqs == seats
+    assert EngineConfig(max_num_seqs=7).with_step_limits().max_num_seqs == 7  # an explicit count
     # never more seats than tokens a step holds
-    assert EngineConfig(max_num_batched_tokens=300).with_seats().max_num_seqs == min(seats, 300)
+    assert EngineConfig(max_num_batched_tokens=300).with_step_limits().max_num_seqs == \
+        min(seats, 300)
     tokens = 16384 if seats == 1024 else 8192  # vLLM's LLM class: its prefill chunk budget
     assert hardware.default_batched_tokens(torch.device("cuda")) == tokens
     assert hardware.default_batched_tokens(torch.device("cpu")) == 8192
-    assert EngineConfig().with_seats().max_num_batched_tokens == tokens
-    assert EngineConfig(max_num_batched_tokens=300).with_seats().max_num_batched_tokens == 300
+    assert EngineConfig().with_step_limits().max_num_batched_tokens == tokens
+    assert EngineConfig(max_num_batched_tokens=300).with_step_limits().max_num_batched_tokens == 300
 
 
 def test_gpu_presets_leave_the_seats_and_step_tokens_to_the_device():

@@ -153,7 +153,7 @@ def test_a_batch_past_the_step_budget_raises_the_budget_and_past_the_seats_is_re
                           Workload(batch_sizes=[8, 300]))
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (300, 300)
     cfg = measured_config(EngineConfig(device="cpu"), Workload(batch_sizes=[8]))
-    assert cfg.max_num_batched_tokens == EngineConfig(device="cpu").with_seats(
+    assert cfg.max_num_batched_tokens == EngineConfig(device="cpu").with_step_limits(
         ).max_num_batched_tokens
     with pytest.raises(PagedgenError, match="batch size 70,000: a step runs at most 65,536"):
         workload_from({}, {"batch_sizes": "1,70000"})

@@ -5,7 +5,7 @@ of key weights per value channel, so that a kernel's block of rows is one span o
 FlashInfer's chunked prefill reads it as it is; in ``ssm_dtype`` where the checkpoint's config
 names one: Qwen3.5's say float32, as the serving stacks keep it) and the causal convolution's
 last ``K - 1`` inputs [K - 1, conv channels] (in the model's dtype: a row per input, so a
-step's kernels read and write it along the channels). Slots are handed out with seats (a
+step's kernels read and write it along the channels). Slots are handed out with the sequences (a
 sequence holds one while it runs: ``runtime/engine/block_manager.py``); the last slot is the
 scratch slot that CUDA-graph padding rows write. A fork (``n`` samples) copies its parent's
 slot; a preempted sequence's slot is freed and rebuilt by the recompute.

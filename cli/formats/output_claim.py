@@ -152,7 +152,7 @@ class OutputClaim:
                                 "them: give one")
         target = output if isinstance(output, OutputTarget) else resolve_output(str(output))
         if target.path is None:
-            raise PagedgenError(f"{target.given}: is {target.stream}, not a file to claim")
+            raise PagedgenError(f"{target.given}: is {target.stream}, not a file to write and lock")
         self.given = target.given
         self.path, self.resume, self.overwrite = target.path, resume, overwrite
         self.record = {"version": RECORD_VERSION, "inputs_sha256": fingerprint,

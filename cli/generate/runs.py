@@ -64,9 +64,9 @@ class Job:
 
 
 def run(job: Job) -> dict[str, Any] | None:
-    """Run ``job``; its summary (None on a torchrun rank other than 0). The seats a config
-    leaves to the device are this host's (Ray's actors: each its own)."""
-    cfg = job.engine_cfg if job.ray is not None else job.engine_cfg.with_seats()
+    """Run ``job``; its summary (None on a torchrun rank other than 0). The ``max_num_seqs`` a
+    config leaves to the device are this host's (Ray's actors: each its own)."""
+    cfg = job.engine_cfg if job.ray is not None else job.engine_cfg.with_step_limits()
     ranks = _torchrun_ranks(cfg, job.tensor_parallel_size, job.data_parallel_size, job.ray)
     lead = ranks is None or ranks.rank == 0  # the one process that writes and reports
     check_mode(job.data_parallel_size, cfg.tensor_parallel_size, job.ray, job.replicas)
@@ -332,9 +332,9 @@ def result_settings(engine_cfg: EngineConfig, defaults: SamplingParams, opts: In
 def fit_seats(engine_cfg, todo, defaults):
     """``engine_cfg`` with ``max_num_seqs`` cut to the sequences of ``todo`` (each request's
     ``n``) when they are fewer: a short run then captures CUDA graphs, and sizes buffers, only
-    for batches it can form (the 16 sample prompts: 5 decode graphs, not 23 for 256 seats)."""
+    for batches it can form (the 16 sample prompts: 5 decode graphs, not 23 for 256)."""
     seqs = 0
-    for r in todo:  # stops at the seats: a long file costs nothing here
+    for r in todo:  # stops at max_num_seqs: a long file costs nothing here
         seqs += r.sampling(defaults).n
         if engine_cfg.max_num_seqs is None or seqs >= engine_cfg.max_num_seqs:
             return engine_cfg

@@ -43,10 +43,10 @@ def measured_config(cfg, wl: Workload):
     kernels are its own) and prefill steps eager, as they launch, unless the profile's engine
     asks for piecewise graphs (``mixed_step_graphs: true``: a bucket would otherwise be
     captured inside a timed prefill)."""
-    seats = max(wl.batch_sizes)  # a decode step of the largest batch fits the step's budget
-    tokens = dataclasses.replace(cfg, max_num_seqs=None).with_seats().max_num_batched_tokens
-    return dataclasses.replace(cfg, max_num_seqs=seats, async_scheduling=False,
-                               max_num_batched_tokens=max(tokens, seats),
+    num_seqs = max(wl.batch_sizes)  # a decode step of the largest batch fits the step's budget
+    tokens = dataclasses.replace(cfg, max_num_seqs=None).with_step_limits().max_num_batched_tokens
+    return dataclasses.replace(cfg, max_num_seqs=num_seqs, async_scheduling=False,
+                               max_num_batched_tokens=max(tokens, num_seqs),
                                enforce_eager=cfg.enforce_eager or not wl.cuda_graphs,
                                mixed_step_graphs=bool(cfg.mixed_step_graphs))
 

@@ -142,9 +142,9 @@ def _output_itself(out: RequestOutput) -> RequestOutput:
 
 
 def checked_request(request: Request, defaults: SamplingParams, limit: int, vocab: int,
-                    seats: int | None, seats_named: str = "--max-num-seqs") -> None:
+                    num_seqs: int | None, max_num_seqs_named: str = "--max-num-seqs") -> None:
     """``engine.requests.check_request`` of one input request before any engine loads (its
-    prompt against the model's context and vocabulary, its settings against the seats, which
-    ``seats_named`` set)."""
-    check_request(request.prompt_token_ids, request.sampling(defaults), limit, vocab, seats,
-                  seats_named=seats_named)
+    prompt against the model's context and vocabulary, its settings against ``num_seqs``,
+    which ``max_num_seqs_named`` set)."""
+    check_request(request.prompt_token_ids, request.sampling(defaults), limit, vocab, num_seqs,
+                  max_num_seqs_named=max_num_seqs_named)

@@ -109,4 +109,4 @@ class RemoteImages:
             cfg = self.engine_config
             check_request(request.prompt_token_ids, request.sampling(self.defaults),
                           self._limit, self._vocab, cfg.max_num_seqs,
-                          seats_named=cfg.named("max_num_seqs"))
+                          max_num_seqs_named=cfg.named("max_num_seqs"))

@@ -106,8 +106,8 @@ class RayReplicas:
         tokens so far."""
         # enough to keep an engine's batch full, and at least two batches per replica (a
         # replica that starts late still gets work)
-        seats = self.engine_config.max_num_seqs or 256  # None: each actor's device says
-        batch_size = max(1, min(2 * seats,
+        num_seqs = self.engine_config.max_num_seqs or 256  # None: each actor's device says
+        batch_size = max(1, min(2 * num_seqs,
                                 -(-len(todo) // (2 * self.replicas))))
         try:
             for b in run_requests(todo, self.engine_config, self.defaults, record,

@@ -59,8 +59,8 @@ class BlockManager:
         self.peak_held = list(self.held)
         self._group = [0] * num_blocks  # the group a referenced block belongs to
         # a model with linear-attention layers: a recurrent-state slot per running sequence
-        # (one per seat: the scheduler's seats bound how many are held), taken with its first
-        # blocks and freed with them
+        # (max_num_seqs bounds how many are held), taken with its first blocks and freed with
+        # them
         self.has_state = state_slots > 0
         self.free_slots = list(range(state_slots - 1, -1, -1))
 

@@ -43,8 +43,8 @@ from pagedgen.attention.metadata import AttentionMetadata
 
 PLAIN = (0, 0)  # the graph key of plain decode steps: no cascade levels
 # Plain graphs of more rows wait for the first step of that many decodes (vLLM captures none
-# past 512 by default): a start-up pays only for batches most runs form; gpt-oss-120b's 1,024
-# seats captured 47 graphs at start-up in 16 s on an H100, 16 of them past 512.
+# past 512 by default): a start-up pays only for batches most runs form; gpt-oss-120b's
+# max_num_seqs of 1,024 captured 47 graphs at start-up in 16 s on an H100, 16 of them past 512.
 STARTUP_CAPTURE_MAX = 512
 
 
@@ -60,7 +60,7 @@ def cascade_segments(layout: CascadeLayout, batch_size: int) -> int:
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes with a decode graph. Beyond 256 rows a step of 32: a GEMM's row tiles
-    make padding there nearly free, and 1,024 seats capture 47 graphs instead of 71."""
+    make padding there nearly free, and max_num_seqs 1,024 captures 47 graphs instead of 71."""
     sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 257, 16)) \
         + list(range(288, max_num_seqs + 32, 32))
     return sorted({s for s in sizes if s < max_num_seqs} | {max_num_seqs})

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine import batch_invariant, jit_monitor, rehearsal
+from pagedgen.runtime.engine import batch_invariant, jit_monitor, warmup
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.model_runner import ModelRunner
@@ -40,8 +40,8 @@ class Engine:
         sample (``runtime/sampling/processors.py``); None: no request has any. ``grammars``:
         structured-output constraints already compiled for this model's tokenizer (made at
         the first constrained request otherwise)."""
-        # checked: seats within the tokens, both positive; as --batch-invariant runs it
-        config = batch_invariant.prepared(config.with_seats())
+        # checked: max_num_seqs within the tokens, both positive; as --batch-invariant runs it
+        config = batch_invariant.prepared(config.with_step_limits())
         self.config = config
         self.src = src or resolve_model(config.model)
         self._tokenizer = tokenizer  # loaded at first use (runs on token ids need none)
@@ -53,21 +53,21 @@ class Engine:
         self._grammars = grammars
         self.runner.sampling_hooks(processors=processor_factory is not None)
         recurrent = self.runner.recurrent
-        if recurrent is not None and recurrent.seats < config.max_num_seqs:  # did not fit
-            self.config = config = dataclasses.replace(config, max_num_seqs=recurrent.seats)
+        if recurrent is not None and recurrent.max_num_seqs < config.max_num_seqs:  # did not fit
+            self.config = config = dataclasses.replace(config, max_num_seqs=recurrent.max_num_seqs)
         self._new_queues()
         self.stats = StepStats()
         self._next_id = 0
         self._pending = None  # (StepHandle, placeholder indices) of the step in flight
         self._ahead = None  # the next step's batch, when scheduled before this one sampled
         self._sources: list[Iterator[RequestItem]] = []  # requests not yet made sequences
-        # Sequences made ahead of admission: enough to fill every seat of the next step.
+        # Sequences made ahead of admission: enough to fill max_num_seqs in the next step.
         self._lookahead = config.max_num_seqs
-        rehearse = config.startup_rehearsal
-        if rehearse or (rehearse is None and self.runner.device.type == "cuda"):
+        warm = config.startup_warmup
+        if warm or (warm is None and self.runner.device.type == "cuda"):
             t = time.perf_counter()
-            rehearsal.rehearse(self)  # then counts afresh: jit_marks[1] moves past it
-            self.runner.startup_phases["rehearsal"] = time.perf_counter() - t
+            warmup.warm_up(self)  # then counts afresh: jit_marks[1] moves past it
+            self.runner.startup_phases["warmup"] = time.perf_counter() - t
 
     def _new_queues(self) -> None:
         """An empty scheduler over a block manager with every block and state slot free."""
@@ -489,7 +489,7 @@ class Engine:
             self._grammars.reset_counters()
 
     def forget_requests(self) -> None:
-        """Number requests from 0 again (after the start-up rehearsal), none in flight."""
+        """Number requests from 0 again (after the start-up warm-up), none in flight."""
         if self.has_unfinished():
             raise RuntimeError("forget_requests with requests in flight")
         self._next_id = 0

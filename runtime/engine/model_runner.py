@@ -112,13 +112,13 @@ class ModelRunner:
             layer.kv_group = g
         self.images = ImageEncoder(self.model, ImagePrompter.of(src), self.device) \
             if getattr(self.model, "takes_images", False) else None
-        # linear-attention layers: a state slot per seat, before the KV cache takes the rest
+        # linear-attention layers: a state slot a sequence, before the KV cache takes the rest
         self.max_num_seqs = config.max_num_seqs
         self.recurrent: RecurrentSlots | None = None
         if state_specs:
             self.recurrent = bind_recurrent(self.model, state_specs, config.max_num_seqs,
                                             self.dtype, self.device)
-            self.max_num_seqs = self.recurrent.seats
+            self.max_num_seqs = self.recurrent.max_num_seqs
         if config.batch_invariant:
             batch_invariant.apply(self)
         # Kernels that compile at first use compile now, before memory profiling and capture.

@@ -1,9 +1,9 @@
 """The recurrent state of a model's linear-attention layers, sized and bound at start-up: a slot
-per seat (and the scratch slot CUDA-graph padding writes), in the run's memory plan before the
-KV cache takes what is left.
+for each of ``max_num_seqs`` sequences (and the scratch slot CUDA-graph padding writes), in the
+run's memory plan before the KV cache takes what is left.
 
 Each slot holds every linear-attention layer's state (``attention/recurrent/state.py``). When
-the seats' slots would take more than half the memory free after the weights, the seats are
+the slots would take more than half the memory free after the weights, ``max_num_seqs`` is
 lowered to what fits (the summary says so); the KV cache then sizes itself from what the
 memory profile finds left.
 """
@@ -27,8 +27,8 @@ SHARE_OF_FREE = 0.5  # the most of the memory left after the weights that slots 
 class RecurrentSlots:
     states: RecurrentStates
     kernels: GatedDeltaKernels
-    seats: int  # the run's max_num_seqs (maybe lowered)
-    lowered_from: int | None = None  # the seats asked for, when they did not fit
+    max_num_seqs: int  # the run's max_num_seqs (maybe lowered)
+    lowered_from: int | None = None  # the max_num_seqs asked for, when it did not fit
 
     @property
     def scratch_slot(self) -> int:
@@ -43,31 +43,32 @@ class RecurrentSlots:
             "recurrent_state_bytes": self.states.nbytes,
             "recurrent_state_bytes_per_slot": per}
         if self.lowered_from is not None:
-            out["max_num_seqs_lowered"] = (f"{self.lowered_from:,} → {self.seats:,}: a sequence's "
-                                           f"linear-attention state takes {per / 2**20:.1f} MiB")
+            out["max_num_seqs_lowered"] = (f"{self.lowered_from:,} → {self.max_num_seqs:,}: a "
+                                           f"sequence's linear-attention state takes "
+                                           f"{per / 2**20:.1f} MiB")
         return out
 
 
-def bind_recurrent(model, specs: list[GatedDeltaSpec], seats: int, dtype: torch.dtype,
+def bind_recurrent(model, specs: list[GatedDeltaSpec], max_num_seqs: int, dtype: torch.dtype,
                    device: torch.device) -> RecurrentSlots:
-    """Allocate ``seats`` + 1 slots (fewer seats where they do not fit) and bind each
+    """Allocate ``max_num_seqs`` + 1 slots (fewer where they do not fit) and bind each
     linear-attention layer's core and state into ``model``."""
     per_slot = RecurrentStates.bytes_per_slot(specs, dtype)
     free = hardware.available_memory(device)
     lowered = None
-    if free is not None and (seats + 1) * per_slot > free * SHARE_OF_FREE:
+    if free is not None and (max_num_seqs + 1) * per_slot > free * SHARE_OF_FREE:
         fit = int(free * SHARE_OF_FREE) // per_slot - 1
         if fit < 1:
             raise PagedgenError(
                 f"one sequence's linear-attention state takes {per_slot / 2**20:.1f} MiB and "
                 f"{device} has {free / 2**30:.2f} GiB free beside the weights: free memory or "
                 "choose a smaller model")
-        seats, lowered = fit, seats
+        max_num_seqs, lowered = fit, max_num_seqs
     try:
         kernels = GatedDeltaKernels.for_device(device, envs.GATED_DELTA.get(), tuple(specs),
                                                dtype)
     except ValueError as e:
         raise PagedgenError(f"{envs.GATED_DELTA.name}: {e}")
-    states = RecurrentStates(specs, seats + 1, dtype, device)
+    states = RecurrentStates(specs, max_num_seqs + 1, dtype, device)
     model.bind_recurrent([GatedDeltaImpl(s, kernels) for s in specs], states.layers)
-    return RecurrentSlots(states, kernels, seats, lowered)
+    return RecurrentSlots(states, kernels, max_num_seqs, lowered)

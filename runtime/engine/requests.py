@@ -8,11 +8,12 @@ from pagedgen.runtime.config import SamplingParams
 
 def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
                   vocab_size: int, max_num_seqs: int | None, memory: str | None = None,
-                  seats_named: str = "--max-num-seqs") -> None:
+                  max_num_seqs_named: str = "--max-num-seqs") -> None:
     """Raise ValueError when a request cannot run: its prompt (a list or array of ids) is empty,
     has no room for an output token within ``max_model_len`` or holds an id outside the
-    vocabulary, or its ``n`` samples need more seats than ``max_num_seqs`` (None: the engine's
-    own, checked when the request reaches it; ``seats_named``: where that was set). ``memory``:
+    vocabulary, or its ``n`` samples need more sequences than ``max_num_seqs`` (None: the
+    engine's own, checked when the request reaches it; ``max_num_seqs_named``: where that was
+    set). ``memory``:
     why ``max_model_len`` is below the model's context, when the KV cache cut it."""
     params.validate()  # the line's fields over the run's defaults (e.g. ignore_eos)
     if not len(prompt_token_ids):
@@ -32,7 +33,7 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
                              f"(0..{vocab_size - 1})")
     if max_num_seqs is not None and params.n > max_num_seqs:
         raise ValueError(f"n = {params.n} samples run as {params.n} sequences at once; "
-                         f"{seats_named} is {max_num_seqs}")
+                         f"{max_num_seqs_named} is {max_num_seqs}")
 
 
 def text_setting(params: SamplingParams) -> str | None:

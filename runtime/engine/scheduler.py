@@ -26,8 +26,8 @@ A sequence admitted with no blocks starts on the longest run of its leading full
 prefix cache holds (at least one token is always computed, so the step has logits to sample);
 the blocks a prefill chunk fills are cached as it is scheduled, so prompts admitted later in the
 same step already share them.
-A request with ``n`` samples is admitted as one sequence holding seats for all of them; the step
-that completes its prompt forks the others from it (shared full blocks, a copy of the last).
+A request with ``n`` samples is admitted as one sequence counting ``n`` of ``max_num_seqs``; the
+step that completes its prompt forks the others from it (shared full blocks, a copy of the last).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Scheduler:
                     break
                 budget -= n
                 self._fork_if_complete(seq, n, batch)
-        # 3. waiting sequences, in order, while seats, tokens and blocks last (none in a step
+        # 3. waiting sequences, in order, while max_num_seqs, tokens and blocks last (none in a step
         #    that preempted; each whole prompt fitting beside a page per running sequence and
         #    the pages the prompts under way will take)
         admitting = self.waiting and budget > 0 and not batch.preempted

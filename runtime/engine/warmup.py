@@ -1,4 +1,4 @@
-"""A rehearsal at start-up: a few short requests through the engine's own steps (prefills
+"""A warm-up at start-up: a few short requests through the engine's own steps (prefills
 alone; prefills beside decodes, whose rows then start at an odd offset; decodes alone, at
 falling batch sizes), so that the kernel variants, autotuning and piecewise graphs a run's first
 steps would make are made before the run and not inside it, where a fresh machine's first run
@@ -7,7 +7,7 @@ steps are the scheduler's, the kernels the run's (the caller's logits processors
 asked for these requests). Then the engine forgets it: its counters, prefix cache and request
 numbering start afresh.
 
-On by default on CUDA (``EngineConfig.startup_rehearsal``); a CPU run compiles nothing.
+On by default on CUDA (``EngineConfig.startup_warmup``); a CPU run compiles nothing.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pagedgen.runtime.config import SamplingParams
 
 
 class Engine(Protocol):
-    """What the rehearsal uses of ``engine.Engine`` (which imports this module)."""
+    """What the warm-up uses of ``engine.Engine`` (which imports this module)."""
 
     src: Any
     max_model_len: int
@@ -46,8 +46,8 @@ def prompts(lengths: tuple[int, ...], vocab: int, longest: int) -> list[list[int
             for i, n in enumerate(lengths)]
 
 
-def rehearse(engine: Engine) -> int:
-    """Run the rehearsal's requests to their end on ``engine`` and reset what they counted;
+def warm_up(engine: Engine) -> int:
+    """Run the warm-up's requests to their end on ``engine`` and reset what they counted;
     returns the steps it took."""
     vocab = engine.src.hf_config.vocab_size
     steps = 0
