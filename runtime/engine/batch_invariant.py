@@ -12,12 +12,13 @@ A row's result may depend on nothing but that row. What the mode changes:
   decode graphs' tiles are not held at fixed addresses).
 Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
 CPU the gated activations run a row at a time (torch's CPU exp and tanh round by a value's
-place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``). What it
+place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``).
 MoE experts run the grouped GEMM in one tile for every token count on a GPU (a token's row
 sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
-token at a time on a CPU; a token's experts add in slot order. What it does not cover yet is
-refused in one line: linear-attention layers, quantized weights (``--quantization`` or a
-checkpoint's FP8 or MXFP4), more than one GPU.
+token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
+is one program's per row on a GPU in every run (``sampling/logprobs.py``). What it does not
+cover yet is refused in one line: linear-attention layers, quantized weights
+(``--quantization`` or a checkpoint's FP8 or MXFP4), more than one GPU.
 """
 
 from __future__ import annotations
