@@ -23,7 +23,7 @@ import random
 import time
 from pathlib import Path
 
-from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 
 LENGTHS = (256, 1024, 4096)

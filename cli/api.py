@@ -45,7 +45,7 @@ from pagedgen.cli.sampling_params import SamplingParams
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import clock
 from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
-from pagedgen.runtime.engine.outputs import RequestOutput
+from pagedgen.runtime.output.outputs import RequestOutput
 
 Prompt = str | Sequence[int] | dict[str, Any]
 Sampling = dict[str, Any] | SamplingParams

@@ -31,7 +31,7 @@ MAX_INT32 = 2**31 - 1
 MAX_BLOCK_SIZE = 1024  # tokens per KV page (vLLM's largest is 256; FA2 needs 256)
 MAX_SEATS = 65536  # sequences in a step
 MAX_BATCHED_TOKENS = 1 << 20  # tokens in a step
-# reasoning parsers (runtime/engine/reasoning.py: auto from the tokenizer's vocabulary)
+# reasoning parsers (runtime/output/reasoning.py: auto from the tokenizer's vocabulary)
 REASONING_PARSERS = ("auto", "none", "think", "qwen3", "deepseek_r1", "harmony", "gpt_oss",
                      "gemma4")
 # structured output: the kinds of constraint a line can give (runtime/sampling/structured.py)
@@ -84,7 +84,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True  # with them in: a space around each
     structured: StructuredOutput | None = None  # the output's grammar (per line)
     # whether the run's reasoning parser (if any) splits the output: off for OpenAI
-    # /v1/completions bodies unless the run names a parser (runtime/engine/reasoning.py)
+    # /v1/completions bodies unless the run names a parser (runtime/output/reasoning.py)
     reasoning: bool = True
 
     def has_controls(self) -> bool:
@@ -195,7 +195,7 @@ class EngineConfig:
     # admit queued requests that share a prompt prefix together (runtime/engine/ordering.py)
     prefix_grouping: bool = True
     # every request's tokens and log-probabilities bitwise those it gets alone, whatever the
-    # batch (issue 97; dense models on the triton backend: runtime/engine/batch_invariant.py)
+    # batch (issue 97; dense models on the triton backend: runtime/worker/batch_invariant.py)
     batch_invariant: bool = False
     cascade_attention: bool = True  # decodes attend the pages they all share once per step
     # ... also the decodes of steps with prefills (flash-attn and triton; flashinfer: not yet)
@@ -205,12 +205,12 @@ class EngineConfig:
     # every expert's width (the ranks' outputs are summed as before)
     expert_parallel: bool = False
     threads: int | None = None  # torch's CPU threads; None: the cores other processes leave
-    # how a reasoning model's thinking is split from its answer (runtime/engine/reasoning.py):
+    # how a reasoning model's thinking is split from its answer (runtime/output/reasoning.py):
     # auto (from the tokenizer's vocabulary) | none | think (qwen3, deepseek_r1) | harmony
     # (gpt_oss)
     reasoning_parser: str = "auto"
     # a few short requests through the engine's own steps at start-up, so that the kernels a
-    # run's first steps would make are made before it (runtime/engine/warmup.py); None: on
+    # run's first steps would make are made before it (runtime/worker/warmup.py); None: on
     # CUDA
     startup_warmup: bool | None = None
     # where each setting was given, for messages: an option (``--num-blocks``), a profile's

@@ -12,7 +12,7 @@ import torch
 from pagedgen.cli.verify import invariance_checks as ic
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
-from pagedgen.runtime.engine import batch_invariant
+from pagedgen.runtime.worker import batch_invariant
 
 CPU = torch.device("cpu")
 ARGS = (CPU, "tiny", "float32", "auto", 4, 0)

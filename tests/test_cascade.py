@@ -14,7 +14,7 @@ from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, find_layout
 from pagedgen.attention.cases import make_grouped_batch
 from pagedgen.attention.cascade import _layout_tensors
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
-from pagedgen.runtime.engine.cuda_graphs import cascade_segments
+from pagedgen.runtime.worker.cuda_graphs import cascade_segments
 
 PAGE = 16
 SHARED = MIN_TOKENS // PAGE  # pages

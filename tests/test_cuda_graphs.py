@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (runtime/engine/cuda_graphs.py): which batch sizes get a graph, what a
+"""Decode CUDA graphs (runtime/worker/cuda_graphs.py): which batch sizes get a graph, what a
 capture in the middle of a run warms up first, and how many seats a device gives."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedgen.runtime.engine.cuda_graphs import graph_buckets
+from pagedgen.runtime.worker.cuda_graphs import graph_buckets
 
 
 @pytest.mark.parametrize("seats", [1, 3, 8, 63, 128, 255, 256, 257, 300, 1024, 1000])
@@ -102,7 +102,7 @@ def _runner(monkeypatch, seats=1024):
 
     import torch
 
-    from pagedgen.runtime.engine import cuda_graphs as cg
+    from pagedgen.runtime.worker import cuda_graphs as cg
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: "stream")
@@ -152,7 +152,7 @@ def test_a_capture_that_fails_without_warming_up_warms_up_and_captures_again(mon
 
 
 def cg_max() -> int:
-    from pagedgen.runtime.engine.cuda_graphs import STARTUP_CAPTURE_MAX
+    from pagedgen.runtime.worker.cuda_graphs import STARTUP_CAPTURE_MAX
     return STARTUP_CAPTURE_MAX
 
 

@@ -17,7 +17,7 @@ from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.flash_attn.backend import FlashAttnBackend, FlashAttnState
 from pagedgen.attention.cases import backend_cache
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine.cuda_graphs import cascade_segments
+from pagedgen.runtime.worker.cuda_graphs import cascade_segments
 
 
 @pytest.fixture(autouse=True)

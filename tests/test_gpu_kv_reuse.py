@@ -11,7 +11,7 @@ import torch
 from engine_checks import byte_prompts, engine, lockstep_logits
 from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.runtime.config import SamplingParams
-from pagedgen.runtime.engine.cuda_graphs import PLAIN
+from pagedgen.runtime.worker.cuda_graphs import PLAIN
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedgen.runtime.config import EngineConfig
-from pagedgen.runtime.engine import model_runner
+from pagedgen.runtime.worker import model_runner
 from pagedgen.runtime.engine.engine import Engine
 
 pytestmark = pytest.mark.gpu

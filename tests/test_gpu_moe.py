@@ -105,7 +105,7 @@ def test_a_tma_tile_on_experts_tma_cannot_load_runs_them_by_pointers(layout):
 def test_one_variant_of_each_moe_kernel_serves_every_token_count():
     """A run's prefill chunks hit token counts a plan's measurement did not: the sort's and
     the GEMMs' step-sized arguments are not specialized, so nothing compiles inside a run."""
-    from pagedgen.runtime.engine import jit_monitor
+    from pagedgen.runtime.worker import jit_monitor
 
     tiles = mk.Tiles(32, 32, 32, 2, 2, 2)  # a launch shape no other test takes
     jit_monitor.install()

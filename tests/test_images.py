@@ -322,7 +322,7 @@ def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf)
 def test_the_memory_profile_runs_the_vision_tower_over_a_steps_largest_image(ckpt):
     """(On a GPU the profile's peak then counts the tower.) The image it encodes is square,
     a whole number of merged patches, as many as the step's tokens take (at most the cap)."""
-    from pagedgen.runtime.engine.memory_plan import profile_vision_tower
+    from pagedgen.runtime.worker.memory_plan import profile_vision_tower
 
     model = engine(ckpt).runner.model
     seen = []

@@ -1,4 +1,4 @@
-"""Triton kernels made while pagedgen runs (``runtime/engine/jit_monitor.py``): Triton's JIT
+"""Triton kernels made while pagedgen runs (``runtime/worker/jit_monitor.py``): Triton's JIT
 hooks, as Triton calls them, time each variant made, chain to the hooks set before, and the
 summary splits start-up from the run. (Triton's interpreter makes no kernels: the hooks are
 called here as Triton's JIT calls them; the GPU runs show real ones.)"""
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pagedgen.runtime.engine import jit_monitor
+from pagedgen.runtime.worker import jit_monitor
 
 
 def _made(monitor: jit_monitor.JitMonitor, kernel: str, key: str = "k") -> None:

@@ -75,7 +75,7 @@ def test_layers_sharing_a_slab_write_their_own_bytes():
     from pagedgen.attention.eager import EagerBackend
     from pagedgen.attention.flash_attn.backend import FlashAttnBackend
     from pagedgen.attention.ops.kv_cache import write_kv
-    from pagedgen.runtime.engine.kv_memory import KVMemory
+    from pagedgen.runtime.worker.kv_memory import KVMemory
 
     layer_specs = specs(([16] * 2 + [None]) * 2, heads=[(4, 32)] * 2 + [(1, 64)])
     layout = plan_layout(layer_specs)  # globals 2 and 5 (64 wide) share slab 0's pages
@@ -319,7 +319,7 @@ def test_auto_never_takes_the_eager_reference_on_a_gpu_and_says_why(monkeypatch)
                                         ("allocate", "--kv-cache-memory")])
 def test_out_of_memory_at_start_up_is_one_line_naming_the_knob(monkeypatch, where, knob):
     from pagedgen.errors import PagedgenError
-    from pagedgen.runtime.engine import kv_memory, memory_plan
+    from pagedgen.runtime.worker import kv_memory, memory_plan
 
     def oom(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 16.00 GiB")

@@ -20,7 +20,11 @@ LAYERS = {"pagedgen.errors": 0, "pagedgen.meta": 0, "pagedgen.envs": 0,  # the r
           "pagedgen.runtime": 2, "pagedgen.runtime.collectives": 2.1,
           "pagedgen.runtime.quantization": 2.2, "pagedgen.runtime.layers": 2.3,
           "pagedgen.runtime.models": 2.4, "pagedgen.runtime.sampling": 2.5,
-          "pagedgen.runtime.engine": 2.6, "pagedgen.runtime.drivers": 2.7,
+          # the engine's requests, sequences, scheduler and KV blocks; the worker that runs its
+          # steps and the output stage over them; the engine's loop (engine.engine) over both
+          "pagedgen.runtime.engine": 2.6, "pagedgen.runtime.worker": 2.63,
+          "pagedgen.runtime.output": 2.66, "pagedgen.runtime.engine.engine": 2.69,
+          "pagedgen.runtime.drivers": 2.7,
           "pagedgen.cli": 3, "pagedgen.ray": 3, "benchmarks": 4}
 FOLDERS = {"attention": "pagedgen.attention", "runtime": "pagedgen.runtime",
            "cli/ray": "pagedgen.ray", "cli": "pagedgen.cli", "benchmarks": "benchmarks"}

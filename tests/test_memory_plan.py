@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pagedgen.runtime.engine import memory_plan
+from pagedgen.runtime.worker import memory_plan
 
 TOTAL = 1_000_000
 

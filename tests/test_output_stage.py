@@ -10,7 +10,7 @@ import random
 import pytest
 
 from hf_models import save_tokenizer
-from pagedgen.runtime.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 from pagedgen.runtime.models.tokenizer import ByteTokenizer, HFTokenizer
 
 

@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for steps with prefills (runtime/engine/piecewise_graphs.py): on the
+"""Piecewise CUDA graphs for steps with prefills (runtime/worker/piecewise_graphs.py): on the
 CPU, the pieces run inline through the same static buffers, padding and per-layer attention
 calls as a replay does; the GPU test (test_gpu_backends.py) replays captured graphs."""
 
@@ -9,7 +9,7 @@ import torch
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_buckets
+from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_buckets
 from pagedgen.runtime.layers.attention import PagedAttention
 from tests.hf_models import make_checkpoint
 

@@ -14,7 +14,7 @@ from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.report import run_summary
+from pagedgen.runtime.output.report import run_summary
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from test_hf_equivalence import (check_greedy_with_preemption, check_logits, fused_kernels,
                                  hf_model, ids)

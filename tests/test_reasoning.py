@@ -1,4 +1,4 @@
-"""Reasoning output (``runtime/engine/reasoning.py``): the parsers on token streams, and a run
+"""Reasoning output (``runtime/output/reasoning.py``): the parsers on token streams, and a run
 whose samples think first: the reasoning in ``reasoning_content``, the answer in ``text``, a
 grammar applied to the answer only, a sample cut while reasoning named so, and the OpenAI
 batch body's fields."""
@@ -16,7 +16,7 @@ from hf_models import make_checkpoint
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.reasoning import ReasoningParser
+from pagedgen.runtime.output.reasoning import ReasoningParser
 from pagedgen.runtime.sampling.processors import LogitsProcessor
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check

@@ -151,7 +151,7 @@ def test_grouped_cascade_decode_matches_eager(monkeypatch, seed):
     buffers, a fixed tile count) too."""
     from pagedgen.attention import cascade_layout as cl
     from pagedgen.attention.cases import make_grouped_batch
-    from pagedgen.runtime.engine.cuda_graphs import cascade_segments
+    from pagedgen.runtime.worker.cuda_graphs import cascade_segments
     monkeypatch.setattr(cl, "MIN_TOKENS", 1)
     monkeypatch.setattr(cl, "MIN_SEQS", 1)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
@@ -365,7 +365,7 @@ def test_a_layer_on_its_share_of_a_flash_attn_slab(share):
     and written K/V as eager on a cache of its own, and the other share untouched."""
     from pagedgen.attention.flash_attn.backend import FlashAttnBackend
     from pagedgen.runtime.engine.kv_groups import plan_layout
-    from pagedgen.runtime.engine.kv_memory import KVMemory
+    from pagedgen.runtime.worker.kv_memory import KVMemory
 
     b = make_paged_batch(3, num_heads=4, num_kv_heads=1, head_size=128, block_size=16,
                          dtype=DTYPES[-1], device=DEVICE, max_context=40, max_new=20)

@@ -1,4 +1,4 @@
-"""The start-up warm-up (``runtime/engine/warmup.py``): its steps take prefills alone,
+"""The start-up warm-up (``runtime/worker/warmup.py``): its steps take prefills alone,
 prefills beside decodes and decodes alone; the run after it is the run without it (tokens,
 seeds, counters, graph captures); it fits a small context; the caller's logits processors are
 not asked for its requests. (On by default on CUDA only; forced on here.)"""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine import warmup
+from pagedgen.runtime.worker import warmup
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.model_runner import ModelRunner
+from pagedgen.runtime.worker.model_runner import ModelRunner
 from tests.test_engine import GREEDY, prompts, tiny
 
 SAMPLED = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)  # seeded by number

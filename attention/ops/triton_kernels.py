@@ -49,7 +49,7 @@ def write_kv_kernel(K, V, KCache, VCache, Slots, stride_kt, stride_kh, stride_vt
 
 # Arguments that change from step to step (the block table's width, metadata rows sliced at the
 # step's first decode) are not specialized on: each value class would be another variant,
-# compiled the first time a run's step meets it (runtime/engine/jit_monitor.py counts them).
+# compiled the first time a run's step meets it (runtime/worker/jit_monitor.py counts them).
 @triton.jit(do_not_specialize=["stride_bt"],
             do_not_specialize_on_alignment=["BlockTables", "Sinks", "QStartLoc", "ContextLens",
                                             "TileSeq", "TileQStart"])

@@ -21,7 +21,7 @@ from pagedgen.cli.formats.request import (CHAT_OPTIONS, InputOptions, Request, c
                                           set_sampling, set_template_kwargs, token_ids,
                                           user_fields)
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput
+from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}

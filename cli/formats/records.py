@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedgen.runtime.engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
 
 

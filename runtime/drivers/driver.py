@@ -21,7 +21,7 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.drivers import data_parallel, ray_data
 from pagedgen.runtime.drivers.images import PreparedImages
 from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
-from pagedgen.runtime.engine.outputs import RequestOutput
+from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.engine.stats import startup
 

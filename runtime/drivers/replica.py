@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.engine.outputs import RequestOutput
+from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.loader import ModelSource
 from pagedgen.runtime.models.tokenizer import Tokenizer

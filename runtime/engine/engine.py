@@ -7,10 +7,10 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.engine import batch_invariant, jit_monitor, warmup
+from pagedgen.runtime.worker import batch_invariant, jit_monitor, warmup
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.engine.model_runner import ModelRunner
+from pagedgen.runtime.worker.model_runner import ModelRunner
 from pagedgen.runtime.engine.ordering import prefix_grouped
 from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
@@ -21,9 +21,9 @@ from pagedgen.runtime.sampling.processors import ProcessorFactory
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
-from pagedgen.runtime.engine.output_stage import OutputStage
-from pagedgen.runtime.engine.outputs import RequestOutput
-from pagedgen.runtime.engine.report import run_summary
+from pagedgen.runtime.output.output_stage import OutputStage
+from pagedgen.runtime.output.outputs import RequestOutput
+from pagedgen.runtime.output.report import run_summary
 from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
 

@@ -1,6 +1,6 @@
 """The model's attention layer over the paged KV cache: the selected backend's AttentionImpl
 (bound by the model runner once the backend's state exists), under the profiler's scope; or,
-while piecewise CUDA graphs hold the model (runtime/engine/piecewise_graphs.py), their
+while piecewise CUDA graphs hold the model (runtime/worker/piecewise_graphs.py), their
 ``split`` in its place. It attends with its KV group's metadata (``kv_group``: a window
 layer's own pages, ``AttentionMetadata.group``). A layer with sinks (``LayerSpec.sinks``)
 holds them as a parameter [num_heads] in float32 and hands them to the impl it is bound to."""

@@ -14,7 +14,7 @@ import torch
 
 from pagedgen.attention.metadata import ScheduledSeq
 from pagedgen.runtime.config import EngineConfig, parse_bytes
-from pagedgen.runtime.engine.kv_memory import KVMemory
+from pagedgen.runtime.worker.kv_memory import KVMemory
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 

@@ -21,15 +21,15 @@ from pagedgen.transfer import to_device
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.collectives import parallel
-from pagedgen.runtime.engine.cuda_graphs import CudaGraphRunner
-from pagedgen.runtime.engine.decode_advance import DecodeAdvancer
+from pagedgen.runtime.worker.cuda_graphs import CudaGraphRunner
+from pagedgen.runtime.worker.decode_advance import DecodeAdvancer
 from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
-from pagedgen.runtime.engine import memory_plan
-from pagedgen.runtime.engine.kv_memory import KVMemory
-from pagedgen.runtime.engine.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
-from pagedgen.runtime.engine import batch_invariant
-from pagedgen.runtime.engine.step_images import ImageEncoder
-from pagedgen.runtime.engine.recurrent_slots import RecurrentSlots, bind_recurrent
+from pagedgen.runtime.worker import memory_plan
+from pagedgen.runtime.worker.kv_memory import KVMemory
+from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from pagedgen.runtime.worker import batch_invariant
+from pagedgen.runtime.worker.step_images import ImageEncoder
+from pagedgen.runtime.worker.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from pagedgen.runtime import kernel_plans
-from pagedgen.runtime.engine import batch_invariant, jit_monitor
+from pagedgen.runtime.worker import batch_invariant, jit_monitor
 from pagedgen.runtime.engine.stats import peak_memory_bytes
 
 
