@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.worker import batch_invariant, jit_monitor, warmup
+from pagedgen.runtime.worker import batch_invariant, description, jit_monitor, warmup
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.worker.model_runner import ModelRunner
@@ -26,7 +26,6 @@ from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.output.report import run_summary
 from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.tokenizer import Tokenizer
-
 
 RequestItem = tuple  # add_requests': (ids, sampling, handle, index[, ``prompt_images``'s])
 
@@ -86,8 +85,7 @@ class Engine:
         Then every block and state slot is free, the prefix cache empty (a step cut before
         its launch may have registered blocks never written), the matchers new."""
         pending = self._pending[0].sampling if self._pending is not None else []
-        seqs = {id(s): s for s in (*self.scheduler.running, *self.scheduler.waiting,
-                                   *pending)}
+        seqs = {id(s): s for s in (*self.scheduler.running, *self.scheduler.waiting, *pending)}
         dropped = len({id(s.samples) if s.samples else id(s) for s in seqs.values()})
         self.runner.abandon_steps()
         self._pending = self._ahead = None
@@ -472,8 +470,7 @@ class Engine:
         return seqs
 
     def reset_prefix_cache(self, enabled: bool | None = None) -> None:
-        """Forget every cached block (between benchmark repeats), and turn caching on or off
-        when ``enabled`` says. Only when no request is in flight."""
+        """Forget every cached block (between runs, none in flight); ``enabled``: caching."""
         if self.has_unfinished():
             raise RuntimeError("reset_prefix_cache with requests in flight")
         self.block_manager.reset_prefix_cache()
@@ -494,7 +491,10 @@ class Engine:
             raise RuntimeError("forget_requests with requests in flight")
         self._next_id = 0
 
-    def summary(self, wall: float, start: float, extra: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
+    def describe(self, wall: float | None = None) -> dict[str, Any]:
+        """The worker's read-only description of itself (``worker/description.py``)."""
+        return description.describe(self.runner, self.block_manager.peak_held, wall)
+
+    def summary(self, wall: float, start: float, extra: dict | None = None) -> dict[str, Any]:
         """The run's figures since ``start`` (a ``time.perf_counter()``: ``report.py``)."""
         return run_summary(self, wall, start, extra)
