@@ -15,14 +15,16 @@ export S=$OUT/session
 export FA4_CACHE=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/$(whoami)/flash_attention_cute_dsl_cache}
 mkdir -p "$S"
 
-field() {  # field STEP KEY [DEFAULT]: a step's field from the steps file ("" if none)
-  python3 - "$STEPS" "$@" <<'PY'
-import sys, yaml
-steps = yaml.safe_load(open(sys.argv[1]))
-name, key, default = sys.argv[2], sys.argv[3], (sys.argv[4] if len(sys.argv) > 4 else "")
+step_fields() {  # step_fields STEP: its fields as shell assignments (run, limit, gpus,
+  # report, reads), read from the steps file in one pass
+  python3 - "$STEPS" "$1" <<'PY'
+import shlex, sys, yaml
+steps, name = yaml.safe_load(open(sys.argv[1])), sys.argv[2]
 if name not in steps:
     sys.exit(f"unknown step '{name}' (steps: {', '.join(steps)})")
-print(steps[name].get(key, default))
+step = {"limit": 300, "gpus": 1, "report": "", "reads": "", **steps[name]}
+print("; ".join(f"{k}={shlex.quote(str(step[k]))}"
+                for k in ("run", "limit", "gpus", "report", "reads")))
 PY
 }
 
@@ -40,10 +42,9 @@ caches() {  # how many kernels FA4's disk cache and FlashInfer's JIT cache hold
 }
 
 run_step() {  # run_step NAME: its command under its time limit, then its report
-  local name=$1 run limit gpus have report reads t0=$SECONDS rc
-  run=$(field "$name" run) || { echo "$run"; return 1; }
-  limit=$(field "$name" limit 300)
-  gpus=$(field "$name" gpus 1)
+  local name=$1 fields run limit gpus have report reads t0=$SECONDS rc
+  fields=$(step_fields "$name") || return 1
+  eval "$fields"
   have=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   if [ "$have" -lt "$gpus" ]; then
     echo "== $name: skipped (needs $gpus GPU(s), this machine has $have)"
@@ -53,9 +54,7 @@ run_step() {  # run_step NAME: its command under its time limit, then its report
   timeout "$limit" bash -c "$run" > "$S/$name.log" 2>&1
   rc=$?
   echo "$name: $((SECONDS - t0)) s, exit $rc$([ $rc = 124 ] && echo " (its limit, $limit s)")"
-  report=$(field "$name" report)
   if [ -n "$report" ]; then
-    reads=$(field "$name" reads)
     # shellcheck disable=SC2086  # the file list splits on spaces, its variables expand here
     python3 -m benchmarks.session_report "$report" $(eval echo "$reads")
   else

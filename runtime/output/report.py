@@ -53,9 +53,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         out.update(jit_monitor.MONITOR.summary(*engine.jit_marks))
     if kernel_plans.sources:
         out["kernel_plans"] = kernel_plans.summary()
-    if "recurrent_state_slots" in worker:
-        if engine.config.prefix_caching:
-            out["prefix_caching"] = "off: linear-attention layers keep no state at a prefix"
+    if "recurrent_state_slots" in worker and engine.config.prefix_caching:
+        out["prefix_caching"] = "off: linear-attention layers keep no state at a prefix"
     if engine.grammars_used is not None:
         out.update(engine.grammars_used.summary())
     out.update(extra or {})

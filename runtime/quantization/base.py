@@ -109,7 +109,6 @@ class WeightFormat(ABC):
     name: ClassVar[str]
     checkpoint_methods: ClassVar[tuple[str, ...]] = ()
     online: ClassVar[bool] = False  # --quantization NAME quantizes dense weights at load
-    experts_only: ClassVar[bool] = False  # leaves every linear layer dense (MXFP4)
 
     @abstractmethod
     def from_checkpoint(self, fields: dict[str, Any], where: str) -> tuple[Any, tuple[str, ...]]:

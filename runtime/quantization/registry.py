@@ -4,6 +4,7 @@ and ``mxfp4/`` plus its line here), and the model's ``QuantConfig`` made from th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -53,9 +54,8 @@ def quant_config(hf_config: Any, requested: str | None, where: str) -> QuantConf
     own = QuantConfig(fmt.name, fmt, *fmt.from_checkpoint(fields, where))
     if at_load is None or requested == fmt.name:
         return own
-    if fmt.experts_only:
-        return QuantConfig(at_load.name, at_load.fmt, at_load.scheme, at_load.ignore,
-                           experts=own)
+    if fmt.linear_method(own.scheme) is None:  # experts only (MXFP4): kept, linears at load
+        return dataclasses.replace(at_load, experts=own)
     raise PagedgenError(f"{where}: the checkpoint is quantized ({fmt.name}); it runs with its "
                         f"own quantization, not --quantization {requested}")
 

@@ -16,7 +16,6 @@ from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
 class Mxfp4Format(WeightFormat):
     name: ClassVar[str] = "mxfp4"
     checkpoint_methods: ClassVar[tuple[str, ...]] = ("mxfp4",)
-    experts_only: ClassVar[bool] = True
 
     def from_checkpoint(self, fields: dict[str, Any], where: str) -> tuple[None, tuple[()]]:
         return None, ()  # one layout; the linear layers it names dense are all of them
