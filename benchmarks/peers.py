@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import replace
@@ -145,6 +146,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "mixed-ahead-off": (", mixed steps not ahead", {"mixed_steps_ahead": False}),
     "mixed-eager": (", mixed steps eager", {"mixed_step_graphs": False}),
     "prefix-grouping-off": (", prefix grouping off", {"prefix_grouping": False}),
+    "batch-invariant": (", --batch-invariant", {"batch_invariant": True}),
 }
 
 
@@ -266,6 +268,8 @@ def run_workload(name: str, wl: Workload, backends: list[str], peers: list[str],
                 continue
             mid = median_run(measured)
             row(f"vLLM {res['vllm']}" + (f" {quantization}" if quantization else "")
+                + (" VLLM_BATCH_INVARIANT=1" if os.environ.get("VLLM_BATCH_INVARIANT") == "1"
+                   else "")
                 + (" (pagedgen's weight distribution)" if weights == "normal" else ""),
                 mid["wall_time_s"], {
                 "runs_output_tokens_per_s": mid["runs_output_tokens_per_s"],
@@ -328,6 +332,9 @@ def main() -> None:
                          "(not in piecewise CUDA graphs)")
     ap.add_argument("--prefix-grouping-off", action="store_true",
                     help="each backend once more admitting requests in input order")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="each backend once more in --batch-invariant mode (issue 97; vLLM's "
+                         "own mode: VLLM_BATCH_INVARIANT=1 in the environment)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine config override for every pagedgen run (repeatable); "
                          "vLLM takes max_num_seqs and max_num_batched_tokens from it")

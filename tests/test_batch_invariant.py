@@ -112,16 +112,29 @@ def test_the_tiled_gemm_computes_the_product():
     assert torch.equal(invariant_linear(x, w, b), rows_alone)  # the CPU's: a row at a time
 
 
+def test_the_gemm_mixes_tiles_only_where_they_give_the_same_bits():
+    """The plan's tiles by row count stand only where each gave the first tile's bits."""
+    from pagedgen.runtime.quantization.invariant_gemm import PLAN, kept_plan
+    a = torch.ones(3)
+    assert kept_plan([a.clone() for _ in PLAN]) == PLAN
+    apart = kept_plan([a.clone() for _ in PLAN[:-1]] + [a + 1e-7])
+    assert len(apart) == 1 and apart[0][1] == PLAN[0][1] and apart[0][0] > 1e12
+    assert kept_plan([]) == apart  # a CPU: no tiles to mix
+
+
 @pytest.mark.gpu
 def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
-    """On the GPU the fixed tiles make a row's result its own: the rows of 300 at once equal
-    each row alone, bitwise (cuBLAS's do not, the reason for the kernel)."""
+    """On the GPU the tiles make a row's result its own: the rows of 1,300 at once (the
+    plan's widest tiles) equal each row alone (its narrowest) and the rows of 200 at once,
+    bitwise (cuBLAS's do not, the reason for the kernel)."""
     from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(300, 4096, generator=g).to("cuda", torch.bfloat16)
+    x = torch.randn(1300, 4096, generator=g).to("cuda", torch.bfloat16)
     w = torch.randn(1024, 4096, generator=g).to("cuda", torch.bfloat16)
     full = invariant_linear(x, w)
-    assert all(torch.equal(full[i], invariant_linear(x[i:i + 1], w)[0]) for i in range(0, 300, 13))
+    assert all(torch.equal(full[i], invariant_linear(x[i:i + 1], w)[0])
+               for i in range(0, 1300, 37))
+    assert torch.equal(full, torch.cat([invariant_linear(c, w) for c in x.split(200)]))
     assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=1e-1)
 
 

@@ -24,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int, tp: TensorParallel) -> None:
         super().__init__()
         self.vocab_size, self.tp = vocab_size, tp
-        self.batch_invariant = False  # logits in fixed tiles (invariant_gemm.py)
+        self.batch_invariant = False  # logits in invariant tiles (invariant_gemm.py)
         self.rows = -(-vocab_size // tp.size)
         self.lo = tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, dim))

@@ -3,16 +3,23 @@ rows (``--batch-invariant``, issue 97).
 
 cuBLAS (and MKL) choose tiles, split-K and even the algorithm by the problem's shape, so a
 row's sums take another order when the batch has more or fewer rows. On a GPU every program
-makes one fixed tile of ``BLOCK_M`` rows by ``BLOCK_N`` columns, its K loop in the same order
-for any row count, no split-K, the tensor cores summing each element alike wherever its row
-sits: a row's result depends on that row alone. On a CPU each row is its own product (a
-BLAS's rounding also follows where a row sits in its register block, so tiles would not do).
-Hand-written: torch has no GEMM with a fixed reduction order (vLLM's and SGLang's
-batch-invariant modes carry their own Triton GEMMs for the same reason). Not tuned yet: a first
-kernel, its speed unmeasured.
+makes one output tile, its K loop in steps of ``BLOCK_K`` in the same order for any row count,
+no split-K: an element's sum is the same chain of tensor-core products whatever the tile's
+height or width. The tile grows with the row count (``PLAN``: narrow tiles for a decode's few
+rows, so that many programs stream the weight; wide ones for a prefill's many, for reuse),
+which is invariant only where the tensor cores sum an element alike in every tile shape:
+``plan_for`` checks that on the device once (each tile against the first, bitwise, on a probe
+product) and keeps the first tile for every row count where it does not hold. On a CPU each
+row is its own product (a BLAS's rounding also follows where a row sits in its register
+block, so tiles would not do). Hand-written: torch has no GEMM with a fixed reduction order
+(vLLM's and SGLang's batch-invariant modes carry their own Triton GEMMs for the same reason).
+``benchmarks/invariant_gemm.py`` measures the tiles against cuBLAS.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import NamedTuple
 
 import torch
 
@@ -23,14 +30,33 @@ try:
 except ImportError:  # pragma: no cover - a torch without Triton
     HAVE_TRITON = False
 
-BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
+BLOCK_K = 64  # the K step: an element's sum adds its products in this order for any tile
+BAND_M = 8  # row tiles next to each other share a weight tile (DRAM sends it once)
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+
+
+# (the largest row count a tile serves, the tile), by row count; the last serves the rest
+PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)), (512, Tiles(64, 128, 4, 4)),
+                                       (1 << 62, Tiles(128, 128, 8, 4)))
 
 if HAVE_TRITON:
     @triton.jit
     def _gemm_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        pm, pn = tl.program_id(0), tl.program_id(1)
+                     BLOCK_K: tl.constexpr, BAND_M: tl.constexpr, PRECISION: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles_m = tl.cdiv(M, BLOCK_M)
+        band = BAND_M * tl.cdiv(N, BLOCK_N)
+        first_m = (pid // band) * BAND_M
+        rows = tl.minimum(tiles_m - first_m, BAND_M)
+        pm = first_m + (pid % band) % rows
+        pn = (pid % band) // rows
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -55,9 +81,50 @@ def by_rows(op, x: torch.Tensor, *args):
     return torch.cat([op(row, *args) for row in x.split(1)]) if len(x) else op(x, *args)
 
 
+def tiled_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor, tiles: Tiles) -> torch.Tensor:
+    """``x2 W^T (+ b)`` into ``out`` in ``tiles`` (``x2``: [M, K] rows contiguous)."""
+    m, k = x2.shape
+    n = w.shape[0]
+    if m:
+        grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+        _gemm_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k,
+                           x2.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                           BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K,
+                           BAND_M=BAND_M,
+                           PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+                           num_warps=tiles.warps, num_stages=tiles.stages)
+    return out
+
+
+@functools.cache
+def plan_for(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, Tiles], ...]:
+    """``PLAN`` where every tile gives the first tile's bits on a probe product on ``device``
+    (``dtype``), else the first tile for every row count."""
+    if device.type != "cuda":
+        return kept_plan([])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 1000, generator=g).to(device, dtype)
+    w = torch.randn(700, 1000, generator=g).to(device, dtype)
+    return kept_plan([tiled_linear(x, w, None, torch.empty(300, 700, dtype=dtype,
+                                                         device=device), t) for _, t in PLAN])
+
+
+def kept_plan(products: list[torch.Tensor]) -> tuple[tuple[int, Tiles], ...]:
+    """``PLAN`` where the product in each of its tiles (``products``, in its order) has the
+    first's bits, else (or with no products: a CPU) its first tile for every row count."""
+    same = bool(products) and all(torch.equal(products[0], p) for p in products[1:])
+    return PLAN if same else ((1 << 62, PLAN[0][1]),)
+
+
+def tiles_for(m: int, device: torch.device, dtype: torch.dtype) -> Tiles:
+    """The tile for ``m`` rows on ``device``: ``plan_for``'s entry for that row count."""
+    return next(t for most, t in plan_for(device, dtype) if m <= most)
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      out: torch.Tensor | None = None, tiles: bool | None = None) -> torch.Tensor:
-    """``x W^T (+ b)`` in fixed tiles on a GPU, a row at a time on a CPU (``x``: [..., K],
+    """``x W^T (+ b)`` in invariant tiles on a GPU, a row at a time on a CPU (``x``: [..., K],
     ``weight``: [N, K]); into ``out`` ([rows, N]) when given. ``tiles`` forces the tiled
     kernel (Triton's interpreter on a CPU: the tests)."""
     shape = x.shape
@@ -71,14 +138,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     w = weight if weight.stride(-1) == 1 else weight.contiguous()
-    m, k = x2.shape
     n = w.shape[0]
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _gemm_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k,
-                           x2.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
-                           BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                           PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    tiled_linear(x2, w, bias, out, tiles_for(x2.shape[0], x.device, x.dtype))
     return out.reshape(*shape[:-1], n)

@@ -12,7 +12,7 @@ from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 
 class Unquantized(QuantizationMethod):
     name = "none"
-    batch_invariant = False  # the GEMM in fixed tiles (invariant_gemm.py)
+    batch_invariant = False  # the GEMM in invariant tiles (invariant_gemm.py)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        bias: bool) -> None:

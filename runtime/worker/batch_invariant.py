@@ -3,8 +3,8 @@ those it gets run alone, whatever the batch, its order, the prefill chunks or a 
 recompute.
 
 A row's result may depend on nothing but that row. What the mode changes:
-* the dense GEMMs (the model's projections and its LM head) run in fixed tiles with a fixed
-  reduction order (``quantization/invariant_gemm.py``), not cuBLAS's or MKL's per-shape choice;
+* the dense GEMMs (the model's projections and its LM head) run in tiles whose K order never
+  changes (``quantization/invariant_gemm.py``), not cuBLAS's or MKL's per-shape choice;
 * attention runs on the triton backend with every token through its prefill kernel (a decode is
   a one-token tile): its order over the keys follows neither the batch nor the chunk, and a
   recomputed token takes the path its first computation took;
@@ -34,7 +34,7 @@ from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMo
 
 WHAT = "--batch-invariant"
 # what the summary says of a run in the mode: the kernels it ran
-SUMMARY = ("on: every token through triton's prefill kernel, dense GEMMs in fixed tiles "
+SUMMARY = ("on: every token through triton's prefill kernel, dense GEMMs in invariant tiles "
            "(quantization/invariant_gemm.py), MoE experts in one tile, no cascade decode, "
            "no CUDA graphs")
 

@@ -1,0 +1,73 @@
+"""``--batch-invariant``'s GEMM against cuBLAS on a model's linear shapes (issue 97).
+
+For each row count M, each linear layer of the profile (qkv, o, gate_up, down, the LM head)
+through cuBLAS (``F.linear``) and through the invariant GEMM in each tile of its ``PLAN``
+(``runtime/quantization/invariant_gemm.py``), timed over eager calls: TFLOP/s, and the plan's
+choice against cuBLAS. Then whether each tile gives the first tile's bits on every shape (the
+plan mixes tiles by M only where they do: ``plan_for``) and which plan this device keeps.
+
+    python -m benchmarks.invariant_gemm --profile llama-3-8b --json $OUT/invariant-gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import event_ms, print_table
+from benchmarks.fp8_gemm import shapes
+from pagedgen.runtime.models.loader import resolve_model
+from pagedgen.runtime.quantization.invariant_gemm import PLAN, plan_for, tiled_linear, tiles_for
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--profile", default="llama-3-8b")
+    ap.add_argument("--m", default="1,16,64,256,512,2048,8192")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("invariant_gemm.py needs a CUDA GPU")
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    layers = shapes(args.profile) | {"lm_head": (resolve_model(args.profile).hf_config.vocab_size,
+                                                 shapes(args.profile)["o"][0])}
+    names = [f"{t.block_m}x{t.block_n}" for _, t in PLAN]
+    rows, same = [], {}
+    ms = [int(m) for m in args.m.split(",")]
+    for layer, (n, k) in layers.items():
+        w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
+        x = torch.randn(max(ms), k, device=dev, dtype=dt)
+        out = torch.empty(max(ms), n, device=dev, dtype=dt)
+        first = tiled_linear(x, w, None, out.clone(), PLAN[0][1])
+        same[layer] = {nm: torch.equal(first, tiled_linear(x, w, None, out.clone(), t))
+                       for nm, (_, t) in zip(names, PLAN)}
+        for m in ms:
+            xm, om = x[:m], out[:m]
+            flop = 2 * m * n * k
+            r = {"layer": layer, "m": m, "n": n, "k": k,
+                 "cublas_tflops": flop / event_ms(lambda: torch.nn.functional.linear(xm, w)) / 1e9}
+            for nm, (_, t) in zip(names, PLAN):
+                r[f"{nm}_tflops"] = flop / event_ms(lambda: tiled_linear(xm, w, None, om, t)) / 1e9
+            chosen = tiles_for(m, dev, dt)
+            r["plan"] = f"{chosen.block_m}x{chosen.block_n}"
+            r["plan_vs_cublas"] = r[f"{r['plan']}_tflops"] / r["cublas_tflops"]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    kept = plan_for(dev, dt)
+    meta = {"gpu": torch.cuda.get_device_name(), "profile": args.profile,
+            "tiles_same_bits_as_first": same, "plan_kept": [list(t) for _, t in kept]}
+    print(json.dumps(meta))
+    print_table(f"the invariant GEMM against cuBLAS on {meta['gpu']} (TFLOP/s)", rows,
+                ["layer", "m", "cublas_tflops", *[f"{nm}_tflops" for nm in names], "plan",
+                 "plan_vs_cublas"])
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
