@@ -23,7 +23,7 @@ from pagedgen.cli.verify.report import Row, max_error
 
 # Max absolute error of the attention output against eager (float32 math over the same cache),
 # for q/k/v ~ N(0, 1). See docs/VERIFY.md for the reasoning.
-KERNEL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+KERNEL_TOL = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 4e-2}
 
 
 FP8_KV_TOL = 4e-2  # bf16 queries over an FP8 cache, compared with eager over the same FP8 cache
