@@ -68,7 +68,7 @@ def test_bad_options_are_one_line(tmp_path):
 
 
 def test_latency_times_each_batch_size_after_its_warm_up(tmp_path, monkeypatch):
-    import pagedgen.cli.api as api
+    import pagedgen.runtime.api as api
 
     calls = []
     generate = api.LLM.generate

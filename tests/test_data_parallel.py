@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from pagedgen.runtime.drivers.data_parallel import PREFIX_TOKENS, deal
 from pagedgen.cli.app import app
-from pagedgen.cli.formats.request import Request
+from pagedgen.runtime.inputs.request import Request
 from pagedgen.runtime.config import SamplingParams
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from pagedgen.cli.formats.request import near_miss
+from pagedgen.runtime.inputs.request import near_miss
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
 
@@ -245,8 +245,8 @@ def test_byte_level_bpe_token_bytes(tmp_path):
 def test_integer_fields_take_whole_floats_as_pandas_writes_them():
     """pandas writes an integer column with gaps as floats (100.0); vLLM takes those, so a
     whole float is its integer, and a fraction stays an error."""
-    from pagedgen.cli.formats.reader import parse_line
-    from pagedgen.cli.formats.request import InputOptions
+    from pagedgen.runtime.inputs.parse import parse_line
+    from pagedgen.runtime.inputs.request import InputOptions
     from pagedgen.errors import PagedgenError
 
     line = {"prompt": "x", "max_tokens": 100.0, "n": 2.0, "seed": 7.0, "top_k": None}

@@ -354,7 +354,7 @@ def test_images_are_read_in_threads_before_the_run_and_counted(ckpt, hf):
     images" bar counts them), each request's result kept for its ``check``."""
     from array import array
 
-    from pagedgen.cli.formats.request import Request
+    from pagedgen.runtime.inputs.request import Request
     from pagedgen.runtime.drivers.driver import LocalDriver
 
     driver = LocalDriver(EngineConfig(model=str(ckpt), device="cpu", dtype="float32",

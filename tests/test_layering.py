@@ -1,8 +1,9 @@
 """The house rules, read from the source: imports point down (the root's helpers < attention <
 runtime < cli < benchmarks < the package's ``__init__``, its public face; inside runtime, its
-base modules < collectives < quantization < layers < models < sampling < engine < drivers), no
-module imports itself back through others (function-local imports included), no module over
-500 lines, and every package folder is in the wheel."""
+base modules < collectives < quantization < layers < models < sampling < engine < worker <
+output < inputs < drivers < the Python API), no module imports itself back through others
+(function-local imports included), no module over 500 lines, and every package folder is in
+the wheel."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ LAYERS = {"pagedgen.errors": 0, "pagedgen.meta": 0, "pagedgen.envs": 0,  # the r
           # steps and the output stage over them; the engine's loop (engine.engine) over both
           "pagedgen.runtime.engine": 2.6, "pagedgen.runtime.worker": 2.63,
           "pagedgen.runtime.output": 2.66, "pagedgen.runtime.engine.engine": 2.69,
-          "pagedgen.runtime.drivers": 2.7,
+          # what a run is asked (requests, settings), then the drivers, then the Python API
+          "pagedgen.runtime.inputs": 2.68, "pagedgen.runtime.drivers": 2.7,
+          "pagedgen.runtime.api": 2.8,
           "pagedgen.cli": 3, "pagedgen.ray": 3, "benchmarks": 4}
 FOLDERS = {"attention": "pagedgen.attention", "runtime": "pagedgen.runtime",
            "cli/ray": "pagedgen.ray", "cli": "pagedgen.cli", "benchmarks": "benchmarks"}

@@ -192,7 +192,7 @@ def test_verify_of_a_hybrid_model_skips_the_prefix_cache_and_says_so(tmp_path):
     ("acme/m", " ", "--revision is empty"),
 ])
 def test_a_revision_needs_a_hub_id_and_only_one(model, revision, message):
-    from pagedgen.cli.common import engine_and_sampling
+    from pagedgen.runtime.inputs.settings import engine_and_sampling
     with pytest.raises(PagedgenError, match=re.escape(message)):
         engine_and_sampling(None, model, {}, {}, revision=revision)
     cfg, _, _ = engine_and_sampling(None, "acme/m", {}, {}, revision="v1")

@@ -157,7 +157,7 @@ def test_image_parts_parse_and_a_text_model_refuses_them_in_one_line(dense, tmp_
     from typer.testing import CliRunner
 
     from pagedgen.cli.app import app
-    from pagedgen.cli.formats.request import Request, set_prompt
+    from pagedgen.runtime.inputs.request import Request, set_prompt
 
     image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                           {"type": "image_url", "image_url": {"url": "x"}}]}]

@@ -354,7 +354,7 @@ def test_completions_bodies_get_no_parser_unless_the_run_names_one(thinker):
     """As vLLM: an OpenAI /v1/completions body's output is all text (its ``<think>`` kept);
     a chat body's is split; ``--reasoning-parser NAME`` splits both."""
     from pagedgen.cli.formats.openai_batch import parse_line
-    from pagedgen.cli.formats.request import InputOptions
+    from pagedgen.runtime.inputs.request import InputOptions
 
     def body(url, **b):
         return {"custom_id": "c", "url": url, "body": {"model": "m", **b}}

@@ -73,7 +73,7 @@ def bench(
     """Measure this machine as vllm bench does: offline throughput, or one batch's latency
     (each request to OUTPUT-LEN tokens, EOS ignored; the engine at its defaults)."""
     started = time.perf_counter()
-    from pagedgen.cli.api import LLM
+    from pagedgen.runtime.api import LLM
     from pagedgen.cli.bench import measures
 
     if kind not in KINDS:

@@ -56,7 +56,7 @@ def dataset_prompts(path: Path, num_prompts: int | None) -> list[dict[str, Any]]
 def vllm_bench_sampling(output_len: int) -> Any:
     """vLLM's benchmarks' sampling: each request to ``output_len`` tokens, EOS ignored,
     temperature 1, top_p 1."""
-    from pagedgen.cli.sampling_params import SamplingParams
+    from pagedgen.runtime.inputs.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True)
 

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from pagedgen.cli.formats import structured
-from pagedgen.cli.formats.request import SAMPLING_FIELDS, InputOptions
+from pagedgen.runtime.inputs import structured
+from pagedgen.runtime.inputs.request import SAMPLING_FIELDS, InputOptions
 from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime.config import SamplingParams
 

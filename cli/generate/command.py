@@ -10,8 +10,8 @@ from typing import Optional
 
 import typer
 
-from pagedgen.cli.common import (cli_errors, console, engine_and_sampling, out_console,
-                                 set_verbosity)
+from pagedgen.cli.common import cli_errors, console, out_console, set_verbosity
+from pagedgen.runtime.inputs.settings import engine_and_sampling
 from pagedgen.errors import PagedgenError
 
 
@@ -194,8 +194,8 @@ def generate(
 ) -> None:
     """Generate completions for every line of PROMPTS and print a throughput summary."""
     # the run's modules (torch among them) load here, not for --help
-    from pagedgen.cli.formats.request import InputOptions
-    from pagedgen.cli.formats.structured import schema_file
+    from pagedgen.runtime.inputs.request import InputOptions
+    from pagedgen.runtime.inputs.structured import schema_file
     from pagedgen.cli.generate.runs import Job, run
     from pagedgen.cli.summary import summary_table
 

@@ -26,10 +26,7 @@ from pagedgen.cli.formats.lines import error_line, line_check, line_maker
 from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.cli.formats.output_claim import OutputClaim
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output
-from pagedgen.cli.formats.reader import (InputSource, RequestFile, check_requests,
-                                         check_text_settings, input_files,
-                                         read_requests, tokenize_requests)
-from pagedgen.cli.formats.request import InputOptions, Request
+from pagedgen.cli.formats.reader import InputSource, input_files, read_requests
 from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
                                           stream_output)
 from pagedgen.errors import PagedgenError, Terminated
@@ -38,6 +35,9 @@ from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutp
 from pagedgen.runtime.collectives import parallel
 from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, checked_request,
                                              start_driver)
+from pagedgen.runtime.inputs.parse import (RequestFile, check_requests, check_text_settings,
+                                           tokenize_requests)
+from pagedgen.runtime.inputs.request import InputOptions, Request
 from pagedgen.runtime.sampling.structured import Grammars
 from pagedgen.runtime.models.loader import (ModelSource, load_tokenizer, model_quantization,
                                             resolve_model, weights_fingerprint, weights_format)

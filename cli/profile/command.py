@@ -13,7 +13,8 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from pagedgen.cli.common import cli_errors, engine_and_sampling, out_console
+from pagedgen.cli.common import cli_errors, out_console
+from pagedgen.runtime.inputs.settings import engine_and_sampling
 from pagedgen.errors import BackendCannotRun, PagedgenError
 
 

@@ -27,7 +27,8 @@ class Workload:
 
 def prompts_for(engine, wl: Workload, batch: int, seed: int) -> list[list[int]]:
     if wl.prompts:
-        from pagedgen.cli.formats.reader import read_requests, tokenize_requests
+        from pagedgen.cli.formats.reader import read_requests
+        from pagedgen.runtime.inputs.parse import tokenize_requests
         rf = read_requests(Path(wl.prompts))
         tokenize_requests(rf, engine.tokenizer)
         ids = [list(r.prompt_token_ids) for r in rf.requests]

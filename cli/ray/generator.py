@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from pagedgen.cli.formats import records
-from pagedgen.cli.formats.reader import RequestFile, check_requests, parse_line, tokenize_requests
-from pagedgen.cli.formats.request import InputOptions
+from pagedgen.runtime.inputs.parse import RequestFile, check_requests, parse_line, tokenize_requests
+from pagedgen.runtime.inputs.request import InputOptions
 from pagedgen.runtime.drivers.replica import Replica
 from pagedgen.runtime.engine.requests import check_request
 
@@ -44,7 +44,7 @@ class Generator:
                  engine: dict[str, Any] | None = None, sampling: dict[str, Any] | None = None,
                  strict_fields: bool = False, prompt_field: str = "prompt",
                  messages_field: str = "messages") -> None:
-        from pagedgen.cli.common import engine_and_sampling
+        from pagedgen.runtime.inputs.settings import engine_and_sampling
 
         cfg, defaults, _ = engine_and_sampling(profile, model, engine or {}, sampling or {})
         defaults.validate()

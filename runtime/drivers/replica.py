@@ -21,7 +21,7 @@ RecordFn = Callable[[RequestOutput], dict[str, Any]]
 
 
 class Request(Protocol):
-    """What a replica needs of a request (``cli/formats/request.Request`` has it)."""
+    """What a replica needs of a request (``runtime/inputs/request.Request`` has it)."""
 
     index: int
     prompt_token_ids: Any

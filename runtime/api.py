@@ -8,14 +8,14 @@
     outs = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=32))
 
 A vLLM offline script runs with its import line changed: ``SamplingParams`` (vLLM's fields and
-defaults, cli/sampling_params.py: an object is a request's whole sampling), ``generate``,
+defaults, runtime/inputs/sampling_params.py: an object is a request's whole sampling), ``generate``,
 ``chat``, ``get_tokenizer``, ``get_default_sampling_params``, ``use_tqdm``, and outputs with
 vLLM's field names (``request_id``, ``outputs[i].logprobs`` as dicts of ``Logprob`` by token
 id, ``cumulative_logprob``, ``stop_reason``, ``metrics``).
 
 Prompts are strings, lists of token ids, or request dicts with the fields of a JSONL line
 (``prompt`` | ``prompt_token_ids`` | ``messages``, sampling fields, ``structured_outputs`` ...),
-read and checked by the same code as the command's input (``cli/formats``): a bad one is a
+read and checked by the same code as the command's input (``runtime/inputs``): a bad one is a
 ``PagedgenError`` naming its position before anything runs. Sampling settings given as keyword
 arguments (or ``sampling_params``: one dict for all, or one per prompt) apply where a request
 sets none; a ``SamplingParams`` (or one per prompt) sets every field. The engine is built once
@@ -35,16 +35,16 @@ from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any, Sequence
 
-from pagedgen.cli.common import engine_and_sampling
-from pagedgen.cli.formats import structured
-from pagedgen.cli.formats.reader import (RequestFile, check_requests, check_text_settings,
-                                         parse_line, tokenize_requests)
-from pagedgen.cli.formats.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions,
-                                          check_sampling, set_chat_options, set_sampling)
-from pagedgen.cli.sampling_params import SamplingParams
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import clock
 from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
+from pagedgen.runtime.inputs import structured
+from pagedgen.runtime.inputs.parse import (RequestFile, check_requests, check_text_settings,
+                                           parse_line, tokenize_requests)
+from pagedgen.runtime.inputs.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions,
+                                             check_sampling, set_chat_options, set_sampling)
+from pagedgen.runtime.inputs.sampling_params import SamplingParams
+from pagedgen.runtime.inputs.settings import engine_and_sampling
 from pagedgen.runtime.output.outputs import RequestOutput
 
 Prompt = str | Sequence[int] | dict[str, Any]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedgen.cli.formats.request import Request, near_miss
+from pagedgen.runtime.inputs.request import Request, near_miss
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import StructuredOutput
 
