@@ -115,7 +115,7 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
     generate`` prints, and with ``copy_bw`` (bytes/s) the decode steps' fraction of the memory
     roofline."""
     per_request = params if isinstance(params, list) else [params] * len(prompts)
-    kv_per_token = engine.kv_bytes_per_token()
+    kv_per_token = engine.measurement().kv_bytes_per_token()
     runs = []
     for _ in range(repeats):
         engine.reset_prefix_cache(prefix_caching)  # each repeat starts cold, as the first did
@@ -141,8 +141,8 @@ def timed_runs(engine: Engine, prompts: list[list[int]],
         res.update(output_spread(outputs))
         if copy_bw and st.decode_steps:
             # weights at the mean decode batch (a MoE step reads the experts its tokens chose)
-            weight_bytes = engine.step_weight_bytes(max(1, round(st.decode_tokens
-                                                                 / st.decode_steps)))
+            batch = max(1, round(st.decode_tokens / st.decode_steps))
+            weight_bytes = engine.measurement().decode_bytes(batch, 0)["weights"]
             bound = (st.decode_steps * weight_bytes + st.decode_kv_tokens * kv_per_token) / copy_bw
             res["decode_step_ms"] = 1000 * st.decode_time / st.decode_steps
             res["decode_roofline_fraction"] = bound / st.decode_time

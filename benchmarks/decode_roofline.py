@@ -63,21 +63,21 @@ def main() -> None:
             times.append(st.decode_time - t_before)
     times = times[3:]  # warm-up
     step = statistics.median(times)
-    r = engine.runner
-    weight_bytes = r.model.step_weight_bytes()
-    kv_bytes = args.batch * r.kv.read_bytes(args.context + args.steps // 2)
-    rec = r.recurrent  # linear-attention layers: each sequence's state read and written
-    state_bytes = 0 if rec is None else args.batch * sum(
-        s.state_bytes_per_token(rec.states.dtype) for s in rec.states.specs)
+    m = engine.measurement()
+    figures = m.figures()
+    # linear-attention layers: each sequence's state read and written
+    least = m.decode_bytes(args.batch, args.context + args.steps // 2)
+    weight_bytes = m.decode_bytes(1, 0)["weights"]  # as one token's forward reads them
+    kv_bytes, state_bytes = least["kv"], least["state"]
     bound = (weight_bytes + kv_bytes + state_bytes) / bw
-    res = {"backend": r.backend.name, "cuda_graphs": r.graphs is not None,
-           "fused_kernels": r.fused_kernels, "batch": args.batch,
+    res = {"backend": figures["backend"], "cuda_graphs": figures["cuda_graphs"],
+           "fused_kernels": figures["fused_kernels"], "batch": args.batch,
            "context": args.context, "step_ms": step * 1000, "step_ms_p90": 1000 * sorted(times)[
                int(0.9 * (len(times) - 1))], "weight_gb": weight_bytes / 1e9,
            "kv_gb": kv_bytes / 1e9, "state_gb": state_bytes / 1e9,
            "copy_bw_tb_s": bw / 1e12, "roofline_ms": bound * 1000,
            "roofline_fraction": bound / step,
-           "decode_host_ms": r.host_ms_per_step("decode")}
+           "decode_host_ms": m.host_ms_per_step("decode")}
     print(json.dumps(res, indent=2))
     if args.json:
         args.json.write_text(json.dumps(res, indent=2))

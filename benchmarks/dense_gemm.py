@@ -51,7 +51,7 @@ def run(model: str, prompts: int, tokens: int, onednn: bool, min_weight: int
     dense_gemm.MIN_WEIGHT = min_weight
     try:
         engine = Engine(EngineConfig(model=model, device="cpu"))
-        first = 1000 if engine.runner.model.config.vocab_size > 2000 else 30  # in its vocabulary
+        first = 1000 if engine.src.hf_config.vocab_size > 2000 else 30  # in its vocabulary
         ids = [[first + 7 * i + j for j in range(12)] for i in range(prompts)]
         engine.generate(ids, SamplingParams(max_tokens=4, temperature=0.0))
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)

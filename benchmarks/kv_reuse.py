@@ -67,9 +67,9 @@ def part_d(backend: str, repeats: int, off_repeats: int, no_cascade_repeats: int
     on = timed_runs(eng, prompts, params, repeats=repeats, load_s=load_s, prefix_caching=True)
     rows = [row("d", f"pagedgen {backend}, prefix caching on", on, load_time_s=load_s)]
     if no_cascade_repeats:
-        was, eng.runner.builder.cascade = eng.runner.builder.cascade, False
-        plain = timed_runs(eng, prompts, params, repeats=no_cascade_repeats, prefix_caching=True)
-        eng.runner.builder.cascade = was
+        with eng.measurement().cascade_off():
+            plain = timed_runs(eng, prompts, params, repeats=no_cascade_repeats,
+                               prefix_caching=True)
         same = len({r["outputs_digest"] for r in on + plain}) == 1
         rows.append(row("d", f"pagedgen {backend}, prefix caching on, cascade decode off", plain,
                         same_tokens_as_on=same))

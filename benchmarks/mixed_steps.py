@@ -189,7 +189,7 @@ def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out
                 del s["groups_us"]
             out["profiled"].update(summ)
         trace.unlink()
-    out["attention_call_host_us"] = attention_call_host_us(engine)
+    out["attention_call_host_us"] = engine.measurement().attention_call_host_us()
     out.update(_pieces(engine))
     del engine
     free_gpu()
@@ -197,34 +197,13 @@ def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out
 
 
 def _pieces(engine: Engine) -> dict[str, Any]:
-    pw = engine.runner.piecewise
-    return {} if pw is None else {"mixed_graph_steps": pw.steps, "mixed_graph_buckets":
-                                  sorted(pw.pieces), "mixed_graph_capture_s": pw.capture_time_s,
-                                  "mixed_graph_failed": pw.failed}
-
-
-def attention_call_host_us(engine: Engine, calls: int = 200) -> dict[str, float]:
-    """Host microseconds one eager call of the backend's prefill and decode kernels takes
-    (flash-attn: the calls the runner makes per layer of a mixed step), launched back to back
-    on a one-page cache; empty for other backends."""
-    st, r = engine.runner.attn_state, engine.runner
-    if not hasattr(st, "_scratch_metadata") or not torch.cuda.is_available():
+    d = engine.describe()
+    if "mixed_graph_steps" not in d:
         return {}
-    spec, cache = r.specs[0], r.kv_caches[0]
-    out = {}
-    for name, run, n, q_len in (("prefill 2 x 256", st.prefill, 2, 256),
-                                ("decode 256", st.decode, 256, 1)):
-        md = st._scratch_metadata(n, q_len, 8)
-        q = torch.zeros(n * q_len, spec.num_heads, spec.head_size, dtype=r.dtype,
-                        device=r.device)
-        run(q, cache[0], cache[1], md, spec)
-        _sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            run(q, cache[0], cache[1], md, spec)
-        out[name] = 1e6 * (time.perf_counter() - t0) / calls
-        _sync()
-    return out
+    return {"mixed_graph_steps": d["mixed_graph_steps"],
+            "mixed_graph_buckets": engine.measurement().mixed_graph_buckets(),
+            "mixed_graph_capture_s": d["mixed_graph_capture_s"],
+            "mixed_graph_failed": d.get("mixed_graph_failed", {})}
 
 
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: launched at the start of each step call

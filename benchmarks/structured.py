@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import build_engine, free_gpu, median_run, parse_overrides, print_table
 from benchmarks.common import profile_configs
 from benchmarks.common import random_prompts, timed_runs
-from benchmarks.mixed_steps import traced_window
+from benchmarks.mixed_steps import _recording, traced_window
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
@@ -268,14 +268,8 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
     engine.reset_prefix_cache()
     engine.reset_stats()
     engine.add_requests((p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, params)))
-    runner, kinds = engine.runner, []
-    forward = runner.forward
-
-    def logged(batch):
-        kinds.append("mixed" if batch.prefills else "decode")
-        return forward(batch)
-
-    runner.forward = logged
+    log: list[dict[str, Any]] = []
+    _recording(engine, log)  # each scheduled step's composition, in launch order
     pool = engine._grammars.pool if engine._grammars is not None else None
     i, prof, calls, out, before = 0, None, [], {}, 0
     try:
@@ -283,7 +277,7 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
             if i == first:
                 prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
                 prof.start()
-                before = len(kinds)
+                before = len(log)
             if prof is not None:
                 torch.cuda._sleep(1)
             w0, t0 = pool.wait_s if pool else 0.0, time.perf_counter()
@@ -292,7 +286,8 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
                 calls.append((time.perf_counter() - t0, (pool.wait_s if pool else 0.0) - w0))
             i += 1
             if prof is not None and i == first + steps:
-                window = kinds[before:before + len(calls)]
+                window = ["mixed" if step["prefill_seqs"] else "decode"
+                          for step in log[before:before + len(calls)]]
                 by_kind, span, busy_fraction = traced_window(prof, tmp / "structured-trace.json",
                                                              window)
                 for kind, d in by_kind.items():  # the host's side of the same calls
@@ -306,7 +301,7 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
                        "by_kind": by_kind}
                 prof = None
     finally:
-        del runner.forward  # the class's method again
+        del engine._schedule  # the class's method again
     return out
 
 

@@ -68,3 +68,24 @@ def test_a_window_group_attends_over_its_own_page_tables(tmp_path):
         assert not set(table[seq.group_first[k]:]) & set(seq.block_table)  # pages of its own
         assert group.block_tables.tolist()[0][:len(table)] == table
         assert group.slot_mapping.tolist() == slots(seq, [29], bs, table)
+
+
+def test_the_measurement_reads_the_worker_and_puts_its_switches_back():
+    """``Engine.measurement()``: a decode step's least bytes from the KV cache's own figures,
+    the decode reads since a mark, and the graphs and cascade switches restored after."""
+    eng = tiny(block_size=4)
+    m = eng.measurement()
+    figures = m.figures()
+    assert figures["backend"] == eng.backend_name and figures["tensor_parallel_size"] == 1
+    least = m.decode_bytes(8, 20)
+    assert least["kv"] == 8 * 20 * m.kv_bytes_per_token() and least["state"] == 0
+    assert least["weights"] == eng.runner.model.step_weight_bytes(8)
+    mark = m.decode_reads()
+    eng.add_request(list(range(1, 9)), SamplingParams(max_tokens=4, temperature=0.0))
+    eng.run()
+    assert m.decode_reads_since(mark)["decode_kv_plain_gb_per_step"] > 0
+    eng.runner.graphs, was_cascade = "graphs", eng.runner.builder.cascade
+    with m.without_graphs(), m.cascade_off():
+        assert eng.runner.graphs is None and eng.runner.builder.cascade is False
+    assert eng.runner.graphs == "graphs" and eng.runner.builder.cascade == was_cascade
+    eng.runner.graphs = None

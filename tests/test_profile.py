@@ -205,18 +205,23 @@ def test_a_workload_the_model_cannot_take_is_a_one_line_error(tmp_path, monkeypa
 def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
     """FP8 experts' prefill GEMMs against FP8's peak, bf16's against bf16's; MXFP4's packed
     bytes count two weight values each."""
+    from types import SimpleNamespace
+
     import torch
     from pagedgen.cli.profile.measure import _moe_roofline
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe.layer import FusedMoE
+    from pagedgen.runtime.worker.measurement import Measurement
 
     layer = FusedMoE(4, 2, 64, 32, TensorParallel())
+    measured = Measurement(SimpleNamespace(model=torch.nn.ModuleList([layer])), 0, None)
     values = 3 * 64 * 32
     limits = {"matmul": 1e12, "matmul_fp8": 2e12, "copy_bw": 1e12}
     dec, pre = {"groups_us": {"MoE": 0.0}}, {"groups_us": {"MoE": 1e6}}  # one second
 
     def peak_fraction() -> float:
-        return _moe_roofline(layer, dec, pre, 1, 1, 1000, limits)["prefill_moe_peak_fraction"]
+        moe = measured.moe_figures(1, 1000)
+        return _moe_roofline(moe, dec, pre, 1, limits)["prefill_moe_peak_fraction"]
     flops = 2 * 1000 * 2 * values
     assert peak_fraction() == flops / 1e12
     layer.w13_weight.data = layer.w13_weight.data.to(torch.float8_e4m3fn)

@@ -6,7 +6,6 @@ replays included), against the hardware's rooflines."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import statistics
@@ -57,8 +56,9 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
     from pagedgen.runtime.engine.engine import Engine
 
     engine = Engine(measured_config(cfg, wl))
-    r = engine.runner
-    name = r.backend.name
+    m = engine.measurement()
+    figures = m.figures()
+    name = figures["backend"]
     kernel_batch = max(wl.batch_sizes)
     decode_steps = max(1, min(wl.measured_steps, wl.output_len - wl.warmup_steps - 2))
     per_batch = []
@@ -77,7 +77,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
             raise PagedgenError(f"profile workload at batch {batch}: {e}")
         if batch == kernel_batch:
             acts = [torch.profiler.ProfilerActivity.CPU]
-            if r.device.type == "cuda":
+            if figures["device"].startswith("cuda"):
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             prof = torch.profiler.profile(activities=acts)
             prof.start()
@@ -101,28 +101,20 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
                # the timed decode steps' grouped cascade and KV reads (plain: every decode
                # reading its whole context)
                **{k: v for k, v in timings["reads"].items() if k != "cascade_most_levels"}}
-        if "copy_bw" in limits:
-            weights = r.model.step_weight_bytes(batch)
-            kv = batch * r.kv.read_bytes(ctx)
-            state = batch * _state_bytes(r)  # linear-attention state: read and written
-            row["decode_roofline_ms"] = 1000 * (weights + kv + state) / limits["copy_bw"]
+        if "copy_bw" in limits:  # weights, KV and linear-attention state (read and written)
+            least = sum(m.decode_bytes(batch, ctx).values())
+            row["decode_roofline_ms"] = 1000 * least / limits["copy_bw"]
             row["decode_roofline_fraction"] = row["decode_roofline_ms"] / row["step_ms_p50"]
         per_batch.append(row)
-    result: dict[str, Any] = {"backend": name, "cuda_graphs": r.graphs is not None,
-                              "fused_kernels": r.fused_kernels,
-                              "device": str(r.device), "model": engine.src.name,
-                              "dtype": str(r.dtype).removeprefix("torch."),
-                              "tensor_parallel_size": r.tp.size,
-                              "kv_cache_dtype": str(r.kv_dtype).removeprefix("torch."),
-                              "quantization": r.quant.describe() if r.quant else None,
-                              "batches": per_batch, "kernel_batch": kernel_batch,
-                              "decode_steps": decode_steps,
-                              **r.kv.summary(r.num_blocks, engine.block_manager.peak_held)}
-    rank = f"-rank{r.tp.rank}" if r.tp.size > 1 else ""  # every rank writes its own
+    figures = engine.measurement().figures()  # the KV summary's peak after the batches
+    rank = figures.pop("tensor_parallel_rank")
+    result: dict[str, Any] = {**figures, "model": engine.src.name, "batches": per_batch,
+                              "kernel_batch": kernel_batch, "decode_steps": decode_steps}
+    rank = f"-rank{rank}" if figures["tensor_parallel_size"] > 1 else ""  # each rank its own
     trace = out_dir / f"trace-{name}{rank}.json"
     prof.export_chrome_trace(str(trace))
     result["trace"] = str(trace)
-    if r.device.type == "cuda":
+    if figures["device"].startswith("cuda"):
         kernels = kernel_stats.load_kernels(trace)
         ref = [k for k in kernels if k.phase == "reference" and k.in_forward]
         result["graph_replays_matched"] = kernel_stats.attribute_graph_kernels(kernels, ref)
@@ -132,7 +124,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
         result["phases"] = _cpu_summary(prof)
         result["not_measured"] = ("no GPU here: the kernel table shows CPU operator self-times "
                                   "by group; GPU kernel times and rooflines need a GPU")
-    del engine, r, prof
+    del engine, m, prof
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -141,7 +133,7 @@ def run_backend(cfg, wl: Workload, out_dir: Path, seed: int, limits: dict[str, f
 
 def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> dict[str, Any]:
     """Prefill the batch, warm up, then time ``decode_steps`` decode steps."""
-    r = engine.runner
+    m = engine.measurement()
     with profiling.enabled() if profiled else contextlib.nullcontext():
         prefill_s, prefill_tokens = 0.0, 0
         while engine.scheduler.waiting or any(s.num_uncomputed > 1 for s in seqs):
@@ -151,58 +143,50 @@ def _measure(engine, seqs, wl: Workload, decode_steps: int, profiled: bool) -> d
         for _ in range(wl.warmup_steps):
             _step(engine, "warmup")
         ctx0 = statistics.fmean(s.num_tokens for s in seqs)
-        reads = copy.copy(r.decode_reads)
+        mark = m.decode_reads()
         times = [_step(engine, "decode") for _ in range(decode_steps)]
-        reads = r.decode_reads.summary(since=reads)
+        reads = m.decode_reads_since(mark)
         mean_context = (ctx0 + statistics.fmean(s.num_tokens for s in seqs)) / 2
-        if profiled and r.graphs is not None:  # one eager forward as the attribution reference
-            graphs, r.graphs = r.graphs, None
-            try:
+        if profiled and m.figures()["cuda_graphs"]:  # one eager forward: the reference
+            with m.without_graphs():  # the graph replays' kernels are attributed against
                 _step(engine, "reference")
-            finally:
-                r.graphs = graphs
     return dict(prefill_s=prefill_s, prefill_tokens=prefill_tokens, times=times,
                 mean_context=mean_context, reads=reads)
 
 
 def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict[str, Any]:
     """Decode attention bandwidth, prefill attention and GEMM FLOP/s, against measured limits."""
-    r = engine.runner
-    hf = engine.src.hf_config
-    spec = r.specs[0]
-    layers = len(r.specs)
+    m = engine.measurement()
+    g = m.gemm_figures()
     out: dict[str, Any] = {"copy_bw_tb_s": limits["copy_bw"] / 1e12,
                            "matmul_tflop_s": limits["matmul"] / 1e12}
     dec, pre = result["phases"]["decode"], result["phases"]["prefill"]
     steps, batch = result["decode_steps"], row["batch"]
-    kv_bytes = batch * r.kv.read_bytes(row["mean_context"])
+    least = m.decode_bytes(batch, row["mean_context"])
     attn_s = dec["groups_us"]["attention"] / 1e6 / steps
     if attn_s:
-        out["decode_attention_tb_s"] = kv_bytes / attn_s / 1e12
-        out["decode_attention_bw_fraction"] = kv_bytes / attn_s / limits["copy_bw"]
+        out["decode_attention_tb_s"] = least["kv"] / attn_s / 1e12
+        out["decode_attention_bw_fraction"] = least["kv"] / attn_s / limits["copy_bw"]
     # this rank's linear layers (FP8 ones in their own kernel group, against the FP8 peak)
-    linear = sum(m.weight.numel() for m in r.model.modules() if hasattr(m, "quant_method"))
-    fp8 = r.quant is not None and "matmul_fp8" in limits
+    linear, lm_head = g["linear_params"], g["lm_head_params"]
+    fp8 = g["fp8"] and "matmul_fp8" in limits
     linear_group, linear_peak = ("FP8 GEMM", limits["matmul_fp8"]) if fp8 \
         else ("GEMM", limits["matmul"])
     if fp8:
         out["fp8_matmul_tflop_s"] = limits["matmul_fp8"] / 1e12
-    lm_head = hf.vocab_size * hf.hidden_size / r.tp.size  # this rank's slice of the vocabulary
     lin_dec_s = dec["groups_us"][linear_group] / 1e6 / steps
     head_dec_s = dec["groups_us"]["GEMM"] / 1e6 / steps
     if fp8 and lin_dec_s:
         out["decode_fp8_gemm_tflop_s"] = 2 * batch * linear / lin_dec_s / 1e12
-        fp8_bytes = sum(m.weight.numel() + 4 * m.weight_scale.numel()
-                        for m in r.model.modules() if hasattr(m, "weight_scale"))
-        out["decode_fp8_gemm_tb_s"] = fp8_bytes / lin_dec_s / 1e12
-        out["decode_fp8_gemm_bw_fraction"] = fp8_bytes / lin_dec_s / limits["copy_bw"]
+        out["decode_fp8_gemm_tb_s"] = g["fp8_linear_bytes"] / lin_dec_s / 1e12
+        out["decode_fp8_gemm_bw_fraction"] = g["fp8_linear_bytes"] / lin_dec_s / limits["copy_bw"]
     if head_dec_s:
         flops = 2 * batch * (lm_head + (0 if fp8 else linear))
         out["decode_gemm_tflop_s"] = flops / head_dec_s / 1e12
     n_tok = row["prefill_tokens"]
     n_seq_len = n_tok / batch
-    attn_flops = 4 * spec.num_heads * spec.head_size * layers * batch * n_seq_len * (
-        n_seq_len + 1) / 2
+    attn_flops = 4 * g["num_heads"] * g["head_size"] * g["attention_layers"] * batch \
+        * n_seq_len * (n_seq_len + 1) / 2
     if pre["groups_us"]["attention"]:
         t = pre["groups_us"]["attention"] / 1e6
         out["prefill_attention_tflop_s"] = attn_flops / t / 1e12
@@ -212,43 +196,34 @@ def _roofline(engine, result: dict, row: dict, limits: dict[str, float]) -> dict
         flops = 2 * n_tok * linear + (0 if fp8 else 2 * batch * lm_head)
         out["prefill_gemm_tflop_s"] = flops / t / 1e12
         out["prefill_gemm_peak_fraction"] = flops / t / linear_peak
-    out.update(_moe_roofline(r.model, dec, pre, steps, batch, n_tok, limits))
+    out.update(_moe_roofline(m.moe_figures(batch, n_tok), dec, pre, steps, limits))
     lin_s = dec["groups_us"]["linear attention"] / 1e6 / steps
     if lin_s:  # each sequence's state read and written once a step
-        out["decode_linear_attention_tb_s"] = batch * _state_bytes(r) / lin_s / 1e12
-        out["decode_linear_attention_bw_fraction"] = (batch * _state_bytes(r) / lin_s
-                                                      / limits["copy_bw"])
+        out["decode_linear_attention_tb_s"] = least["state"] / lin_s / 1e12
+        out["decode_linear_attention_bw_fraction"] = least["state"] / lin_s / limits["copy_bw"]
     out["decode_step_roofline_fraction"] = row.get("decode_roofline_fraction")
     return out
 
 
-def _state_bytes(runner) -> int:
-    """Bytes of linear-attention state a decode step reads and writes per sequence."""
-    rec = runner.recurrent
-    return 0 if rec is None else sum(s.state_bytes_per_token(rec.states.dtype)
-                                     for s in rec.states.specs)
-
-
-def _moe_roofline(model, dec: dict, pre: dict, steps: int, batch: int, n_tok: int,
+def _moe_roofline(moe: dict[str, Any] | None, dec: dict, pre: dict, steps: int,
                   limits: dict[str, float]) -> dict[str, Any]:
-    """The MoE kernel group: decode against the bytes of the experts a step is expected to
-    read (uniform routing), prefill against the FLOPs of each token's top-k experts and the
-    peak of the tensor cores they meet (FP8 experts: FP8's, where measured)."""
-    experts = [m for m in model.modules() if hasattr(m, "expected_expert_bytes")]
-    if not experts:
+    """The MoE kernel group (``moe``: ``Measurement.moe_figures``): decode against the bytes
+    of the experts a step is expected to read (uniform routing), prefill against the FLOPs of
+    each token's top-k experts and the peak of the tensor cores they meet (FP8 experts: FP8's,
+    where measured)."""
+    if moe is None:
         return {}
     out: dict[str, Any] = {}
     dec_s = dec["groups_us"]["MoE"] / 1e6 / steps
     if dec_s:
-        nbytes = sum(m.expected_expert_bytes(batch) for m in experts)
-        out["decode_moe_tb_s"] = nbytes / dec_s / 1e12
-        out["decode_moe_bw_fraction"] = nbytes / dec_s / limits["copy_bw"]
+        out["decode_moe_tb_s"] = moe["decode_bytes"] / dec_s / 1e12
+        out["decode_moe_bw_fraction"] = moe["decode_bytes"] / dec_s / limits["copy_bw"]
     if pre["groups_us"]["MoE"]:
-        flops = sum(2 * n_tok * m.top_k * m.expert_values for m in experts)
-        fp8 = experts[0].w13_weight.dtype == torch.float8_e4m3fn and "matmul_fp8" in limits
+        fp8 = moe["fp8"] and "matmul_fp8" in limits
         t = pre["groups_us"]["MoE"] / 1e6
-        out["prefill_moe_tflop_s"] = flops / t / 1e12
-        out["prefill_moe_peak_fraction"] = flops / t / limits["matmul_fp8" if fp8 else "matmul"]
+        out["prefill_moe_tflop_s"] = moe["prefill_flops"] / t / 1e12
+        out["prefill_moe_peak_fraction"] = moe["prefill_flops"] / t / limits[
+            "matmul_fp8" if fp8 else "matmul"]
     return out
 
 

@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.worker import batch_invariant, description, jit_monitor, warmup
+from pagedgen.runtime.worker import batch_invariant, description, jit_monitor, measurement, warmup
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.worker.model_runner import ModelRunner
@@ -140,15 +140,6 @@ class Engine:
     def startup_phases(self) -> dict[str, float]:
         """Seconds each start-up phase took (model, attention, memory profile, KV cache)."""
         return self.runner.startup_phases
-
-    def step_weight_bytes(self, tokens: int = 1) -> int:
-        """Weight bytes a forward of ``tokens`` tokens reads (this rank's; a MoE layer's
-        experts as its tokens are expected to choose them)."""
-        return self.runner.model.step_weight_bytes(tokens)
-
-    def kv_bytes_per_token(self) -> float:
-        """KV-cache bytes one token takes over every layer (this rank's)."""
-        return self.runner.block_bytes() / self.runner.block_size
 
     def set_processor_factory(self, factory: ProcessorFactory | None) -> None:
         """Logits processors for the requests added from now on (``processors.py``)."""
@@ -494,6 +485,11 @@ class Engine:
     def describe(self, wall: float | None = None) -> dict[str, Any]:
         """The worker's read-only description of itself (``worker/description.py``)."""
         return description.describe(self.runner, self.block_manager.peak_held, wall)
+
+    def measurement(self) -> measurement.Measurement:
+        """What profile and the benchmarks measure the worker by (``worker/measurement.py``)."""
+        return measurement.Measurement(self.runner, self.block_manager.peak_held,
+                                       self.src.hf_config)
 
     def summary(self, wall: float, start: float, extra: dict | None = None) -> dict[str, Any]:
         """The run's figures since ``start`` (a ``time.perf_counter()``: ``report.py``)."""
