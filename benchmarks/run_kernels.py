@@ -16,38 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, Iterable
 
-from pagedgen.runtime.kernel_stats import (GROUPS, Kernel, group_from_name, load_kernels,
-                                           short_name)
-
-TOP = 20
-
-
-def kernel_table(kernels: Iterable[tuple[str, float]], top: int = TOP) -> dict[str, Any]:
-    """Seconds by group, launches, and the ``top`` kernels by time, of (name, µs) pairs."""
-    groups: dict[str, float] = defaultdict(float)
-    by_name: Counter[str] = Counter()
-    launches = 0
-    for name, us in kernels:
-        groups[group_from_name(name)] += us / 1e6
-        by_name[short_name(name)] += us / 1e6
-        launches += 1
-    return {"gpu_s": sum(groups.values()), "launches": launches,
-            "groups_s": {g: groups[g] for g in GROUPS if groups.get(g)},
-            "top_s": by_name.most_common(top)}
-
+from pagedgen.runtime.kernel_stats import (GROUPS, TOP, Kernel, kernel_table, load_kernels,
+                                           named, short_name)
 
 def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
     """(name, µs) of every kernel in these Chrome traces (memory copies apart)."""
     return [pair for p in paths for pair in named(load_kernels(p))]
-
-
-def named(kernels: Iterable[Kernel]) -> list[tuple[str, float]]:
-    """(name, µs) of these kernels, memory copies apart."""
-    return [(k.name, k.dur) for k in kernels if k.group != "memory copy"]
 
 
 def idle_table(ks: list[Kernel], wall_s: float, largest: int = 8) -> dict[str, Any]:

@@ -16,10 +16,11 @@ import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from pagedgen.profiling import PREFIX
 
+TOP = 20  # kernels listed by time in ``kernel_table``
 GROUPS = ("attention", "linear attention", "GEMM", "FP8 GEMM", "MoE", "normalization",
           "activation", "rotary", "sampling", "KV-cache write", "all-reduce", "vision encoder",
           "memory copy", "other")
@@ -209,3 +210,23 @@ def summarize(kernels: list[Kernel], phases: tuple[str, ...] = ("prefill", "deco
                              "share": sum(d) / total if total else 0.0} for (n, g), d in rows],
         }
     return out
+
+
+def kernel_table(kernels: Iterable[tuple[str, float]], top: int = TOP) -> dict[str, Any]:
+    """Seconds by group, launches, and the ``top`` kernels by time, of (name, µs) pairs (a
+    whole run's: ``pagedgen bench kernels``, ``benchmarks/run_kernels.py``)."""
+    groups: dict[str, float] = defaultdict(float)
+    by_name: Counter[str] = Counter()
+    launches = 0
+    for name, us in kernels:
+        groups[group_from_name(name)] += us / 1e6
+        by_name[short_name(name)] += us / 1e6
+        launches += 1
+    return {"gpu_s": sum(groups.values()), "launches": launches,
+            "groups_s": {g: groups[g] for g in GROUPS if groups.get(g)},
+            "top_s": by_name.most_common(top)}
+
+
+def named(kernels: Iterable[Kernel]) -> list[tuple[str, float]]:
+    """(name, µs) of these kernels, memory copies apart."""
+    return [(k.name, k.dur) for k in kernels if k.group != "memory copy"]

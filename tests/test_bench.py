@@ -1,6 +1,7 @@
-"""`pagedgen bench throughput` and `latency` (issue 98): random prompts of the asked lengths,
-or a dataset's lines, each to its output length with EOS ignored; the figures on a terminal,
-as JSON, in a file; the latency's warm-up apart; bad options in one line."""
+"""`pagedgen bench throughput`, `latency` and `kernels` (issue 98): random prompts of the asked
+lengths, or a dataset's lines, each to its output length with EOS ignored; the figures on a
+terminal, as JSON, in a file; the latency's warm-up apart; a profiled run's time by kernel
+group; bad options in one line."""
 
 from __future__ import annotations
 
@@ -93,3 +94,20 @@ def test_latency_times_each_batch_size_after_its_warm_up(tmp_path, monkeypatch):
         assert r["prefix_cache_hit_tokens"] == 0  # each batch prefilled afresh
     bad = runner.invoke(app, ["bench", "latency", "--device", "cpu", "--batch-sizes", "0,x"])
     assert bad.exit_code == 1 and "--batch-sizes: positive integers" in bad.output
+
+
+def test_kernels_divides_the_profiled_run_by_kernel_group():
+    """`bench kernels` on a CPU: the profiled run's operators' self time by group (the model's
+    GEMMs and its attention among them), their sum the groups', every request run."""
+    res = runner.invoke(app, ["bench", "kernels", *FAST, "--num-prompts", "5", "--input-len",
+                              "12", "--output-len", "3", "--top", "4", "--json"])
+    assert res.exit_code == 0, res.output
+    k = json.loads(res.stdout)
+    assert (k["requests"], k["output_tokens"], k["measured"]) == (
+        5, 15, "CPU operators' self time")
+    assert k["groups_s"]["GEMM"] > 0 and k["groups_s"]["attention"] > 0
+    assert abs(sum(k["groups_s"].values()) - k["device_s"]) < 1e-9 and len(k["top_s"]) == 4
+    assert 0 < k["device_s"] <= k["wall_time_s"] and k["launches"] > 0
+    shown = runner.invoke(app, ["bench", "kernels", *FAST, "--num-prompts", "2",
+                                "--input-len", "4", "--output-len", "2"])
+    assert shown.exit_code == 0 and "pagedgen bench kernels" in shown.stdout

@@ -1,5 +1,5 @@
-"""`pagedgen bench throughput|latency`: one command and its options for both measures
-(``measures.py``), the engine's options shared."""
+"""`pagedgen bench throughput|latency|kernels`: one command and its options for the three
+measures (``measures.py``), the engine's options shared."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pagedgen.cli.common import cli_errors, console, out_console
 from pagedgen.cli.formats.output_target import check_creatable, write_result
 from pagedgen.errors import PagedgenError
 
-KINDS = ("throughput", "latency")
+KINDS = ("throughput", "latency", "kernels")
 SHOWN = {"model": "model", "backend": "backend", "device": "device", "dtype": "dtype",
          "quantization": "quantization", "requests": "requests",
          "prompt_tokens": "prompt tokens", "output_tokens": "output tokens",
@@ -32,19 +32,22 @@ def bench(
     kind: str = typer.Argument(..., help="throughput: NUM-PROMPTS requests (random or a "
                                          "dataset's) through the engine, as vllm bench "
                                          "throughput; latency: one batch of each BATCH-SIZES "
-                                         "again and again, as vllm bench latency."),
+                                         "again and again, as vllm bench latency; kernels: "
+                                         "throughput's requests under torch.profiler, the "
+                                         "run's time by kernel group."),
     model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
                                                    "Hub id [default: tiny]."),
     input_len: Optional[int] = typer.Option(None, min=1, help="Prompt tokens (random ids) "
                                             "[default: 1024 for throughput, 32 for latency]."),
     output_len: int = typer.Option(128, min=1, help="Output tokens of every request (EOS "
                                                     "ignored)."),
-    num_prompts: int = typer.Option(1000, min=1, help="throughput: requests."),
-    range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="throughput: prompt lengths "
-                                      "drawn from input-len x [1 - r, 1 + r]."),
-    dataset: Optional[Path] = typer.Option(None, help="throughput: a JSONL file of pagedgen's "
-                                                      "lines instead of random prompts (its "
-                                                      "first --num-prompts)."),
+    num_prompts: int = typer.Option(1000, min=1, help="throughput, kernels: requests."),
+    range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="throughput, kernels: prompt "
+                                      "lengths drawn from input-len x [1 - r, 1 + r]."),
+    dataset: Optional[Path] = typer.Option(None, help="throughput, kernels: a JSONL file of "
+                                                      "pagedgen's lines instead of random "
+                                                      "prompts (its first --num-prompts)."),
+    top: int = typer.Option(15, min=1, help="kernels: the heaviest kernels listed."),
     batch_sizes: str = typer.Option("8", help="latency: requests in the batch; a comma list "
                                               "measures each (e.g. 1,8,64)."),
     num_iters_warmup: int = typer.Option(10, min=0, help="latency: unmeasured batches first."),
@@ -100,7 +103,8 @@ def bench(
                    else measures.synthetic_prompts(llm.engine.src.hf_config.vocab_size,
                                                    num_prompts, input_len or 1024, range_ratio,
                                                    seed))
-        figures = measures.measure(llm, prompts, output_len, started)
+        figures = (measures.kernels(llm, prompts, output_len, top) if kind == "kernels"
+                   else measures.measure(llm, prompts, output_len, started))
     report = json.dumps(figures, indent=2, default=str)
     if output is not None:
         write_result(output, report, "--output")
@@ -108,6 +112,8 @@ def bench(
         print(report)
     elif kind == "latency":
         _show_latency(figures["rows"])
+    elif kind == "kernels":
+        _show_kernels(figures)
     else:
         _show_throughput(figures, measures.throughput_line(figures))
 
@@ -151,3 +157,24 @@ def _show_latency(rows: list[dict]) -> None:
             "avg_latency_s", "p50_latency_s", "p90_latency_s", "p99_latency_s")),
             f"{r['mean_ttft_s'] * 1e3:.2f}", f"{r['mean_tpot_s'] * 1e3:.2f}")
     out_console().print(table)
+
+
+def _show_kernels(f: dict) -> None:
+    out = out_console()
+    table = Table(title=f"pagedgen bench kernels: {escape(f['model'])} on {escape(f['device'])} "
+                        f"({escape(f['backend'])}), {f['measured']}", title_justify="left")
+    for col in ("group", "seconds", "share"):
+        table.add_column(col, justify="right" if col != "group" else "left")
+    for group, sec in sorted(f["groups_s"].items(), key=lambda kv: -kv[1]):
+        table.add_row(group, f"{sec:.3f}", f"{sec / f['device_s']:.1%}" if f["device_s"] else "")
+    out.print(table)
+    top = Table(title=f"the {len(f['top_s'])} heaviest", title_justify="left")
+    top.add_column("kernel")
+    top.add_column("seconds", justify="right")
+    for name, sec in f["top_s"]:
+        top.add_row(escape(name), f"{sec:.3f}")
+    out.print(top)
+    calls = "launches" if f["measured"] == "GPU kernels" else "operator calls"
+    out.print(f"{f['device_s']:.2f} s of {f['measured']} in {f['wall_time_s']:.2f} s of wall "
+              f"time ({f['busy_fraction']:.0%}), {f['launches']:,} {calls}, "
+              f"{f['requests']:,} requests")

@@ -6,12 +6,17 @@ summary, so that it measures what ``generate`` runs.
   with EOS ignored, as ``vllm bench throughput`` measures it (its random dataset, temperature 1,
   top_p 1): requests, total and output tokens per second over the generate call, start-up
   apart (``measure``);
-* ``latency``: one batch generated again and again, as ``vllm bench latency`` times it.
+* ``latency``: one batch generated again and again, as ``vllm bench latency`` times it;
+* ``kernels``: throughput's requests once more under torch.profiler, after a few of them
+  unprofiled (compiles out of the way): a whole run's GPU time by kernel group
+  (``runtime/kernel_stats.py``: the groups ``profile`` and ``benchmarks/run_kernels.py`` use)
+  and the heaviest kernels; on a CPU, the operators' self time, grouped alike.
 """
 
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -116,3 +121,41 @@ def latency(llm: Any, batch_size: int, input_len: int, output_len: int, warmup: 
                for q in (10, 25, 50, 75, 90, 99)},
             "mean_ttft_s": sum(ttft) / iters, "mean_tpot_s": sum(tpot) / iters,
             "prefix_cache_hit_tokens": hits, "latencies_s": walls}
+
+
+def kernels(llm: Any, prompts: list, output_len: int, top: int) -> dict[str, Any]:
+    """Where a run of ``prompts`` spends its device time: seconds by kernel group, launches
+    and the ``top`` kernels (on a CPU: operators' self time), over the profiled run's wall
+    time; a few of the prompts run first, unprofiled."""
+    import torch
+
+    from pagedgen.runtime.kernel_stats import kernel_table, load_kernels, named
+
+    params = vllm_bench_sampling(output_len)
+    llm.generate(prompts[:8], params, use_tqdm=False)
+    engine = llm.engine
+    engine.reset_stats()
+    cuda = engine.device.type == "cuda"
+    kinds = torch.profiler.ProfilerActivity
+    activity = kinds.CUDA if cuda else kinds.CPU
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=[activity]) as prof:
+        llm.generate(prompts, params, use_tqdm=True)
+    wall = time.perf_counter() - t0
+    if cuda:
+        with tempfile.TemporaryDirectory() as d:
+            trace = Path(d) / "trace.json"
+            prof.export_chrome_trace(str(trace))
+            table = kernel_table(named(load_kernels(trace)), top)
+        measured = "GPU kernels"
+    else:
+        ops = prof.key_averages()
+        table = kernel_table(((e.key, e.self_cpu_time_total) for e in ops), top)
+        table["launches"] = sum(e.count for e in ops)
+        measured = "CPU operators' self time"
+    summary = engine.summary(wall, t0)
+    return {"model": engine.src.name, "backend": summary["backend"],
+            "device": summary["device"], "requests": summary["requests"],
+            "output_tokens": summary["output_tokens"], "wall_time_s": wall,
+            "measured": measured, "busy_fraction": table["gpu_s"] / wall if wall else 0.0,
+            **{("device_s" if k == "gpu_s" else k): v for k, v in table.items()}}
