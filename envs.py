@@ -66,9 +66,13 @@ GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two
                          "CUDA; 0 without", "grammar worker processes (0: in the engine's)")
 HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",
                         "how many pagedgen processes share this host's cores")
+VLLM_SITE = EnvVar("PAGEDGEN_VLLM_SITE", "/tmp/site-vllm, where vLLM does not import here",
+                   "the site-packages folder holding vLLM for `bench throughput --peer vllm` "
+                   "and the benchmarks' peer")
 
 ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GROUP_TILE,
                            FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, FLASHINFER_DECODE,
                            CASCADE_MERGE_HEADS, FP8_GEMM,
                            FP8_FUSED_INPUT, MOE_TILES, SHIPPED_PLANS, ALL_REDUCE,
-                           FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES)
+                           FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES,
+                           VLLM_SITE)

@@ -26,55 +26,23 @@ Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from pagedgen.cli.bench.peer import (NO_MULTICAST, failure, kernel_lines, kv_capacity,
+                                     peer_config, run_in_group, site_path, vllm_site)
+
 HERE = Path(__file__).resolve().parent
-# NVLink multicast off in vLLM's processes too (pagedgen's: runtime/collectives/parallel.py):
-# its NVLS all-reduce paths fail on the lent multi-GPU hosts
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                "NVSHMEM_DISABLE_NVLS": "1"}
 # vLLM's tensor parallelism without the multicast-dependent paths: its custom all-reduce
 # (which picks FlashInfer's mnnvl all-reduce there) and its all-reduce + RMSNorm fusion; at
 # its defaults it crashed while capturing CUDA graphs on the 2 x H200 host (issue 62)
 TP_SAFE = {"disable_custom_all_reduce": True,
            "compilation_config": {"pass_config": {"fuse_allreduce_rms": False}}}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM",
-                 "gpt_oss": "GptOssForCausalLM", "gemma4_text": "Gemma4ForCausalLM"}
-# text-only families vLLM registers only as their multimodal checkpoints: the text config
-# goes under ``text_config`` and vLLM runs with ``language_model_only`` (no vision tower)
-MULTIMODAL = {"qwen3_5_text": ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
-              "qwen3_5_moe_text": ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration")}
-
-
-def vllm_site() -> str | None:
-    """'' when vLLM imports here, a site directory holding it, or None when there is none."""
-    if importlib.util.find_spec("vllm") is not None:
-        return ""
-    site = os.environ.get("PAGEDGEN_VLLM_SITE", "/tmp/site-vllm")
-    return site if (Path(site) / "vllm").is_dir() else None
-
-
-def site_path(site: str) -> str:
-    """The PYTHONPATH of a vLLM installed into ``site`` with ``pip --target``: the site, and
-    the CuTe DSL's packages there (``nvidia-cutlass-dsl``, which vLLM pins, finds them through
-    a .pth file such an install does not run)."""
-    dsl = Path(site) / "nvidia_cutlass_dsl" / "dsl_packages"
-    return f"{site}:{dsl}" if dsl.is_dir() else site
 
 
 def same_limits(engine_config: Any) -> dict[str, Any]:
@@ -86,54 +54,6 @@ def same_limits(engine_config: Any) -> dict[str, Any]:
     return dict(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                 enable_prefix_caching=True,
                 **({"max_model_len": cfg.max_model_len} if cfg.max_model_len else {}))
-
-
-def failure(stdout: str, stderr: str) -> dict[str, str]:
-    """A failed vLLM run's report: the first traceback's error (EngineCore's, logged to
-    stdout, where the cause is: the client's own ``EngineDeadError`` in stderr only points to
-    it) and the last error line, and a log from the first traceback on, then the end."""
-    log = stdout + stderr
-    lines = log.strip().splitlines()
-    errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
-    first = max(0, log.find("Traceback"))
-    after = [re.sub(r"^\(EngineCore[^)]*\) ", "", x) for x in log[first:].splitlines()[1:]]
-    cause = next((x for x in after if x.strip() and not x.startswith((" ", "Traceback"))),
-                 errors[-1])
-    said = [cause] + [e for e in errors[-1:] if e != cause]
-    return {"skipped": f"vLLM failed: {said}",
-            "log": log[first:first + 4000] + "\n...\n" + log[-1500:]}
-
-
-def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The ``config.json`` vLLM loads for ``hf_config`` (a preset's: dummy weights), and what
-    its engine needs besides: a multimodal family's text config under ``text_config`` with
-    ``language_model_only``; Gemma
-    4's global layers' head size and KV heads as vLLM reads them (``getattr(config,
-    "global_head_dim")``), set by ``hf_overrides`` on the config transformers made, since
-    transformers 5.x turns the published keys into ``per_layer_config`` (leaving
-    ``global_head_dim`` None) and raises where vLLM reads ``head_dim`` of a config whose
-    layers differ unless ``allow_global_per_layer_attribute_access`` is set."""
-    cfg, more = hf_config.to_transformers().to_dict(), {}
-    wide = {key: getattr(hf_config, key) for key in ("global_head_dim",
-                                                    "num_global_key_value_heads")
-            if getattr(hf_config, key, None) is not None}
-    if wide:
-        cfg.update(wide)
-        cfg["allow_global_per_layer_attribute_access"] = True
-        more["hf_overrides"] = {**wide, "allow_global_per_layer_attribute_access": True}
-    if cfg["model_type"] in MULTIMODAL:
-        outer, arch = MULTIMODAL[cfg["model_type"]]
-        rope = cfg["rope_parameters"]  # the published configs' multimodal rope; text
-        half = int(cfg["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
-        third = -(-half // 3)  # positions equal in all three sections for text
-        rope.setdefault("mrope_section", [third, third, half - 2 * third])
-        rope.setdefault("mrope_interleaved", True)
-        cfg = {"model_type": outer, "architectures": [arch], "text_config": cfg,
-               "tie_word_embeddings": cfg.get("tie_word_embeddings", False)}
-        more["language_model_only"] = True
-    else:
-        cfg["architectures"] = [ARCHITECTURES[cfg["model_type"]]]
-    return cfg, more
 
 
 def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_config: Any,
@@ -196,66 +116,6 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
             return {"skipped": f"vLLM outran {timeout:.0f} s before its first run",
                     "log": (stdout + stderr)[-4000:]}
         return failure(stdout, stderr)
-
-
-def run_in_group(cmd: list[str], timeout: float, **popen: Any) -> tuple[int | None, str, str]:
-    """Run ``cmd`` in a process group of its own, its output captured: (exit code, or None
-    when it outran ``timeout`` seconds; stdout; stderr). The whole group is killed at the
-    limit, when it ends, and when this process is terminated (a time limit's SIGTERM): vLLM's
-    engine processes would otherwise live on and keep the GPU's memory."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, **popen)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-        return proc.returncode, stdout, stderr
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)  # before reading the rest: the engine holds the pipes open
-        stdout, stderr = proc.communicate()
-        return None, stdout, stderr
-    finally:
-        _kill_group(proc.pid)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _exit_on_signal(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-# what vLLM's log says it chose (its attention backend, MoE and quantization kernels, tuned
-# configs or their absence): the figures' peer is then known, not guessed
-KERNEL_WORDS = ("backend", "Backend", "MoE", "moe", "kernel", "Kernel", "quantiz", "Marlin",
-                "CUTLASS", "DeepGEMM", "config file")
-
-
-def kernel_lines(log: str, limit: int = 30) -> list[str]:
-    """The distinct lines of vLLM's log naming a kernel choice, their timestamps dropped."""
-    out: list[str] = []
-    for line in log.splitlines():
-        text = line.split("] ", 1)[-1].strip()[:300]  # "INFO 11-27 06:50:01 [f.py:12] text"
-        if any(w in text for w in KERNEL_WORDS) and text not in out:
-            out.append(text)
-    return out[:limit]
-
-
-def kv_capacity(log: str) -> dict[str, Any]:
-    """The KV cache vLLM reports at start-up: its size in tokens, and the requests of its
-    longest length it holds at once (beside pagedgen's ``kv_cache_token_slots``)."""
-    out: dict[str, Any] = {}
-    if m := re.search(r"GPU KV cache size: ([\d,]+) tokens", log):
-        out["vllm_kv_cache_tokens"] = int(m.group(1).replace(",", ""))
-    if m := re.search(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x", log):
-        out["vllm_max_concurrency"] = f"{m.group(2)}x at {m.group(1)} tokens"
-    return out
 
 
 def normal_weights(model: Any, std: float = 0.02, fp8_max: float = 448.0) -> int:

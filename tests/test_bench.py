@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
@@ -111,3 +112,58 @@ def test_kernels_divides_the_profiled_run_by_kernel_group():
     shown = runner.invoke(app, ["bench", "kernels", *FAST, "--num-prompts", "2",
                                 "--input-len", "4", "--output-len", "2"])
     assert shown.exit_code == 0 and "pagedgen bench kernels" in shown.stdout
+
+
+FAKE_VLLM = '''
+import json, os
+__version__ = "0.0.fake"
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+class _Output:
+    def __init__(self, ids):
+        self.token_ids = ids
+class _Result:
+    def __init__(self, ids):
+        self.outputs = [_Output(ids)]
+class LLM:
+    def __init__(self, model, load_format, **kw):
+        cfg = json.load(open(os.path.join(model, "config.json")))
+        json.dump({"load_format": load_format, "architectures": cfg["architectures"], **kw},
+                  open(os.environ["FAKE_VLLM_SAW"], "w"))
+        print("INFO 12-07 10:00:00 [kv_cache_utils.py:1087] GPU KV cache size: 1,234 tokens")
+    def generate(self, prompts, params, use_tqdm=False):
+        return [_Result([7] * params.max_tokens) for _ in prompts]
+'''
+
+
+@pytest.mark.process
+def test_the_vllm_peer_runs_the_same_prompts_in_its_own_process(tmp_path, monkeypatch):
+    """`--peer vllm`: the same token ids through vLLM in a process of its own (a stand-in
+    package here, found as $PAGEDGEN_VLLM_SITE), a preset as its config on dummy weights, the
+    run's dtype, each request to its length; the ratio of the two; where vLLM is not
+    installed, the reason, pagedgen's figures kept."""
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
+    monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
+    res = bench("--num-prompts", 4, "--input-len", 8, "--output-len", 3, "--peer", "vllm",
+                "--json")
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    theirs = s["peer"]
+    assert theirs["system"] == "vLLM 0.0.fake" and theirs["requests"] == 4
+    assert theirs["output_tokens"] == s["output_tokens"] == 12
+    assert s["vs_vllm"] == s["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    assert theirs["vllm_kv_cache_tokens"] == 1234
+    saw = json.loads((tmp_path / "saw.json").read_text())
+    assert saw["load_format"] == "dummy" and saw["architectures"] == ["LlamaForCausalLM"]
+    assert saw["dtype"] == s["dtype"] and saw["skip_tokenizer_init"] is True
+    monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(tmp_path / "none"))
+    res = bench("--num-prompts", 2, "--input-len", 4, "--output-len", 2, "--peer", "vllm")
+    assert res.exit_code == 0 and "--peer vllm: vLLM is not installed here" in res.output
+    bad = bench("--peer", "sglang")
+    assert bad.exit_code == 1 and "--peer: vllm" in bad.output

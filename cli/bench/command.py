@@ -48,6 +48,10 @@ def bench(
                                                       "pagedgen's lines instead of random "
                                                       "prompts (its first --num-prompts)."),
     top: int = typer.Option(15, min=1, help="kernels: the heaviest kernels listed."),
+    peer: Optional[str] = typer.Option(None, help="throughput: vllm also runs the same random "
+                                                  "prompts after pagedgen, in a process of its "
+                                                  "own, at its defaults (where vLLM is "
+                                                  "installed: here or $PAGEDGEN_VLLM_SITE)."),
     batch_sizes: str = typer.Option("8", help="latency: requests in the batch; a comma list "
                                               "measures each (e.g. 1,8,64)."),
     num_iters_warmup: int = typer.Option(10, min=0, help="latency: unmeasured batches first."),
@@ -81,6 +85,10 @@ def bench(
 
     if kind not in KINDS:
         raise PagedgenError(f"unknown measure {kind!r}; use {' or '.join(KINDS)}")
+    if peer is not None and (peer != "vllm" or kind != "throughput" or dataset is not None):
+        raise PagedgenError("--peer: vllm, with bench throughput on random prompts (the token "
+                            "ids both systems take alike)" + (f", not {peer!r}"
+                                                              if peer != "vllm" else ""))
     sizes = _sizes(batch_sizes) if kind == "latency" else []
     if output is not None:
         output = output.expanduser()
@@ -105,6 +113,14 @@ def bench(
                                                    seed))
         figures = (measures.kernels(llm, prompts, output_len, top) if kind == "kernels"
                    else measures.measure(llm, prompts, output_len, started))
+        if peer:
+            src, run_dtype = llm.engine.src, llm.engine.dtype
+            del llm  # its GPU memory back before vLLM starts
+            figures["peer"] = measures.vllm_peer(src, run_dtype, prompts, output_len,
+                                                 max_model_len, quantization, kv_cache_dtype)
+            if "output_tokens_per_s" in figures["peer"]:
+                figures["vs_vllm"] = (figures["output_tokens_per_s"]
+                                      / figures["peer"]["output_tokens_per_s"])
     report = json.dumps(figures, indent=2, default=str)
     if output is not None:
         write_result(output, report, "--output")
@@ -142,6 +158,13 @@ def _show_throughput(summary: dict, line: str) -> None:
     out = out_console()
     out.print(table)
     out.print(line)
+    theirs = summary.get("peer")
+    if theirs and "skipped" in theirs:
+        console.print(f"--peer vllm: {escape(theirs['skipped'])}")
+    elif theirs:
+        out.print(f"{theirs['system']}: {theirs['output_tokens_per_s']:,.2f} output tokens/s "
+                  f"({theirs['total_tokens_per_s']:,.2f} total, start-up "
+                  f"{theirs['startup_s']:.1f} s); pagedgen {summary['vs_vllm']:.2f}x")
     if summary.get("preemptions"):
         console.print(f"note: {summary['preemptions']} preemption(s): the KV cache held fewer "
                       "sequences than were admitted")

@@ -7,6 +7,8 @@ summary, so that it measures what ``generate`` runs.
   top_p 1): requests, total and output tokens per second over the generate call, start-up
   apart (``measure``);
 * ``latency``: one batch generated again and again, as ``vllm bench latency`` times it;
+  with ``--peer vllm`` the same token ids through vLLM afterwards (``peer.py``), this
+  engine's memory given back first;
 * ``kernels``: throughput's requests once more under torch.profiler, after a few of them
   unprofiled (compiles out of the way): a whole run's GPU time by kernel group
   (``runtime/kernel_stats.py``: the groups ``profile`` and ``benchmarks/run_kernels.py`` use)
@@ -159,3 +161,29 @@ def kernels(llm: Any, prompts: list, output_len: int, top: int) -> dict[str, Any
             "output_tokens": summary["output_tokens"], "wall_time_s": wall,
             "measured": measured, "busy_fraction": table["gpu_s"] / wall if wall else 0.0,
             **{("device_s" if k == "gpu_s" else k): v for k, v in table.items()}}
+
+
+def vllm_peer(src: Any, dtype: Any, prompts: list, output_len: int,
+              max_model_len: int | None, quantization: str | None,
+              kv_cache_dtype: str | None) -> dict[str, Any]:
+    """``prompts`` (token ids) through vLLM (``peer.vllm_throughput``) on ``src``'s model
+    (a ``ModelSource``: a checkpoint directory's weights, else a preset's shapes on dummy
+    weights), the engine that ran them gone first (call with no reference to it left); vLLM at
+    its defaults but for what the user set on both (``dtype``, ``max_model_len``,
+    ``quantization``, an FP8 KV cache)."""
+    import gc
+
+    import torch
+
+    from pagedgen.cli.bench.peer import vllm_throughput
+
+    gc.collect()  # the engine's memory back to the GPU before vLLM takes its share
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    checkpoint = src.checkpoint if src.checkpoint is not None and src.checkpoint.is_dir() \
+        else None
+    args = {"dtype": str(dtype).removeprefix("torch."),
+            **({"max_model_len": max_model_len} if max_model_len else {}),
+            **({"quantization": quantization} if quantization else {}),
+            **({"kv_cache_dtype": "fp8"} if kv_cache_dtype == "fp8" else {})}
+    return vllm_throughput(src.hf_config, checkpoint, prompts, output_len, args)
