@@ -9,7 +9,7 @@ kept groups around it, so the groups of one level are disjoint and one kernel la
 them all. Each decode then attends its own pages from its deepest group's ``page_hi`` on, and
 the parts are merged by their log-sum-exp (attention/cascade.py).
 
-When grouping pays (docs/benchmarks-log.md): a group must save at least ``MIN_TOKENS`` key reads
+When grouping pays (benchmarks/results/LOG.md): a group must save at least ``MIN_TOKENS`` key reads
 ((rows - 1) x its tokens), a level (one more launch and merge input per layer) at least
 ``(MIN_SEQS - 1) * MIN_TOKENS`` and ``ROW_TOKENS`` per decode of the step; at most
 ``MAX_LEVELS`` levels. ``ROW_TOKENS`` was 512 for the first cascade kernels (an H100: workload

@@ -3,14 +3,19 @@
 For each sequence it gathers K/V through the block table and computes softmax(QKᵀ·scale)V in
 float32 with an explicit causal (and optional sliding-window) mask and logits soft-cap; a layer
 with sinks adds each head's sink logit as one more column of the softmax, of value zero.
-Slow and simple on purpose; runs on CPU and GPU.
+Slow and simple on purpose; runs on CPU and GPU. With the state's ``batch_invariant``
+(``--batch-invariant``, its backend on a CPU) each query row is computed alone over exactly the
+keys it sees: a CPU BLAS rounds a row by its place among the rows, and a softmax or product
+over more keys (masked ones too) sums in another order; so a token's output is the same bits
+in any batch, chunk or step, prefill or decode.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionType, LayerSpec
+from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionState,
+                                        AttentionType, LayerSpec)
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import gather_kv, write_kv
 
@@ -32,6 +37,14 @@ def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.float()
 
 
+class EagerState(AttentionState):
+    """The base state, and the mode's switch: each query row alone (``--batch-invariant``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.batch_invariant = False
+
+
 class EagerImpl(AttentionImpl):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -49,6 +62,9 @@ class EagerImpl(AttentionImpl):
             k_i, v_i = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
             k_i = dequantize(k_i, st.k_scale).repeat_interleave(group, dim=1)
             v_i = dequantize(v_i, st.v_scale).repeat_interleave(group, dim=1)
+            if st.batch_invariant:
+                out[qsl[i]:qsl[i + 1]] = self._rows_alone(q_i, k_i, v_i, seq_len).to(q.dtype)
+                continue
             scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * spec.scale
             if spec.logits_soft_cap is not None:
                 scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
@@ -61,6 +77,27 @@ class EagerImpl(AttentionImpl):
             probs = torch.softmax(scores, dim=-1)[..., :seq_len]
             out[qsl[i]:qsl[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
         return out
+
+    def _rows_alone(self, q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor,
+                    seq_len: int) -> torch.Tensor:
+        """Each query row of one sequence (float32, [n, Hq, D]) over exactly the keys it
+        sees (a decoder's causal prefix, cut to its window; an encoder's all)."""
+        spec = self.spec
+        rows = []
+        for r, pos in enumerate(range(seq_len - len(q_i), seq_len)):
+            lo, hi = 0, seq_len
+            if spec.attn_type != AttentionType.ENCODER:
+                hi = pos + 1
+                if spec.sliding_window is not None:
+                    lo = max(0, pos + 1 - spec.sliding_window)
+            scores = torch.einsum("hd,khd->hk", q_i[r], k_i[lo:hi]) * spec.scale
+            if spec.logits_soft_cap is not None:
+                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+            if self.sinks is not None:
+                scores = torch.cat([scores, self.sinks.float()[:, None]], -1)
+            probs = torch.softmax(scores, dim=-1)[:, :hi - lo]
+            rows.append(torch.einsum("hk,khd->hd", probs, v_i[lo:hi]))
+        return torch.stack(rows)
 
 
 class EagerBackend(AttentionBackend):
@@ -75,6 +112,10 @@ class EagerBackend(AttentionBackend):
     @staticmethod
     def get_impl_cls() -> type[AttentionImpl]:
         return EagerImpl
+
+    @staticmethod
+    def get_state_cls() -> type[AttentionState]:
+        return EagerState
 
     @staticmethod
     def get_supported_head_sizes() -> list[int]:

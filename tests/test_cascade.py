@@ -79,7 +79,7 @@ def test_no_cascade_below_the_thresholds():
 
 def test_a_level_must_save_row_tokens_per_decode(monkeypatch):
     """A level saving fewer than ROW_TOKENS reads per decode of the step runs plain (the rule
-    at 512, its value for the first kernels on an H100, docs/benchmarks-log.md; 64 today)."""
+    at 512, its value for the first kernels on an H100, benchmarks/results/LOG.md; 64 today)."""
     monkeypatch.setattr(cl, "ROW_TOKENS", 512)
     rows = 32
     shared = 512 * rows // ((rows - 1) * PAGE)  # pages: just short of 512 saved per row

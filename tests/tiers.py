@@ -2,9 +2,10 @@
 
 Marks (pyproject's ``markers``): ``process`` for a test that starts processes (a command in a
 subprocess, ``-dp``/``-tp`` workers, Ray), ``kernels`` for one that runs Triton kernels in
-Triton's interpreter (on a CPU), ``gpu`` (skipped without CUDA). The unit tier is the rest:
+Triton's interpreter (on a CPU), ``model`` for one that runs a trained model (SmolLM2-135M)
+through whole checks, ``gpu`` (skipped without CUDA). The unit tier is the rest:
 
-    python -m pytest -m "not process and not kernels"
+    python -m pytest -m "not process and not kernels and not model"
 
 The guard fails a test that starts a process or interprets a kernel without its mark (the
 error names the mark to add), so the unit tier stays what it says as tests are added. It

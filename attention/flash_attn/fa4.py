@@ -30,7 +30,7 @@ def fa4_decode_tile(device: torch.device) -> tuple[int, int] | None:
     ("64x128", or "fa4" for FA4's own choice), else 64 x 64 on SM90, and FA4's own elsewhere
     (None). FA4's own on SM90 (128 x 128 up to head size 128, 128 x 80 at 256) holds a few
     valid query rows of a GQA decode and, at 256, gathers pages by cp.async: 6.7% longer on
-    (a)'s decode shape, 58% on k's (docs/benchmarks-log.md)."""
+    (a)'s decode shape, 58% on k's (benchmarks/results/LOG.md)."""
     return _tile(envs.FA4_DECODE_TILE, "64x64", device)
 
 
@@ -42,7 +42,7 @@ def fa4_prefill_tiles(device: torch.device, page_size: int) -> Tiles:
     ``$PAGEDGEN_FA4_PREFILL_TILE`` for both, else on SM90 with 64-token pages 128 x 64 over 128
     and FA4's own (None) up to it. FA4 loads K/V by TMA only where a tile's keys are one page;
     its own tile over 128 (128 x 80 at head size 256) gathers pages by cp.async instead, 11%
-    slower on k's prefill chunks (2% at head size 128: not changed; docs/benchmarks-log.md)."""
+    slower on k's prefill chunks (2% at head size 128: not changed; benchmarks/results/LOG.md)."""
     tile = _tile(envs.FA4_PREFILL_TILE, "128x64" if page_size == 64 else "fa4", device)
     return (tile if envs.FA4_PREFILL_TILE.get() else None), tile
 
@@ -51,7 +51,7 @@ def fa4_group_tile(device: torch.device) -> tuple[int, int] | None:
     """The tile of cascade decode's group-level calls for head sizes up to 128:
     ``$PAGEDGEN_FA4_GROUP_TILE``, else 64 x 128 on SM90 (one 1,536-token prefix for 256 decodes:
     19.0 against 25.3 µs a layer with FA4's own on an H200; 32 groups of 8: 43.9 against 45.1;
-    docs/benchmarks-log.md), and FA4's own elsewhere."""
+    benchmarks/results/LOG.md), and FA4's own elsewhere."""
     return _tile(envs.FA4_GROUP_TILE, "64x128", device)
 
 

@@ -101,6 +101,6 @@ def default_page_size(f: Flavour, device: torch.device) -> int:
     """The page size flavour ``f`` runs with when none is asked for; FA4 on SM90: 64, where
     decode's 64-key tile still loads whole pages by TMA. A sequence's last page, and the page
     where a shared prefix ends, are half empty on average: at 128, KV for fewer sequences at
-    once (workload s on an H100: 10,946 against 12,044 tok/s at 64; docs/benchmarks-log.md)."""
+    once (workload s on an H100: 10,946 against 12,044 tok/s at 64; benchmarks/results/LOG.md)."""
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     return 64 if f.name == "fa4" and sm90 else f.default_block_size

@@ -4,7 +4,7 @@ backend's decode, and the flash-attn backend's cascade decode of each sequence's
 One program per (sequence, KV head, split): the G query heads of a KV head are the rows of a
 [G, D] x [D, BLOCK_N] product over K/V read through the block table. On short contexts it beats
 FA4's paged decode: 256 sequences of 1-256 tokens (Llama-3-8B's heads, page 128) in 53.5 against
-66.3 µs on an H200 (docs/benchmarks-log.md); FA4 gives each (sequence, KV head) a 64-row
+66.3 µs on an H200 (benchmarks/results/LOG.md); FA4 gives each (sequence, KV head) a 64-row
 tile for 4 rows.
 """
 

@@ -29,7 +29,7 @@ KERNELS = ("torch", "triton", "fla", "flashinfer")  # the last two: triton, thei
 DECODE_LAUNCH = (32, 1)  # gated_delta_kernel's value block and warps (benchmarks/gdn_kernels.py)
 # conv_kernel's (tokens, channels) a program and its warps, for every step: the fastest measured
 # at a decode step of 256 sequences and at a 16,384-token prefill chunk (benchmarks/gdn_kernels.py
-# --conv; docs/benchmarks-log.md)
+# --conv; benchmarks/results/LOG.md)
 CONV_TILE = (4, 512)
 CONV_WARPS = 8
 

@@ -7,7 +7,7 @@ kernel (in the same build, torch's ``mkldnn._linear_pointwise``) reads the same 
 weight, in place, and computes the same sums in another order. Below ``MIN_WEIGHT`` elements
 (a weight that stays in the caches) oneDNN's fixed cost a call outweighs what it gains, and on
 Intel CPUs MKL is left as it is (not measured against it). Measurements are in
-docs/benchmarks-log.md.
+benchmarks/results/LOG.md.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ recompute.
 A row's result may depend on nothing but that row. What the mode changes:
 * the dense GEMMs (the model's projections and its LM head) run in tiles whose K order never
   changes (``quantization/invariant_gemm.py``), not cuBLAS's or MKL's per-shape choice;
-* attention runs on the triton backend with every token through its prefill kernel (a decode is
-  a one-token tile): its order over the keys follows neither the batch nor the chunk, and a
-  recomputed token takes the path its first computation took;
+* attention runs on the triton backend on a GPU with every token through its prefill kernel
+  (a decode is a one-token tile): its order over the keys follows neither the batch nor the
+  chunk, and a recomputed token takes the path its first computation took; on a CPU on the
+  eager backend, each query row alone over exactly the keys it sees (``attention/eager.py``);
 * no cascade decode (a shared prefix's sums would follow the group) and no CUDA graphs yet (the
   decode graphs' tiles are not held at fixed addresses).
 Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
@@ -33,10 +34,14 @@ from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 WHAT = "--batch-invariant"
-# what the summary says of a run in the mode: the kernels it ran
-SUMMARY = ("on: every token through triton's prefill kernel, dense GEMMs in invariant tiles "
-           "(quantization/invariant_gemm.py), MoE experts in one tile, no cascade decode, "
-           "no CUDA graphs")
+BACKENDS = ("triton", "eager")  # what keeps a token's attention invariant (auto: triton on a
+# GPU, eager on a CPU, where triton's kernels run in its interpreter)
+def summary(backend: str) -> str:
+    """What the summary says of a run in the mode on ``backend``: the kernels it ran."""
+    attention = ("each query row alone on eager's" if backend == "eager"
+                 else f"every token through {backend}'s prefill kernel")
+    return (f"on: {attention}, dense GEMMs in invariant tiles (quantization/invariant_gemm.py), "
+            "MoE experts in one tile, no cascade decode, no CUDA graphs")
 
 
 def prepared(config: EngineConfig) -> EngineConfig:
@@ -47,14 +52,18 @@ def prepared(config: EngineConfig) -> EngineConfig:
     for bad, why in ((config.tensor_parallel_size > 1, "runs on one GPU (its all-reduce order "
                                                        "would follow the degree)"),
                      (config.quantization is not None, "runs unquantized weights only"),
-                     (config.backend not in ("auto", "triton"),
-                      f"runs on the triton backend, not {config.backend}")):
+                     (config.backend not in ("auto", *BACKENDS),
+                      f"runs on the triton or eager backend, not {config.backend}")):
         if bad:
             raise PagedgenError(f"{WHAT} {why}")
-    why = unavailable_reason("triton", config.torch_device())
+    device = config.torch_device()
+    backend = config.backend if config.backend != "auto" else \
+        "triton" if device.type == "cuda" else "eager"
+    why = unavailable_reason(backend, device)
     if why:
-        raise PagedgenError(f"{WHAT} runs on the triton backend, which cannot run here: {why}")
-    return dataclasses.replace(config, backend="triton", cascade_attention=False,
+        raise PagedgenError(f"{WHAT} runs on the {backend} backend, which cannot run here: "
+                            f"{why}")
+    return dataclasses.replace(config, backend=backend, cascade_attention=False,
                                cascade_mixed_steps=False, enforce_eager=True)
 
 
