@@ -1,7 +1,12 @@
 """Attention backends over a paged KV cache (see backend.py for the interface)."""
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionState,
-                                        AttentionType, LayerSpec)
+from pagedgen.attention.backend import (
+                                        AttentionBackend,
+                                        AttentionImpl,
+                                        AttentionState,
+                                        AttentionType,
+                                        LayerSpec,
+)
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.registry import backend_names, backend_status, get_backend
 

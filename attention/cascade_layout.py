@@ -20,8 +20,8 @@ against 10,376 tok/s at max_num_seqs 256, 12,606 against 11,345 at 1,024; p unch
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 import numpy as np
 

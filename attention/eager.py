@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from pagedgen.attention.backend import (AttentionBackend, AttentionImpl, AttentionState,
-                                        AttentionType, LayerSpec)
+from pagedgen.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionState,
+    AttentionType,
+    LayerSpec,
+)
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import gather_kv, write_kv
 

@@ -24,8 +24,8 @@ decode; cascade steps keep it too (they merge by log-sum-exp, which XQA does not
 from __future__ import annotations
 
 import importlib.util
-from itertools import accumulate
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -216,7 +216,7 @@ class FlashInferState(AttentionState):
         if md.cascade is not None:  # decode-only: each level's groups, then each suffix
             x = self.cascade_buffers.inputs(md, graph_batch_size)
             for level, wrappers in zip(self._group_arrays(md, x), plan.groups):
-                for (window_left, cap), w in wrappers.items():
+                for (_window_left, cap), w in wrappers.items():
                     w.plan(*level, s.num_heads, s.num_kv_heads, s.head_size, md.block_size,
                            causal=False, sm_scale=s.scale, logits_soft_cap=cap or None, **common)
             plan.cascade = x

@@ -9,8 +9,9 @@ this common metadata into its own (``AttentionState.build``: a subclass with a t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl
-from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.eager import attention_mask
+from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import gather_kv, gather_kv_batch, write_kv
 
 

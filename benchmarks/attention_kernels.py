@@ -45,7 +45,6 @@ import torch
 
 from benchmarks.common import env_set
 from benchmarks.vllm_attention import contexts, rate
-
 from pagedgen import envs
 from pagedgen.attention.backend import LayerSpec
 from pagedgen.attention.flash_attn.fa4 import ENV_DECODE_TILE, ENV_PREFILL_TILE

@@ -5,18 +5,19 @@ from __future__ import annotations
 import gc
 import os
 import time
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import replace
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
+from benchmarks.workloads import output_spread
 from pagedgen.attention.flash_attn.fa4 import ENV_DECODE_TILE
 from pagedgen.cli.summary import format_value
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.profiles import configs_from_profile, load_profile
 from pagedgen.runtime.engine.engine import Engine
-from benchmarks.workloads import output_spread
+from pagedgen.runtime.profiles import configs_from_profile, load_profile
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

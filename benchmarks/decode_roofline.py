@@ -17,9 +17,7 @@ import statistics
 from dataclasses import replace
 from pathlib import Path
 
-
 from benchmarks.common import profile_configs, random_prompts
-
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.hardware import copy_bandwidth
 

@@ -25,8 +25,13 @@ import torch
 from benchmarks.common import print_table
 from pagedgen.runtime.hardware import copy_bandwidth
 from pagedgen.runtime.models.loader import resolve_model
-from pagedgen.runtime.quantization.fp8.gemm import (candidates, graph_time, plan_gemm, run_gemm,
-                                                    standalone_layer)
+from pagedgen.runtime.quantization.fp8.gemm import (
+    candidates,
+    graph_time,
+    plan_gemm,
+    run_gemm,
+    standalone_layer,
+)
 
 
 def shapes(profile: str) -> dict[str, tuple[int, int]]:

@@ -158,7 +158,8 @@ def conv_rows(tiles=((8, 256), (4, 512), (16, 128), (16, 256), (16, 512), (32, 6
                      (32, 128), (32, 256), (64, 64), (64, 128)),
               warps=(4, 8)) -> list[dict]:
     from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
-    from pagedgen.attention.recurrent import gated_delta, triton_kernels as tk
+    from pagedgen.attention.recurrent import gated_delta
+    from pagedgen.attention.recurrent import triton_kernels as tk
     from pagedgen.runtime.hardware import copy_bandwidth
 
     bw, dev, out_rows = copy_bandwidth(), "cuda", []

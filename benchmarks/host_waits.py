@@ -18,7 +18,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import profile_configs, random_prompts
-
 from pagedgen.runtime.engine.engine import Engine
 
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize",

@@ -41,8 +41,7 @@ import triton
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import kernel_plans
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.models.loader import (build_model, model_quantization, presets,
-                                            resolve_model)
+from pagedgen.runtime.models.loader import build_model, model_quantization, presets, resolve_model
 
 DENSE_FP8 = ("llama-3-8b", "llama-3-70b", "qwen3-32b", "qwen3-0.6b")  # the FP8 runs we measure
 

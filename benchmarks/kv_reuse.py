@@ -30,11 +30,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (build_engine, free_gpu, median_run, print_table, profile_configs,
-                               timed_runs)
+from benchmarks.common import (
+    build_engine,
+    free_gpu,
+    median_run,
+    print_table,
+    profile_configs,
+    timed_runs,
+)
 from benchmarks.vllm_peer import run_vllm, same_limits
 from benchmarks.workloads import workload
-
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.models.loader import resolve_model
 from pagedgen.runtime.sampling.sampler import derive_seed

@@ -74,8 +74,8 @@ def pagedgen_times() -> dict[str, dict[int, dict[str, float]]]:
     from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
     from pagedgen.runtime.layers.moe import kernels as mk
     from pagedgen.runtime.layers.moe import route as moe_route
-    from pagedgen.runtime.layers.moe.plan import plan_moe
     from pagedgen.runtime.layers.moe.combine import slot_sum, slot_sum_reference
+    from pagedgen.runtime.layers.moe.plan import plan_moe
 
     out: dict[str, dict[int, dict[str, float]]] = {}
     for name, shape in SHAPES.items():

@@ -22,8 +22,8 @@ from benchmarks.moe_kernels import _replay_ms
 from pagedgen.runtime import hardware
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import kernels as mk
-from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.layers.moe.act import clamped_swiglu
+from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.layers.moe.plan import CANDIDATES, mostly_padding, random_routing
 from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
 

@@ -43,22 +43,28 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from benchmarks.common import (decode_tile_env, free_gpu, median_run, parse_overrides,
-                               print_table, profile_configs, run_engine)
+from benchmarks.common import (
+    decode_tile_env,
+    free_gpu,
+    median_run,
+    parse_overrides,
+    print_table,
+    profile_configs,
+    run_engine,
+)
 from benchmarks.roofline import kv_bytes_per_token, roofline_s
 from benchmarks.vllm_peer import run_vllm, same_limits
 from benchmarks.workloads import SPREAD_KEYS, WORKLOADS, Workload
-
 from pagedgen.attention.registry import backend_status
 from pagedgen.runtime.hardware import copy_bandwidth, matmul_flops
 from pagedgen.runtime.models.loader import resolve_model
-
 
 # ---- Hugging Face transformers ------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from benchmarks.workloads import workload
-
 from pagedgen.runtime.models.loader import resolve_model
 
 

@@ -16,11 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from pagedgen.runtime.kernel_stats import (GROUPS, TOP, Kernel, kernel_table, load_kernels,
-                                           named, short_name)
+from pagedgen.runtime.kernel_stats import (
+    GROUPS,
+    TOP,
+    Kernel,
+    kernel_table,
+    load_kernels,
+    named,
+    short_name,
+)
+
 
 def trace_kernels(paths: Iterable[Path]) -> list[tuple[str, float]]:
     """(name, µs) of every kernel in these Chrome traces (memory copies apart)."""

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Callable
+from collections.abc import Callable
 
+from benchmarks import common
+from benchmarks.workloads import WORKLOADS
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.engine.kv_groups import plan_layout
@@ -25,9 +27,6 @@ from pagedgen.runtime.engine.scheduler import ScheduledBatch, Scheduler
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.loader import resolve_model
-
-from benchmarks import common
-from benchmarks.workloads import WORKLOADS
 
 StepHook = Callable[[Scheduler, ScheduledBatch, set], None]
 

@@ -23,8 +23,8 @@ import random
 import time
 from pathlib import Path
 
-from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
+from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 
 LENGTHS = (256, 1024, 4096)
 STOP = ["<never-there>"]

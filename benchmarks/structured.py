@@ -25,9 +25,16 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import build_engine, free_gpu, median_run, parse_overrides, print_table
-from benchmarks.common import profile_configs
-from benchmarks.common import random_prompts, timed_runs
+from benchmarks.common import (
+    build_engine,
+    free_gpu,
+    median_run,
+    parse_overrides,
+    print_table,
+    profile_configs,
+    random_prompts,
+    timed_runs,
+)
 from benchmarks.mixed_steps import _recording, traced_window
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput

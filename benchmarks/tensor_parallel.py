@@ -26,7 +26,6 @@ from pathlib import Path
 
 from benchmarks.replicas import run, write_workload
 
-
 EXTRA: list[str] = []  # more options for every pagedgen command (--quantization fp8)
 
 
@@ -77,7 +76,6 @@ def vllm_runs(model: str, tp: int, batches: list[int], workload_name: str,
     """vLLM at its defaults (``TP_SAFE`` under TP) on each batch's decode run (1,024-token
     prompts, as ``decode_run``: other random ids, the same shape) and on the workload."""
     from benchmarks.vllm_peer import TP_SAFE, run_vllm
-
     from pagedgen.runtime.models.loader import resolve_model
 
     hf = resolve_model(model).hf_config
@@ -92,7 +90,7 @@ def vllm_runs(model: str, tp: int, batches: list[int], workload_name: str,
         out["log"] = res.get("log", "")
         print(f"vLLM {model} tp {tp}: {res['skipped']}", flush=True)
         return out
-    for b, d in zip(batches, decodes):
+    for b, _d in zip(batches, decodes):
         out["decode"].append({"batch": b, **_best(res, f"{b} prompts")})
         print(f"vLLM {model} tp {tp}: batch {b}: {out['decode'][-1]}", flush=True)
     out["generate"] = _best(res, workload_name)

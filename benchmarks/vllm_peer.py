@@ -31,11 +31,20 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pagedgen.cli.bench.peer import (NO_MULTICAST, failure, kernel_lines, kv_capacity,
-                                     peer_config, run_in_group, site_path, vllm_site)
+from pagedgen.cli.bench.peer import (
+    NO_MULTICAST,
+    failure,
+    kernel_lines,
+    kv_capacity,
+    peer_config,
+    run_in_group,
+    site_path,
+    vllm_site,
+)
 
 HERE = Path(__file__).resolve().parent
 # vLLM's tensor parallelism without the multicast-dependent paths: its custom all-reduce

@@ -3,8 +3,6 @@ it)."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import typer
 from rich.markup import escape
 from rich.table import Table
@@ -39,9 +37,9 @@ def _main(version: bool = typer.Option(False, "--version", "-V", callback=_versi
 
 @app.command()
 @cli_errors
-def backends(device: Optional[str] = typer.Option(
+def backends(device: str | None = typer.Option(
         None, help="auto, cpu, cuda or cuda:N [default: auto]."),
-        model: Optional[str] = typer.Option(
+        model: str | None = typer.Option(
             None, help="Also show the KV groups of this model (a preset, checkpoint directory, "
                        "GGUF file or Hub id) and the backend auto runs each on.")) -> None:
     """List the attention backends and whether each runs here (and why not), and the

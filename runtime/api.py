@@ -31,18 +31,30 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
-from typing import Any, Sequence
+from typing import Any
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime import clock
 from pagedgen.runtime.drivers.driver import LocalDriver, checked_request
 from pagedgen.runtime.inputs import structured
-from pagedgen.runtime.inputs.parse import (RequestFile, check_requests, check_text_settings,
-                                           parse_line, tokenize_requests)
-from pagedgen.runtime.inputs.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions,
-                                             check_sampling, set_chat_options, set_sampling)
+from pagedgen.runtime.inputs.parse import (
+    RequestFile,
+    check_requests,
+    check_text_settings,
+    parse_line,
+    tokenize_requests,
+)
+from pagedgen.runtime.inputs.request import (
+    CHAT_OPTIONS,
+    SAMPLING_FIELDS,
+    InputOptions,
+    check_sampling,
+    set_chat_options,
+    set_sampling,
+)
 from pagedgen.runtime.inputs.sampling_params import SamplingParams
 from pagedgen.runtime.inputs.settings import engine_and_sampling
 from pagedgen.runtime.output.outputs import RequestOutput

@@ -410,12 +410,12 @@ def type_error(cls: type, name: str, value: Any) -> str | None:
     return f"must be {' or '.join(_TYPE_WORDS.get(k, k) for k in kinds)}, not {value!r}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _annotations(cls: type) -> dict[str, Any]:
     return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _validator(cls: type, name: str) -> Any:
     """pydantic's strict validator of field ``name`` (built once, on first use: importing
     pydantic is left to a run that checks a value, not ``--help``)."""

@@ -19,11 +19,11 @@ import os
 import re
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
-
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 

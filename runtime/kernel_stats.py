@@ -14,9 +14,10 @@ import gzip
 import json
 import re
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pagedgen.profiling import PREFIX
 

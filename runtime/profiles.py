@@ -19,10 +19,9 @@ from typing import Any
 
 import yaml
 
-from pagedgen.meta import PROFILES_DIR
 from pagedgen.errors import PagedgenError, first_line
+from pagedgen.meta import PROFILES_DIR
 from pagedgen.runtime.config import EngineConfig, SamplingParams, type_error
-
 
 SECTIONS = ("description", "model", "engine", "sampling", "workload")
 MODEL_FIELDS = ("name", "tokenizer", "config")

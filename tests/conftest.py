@@ -184,6 +184,7 @@ def one_layer(tmp_path) -> str:
     """The tiny preset cut to one layer (a profile file used as a preset): an engine's steps
     under the interpreter a quarter of the work, every attention path still taken."""
     import yaml
+
     from pagedgen.meta import PROFILES_DIR
     profile = yaml.safe_load((PROFILES_DIR / "tiny.yaml").read_text())
     profile["model"]["config"]["num_hidden_layers"] = 1

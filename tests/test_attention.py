@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import dense_reference, make_paged_batch, run_backend
 
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.attention.sdpa import SdpaBackend
 from pagedgen.errors import PagedgenError
-from conftest import dense_reference, make_paged_batch, run_backend
 
 
 @pytest.mark.parametrize("seed", range(4))

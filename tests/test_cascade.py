@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from pagedgen.attention import cascade_layout as cl
+from pagedgen.attention.cascade import _layout_tensors
 from pagedgen.attention.cascade_layout import MIN_SEQS, MIN_TOKENS, find_layout
 from pagedgen.attention.cases import make_grouped_batch
-from pagedgen.attention.cascade import _layout_tensors
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.runtime.worker.cuda_graphs import cascade_segments
 
@@ -132,7 +132,7 @@ def test_random_layouts_are_consistent(monkeypatch, seed):
         return
     assert sorted(lay.order) == list(range(len(seqs)))
     deepest = [0] * len(seqs)
-    for li, level in enumerate(lay.levels):
+    for _li, level in enumerate(lay.levels):
         assert level, "no empty levels"
         ends = [(g.start, g.end) for g in level]
         assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
-from hf_models import make_checkpoint
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
 

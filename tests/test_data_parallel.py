@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pagedgen.runtime.drivers.data_parallel import PREFIX_TOKENS, deal
 from pagedgen.cli.app import app
-from pagedgen.runtime.inputs.request import Request
 from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.drivers.data_parallel import PREFIX_TOKENS, deal
+from pagedgen.runtime.inputs.request import Request
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check
 

@@ -7,15 +7,15 @@ kernels (Triton's interpreter)."""
 from __future__ import annotations
 
 import pytest
-
 from fp8_checkpoints import write_fp8
 from hf_models import make_checkpoint
+from test_fp8 import PROMPTS, config
+from test_moe import INTERPRETED_ONLY
+
 from pagedgen.cli.verify.model_checks import compare, trace, trace_worker
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.drivers.launch import Workers
 from pagedgen.runtime.engine.engine import Engine
-from test_fp8 import PROMPTS, config
-from test_moe import INTERPRETED_ONLY
 
 
 def _ep_trace(model: str, steps: int = 4, **kw):

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 
 ROOT = Path(__file__).resolve().parents[1]

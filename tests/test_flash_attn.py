@@ -7,15 +7,15 @@ import os
 import subprocess
 import sys
 
+import fake_flash_attn
 import pytest
 import torch
-
-import fake_flash_attn
 from conftest import make_paged_batch, padded_decodes, run_backend
-from pagedgen.attention.flash_attn import fa4, flavours
-from pagedgen.attention.eager import EagerBackend
-from pagedgen.attention.flash_attn.backend import FlashAttnBackend, FlashAttnState
+
 from pagedgen.attention.cases import backend_cache
+from pagedgen.attention.eager import EagerBackend
+from pagedgen.attention.flash_attn import fa4, flavours
+from pagedgen.attention.flash_attn.backend import FlashAttnBackend, FlashAttnState
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.worker.cuda_graphs import cascade_segments
 

@@ -245,9 +245,9 @@ def test_byte_level_bpe_token_bytes(tmp_path):
 def test_integer_fields_take_whole_floats_as_pandas_writes_them():
     """pandas writes an integer column with gaps as floats (100.0); vLLM takes those, so a
     whole float is its integer, and a fraction stays an error."""
+    from pagedgen.errors import PagedgenError
     from pagedgen.runtime.inputs.parse import parse_line
     from pagedgen.runtime.inputs.request import InputOptions
-    from pagedgen.errors import PagedgenError
 
     line = {"prompt": "x", "max_tokens": 100.0, "n": 2.0, "seed": 7.0, "top_k": None}
     req = parse_line(line, 0, 1, "p.jsonl:1", InputOptions())

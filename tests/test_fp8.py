@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from fp8_checkpoints import FORMATS, write_fp8
 from hf_models import make_checkpoint
+from typer.testing import CliRunner
+
 from pagedgen.cli.app import app
 from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.errors import PagedgenError
@@ -172,10 +172,10 @@ def test_linear_layers_run_the_planned_kernel_on_plain_and_quantized_input(gemm)
     """What the GPU runs, on the CPU: a row- and a column-parallel FP8 layer with a plan, fed
     a tensor or (where the kernel quantizes per token) ``QuantizedActivations``."""
     from pagedgen.runtime.collectives.parallel import TensorParallel
-    from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
     from pagedgen.runtime.collectives.sharding import Segment
-    from pagedgen.runtime.quantization.fp8.scheme import Fp8
+    from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
     from pagedgen.runtime.quantization.fp8.gemm import GemmPlan
+    from pagedgen.runtime.quantization.fp8.scheme import Fp8
 
     w = torch.randn(48, 160) * 0.1
     x = torch.randn(5, 160)
@@ -280,8 +280,8 @@ def test_dummy_fp8_weights_are_the_dense_dummy_weights_quantized():
 
 def assert_tp2_trace_equals_tp1(ckpt: str, label: str, steps: int = 5) -> None:
     """The checkpoint's greedy trace over two gloo ranks equals one rank's."""
-    from pagedgen.runtime.drivers.launch import Workers
     from pagedgen.cli.verify.model_checks import trace_worker
+    from pagedgen.runtime.drivers.launch import Workers
 
     with Workers(trace_worker, [(config(ckpt, tensor_parallel_size=2), PROMPTS, steps, None)],
                  [None], tp=2) as w:

@@ -10,11 +10,11 @@ import os
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+
 from pagedgen.runtime.collectives import fused_all_reduce as far
-from pagedgen.runtime.drivers.launch import Workers
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.drivers.launch import Workers
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model

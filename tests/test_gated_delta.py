@@ -13,8 +13,7 @@ import torch.nn.functional as F
 
 from pagedgen.attention.metadata import AttentionMetadataBuilder, ScheduledSeq
 from pagedgen.attention.recurrent import reference
-from pagedgen.attention.recurrent.gated_delta import (HAVE_TRITON, GatedDeltaImpl,
-                                                      GatedDeltaKernels)
+from pagedgen.attention.recurrent.gated_delta import HAVE_TRITON, GatedDeltaImpl, GatedDeltaKernels
 from pagedgen.attention.recurrent.state import GatedDeltaSpec, RecurrentStates
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.block_manager import BlockManager

@@ -7,10 +7,10 @@ import importlib.util
 import json
 
 import pytest
-
 from hf_models import make_checkpoint
-from pagedgen.errors import PagedgenError
 from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
+from pagedgen.errors import PagedgenError
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,7 @@ def test_layer_types_default_as_transformers(path):
     """Configs written before ``layer_types`` existed: every other layer slides, the first
     included, as transformers' Gemma2Config fills it in."""
     import transformers as tf
+
     from pagedgen.runtime.models.hf_config import model_config
     fields = json.loads((path / "config.json").read_text())
     fields.pop("layer_types")

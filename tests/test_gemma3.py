@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from hf_models import make_checkpoint
-from pagedgen.errors import PagedgenError
-from pagedgen.runtime.models.hf_config import model_config
 from test_gemma2 import BACKENDS
 from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.models.hf_config import model_config
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +53,11 @@ def test_older_config_files_read_alike(path):
 def test_preset_reads_as_transformers_would():
     """The gemma-3-12b preset (dummy weights): its layers and rope as transformers' config
     class gives them for the same fields."""
+    from importlib.resources import files
+
     import transformers as tf
     import yaml
-    from importlib.resources import files
+
     from pagedgen.runtime.models.loader import resolve_model
     cfg = resolve_model("gemma-3-12b").hf_config
     fields = yaml.safe_load(files("pagedgen.profiles").joinpath("gemma-3-12b.yaml").read_text())

@@ -9,18 +9,23 @@ import json
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import (
+    check_greedy_with_preemption,
+    check_logits,
+    fused_kernels,
+    hf_model,
+    ids,
+)
+
 from pagedgen.attention.sdpa import SdpaBackend, SdpaImpl
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.rotary import rope_frequencies
 from pagedgen.runtime.models.hf_config import model_config
-from pagedgen.runtime.layers import fused_ops
-from test_gemma2 import BACKENDS
-from test_hf_equivalence import (check_greedy_with_preemption, check_logits, fused_kernels,
-                                 hf_model, ids)
 
 VARIANTS = {
     # global layers: one KV head of 512 whose values are the keys' projection
@@ -161,8 +166,8 @@ def test_auto_runs_each_kv_group_on_the_best_backend_that_takes_it(tmp_path, mon
 
 
 def test_proportional_rope_turns_a_quarter_of_the_head_as_transformers_does():
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     cfg = tf.Gemma4TextConfig(num_hidden_layers=6, head_dim=32, global_head_dim=64)
     ref, _ = ROPE_INIT_FUNCTIONS["proportional"](cfg, "cpu", layer_type="full_attention")
     ours, scale = rope_frequencies(cfg.rope_parameters["full_attention"], 64, 512)
@@ -207,9 +212,11 @@ def test_fused_kernels_match_transformers(path):
 def test_presets_read_as_transformers_would(preset):
     """The preset's layers, per-layer shapes and rope as transformers' Gemma4TextConfig gives
     them for the same fields; the engine's specs follow them."""
+    from importlib.resources import files
+
     import transformers as tf
     import yaml
-    from importlib.resources import files
+
     from pagedgen.runtime.models.families.gemma4 import Gemma4ForCausalLM
     from pagedgen.runtime.models.loader import resolve_model
     cfg = resolve_model(preset).hf_config

@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from gguf_models import write_gguf, write_tokenizer_gguf
 from hf_models import make_checkpoint
+from typer.testing import CliRunner
+
 from pagedgen.cli.app import app
-from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.collectives.parallel import TensorParallel
-from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.collectives.sharding import copy_shard, shard_map
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.models.loader import build_model, resolve_model
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check

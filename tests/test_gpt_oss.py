@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
-from pagedgen.runtime.layers.moe.act import clamped_swiglu
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.engine.engine import Engine
-from test_hf_equivalence import check_greedy_with_preemption, check_logits
+from pagedgen.runtime.layers.moe.act import clamped_swiglu
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_paged_batch, run_backend
 from engine_checks import byte_prompts, engine, graphs_vs_eager, lockstep_logits
+
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.engine import Engine

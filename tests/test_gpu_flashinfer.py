@@ -9,12 +9,12 @@ import importlib.util
 
 import pytest
 import torch
+from conftest import make_paged_batch, run_backend
+from engine_checks import byte_prompts, engine, graphs_vs_eager, lockstep_logits
 
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from conftest import make_paged_batch, run_backend
-from engine_checks import byte_prompts, engine, graphs_vs_eager, lockstep_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from fp8_checkpoints import write_fp8
 from hf_models import make_checkpoint
+
 from pagedgen.attention.registry import backend_status
 from pagedgen.cli.verify.fp8_checks import gemm_row, model_row
 from pagedgen.cli.verify.model_checks import compare, trace

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gated_delta import SPEC, STEPS, _steps
 
 from pagedgen.attention.recurrent.gated_delta import GatedDeltaKernels, chunked_unavailable
 from pagedgen.attention.recurrent.state import GatedDeltaSpec
-from test_gated_delta import SPEC, STEPS, _steps
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

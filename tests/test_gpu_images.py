@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_images import CASES, LONG, chat, ckpt, hf, image, msg, reference  # noqa: F401
 
 pytestmark = pytest.mark.gpu

@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-
 from engine_checks import byte_prompts, engine, lockstep_logits
+
 from pagedgen.attention.registry import backend_status, get_backend
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.worker.cuda_graphs import PLAIN

@@ -4,10 +4,10 @@ prefill (pytest -m gpu): the decode steps' figures against the same tokens score
 from __future__ import annotations
 
 import pytest
-
 from engine_checks import byte_prompts, engine
-from pagedgen.runtime.config import SamplingParams
 from test_gpu_kv_reuse import gpu_backends
+
+from pagedgen.runtime.config import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from pagedgen.runtime.config import EngineConfig
-from pagedgen.runtime.worker import model_runner
 from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.worker import model_runner
 
 pytestmark = pytest.mark.gpu
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.layers.moe import kernels as mk
@@ -34,9 +34,10 @@ def _gpt_oss_layer(t: int, magnitude: float = 1.0) -> SimpleNamespace:
     (``q13``, ``q2``, ``scales``: small exponents unless ``magnitude`` scales the weights
     past them), biased and clamped, and the loop's float32 result on the dequantized
     weights (``ref``)."""
-    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
-    from pagedgen.runtime.quantization.fp8.moe import ExpertScales
     from test_mxfp4_moe import packed
+
+    from pagedgen.runtime.quantization.fp8.moe import ExpertScales
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
     x, w13, w2, weights, ids = _layer(32, 4, 2880, 2880, t)
     (q13, s13, d13), (q2, s2, d2) = packed(w13 * magnitude), packed(w2)
     act = clamped_swiglu(1.702, 7.0)
@@ -163,10 +164,10 @@ def test_measured_plan_runs_inside_a_cuda_graph():
 def test_layer_runs_torch_grouped_gemm_where_planned_but_not_inside_a_graph():
     """A layer whose plan sends these counts to torch's grouped GEMM: eager calls run it and
     equal the per-expert loop; a call under CUDA-graph capture runs the Triton tiles."""
+    from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
     from pagedgen.runtime.layers.moe.layer import FusedMoE
     from pagedgen.runtime.layers.moe.plan import MoePlan
-    from pagedgen.runtime.collectives.parallel import TensorParallel
 
     x, w13, w2, weights, ids = _layer(8, 2, 1024, 1792, 600)
     if not moe_grouped_mm.available(w13):
@@ -275,6 +276,7 @@ def test_fp8_moe_checkpoint_in_graphs_as_eager_and_near_its_dequantized_weights(
     tokens; along the dequantized checkpoint's greedy tokens its logits stay within 10% (bf16
     and the activations' per-token quantization apart)."""
     from fp8_checkpoints import write_fp8
+
     from pagedgen.cli.verify.model_checks import difference, trace
 
     ckpt = write_fp8(checkpoints[kind], tmp_path / "q", "hf-block")

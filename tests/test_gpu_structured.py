@@ -10,10 +10,10 @@ import re
 
 import pytest
 import torch
-
 from engine_checks import byte_prompts, engine
-from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from test_gpu_kv_reuse import gpu_backends
+
+from pagedgen.runtime.config import SamplingParams, StructuredOutput
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("xgrammar")

@@ -175,7 +175,7 @@ def test_pool_masks_equal_a_matcher_per_sample(workers):
         g.apply(logits, rows)
         toks = logits.argmax(1)
         toks[1] = ord("z")  # refused by row 1's choice
-        for i, st, out in rows:
+        for i, _st, out in rows:
             m = refs[i][0]
             m.fill_next_token_bitmask(want)
             allowed = [t for t in range(300) if int(want[0, t >> 5]) >> (t & 31) & 1]

@@ -6,8 +6,8 @@ import base64
 import sys
 
 import pytest
-
 from hf_models import make_checkpoint
+
 from pagedgen.runtime.models.harmony import HarmonyChat, tiktoken_vocab
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
 from pagedgen.runtime.models.tokenizer import HFTokenizer

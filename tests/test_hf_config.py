@@ -15,8 +15,8 @@ from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.registry import supported_model_types
 
 SUPPORTED_MODEL_TYPES = supported_model_types()
-from pagedgen.runtime.models.loader import resolve_model
 from pagedgen.runtime.layers.rotary import rope_frequencies
+from pagedgen.runtime.models.loader import resolve_model
 
 FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "max_position_embeddings",

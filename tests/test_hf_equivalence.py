@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
+from hf_models import make_checkpoint
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
-from hf_models import make_checkpoint
+from pagedgen.runtime.layers import fused_ops
 
 KINDS = ["llama", "mistral", "qwen2", "qwen3"]
 

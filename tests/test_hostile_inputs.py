@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check

@@ -13,8 +13,8 @@ import io
 import numpy as np
 import pytest
 import torch
-
 from hf_models import make_checkpoint, make_vision_checkpoint
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
@@ -354,8 +354,8 @@ def test_images_are_read_in_threads_before_the_run_and_counted(ckpt, hf):
     images" bar counts them), each request's result kept for its ``check``."""
     from array import array
 
-    from pagedgen.runtime.inputs.request import Request
     from pagedgen.runtime.drivers.driver import LocalDriver
+    from pagedgen.runtime.inputs.request import Request
 
     driver = LocalDriver(EngineConfig(model=str(ckpt), device="cpu", dtype="float32",
                                       num_blocks=64), SamplingParams())

@@ -7,10 +7,16 @@ import os
 import pytest
 import torch
 
-from pagedgen.attention.ops.kv_cache import (HAVE_TRITON, copy_blocks, gather_kv, swap_blocks,
-                                         write_kv, write_kv_triton)
-from pagedgen.runtime.engine.block_manager import BlockManager
+from pagedgen.attention.ops.kv_cache import (
+    HAVE_TRITON,
+    copy_blocks,
+    gather_kv,
+    swap_blocks,
+    write_kv,
+    write_kv_triton,
+)
 from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.engine.sequence import Sequence
 
 

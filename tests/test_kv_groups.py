@@ -10,9 +10,9 @@ import json
 
 import pytest
 import torch
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.attention.backend import LayerSpec
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.block_manager import BlockManager

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
-from pagedgen.runtime.sampling import logprobs as logprobs_mod
+
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.sampling import logprobs as logprobs_mod
 
 K = 5
 

@@ -5,8 +5,8 @@ decode's token still being sampled by the step in flight taken from that step's 
 from __future__ import annotations
 
 import torch
-
 from hf_models import make_checkpoint
+
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence

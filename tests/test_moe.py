@@ -10,8 +10,10 @@ import os
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe import align as moe_align
@@ -22,8 +24,6 @@ from pagedgen.runtime.layers.moe.plan import CANDIDATES, INTERPRETED, MoePlan, f
 from pagedgen.runtime.models import registry
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from test_gemma2 import BACKENDS
-from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 INTERPRETED_ONLY = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1" or not mk.HAVE_TRITON,
@@ -128,8 +128,8 @@ ROUTES = [moe_route.route_reference, pytest.param(getattr(moe_route, "route_trit
 @pytest.mark.parametrize("experts,top_k", [(16, 4), (60, 3), (128, 8)])
 @pytest.mark.kernels
 def test_router_equals_transformers(route, experts, top_k):
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     import transformers as tf
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
     x = torch.randn(37, 32, generator=torch.Generator().manual_seed(3))  # programs of 8 rows
     for renorm in (True, False):
         cfg = tf.Qwen3MoeConfig(hidden_size=32, num_experts=experts, num_experts_per_tok=top_k,
@@ -344,6 +344,7 @@ def test_fp8_experts_have_gate_up_tiles_of_128_byte_k_steps_at_prefill_heights()
 
 def test_generate_runs_a_moe_checkpoint_end_to_end(tmp_path):
     from typer.testing import CliRunner
+
     from pagedgen.cli.app import app
     path = make_checkpoint("qwen3_moe", tmp_path / "m", with_tokenizer=True)
     prompts = tmp_path / "p.jsonl"
@@ -458,7 +459,8 @@ def test_the_shipped_kernel_plans_parse_into_plans_of_this_version():
     """Every shipped file names kernels and tiles this version has, in increasing counts (a
     change to the candidates must regenerate them: ``benchmarks/kernel_plans.py``)."""
     from pagedgen.runtime import kernel_plans
-    from pagedgen.runtime.layers.moe.plan import PLAN_VERSION as MOE_VERSION, _from_json
+    from pagedgen.runtime.layers.moe.plan import PLAN_VERSION as MOE_VERSION
+    from pagedgen.runtime.layers.moe.plan import _from_json
     from pagedgen.runtime.quantization.fp8 import gemm as fp8_gemm
     files = sorted(kernel_plans.SHIPPED.glob("*.json"))
     for file in files:

@@ -10,16 +10,16 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from fp8_checkpoints import write_fp8
 from hf_models import make_checkpoint
+from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
+from test_moe import INTERPRETED_ONLY, KINDS, _experts
+
 from pagedgen.cli.verify.model_checks import compare, trace
 from pagedgen.runtime.engine.engine import Engine
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.quantization.fp8 import kernels as k
-from test_fp8 import PROMPTS, assert_tp2_trace_equals_tp1, config
-from test_moe import INTERPRETED_ONLY, KINDS, _experts
 
 
 def fp8_input_reference(x, w13, w2, scales, weights, ids) -> torch.Tensor:

@@ -5,15 +5,15 @@ change to the layer."""
 from __future__ import annotations
 
 import torch
+from hf_models import make_checkpoint
 from torch import nn
 
-from hf_models import make_checkpoint
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
 from pagedgen.runtime.quantization.base import MoeMethod
-from pagedgen.runtime.quantization.registry import quant_config
 from pagedgen.runtime.quantization.fp8.moe import Fp8Moe
+from pagedgen.runtime.quantization.registry import quant_config
 from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
 
 

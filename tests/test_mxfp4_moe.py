@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_moe import INTERPRETED_ONLY, _experts
 
 from pagedgen.runtime.layers.moe import align as moe_align
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe.act import clamped_swiglu
-from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
 from pagedgen.runtime.quantization.fp8.moe import ExpertScales
-from test_moe import INTERPRETED_ONLY, _experts
+from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
 
 
 def packed(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

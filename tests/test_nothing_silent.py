@@ -10,9 +10,9 @@ import re
 from pathlib import Path
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 from pagedgen.errors import PagedgenError
 

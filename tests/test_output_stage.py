@@ -8,10 +8,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from hf_models import save_tokenizer
-from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
+
 from pagedgen.runtime.models.tokenizer import ByteTokenizer, HFTokenizer
+from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_incremental_stops_equal_a_whole_text_search(tokenizers, kind):
     tok, vocab = tokenizers[kind]
     rng = random.Random(kind)
     checked = 0
-    for trial in range(150):
+    for _trial in range(150):
         skip, spaces, include = rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5
         if kind == "byte":  # mostly ASCII, some multi-byte characters cut across tokens
             ids = [rng.choice([rng.randrange(97, 123), 32, *"€é".encode(), 256, 257])

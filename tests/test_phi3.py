@@ -8,14 +8,14 @@ import os
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+from test_gemma2 import BACKENDS
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.models.hf_config import model_config
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from test_gemma2 import BACKENDS
-from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +84,7 @@ def test_longrope_table_takes_the_long_factors_past_the_original_length(longrope
     uses once a sequence passes 16 tokens); rows before, its short-factor ones."""
     from transformers import AutoConfig
     from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
     from pagedgen.runtime.layers.rotary import RotaryEmbedding
     cfg = resolve_model(str(longrope)).hf_config
     ours = RotaryEmbedding(cfg, cfg.head_dim, 64, torch.device("cpu"))

@@ -9,8 +9,8 @@ import torch
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_buckets
 from pagedgen.runtime.layers.attention import PagedAttention
+from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs, token_buckets
 from tests.hf_models import make_checkpoint
 
 

@@ -6,15 +6,15 @@ import json
 import random
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
-from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.sampling.sampler import derive_seed
 from pagedgen.runtime.engine.sequence import Sequence
+from pagedgen.runtime.sampling.sampler import derive_seed
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

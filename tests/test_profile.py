@@ -208,6 +208,7 @@ def test_prefill_moe_is_measured_against_the_peak_its_experts_meet():
     from types import SimpleNamespace
 
     import torch
+
     from pagedgen.cli.profile.measure import _moe_roofline
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe.layer import FusedMoE

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+from test_hf_equivalence import check_greedy_with_preemption, check_logits
+
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe.shared import SharedExpertMoeBlock
 from pagedgen.runtime.models.loader import build_model, resolve_model
-from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +97,8 @@ def test_each_rank_holds_its_share_of_the_shared_expert(checkpoint):
 
 def test_fp8_quantizes_routed_and_shared_experts_but_not_the_gates(checkpoint):
     from pagedgen.runtime.models.loader import model_quantization
-    from pagedgen.runtime.quantization.fp8.moe import Fp8Moe
     from pagedgen.runtime.quantization.fp8.kernels import E4M3
+    from pagedgen.runtime.quantization.fp8.moe import Fp8Moe
 
     src = resolve_model(str(checkpoint))
     model = build_model(src, "safetensors", torch.float32, torch.device("cpu"),

@@ -9,15 +9,20 @@ import json
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+from test_hf_equivalence import (
+    check_greedy_with_preemption,
+    check_logits,
+    fused_kernels,
+    hf_model,
+    ids,
+)
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.output.report import run_summary
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
-from test_hf_equivalence import (check_greedy_with_preemption, check_logits, fused_kernels,
-                                 hf_model, ids)
+from pagedgen.runtime.output.report import run_summary
 
 KINDS = ["qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"]
 

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from hf_models import make_checkpoint
+
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.engine.engine import Engine

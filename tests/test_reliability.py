@@ -10,13 +10,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 
 STOP = ["--on-bad-line", "stop"]  # a bad line ends the run: what these tests check

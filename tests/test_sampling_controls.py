@@ -250,6 +250,7 @@ def test_openai_batch_bodies_take_penalties_and_logit_bias(tmp_path):
 
 def test_special_tokens_in_the_text(tmp_path):
     from hf_models import save_tokenizer
+
     from pagedgen.runtime.models.tokenizer import HFTokenizer
 
     save_tokenizer(tmp_path, 64)

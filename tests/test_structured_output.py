@@ -12,9 +12,9 @@ import random
 import re
 
 import pytest
+from hf_models import make_checkpoint
 from typer.testing import CliRunner
 
-from hf_models import make_checkpoint
 from pagedgen.cli.app import app
 from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.engine.engine import Engine
@@ -154,7 +154,7 @@ def test_every_finished_sample_obeys_its_constraint(bpe_model, async_scheduling)
                                                 structured=c))
                      for i, (c, _) in enumerate(cases)])
     stopped = total = 0
-    for seq, (c, check) in zip(seqs, cases):
+    for seq, (_c, check) in zip(seqs, cases):
         for s in seq.samples:
             total += 1
             if s.finish_reason == "stop":

@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from hf_models import make_checkpoint
 from test_first_minutes import worker_pids
+from typer.testing import CliRunner
+
 from pagedgen.cli.app import app
 from pagedgen.cli.verify.model_checks import compare, trace
-from pagedgen.runtime.config import EngineConfig
-from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.drivers.launch import WorkerError, Workers, free_port
-from pagedgen.runtime.models.loader import build_model, resolve_model
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.drivers.launch import WorkerError, Workers, free_port
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.models.loader import build_model, resolve_model
 
 runner = CliRunner()
 PROMPTS = [[5, 9, 3], list(range(20, 57)), [7] * 16 + [8, 9]]
@@ -209,8 +209,9 @@ def test_bad_tp_options_fail_before_anything_starts(tmp_path, checkpoints):
 
 
 def barrier_or_fail(inbox, error: type[Exception] = RuntimeError):
-    from pagedgen.runtime.collectives import parallel
     import torch.distributed as dist
+
+    from pagedgen.runtime.collectives import parallel
 
     if parallel.current().rank == 1:
         raise error("rank 1 fails")

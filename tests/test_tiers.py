@@ -9,9 +9,7 @@ import subprocess
 import sys
 
 import pytest
-
 from tiers import TierError
-
 
 GUARDED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                              reason="the guard stands where there is no GPU (as in CI)")

@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import make_paged_batch, padded_decodes, run_backend
+
 from pagedgen.attention.eager import EagerBackend
 
 pytestmark = [pytest.mark.kernels,
@@ -187,9 +187,9 @@ def test_engine_cascade_decode_matches_plain(monkeypatch, one_layer):
     each request's samples) and the greedy tokens equal cascade off (fp32). The thresholds
     are lowered to keep the interpreter's work small (nesting: test_cascade.py)."""
     from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.ops import paged_decode
     from pagedgen.runtime.config import EngineConfig, SamplingParams
     from pagedgen.runtime.engine.engine import Engine
-    from pagedgen.attention.ops import paged_decode
     monkeypatch.setattr(cl, "MIN_TOKENS", 16)
     monkeypatch.setattr(cl, "MIN_SEQS", 2)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
@@ -244,9 +244,9 @@ def test_engine_cascade_in_steps_with_prefills_matches_plain(monkeypatch, one_la
     decode: the steps that carry prefills group those decodes too, and the greedy tokens
     equal cascade there off and cascade off altogether (fp32)."""
     from pagedgen.attention import cascade_layout as cl
+    from pagedgen.attention.ops import paged_decode
     from pagedgen.runtime.config import EngineConfig, SamplingParams
     from pagedgen.runtime.engine.engine import Engine
-    from pagedgen.attention.ops import paged_decode
     monkeypatch.setattr(cl, "MIN_TOKENS", 16)
     monkeypatch.setattr(cl, "MIN_SEQS", 2)
     monkeypatch.setattr(cl, "ROW_TOKENS", 0)
@@ -273,8 +273,8 @@ def test_verify_cascade_cases_cover_steps_with_prefills(monkeypatch):
     """``pagedgen verify``'s cascade cases on the triton backend (the interpreter): the grouped
     layouts behind prefill chunks among them, every case equal to eager."""
     from pagedgen.attention import cascade_layout as cl
-    from pagedgen.cli.verify import kernel_checks as kc
     from pagedgen.attention.ops import paged_decode
+    from pagedgen.cli.verify import kernel_checks as kc
     seen, floors = [], (cl.MIN_TOKENS, cl.MIN_SEQS, cl.ROW_TOKENS)
     real = kc.run_backend
 

@@ -223,8 +223,13 @@ def test_a_deep_models_own_rounding_passes_and_planted_bugs_still_fail(tmp_path)
     eager's own, though it differs from eager by more than the fixed tolerance; on the same
     model an off-by-one decode still fails, and so does a prefill that ignores cached
     context (judged against the uncached run and the float32 one)."""
-    from pagedgen.cli.verify.model_checks import (MODEL_TOL, check_model, check_prefix_cache,
-                                                  difference, references)
+    from pagedgen.cli.verify.model_checks import (
+        MODEL_TOL,
+        check_model,
+        check_prefix_cache,
+        difference,
+        references,
+    )
 
     model, cpu = noisy_checkpoint(tmp_path / "deep"), torch.device("cpu")
     base, ref32 = references(model, "bfloat16", "cpu", 8, 0)

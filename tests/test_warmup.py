@@ -8,8 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.worker import warmup
 from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.worker import warmup
 from pagedgen.runtime.worker.model_runner import ModelRunner
 from tests.test_engine import GREEDY, prompts, tiny
 

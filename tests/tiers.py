@@ -18,7 +18,8 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

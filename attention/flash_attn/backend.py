@@ -21,11 +21,22 @@ from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs
 from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
 from pagedgen.attention.fa4_import import import_quack_lean
 from pagedgen.attention.flash_attn.fa2_fa3 import fa2_calls, fa3_calls
-from pagedgen.attention.flash_attn.fa4 import cascade_suffix_kernel, fa4_calls, fa4_decode_tile, \
-    fa4_group_tile, fa4_prefill_tiles
-from pagedgen.attention.flash_attn.flavours import (FLAVOURS, INSTALL_HINT, Flavour,
-                                                    default_page_size, installed,
-                                                    select_flavour, version)
+from pagedgen.attention.flash_attn.fa4 import (
+    cascade_suffix_kernel,
+    fa4_calls,
+    fa4_decode_tile,
+    fa4_group_tile,
+    fa4_prefill_tiles,
+)
+from pagedgen.attention.flash_attn.flavours import (
+    FLAVOURS,
+    INSTALL_HINT,
+    Flavour,
+    default_page_size,
+    installed,
+    select_flavour,
+    version,
+)
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import write_kv_split
 from pagedgen.errors import PagedgenError

@@ -4,7 +4,7 @@ tensor: ``copied`` writes their result into the step's (as FA4 writes it)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,7 @@ need before timing or capture; compiled kernels are kept on disk for the next ru
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

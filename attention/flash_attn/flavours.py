@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -71,7 +71,7 @@ def flavour_reason(f: Flavour, device: torch.device) -> str | None:
     return None
 
 
-@lru_cache(maxsize=None)
+@cache
 def select_flavour(device: torch.device) -> tuple[Flavour | None, str]:
     """The flavour to run on ``device`` (``$PAGEDGEN_FLASH_ATTN`` or the first that runs), and a
     one-line account of every flavour."""

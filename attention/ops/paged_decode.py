@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from functools import lru_cache
+from functools import cache
 
 import torch
 
@@ -26,7 +26,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-@lru_cache(maxsize=None)
+@cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors (on CPU, the interpreter: 64, so tests exercise split-KV)."""
     if device.type != "cuda":

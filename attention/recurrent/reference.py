@@ -14,7 +14,7 @@ the ``K - 1`` inputs before a sequence's first new token from its conv state.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -35,20 +34,20 @@ def bench(
                                          "again and again, as vllm bench latency; kernels: "
                                          "throughput's requests under torch.profiler, the "
                                          "run's time by kernel group."),
-    model: Optional[str] = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
+    model: str | None = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
                                                    "Hub id [default: tiny]."),
-    input_len: Optional[int] = typer.Option(None, min=1, help="Prompt tokens (random ids) "
+    input_len: int | None = typer.Option(None, min=1, help="Prompt tokens (random ids) "
                                             "[default: 1024 for throughput, 32 for latency]."),
     output_len: int = typer.Option(128, min=1, help="Output tokens of every request (EOS "
                                                     "ignored)."),
     num_prompts: int = typer.Option(1000, min=1, help="throughput, kernels: requests."),
     range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="throughput, kernels: prompt "
                                       "lengths drawn from input-len x [1 - r, 1 + r]."),
-    dataset: Optional[Path] = typer.Option(None, help="throughput, kernels: a JSONL file of "
+    dataset: Path | None = typer.Option(None, help="throughput, kernels: a JSONL file of "
                                                       "pagedgen's lines instead of random "
                                                       "prompts (its first --num-prompts)."),
     top: int = typer.Option(15, min=1, help="kernels: the heaviest kernels listed."),
-    peer: Optional[str] = typer.Option(None, help="throughput: vllm also runs the same random "
+    peer: str | None = typer.Option(None, help="throughput: vllm also runs the same random "
                                                   "prompts after pagedgen, in a process of its "
                                                   "own, at its defaults (where vLLM is "
                                                   "installed: here or $PAGEDGEN_VLLM_SITE)."),
@@ -57,31 +56,31 @@ def bench(
     num_iters_warmup: int = typer.Option(10, min=0, help="latency: unmeasured batches first."),
     num_iters: int = typer.Option(30, min=1, help="latency: measured batches."),
     seed: int = typer.Option(0, help="Seed of the random prompts and of the run."),
-    backend: Optional[str] = typer.Option(None, help="Attention backend [default: auto]."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
-    dtype: Optional[str] = typer.Option(None, help="auto, float32, float16 or bfloat16."),
-    quantization: Optional[str] = typer.Option(None, "--quantization", "-q",
+    backend: str | None = typer.Option(None, help="Attention backend [default: auto]."),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
+    dtype: str | None = typer.Option(None, help="auto, float32, float16 or bfloat16."),
+    quantization: str | None = typer.Option(None, "--quantization", "-q",
                                                help="fp8: FP8 weights made at load."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8."),
-    max_num_seqs: Optional[int] = typer.Option(None, help="Most sequences in a step "
+    kv_cache_dtype: str | None = typer.Option(None, help="auto or fp8."),
+    max_num_seqs: int | None = typer.Option(None, help="Most sequences in a step "
                                                "[default: the device's; latency: the largest "
                                                "batch]."),
-    max_num_batched_tokens: Optional[int] = typer.Option(None, help="Most tokens in a step."),
-    max_model_len: Optional[int] = typer.Option(None, help="Longest sequence."),
-    gpu_memory_utilization: Optional[float] = typer.Option(
+    max_num_batched_tokens: int | None = typer.Option(None, help="Most tokens in a step."),
+    max_model_len: int | None = typer.Option(None, help="Longest sequence."),
+    gpu_memory_utilization: float | None = typer.Option(
         None, help="Share of the GPU's memory the run may use [default: 0.9]."),
-    kv_cache_memory: Optional[str] = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
-    enforce_eager: Optional[bool] = typer.Option(None, "--enforce-eager/--cuda-graphs",
+    kv_cache_memory: str | None = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
+    enforce_eager: bool | None = typer.Option(None, "--enforce-eager/--cuda-graphs",
                                                  help="CUDA graphs off [default: on]."),
     json_out: bool = typer.Option(False, "--json", help="Print every figure as JSON."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
+    output: Path | None = typer.Option(None, "--output", "-o",
                                           help="Write every figure here, as JSON."),
 ) -> None:
     """Measure this machine as vllm bench does: offline throughput, or one batch's latency
     (each request to OUTPUT-LEN tokens, EOS ignored; the engine at its defaults)."""
     started = time.perf_counter()
-    from pagedgen.runtime.api import LLM
     from pagedgen.cli.bench import measures
+    from pagedgen.runtime.api import LLM
 
     if kind not in KINDS:
         raise PagedgenError(f"unknown measure {kind!r}; use {' or '.join(KINDS)}")

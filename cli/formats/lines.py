@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pagedgen.cli.formats import openai_batch, records
 

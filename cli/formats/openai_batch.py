@@ -14,15 +14,24 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from pagedgen.runtime.inputs import structured
 from pagedgen.cli.formats.records import entries
-from pagedgen.runtime.inputs.request import (CHAT_OPTIONS, InputOptions, Request, check_sampling,
-                                             near_miss, set_chat_options, set_prompt,
-                                             set_sampling, set_template_kwargs, token_ids,
-                                             user_fields)
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
+from pagedgen.runtime.inputs import structured
+from pagedgen.runtime.inputs.request import (
+    CHAT_OPTIONS,
+    InputOptions,
+    Request,
+    check_sampling,
+    near_miss,
+    set_chat_options,
+    set_prompt,
+    set_sampling,
+    set_template_kwargs,
+    token_ids,
+    user_fields,
+)
+from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput
 
 ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 _LINE_FIELDS = {"custom_id", "method", "url", "body", "metadata"}

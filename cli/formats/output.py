@@ -24,8 +24,9 @@ import signal
 import stat
 import threading
 from array import array
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from pagedgen.cli.formats.output_claim import OutputClaim, OutputLock, reorder_path
 from pagedgen.cli.formats.output_target import OutputTarget

@@ -16,14 +16,17 @@ import os
 import stat
 import sys
 import zlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, ContextManager
+from typing import Any, BinaryIO
 
 from pagedgen.cli.formats import openai_batch, tables
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.inputs.parse import RequestFile, parse_line
 from pagedgen.runtime.inputs.request import InputOptions, Request
+
 _BLANK = object()  # a blank line's value: no request
 MAX_DEPTH = 64  # deepest nesting of lists and objects a line may hold
 UTF8_BOM = b"\xef\xbb\xbf"  # skipped at the start of an input

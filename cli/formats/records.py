@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from pagedgen.runtime.engine.sequence import FINISH_REASONS, REASONING_FINISH_REASONS
+from pagedgen.runtime.output.outputs import CompletionOutput, RequestOutput, TokenLogprob
 
 
 def record(out: RequestOutput) -> dict[str, Any]:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from pagedgen.runtime.inputs import structured
-from pagedgen.runtime.inputs.request import SAMPLING_FIELDS, InputOptions
 from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.inputs import structured
+from pagedgen.runtime.inputs.request import SAMPLING_FIELDS, InputOptions
 
 KINDS = {".csv": "csv", ".tsv": "tsv", ".parquet": "parquet", ".pq": "parquet",
          ".arrow": "arrow"}

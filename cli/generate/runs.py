@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.markup import escape
 
@@ -27,21 +28,35 @@ from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter
 from pagedgen.cli.formats.output_claim import OutputClaim
 from pagedgen.cli.formats.output_target import OutputTarget, resolve_output
 from pagedgen.cli.formats.reader import InputSource, input_files, read_requests
-from pagedgen.cli.generate.stream import (close_quietly, interrupted, startup_progress,
-                                          stream_output)
+from pagedgen.cli.generate.stream import close_quietly, interrupted, startup_progress, stream_output
 from pagedgen.errors import PagedgenError, Terminated
 from pagedgen.runtime import kernel_plans
-from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
 from pagedgen.runtime.collectives import parallel
-from pagedgen.runtime.drivers.driver import (Driver, LocalDriver, check_mode, checked_request,
-                                             start_driver)
-from pagedgen.runtime.inputs.parse import (RequestFile, check_requests, check_text_settings,
-                                           tokenize_requests)
+from pagedgen.runtime.config import EngineConfig, SamplingParams, StructuredOutput
+from pagedgen.runtime.drivers.driver import (
+    Driver,
+    LocalDriver,
+    check_mode,
+    checked_request,
+    start_driver,
+)
+from pagedgen.runtime.inputs.parse import (
+    RequestFile,
+    check_requests,
+    check_text_settings,
+    tokenize_requests,
+)
 from pagedgen.runtime.inputs.request import InputOptions, Request
-from pagedgen.runtime.sampling.structured import Grammars
-from pagedgen.runtime.models.loader import (ModelSource, load_tokenizer, model_quantization,
-                                            resolve_model, weights_fingerprint, weights_format)
+from pagedgen.runtime.models.loader import (
+    ModelSource,
+    load_tokenizer,
+    model_quantization,
+    resolve_model,
+    weights_fingerprint,
+    weights_format,
+)
 from pagedgen.runtime.models.tokenizer import has_text
+from pagedgen.runtime.sampling.structured import Grammars
 
 
 @dataclass

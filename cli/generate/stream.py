@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import typer
 from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskProgressColumn,
-                           TextColumn, TimeElapsedColumn, TimeRemainingColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from pagedgen.cli.common import console
 from pagedgen.cli.formats.output import OutputWriter, ShardWriter, StreamWriter

@@ -8,66 +8,65 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
 
 from pagedgen.cli.common import cli_errors, out_console
-from pagedgen.runtime.inputs.settings import engine_and_sampling
 from pagedgen.errors import BackendCannotRun, PagedgenError
+from pagedgen.runtime.inputs.settings import engine_and_sampling
 
 
 @cli_errors
 def profile(
-    profile_name: Optional[str] = typer.Option(None, "--profile",
+    profile_name: str | None = typer.Option(None, "--profile",
                                                help="Run profile: name or YAML [default: tiny]."),
-    backend: Optional[str] = typer.Option(None, help="Backend name, auto, or all (every "
+    backend: str | None = typer.Option(None, help="Backend name, auto, or all (every "
                                                      "available backend but eager) "
                                                      "[default: auto]."),
-    model: Optional[str] = typer.Option(
+    model: str | None = typer.Option(
         None, help="Checkpoint directory, .gguf file, Hub id (org/name) or preset [default: "
                    "the profile's]."),
-    revision: Optional[str] = typer.Option(
+    revision: str | None = typer.Option(
         None, help="A Hub id's branch, tag or commit [default: main]."),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
-    dtype: Optional[str] = typer.Option(
+    device: str | None = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+    dtype: str | None = typer.Option(
         None, help="auto, float32, float16 or bfloat16 [default: auto: bfloat16 on a GPU]."),
-    kv_cache_dtype: Optional[str] = typer.Option(None, help="auto or fp8 [default: auto]."),
-    quantization: Optional[str] = typer.Option(
+    kv_cache_dtype: str | None = typer.Option(None, help="auto or fp8 [default: auto]."),
+    quantization: str | None = typer.Option(
         None, "--quantization", "-q",
         help="fp8: FP8 weights quantized at load [default: the checkpoint's own, else none]."),
-    block_size: Optional[int] = typer.Option(
+    block_size: int | None = typer.Option(
         None, help="Tokens per KV page [default: the backend's]."),
-    batch_sizes: Optional[str] = typer.Option(
+    batch_sizes: str | None = typer.Option(
         None, help="Comma-separated, e.g. 1,8,64 [default: the profile's workload, else 1,4,16]."),
-    prompt_len: Optional[int] = typer.Option(
+    prompt_len: int | None = typer.Option(
         None, help="Prompt tokens [default: the profile's workload, else 64]."),
-    shared_prefix_len: Optional[int] = typer.Option(
+    shared_prefix_len: int | None = typer.Option(
         None, help="Leading tokens every prompt of a batch shares (shows prefix caching) "
                    "[default: 0]."),
-    output_len: Optional[int] = typer.Option(
+    output_len: int | None = typer.Option(
         None, help="Decode steps per batch size at most [default: the profile's workload, "
                    "else 16]."),
-    prompts: Optional[str] = typer.Option(
+    prompts: str | None = typer.Option(
         None, help="JSONL prompt file instead of random prompts [default: random]."),
-    warmup_steps: Optional[int] = typer.Option(None, help="[default: 2]"),
-    measured_steps: Optional[int] = typer.Option(None, help="[default: 8]"),
-    cuda_graphs: Optional[bool] = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
+    warmup_steps: int | None = typer.Option(None, help="[default: 2]"),
+    measured_steps: int | None = typer.Option(None, help="[default: 8]"),
+    cuda_graphs: bool | None = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
                                                help="[default: on]"),
-    fused_kernels: Optional[bool] = typer.Option(
+    fused_kernels: bool | None = typer.Option(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA [default: on]."),
-    prefix_caching: Optional[bool] = typer.Option(None, "--prefix-caching/--no-prefix-caching",
+    prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching",
                                                   help="[default: on]"),
-    cascade_attention: Optional[bool] = typer.Option(
+    cascade_attention: bool | None = typer.Option(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode batches sharing prefix pages attend them once [default: on]."),
-    expert_parallel: Optional[bool] = typer.Option(
+    expert_parallel: bool | None = typer.Option(
         None, "--expert-parallel/--no-expert-parallel", "-ep",
         help="Under -tp, each rank holds a share of a MoE model's experts whole, instead of a "
              "share of every expert [default: off]."),
-    tensor_parallel_size: Optional[int] = typer.Option(
+    tensor_parallel_size: int | None = typer.Option(
         None, "--tensor-parallel-size", "-tp",
         help="Shard the model over this many GPUs (rank 0's kernels are reported) "
              "[default: 1]."),
@@ -77,7 +76,7 @@ def profile(
     """Run a workload under torch.profiler; report kernel groups, phases and rooflines."""
     # the run's modules (torch among them) load here, not for --help
     from pagedgen.attention.registry import backend_status, get_backend
-    from pagedgen.cli.profile.measure import run_sharded, run_backend
+    from pagedgen.cli.profile.measure import run_backend, run_sharded
     from pagedgen.cli.profile.report import charts, render
     from pagedgen.cli.profile.workload import workload_from
 

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from pagedgen.cli.formats import records
-from pagedgen.runtime.inputs.parse import RequestFile, check_requests, parse_line, tokenize_requests
-from pagedgen.runtime.inputs.request import InputOptions
 from pagedgen.runtime.drivers.replica import Replica
 from pagedgen.runtime.engine.requests import check_request
+from pagedgen.runtime.inputs.parse import RequestFile, check_requests, parse_line, tokenize_requests
+from pagedgen.runtime.inputs.request import InputOptions
 
 
 class Generator:

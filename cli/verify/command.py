@@ -7,7 +7,6 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.markup import escape
@@ -28,12 +27,12 @@ def verify(
     cases: int = typer.Option(24, min=1, help="Random cases per kernel check group."),
     steps: int = typer.Option(16, min=1, help="Decode steps in the model-level check."),
     seed: int = typer.Option(0),
-    device: Optional[str] = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
+    device: str | None = typer.Option(None, help="auto, cpu, cuda or cuda:N [default: auto]."),
     tensor_parallel_size: int = typer.Option(
         1, "--tensor-parallel-size", "-tp", min=1,
         help="Also check the model sharded over this many ranks (GPUs 0..N-1, or gloo on CPU) "
              "against one rank's eager run."),
-    quantization: Optional[str] = typer.Option(
+    quantization: str | None = typer.Option(
         None, "--quantization", "-q",
         help="fp8: also check the FP8 GEMMs and the model with FP8 weights against their "
              "dequantized reference."),
@@ -44,7 +43,7 @@ def verify(
              "model on the GPU."),
     json_report: bool = typer.Option(False, "--json", help="Print every figure as JSON (on "
                                                           "stdout; the progress on stderr)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o",
+    output: Path | None = typer.Option(None, "--output", "-o",
                                           help="Write every figure here, as JSON."),
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
@@ -59,11 +58,17 @@ def verify(
     when a backend named with --backend (or the FP8 checks of -q fp8) cannot run here."""
     # the checks' modules (torch among them) load here, not for --help
     from pagedgen.attention.registry import backend_names, get_backend
-    from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS, plan_fp8
+    from pagedgen.cli.verify.fp8_checks import NAME as FP8_CHECKS
+    from pagedgen.cli.verify.fp8_checks import plan_fp8
     from pagedgen.cli.verify.linear_checks import plan_linear
     from pagedgen.cli.verify.model_checks import check_tensor_parallel
-    from pagedgen.cli.verify.runner import (default_jobs, graph_modes, mixes_backends,
-                                            plan_backend, run_plans)
+    from pagedgen.cli.verify.runner import (
+        default_jobs,
+        graph_modes,
+        mixes_backends,
+        plan_backend,
+        run_plans,
+    )
     from pagedgen.runtime.config import EngineConfig
     from pagedgen.runtime.models.loader import resolve_model
 

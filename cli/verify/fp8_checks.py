@@ -78,7 +78,7 @@ def model_row(model: str, dtype: str, device: torch.device, steps: int, seed: in
     against the same FP8 weights dequantized, eager."""
     import dataclasses
 
-    from pagedgen.cli.verify.model_checks import model_config, model_prompts, compare, trace
+    from pagedgen.cli.verify.model_checks import compare, model_config, model_prompts, trace
     from pagedgen.runtime.engine.engine import Engine
     from pagedgen.runtime.quantization.fp8.gemm import ENV_GEMM
 

@@ -14,12 +14,16 @@ import torch
 
 from pagedgen.attention import cascade_layout
 from pagedgen.attention.backend import AttentionBackend
-from pagedgen.attention.cases import make_grouped_batch, make_paged_batch, make_shared_prefix_batch
-from pagedgen.attention.cases import run_backend, with_prefills
+from pagedgen.attention.cases import (
+    make_grouped_batch,
+    make_paged_batch,
+    make_shared_prefix_batch,
+    run_backend,
+    with_prefills,
+)
 from pagedgen.attention.eager import EagerBackend
 from pagedgen.attention.registry import get_backend
 from pagedgen.cli.verify.report import Row, max_error
-
 
 # Max absolute error of the attention output against eager (float32 math over the same cache),
 # for q/k/v ~ N(0, 1). See docs/VERIFY.md for the reasoning.
@@ -86,7 +90,7 @@ class Partial:
         self.bad_cache += not same_cache
 
     @staticmethod
-    def combine(parts: list["Partial"]) -> "Partial":
+    def combine(parts: list[Partial]) -> Partial:
         return Partial(sum(p.cases for p in parts), max(p.worst_abs for p in parts),
                        max(p.worst_rel for p in parts), sum(p.bad_cache for p in parts))
 

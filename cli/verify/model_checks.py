@@ -17,7 +17,6 @@ from pagedgen.cli.verify.report import Row, max_error
 from pagedgen.runtime.drivers import data_parallel
 from pagedgen.runtime.sampling.processors import LogitsProcessor
 
-
 # Max logit difference relative to the largest reference logit, per model-level step.
 MODEL_TOL = {torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # Or, below float32: a backend's error against the float32 run, at most this many times the

@@ -7,10 +7,11 @@ import functools
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -19,15 +20,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from pagedgen.attention.backend import AttentionBackend
 from pagedgen.attention.registry import get_backend, unavailable_reason
 from pagedgen.cli.common import console
-from pagedgen.cli.verify.kernel_checks import (cascade_cases, cascade_dtype, cascade_row,
-                                               kernel_cases, kernel_groups, kernel_row,
-                                               page_sizes)
-from pagedgen.cli.verify.model_checks import (check_model, check_prefix_cache,
-                                              prefix_cache_unused)
+from pagedgen.cli.verify.kernel_checks import (
+    cascade_cases,
+    cascade_dtype,
+    cascade_row,
+    kernel_cases,
+    kernel_groups,
+    kernel_row,
+    page_sizes,
+)
+from pagedgen.cli.verify.model_checks import check_model, check_prefix_cache, prefix_cache_unused
 from pagedgen.cli.verify.report import BackendReport, Row, render
-from pagedgen.runtime.children import die_with_parent
 from pagedgen.errors import PagedgenError
-
+from pagedgen.runtime.children import die_with_parent
 
 CHUNK = 6  # kernel cases per task: each task's compiles stay short against the whole run
 

@@ -15,8 +15,9 @@ the ranks' schedules never diverge (and their collectives come in the same order
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

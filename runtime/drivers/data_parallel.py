@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
@@ -111,8 +112,8 @@ def run_on_ranks(target, args: tuple, engine_config: EngineConfig) -> Any:
     last = None
     try:
         with Workers(target, [args], gpus, engine_config.tensor_parallel_size) as w:
-            for _, last in w.messages():
-                pass
+            for message in w.messages():
+                last = message[1]
     except WorkerError as e:
         raise PagedgenError(f"tensor parallel: {e}")
     return last

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.drivers import data_parallel, ray_data
 from pagedgen.runtime.drivers.images import PreparedImages
 from pagedgen.runtime.drivers.replica import RecordFn, Replica, Request
-from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.engine.requests import check_request
 from pagedgen.runtime.engine.stats import startup
+from pagedgen.runtime.output.outputs import RequestOutput
 
 # finished lines (input index, JSON text) and the output tokens made so far
 Batch = tuple[list[tuple[int, str]], int]

@@ -20,7 +20,8 @@ import os
 import queue
 import socket
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.children import die_with_parent

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import pickle
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

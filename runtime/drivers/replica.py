@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 from pagedgen.runtime.config import EngineConfig, SamplingParams
 from pagedgen.runtime.engine.engine import Engine
-from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.loader import ModelSource
 from pagedgen.runtime.models.tokenizer import Tokenizer
+from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.sampling.structured import Grammars
 
 # The output line of one finished request (picklable: workers get it).

@@ -22,7 +22,7 @@ prefix's end (the longest such prefix within group 0's run: ``match_prefix``).
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from collections.abc import Sequence as Seq
 
 from pagedgen.runtime.engine.block_pool import BlockPool
 from pagedgen.runtime.engine.prefix_cache import block_keys

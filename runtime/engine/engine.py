@@ -4,28 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.worker import batch_invariant, description, jit_monitor, measurement, warmup
-from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.config import EngineConfig, SamplingParams
-from pagedgen.runtime.worker.model_runner import ModelRunner
+from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.engine.ordering import prefix_grouped
 from pagedgen.runtime.engine.requests import check_request
+from pagedgen.runtime.engine.scheduler import Scheduler
+from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
+from pagedgen.runtime.engine.stats import StepStats
 from pagedgen.runtime.models.loader import ModelSource, load_tokenizer, resolve_model
 from pagedgen.runtime.models.multimodal import ImagePrompter, MultiModalPrompt
-from pagedgen.runtime.engine.scheduler import Scheduler
-from pagedgen.runtime.sampling.controls import bad_words_ids
-from pagedgen.runtime.sampling.processors import ProcessorFactory
-from pagedgen.runtime.sampling.structured import Grammars
-from pagedgen.runtime.sampling.sampler import derive_seed
-from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
+from pagedgen.runtime.models.tokenizer import Tokenizer
 from pagedgen.runtime.output.output_stage import OutputStage
 from pagedgen.runtime.output.outputs import RequestOutput
 from pagedgen.runtime.output.report import run_summary
-from pagedgen.runtime.engine.stats import StepStats
-from pagedgen.runtime.models.tokenizer import Tokenizer
+from pagedgen.runtime.sampling.controls import bad_words_ids
+from pagedgen.runtime.sampling.processors import ProcessorFactory
+from pagedgen.runtime.sampling.sampler import derive_seed
+from pagedgen.runtime.sampling.structured import Grammars
+from pagedgen.runtime.worker import batch_invariant, description, jit_monitor, measurement, warmup
+from pagedgen.runtime.worker.model_runner import ModelRunner
 
 RequestItem = tuple  # add_requests': (ids, sampling, handle, index[, ``prompt_images``'s])
 

@@ -27,8 +27,8 @@ in a few lines of our own; no library plans KV memory for another engine's kerne
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

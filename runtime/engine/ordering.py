@@ -16,8 +16,9 @@ a time (a lazily read file stays lazy), and hashes only as deep as requests stil
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 GROUP_TOKENS = 64  # prompts are compared in blocks of this many tokens
 MAX_DEPTH = 64  # blocks deep (4,096 tokens): sharing beyond changes little
@@ -58,7 +59,7 @@ def _walk(items: list[Any], prompts: list[Sequence[int]], members: list[int], de
     if len(rough) == len(members):  # nothing shared below here
         return [items[i] for i in members]
     groups: list[list[int]] = []
-    for key, candidates in rough.items():
+    for candidates in rough.values():
         if len(candidates) == 1:
             groups.append(candidates)
             continue

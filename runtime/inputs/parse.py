@@ -7,17 +7,27 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import SamplingParams
 from pagedgen.runtime.engine.requests import text_setting
 from pagedgen.runtime.inputs import structured
-from pagedgen.runtime.inputs.request import (CHAT_OPTIONS, SAMPLING_FIELDS, InputOptions, Request,
-                                             check_sampling, set_chat_options, set_images,
-                                             set_prompt, set_sampling, set_template_kwargs,
-                                             user_fields)
+from pagedgen.runtime.inputs.request import (
+    CHAT_OPTIONS,
+    SAMPLING_FIELDS,
+    InputOptions,
+    Request,
+    check_sampling,
+    set_chat_options,
+    set_images,
+    set_prompt,
+    set_sampling,
+    set_template_kwargs,
+    user_fields,
+)
 from pagedgen.runtime.models.tokenizer import has_text
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer

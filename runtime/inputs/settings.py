@@ -6,24 +6,27 @@ loads, each setting remembering where it came from so that messages name it. The
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from pagedgen.errors import PagedgenError
 
 
-def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_overrides: dict,
+def engine_and_sampling(profile: str | None, model: str | None, engine_overrides: dict,
                         sampling_overrides: dict, keywords: bool = False,
-                        revision: Optional[str] = None):
+                        revision: str | None = None):
     """Profile (explicit, or implied by a preset --model, or the default) + command-line
     options (``keywords``: the Python API's keyword arguments), every value checked (types,
     ranges, names) before anything loads; the engine config keeps where each setting came
     from (``EngineConfig.origin``), so messages name what the user gave. ``revision``: a Hub
     id's branch, tag or commit (``--revision``), as ``org/name@revision``."""
-    from pagedgen.meta import PROFILES_DIR
     from pagedgen.attention.registry import backend_names
+    from pagedgen.meta import PROFILES_DIR
     from pagedgen.runtime.config import DEFAULT_MODEL
-    from pagedgen.runtime.profiles import (apply_fields, configs_from_profile, list_profiles,
-                                           load_profile)
+    from pagedgen.runtime.profiles import (
+        apply_fields,
+        configs_from_profile,
+        list_profiles,
+        load_profile,
+    )
 
     if revision is not None:
         model = with_revision(model, revision, "keyword revision" if keywords else "--revision")
@@ -62,7 +65,7 @@ def engine_and_sampling(profile: Optional[str], model: Optional[str], engine_ove
     return engine, sampling, prof
 
 
-def with_revision(model: Optional[str], revision: str, named: str) -> str:
+def with_revision(model: str | None, revision: str, named: str) -> str:
     """``model`` (a Hub id) at ``revision``: ``org/name@revision``."""
     from pagedgen.runtime.models import hub
 

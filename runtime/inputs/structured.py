@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedgen.runtime.inputs.request import Request, near_miss
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import StructuredOutput
+from pagedgen.runtime.inputs.request import Request, near_miss
 
 FIELDS = ("response_format", "structured_outputs")
 _KEYS = ("json", "regex", "choice", "grammar", "json_object")

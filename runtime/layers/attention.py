@@ -7,7 +7,7 @@ holds them as a parameter [num_heads] in float32 and hands them to the impl it i
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

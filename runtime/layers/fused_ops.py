@@ -26,8 +26,12 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8.kernels import (E4M3, INTERPRETED, QuantizedActivations,
-                                                       quantize_activations_ref)
+from pagedgen.runtime.quantization.fp8.kernels import (
+    E4M3,
+    INTERPRETED,
+    QuantizedActivations,
+    quantize_activations_ref,
+)
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 

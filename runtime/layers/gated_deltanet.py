@@ -23,8 +23,11 @@ from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment, copy_shard, full_shape, split
 from pagedgen.runtime.layers import fused_ops
-from pagedgen.runtime.layers.linear import (ColumnParallelLinear, MergedProjections,
-                                           RowParallelLinear)
+from pagedgen.runtime.layers.linear import (
+    ColumnParallelLinear,
+    MergedProjections,
+    RowParallelLinear,
+)
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 
 

@@ -16,7 +16,8 @@ its ``quant_method`` (``runtime/quantization``) owns the weight's form and the G
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

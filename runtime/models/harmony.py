@@ -14,8 +14,9 @@ import base64
 import os
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from pagedgen.errors import first_line
 from pagedgen.runtime.models.tokenizer import chat_options

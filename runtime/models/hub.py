@@ -36,8 +36,12 @@ def download(name: str, revision: str | None = None) -> Path:
     """The local path of Hub model ``name`` at ``revision`` (a snapshot folder, or the GGUF
     file ``org/name/file.gguf`` names), fetched into the Hugging Face cache where missing."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError, RevisionNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     parts = name.split("/")
     repo, gguf = "/".join(parts[:2]), parts[2] if len(parts) == 3 else None

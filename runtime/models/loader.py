@@ -19,19 +19,23 @@ import torch
 
 from pagedgen.errors import PagedgenError, first_line
 from pagedgen.runtime import hardware
-from pagedgen.runtime.profiles import list_profiles, load_profile
-from pagedgen.runtime.models.hf_config import ModelConfig, check_heads, model_config
-from pagedgen.runtime.models import gguf_file, hub, registry
-from pagedgen.runtime.models.weights import FiniteChecked
-from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import copy_shard, full_shape, shard_map
 from pagedgen.runtime.layers.moe.layer import FusedMoE
+from pagedgen.runtime.models import gguf_file, hub, registry
+from pagedgen.runtime.models.harmony import harmony_chat
+from pagedgen.runtime.models.hf_config import ModelConfig, check_heads, model_config
+from pagedgen.runtime.models.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    MissingTokenizer,
+    Tokenizer,
+)
+from pagedgen.runtime.models.weights import FiniteChecked
+from pagedgen.runtime.profiles import list_profiles, load_profile
 from pagedgen.runtime.quantization.config import QuantConfig
 from pagedgen.runtime.quantization.registry import check_device, checkpoint_tensors, quant_config
 from pagedgen.runtime.quantization.unquantized import Unquantized
-from pagedgen.runtime.models.harmony import harmony_chat
-from pagedgen.runtime.models.tokenizer import (ByteTokenizer, HFTokenizer, MissingTokenizer,
-                                               Tokenizer)
 
 
 @dataclass

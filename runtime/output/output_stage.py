@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from pagedgen.runtime.config import SamplingParams
+from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.output.detokenizer import IncrementalDetokenizer, StopChecker
 from pagedgen.runtime.output.outputs import RequestOutput, request_output
 from pagedgen.runtime.output.reasoning import ReasoningParser, make_parser
-from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.sampling.json_schema import escape_json_controls
 
 

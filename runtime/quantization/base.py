@@ -7,7 +7,8 @@ weight format is one module with one of each."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Iterable
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ class QuantizationMethod(ABC):
         (per token, quantized by the kernel that made it) instead of a tensor."""
         return False
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (a hook)
         """Turn loaded checkpoint weights into the method's form, pick kernels."""
 
 
@@ -130,7 +131,7 @@ class WeightFormat(ABC):
     def describe(self, scheme: Any) -> str:
         return self.name
 
-    def check_device(self, device: torch.device) -> None:
+    def check_device(self, device: torch.device) -> None:  # noqa: B027 (a hook)
         """A PagedgenError where ``device`` cannot run the format's kernels."""
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]

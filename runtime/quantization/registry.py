@@ -5,7 +5,8 @@ and ``mxfp4/`` plus its line here), and the model's ``QuantConfig`` made from th
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 

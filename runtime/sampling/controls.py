@@ -19,7 +19,8 @@ device once per step as one padded tensor; counts are a scatter over it.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 # JSON-schema keywords xgrammar accepts and does not enforce (a document that breaks only the
 # keyword passes its matcher: tests/test_structured_output.py checks that of the installed

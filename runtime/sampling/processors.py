@@ -17,7 +17,8 @@ before sampling (the step still launches ahead). One that does not (a fixed bias
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedgen.transfer import to_device
 from pagedgen.runtime.sampling import gumbel_kernel
+from pagedgen.transfer import to_device
 
 
 def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:

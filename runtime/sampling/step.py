@@ -9,17 +9,18 @@ token back. A row they leave no token at all (the grammar's tokens all forbidden
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from pagedgen.profiling import scope
-from pagedgen.transfer import to_device
 from pagedgen.runtime.sampling import controls, logprobs, processors
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.sampler import SamplingBatch, sample
 from pagedgen.runtime.sampling.structured import Grammars
+from pagedgen.transfer import to_device
 
 
 @dataclass

@@ -30,17 +30,18 @@ import json
 import re
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
 from pagedgen import envs
-from pagedgen.transfer import to_device
 from pagedgen.errors import PagedgenError, first_line
-from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.config import StructuredOutput
+from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.sampling.grammar_pool import GrammarPool
 from pagedgen.runtime.sampling.json_schema import unenforced, unsatisfiable
+from pagedgen.transfer import to_device
 
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+?:\d+: (Check failed: \([^)]*\) is false: )?")
 

@@ -14,7 +14,7 @@ one group has a slab per layer, as before groups.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

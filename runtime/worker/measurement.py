@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

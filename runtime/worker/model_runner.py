@@ -16,26 +16,17 @@ import torch
 
 from pagedgen.attention.backend import AttentionBackend, plan_groups
 from pagedgen.attention.metadata import AttentionMetadata, AttentionMetadataBuilder, ScheduledSeq
-from pagedgen.profiling import scope
-from pagedgen.transfer import to_device
 from pagedgen.errors import PagedgenError
-from pagedgen.runtime.config import EngineConfig
+from pagedgen.profiling import scope
 from pagedgen.runtime.collectives import parallel
-from pagedgen.runtime.worker.cuda_graphs import CudaGraphRunner
-from pagedgen.runtime.worker.decode_advance import DecodeAdvancer
+from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.cpu_load import default_threads
 from pagedgen.runtime.engine.kv_groups import group_backends, plan_layout
-from pagedgen.runtime.worker import memory_plan
-from pagedgen.runtime.worker.kv_memory import KVMemory
-from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
-from pagedgen.runtime.worker import batch_invariant
-from pagedgen.runtime.worker.step_images import ImageEncoder
-from pagedgen.runtime.worker.recurrent_slots import RecurrentSlots, bind_recurrent
 from pagedgen.runtime.engine.scheduler import ScheduledBatch
 from pagedgen.runtime.engine.sequence import PENDING_TOKEN, Sequence
 from pagedgen.runtime.engine.stats import DecodeReads
-from pagedgen.runtime.cpu_load import default_threads
-from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.engine.step import StepHandle
+from pagedgen.runtime.hardware import host_cores
 from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.models import registry
@@ -44,6 +35,14 @@ from pagedgen.runtime.models.multimodal import ImagePrompter
 from pagedgen.runtime.sampling import logprobs
 from pagedgen.runtime.sampling.logprobs import Logprobs
 from pagedgen.runtime.sampling.step import finish_sampling, plan_sampling
+from pagedgen.runtime.worker import batch_invariant, memory_plan
+from pagedgen.runtime.worker.cuda_graphs import CudaGraphRunner
+from pagedgen.runtime.worker.decode_advance import DecodeAdvancer
+from pagedgen.runtime.worker.kv_memory import KVMemory
+from pagedgen.runtime.worker.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from pagedgen.runtime.worker.recurrent_slots import RecurrentSlots, bind_recurrent
+from pagedgen.runtime.worker.step_images import ImageEncoder
+from pagedgen.transfer import to_device
 
 log = logging.getLogger(__name__)  # -v: start-up phases, the KV cache
 

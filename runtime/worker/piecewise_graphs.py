@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from pagedgen.errors import first_line
 from pagedgen.attention.metadata import AttentionMetadata
+from pagedgen.errors import first_line
 from pagedgen.profiling import scope
 
 MAX_TOKENS = 1024  # larger steps run eagerly: their GPU time exceeds the host's

@@ -27,7 +27,6 @@ import torch
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.multimodal import ImagePrompter, StepImages
 
-
 CACHE_BYTES = 512 << 20  # the embeddings cache's bound (a 1,280 x 960 image's 1,200 tokens
 # of a 4,096-wide model are 9.8 MB: about 50 of the largest, thousands of small ones)
 

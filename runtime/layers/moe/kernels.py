@@ -18,18 +18,23 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from pagedgen.runtime.quantization.fp8.kernels import quantize_activations
 from pagedgen.runtime.layers.moe.act import bias_and_act, swiglu
 from pagedgen.runtime.layers.moe.align import align
 from pagedgen.runtime.layers.moe.combine import slot_sum
+from pagedgen.runtime.quantization.fp8.kernels import quantize_activations
 from pagedgen.runtime.quantization.fp8.moe import ExpertScales
 from pagedgen.runtime.quantization.invariant_gemm import by_rows
 
 try:
     import triton
     import triton.language as tl
-    from pagedgen.runtime.quantization.mxfp4.kernels import (mxfp4_operands, mxfp4_rows,
-                                                             mxfp4_tile, exps_in_words)
+
+    from pagedgen.runtime.quantization.mxfp4.kernels import (
+        exps_in_words,
+        mxfp4_operands,
+        mxfp4_rows,
+        mxfp4_tile,
+    )
     HAVE_TRITON = True
 except ImportError:  # CPU-only installs: the per-expert loop
     HAVE_TRITON = False

@@ -30,15 +30,15 @@ from torch import nn
 
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
 from pagedgen.runtime.layers import fused_ops
+from pagedgen.runtime.layers.linear import ColumnParallelLinear
 from pagedgen.runtime.layers.moe import dequantized as moe_dequantized
 from pagedgen.runtime.layers.moe import grouped_mm as moe_grouped_mm
 from pagedgen.runtime.layers.moe import kernels as mk
 from pagedgen.runtime.layers.moe import route as moe_route
-from pagedgen.runtime.layers.linear import ColumnParallelLinear
-from pagedgen.runtime.layers.moe.plan import INVARIANT, MoePlan, plan_moe
 from pagedgen.runtime.layers.moe.combine import add_gated
-from pagedgen.runtime.collectives.sharding import Segment, load_segment, split
+from pagedgen.runtime.layers.moe.plan import INVARIANT, MoePlan, plan_moe
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.mxfp4.moe import PER_BYTE
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe

@@ -14,8 +14,8 @@ from torch import nn
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.collectives.sharding import Segment
-from pagedgen.runtime.layers.moe import route as moe_route
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, MergedProjections
+from pagedgen.runtime.layers.moe import route as moe_route
 from pagedgen.runtime.layers.moe.layer import SparseMoeBlock
 from pagedgen.runtime.quantization.unquantized import Unquantized
 

@@ -24,7 +24,8 @@ Layers of two KV shapes plan their KV groups as ``kv_groups.py`` says (a tensor 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

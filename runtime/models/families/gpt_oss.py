@@ -17,7 +17,8 @@ the format; ``runtime/quantization/registry.py`` gives the experts its method, w
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

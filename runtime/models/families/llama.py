@@ -8,7 +8,8 @@ config classes and each one's sliding-window rules.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,13 +18,13 @@ from pagedgen.attention.backend import AttentionImpl, AttentionType, LayerSpec
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
+from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.layers.activation import SiluAndMul
 from pagedgen.runtime.layers.attention import PagedAttention
 from pagedgen.runtime.layers.embedding import VocabParallelEmbedding
 from pagedgen.runtime.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding, rotary_dim
-from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method

@@ -7,7 +7,8 @@ hold it as ``mlp`` (as transformers 5 does) and name it as the checkpoint does i
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from torch import nn
 

@@ -9,7 +9,8 @@ transformers' Phi-3 attention applies it. LongRoPE (``longrope``, or ``su`` in o
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from pagedgen.runtime.models.families import llama
 from pagedgen.runtime.models.registry import ModelFamily, register

@@ -19,8 +19,12 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.moe.shared import SharedExpertMoeBlock
 from pagedgen.runtime.models.families import llama
-from pagedgen.runtime.models.families.qwen3_moe import (MoeForCausalLM, check_experts, is_sparse,
-                                                        layer_index)
+from pagedgen.runtime.models.families.qwen3_moe import (
+    MoeForCausalLM,
+    check_experts,
+    is_sparse,
+    layer_index,
+)
 from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig

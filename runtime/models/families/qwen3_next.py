@@ -15,7 +15,8 @@ of the linear-attention key heads with the value heads they serve.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn

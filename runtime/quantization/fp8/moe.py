@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from pagedgen.runtime.quantization.base import MoeMethod
-from pagedgen.runtime.quantization.fp8.scheme import ONLINE, Fp8Scheme, load_scale, load_weight
 from pagedgen.runtime.quantization.fp8.kernels import E4M3, dequantize, quantize_weight
+from pagedgen.runtime.quantization.fp8.scheme import ONLINE, Fp8Scheme, load_scale, load_weight
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,14 @@ from torch import nn
 from pagedgen import envs
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.sharding import Shard, take_segment
-from pagedgen.runtime.quantization.fp8 import kernels as k
 from pagedgen.runtime.quantization.base import QuantizationMethod
-from pagedgen.runtime.quantization.fp8.gemm import (QUANTIZED_INPUT, plan_gemm, run_gemm,
-                                                    run_quantized)
+from pagedgen.runtime.quantization.fp8 import kernels as k
+from pagedgen.runtime.quantization.fp8.gemm import (
+    QUANTIZED_INPUT,
+    plan_gemm,
+    run_gemm,
+    run_quantized,
+)
 
 
 @dataclass(frozen=True)

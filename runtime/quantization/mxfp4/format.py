@@ -6,7 +6,8 @@ and ``X_scales``); under -tp each rank's share of the experts' width is whole sc
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Iterable
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 from pagedgen.runtime.quantization.base import MoeMethod, WeightFormat
 from pagedgen.runtime.quantization.mxfp4 import codes

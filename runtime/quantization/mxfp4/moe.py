@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 from pagedgen.runtime.collectives.sharding import Segment, check_shape, load_segment
-from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
 from pagedgen.runtime.quantization.base import MoeMethod
 from pagedgen.runtime.quantization.fp8.moe import ExpertScales
+from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
 
 PER_BYTE = 2
 
