@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - a torch without Triton
     HAVE_TRITON = False
 
 BLOCK_K = 64  # the K step: an element's sum adds its products in this order for any tile
-BAND_M = 8  # row tiles next to each other share a weight tile (DRAM sends it once)
+BAND_M = 8  # row tiles next to each other share a weight tile (tile_order.py)
 
 
 class Tiles(NamedTuple):
@@ -50,17 +50,13 @@ PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)),
                                        (1 << 62, Tiles(128, 128, 8, 4)))
 
 if HAVE_TRITON:
+    from pagedgen.runtime.quantization.tile_order import banded_tile
+
     @triton.jit
     def _gemm_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, BAND_M: tl.constexpr, PRECISION: tl.constexpr):
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        band = BAND_M * tl.cdiv(N, BLOCK_N)
-        first_m = (pid // band) * BAND_M
-        rows = tl.minimum(tiles_m - first_m, BAND_M)
-        pm = first_m + (pid % band) % rows
-        pn = (pid % band) // rows
+        pm, pn = banded_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, BAND_M)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)

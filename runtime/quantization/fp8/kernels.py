@@ -97,6 +97,8 @@ if HAVE_TRITON:
     import triton
     import triton.language as tl
 
+    from pagedgen.runtime.quantization.tile_order import banded_tile
+
     @triton.jit
     def round_to_e4m3_grid(v):
         """``v`` (float32, within ±448) rounded to the nearest e4m3 value, ties to even."""
@@ -175,15 +177,9 @@ if HAVE_TRITON:
                                 BLOCK_K: tl.constexpr, BAND_M: tl.constexpr):
         """``_scaled_gemm_kernel``'s W8A8 arithmetic, both operands' tiles loaded by TMA
         (``a_desc`` over A [M, K], ``w_desc`` over W [N, K]; past the ends they read as
-        zeros). One program per output tile, in bands of ``BAND_M`` row tiles: the programs
-        next to each other share a weight tile, which DRAM then sends once."""
-        pid = tl.program_id(0)
-        tiles_m = tl.cdiv(M, BLOCK_M)
-        band = BAND_M * tl.cdiv(N, BLOCK_N)
-        first_m = (pid // band) * BAND_M
-        rows = tl.minimum(tiles_m - first_m, BAND_M)
-        pid_m = first_m + (pid % band) % rows
-        pid_n = (pid % band) // rows
+        zeros). One program per output tile, in bands of ``BAND_M`` row tiles
+        (``tile_order.py``)."""
+        pid_m, pid_n = banded_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, BAND_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         m_ok = rm < M
