@@ -35,22 +35,22 @@ def bench(
                                          "throughput's requests under torch.profiler, the "
                                          "run's time by kernel group."),
     model: str | None = typer.Option(None, help="A preset, checkpoint directory, GGUF file or "
-                                                   "Hub id [default: tiny]."),
+                                                "Hub id [default: tiny]."),
     input_len: int | None = typer.Option(None, min=1, help="Prompt tokens (random ids) "
-                                            "[default: 1024 for throughput, 32 for latency]."),
+                                         "[default: 1024 for throughput, 32 for latency]."),
     output_len: int = typer.Option(128, min=1, help="Output tokens of every request (EOS "
                                                     "ignored)."),
     num_prompts: int = typer.Option(1000, min=1, help="throughput, kernels: requests."),
     range_ratio: float = typer.Option(0.0, min=0.0, max=1.0, help="throughput, kernels: prompt "
                                       "lengths drawn from input-len x [1 - r, 1 + r]."),
     dataset: Path | None = typer.Option(None, help="throughput, kernels: a JSONL file of "
-                                                      "pagedgen's lines instead of random "
-                                                      "prompts (its first --num-prompts)."),
+                                                   "pagedgen's lines instead of random "
+                                                   "prompts (its first --num-prompts)."),
     top: int = typer.Option(15, min=1, help="kernels: the heaviest kernels listed."),
     peer: str | None = typer.Option(None, help="throughput: vllm also runs the same random "
-                                                  "prompts after pagedgen, in a process of its "
-                                                  "own, at its defaults (where vLLM is "
-                                                  "installed: here or $PAGEDGEN_VLLM_SITE)."),
+                                               "prompts after pagedgen, in a process of its "
+                                               "own, at its defaults (where vLLM is "
+                                               "installed: here or $PAGEDGEN_VLLM_SITE)."),
     batch_sizes: str = typer.Option("8", help="latency: requests in the batch; a comma list "
                                               "measures each (e.g. 1,8,64)."),
     num_iters_warmup: int = typer.Option(10, min=0, help="latency: unmeasured batches first."),
@@ -60,21 +60,21 @@ def bench(
     device: str | None = typer.Option(None, help="auto, cpu, cuda or cuda:N."),
     dtype: str | None = typer.Option(None, help="auto, float32, float16 or bfloat16."),
     quantization: str | None = typer.Option(None, "--quantization", "-q",
-                                               help="fp8: FP8 weights made at load."),
+                                            help="fp8: FP8 weights made at load."),
     kv_cache_dtype: str | None = typer.Option(None, help="auto or fp8."),
     max_num_seqs: int | None = typer.Option(None, help="Most sequences in a step "
-                                               "[default: the device's; latency: the largest "
-                                               "batch]."),
+                                            "[default: the device's; latency: the largest "
+                                            "batch]."),
     max_num_batched_tokens: int | None = typer.Option(None, help="Most tokens in a step."),
     max_model_len: int | None = typer.Option(None, help="Longest sequence."),
     gpu_memory_utilization: float | None = typer.Option(
         None, help="Share of the GPU's memory the run may use [default: 0.9]."),
     kv_cache_memory: str | None = typer.Option(None, help="KV-cache size, e.g. 4GiB."),
     enforce_eager: bool | None = typer.Option(None, "--enforce-eager/--cuda-graphs",
-                                                 help="CUDA graphs off [default: on]."),
+                                              help="CUDA graphs off [default: on]."),
     json_out: bool = typer.Option(False, "--json", help="Print every figure as JSON."),
     output: Path | None = typer.Option(None, "--output", "-o",
-                                          help="Write every figure here, as JSON."),
+                                       help="Write every figure here, as JSON."),
 ) -> None:
     """Measure this machine as vllm bench does: offline throughput, or one batch's latency
     (each request to OUTPUT-LEN tokens, EOS ignored; the engine at its defaults)."""

@@ -91,7 +91,7 @@ def generate(
         None, "--ignore-eos/--no-ignore-eos",
         help="Keep generating past the end-of-sequence token [default: no]."),
     n: int | None = typer.Option(None, "--n", help="Samples per request (1-128); they "
-                                    "share the prompt's KV cache [default: 1]."),
+                                 "share the prompt's KV cache [default: 1]."),
     block_size: int | None = typer.Option(
         None, help="Tokens per KV page [default: the backend's]."),
     num_blocks: int | None = typer.Option(

@@ -20,10 +20,10 @@ from pagedgen.runtime.inputs.settings import engine_and_sampling
 @cli_errors
 def profile(
     profile_name: str | None = typer.Option(None, "--profile",
-                                               help="Run profile: name or YAML [default: tiny]."),
+                                            help="Run profile: name or YAML [default: tiny]."),
     backend: str | None = typer.Option(None, help="Backend name, auto, or all (every "
-                                                     "available backend but eager) "
-                                                     "[default: auto]."),
+                                                  "available backend but eager) "
+                                                  "[default: auto]."),
     model: str | None = typer.Option(
         None, help="Checkpoint directory, .gguf file, Hub id (org/name) or preset [default: "
                    "the profile's]."),
@@ -53,12 +53,12 @@ def profile(
     warmup_steps: int | None = typer.Option(None, help="[default: 2]"),
     measured_steps: int | None = typer.Option(None, help="[default: 8]"),
     cuda_graphs: bool | None = typer.Option(None, "--cuda-graphs/--no-cuda-graphs",
-                                               help="[default: on]"),
+                                            help="[default: on]"),
     fused_kernels: bool | None = typer.Option(
         None, "--fused-kernels/--no-fused-kernels",
         help="Norms, rotary and SwiGLU as fused Triton kernels on CUDA [default: on]."),
     prefix_caching: bool | None = typer.Option(None, "--prefix-caching/--no-prefix-caching",
-                                                  help="[default: on]"),
+                                               help="[default: on]"),
     cascade_attention: bool | None = typer.Option(
         None, "--cascade-attention/--no-cascade-attention",
         help="Decode batches sharing prefix pages attend them once [default: on]."),

@@ -44,7 +44,7 @@ def verify(
     json_report: bool = typer.Option(False, "--json", help="Print every figure as JSON (on "
                                                           "stdout; the progress on stderr)."),
     output: Path | None = typer.Option(None, "--output", "-o",
-                                          help="Write every figure here, as JSON."),
+                                       help="Write every figure here, as JSON."),
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
                        "where kernel compiles dominate; 1 on the CPU)."),
