@@ -3,6 +3,8 @@ and on the CPU committed only as they are written."""
 
 from __future__ import annotations
 
+import ctypes
+import os
 import sys
 
 import pytest
@@ -12,21 +14,17 @@ from pagedgen import buffers
 
 
 def resident_bytes(t: torch.Tensor) -> int:
-    """Resident bytes of the mappings that hold ``t``'s memory (/proc/self/smaps; the kernel may
-    split one allocation into several): its own pages, whatever else the process frees or takes
-    meanwhile (a collection of an earlier test's engines moved the whole process's figure by
-    more than the buffer's)."""
-    start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()[0]
-            if "-" in head and not head.endswith(":"):
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < end and start < hi
-            elif inside and head == "Rss:":
-                total += int(line.split()[1]) * 1024
-    return total
+    """Resident bytes of ``t``'s own pages (``mincore``): whatever else the process frees or
+    takes meanwhile (a collection of an earlier test's engines moved the whole process's
+    figure by more than the buffer's), and whatever the kernel merged into its mapping."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (ctypes.c_ubyte * -(-length // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), pages) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in bytes(pages)) * page
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -39,7 +37,7 @@ def test_zeros_are_zero_aligned_and_writable(dtype):
     assert t.float().sum().item() == 7
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="asks Linux's mincore")
 def test_a_large_cpu_buffer_commits_memory_only_where_written():
     size = 512 << 20
     t = buffers.zeros((size // 4,), torch.float32, "cpu")
