@@ -205,12 +205,12 @@ def vllm_rows(hq: int, hkv: int, head_dim: int, shapes: list, iters: int) -> lis
     import os
     import sys
 
-    from benchmarks.vllm_peer import HERE, run_in_group, site_path, vllm_site
+    from benchmarks.vllm_peer import HERE
+    from pagedgen.cli.bench.peer import NOT_INSTALLED, run_in_group, site_path, vllm_site
 
     site = vllm_site()
     if site is None:
-        return [{"backend": "vLLM", "skipped": "vLLM is not installed here (nor under "
-                                               "$PAGEDGEN_VLLM_SITE)"}]
+        return [{"backend": "vLLM", "skipped": NOT_INSTALLED}]
     spec = {"heads": [hq, hkv], "head_dim": head_dim, "iters": iters,
             "shapes": [[kind, batch, list(ctx)] for kind, batch, ctx in shapes]}
     env = {**os.environ, **({"PYTHONPATH": site_path(site)} if site else {})}

@@ -169,7 +169,7 @@ def _vllm_worker(out_path: str) -> None:
 
 
 def vllm_times() -> dict | str:
-    from benchmarks.vllm_peer import site_path, vllm_site
+    from pagedgen.cli.bench.peer import site_path, vllm_site
 
     site = vllm_site()
     if site is None:

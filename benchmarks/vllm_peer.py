@@ -27,7 +27,6 @@ Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_
 from __future__ import annotations
 
 import json
-import os
 import sys
 import tempfile
 import time
@@ -36,13 +35,13 @@ from pathlib import Path
 from typing import Any
 
 from pagedgen.cli.bench.peer import (
-    NO_MULTICAST,
+    NOT_INSTALLED,
     failure,
     kernel_lines,
     kv_capacity,
-    peer_config,
+    peer_checkpoint,
     run_in_group,
-    site_path,
+    vllm_env,
     vllm_site,
 )
 
@@ -85,14 +84,12 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                          f"{','.join(weights)} (its dummy weights are gone once drawn again)")
     site = vllm_site()
     if site is None:
-        return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
+        return {"skipped": NOT_INSTALLED}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        model.mkdir()
-        cfg, more = peer_config(hf_config)
+        cfg, more = peer_checkpoint(model, hf_config)
         vocab = cfg.get("text_config", cfg)["vocab_size"]
         engine = {**engine, **more}
-        (model / "config.json").write_text(json.dumps(cfg))
         if tokenizer_dir is not None:
             for f in Path(tokenizer_dir).iterdir():
                 if f.name != "config.json" and f.is_file():
@@ -104,12 +101,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
                 "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None,
                 "weights": list(weights)}
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               # apply_model sends normal_weights to vLLM's engine process pickled
-               "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
-               "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
-        if site:
-            env["PYTHONPATH"] = site_path(site)
+        # apply_model sends normal_weights to vLLM's engine process pickled
+        env = vllm_env(site, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         out = Path(tmp) / "out.json"
         code, stdout, stderr = run_in_group(
             [sys.executable, "-m", "benchmarks.vllm_peer", str(Path(tmp) / "spec.json"),

@@ -459,12 +459,12 @@ def test_plan_runs_are_listed_for_a_host_to_deal_over_its_gpus(monkeypatch, caps
 
 
 def test_vllms_site_path_holds_the_cute_dsl_packages_a_target_install_leaves_off(tmp_path):
-    from benchmarks import vllm_peer
+    from pagedgen.cli.bench import peer
 
-    assert vllm_peer.site_path(str(tmp_path)) == str(tmp_path)
+    assert peer.site_path(str(tmp_path)) == str(tmp_path)
     dsl = tmp_path / "nvidia_cutlass_dsl" / "dsl_packages"
     dsl.mkdir(parents=True)
-    assert vllm_peer.site_path(str(tmp_path)) == f"{tmp_path}:{dsl}"
+    assert peer.site_path(str(tmp_path)) == f"{tmp_path}:{dsl}"
 
 
 def test_vllms_fp8_experts_in_the_layer_benchmark_take_one_scale_per_expert():
@@ -593,15 +593,15 @@ def test_vllm_gets_gemma_4s_global_shape_in_the_published_form(tmp_path):
 
     from transformers import AutoConfig
 
-    from benchmarks import vllm_peer
+    from pagedgen.cli.bench import peer
     from pagedgen.runtime.models.loader import resolve_model
 
-    cfg, more = vllm_peer.peer_config(resolve_model("gemma-4-31b").hf_config)
+    cfg, more = peer.peer_config(resolve_model("gemma-4-31b").hf_config)
     assert cfg["architectures"] == ["Gemma4ForCausalLM"] and set(more) == {"hf_overrides"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = AutoConfig.from_pretrained(tmp_path)
     loaded.update(more["hf_overrides"])
     assert (loaded.head_dim, loaded.global_head_dim, loaded.num_global_key_value_heads,
             loaded.num_key_value_heads, loaded.attention_k_eq_v) == (256, 512, 4, 16, True)
-    qwen, more = vllm_peer.peer_config(resolve_model("qwen3.5-9b").hf_config)
+    qwen, more = peer.peer_config(resolve_model("qwen3.5-9b").hf_config)
     assert qwen["model_type"] == "qwen3_5" and more == {"language_model_only": True}

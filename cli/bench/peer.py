@@ -167,6 +167,29 @@ def kv_capacity(log: str) -> dict[str, Any]:
     return out
 
 
+NOT_INSTALLED = "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"
+
+
+def peer_checkpoint(folder: Path, hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint folder vLLM loads on dummy weights for ``hf_config`` (its
+    ``config.json``, ``peer_config``'s), made at ``folder``; the config and the engine
+    arguments it needs besides."""
+    cfg, more = peer_config(hf_config)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return cfg, more
+
+
+def vllm_env(site: str, **more: str) -> dict[str, str]:
+    """The environment of vLLM's process: no usage reports, the Hub offline, NVLink
+    multicast off, ``more``, and its site on the path where it lives apart (``vllm_site``)."""
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "HF_HUB_OFFLINE": "1", **NO_MULTICAST, **more}
+    if site:
+        env["PYTHONPATH"] = site_path(site)
+    return env
+
+
 def vllm_throughput(hf_config: Any, checkpoint: Path | None, prompts: list[list[int]],
                     output_len: int, engine: dict[str, Any], timeout: float = 3600.0
                     ) -> dict[str, Any]:
@@ -177,25 +200,18 @@ def vllm_throughput(hf_config: Any, checkpoint: Path | None, prompts: list[list[
     ``engine``: more ``vllm.LLM`` arguments (``max_model_len``, ``quantization``, ...)."""
     site = vllm_site()
     if site is None:
-        return {"skipped": "vLLM is not installed here (nor under $PAGEDGEN_VLLM_SITE)"}
+        return {"skipped": NOT_INSTALLED}
     with tempfile.TemporaryDirectory() as tmp:
         model, load_format = (str(checkpoint), "auto") if checkpoint else (tmp + "/model", "dummy")
         if checkpoint is None:
-            cfg, more = peer_config(hf_config)
-            engine = {**engine, **more}
-            Path(model).mkdir()
-            (Path(model) / "config.json").write_text(json.dumps(cfg))
+            engine = {**engine, **peer_checkpoint(Path(model), hf_config)[1]}
         spec = Path(tmp) / "spec.json"
         spec.write_text(json.dumps({"model": model, "load_format": load_format,
                                     "engine": engine, "prompts": prompts,
                                     "output_len": output_len}))
         out = Path(tmp) / "out.json"
-        env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "HF_HUB_OFFLINE": "1", **NO_MULTICAST}
-        if site:
-            env["PYTHONPATH"] = site_path(site)
         code, stdout, stderr = run_in_group([sys.executable, "-m", __name__, str(spec),
-                                             str(out)], timeout, env=env)
+                                             str(out)], timeout, env=vllm_env(site))
         if code is None:
             return {"skipped": f"vLLM outran {timeout:.0f} s"}
         if code != 0 or not out.exists():
