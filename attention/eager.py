@@ -67,41 +67,40 @@ class EagerImpl(AttentionImpl):
             k_i, v_i = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
             k_i = dequantize(k_i, st.k_scale).repeat_interleave(group, dim=1)
             v_i = dequantize(v_i, st.v_scale).repeat_interleave(group, dim=1)
+            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
+            allowed = attention_mask(q_pos, torch.arange(seq_len, device=q.device), spec)
             if st.batch_invariant:
-                out[qsl[i]:qsl[i + 1]] = self._rows_alone(q_i, k_i, v_i, seq_len).to(q.dtype)
+                out[qsl[i]:qsl[i + 1]] = self._rows_alone(q_i, k_i, v_i, allowed).to(q.dtype)
                 continue
             scores = torch.einsum("qhd,khd->hqk", q_i, k_i) * spec.scale
-            if spec.logits_soft_cap is not None:
-                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
-            q_pos = torch.arange(seq_len - n, seq_len, device=q.device)
-            k_pos = torch.arange(seq_len, device=q.device)
-            scores.masked_fill_(~attention_mask(q_pos, k_pos, spec), float("-inf"))
-            if self.sinks is not None:  # one more logit per head, whose value is zero
-                sink = self.sinks.float()[:, None, None].expand(-1, n, 1)
-                scores = torch.cat([scores, sink], -1)
-            probs = torch.softmax(scores, dim=-1)[..., :seq_len]
+            probs = self._probs(scores, ~allowed)
             out[qsl[i]:qsl[i + 1]] = torch.einsum("hqk,khd->qhd", probs, v_i).to(q.dtype)
         return out
 
-    def _rows_alone(self, q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor,
-                    seq_len: int) -> torch.Tensor:
-        """Each query row of one sequence (float32, [n, Hq, D]) over exactly the keys it
-        sees (a decoder's causal prefix, cut to its window; an encoder's all)."""
+    def _probs(self, scores: torch.Tensor, masked: torch.Tensor | None = None) -> torch.Tensor:
+        """Softmax over the keys (last dim) of ``scores`` (float32): soft-capped, ``masked``
+        pairs left out, each head's sink logit as one more column, of value zero."""
         spec = self.spec
+        if spec.logits_soft_cap is not None:
+            scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
+        if masked is not None:
+            scores.masked_fill_(masked, float("-inf"))
+        keys = scores.shape[-1]
+        if self.sinks is not None:
+            sink = self.sinks.float().view(-1, *[1] * (scores.dim() - 1))
+            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], -1)
+        return torch.softmax(scores, dim=-1)[..., :keys]
+
+    def _rows_alone(self, q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor,
+                    allowed: torch.Tensor) -> torch.Tensor:
+        """Each query row of one sequence (float32, [n, Hq, D]) over exactly the keys it
+        sees (``allowed`` [n, keys], ``attention_mask``'s: a run of keys a row)."""
+        first = allowed.int().argmax(1).tolist()
+        ends = (allowed.shape[1] - allowed.flip(1).int().argmax(1)).tolist()
         rows = []
-        for r, pos in enumerate(range(seq_len - len(q_i), seq_len)):
-            lo, hi = 0, seq_len
-            if spec.attn_type != AttentionType.ENCODER:
-                hi = pos + 1
-                if spec.sliding_window is not None:
-                    lo = max(0, pos + 1 - spec.sliding_window)
-            scores = torch.einsum("hd,khd->hk", q_i[r], k_i[lo:hi]) * spec.scale
-            if spec.logits_soft_cap is not None:
-                scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
-            if self.sinks is not None:
-                scores = torch.cat([scores, self.sinks.float()[:, None]], -1)
-            probs = torch.softmax(scores, dim=-1)[:, :hi - lo]
-            rows.append(torch.einsum("hk,khd->hd", probs, v_i[lo:hi]))
+        for r, (lo, hi) in enumerate(zip(first, ends)):
+            scores = torch.einsum("hd,khd->hk", q_i[r], k_i[lo:hi]) * self.spec.scale
+            rows.append(torch.einsum("hk,khd->hd", self._probs(scores), v_i[lo:hi]))
         return torch.stack(rows)
 
 
