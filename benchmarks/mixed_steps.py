@@ -56,7 +56,7 @@ def _requests(wl, vocab: int, sampling) -> tuple[list[list[int]], list]:
     return prompts, wl.sampling_params(sampling, outs)
 
 
-def _recording(engine: Engine, log: list[dict[str, Any]]) -> None:
+def record_steps(engine: Engine, log: list[dict[str, Any]]) -> None:
     """Wrap the engine's scheduler call so each step's composition is logged."""
     schedule = engine._schedule
 
@@ -124,7 +124,7 @@ def synchronous(cfg, prompts, params, profile_from: int, profile_steps: int, out
                 ) -> dict[str, Any]:
     engine = Engine(replace(cfg, async_scheduling=False))
     log: list[dict[str, Any]] = []
-    _recording(engine, log)
+    record_steps(engine, log)
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     prof = None
@@ -284,7 +284,7 @@ def asynchronous(cfg, prompts, params, profile_from: int, profile_steps: int, ou
     call preceded by a marker kernel, so the GPU's time divides into steps."""
     engine = Engine(cfg)
     log: list[dict[str, Any]] = []
-    _recording(engine, log)
+    record_steps(engine, log)
     for p, sp in zip(prompts, params):
         engine.add_request(p, sp)
     _sync()

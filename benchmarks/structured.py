@@ -35,7 +35,7 @@ from benchmarks.common import (
     random_prompts,
     timed_runs,
 )
-from benchmarks.mixed_steps import _recording, traced_window
+from benchmarks.mixed_steps import record_steps, traced_window
 from benchmarks.vllm_peer import run_vllm, same_limits
 from pagedgen.runtime.config import SamplingParams, StructuredOutput
 from pagedgen.runtime.models.loader import load_tokenizer, resolve_model
@@ -276,7 +276,7 @@ def timeline(engine, prompts: list[list[int]], params: list[SamplingParams], fir
     engine.reset_stats()
     engine.add_requests((p, sp, i, i) for i, (p, sp) in enumerate(zip(prompts, params)))
     log: list[dict[str, Any]] = []
-    _recording(engine, log)  # each scheduled step's composition, in launch order
+    record_steps(engine, log)  # each scheduled step's composition, in launch order
     pool = engine._grammars.pool if engine._grammars is not None else None
     i, prof, calls, out, before = 0, None, [], {}, 0
     try:
