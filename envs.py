@@ -49,6 +49,10 @@ FP8_FUSED_INPUT = EnvVar("PAGEDGEN_FP8_FUSED_INPUT", "1",
                          "them")
 MOE_TILES = EnvVar("PAGEDGEN_MOE_TILES", "the measured plan per token count",
                    "one grouped-GEMM tile for every MoE call (e.g. m64n128k64g8w4s3)")
+INVARIANT_ATTENTION_ROWS = EnvVar(
+    "PAGEDGEN_INVARIANT_ATTENTION_ROWS", "16, or 4 positions of a KV head's query heads where "
+    "more", "the rows of triton's attention tiles under --batch-invariant (a power of two; a "
+    "decode fills its query heads' rows of one tile)")
 ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "push: each rank stores its partial sums into its "
                     "peers' symmetric memory", "one-shot (PyTorch's symmetric-memory kernel) or "
                     "nccl: another tensor-parallel all-reduce")
@@ -73,6 +77,7 @@ VLLM_SITE = EnvVar("PAGEDGEN_VLLM_SITE", "/tmp/site-vllm, where vLLM does not im
 ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GROUP_TILE,
                            FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, FLASHINFER_DECODE,
                            CASCADE_MERGE_HEADS, FP8_GEMM,
-                           FP8_FUSED_INPUT, MOE_TILES, SHIPPED_PLANS, ALL_REDUCE,
+                           FP8_FUSED_INPUT, MOE_TILES, INVARIANT_ATTENTION_ROWS,
+                           SHIPPED_PLANS, ALL_REDUCE,
                            FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES,
                            VLLM_SITE)

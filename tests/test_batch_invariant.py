@@ -7,6 +7,8 @@ cover is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -184,12 +186,40 @@ def test_the_experts_give_each_token_its_bits_alone_on_a_gpu():
                for i in range(0, 300, 13))
 
 
+def test_a_decode_steps_tiles_follow_the_chunk_rule_and_land_in_the_graphs_buffers():
+    """Triton in the mode: a decode-only step's tiles, made on the device, start where the
+    host's rule for any step puts them (a multiple of a tile's positions from the first
+    token), one a sequence; for a CUDA graph they are written into the buffers it captured
+    (padding rows at position 0); tiles are short (16 rows: 8 positions of 2 query heads)."""
+    from pagedgen.attention.cases import make_paged_batch
+    from pagedgen.attention.triton_attn import TritonBackend, TritonState
+
+    b = make_paged_batch(3, num_prefills=0, num_decodes=5, max_context=90)
+    st = TritonState(TritonBackend, [b.spec], b.block_size, b.q.dtype, b.kv_cache.dtype, CPU)
+    st.batch_invariant = True
+    md = b.metadata()
+    block_q = st.block_m // st.g_tile
+    assert (st.block_m, block_q) == (16, 8)
+    host = st._invariant_tiles(dataclasses.replace(md, num_prefills=md.num_decodes), None)
+    assert len({-q for q in host[1].tolist()}) > 1  # contexts in several places of a tile
+    got = st.build(md).plan
+    assert got.tile_seq.tolist() == host[0].tolist() == list(range(5))
+    assert got.tile_qstart.tolist() == host[1].tolist()
+    st.make_graph_plan(8, 64)
+    held = st._invariant_graph_tiles[8]
+    in_graph = st.build(md, 8).plan
+    assert in_graph.tile_seq is held[0] and in_graph.tile_qstart is held[1]
+    assert in_graph.tile_qstart.tolist() == host[1].tolist() + [0] * 3
+
+
 @pytest.mark.gpu
 def test_the_mode_passes_its_checks_on_a_gpu():
-    """The five checks in the mode on CUDA (bf16, the tiny preset): all bitwise."""
+    """The six checks in the mode on CUDA (bf16, the tiny preset): all bitwise, decode steps
+    in CUDA graphs and eagerly."""
     args = (torch.device("cuda"), "tiny", "bfloat16", "auto", 8, 0)
     got = [ic.check_batches(*args, 4, True, most=31), ic.check_prefix_cache(*args),
-           ic.check_chunks(*args), ic.check_preemption(*args), ic.check_seeded_sampling(*args)]
+           ic.check_chunks(*args), ic.check_preemption(*args), ic.check_seeded_sampling(*args),
+           ic.check_graphs(*args, 3)]
     print([(r.group, r.detail, r.worst_abs) for r in got])
     assert all(r.passed for r in got), got
 

@@ -8,7 +8,9 @@ on a fresh engine: the reference. Then the same request
 * behind a cached prefix (another request sharing its first tokens ran first);
 * split into other prefill chunks (``max_num_batched_tokens`` of 8 and 24 tokens);
 * after a preemption (a KV cache too small for the batch: its tokens recomputed);
-* sampled at temperature 1 with its own seed, alone and among others with theirs.
+* sampled at temperature 1 with its own seed, alone and among others with theirs;
+* on a GPU, eagerly (``enforce_eager``), alone and among others, against the decode steps'
+  CUDA graphs of the reference.
 Each row says how many runs gave the reference's exact tokens and log-probabilities, and the
 largest log-probability difference along the tokens they share. Each check takes
 ``invariant=False`` to run the engine as it runs by default (the tests show the rows differ
@@ -31,8 +33,9 @@ NEEDLE = 48  # the needle's prompt tokens
 
 def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, cases: int,
                     steps: int, seed: int) -> tuple[BackendReport, list[Check]]:
-    """The report and its five checks (each a task of its own), in ``--batch-invariant``
-    mode: on the triton backend, or skipped with the reason where it cannot run."""
+    """The report and its checks (each a task of its own; five, six on a GPU), in
+    ``--batch-invariant`` mode: on the triton backend, or skipped with the reason where it
+    cannot run."""
     from pagedgen.attention.registry import unavailable_reason
 
     why = unavailable_reason("triton", device)
@@ -45,6 +48,8 @@ def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, 
               Check([(check_chunks, args)], single),
               Check([(check_preemption, args)], single),
               Check([(check_seeded_sampling, args)], single)]
+    if device.type == "cuda":
+        checks.append(Check([(check_graphs, (*args, cases))], single))
     return BackendReport(NAME, "checked", reference="the request run alone"), checks
 
 
@@ -199,3 +204,19 @@ def check_preemption(device, model, dtype, backend, steps, seed,
     got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 2 * bs)
     return _row("after preemptions", (toks, lps), [(got[0][:steps], got[1][:steps])],
                 f"{eng.stats.num_preemptions} preemptions")
+
+
+def check_graphs(device, model, dtype, backend, steps, seed, cases,
+                 invariant: bool = True) -> Row:
+    """The needle run eagerly (no CUDA graphs), alone and among 1 to 15 others ``cases``
+    times, against its decode steps replayed in the graphs of the reference (a GPU's)."""
+    from pagedgen.runtime.engine.engine import Engine
+
+    args = (device, model, dtype, backend, steps, seed)
+    toks, lps, needle, vocab = _reference(args, invariant)
+    eng = Engine(_config(*args[:4], seed, invariant, enforce_eager=True))
+    rng = random.Random(seed + 6)
+    runs = [_run(eng, [needle], 0, steps)]
+    runs += [_run(eng, *_among_others(rng, vocab, needle, 15, 60), steps) for _ in range(cases)]
+    return _row("eagerly against CUDA graphs", (toks, lps), runs,
+                "alone and in batches, no graphs")

@@ -6,11 +6,13 @@ A row's result may depend on nothing but that row. What the mode changes:
 * the dense GEMMs (the model's projections and its LM head) run in tiles whose K order never
   changes (``quantization/invariant_gemm.py``), not cuBLAS's or MKL's per-shape choice;
 * attention runs on the triton backend on a GPU with every token through its prefill kernel
-  (a decode is a one-token tile): its order over the keys follows neither the batch nor the
-  chunk, and a recomputed token takes the path its first computation took; on a CPU on the
-  eager backend, each query row alone over exactly the keys it sees (``attention/eager.py``);
-* no cascade decode (a shared prefix's sums would follow the group) and no CUDA graphs yet (the
-  decode graphs' tiles are not held at fixed addresses).
+  in short tiles (a decode is a tile of its own): its order over the keys follows neither the
+  batch nor the chunk, and a recomputed token takes the path its first computation took; on a
+  CPU on the eager backend, each query row alone over exactly the keys it sees
+  (``attention/eager.py``);
+* no cascade decode (a shared prefix's sums would follow the group); decode-only steps replay
+  CUDA graphs (the same kernels, their tiles in the graphs' buffers), steps with prefills run
+  eagerly (no piecewise graphs yet).
 Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
 CPU the gated activations run a row at a time (torch's CPU exp and tanh round by a value's
 place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``).
@@ -36,16 +38,18 @@ from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMo
 WHAT = "--batch-invariant"
 BACKENDS = ("triton", "eager")  # what keeps a token's attention invariant (auto: triton on a
 # GPU, eager on a CPU, where triton's kernels run in its interpreter)
-def summary(backend: str) -> str:
-    """What the summary says of a run in the mode on ``backend``: the kernels it ran."""
+def summary(backend: str, graphs: bool) -> str:
+    """What the summary says of a run in the mode on ``backend``: the kernels it ran, and
+    whether its decode steps replayed CUDA graphs."""
     attention = ("each query row alone on eager's" if backend == "eager"
                  else f"every token through {backend}'s prefill kernel")
     return (f"on: {attention}, dense GEMMs in invariant tiles (quantization/invariant_gemm.py), "
-            "MoE experts in one tile, no cascade decode, no CUDA graphs")
+            f"MoE experts in one tile, no cascade decode, "
+            f"{'CUDA graphs for decode-only steps' if graphs else 'no CUDA graphs'}")
 
 
 def prepared(config: EngineConfig) -> EngineConfig:
-    """``config`` as the mode runs it (triton, no cascade, no CUDA graphs), or a
+    """``config`` as the mode runs it (triton, no cascade, no piecewise graphs), or a
     PagedgenError for a setting it cannot keep invariant; unchanged without the mode."""
     if not config.batch_invariant:
         return config
@@ -64,7 +68,7 @@ def prepared(config: EngineConfig) -> EngineConfig:
         raise PagedgenError(f"{WHAT} runs on the {backend} backend, which cannot run here: "
                             f"{why}")
     return dataclasses.replace(config, backend=backend, cascade_attention=False,
-                               cascade_mixed_steps=False, enforce_eager=True)
+                               cascade_mixed_steps=False, mixed_step_graphs=False)
 
 
 def apply(runner: Any) -> None:
