@@ -10,9 +10,10 @@ A row's result may depend on nothing but that row. What the mode changes:
   batch nor the chunk, and a recomputed token takes the path its first computation took; on a
   CPU on the eager backend, each query row alone over exactly the keys it sees
   (``attention/eager.py``);
-* no cascade decode (a shared prefix's sums would follow the group); decode-only steps replay
-  CUDA graphs (the same kernels, their tiles in the graphs' buffers), steps with prefills run
-  eagerly (no piecewise graphs yet).
+* no cascade decode (a shared prefix's sums would follow the group); CUDA graphs as without
+  the mode: the same kernels, a decode step's tiles in its graph's buffers, and the pieces of
+  a step with prefills between its attention calls (their GEMMs over a bucket's padded rows:
+  a row's bits follow no row count, above).
 Norms, rotary and activations are per row already on a GPU (the fused Triton kernels); on a
 CPU the gated activations run a row at a time (torch's CPU exp and tanh round by a value's
 place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``).
@@ -40,16 +41,16 @@ BACKENDS = ("triton", "eager")  # what keeps a token's attention invariant (auto
 # GPU, eager on a CPU, where triton's kernels run in its interpreter)
 def summary(backend: str, graphs: bool) -> str:
     """What the summary says of a run in the mode on ``backend``: the kernels it ran, and
-    whether its decode steps replayed CUDA graphs."""
+    whether it ran CUDA graphs."""
     attention = ("each query row alone on eager's" if backend == "eager"
                  else f"every token through {backend}'s prefill kernel")
     return (f"on: {attention}, dense GEMMs in invariant tiles (quantization/invariant_gemm.py), "
             f"MoE experts in one tile, no cascade decode, "
-            f"{'CUDA graphs for decode-only steps' if graphs else 'no CUDA graphs'}")
+            f"{'CUDA graphs' if graphs else 'no CUDA graphs'}")
 
 
 def prepared(config: EngineConfig) -> EngineConfig:
-    """``config`` as the mode runs it (triton, no cascade, no piecewise graphs), or a
+    """``config`` as the mode runs it (triton or eager, no cascade), or a
     PagedgenError for a setting it cannot keep invariant; unchanged without the mode."""
     if not config.batch_invariant:
         return config
@@ -68,7 +69,7 @@ def prepared(config: EngineConfig) -> EngineConfig:
         raise PagedgenError(f"{WHAT} runs on the {backend} backend, which cannot run here: "
                             f"{why}")
     return dataclasses.replace(config, backend=backend, cascade_attention=False,
-                               cascade_mixed_steps=False, mixed_step_graphs=False)
+                               cascade_mixed_steps=False)
 
 
 def apply(runner: Any) -> None:
