@@ -60,7 +60,12 @@ def idle_table(ks: list[Kernel], wall_s: float, largest: int = 8) -> dict[str, A
                              for us, ts, a, b in sorted(gaps, reverse=True)[:largest]]}
 
 
-def pagedgen_run(workload: str, quantization: str | None, top: int = TOP) -> dict[str, Any]:
+def pagedgen_run(workload: str, quantization: str | None, top: int = TOP,
+                 overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """pagedgen's warm run and a profiled one of ``workload``, its profile's engine config
+    changed by ``overrides`` (``--set``)."""
+    from dataclasses import replace
+
     import torch
 
     from benchmarks.common import build_engine, free_gpu, profile_configs, timed_runs
@@ -71,6 +76,7 @@ def pagedgen_run(workload: str, quantization: str | None, top: int = TOP) -> dic
     wl = WORKLOADS[workload]
     hf_config = resolve_model(wl.profile).hf_config
     cfg, sampling = profile_configs(wl.profile, backend="auto", quantization=quantization)
+    cfg = replace(cfg, **(overrides or {}))
     engine, load_s = build_engine(same_kv_cache(cfg, wl, hf_config))
     prompts, outs = wl.requests(hf_config.vocab_size)
     params = wl.sampling_params(sampling, outs)
@@ -87,7 +93,8 @@ def pagedgen_run(workload: str, quantization: str | None, top: int = TOP) -> dic
         idle = idle_table(kernels, profiled["wall_time_s"])
     del engine
     free_gpu()
-    return {"system": "pagedgen", "backend": warm.get("backend"),
+    label = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
+    return {"system": f"pagedgen{label}", "backend": warm.get("backend"),
             "warm_output_tokens_per_s": warm["output_tokens_per_s"],
             "profiled_wall_s": profiled["wall_time_s"], **table, "idle": idle}
 
@@ -152,9 +159,13 @@ def main() -> None:
     ap.add_argument("--vllm-weights", choices=["dummy", "normal"], default="dummy",
                     help="normal: vLLM's weights drawn again in pagedgen's distribution")
     ap.add_argument("--top", type=int, default=TOP, help="the heaviest kernels listed")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="pagedgen's engine config changed (e.g. batch_invariant=true)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    runs = {"pagedgen": lambda w, q: pagedgen_run(w, q, args.top),
+    from benchmarks.common import parse_overrides
+    overrides = parse_overrides(args.set)
+    runs = {"pagedgen": lambda w, q: pagedgen_run(w, q, args.top, overrides),
             "vllm": lambda w, q: vllm_run(w, q, args.vllm_weights, args.top)}
     rows = []
     for system in args.systems.split(","):
