@@ -34,14 +34,16 @@ _SCOPE_GROUP = {"attention": "attention", "normalization": "normalization",
                 "vision_encoder": "vision encoder"}
 _NAME_RULES = [  # (group, pattern) tried in order on kernel names
     ("all-reduce", re.compile(r"nccl|all_?reduce|all_?gather|cross_device", re.I)),
-    ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy", re.I)),
+    ("KV-cache write", re.compile(r"reshape_and_cache|append_paged_kv|index_copy|write_kv",
+                                  re.I)),
     # ours (attention/recurrent/triton_kernels.py) and flash-linear-attention's chunked ones
     # (and vLLM's: FlashInfer's GDN prefill, its fla copy, causal-conv1d)
     ("linear attention", re.compile(r"gated_delta|delta_rule|gdn|causal_conv1d|conv_kernel|"
                                     r"conv_state_kernel|chunk_fwd|chunk_local_cumsum|"
                                     r"solve_tril|recompute_w_u|kkt|l2norm", re.I)),
-    ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel",
-                             re.I)),
+    # ... and the triton backend's (attention/ops/triton_kernels.py), unscoped in graphs
+    ("attention", re.compile(r"flashinfer|fmha|flash|attention|attn|paged_att|decode_kernel|"
+                             r"prefill_kernel|merge_kernel", re.I)),
     ("FP8 GEMM", re.compile(r"scaled_gemm|_quant_kernel|e4m3|fp8_?gemm|f8f8", re.I)),
     ("MoE", re.compile(r"grouped_gemm|moe|matmul_ogs|_reduce_grouped", re.I)),  # triton_kernels
     ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|\bmm\b|splitk|Kernel2", re.I)),
