@@ -73,7 +73,7 @@ def test_smollm2_in_the_mode_gets_what_it_gets_alone_and_other_bits_without(dtyp
 
 
 @pytest.mark.parametrize("field,value,said", [
-    ("tensor_parallel_size", 2, "one GPU"), ("quantization", "fp8", "unquantized"),
+    ("tensor_parallel_size", 4, "one GPU or 2"), ("quantization", "fp8", "unquantized"),
     ("backend", "sdpa", "triton or eager backend, not sdpa")])
 def test_what_the_mode_cannot_keep_invariant_is_one_line(field, value, said):
     with pytest.raises(PagedgenError, match=said):
@@ -106,9 +106,10 @@ def test_without_the_mode_a_moe_model_gets_other_bits(tmp_path):
     assert not got["after preemptions"].passed and not got["sampled with a seed"].passed, got
 
 
-def test_quantized_experts_are_refused_in_one_line():
+def test_quantized_experts_and_moe_under_tp_are_refused_in_one_line():
     """A checkpoint's own format (here MXFP4 experts, as gpt-oss ships) picks its kernels'
-    tiles by the token count: the mode names it instead of running it unchecked."""
+    tiles by the token count: the mode names it instead of running it unchecked; so is a MoE
+    model under -tp (a token's experts would add across ranks)."""
     from types import SimpleNamespace
 
     from pagedgen.runtime.collectives.parallel import TensorParallel
@@ -116,11 +117,14 @@ def test_quantized_experts_are_refused_in_one_line():
     from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
     from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
 
-    def runner(method):
+    def runner(method, tp: int = 1):
         model = torch.nn.Sequential(FusedMoE(4, 2, 64, 64, TensorParallel(), method=method))
-        return SimpleNamespace(model=model, recurrent=None, attn_states=[])
+        return SimpleNamespace(model=model, recurrent=None, attn_states=[],
+                               tp=TensorParallel(size=tp))
     with pytest.raises(PagedgenError, match="unquantized weights only .*Mxfp4Moe"):
         batch_invariant.apply(runner(Mxfp4Moe()))
+    with pytest.raises(PagedgenError, match="MoE models on one GPU only"):
+        batch_invariant.apply(runner(UnquantizedMoe(), tp=2))
     dense = runner(UnquantizedMoe())
     batch_invariant.apply(dense)
     assert dense.model[0].batch_invariant
@@ -258,6 +262,35 @@ def test_the_mode_writes_each_line_as_run_alone_and_as_resumed(tmp_path):
     assert _generate(src, tmp_path / "b0.jsonl", "--backend", "eager", "--max-num-seqs",
                      "4") != _generate(src, tmp_path / "a0.jsonl", "--backend", "eager",
                                        "--max-num-seqs", "1")
+
+
+def test_a_row_parallel_gemm_on_one_rank_gives_two_ranks_all_reduced_bits():
+    """In the mode a row-parallel GEMM on one GPU sums K's halves as -tp 2's ranks do: each
+    half's product rounded, then added, which is what an all-reduce of two gives in either
+    order; one K loop over the whole rounds elsewhere."""
+    from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
+
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(5, 96, generator=g).to(dtype)
+        w = torch.randn(40, 96, generator=g).to(dtype)
+        ranks = [invariant_linear(x[:, :48], w[:, :48]), invariant_linear(x[:, 48:], w[:, 48:])]
+        one = invariant_linear(x, w, k_parts=2)
+        assert torch.equal(one, ranks[0] + ranks[1]) and torch.equal(one, ranks[1] + ranks[0])
+        assert not torch.equal(invariant_linear(x, w), one), dtype
+
+
+@pytest.mark.process
+def test_tp2_in_the_mode_writes_the_tp1_file(tmp_path):
+    """``-tp 2`` over gloo in the mode: the bytes one process writes (token ids and
+    log-probabilities); without the mode the ranks' sums move the log-probabilities."""
+    src = _lines(tmp_path / "p.jsonl")
+    mode = ["--batch-invariant", "--max-num-seqs", "4"]
+    assert _generate(src, tmp_path / "tp2.jsonl", *mode, "-tp", "2") == \
+        _generate(src, tmp_path / "tp1.jsonl", *mode)
+    plain = ["--backend", "eager", "--max-num-seqs", "4"]
+    assert _generate(src, tmp_path / "tp2-off.jsonl", *plain, "-tp", "2") != \
+        _generate(src, tmp_path / "tp1-off.jsonl", *plain)
 
 
 @pytest.mark.process

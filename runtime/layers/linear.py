@@ -27,6 +27,7 @@ from pagedgen.runtime.collectives.sharding import Segment, split
 from pagedgen.runtime.quantization import QuantizationMethod, get_method
 from pagedgen.runtime.quantization.dense_gemm import linear
 from pagedgen.runtime.quantization.fp8.kernels import QuantizedActivations
+from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 
@@ -99,6 +100,7 @@ class MergedProjections:
     gate of one row) each cost a launch and a wave of their own otherwise."""
 
     ALIGN = 8
+    batch_invariant = False  # the GEMM in invariant tiles (invariant_gemm.py), as the layers'
 
     @classmethod
     def layout(cls, widths: Iterable[int]) -> tuple[list[int], int]:
@@ -133,5 +135,5 @@ class MergedProjections:
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each layer's output ([T, its features]: views of one GEMM's output)."""
-        y = linear(x, self.weight)
+        y = (invariant_linear if self.batch_invariant else linear)(x, self.weight)
         return [y[..., start:start + size] for start, size in self.parts]

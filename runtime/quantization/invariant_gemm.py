@@ -123,10 +123,25 @@ def tiles_for(m: int, device: torch.device, dtype: torch.dtype) -> Tiles:
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, tiles: bool | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, tiles: bool | None = None,
+                     k_parts: int = 1) -> torch.Tensor:
     """``x W^T (+ b)`` in invariant tiles on a GPU, a row at a time on a CPU (``x``: [..., K],
     ``weight``: [N, K]); into ``out`` ([rows, N]) when given. ``tiles`` forces the tiled
-    kernel (Triton's interpreter on a CPU: the tests)."""
+    kernel (Triton's interpreter on a CPU: the tests). ``k_parts`` 2: the products of K's two
+    halves, each rounded to ``x``'s dtype, then added: the bits two tensor-parallel ranks'
+    partial sums give once all-reduced (``round(p0 + p1)`` in any order)."""
+    if k_parts == 2:
+        half = x.shape[-1] // 2
+        y = invariant_linear(x[..., :half], weight[:, :half], None, None, tiles)
+        y += invariant_linear(x[..., half:], weight[:, half:], None, None, tiles)
+        if bias is not None:
+            y += bias
+        if out is not None:
+            out.copy_(y.reshape(out.shape))
+            return out.view(y.shape)
+        return y
+    if k_parts != 1:
+        raise ValueError(f"k_parts is 1 or 2, not {k_parts}")
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if not (x.is_cuda if tiles is None else tiles):

@@ -13,6 +13,7 @@ from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 class Unquantized(QuantizationMethod):
     name = "none"
     batch_invariant = False  # the GEMM in invariant tiles (invariant_gemm.py)
+    k_parts = 1  # ... K in two halves summed after (a row-parallel layer's, in the mode)
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        bias: bool) -> None:
@@ -23,7 +24,7 @@ class Unquantized(QuantizationMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
               out: torch.Tensor | None = None) -> torch.Tensor:
         if self.batch_invariant:
-            return invariant_linear(x, layer.weight, bias, out)
+            return invariant_linear(x, layer.weight, bias, out, k_parts=self.k_parts)
         if out is None:
             return linear(x, layer.weight, bias)
         return torch.mm(x, layer.weight.t(), out=out)

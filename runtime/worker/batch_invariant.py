@@ -22,7 +22,9 @@ sums its K in the same order wherever it sits; the plan's per-count tiles would 
 token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
 is one program's per row on a GPU in every run (``sampling/logprobs.py``). What it does not
 cover yet is refused in one line: linear-attention layers, quantized weights
-(``--quantization`` or a checkpoint's FP8 or MXFP4), more than one GPU.
+(``--quantization`` or a checkpoint's FP8 or MXFP4), more than two GPUs, MoE under -tp.
+-tp 2 gives -tp 1's bits: a row-parallel GEMM sums its K in halves on one GPU as two ranks
+do, and no all-reduce is fused with the norm after it (``INVARIANT_TP``).
 """
 
 from __future__ import annotations
@@ -33,19 +35,27 @@ from typing import Any
 from pagedgen.attention.registry import unavailable_reason
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
+from pagedgen.runtime.layers.linear import MergedProjections, RowParallelLinear
 from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 WHAT = "--batch-invariant"
+# -tp 1 and -tp 2 give the same bits: a row-parallel GEMM (o_proj, down_proj) sums its K in the
+# two halves two ranks hold, each half's product rounded, then added (``round(p0 + p1)``, what
+# an all-reduce of two gives in any order); its bias after
+INVARIANT_TP = 2
 BACKENDS = ("triton", "eager")  # what keeps a token's attention invariant (auto: triton on a
 # GPU, eager on a CPU, where triton's kernels run in its interpreter)
+
+
 def summary(backend: str, graphs: bool) -> str:
     """What the summary says of a run in the mode on ``backend``: the kernels it ran, and
     whether it ran CUDA graphs."""
     attention = ("each query row alone on eager's" if backend == "eager"
                  else f"every token through {backend}'s prefill kernel")
     return (f"on: {attention}, dense GEMMs in invariant tiles (quantization/invariant_gemm.py), "
-            f"MoE experts in one tile, no cascade decode, "
+            f"MoE experts in one tile, row-parallel GEMMs in K halves (-tp 1 and 2 alike), "
+            "no cascade decode, "
             f"{'CUDA graphs' if graphs else 'no CUDA graphs'}")
 
 
@@ -54,8 +64,9 @@ def prepared(config: EngineConfig) -> EngineConfig:
     PagedgenError for a setting it cannot keep invariant; unchanged without the mode."""
     if not config.batch_invariant:
         return config
-    for bad, why in ((config.tensor_parallel_size > 1, "runs on one GPU (its all-reduce order "
-                                                       "would follow the degree)"),
+    for bad, why in ((config.tensor_parallel_size > INVARIANT_TP,
+                      f"runs on one GPU or {INVARIANT_TP} (-tp {INVARIANT_TP}: more ranks' "
+                      "all-reduce would add their partial sums in an order of their own)"),
                      (config.quantization is not None, "runs unquantized weights only"),
                      (config.backend not in ("auto", *BACKENDS),
                       f"runs on the triton or eager backend, not {config.backend}")):
@@ -86,8 +97,17 @@ def apply(runner: Any) -> None:
     if quantized:  # a checkpoint's own format (FP8, MXFP4 experts): its kernels pick tiles
         raise PagedgenError(f"{WHAT} runs unquantized weights only (this checkpoint's are "
                             f"{', '.join(quantized)})")
-    # what has a ``batch_invariant`` switch: dense linear methods, the LM head, MoE experts,
-    # the gated activations (a row at a time on a CPU), the attention states
-    for obj in [*modules, *methods, *runner.attn_states]:
+    if runner.tp.size > 1 and any(isinstance(m, MoeMethod) for m in methods):
+        raise PagedgenError(f"{WHAT} runs MoE models on one GPU only (under -tp a token's "
+                            "experts would add across ranks in another order)")
+    for layer in modules:
+        if isinstance(layer, RowParallelLinear):
+            layer.quant_method.k_parts = INVARIANT_TP // runner.tp.size
+    # what has a ``batch_invariant`` switch: dense linear methods, projections merged into one
+    # GEMM (a MoE block's router and shared expert), the LM head, MoE experts, the gated
+    # activations (a row at a time on a CPU), the attention states
+    merged = [m.merged for m in modules
+              if isinstance(getattr(m, "merged", None), MergedProjections)]
+    for obj in [*modules, *methods, *merged, *runner.attn_states]:
         if hasattr(obj, "batch_invariant"):
             obj.batch_invariant = True

@@ -98,7 +98,9 @@ class ModelRunner:
         self.fused_kernels = (config.fused_kernels
                               and fused_ops.unavailable_reason(self.device) is None)
         self.model.use_fused_kernels(self.fused_kernels)
-        self.model.defer_all_reduces()  # -tp: each all-reduce in the RMSNorm after it
+        if not config.batch_invariant:  # -tp: each all-reduce in the RMSNorm after it (the
+            # mode's stay apart: one kernel's sum, add and norm rounds less than one GPU's)
+            self.model.defer_all_reduces()
         # a backend state per KV group (its own plans and graph buffers over its page tables)
         self.attn_states = [b.get_state_cls()(
             b, [self.specs[i] for i in g.layers], self.block_size, self.dtype,
