@@ -2,8 +2,9 @@
 
 For each row count M, each linear layer of the profile (qkv, o, gate_up, down, the LM head)
 through cuBLAS (``F.linear``) and through the invariant GEMM in each tile of its ``PLAN``
-(``runtime/quantization/invariant_gemm.py``), timed over eager calls: TFLOP/s, and the plan's
-choice against cuBLAS. Then whether each tile gives the first tile's bits on every shape (the
+(``runtime/quantization/invariant_gemm.py``) and of ``--tiles`` (candidates for it:
+ROWSxCOLSxWARPSxSTAGES), timed over eager calls: TFLOP/s, and the plan's choice against
+cuBLAS. Then whether each tile gives the first tile's bits on every shape (the
 plan mixes tiles by M only where they do: ``plan_for``) and which plan this device keeps.
 
     python -m benchmarks.invariant_gemm --profile llama-3-8b --json $OUT/invariant-gemm.json
@@ -21,7 +22,18 @@ import torch
 from benchmarks.common import event_ms, print_table
 from benchmarks.fp8_gemm import shapes
 from pagedgen.runtime.models.loader import resolve_model
-from pagedgen.runtime.quantization.invariant_gemm import PLAN, plan_for, tiled_linear, tiles_for
+from pagedgen.runtime.quantization.invariant_gemm import (
+    PLAN,
+    Tiles,
+    plan_for,
+    tiled_linear,
+    tiles_for,
+)
+
+
+def candidates(text: str) -> list[Tiles]:
+    """``--tiles``: "128x256x8x3,..." as Tiles (rows, columns, warps, stages)."""
+    return [Tiles(*map(int, t.split("x"))) for t in text.split(",") if t]
 
 
 def main() -> None:
@@ -29,6 +41,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--profile", default="llama-3-8b")
     ap.add_argument("--m", default="1,16,64,256,512,2048,8192")
+    ap.add_argument("--tiles", default="",
+                    help="more tiles to time, ROWSxCOLSxWARPSxSTAGES (128x256x8x3,...)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -36,7 +50,9 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     layers = shapes(args.profile) | {"lm_head": (resolve_model(args.profile).hf_config.vocab_size,
                                                  shapes(args.profile)["o"][0])}
-    names = [f"{t.block_m}x{t.block_n}" for _, t in PLAN]
+    tiles = [t for _, t in PLAN] + candidates(args.tiles)
+    names = [f"{t.block_m}x{t.block_n}" + (f"x{t.warps}x{t.stages}" if i >= len(PLAN) else "")
+             for i, t in enumerate(tiles)]
     rows, same = [], {}
     ms = [int(m) for m in args.m.split(",")]
     for layer, (n, k) in layers.items():
@@ -45,13 +61,13 @@ def main() -> None:
         out = torch.empty(max(ms), n, device=dev, dtype=dt)
         first = tiled_linear(x, w, None, out.clone(), PLAN[0][1])
         same[layer] = {nm: torch.equal(first, tiled_linear(x, w, None, out.clone(), t))
-                       for nm, (_, t) in zip(names, PLAN)}
+                       for nm, t in zip(names, tiles)}
         for m in ms:
             xm, om = x[:m], out[:m]
             flop = 2 * m * n * k
             r = {"layer": layer, "m": m, "n": n, "k": k,
                  "cublas_tflops": flop / event_ms(lambda: torch.nn.functional.linear(xm, w)) / 1e9}
-            for nm, (_, t) in zip(names, PLAN):
+            for nm, t in zip(names, tiles):
                 r[f"{nm}_tflops"] = flop / event_ms(lambda: tiled_linear(xm, w, None, om, t)) / 1e9
             chosen = tiles_for(m, dev, dt)
             r["plan"] = f"{chosen.block_m}x{chosen.block_n}"
