@@ -73,13 +73,19 @@ def test_smollm2_in_the_mode_gets_what_it_gets_alone_and_other_bits_without(dtyp
 
 
 @pytest.mark.parametrize("field,value,said", [
-    ("tensor_parallel_size", 4, "one GPU or 2"), ("quantization", "fp8", "unquantized"),
+    ("tensor_parallel_size", 4, "one GPU or 2"),
     ("backend", "sdpa", "triton or eager backend, not sdpa")])
 def test_what_the_mode_cannot_keep_invariant_is_one_line(field, value, said):
     with pytest.raises(PagedgenError, match=said):
         batch_invariant.prepared(EngineConfig(batch_invariant=True, **{field: value}))
     assert batch_invariant.prepared(EngineConfig(**{field: value})).backend == \
         EngineConfig(**{field: value}).backend  # the mode off: unchanged
+
+
+def test_fp8_weights_under_tp_are_refused_in_one_line():
+    with pytest.raises(PagedgenError, match="FP8 weights on one GPU only"):
+        batch_invariant.prepared(EngineConfig(batch_invariant=True, quantization="fp8",
+                                              tensor_parallel_size=2))
 
 
 def _moe_rows(tmp_path, invariant: bool) -> dict[str, ic.Row]:
@@ -121,7 +127,7 @@ def test_quantized_experts_and_moe_under_tp_are_refused_in_one_line():
         model = torch.nn.Sequential(FusedMoE(4, 2, 64, 64, TensorParallel(), method=method))
         return SimpleNamespace(model=model, recurrent=None, attn_states=[],
                                tp=TensorParallel(size=tp))
-    with pytest.raises(PagedgenError, match="unquantized weights only .*Mxfp4Moe"):
+    with pytest.raises(PagedgenError, match="and FP8 linear layers only .*Mxfp4Moe"):
         batch_invariant.apply(runner(Mxfp4Moe()))
     with pytest.raises(PagedgenError, match="MoE models on one GPU only"):
         batch_invariant.apply(runner(UnquantizedMoe(), tp=2))
@@ -278,6 +284,19 @@ def test_a_row_parallel_gemm_on_one_rank_gives_two_ranks_all_reduced_bits():
         one = invariant_linear(x, w, k_parts=2)
         assert torch.equal(one, ranks[0] + ranks[1]) and torch.equal(one, ranks[1] + ranks[0])
         assert not torch.equal(invariant_linear(x, w), one), dtype
+
+
+def test_fp8_weights_in_the_mode_write_each_line_as_run_alone(tmp_path):
+    """``--quantization fp8`` in the mode: lines in batches of 4 give the bytes they give one
+    at a time; without the mode the batch moves the log-probabilities."""
+    src = _lines(tmp_path / "p.jsonl")
+    fp8 = ["--quantization", "fp8"]
+    mode = [*fp8, "--batch-invariant"]
+    assert _generate(src, tmp_path / "b.jsonl", *mode, "--max-num-seqs", "4") == \
+        _generate(src, tmp_path / "a.jsonl", *mode, "--max-num-seqs", "1")
+    assert _generate(src, tmp_path / "b0.jsonl", *fp8, "--backend", "eager",
+                     "--max-num-seqs", "4") != \
+        _generate(src, tmp_path / "a0.jsonl", *fp8, "--backend", "eager", "--max-num-seqs", "1")
 
 
 @pytest.mark.process

@@ -96,7 +96,7 @@ def verify(
         if batch_invariance:  # these checks alone
             from pagedgen.cli.verify.invariance_checks import plan_invariance
             plans = [plan_invariance(dev, model, dtype, "auto" if backend == "all" else backend,
-                                     cases, steps, seed)]
+                                     cases, steps, seed, quantization)]
         elif quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
         if dev.type == "cuda" and backend == "all" and not model_only and not batch_invariance:

@@ -21,8 +21,10 @@ MoE experts run the grouped GEMM in one tile for every token count on a GPU (a t
 sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
 token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
 is one program's per row on a GPU in every run (``sampling/logprobs.py``). What it does not
-cover yet is refused in one line: linear-attention layers, quantized weights
-(``--quantization`` or a checkpoint's FP8 or MXFP4), more than two GPUs, MoE under -tp.
+cover yet is refused in one line: linear-attention layers, quantized experts (FP8 or MXFP4),
+more than two GPUs, MoE or FP8 weights under -tp. FP8 linear layers (``--quantization fp8``
+or a checkpoint's) run bf16 activations times the e4m3 weight in one tile on a GPU
+(``fp8/scheme.py``'s ``invariant_fp8``).
 -tp 2 gives -tp 1's bits: a row-parallel GEMM sums its K in halves on one GPU as two ranks
 do, and no all-reduce is fused with the norm after it (``INVARIANT_TP``).
 """
@@ -37,6 +39,7 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.layers.linear import MergedProjections, RowParallelLinear
 from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
+from pagedgen.runtime.quantization.fp8.scheme import Fp8
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 WHAT = "--batch-invariant"
@@ -67,7 +70,10 @@ def prepared(config: EngineConfig) -> EngineConfig:
     for bad, why in ((config.tensor_parallel_size > INVARIANT_TP,
                       f"runs on one GPU or {INVARIANT_TP} (-tp {INVARIANT_TP}: more ranks' "
                       "all-reduce would add their partial sums in an order of their own)"),
-                     (config.quantization is not None, "runs unquantized weights only"),
+                     (config.quantization not in (None, "fp8"),
+                      "runs unquantized or FP8 weights only"),
+                     (config.quantization is not None and config.tensor_parallel_size > 1,
+                      "runs FP8 weights on one GPU only"),
                      (config.backend not in ("auto", *BACKENDS),
                       f"runs on the triton or eager backend, not {config.backend}")):
         if bad:
@@ -93,10 +99,12 @@ def apply(runner: Any) -> None:
                for m in (getattr(mod, "quant_method", None), getattr(mod, "method", None))
                if isinstance(m, QuantizationMethod | MoeMethod)]
     quantized = sorted({type(m).__name__ for m in methods
-                        if not isinstance(m, Unquantized | UnquantizedMoe)})
-    if quantized:  # a checkpoint's own format (FP8, MXFP4 experts): its kernels pick tiles
-        raise PagedgenError(f"{WHAT} runs unquantized weights only (this checkpoint's are "
-                            f"{', '.join(quantized)})")
+                        if not isinstance(m, Unquantized | UnquantizedMoe | Fp8)})
+    if quantized:  # a format whose kernels pick tiles by the row count (MXFP4 or FP8 experts)
+        raise PagedgenError(f"{WHAT} runs unquantized weights and FP8 linear layers only (this "
+                            f"checkpoint's are {', '.join(quantized)})")
+    if runner.tp.size > 1 and any(isinstance(m, Fp8) for m in methods):
+        raise PagedgenError(f"{WHAT} runs FP8 weights on one GPU only")
     if runner.tp.size > 1 and any(isinstance(m, MoeMethod) for m in methods):
         raise PagedgenError(f"{WHAT} runs MoE models on one GPU only (under -tp a token's "
                             "experts would add across ranks in another order)")

@@ -39,6 +39,7 @@ from pagedgen.runtime.quantization.fp8.gemm import (
     run_gemm,
     run_quantized,
 )
+from pagedgen.runtime.quantization.invariant_gemm import invariant_linear
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ ENV_FUSED_INPUT = envs.FP8_FUSED_INPUT.name
 
 class Fp8(QuantizationMethod):
     name: ClassVar[str] = "fp8"
+    # --batch-invariant: bf16 activations times the e4m3 weight in one tile for every M on a
+    # GPU (``INVARIANT_TILE``: its K loop in one order whatever the rows), the weight
+    # dequantized and a row at a time on a CPU (``invariant_linear``); no activation
+    # quantization (a per-tensor static scale would be the batch's, and the plan's per-M
+    # kernels sum K in orders of their own)
+    batch_invariant = False
 
     def __init__(self, scheme: Fp8Scheme = ONLINE) -> None:
         self.scheme = scheme
@@ -142,15 +149,17 @@ class Fp8(QuantizationMethod):
         """Per-token dynamic activations into a kernel that quantizes them: the norm or
         activation before may deliver them quantized (saving a kernel and a pass)."""
         plan = layer.gemm_plan
-        return (plan is not None and layer.fused_input and self.group_k is None
-                and not self.scheme.static_input
+        return (plan is not None and not self.batch_invariant and layer.fused_input
+                and self.group_k is None and not self.scheme.static_input
                 and plan.choose(m).split("/")[0] in QUANTIZED_INPUT)
 
     def apply(self, layer: nn.Module, x: torch.Tensor | k.QuantizedActivations,
               bias: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
         plan = layer.gemm_plan  # None: CPU, where the weights are dequantized
         with scope("fp8_gemm"):
-            if isinstance(x, k.QuantizedActivations):  # quantized by the norm or SwiGLU
+            if self.batch_invariant and not isinstance(x, k.QuantizedActivations):
+                y = invariant_fp8(layer, x, self.group_k)
+            elif isinstance(x, k.QuantizedActivations):  # quantized by the norm or SwiGLU
                 y = run_quantized(plan.choose(x.q.shape[0]), layer, x)
             else:
                 shape = x.shape
@@ -161,6 +170,23 @@ class Fp8(QuantizationMethod):
         if bias is not None:
             y = y + bias
         return out.copy_(y) if out is not None else y
+
+
+INVARIANT_TILE = "64x64x128"  # --batch-invariant's tile for every M (kernels.TILES)
+
+
+def invariant_fp8(layer: nn.Module, x: torch.Tensor, group_k: int | None) -> torch.Tensor:
+    """``x W^T`` for --batch-invariant: each row's bits its own whatever the other rows
+    (``Fp8.batch_invariant``)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    if x.is_cuda and k.HAVE_TRITON:
+        y = k.scaled_gemm(x2.contiguous(), None, layer.weight, layer.weight_scale, x.dtype,
+                          group_k, INVARIANT_TILE)
+    else:
+        y = invariant_linear(x2, k.dequantize(layer.weight, layer.weight_scale, x.dtype,
+                                              group_k))
+    return y.reshape(*shape[:-1], y.shape[-1])
 
 
 def load_weight(scheme: Fp8Scheme, weight: torch.Tensor, scales: torch.Tensor, shard: Shard,
