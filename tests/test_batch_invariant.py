@@ -223,13 +223,15 @@ def test_a_decode_steps_tiles_follow_the_chunk_rule_and_land_in_the_graphs_buffe
 
 
 @pytest.mark.gpu
-def test_the_mode_passes_its_checks_on_a_gpu():
-    """The six checks in the mode on CUDA (bf16, the tiny preset): all bitwise, decode steps
-    in CUDA graphs and eagerly."""
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_mode_passes_its_checks_on_a_gpu(quantization):
+    """The six checks in the mode on CUDA (bf16, the tiny preset, and with FP8 weights): all
+    bitwise, decode steps in CUDA graphs and eagerly."""
     args = (torch.device("cuda"), "tiny", "bfloat16", "auto", 8, 0)
-    got = [ic.check_batches(*args, 4, True, most=31), ic.check_prefix_cache(*args),
-           ic.check_chunks(*args), ic.check_preemption(*args), ic.check_seeded_sampling(*args),
-           ic.check_graphs(*args, 3)]
+    q = {"quantization": quantization}
+    got = [ic.check_batches(*args, 4, True, most=31, **q), ic.check_prefix_cache(*args, **q),
+           ic.check_chunks(*args, **q), ic.check_preemption(*args, **q),
+           ic.check_seeded_sampling(*args, **q), ic.check_graphs(*args, 3, **q)]
     print([(r.group, r.detail, r.worst_abs) for r in got])
     assert all(r.passed for r in got), got
 
