@@ -27,6 +27,7 @@ Where vLLM lives: the current environment if it imports there, else ``$PAGEDGEN_
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -68,8 +69,8 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
              engine: dict[str, Any], repeats: int = 3, timeout: float = 590.0,
              requests: dict[str, Any] | None = None, tokenizer_dir: Path | None = None,
              sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
-             profile_dir: Path | None = None, weights: tuple[str, ...] = ("dummy",)
-             ) -> dict[str, Any]:
+             profile_dir: Path | None = None, weights: tuple[str, ...] = ("dummy",),
+             checkpoint: Path | None = None) -> dict[str, Any]:
     """Run the workload on vLLM; ``{"skipped": reason}`` when vLLM is not installed.
     ``workload``: a name in workloads.py, or a Workload's fields (``num_prompts``,
     ``input_len``, ``output_len``), or a list of them run on one engine (each run says its
@@ -78,7 +79,10 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
     With ``tensor_parallel_size`` > 1 in ``engine`` vLLM's own worker processes start, with
     NVLink multicast off in each (``NO_MULTICAST``). With ``profile_dir``, the last run runs
     under vLLM's torch profiler, its workers' traces written there (``*.pt.trace.json.gz``).
-    ``weights``: "dummy" (vLLM's) and/or "normal" (pagedgen's distribution), in that order."""
+    ``weights``: "dummy" (vLLM's) and/or "normal" (pagedgen's distribution), in that order.
+    ``checkpoint``: a checkpoint folder (config, tokenizer, processor; no weights) taken whole
+    instead of ``hf_config``'s; ``workload`` then names an image workload
+    (``image_workloads.py``: each request an image, as ``multi_modal_data``)."""
     if list(weights) not in (["dummy"], ["normal"], ["dummy", "normal"]):
         raise ValueError(f"vLLM's weight sets run as dummy, normal or dummy,normal, not "
                          f"{','.join(weights)} (its dummy weights are gone once drawn again)")
@@ -87,16 +91,22 @@ def run_vllm(workload: str | dict[str, Any] | list, num_prompts: int | None, hf_
         return {"skipped": NOT_INSTALLED}
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
-        cfg, more = peer_checkpoint(model, hf_config)
+        if checkpoint is not None:
+            shutil.copytree(checkpoint, model)
+            cfg = json.loads((model / "config.json").read_text())
+        else:
+            cfg, more = peer_checkpoint(model, hf_config)
+            engine = {**engine, **more}
         vocab = cfg.get("text_config", cfg)["vocab_size"]
-        engine = {**engine, **more}
         if tokenizer_dir is not None:
             for f in Path(tokenizer_dir).iterdir():
                 if f.name != "config.json" and f.is_file():
                     (model / f.name).write_bytes(f.read_bytes())
         spec = {"model": str(model), "workload": workload, "num_prompts": num_prompts,
                 "vocab": vocab, "engine": engine, "repeats": repeats,
-                "requests": requests, "tokenizer": tokenizer_dir is not None,
+                "requests": requests,
+                "tokenizer": tokenizer_dir is not None or checkpoint is not None,
+                "images": checkpoint is not None,
                 "sampling": sampling or {},
                 "profile_dir": str(Path(profile_dir).resolve()) if profile_dir else None,
                 "weights": list(weights)}
@@ -167,9 +177,19 @@ def _worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     given = spec.get("requests")
-    jobs = []  # (workload label, prompts, output lengths, variants, temperature, n)
+    # (workload label, prompts, output lengths, variants, temperature, n, each request's
+    # multi_modal_data or None)
+    jobs = []
     if given:  # each variant: every request's schema or None
-        jobs.append(("", given["prompts"], given["outs"], given["variants"], 0.0, 1))
+        jobs.append(("", given["prompts"], given["outs"], given["variants"], 0.0, 1,
+                     [None] * len(given["prompts"])))
+    elif spec.get("images"):  # an image workload: the same ids and pixels as pagedgen's
+        from benchmarks.image_workloads import image_workload
+        iw = image_workload(spec["workload"], spec["num_prompts"])
+        prompts, outs, numbers = iw.requests(spec["vocab"])
+        pixels = {k: iw.image(k) for k in sorted(set(numbers))}
+        jobs.append((spec["workload"], prompts, outs, {"": [None] * len(prompts)}, 0.0, 1,
+                     [{"image": pixels[k]} for k in numbers]))
     else:
         names = spec["workload"] if isinstance(spec["workload"], list) else [spec["workload"]]
         for name in names:
@@ -177,7 +197,8 @@ def _worker(spec_path: str, out_path: str) -> None:
                 "custom", **{k: tuple(v) if isinstance(v, list) else v for k, v in name.items()})
             prompts, outs = wl.requests(spec["vocab"])
             jobs.append((name if isinstance(name, str) else f"{wl.num_prompts} prompts",
-                         prompts, outs, {"": [None] * len(prompts)}, wl.temperature, wl.n))
+                         prompts, outs, {"": [None] * len(prompts)}, wl.temperature, wl.n,
+                         [None] * len(prompts)))
     # SamplingParams fields for every request: one set, or a list of sets run one after another
     samplings = spec.get("sampling") or {}
     samplings = samplings if isinstance(samplings, list) else [samplings]
@@ -233,8 +254,10 @@ def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict
         profiled = profile_last and repeat == spec["repeats"] - 1
         if profiled:
             llm.start_profile()
-        for label, prompts, outs, variants, temperature, n in jobs:
-            inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for label, prompts, outs, variants, temperature, n, media in jobs:
+            inputs = [TokensPrompt(prompt_token_ids=p, **({"multi_modal_data": m} if m else {}))
+                      for p, m in zip(prompts, media)]
+            images = sum(m is not None for m in media)
             for variant, schemas in variants.items():
                 for k_opts, sampling in enumerate(samplings):
                     opts = {"detokenize": bool(given), **sampling}
@@ -244,12 +267,16 @@ def _timed_runs(llm: Any, spec: dict[str, Any], jobs: list, samplings: list[dict
                                                   **opts, **structured(s))
                               for i, (k, s) in enumerate(zip(outs, schemas))]
                     llm.reset_prefix_cache()  # every run starts cold, as the first
+                    if images:  # its processed images too
+                        llm.reset_mm_cache()
                     t = time.perf_counter()
                     results = llm.generate(inputs, params, use_tqdm=False)
                     wall = time.perf_counter() - t
                     tokens = sum(len(o.token_ids) for r in results for o in r.outputs)
                     record({"wall_time_s": wall, "output_tokens": tokens,
                             "output_tokens_per_s": tokens / wall, "variant": variant,
+                            **({"images": images, "images_per_s": images / wall}
+                               if images else {}),
                             "workload": label, "sampling": k_opts, "weights": weights,
                             **output_spread([list(o.token_ids) for r in results
                                              for o in r.outputs]),

@@ -462,10 +462,13 @@ class Engine:
         return seqs
 
     def reset_prefix_cache(self, enabled: bool | None = None) -> None:
-        """Forget every cached block (between runs, none in flight); ``enabled``: caching."""
+        """Forget every cached block and image embedding (between runs, none in flight);
+        ``enabled``: caching."""
         if self.has_unfinished():
             raise RuntimeError("reset_prefix_cache with requests in flight")
         self.block_manager.reset_prefix_cache()
+        if self.runner.images is not None:
+            self.runner.images.forget()
         if enabled is not None:
             self.block_manager.prefix_caching = enabled
 

@@ -51,6 +51,11 @@ class ImageEncoder:
         self.pixel_wait_s = 0.0  # the step loop waiting for pixels not made ahead
         self._timings: list[Any] = []  # the tower's runs: (start, end) events, or seconds
 
+    def forget(self) -> None:
+        """Drop every cached embedding (between benchmark runs: each starts cold)."""
+        self.cache.clear()
+        self.cache_bytes = 0
+
     def prefetch(self, images: Any) -> None:
         """Start patching ``images``' (a ``MultiModalPrompt``'s) images not encoded yet."""
         for im in images.images:

@@ -1,0 +1,168 @@
+"""Images in batch, pagedgen against vLLM (issue 96): a Qwen3.5 multimodal checkpoint at a
+preset's language-model shapes with the published vision tower, dummy weights in both systems
+(vLLM's drawn again in pagedgen's distribution), the requests of an image workload
+(``image_workloads.py``: the same token ids and pixels in both), each system at its defaults.
+
+The checkpoint folder holds no weights: ``config.json`` (the preset's text config under
+``text_config``, transformers' Qwen3.5 vision config with its output as wide as the text
+model, the image tokens at Qwen's ids), a word-level tokenizer of the text model's vocabulary
+holding the image tokens, and Qwen's processor (image processor at Qwen3.5's published pixel
+bounds; a video processor, which vLLM's processor takes). Both systems get PIL images, a token
+prompt with one image placeholder, EOS ignored, greedy; each run starts cold (prefix caches and
+pagedgen's image-embedding cache forgotten).
+
+    python -m benchmarks.images --preset qwen3.5-9b --workload i --num-prompts 500 \\
+        --json $OUT/images.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.image_workloads import SPECIAL, ImageWorkload, image_workload
+
+# Qwen3.5's image processor (the published preprocessor_config.json): patches of 16 merged
+# 2 x 2, pixels between these bounds
+PIXELS = {"shortest_edge": 65536, "longest_edge": 16777216}
+
+
+def write_checkpoint(folder: Path, preset: str, vision: dict[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """The multimodal checkpoint folder of ``preset`` (a Qwen3.5 text preset, or a text
+    checkpoint folder) at ``folder`` (made); ``vision``: fields of the vision config other
+    than the published ones (the tests' small tower). Returns its config."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models
+
+    from pagedgen.cli.bench.peer import peer_config
+    from pagedgen.runtime.models.loader import resolve_model
+
+    hf = resolve_model(preset).hf_config
+    cfg, _ = peer_config(hf)  # the text config as vLLM's multimodal outer config holds it
+    text = cfg["text_config"]
+    cfg.update(vision_config=tf.Qwen3_5VisionConfig(
+                   **{**(vision or {}), "out_hidden_size": text["hidden_size"]}).to_dict(),
+               image_token_id=SPECIAL["<|image_pad|>"],
+               video_token_id=SPECIAL["<|video_pad|>"],
+               vision_start_token_id=SPECIAL["<|vision_start|>"],
+               vision_end_token_id=SPECIAL["<|vision_end|>"])
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    names = {i: name for name, i in SPECIAL.items()}
+    ends = {text.get("bos_token_id"): "<s>", text.get("eos_token_id"): "</s>"}
+    vocab = {names.get(i) or ends.get(i) or f"w{i}": i for i in range(text["vocab_size"])}
+    tok = tf.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="w0")),
+        bos_token="<s>", eos_token="</s>", unk_token="w0", pad_token="w0",
+        additional_special_tokens=list(SPECIAL))
+    tok.save_pretrained(folder)
+    tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, size=PIXELS,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(folder)
+    # written, not made: transformers' video processor needs torchvision to be built (vLLM's
+    # site has it; pagedgen's need not)
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(
+        {"video_processor_type": "Qwen3VLVideoProcessor", "processor_class": "Qwen3VLProcessor",
+         "patch_size": 16, "merge_size": 2, "temporal_patch_size": 2,
+         "image_mean": [0.5] * 3, "image_std": [0.5] * 3}))
+    (folder / "processor_config.json").write_text(json.dumps(
+        {"processor_class": "Qwen3VLProcessor"}))
+    return cfg
+
+
+def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
+                  engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The workload through ``pagedgen.LLM`` on dummy weights, ``repeats`` times, each from
+    cold caches: each run's summary (images, the vision tower's share, throughput)."""
+    from pagedgen import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model=str(folder), load_format="dummy", **(engine_options or {}))
+    startup = time.perf_counter() - t0
+    engine = llm.engine
+    prompts, outs, numbers = wl.requests(engine.src.hf_config.vocab_size)
+    pixels = {n: wl.image(n) for n in sorted(set(numbers))}
+    requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": pixels[n]},
+                 "max_tokens": k, "ignore_eos": True, "temperature": 0.0}
+                for p, k, n in zip(prompts, outs, numbers)]
+    runs = []
+    for _ in range(repeats):
+        engine.reset_prefix_cache()
+        engine.reset_stats()
+        start = time.perf_counter()
+        got = llm.generate(requests, use_tqdm=False)
+        wall = time.perf_counter() - start
+        res = engine.summary(wall, start)
+        res["output_tokens"] = sum(len(r.outputs[0].token_ids) for r in got)
+        res["images"] = len(requests)
+        res["images_per_s"] = len(requests) / wall
+        runs.append(res)
+    return {"system": "pagedgen", "startup_s": startup, "runs": runs}
+
+
+def vllm_runs(folder: Path, workload: str, num_prompts: int, repeats: int,
+              timeout: float) -> dict[str, Any]:
+    """The same requests through vLLM in its own process (``vllm_peer``'s image jobs)."""
+    from benchmarks.vllm_peer import run_vllm
+
+    return run_vllm(workload, num_prompts, None, {}, repeats=repeats, timeout=timeout,
+                    weights=("normal",), checkpoint=folder)
+
+
+FIELDS = ("output_tokens_per_s", "images_per_s", "wall_time_s", "prefill_tokens_per_s",
+          "vision_encoder_s", "vision_encoder_share", "image_pixel_wait_s", "images_encoded",
+          "image_cache_hits", "preemptions")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3.5-9b")
+    ap.add_argument("--workload", default="i", help="i, or ir (a quarter of images repeat)")
+    ap.add_argument("--num-prompts", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--systems", default="pagedgen,vllm")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="pagedgen's engine options (e.g. device=cpu, dtype=float32)")
+    ap.add_argument("--vllm-timeout", type=float, default=560.0)
+    ap.add_argument("--folder", type=Path, default=None,
+                    help="where the checkpoint folder goes (default: a temporary one)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    import tempfile
+
+    from benchmarks.common import parse_overrides
+
+    wl = image_workload(args.workload, args.num_prompts)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.folder or Path(tmp) / "model"
+        write_checkpoint(folder, args.preset)
+        for system in args.systems.split(","):
+            if system == "pagedgen":
+                rows.append(pagedgen_runs(folder, wl, args.repeats, parse_overrides(args.set)))
+            elif system == "vllm":
+                rows.append({"system": "vllm", **vllm_runs(
+                    folder, args.workload, wl.num_prompts, args.repeats, args.vllm_timeout)})
+            if args.json:  # after each system: a time limit keeps what was measured
+                args.json.write_text(json.dumps({"preset": args.preset,
+                                                 "workload": args.workload,
+                                                 "num_prompts": wl.num_prompts,
+                                                 "rows": rows}, indent=2, default=str))
+            from benchmarks.common import free_gpu
+            free_gpu()
+    for row in rows:
+        print(f"{row['system']}: start-up {row.get('startup_s', 0):.1f} s"
+              + (f"; {row['skipped']}" if "skipped" in row else ""), file=sys.stderr)
+        for run in row.get("runs", []):
+            print("  " + ", ".join(f"{k} {run[k]:,.3f}" if isinstance(run[k], float)
+                                   else f"{k} {run[k]}" for k in FIELDS if k in run),
+                  file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""The images benchmark's harness (issue 96, ``benchmarks/images.py``): its workload gives
+every process the same ids and pixels, its checkpoint folder is one transformers' processor
+reads and pagedgen runs on dummy weights, each run starting cold."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hf_models import COMMON
+
+from benchmarks.image_workloads import IMAGE_PAD, ImageWorkload
+from benchmarks.images import pagedgen_runs, write_checkpoint
+
+SMALL = ImageWorkload(num_prompts=4, smallest=(64, 64), largest=(128, 96), repeat_share=0.5,
+                      question_len=(2, 4), output_len=(2, 3), seed=1)
+
+
+def test_the_workload_is_the_same_ids_and_pixels_each_time_with_repeats_it_asks_for():
+    wl = ImageWorkload(num_prompts=400, repeat_share=0.25)
+    prompts, outs, numbers = wl.requests(248320)
+    assert (prompts, outs, numbers) == wl.requests(248320)
+    assert all(p[:3].count(IMAGE_PAD) == 1 and IMAGE_PAD not in p[3:] for p in prompts)
+    assert all(64 <= k <= 256 for k in outs)
+    repeats = sum(n != i for i, n in enumerate(numbers))
+    assert 70 <= repeats <= 130  # a quarter of 400, drawn
+    sizes = [wl.size(n) for n in range(50)]
+    assert all(448 <= w <= 1280 and 448 <= h <= 960 and w % 32 == h % 32 == 0 for w, h in sizes)
+    assert len(set(sizes)) > 10
+    assert wl.image(7).tobytes() == wl.image(7).tobytes() != wl.image(8).tobytes()
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    base = tmp_path_factory.mktemp("images")
+    text = base / "text"
+    text.mkdir()
+    (text / "config.json").write_text(json.dumps({
+        **COMMON, "model_type": "qwen3_5_text", "vocab_size": 248320, "num_hidden_layers": 4,
+        "head_dim": 64, "hidden_size": 64, "intermediate_size": 128, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "partial_rotary_factor": 0.25}}))
+    out = base / "mm"
+    write_checkpoint(out, str(text), vision=dict(depth=1, hidden_size=32, intermediate_size=64,
+                                                 num_heads=2, num_position_embeddings=16))
+    return out
+
+
+def test_the_checkpoint_folder_is_a_qwen3_5_processor_s_and_config(folder):
+    """What vLLM's Qwen3-VL processor reads (its video processor needs torchvision, which this
+    machine lacks: its config is checked as written)."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(folder)
+    assert type(cfg).__name__ == "Qwen3_5Config" and cfg.image_token_id == IMAGE_PAD
+    assert cfg.vision_config.out_hidden_size == cfg.text_config.hidden_size == 64
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.convert_tokens_to_ids("<|image_pad|>") == IMAGE_PAD and len(tok) == 248320
+    assert tok("<|vision_start|> <|image_pad|> <|vision_end|>")["input_ids"] == [
+        IMAGE_PAD - 3, IMAGE_PAD, IMAGE_PAD - 2]
+    video = json.loads((folder / "video_preprocessor_config.json").read_text())
+    assert video["video_processor_type"] == "Qwen3VLVideoProcessor"
+    got = AutoImageProcessor.from_pretrained(folder)(images=[SMALL.image(0)],
+                                                     return_tensors="pt")
+    t, h, w = got["image_grid_thw"][0].tolist()
+    assert t == 1 and h * w * 16 * 16 >= 65536  # Qwen3.5's least pixels
+
+
+def test_pagedgen_runs_the_requests_each_run_from_cold_caches(folder):
+    runs = pagedgen_runs(folder, SMALL, 2, {"device": "cpu", "dtype": "float32"})["runs"]
+    _, outs, numbers = SMALL.requests(248320)
+    for run in runs:
+        assert run["output_tokens"] == sum(outs) and run["images"] == 4
+        assert run["images_encoded"] == len(set(numbers)) < 4  # a repeat encoded once
+        assert run["images_per_s"] > 0
+
+
+FAKE_VLLM = '''
+import json, os
+__version__ = "0.0.fake"
+class SamplingParams:
+    def __init__(self, max_tokens, **kw):
+        self.max_tokens = max_tokens
+class _Output:
+    def __init__(self, ids):
+        self.token_ids = ids
+class _Result:
+    def __init__(self, ids):
+        self.outputs = [_Output(ids)]
+class LLM:
+    def __init__(self, model, load_format, skip_tokenizer_init, **kw):
+        self.saw = {"load_format": load_format, "tokenizer": not skip_tokenizer_init,
+                    "files": sorted(os.listdir(model)), "runs": [], "mm_resets": 0}
+    def apply_model(self, fn):
+        return 0
+    def reset_prefix_cache(self):
+        pass
+    def reset_mm_cache(self):
+        self.saw["mm_resets"] += 1
+    def generate(self, prompts, params, use_tqdm=False):
+        self.saw["runs"].append([[len(p["prompt_token_ids"]), p["prompt_token_ids"][1],
+                                  list(p["multi_modal_data"]["image"].size)] for p in prompts])
+        json.dump(self.saw, open(os.environ["FAKE_VLLM_SAW"], "w"))
+        return [_Result([7] * s.max_tokens) for s in params]
+'''
+
+
+@pytest.mark.process
+def test_vllm_gets_the_same_ids_and_images_in_its_own_process(folder, tmp_path, monkeypatch):
+    """The peer's image jobs (a stand-in vLLM here): the checkpoint folder whole, its
+    tokenizer loaded, each request its ids and its image as ``multi_modal_data``, processed
+    images forgotten before each run; images per second in each run's figures."""
+    from benchmarks.image_workloads import image_workload
+    from benchmarks.images import vllm_runs
+
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    (site / "vllm" / "inputs.py").write_text(
+        "def TokensPrompt(prompt_token_ids, multi_modal_data=None):\n"
+        "    return {'prompt_token_ids': prompt_token_ids, 'multi_modal_data': multi_modal_data}\n")
+    monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
+    monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
+    got = vllm_runs(folder, "i", 3, 2, 120.0)
+    assert len(got["runs"]) == 2, got
+    assert all(r["images"] == 3 and r["images_per_s"] > 0 for r in got["runs"])
+    saw = json.loads((tmp_path / "saw.json").read_text())
+    assert saw["load_format"] == "dummy" and saw["tokenizer"] and saw["mm_resets"] == 2
+    assert {"config.json", "tokenizer.json", "preprocessor_config.json",
+            "video_preprocessor_config.json"} <= set(saw["files"])
+    wl = image_workload("i", 3)
+    prompts, _, numbers = wl.requests(248320)
+    want = [[len(p), IMAGE_PAD, list(wl.size(n))] for p, n in zip(prompts, numbers)]
+    assert saw["runs"] == [want, want]
