@@ -78,7 +78,7 @@ def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
                   engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """The workload through ``pagedgen.LLM`` on dummy weights, ``repeats`` times, each from
     cold caches: each run's summary (images, the vision tower's share, throughput)."""
-    from pagedgen import LLM
+    from pagedgen.runtime.api import LLM
 
     t0 = time.perf_counter()
     llm = LLM(model=str(folder), load_format="dummy", **(engine_options or {}))

@@ -301,6 +301,19 @@ def test_fp8_weights_in_the_mode_write_each_line_as_run_alone(tmp_path):
         _generate(src, tmp_path / "a0.jsonl", *fp8, "--backend", "eager", "--max-num-seqs", "1")
 
 
+def test_a_log_sum_exp_on_a_cpu_is_its_row_s_alone():
+    """A log-probability's normalizer over SmolLM2's vocabulary: each row's bits the same
+    whether it comes alone or among 2-19 rows (torch's reduction over [R, V] splits rows by
+    the row count on a CPU: found by SmolLM2's bf16 check)."""
+    from pagedgen.runtime.sampling.logprobs import row_logsumexp
+
+    g = torch.Generator().manual_seed(0)
+    for rows in range(2, 20):
+        x = torch.randn(rows, 49152, generator=g) * 3
+        got = row_logsumexp(x)
+        assert all(torch.equal(got[r:r + 1], row_logsumexp(x[r:r + 1])) for r in range(rows))
+
+
 @pytest.mark.process
 def test_tp2_in_the_mode_writes_the_tp1_file(tmp_path):
     """``-tp 2`` over gloo in the mode: the bytes one process writes (token ids and

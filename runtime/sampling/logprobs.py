@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from pagedgen.runtime.quantization.invariant_gemm import by_rows
+
 try:
     import triton
     import triton.language as tl
@@ -74,9 +76,11 @@ def row_logsumexp(x: torch.Tensor, kernel: bool | None = None) -> torch.Tensor:
     program a row sums its blocks in one order, so a row's value is its own whatever the row
     count (torch's reduction spreads a row over several blocks when there are few rows: its
     order, and a log-probability's last bits, would follow the batch; ``--batch-invariant``
-    found it). Elsewhere torch's (``kernel``: the Triton kernel anyway, interpreted: tests)."""
+    found it). Elsewhere torch's a row at a time (a CPU's reduction over [R, V] also splits
+    its rows by the row count: 6 of 171 rows moved in their last bit over 2-19 rows of 49,152;
+    ``kernel``: the Triton kernel anyway, interpreted: tests)."""
     if not ((x.is_cuda if kernel is None else kernel) and HAVE_TRITON) or not x.numel():
-        return torch.logsumexp(x, dim=-1, keepdim=True)
+        return by_rows(torch.logsumexp, x, -1, True)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], 1, dtype=torch.float32, device=x.device)
     _row_lse_kernel[(x.shape[0],)](x, out, x.shape[1], x.stride(0), BLOCK=1024)
