@@ -350,6 +350,24 @@ def test_batch_invariance_reports_its_checks_rows(monkeypatch):
     assert res.exit_code == 1 and not report["passed"]
 
 
+def test_batch_invariance_that_cannot_run_here_is_not_a_pass(monkeypatch):
+    """Where the mode cannot run, ``verify --batch-invariance`` checked nothing: NOT CHECKED,
+    the mode's reason, exit 3 (not PASS with 0 of 0)."""
+    from pagedgen.errors import PagedgenError
+    from pagedgen.runtime.worker import batch_invariant
+
+    def refuse(config):
+        raise PagedgenError("--batch-invariant runs on the triton backend, which cannot run "
+                            "here: a planted reason")
+
+    monkeypatch.setattr(batch_invariant, "prepared", refuse)
+    res = runner.invoke(app, ["verify", "--batch-invariance", "--device", "cpu", "--json"])
+    report = json.loads(res.stdout[res.stdout.index("{"):])
+    assert res.exit_code == 3 and not report["passed"]
+    assert report["not_checked"] == ["batch invariance"]
+    assert "a planted reason" in report["backends"][0]["reason"]
+
+
 def test_a_run_is_invariant_only_when_tokens_and_logprobs_are_bitwise_the_same():
     from pagedgen.cli.verify.invariance_checks import _row
 

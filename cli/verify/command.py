@@ -115,7 +115,8 @@ def verify(
     n_bad = sum(not row.passed for r in checked for row in r.rows)
     skipped = [r.backend for r in reports if r.status == "skipped"]
     # what the user named, not what "all" lists: skipped here means not verified at all
-    unchecked = [n for n in skipped if n == backend or (quantization and n == FP8_CHECKS)]
+    unchecked = [n for n in skipped if n == backend or (quantization and n == FP8_CHECKS)
+                 or batch_invariance]  # then its report alone: the checks asked for
     verdict = ("[bold red]FAIL" if failed else "[bold yellow]NOT CHECKED" if unchecked
                else "[bold green]PASS")
     out.print(f"{verdict}[/]: {n_rows - n_bad}/{n_rows}"
