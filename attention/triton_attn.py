@@ -57,7 +57,9 @@ def invariant_rows(g_tile: int) -> int:
     heads a tile column: 4 positions of them, at least 16 (``tl.dot``'s least), or
     ``PAGEDGEN_INVARIANT_ATTENTION_ROWS``."""
     want = envs.INVARIANT_ATTENTION_ROWS.get()
-    rows = int(want) if want and want.isdigit() else max(16, 4 * g_tile) if not want else 0
+    if want is None:
+        return max(16, 4 * g_tile)
+    rows = int(want) if want.isdigit() else 0
     if rows != _pow2(rows) or rows < max(16, g_tile):
         raise PagedgenError(f"{envs.INVARIANT_ATTENTION_ROWS.name}={want}: a power of two of at "
                             f"least {max(16, g_tile)}")
