@@ -20,7 +20,8 @@ place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invaria
 MoE experts run the grouped GEMM in one tile for every token count on a GPU (a token's row
 sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
 token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
-is one program's per row on a GPU in every run (``sampling/logprobs.py``). What it does not
+is one program's per row on a GPU in every run, and torch's a row at a time on a CPU
+(``sampling/logprobs.py``). What it does not
 cover yet is refused in one line: linear-attention layers, quantized experts (FP8 or MXFP4),
 more than two GPUs, MoE or FP8 weights under -tp. FP8 linear layers (``--quantization fp8``
 or a checkpoint's) run bf16 activations times the e4m3 weight in one tile on a GPU
