@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_vllm import fake_vllm_site
 from typer.testing import CliRunner
 
 from pagedgen.cli.app import app
@@ -114,18 +115,7 @@ def test_kernels_divides_the_profiled_run_by_kernel_group():
     assert shown.exit_code == 0 and "pagedgen bench kernels" in shown.stdout
 
 
-FAKE_VLLM = '''
-import json, os
-__version__ = "0.0.fake"
-class SamplingParams:
-    def __init__(self, max_tokens, **kw):
-        self.max_tokens = max_tokens
-class _Output:
-    def __init__(self, ids):
-        self.token_ids = ids
-class _Result:
-    def __init__(self, ids):
-        self.outputs = [_Output(ids)]
+FAKE_LLM = '''
 class LLM:
     def __init__(self, model, load_format, **kw):
         cfg = json.load(open(os.path.join(model, "config.json")))
@@ -143,11 +133,8 @@ def test_the_vllm_peer_runs_the_same_prompts_in_its_own_process(tmp_path, monkey
     package here, found as $PAGEDGEN_VLLM_SITE), a preset as its config on dummy weights, the
     run's dtype, each request to its length; the ratio of the two; where vLLM is not
     installed, the reason, pagedgen's figures kept."""
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    (site / "vllm" / "inputs.py").write_text(
-        "def TokensPrompt(prompt_token_ids):\n    return {'prompt_token_ids': prompt_token_ids}\n")
+    site = fake_vllm_site(tmp_path / "site", FAKE_LLM, "def TokensPrompt(prompt_token_ids):\n"
+                          "    return {'prompt_token_ids': prompt_token_ids}\n")
     monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
     monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
     res = bench("--num-prompts", 4, "--input-len", 8, "--output-len", 3, "--peer", "vllm",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from fake_vllm import fake_vllm_site
 from hf_models import COMMON
 
 from benchmarks.image_workloads import IMAGE_PAD, ImageWorkload
@@ -76,18 +77,7 @@ def test_pagedgen_runs_the_requests_each_run_from_cold_caches(folder):
         assert run["images_per_s"] > 0
 
 
-FAKE_VLLM = '''
-import json, os
-__version__ = "0.0.fake"
-class SamplingParams:
-    def __init__(self, max_tokens, **kw):
-        self.max_tokens = max_tokens
-class _Output:
-    def __init__(self, ids):
-        self.token_ids = ids
-class _Result:
-    def __init__(self, ids):
-        self.outputs = [_Output(ids)]
+FAKE_LLM = '''
 class LLM:
     def __init__(self, model, load_format, skip_tokenizer_init, **kw):
         self.saw = {"load_format": load_format, "tokenizer": not skip_tokenizer_init,
@@ -114,10 +104,8 @@ def test_vllm_gets_the_same_ids_and_images_in_its_own_process(folder, tmp_path, 
     from benchmarks.image_workloads import image_workload
     from benchmarks.images import vllm_runs
 
-    site = tmp_path / "site"
-    (site / "vllm").mkdir(parents=True)
-    (site / "vllm" / "__init__.py").write_text(FAKE_VLLM)
-    (site / "vllm" / "inputs.py").write_text(
+    site = fake_vllm_site(
+        tmp_path / "site", FAKE_LLM,
         "def TokensPrompt(prompt_token_ids, multi_modal_data=None):\n"
         "    return {'prompt_token_ids': prompt_token_ids, 'multi_modal_data': multi_modal_data}\n")
     monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
