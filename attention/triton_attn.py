@@ -83,7 +83,6 @@ class TritonState(AttentionState):
             self.block_m = 64 if big and not widest else 128
             self.block_n = 32 if big and not widest else 64
         self.block_m = max(self.block_m, 16 * self.g_tile)
-        self.num_warps = 8 if self.block_m >= 128 else 4
         self.num_stages = 1 if widest else 2
         # A window would cut into the shared prefix differently per sequence; sinks (counted
         # in the suffix's split 0, which the merge keeps once) have no GPU test with cascade
@@ -110,7 +109,11 @@ class TritonState(AttentionState):
         self._batch_invariant = on
         if on:
             self.block_m = invariant_rows(self.g_tile)
-            self.num_warps = 8 if self.block_m >= 128 else 4
+
+    @property
+    def num_warps(self) -> int:
+        """The prefill kernel's warps: 8 for tiles of 128 rows and more."""
+        return 8 if self.block_m >= 128 else 4
 
     def num_splits(self, batch: int, max_seq_len: int | None) -> int:
         """KV splits per (sequence, KV head) of the decode kernel (attention/ops/paged_decode)."""

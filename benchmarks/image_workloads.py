@@ -16,7 +16,7 @@ system.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Qwen3.5's image tokens (transformers' Qwen3_5Config defaults, the published checkpoints')
@@ -73,7 +73,5 @@ IMAGE_WORKLOADS = {
 
 def image_workload(name: str, num_prompts: int | None = None) -> ImageWorkload:
     """Workload ``name``, with ``num_prompts`` requests where given."""
-    from dataclasses import replace
-
     wl = IMAGE_WORKLOADS[name]
     return replace(wl, num_prompts=num_prompts) if num_prompts else wl

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import free_gpu, parse_overrides
 from benchmarks.image_workloads import SPECIAL, ImageWorkload, image_workload
 
 # Qwen3.5's image processor (the published preprocessor_config.json): patches of 16 merged
@@ -133,10 +135,6 @@ def main() -> None:
                     help="where the checkpoint folder goes (default: a temporary one)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    import tempfile
-
-    from benchmarks.common import parse_overrides
-
     wl = image_workload(args.workload, args.num_prompts)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -153,7 +151,6 @@ def main() -> None:
                                                  "workload": args.workload,
                                                  "num_prompts": wl.num_prompts,
                                                  "rows": rows}, indent=2, default=str))
-            from benchmarks.common import free_gpu
             free_gpu()
     for row in rows:
         print(f"{row['system']}: start-up {row.get('startup_s', 0):.1f} s"

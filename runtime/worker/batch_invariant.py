@@ -109,8 +109,8 @@ def apply(runner: Any) -> None:
     if runner.tp.size > 1 and any(isinstance(m, MoeMethod) for m in methods):
         raise PagedgenError(f"{WHAT} runs MoE models on one GPU only (under -tp a token's "
                             "experts would add across ranks in another order)")
-    for layer in modules:
-        if isinstance(layer, RowParallelLinear):
+    for layer in modules:  # dense ones: FP8 weights run on one GPU only
+        if isinstance(layer, RowParallelLinear) and isinstance(layer.quant_method, Unquantized):
             layer.quant_method.k_parts = INVARIANT_TP // runner.tp.size
     # what has a ``batch_invariant`` switch: dense linear methods, projections merged into one
     # GEMM (a MoE block's router and shared expert), the LM head, MoE experts, the gated
