@@ -53,6 +53,10 @@ INVARIANT_ATTENTION_ROWS = EnvVar(
     "PAGEDGEN_INVARIANT_ATTENTION_ROWS", "16, or 4 positions of a KV head's query heads where "
     "more", "the rows of triton's attention tiles under --batch-invariant (a power of two; a "
     "decode fills its query heads' rows of one tile)")
+INVARIANT_GEMM_PLAN = EnvVar(
+    "PAGEDGEN_INVARIANT_GEMM_PLAN", "64 x 64 tiles up to 64 rows, 128 x 128 past them",
+    "the dense GEMM's tiles under --batch-invariant by row count: ROWS:MxNxWARPSxSTAGES,... "
+    "with the last tile for the rest (64:64x64x4x4,128x256x8x3)")
 ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "push: each rank stores its partial sums into its "
                     "peers' symmetric memory", "one-shot (PyTorch's symmetric-memory kernel) or "
                     "nccl: another tensor-parallel all-reduce")
@@ -78,6 +82,7 @@ ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GR
                            FA4_CASCADE_SUFFIX, FLASHINFER_PREFILL, FLASHINFER_DECODE,
                            CASCADE_MERGE_HEADS, FP8_GEMM,
                            FP8_FUSED_INPUT, MOE_TILES, INVARIANT_ATTENTION_ROWS,
+                           INVARIANT_GEMM_PLAN,
                            SHIPPED_PLANS, ALL_REDUCE,
                            FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES,
                            VLLM_SITE)

@@ -25,6 +25,7 @@ from pagedgen.runtime.models.loader import resolve_model
 from pagedgen.runtime.quantization.invariant_gemm import (
     PLAN,
     Tiles,
+    parse_tiles,
     plan_for,
     tiled_linear,
     tiles_for,
@@ -33,7 +34,7 @@ from pagedgen.runtime.quantization.invariant_gemm import (
 
 def candidates(text: str) -> list[Tiles]:
     """``--tiles``: "128x256x8x3,..." as Tiles (rows, columns, warps, stages)."""
-    return [Tiles(*map(int, t.split("x"))) for t in text.split(",") if t]
+    return [parse_tiles(t) for t in text.split(",") if t]
 
 
 def main() -> None:

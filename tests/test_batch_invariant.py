@@ -160,6 +160,20 @@ def test_the_gemm_mixes_tiles_only_where_they_give_the_same_bits():
     assert kept_plan([]) == apart  # a CPU: no tiles to mix
 
 
+def test_the_gemm_plan_set_by_its_variable_serves_rows_by_count(monkeypatch):
+    """``PAGEDGEN_INVARIANT_GEMM_PLAN`` replaces the plan (its tiles up to their row counts, the
+    last for the rest); a malformed one is a one-line error naming the variable."""
+    from pagedgen.runtime.quantization.invariant_gemm import PLAN, Tiles, configured_plan
+    assert configured_plan() == PLAN
+    monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", "32:64x64x4x4,512:128x128x8x4,128x256x8x3")
+    assert configured_plan() == ((32, Tiles(64, 64, 4, 4)), (512, Tiles(128, 128, 8, 4)),
+                                 (1 << 62, Tiles(128, 256, 8, 3)))
+    for bad in ("64x64", "64:64x64x4x4", "a:64x64x4x4,128x128x8x4", "64x64x4x4,128x128x8x4"):
+        monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", bad)
+        with pytest.raises(PagedgenError, match="PAGEDGEN_INVARIANT_GEMM_PLAN"):
+            configured_plan()
+
+
 @pytest.mark.gpu
 def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
     """On the GPU the tiles make a row's result its own: the rows of 1,300 at once (the

@@ -23,6 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from pagedgen import envs
+from pagedgen.errors import PagedgenError
+
 try:
     import triton
     import triton.language as tl
@@ -48,6 +51,31 @@ class Tiles(NamedTuple):
 # 64 x 128 1,032, 64 x 64 1,312 (cuBLAS 701); at 512 1,446, 1,852, 2,654 (cuBLAS 1,159)
 PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)),
                                        (1 << 62, Tiles(128, 128, 8, 4)))
+
+
+
+def parse_tiles(text: str) -> Tiles:
+    """"128x256x8x3" as Tiles (rows, columns, warps, stages)."""
+    return Tiles(*map(int, text.split("x")))
+
+
+def configured_plan() -> tuple[tuple[int, Tiles], ...]:
+    """``PLAN``, or ``PAGEDGEN_INVARIANT_GEMM_PLAN``'s ("64:64x64x4x4,128x256x8x3": the rows
+    each tile serves up to, the last serving the rest)."""
+    text = envs.INVARIANT_GEMM_PLAN.get()
+    if text is None:
+        return PLAN
+    try:
+        parts = [p.split(":") for p in text.split(",")]
+        plan = tuple((int(p[0]) if len(p) == 2 else 1 << 62, parse_tiles(p[-1])) for p in parts)
+        ok = all(len(p) == 2 for p in parts[:-1]) and len(parts[-1]) == 1
+    except (ValueError, TypeError):  # not numbers, or not four of them
+        ok = False
+    if not ok:
+        raise PagedgenError(f"{envs.INVARIANT_GEMM_PLAN.name}={text}: ROWS:MxNxWARPSxSTAGES,... "
+                            "with the last tile alone (64:64x64x4x4,128x256x8x3)")
+    return plan
+
 
 if HAVE_TRITON:
     from pagedgen.runtime.quantization.tile_order import banded_tile
@@ -99,22 +127,25 @@ def tiled_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 @functools.cache
 def plan_for(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, Tiles], ...]:
-    """``PLAN`` where every tile gives the first tile's bits on a probe product on ``device``
-    (``dtype``), else the first tile for every row count."""
+    """The configured plan (``configured_plan``) where every tile gives the first tile's bits
+    on a probe product on ``device`` (``dtype``), else the first tile for every row count."""
+    plan = configured_plan()
     if device.type != "cuda":
-        return kept_plan([])
+        return kept_plan([], plan)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 1000, generator=g).to(device, dtype)
     w = torch.randn(700, 1000, generator=g).to(device, dtype)
     return kept_plan([tiled_linear(x, w, None, torch.empty(300, 700, dtype=dtype,
-                                                         device=device), t) for _, t in PLAN])
+                                                         device=device), t) for _, t in plan],
+                     plan)
 
 
-def kept_plan(products: list[torch.Tensor]) -> tuple[tuple[int, Tiles], ...]:
-    """``PLAN`` where the product in each of its tiles (``products``, in its order) has the
+def kept_plan(products: list[torch.Tensor], plan: tuple[tuple[int, Tiles], ...] = PLAN
+              ) -> tuple[tuple[int, Tiles], ...]:
+    """``plan`` where the product in each of its tiles (``products``, in its order) has the
     first's bits, else (or with no products: a CPU) its first tile for every row count."""
     same = bool(products) and all(torch.equal(products[0], p) for p in products[1:])
-    return PLAN if same else ((1 << 62, PLAN[0][1]),)
+    return plan if same else ((1 << 62, plan[0][1]),)
 
 
 def tiles_for(m: int, device: torch.device, dtype: torch.dtype) -> Tiles:
