@@ -53,7 +53,7 @@ def main() -> None:
                                                  shapes(args.profile)["o"][0])}
     tiles = [t for _, t in PLAN] + candidates(args.tiles)
     names = [f"{t.block_m}x{t.block_n}" + (f"x{t.warps}x{t.stages}" if i >= len(PLAN) else "")
-             for i, t in enumerate(tiles)]
+             + ("xtma" if t.tma else "") for i, t in enumerate(tiles)]
     rows, same = [], {}
     ms = [int(m) for m in args.m.split(",")]
     for layer, (n, k) in layers.items():

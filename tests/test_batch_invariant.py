@@ -168,6 +168,8 @@ def test_the_gemm_plan_set_by_its_variable_serves_rows_by_count(monkeypatch):
     monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", "32:64x64x4x4,512:128x128x8x4,128x256x8x3")
     assert configured_plan() == ((32, Tiles(64, 64, 4, 4)), (512, Tiles(128, 128, 8, 4)),
                                  (1 << 62, Tiles(128, 256, 8, 3)))
+    monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", "64:64x64x4x4,128x256x8x3xtma")
+    assert configured_plan()[-1][1] == Tiles(128, 256, 8, 3, tma=True)
     for bad in ("64x64", "64:64x64x4x4", "a:64x64x4x4,128x128x8x4", "64x64x4x4,128x128x8x4"):
         monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", bad)
         with pytest.raises(PagedgenError, match="PAGEDGEN_INVARIANT_GEMM_PLAN"):
@@ -188,6 +190,21 @@ def test_the_tiled_gemm_gives_each_row_its_bits_alone_on_a_gpu():
                for i in range(0, 1300, 37))
     assert torch.equal(full, torch.cat([invariant_linear(c, w) for c in x.split(50)]))
     assert torch.allclose(full.float(), (x.float() @ w.float().t()), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.gpu
+def test_tiles_loaded_by_tma_give_the_pointer_tiles_bits_on_a_gpu():
+    """The TMA candidates (``xtma``) sum each element as the pointer-loaded tiles do: the same
+    bits on every row, whatever the tile's shape."""
+    from pagedgen.runtime.quantization.invariant_gemm import PLAN, parse_tiles, tiled_linear
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(700, 4096, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(1000, 4096, generator=g).to("cuda", torch.bfloat16)
+    ref = tiled_linear(x, w, None, torch.empty(700, 1000, dtype=x.dtype, device="cuda"),
+                       PLAN[0][1])
+    for text in ("64x64x4x4xtma", "128x128x8x4xtma", "128x256x8x3xtma"):
+        got = tiled_linear(x, w, None, torch.empty_like(ref), parse_tiles(text))
+        assert torch.equal(got, ref), text
 
 
 @pytest.mark.gpu

@@ -42,6 +42,7 @@ class Tiles(NamedTuple):
     block_n: int
     warps: int
     stages: int
+    tma: bool = False  # tiles loaded by TMA (Hopper on; the same products in the same order)
 
 
 # (the largest row count a tile serves, the tile), by row count; the last serves the rest.
@@ -55,8 +56,10 @@ PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)),
 
 
 def parse_tiles(text: str) -> Tiles:
-    """"128x256x8x3" as Tiles (rows, columns, warps, stages)."""
-    return Tiles(*map(int, text.split("x")))
+    """"128x256x8x3" as Tiles (rows, columns, warps, stages); "128x256x8x3xtma" loads them
+    by TMA."""
+    tma = text.endswith("xtma")
+    return Tiles(*map(int, text.removesuffix("xtma").split("x")), tma=tma)
 
 
 def configured_plan() -> tuple[tuple[int, Tiles], ...]:
@@ -78,7 +81,7 @@ def configured_plan() -> tuple[tuple[int, Tiles], ...]:
 
 
 if HAVE_TRITON:
-    from pagedgen.runtime.quantization.tile_order import banded_tile
+    from pagedgen.runtime.quantization.tile_order import banded_tile, tma_fits
 
     @triton.jit
     def _gemm_kernel(X, W, B, Out, M, N, K, stride_xm, stride_wn, stride_om,
@@ -101,6 +104,24 @@ if HAVE_TRITON:
         tl.store(Out + rm[:, None] * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
 
+    @triton.jit
+    def _gemm_tma_kernel(x_desc, w_desc, B, Out, M, N, K, stride_om, HAS_BIAS: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BAND_M: tl.constexpr, PRECISION: tl.constexpr):
+        """``_gemm_kernel`` with both operands' tiles loaded by TMA (zeros past the ends)."""
+        pm, pn = banded_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, BAND_M)
+        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = x_desc.load([pm * BLOCK_M, k0])
+            w = w_desc.load([pn * BLOCK_N, k0])
+            acc = tl.dot(x, w.T, acc, input_precision=PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(Out + rm[:, None] * stride_om + rn[None, :], acc.to(Out.dtype.element_ty),
+                 mask=(rm[:, None] < M) & (rn[None, :] < N))
+
 
 def by_rows(op, x: torch.Tensor, *args):
     """``op`` a row at a time, a row's result its own: on a CPU a BLAS rounds a row by its place
@@ -114,13 +135,22 @@ def tiled_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
     """``x2 W^T (+ b)`` into ``out`` in ``tiles`` (``x2``: [M, K] rows contiguous)."""
     m, k = x2.shape
     n = w.shape[0]
-    if m:
-        grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    precision = "ieee" if x2.dtype == torch.float32 else "tf32"
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    if m and tiles.tma and x2.is_cuda and tma_fits(x2, w):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        _gemm_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x2, [tiles.block_m, BLOCK_K]),
+            TensorDescriptor.from_tensor(w, [tiles.block_n, BLOCK_K]),
+            bias if bias is not None else w, out, m, n, k, out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=BLOCK_K, BAND_M=BAND_M, PRECISION=precision, num_warps=tiles.warps,
+            num_stages=tiles.stages)
+    elif m:
         _gemm_kernel[grid](x2, w, bias if bias is not None else w, out, m, n, k,
                            x2.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
                            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K,
-                           BAND_M=BAND_M,
-                           PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+                           BAND_M=BAND_M, PRECISION=precision,
                            num_warps=tiles.warps, num_stages=tiles.stages)
     return out
 

@@ -30,6 +30,8 @@ from typing import NamedTuple
 
 import torch
 
+from pagedgen.runtime.quantization.tile_order import tma_fits
+
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 MIN_SCALE = 1e-12  # an all-zero group still gets a positive scale
@@ -278,12 +280,6 @@ def scaled_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
 TMA_TILES = {"64x32x256": (64, 32, 256, 4, 4), "64x64x128": (64, 64, 128, 4, 4),
              "64x128x128": (64, 128, 128, 4, 4), "128x64x128": (128, 64, 128, 4, 4),
              "128x128x128": (128, 128, 128, 8, 4), "128x256x128": (128, 256, 128, 8, 3)}
-
-
-def tma_fits(*tensors: torch.Tensor) -> bool:
-    """Whether TMA can load these 2-D tensors: rows contiguous, 16-byte aligned."""
-    return all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) * t.element_size() % 16 == 0
-               and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def scaled_gemm_tma(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
