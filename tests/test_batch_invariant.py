@@ -112,6 +112,32 @@ def test_without_the_mode_a_moe_model_gets_other_bits(tmp_path):
     assert not got["after preemptions"].passed and not got["sampled with a seed"].passed, got
 
 
+def _hybrid_rows(tmp_path, invariant: bool, dtype: str = "float32") -> dict[str, ic.Row]:
+    """A tiny Qwen3.5 (Gated DeltaNet layers beside gated full attention)."""
+    from hf_models import make_checkpoint
+
+    ckpt = str(make_checkpoint("qwen3_5_text", tmp_path / "hybrid"))
+    args = (CPU, ckpt, dtype, "auto", 4, 0)
+    got = [ic.check_batches(*args, 2, invariant, most=5), ic.check_chunks(*args, invariant),
+           ic.check_preemption(*args, invariant),
+           ic.check_seeded_sampling(*args, invariant, trials=1)]
+    return {r.group: r for r in got}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_hybrid_model_in_the_mode_gets_what_it_gets_alone(tmp_path, dtype):
+    """Linear-attention layers a token at a time (the convolution and the delta rule each a
+    one-token step of the sequence's slot), so a prompt's chunks, its batch and a recompute
+    after preemption give the bits of its decodes alone."""
+    got = _hybrid_rows(tmp_path, True, dtype)
+    assert all(r.passed for r in got.values()), got
+
+
+def test_without_the_mode_a_hybrid_model_gets_other_bits(tmp_path):
+    got = _hybrid_rows(tmp_path, False)
+    assert all(not r.passed and r.worst_abs > 0 for r in got.values()), got
+
+
 def test_quantized_experts_and_moe_under_tp_are_refused_in_one_line():
     """A checkpoint's own format (here MXFP4 experts, as gpt-oss ships) picks its kernels'
     tiles by the token count: the mode names it instead of running it unchecked; so is a MoE
@@ -254,11 +280,16 @@ def test_a_decode_steps_tiles_follow_the_chunk_rule_and_land_in_the_graphs_buffe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_the_mode_passes_its_checks_on_a_gpu(quantization):
-    """The six checks in the mode on CUDA (bf16, the tiny preset, and with FP8 weights): all
-    bitwise, decode steps in CUDA graphs and eagerly."""
-    args = (torch.device("cuda"), "tiny", "bfloat16", "auto", 8, 0)
+@pytest.mark.parametrize("quantization,model", [(None, "tiny"), ("fp8", "tiny"),
+                                                (None, "hybrid")])
+def test_the_mode_passes_its_checks_on_a_gpu(quantization, model, tmp_path):
+    """The six checks in the mode on CUDA (bf16, the tiny preset, with FP8 weights, and a tiny
+    Qwen3.5 whose linear-attention layers run triton's scan for every token): all bitwise,
+    decode steps in CUDA graphs and eagerly."""
+    if model == "hybrid":
+        from hf_models import make_checkpoint
+        model = str(make_checkpoint("qwen3_5_text", tmp_path / "hybrid"))
+    args = (torch.device("cuda"), model, "bfloat16", "auto", 8, 0)
     q = {"quantization": quantization}
     got = [ic.check_batches(*args, 4, True, most=31, **q), ic.check_prefix_cache(*args, **q),
            ic.check_chunks(*args, **q), ic.check_preemption(*args, **q),

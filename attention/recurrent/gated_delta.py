@@ -100,9 +100,13 @@ def chunked_unavailable(library: str, device: torch.device,
 class GatedDeltaImpl:
     """One gated-delta layer's core: ``forward(qkv, a, b, ...)`` → o [T, Hv, Dv]."""
 
-    def __init__(self, spec: GatedDeltaSpec, kernels: GatedDeltaKernels) -> None:
+    def __init__(self, spec: GatedDeltaSpec, kernels: GatedDeltaKernels,
+                 batch_invariant: bool = False) -> None:
         self.spec = spec
         self.kernels = kernels
+        # the torch reference a token at a time (``reference.token_by_token``): on a CPU a
+        # value's bits follow its place in a tensor, so every token is a tensor of its own
+        self.batch_invariant = batch_invariant
 
     def forward(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                 conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
@@ -114,6 +118,10 @@ class GatedDeltaImpl:
         if self.kernels.scan == "torch":
             slots, has, _ = md.recurrent_inputs()
             slots, has, lens = slots.tolist(), has.tolist(), md.query_lens_cpu
+            if self.batch_invariant:
+                return reference.token_by_token(qkv, a, b, conv_weight, conv_bias, a_log,
+                                                dt_bias, state.conv, state.ssm, slots, lens,
+                                                has, s.num_k_heads, s.head_k, s.head_v)
             mixed = reference.causal_conv(qkv, conv_weight, conv_bias, state.conv, slots, lens,
                                           has)
             out = reference.gated_delta(mixed, a, b, a_log, dt_bias, state.ssm, slots, lens,

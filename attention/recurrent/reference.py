@@ -167,3 +167,23 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             conv[slots[i]] = window[:, window.shape[1] - width:].t().to(conv.dtype)
         start += n
     return out
+
+
+def token_by_token(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                   conv: torch.Tensor, ssm: torch.Tensor, slots: Sequence[int],
+                   query_lens: Sequence[int], has_state: Sequence[bool], num_k_heads: int,
+                   head_k: int, head_v: int) -> torch.Tensor:
+    """``causal_conv`` then ``gated_delta`` for each token alone, in order (each a one-token
+    step of its sequence's slot): a token's bits are those it gets as a decode, whatever
+    the step's other tokens, its prompt's chunks or a recompute (``--batch-invariant``)."""
+    out, start = [], 0
+    for slot, n, has in zip(slots, query_lens, has_state):
+        for i in range(start, start + n):
+            first = has or i > start
+            row = slice(i, i + 1)
+            mixed = causal_conv(qkv[row], weight, bias, conv, [slot], [1], [first])
+            out.append(gated_delta(mixed, a[row], b[row], a_log, dt_bias, ssm, [slot], [1],
+                                   [first], num_k_heads, head_k, head_v))
+        start += n
+    return torch.cat(out) if out else qkv.new_empty(0, ssm.shape[1], head_v)

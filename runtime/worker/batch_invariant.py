@@ -21,11 +21,13 @@ MoE experts run the grouped GEMM in one tile for every token count on a GPU (a t
 sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
 token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
 is one program's per row on a GPU in every run, and torch's a row at a time on a CPU
-(``sampling/logprobs.py``). What it does not
-cover yet is refused in one line: linear-attention layers, quantized experts (FP8 or MXFP4),
-more than two GPUs, MoE or FP8 weights under -tp. FP8 linear layers (``--quantization fp8``
-or a checkpoint's) run bf16 activations times the e4m3 weight in one tile on a GPU
-(``fp8/scheme.py``'s ``invariant_fp8``).
+(``sampling/logprobs.py``). Linear-attention (Gated DeltaNet) layers run every token through
+the scan, prompts too (a chunked prefill's sums would follow its chunks), their state kept in
+float32 between steps (as a scan keeps it between a prompt's tokens); a token at a time on a
+CPU (``recurrent_slots.bind_recurrent``). What it does not cover yet is refused in one line:
+quantized experts (FP8 or MXFP4), more than two GPUs, MoE or FP8 weights under -tp. FP8
+linear layers (``--quantization fp8`` or a checkpoint's) run bf16 activations times the e4m3
+weight in one tile on a GPU (``fp8/scheme.py``'s ``invariant_fp8``).
 -tp 2 gives -tp 1's bits: a row-parallel GEMM sums its K in halves on one GPU as two ranks
 do, and no all-reduce is fused with the norm after it (``INVARIANT_TP``).
 """
@@ -93,8 +95,6 @@ def prepared(config: EngineConfig) -> EngineConfig:
 def apply(runner: Any) -> None:
     """The mode on ``runner``'s model and attention states: invariant GEMMs, every token
     through the prefill kernel; a PagedgenError for a model it does not cover."""
-    if runner.recurrent is not None:
-        raise PagedgenError(f"{WHAT} does not cover linear-attention layers yet")
     modules = list(runner.model.modules())
     methods = [m for mod in modules
                for m in (getattr(mod, "quant_method", None), getattr(mod, "method", None))

@@ -118,7 +118,7 @@ class ModelRunner:
         self.recurrent: RecurrentSlots | None = None
         if state_specs:
             self.recurrent = bind_recurrent(self.model, state_specs, config.max_num_seqs,
-                                            self.dtype, self.device)
+                                            self.dtype, self.device, config.batch_invariant)
             self.max_num_seqs = self.recurrent.max_num_seqs
         if config.batch_invariant:
             batch_invariant.apply(self)

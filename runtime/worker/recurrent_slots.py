@@ -10,6 +10,7 @@ memory profile finds left.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,9 +51,14 @@ class RecurrentSlots:
 
 
 def bind_recurrent(model, specs: list[GatedDeltaSpec], max_num_seqs: int, dtype: torch.dtype,
-                   device: torch.device) -> RecurrentSlots:
+                   device: torch.device, batch_invariant: bool = False) -> RecurrentSlots:
     """Allocate ``max_num_seqs`` + 1 slots (fewer where they do not fit) and bind each
-    linear-attention layer's core and state into ``model``."""
+    linear-attention layer's core and state into ``model``. ``batch_invariant``: every token
+    through the scan (no chunked prefill: a prompt's sums would follow its chunks), the
+    delta-rule state in float32 (a state rounded between steps would round where a prompt
+    is cut), a token at a time on a CPU (``GatedDeltaImpl``)."""
+    if batch_invariant:
+        specs = [dataclasses.replace(s, ssm_dtype=torch.float32) for s in specs]
     per_slot = RecurrentStates.bytes_per_slot(specs, dtype)
     free = hardware.available_memory(device)
     lowered = None
@@ -69,6 +75,9 @@ def bind_recurrent(model, specs: list[GatedDeltaSpec], max_num_seqs: int, dtype:
                                                dtype)
     except ValueError as e:
         raise PagedgenError(f"{envs.GATED_DELTA.name}: {e}")
+    if batch_invariant:
+        kernels = GatedDeltaKernels(kernels.scan, kernels.scan)
     states = RecurrentStates(specs, max_num_seqs + 1, dtype, device)
-    model.bind_recurrent([GatedDeltaImpl(s, kernels) for s in specs], states.layers)
+    model.bind_recurrent([GatedDeltaImpl(s, kernels, batch_invariant) for s in specs],
+                         states.layers)
     return RecurrentSlots(states, kernels, max_num_seqs, lowered)
