@@ -138,6 +138,19 @@ def test_without_the_mode_a_hybrid_model_gets_other_bits(tmp_path):
     assert all(not r.passed and r.worst_abs > 0 for r in got.values()), got
 
 
+def test_an_fp8_kv_cache_in_the_mode_gets_what_it_gets_alone():
+    """Keys and values read back from e4m3 pages (each token's once written, whatever the
+    chunk that wrote it): bitwise as alone in the mode, other bits without it."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    args = (CPU, "tiny", "float32", "auto", 4, 0)
+    assert ic._reference(args, True, fp8)[1] != ic._reference(args, True)[1]  # FP8 pages read
+    for invariant in (True, False):
+        got = [ic.check_batches(*args, 2, invariant, most=5, options=fp8),
+               ic.check_chunks(*args, invariant, options=fp8),
+               ic.check_preemption(*args, invariant, options=fp8)]
+        assert all(r.passed == invariant for r in got), got
+
+
 def test_quantized_experts_and_moe_under_tp_are_refused_in_one_line():
     """A checkpoint's own format (here MXFP4 experts, as gpt-oss ships) picks its kernels'
     tiles by the token count: the mode names it instead of running it unchecked; so is a MoE
@@ -280,17 +293,18 @@ def test_a_decode_steps_tiles_follow_the_chunk_rule_and_land_in_the_graphs_buffe
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("quantization,model", [(None, "tiny"), ("fp8", "tiny"),
-                                                (None, "hybrid")])
-def test_the_mode_passes_its_checks_on_a_gpu(quantization, model, tmp_path):
-    """The six checks in the mode on CUDA (bf16, the tiny preset, with FP8 weights, and a tiny
-    Qwen3.5 whose linear-attention layers run triton's scan for every token): all bitwise,
-    decode steps in CUDA graphs and eagerly."""
+@pytest.mark.parametrize("options,model", [({}, "tiny"), ({"quantization": "fp8"}, "tiny"),
+                                           ({"kv_cache_dtype": "fp8"}, "tiny"), ({}, "hybrid")],
+                         ids=["bf16", "fp8-weights", "fp8-kv", "hybrid"])
+def test_the_mode_passes_its_checks_on_a_gpu(options, model, tmp_path):
+    """The six checks in the mode on CUDA (bf16, the tiny preset, with FP8 weights, with an
+    FP8 KV cache, and a tiny Qwen3.5 whose linear-attention layers run triton's scan for every
+    token): all bitwise, decode steps in CUDA graphs and eagerly."""
     if model == "hybrid":
         from hf_models import make_checkpoint
         model = str(make_checkpoint("qwen3_5_text", tmp_path / "hybrid"))
     args = (torch.device("cuda"), model, "bfloat16", "auto", 8, 0)
-    q = {"quantization": quantization}
+    q = {"options": options}
     got = [ic.check_batches(*args, 4, True, most=31, **q), ic.check_prefix_cache(*args, **q),
            ic.check_chunks(*args, **q), ic.check_preemption(*args, **q),
            ic.check_seeded_sampling(*args, **q), ic.check_graphs(*args, 3, **q)]

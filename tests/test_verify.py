@@ -338,16 +338,21 @@ def test_batch_invariance_reports_its_checks_rows(monkeypatch):
     from pagedgen.cli.verify import invariance_checks as ic
     from pagedgen.cli.verify.report import Row
 
+    seen = []
     for i, name in enumerate(("check_batches", "check_prefix_cache", "check_chunks",
                               "check_preemption", "check_seeded_sampling")):
-        monkeypatch.setattr(ic, name, lambda *a, i=i, **k: Row(
+        monkeypatch.setattr(ic, name, lambda *a, i=i, **k: seen.append(k["options"]) or Row(
             "model", f"row {i}", 1, float(i == 3), float(i == 3), 0.0, i != 3, "detail"))
-    res = runner.invoke(app, ["verify", "--batch-invariance", "--device", "cpu", "--json"])
+    res = runner.invoke(app, ["verify", "--batch-invariance", "--device", "cpu", "--json",
+                              "--kv-cache-dtype", "fp8"])
     report = json.loads(res.stdout[res.stdout.index("{"):])
     rows = report["backends"][0]["rows"]
     assert report["backends"][0]["backend"] == "batch invariance"
     assert [r["group"] for r in rows] == [f"row {i}" for i in range(5)]
     assert res.exit_code == 1 and not report["passed"]
+    assert seen == [{"quantization": None, "kv_cache_dtype": "fp8"}] * 5  # to every check
+    res = runner.invoke(app, ["verify", "--device", "cpu", "--kv-cache-dtype", "fp8"])
+    assert res.exit_code == 2 and "goes with --batch-invariance" in res.output
 
 
 def test_batch_invariance_that_cannot_run_here_is_not_a_pass(monkeypatch):

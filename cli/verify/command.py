@@ -48,6 +48,9 @@ def verify(
     jobs: int = typer.Option(
         0, min=0, help="Worker processes for the checks (0: one per core up to 16 on a GPU, "
                        "where kernel compiles dominate; 1 on the CPU)."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", "--kv-cache-dtype",
+        help="With --batch-invariance: the KV cache's dtype (fp8: e4m3 pages)."),
     batch_invariance: bool = typer.Option(
         False, "--batch-invariance",
         help="Instead: whether a request's tokens and log-probabilities are bitwise those it "
@@ -77,6 +80,10 @@ def verify(
         console.print(f"[bold red]error:[/] unknown backend '{backend}'; known: "
                       f"{', '.join(names)}")
         raise typer.Exit(2)
+    if kv_cache_dtype != "auto" and not batch_invariance:
+        console.print("[bold red]error:[/] --kv-cache-dtype goes with --batch-invariance (the "
+                      "backends' FP8-KV kernel rows run in every verify)")
+        raise typer.Exit(2)
     if quantization not in (None, "fp8"):
         console.print(f"[bold red]error:[/] unknown quantization '{escape(quantization)}'; "
                       "use fp8")
@@ -96,7 +103,7 @@ def verify(
         if batch_invariance:  # these checks alone
             from pagedgen.cli.verify.invariance_checks import plan_invariance
             plans = [plan_invariance(dev, model, dtype, "auto" if backend == "all" else backend,
-                                     cases, steps, seed, quantization)]
+                                     cases, steps, seed, quantization, kv_cache_dtype)]
         elif quantization == "fp8":
             plans.append(plan_fp8(dev, model, dtype, cases, steps, seed))
         if dev.type == "cuda" and backend == "all" and not model_only and not batch_invariance:

@@ -33,20 +33,21 @@ NEEDLE = 48  # the needle's prompt tokens
 
 
 def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, cases: int,
-                    steps: int, seed: int, quantization: str | None = None
-                    ) -> tuple[BackendReport, list[Check]]:
+                    steps: int, seed: int, quantization: str | None = None,
+                    kv_cache_dtype: str = "auto") -> tuple[BackendReport, list[Check]]:
     """The report and its checks (each a task of its own; five, six on a GPU), in
     ``--batch-invariant`` mode (triton on a GPU, eager a row at a time on a CPU), or skipped
     with the mode's own reason where it cannot run (``batch_invariant.prepared``)."""
     from pagedgen.errors import PagedgenError
     from pagedgen.runtime.worker.batch_invariant import prepared
 
+    options = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     try:
-        prepared(_config(device, model, dtype, backend, seed, quantization=quantization))
+        prepared(_config(device, model, dtype, backend, seed, **options))
     except PagedgenError as e:
         return BackendReport(NAME, "skipped", str(e)), []
     args = (device, model, dtype, backend, steps, seed)
-    q = {"quantization": quantization}
+    q = {"options": options}
     checks = [Check([(partial(check_batches, **q), (*args, cases))], single),
               Check([(partial(check_prefix_cache, **q), args)], single),
               Check([(partial(check_chunks, **q), args)], single),
@@ -87,14 +88,14 @@ def _run(eng: Any, prompts: list[list[int]], index: int, steps: int, sampled: bo
     return list(seq.output_token_ids), [float(e[0]) for e in seq.logprobs]
 
 
-def _reference(args: tuple, invariant: bool, quantization: str | None = None
+def _reference(args: tuple, invariant: bool, options: dict[str, Any] | None = None
                ) -> tuple[list[int], list[float], list[int], int]:
     """The needle alone on a fresh engine: (tokens, log-probabilities, needle, vocabulary)."""
     from pagedgen.runtime.engine.engine import Engine
 
     device, model, dtype, backend, steps, seed = args
     eng = Engine(_config(device, model, dtype, backend, seed, invariant,
-                         quantization=quantization))
+                         **(options or {})))
     vocab = eng.src.hf_config.vocab_size
     needle = _needle(seed, vocab)
     return (*_run(eng, [needle], 0, steps), needle, vocab)
@@ -128,13 +129,13 @@ def _row(group: str, want: tuple[list[int], list[float]],
 
 def check_batches(device, model, dtype, backend, steps, seed, cases,
                   invariant: bool = True, most: int = 63,
-                  quantization: str | None = None) -> Row:
+                  options: dict[str, Any] | None = None) -> Row:
     """The needle among 1 to ``most`` random requests, at a random place, ``cases`` times."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args, invariant, quantization)
-    eng = Engine(_config(*args[:4], seed, invariant, quantization=quantization))
+    toks, lps, needle, vocab = _reference(args, invariant, options)
+    eng = Engine(_config(*args[:4], seed, invariant, **(options or {})))
     rng = random.Random(seed + 1)
     runs, sizes = [], []
     for _ in range(cases):
@@ -147,13 +148,13 @@ def check_batches(device, model, dtype, backend, steps, seed, cases,
 
 def check_prefix_cache(device, model, dtype, backend, steps, seed,
                        invariant: bool = True,
-                       quantization: str | None = None) -> Row:
+                       options: dict[str, Any] | None = None) -> Row:
     """The needle behind a cached prefix: another request with its first 32 tokens first."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args, invariant, quantization)
-    eng = Engine(_config(*args[:4], seed, invariant, quantization=quantization,
+    toks, lps, needle, vocab = _reference(args, invariant, options)
+    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
                          prefix_caching=True))
     rng = random.Random(seed + 2)
     _run(eng, [needle[:32] + [rng.randrange(vocab) for _ in range(20)]], 0, 1)
@@ -165,15 +166,15 @@ def check_prefix_cache(device, model, dtype, backend, steps, seed,
 
 def check_chunks(device, model, dtype, backend, steps, seed,
                  invariant: bool = True,
-                 quantization: str | None = None) -> Row:
+                 options: dict[str, Any] | None = None) -> Row:
     """The needle beside two others, its prompt in chunks of 8 and of 24 tokens."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args, invariant, quantization)
+    toks, lps, needle, vocab = _reference(args, invariant, options)
     rng = random.Random(seed + 3)
     others = [[rng.randrange(vocab) for _ in range(30)] for _ in range(2)]
-    runs = [_run(Engine(_config(*args[:4], seed, invariant, quantization=quantization,
+    runs = [_run(Engine(_config(*args[:4], seed, invariant, **(options or {}),
                                 max_num_batched_tokens=n, max_num_seqs=4)),
                  [others[0], needle, others[1]], 1, steps)
             for n in (8, 24)]
@@ -182,13 +183,13 @@ def check_chunks(device, model, dtype, backend, steps, seed,
 
 def check_seeded_sampling(device, model, dtype, backend, steps, seed,
                           invariant: bool = True, trials: int = 2,
-                          quantization: str | None = None) -> Row:
+                          options: dict[str, Any] | None = None) -> Row:
     """The needle sampled at temperature 1 with its own seed, alone and among 1 to 15 others
     with theirs: the same draws."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    eng = Engine(_config(*args[:4], seed, invariant, quantization=quantization))
+    eng = Engine(_config(*args[:4], seed, invariant, **(options or {})))
     vocab = eng.src.hf_config.vocab_size
     needle = _needle(seed, vocab)
     want = _run(eng, [needle], 0, steps, sampled=True)
@@ -200,18 +201,18 @@ def check_seeded_sampling(device, model, dtype, backend, steps, seed,
 
 def check_preemption(device, model, dtype, backend, steps, seed,
                      invariant: bool = True,
-                     quantization: str | None = None) -> Row:
+                     options: dict[str, Any] | None = None) -> Row:
     """The needle among six requests in pages of 8 that each grow by two pages more than the
     KV cache admitted them with: the scheduler preempts, the preempted recompute their tokens
     (the needle's first ``steps`` compared)."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args, invariant, quantization)
+    toks, lps, needle, vocab = _reference(args, invariant, options)
     rng = random.Random(seed + 4)
     others = [[rng.randrange(vocab) for _ in range(NEEDLE)] for _ in range(5)]
     bs, pages = 8, NEEDLE // 8
-    eng = Engine(_config(*args[:4], seed, invariant, quantization=quantization,
+    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
                          block_size=bs, num_blocks=4 * (pages + 1) + 1))
     got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 2 * bs)
     return _row("after preemptions", (toks, lps), [(got[0][:steps], got[1][:steps])],
@@ -220,14 +221,14 @@ def check_preemption(device, model, dtype, backend, steps, seed,
 
 def check_graphs(device, model, dtype, backend, steps, seed, cases,
                  invariant: bool = True,
-                 quantization: str | None = None) -> Row:
+                 options: dict[str, Any] | None = None) -> Row:
     """The needle run eagerly (no CUDA graphs), alone and among 1 to 15 others ``cases``
     times, against its decode steps replayed in the graphs of the reference (a GPU's)."""
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    toks, lps, needle, vocab = _reference(args, invariant, quantization)
-    eng = Engine(_config(*args[:4], seed, invariant, quantization=quantization,
+    toks, lps, needle, vocab = _reference(args, invariant, options)
+    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
                          enforce_eager=True))
     rng = random.Random(seed + 6)
     runs = [_run(eng, [needle], 0, steps)]
