@@ -42,6 +42,9 @@ def _guard(mark: str, what: str, call: Callable[..., Any]) -> Callable[..., Any]
 
 # Where there is no GPU (CI): on a GPU machine Triton's compiles start ptxas in any test
 if os.environ.get("TRITON_INTERPRET") == "1":
+    # matplotlib's first import on a fresh machine builds its font cache with a subprocess
+    # (fc-list), in whichever test imports it first: built here, before the guard
+    import matplotlib.font_manager  # noqa: F401
     subprocess.Popen.__init__ = _guard("process", "a subprocess", subprocess.Popen.__init__)
     multiprocessing.process.BaseProcess.start = _guard(
         "process", "a process", multiprocessing.process.BaseProcess.start)
