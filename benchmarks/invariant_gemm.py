@@ -1,11 +1,12 @@
 """``--batch-invariant``'s GEMM against cuBLAS on a model's linear shapes (issue 97).
 
 For each row count M, each linear layer of the profile (qkv, o, gate_up, down, the LM head)
-through cuBLAS (``F.linear``) and through the invariant GEMM in each tile of its ``PLAN``
-(``runtime/quantization/invariant_gemm.py``) and of ``--tiles`` (candidates for it:
-ROWSxCOLSxWARPSxSTAGES), timed over eager calls: TFLOP/s, and the plan's choice against
-cuBLAS. Then whether each tile gives the first tile's bits on every shape (the
-plan mixes tiles by M only where they do: ``plan_for``) and which plan this device keeps.
+through cuBLAS (``F.linear``) and through the invariant GEMM in each of its ``CANDIDATES``
+(``runtime/quantization/invariant_gemm.py``) and of ``--tiles`` (more:
+ROWSxCOLSxWARPSxSTAGES[xtma]), timed over eager calls: TFLOP/s, and the shape's plan's choice
+(timed from graph replays, as a run times it) against cuBLAS. Then whether each tile gives the
+first tile's bits on every shape (a plan mixes only tiles that do: ``kept_tiles``) and which
+tiles this device keeps.
 
     python -m benchmarks.invariant_gemm --profile llama-3-8b --json $OUT/invariant-gemm.json
 """
@@ -23,10 +24,11 @@ from benchmarks.common import event_ms, print_table
 from benchmarks.fp8_gemm import shapes
 from pagedgen.runtime.models.loader import resolve_model
 from pagedgen.runtime.quantization.invariant_gemm import (
-    PLAN,
+    CANDIDATES,
     Tiles,
+    kept_tiles,
     parse_tiles,
-    plan_for,
+    tile_name,
     tiled_linear,
     tiles_for,
 )
@@ -51,16 +53,15 @@ def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
     layers = shapes(args.profile) | {"lm_head": (resolve_model(args.profile).hf_config.vocab_size,
                                                  shapes(args.profile)["o"][0])}
-    tiles = [t for _, t in PLAN] + candidates(args.tiles)
-    names = [f"{t.block_m}x{t.block_n}" + (f"x{t.warps}x{t.stages}" if i >= len(PLAN) else "")
-             + ("xtma" if t.tma else "") for i, t in enumerate(tiles)]
+    tiles = list(dict.fromkeys([*map(parse_tiles, CANDIDATES), *candidates(args.tiles)]))
+    names = [tile_name(t) for t in tiles]
     rows, same = [], {}
     ms = [int(m) for m in args.m.split(",")]
     for layer, (n, k) in layers.items():
         w = torch.randn(n, k, device=dev, dtype=dt) * 0.02
         x = torch.randn(max(ms), k, device=dev, dtype=dt)
         out = torch.empty(max(ms), n, device=dev, dtype=dt)
-        first = tiled_linear(x, w, None, out.clone(), PLAN[0][1])
+        first = tiled_linear(x, w, None, out.clone(), tiles[0])
         same[layer] = {nm: torch.equal(first, tiled_linear(x, w, None, out.clone(), t))
                        for nm, t in zip(names, tiles)}
         for m in ms:
@@ -70,14 +71,13 @@ def main() -> None:
                  "cublas_tflops": flop / event_ms(lambda: torch.nn.functional.linear(xm, w)) / 1e9}
             for nm, t in zip(names, tiles):
                 r[f"{nm}_tflops"] = flop / event_ms(lambda: tiled_linear(xm, w, None, om, t)) / 1e9
-            chosen = tiles_for(m, dev, dt)
-            r["plan"] = f"{chosen.block_m}x{chosen.block_n}"
+            r["plan"] = tile_name(tiles_for(m, w, dt))
             r["plan_vs_cublas"] = r[f"{r['plan']}_tflops"] / r["cublas_tflops"]
             rows.append(r)
             print(json.dumps(r), flush=True)
-    kept = plan_for(dev, dt)
     meta = {"gpu": torch.cuda.get_device_name(), "profile": args.profile,
-            "tiles_same_bits_as_first": same, "plan_kept": [list(t) for _, t in kept]}
+            "tiles_same_bits_as_first": same,
+            "tiles_kept": [tile_name(t) for t in kept_tiles(dev, dt)]}
     print(json.dumps(meta))
     print_table(f"the invariant GEMM against cuBLAS on {meta['gpu']} (TFLOP/s)", rows,
                 ["layer", "m", "cublas_tflops", *[f"{nm}_tflops" for nm in names], "plan",

@@ -1,6 +1,7 @@
-"""Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8/gemm.py``) and the
-MoE tiles per token count (``layers/moe/plan.py``), each timed from CUDA-graph replays as the
-model runs them, for a shape (a plan's key, without the GPU).
+"""Kernel choices measured per GPU: the FP8 GEMM per M (``quantization/fp8/gemm.py``), the MoE
+tiles per token count (``layers/moe/plan.py``) and ``--batch-invariant``'s GEMM tiles per row
+count (``quantization/invariant_gemm.py``), each timed from CUDA-graph replays as the model
+runs them, for a shape (a plan's key, without the GPU).
 
 A plan comes from, in order: this process (every layer of a shape asks); the machine's cache
 (``$XDG_CACHE_HOME/pagedgen/``, under the GPU's name, the torch and Triton versions and a digest
@@ -137,6 +138,13 @@ def cached(name: str, gpu: str, shape: str, read: Callable[[Any], Any],
         _MEMORY[(name, gpu, shape)] = (plan, saved)
         sources[source] += 1
     return _MEMORY[(name, gpu, shape)][0]
+
+
+def planned(name: str, gpu: str, shape: str) -> Any:
+    """The plan of kind ``name`` for ``shape`` this process holds already, or None (where
+    nothing may be timed: under CUDA-graph capture)."""
+    got = _MEMORY.get((name, gpu, shape))
+    return None if got is None else got[0]
 
 
 def taken() -> dict[str, dict[str, Any]]:

@@ -190,20 +190,27 @@ def test_the_tiled_gemm_computes_the_product():
 
 
 def test_the_gemm_mixes_tiles_only_where_they_give_the_same_bits():
-    """The plan's tiles by row count stand only where each gave the first tile's bits."""
-    from pagedgen.runtime.quantization.invariant_gemm import PLAN, kept_plan
-    a = torch.ones(3)
-    assert kept_plan([a.clone() for _ in PLAN]) == PLAN
-    apart = kept_plan([a.clone() for _ in PLAN[:-1]] + [a + 1e-7])
-    assert len(apart) == 1 and apart[0][1] == PLAN[0][1] and apart[0][0] > 1e12
-    assert kept_plan([]) == apart  # a CPU: no tiles to mix
+    """A plan's tiles by row count stand only where each gave the first tile's bits (kept);
+    a plan read back from disk names kept tiles in row order, else it is timed again."""
+    from pagedgen.runtime.quantization import invariant_gemm as ig
+    tiles = [t for _, t in ig.PLAN]
+    assert ig.usable_plan(ig.PLAN, tuple(tiles)) == ig.PLAN
+    apart = ig.usable_plan(ig.PLAN, tuple(tiles[:1]))
+    assert len(apart) == 1 and apart[0][1] == tiles[0] and apart[0][0] > 1e12
+    assert ig.kept_tiles(CPU, torch.float32) == (ig.parse_tiles(ig.CANDIDATES[0]),)  # a CPU
+    names = {ig.tile_name(t): t for t in tiles}
+    saved = [[64, ig.tile_name(tiles[0])], [1 << 62, ig.tile_name(tiles[1])]]
+    assert ig._read(saved, names) == ig.PLAN
+    assert ig._read(saved[::-1], names) is None  # out of order
+    assert ig._read([[64, "64x64x4x4"], [1 << 62, "128x256x8x3xtma"]], names) is None
+    assert ig._read("junk", names) is None
 
 
 def test_the_gemm_plan_set_by_its_variable_serves_rows_by_count(monkeypatch):
     """``PAGEDGEN_INVARIANT_GEMM_PLAN`` replaces the plan (its tiles up to their row counts, the
     last for the rest); a malformed one is a one-line error naming the variable."""
     from pagedgen.runtime.quantization.invariant_gemm import PLAN, Tiles, configured_plan
-    assert configured_plan() == PLAN
+    assert configured_plan() is PLAN
     monkeypatch.setenv("PAGEDGEN_INVARIANT_GEMM_PLAN", "32:64x64x4x4,512:128x128x8x4,128x256x8x3")
     assert configured_plan() == ((32, Tiles(64, 64, 4, 4)), (512, Tiles(128, 128, 8, 4)),
                                  (1 << 62, Tiles(128, 256, 8, 3)))

@@ -5,11 +5,14 @@ cuBLAS (and MKL) choose tiles, split-K and even the algorithm by the problem's s
 row's sums take another order when the batch has more or fewer rows. On a GPU every program
 makes one output tile, its K loop in steps of ``BLOCK_K`` in the same order for any row count,
 no split-K: an element's sum is the same chain of tensor-core products whatever the tile's
-height or width. The tile grows with the row count (``PLAN``: narrow tiles for a decode's few
+height or width. So the tile may change with the row count (narrow tiles for a decode's few
 rows, so that many programs stream the weight; wide ones for a prefill's many, for reuse),
 which is invariant only where the tensor cores sum an element alike in every tile shape:
-``plan_for`` checks that on the device once (each tile against the first, bitwise, on a probe
-product) and keeps the first tile for every row count where it does not hold. On a CPU each
+``kept_tiles`` checks that on the device once (each candidate against the first, bitwise, on
+a probe product) and keeps only those that agree. Each weight shape's plan (``shape_plan``:
+the fastest kept tile per row count) is timed once per machine as the FP8 GEMM's is
+(``kernel_plans``: cached on disk, shipped per GPU); under CUDA-graph capture, where nothing
+is timed, a shape not planned yet takes ``PLAN``. On a CPU each
 row is its own product (a BLAS's rounding also follows where a row sits in its register
 block, so tiles would not do). Hand-written: torch has no GEMM with a fixed reduction order
 (vLLM's and SGLang's batch-invariant modes carry their own Triton GEMMs for the same reason).
@@ -52,7 +55,18 @@ class Tiles(NamedTuple):
 # 64 x 128 1,032, 64 x 64 1,312 (cuBLAS 701); at 512 1,446, 1,852, 2,654 (cuBLAS 1,159)
 PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)),
                                        (1 << 62, Tiles(128, 128, 8, 4)))
+# the tiles a shape's plan chooses between (the first is the one every other must agree with)
+CANDIDATES = ("64x64x4x4", "64x128x4x4", "128x128x8x4", "128x256x8x3", "128x256x8x3xtma")
+# the row counts a shape's plan times (the last's choice serves every larger count), while a
+# timing's activations and output take at most TIMING_BYTES (a forward may be running)
+M_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)
+TIMING_BYTES = 1 << 27
+CACHE = "invariant-gemm-plans"
 
+
+
+def tile_name(t: Tiles) -> str:
+    return f"{t.block_m}x{t.block_n}x{t.warps}x{t.stages}" + ("xtma" if t.tma else "")
 
 
 def parse_tiles(text: str) -> Tiles:
@@ -156,31 +170,86 @@ def tiled_linear(x2: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
 
 
 @functools.cache
-def plan_for(device: torch.device, dtype: torch.dtype) -> tuple[tuple[int, Tiles], ...]:
-    """The configured plan (``configured_plan``) where every tile gives the first tile's bits
-    on a probe product on ``device`` (``dtype``), else the first tile for every row count."""
-    plan = configured_plan()
+def kept_tiles(device: torch.device, dtype: torch.dtype, more: tuple[Tiles, ...] = ()
+               ) -> tuple[Tiles, ...]:
+    """``CANDIDATES`` (and ``more``) whose product of a probe on ``device`` (``dtype``) has
+    the first's bits; the first alone on a CPU."""
+    tiles = tuple(dict.fromkeys([*map(parse_tiles, CANDIDATES), *more]))
     if device.type != "cuda":
-        return kept_plan([], plan)
+        return tiles[:1]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(300, 1000, generator=g).to(device, dtype)
     w = torch.randn(700, 1000, generator=g).to(device, dtype)
-    return kept_plan([tiled_linear(x, w, None, torch.empty(300, 700, dtype=dtype,
-                                                         device=device), t) for _, t in plan],
-                     plan)
+    products = [tiled_linear(x, w, None, torch.empty(300, 700, dtype=dtype, device=device), t)
+                for t in tiles]
+    return tuple(t for t, p in zip(tiles, products) if torch.equal(products[0], p))
 
 
-def kept_plan(products: list[torch.Tensor], plan: tuple[tuple[int, Tiles], ...] = PLAN
-              ) -> tuple[tuple[int, Tiles], ...]:
-    """``plan`` where the product in each of its tiles (``products``, in its order) has the
-    first's bits, else (or with no products: a CPU) its first tile for every row count."""
-    same = bool(products) and all(torch.equal(products[0], p) for p in products[1:])
-    return plan if same else ((1 << 62, plan[0][1]),)
+def usable_plan(plan: tuple[tuple[int, Tiles], ...], kept: tuple[Tiles, ...]
+                ) -> tuple[tuple[int, Tiles], ...]:
+    """``plan`` where every tile of it is ``kept``, else the first kept tile for every row
+    count."""
+    return plan if all(t in kept for _, t in plan) else ((1 << 62, kept[0]),)
 
 
-def tiles_for(m: int, device: torch.device, dtype: torch.dtype) -> Tiles:
-    """The tile for ``m`` rows on ``device``: ``plan_for``'s entry for that row count."""
-    return next(t for most, t in plan_for(device, dtype) if m <= most)
+def shape_plan(w: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[int, Tiles], ...]:
+    """The plan of weight ``w``'s shape for activations of ``dtype``: the configured one
+    (``PAGEDGEN_INVARIANT_GEMM_PLAN``), else the shape's timed plan, else (under CUDA-graph
+    capture, before it is timed) ``PLAN``; each only where its tiles are kept."""
+    from pagedgen.runtime import kernel_plans
+
+    configured = configured_plan()
+    if configured is not PLAN:
+        return usable_plan(configured, kept_tiles(w.device, dtype,
+                                                  tuple(t for _, t in configured)))
+    kept = kept_tiles(w.device, dtype)
+    if w.device.type != "cuda":  # Triton's interpreter (tests): nothing to time
+        return usable_plan(PLAN, kept)
+    if torch.cuda.is_current_stream_capturing():
+        plan = kernel_plans.planned(CACHE, kernel_plans.gpu_name(w.device), _key(w, dtype))
+        return usable_plan(plan or PLAN, kept)
+    names = {tile_name(t): t for t in kept}
+    return kernel_plans.cached(
+        CACHE, kernel_plans.gpu_name(w.device), _key(w, dtype),
+        lambda saved: _read(saved, names), lambda: _measure(w, dtype, kept),
+        lambda plan: [[m, tile_name(t)] for m, t in plan])
+
+
+def _key(w: torch.Tensor, dtype: torch.dtype) -> str:
+    return f"{w.shape[0]}x{w.shape[1]}/{str(dtype).removeprefix('torch.')}"
+
+
+def _read(saved, names: dict[str, Tiles]) -> tuple[tuple[int, Tiles], ...] | None:
+    """A plan read from disk or a shipped file, or None where it names a tile not kept here
+    (or is malformed)."""
+    try:
+        plan = tuple((int(m), names[t]) for m, t in saved)
+    except (KeyError, TypeError, ValueError):
+        return None
+    return plan if plan and [m for m, _ in plan] == sorted(m for m, _ in plan) else None
+
+
+def _measure(w: torch.Tensor, dtype: torch.dtype, kept: tuple[Tiles, ...]
+             ) -> tuple[tuple[int, Tiles], ...]:
+    """The fastest kept tile at each of ``M_BUCKETS`` rows on weight ``w`` (CUDA-graph
+    replays, as the model runs them)."""
+    from pagedgen.runtime.kernel_plans import graph_time
+
+    n, k = w.shape
+    choices: list[tuple[int, Tiles]] = []
+    for m in M_BUCKETS:
+        if choices and m * (n + k) * w.element_size() > TIMING_BYTES:
+            break
+        x = torch.randn(m, k, device=w.device, dtype=dtype)
+        out = torch.empty(m, n, device=w.device, dtype=dtype)
+        times = {t: graph_time(lambda t=t: tiled_linear(x, w, None, out, t)) for t in kept}
+        choices.append((m, min(times, key=times.get)))
+    return (*choices[:-1], (1 << 62, choices[-1][1]))
+
+
+def tiles_for(m: int, w: torch.Tensor, dtype: torch.dtype) -> Tiles:
+    """The tile for ``m`` rows of ``dtype`` activations times weight ``w`` on its GPU."""
+    return next(t for most, t in shape_plan(w, dtype) if m <= most)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -217,5 +286,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = w.shape[0]
     if out is None:
         out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
-    tiled_linear(x2, w, bias, out, tiles_for(x2.shape[0], x.device, x.dtype))
+    tiled_linear(x2, w, bias, out, tiles_for(x2.shape[0], w, x.dtype))
     return out.reshape(*shape[:-1], n)
