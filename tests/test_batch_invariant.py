@@ -133,6 +133,17 @@ def test_a_hybrid_model_in_the_mode_gets_what_it_gets_alone(tmp_path, dtype):
     assert all(r.passed for r in got.values()), got
 
 
+def test_the_summary_names_the_linear_attention_path_in_the_mode(tmp_path):
+    from hf_models import make_checkpoint
+
+    from pagedgen.runtime.engine.engine import Engine
+    eng = Engine(EngineConfig(model=str(make_checkpoint("qwen3_5_text", tmp_path / "h")),
+                              device="cpu", dtype="float32", batch_invariant=True,
+                              num_blocks=64))
+    said = eng.summary(1.0, 0.0)["batch_invariant"]
+    assert "linear attention a token at a time" in said and "eager" in said
+
+
 def test_without_the_mode_a_hybrid_model_gets_other_bits(tmp_path):
     got = _hybrid_rows(tmp_path, False)
     assert all(not r.passed and r.worst_abs > 0 for r in got.values()), got

@@ -48,8 +48,8 @@ def run_summary(engine, wall: float, start: float, extra: dict[str, Any] | None 
         "max_num_seqs": engine.config.max_num_seqs,
     }
     if engine.config.batch_invariant:
-        out["batch_invariant"] = batch_invariant.summary(engine.config.backend,
-                                                        worker["cuda_graphs"])
+        out["batch_invariant"] = batch_invariant.summary(
+            engine.config.backend, worker["cuda_graphs"], "recurrent_state_slots" in worker)
     if engine.device.type == "cuda" and jit_monitor.MONITOR.installed:
         out.update(jit_monitor.MONITOR.summary(*engine.jit_marks))
     if kernel_plans.sources:

@@ -54,11 +54,14 @@ BACKENDS = ("triton", "eager")  # what keeps a token's attention invariant (auto
 # GPU, eager on a CPU, where triton's kernels run in its interpreter)
 
 
-def summary(backend: str, graphs: bool) -> str:
+def summary(backend: str, graphs: bool, recurrent: bool = False) -> str:
     """What the summary says of a run in the mode on ``backend``: the kernels it ran, and
-    whether it ran CUDA graphs."""
+    whether it ran CUDA graphs (``recurrent``: the model has linear-attention layers)."""
     attention = ("each query row alone on eager's" if backend == "eager"
                  else f"every token through {backend}'s prefill kernel")
+    if recurrent:
+        attention += (", linear attention a token at a time" if backend == "eager"
+                      else ", linear attention through the scan for every token")
     return (f"on: {attention}, dense GEMMs in invariant tiles (quantization/invariant_gemm.py), "
             f"MoE experts in one tile, row-parallel GEMMs in K halves (-tp 1 and 2 alike), "
             "no cascade decode, "
