@@ -180,3 +180,35 @@ def make_vision_checkpoint(path: Path) -> Path:
                 p.copy_(torch.empty_like(p).uniform_(0.01, 0.1).log())
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def pack_mxfp4(checkpoint: Path, root: Path) -> tuple[Path, Path]:
+    """A tiny gpt-oss ``checkpoint`` with its experts packed to MXFP4 as the published ones are
+    (``*_blocks``, ``*_scales``, ``quant_method: mxfp4``) at ``root/mxfp4``, and the same
+    values dequantized as a bf16-layout checkpoint at ``root/ref`` (transformers' reference)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
+    path = root / "mxfp4"
+    shutil.copytree(checkpoint, path)
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        rows_last = tensors.pop(name)  # [E, in, out] → MXFP4 of [E, out, in]
+        blocks, scales = mxfp4.quantize(rows_last.transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4",
+                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (path / "config.json").write_text(json.dumps(cfg))
+    ref = root / "ref"
+    shutil.copytree(checkpoint, ref)
+    dense = {n: (mxfp4.dequantize(t, tensors[n.replace("_blocks", "_scales")], torch.float32)
+                 .transpose(1, 2).contiguous() if n.endswith("_blocks") else t)
+             for n, t in tensors.items() if not n.endswith("_scales")}
+    save_file({n.removesuffix("_blocks"): t for n, t in dense.items()},
+              str(ref / "model.safetensors"))
+    return path, ref

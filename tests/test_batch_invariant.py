@@ -162,28 +162,57 @@ def test_an_fp8_kv_cache_in_the_mode_gets_what_it_gets_alone():
         assert all(r.passed == invariant for r in got), got
 
 
-def test_quantized_experts_and_moe_under_tp_are_refused_in_one_line():
-    """A checkpoint's own format (here MXFP4 experts, as gpt-oss ships) picks its kernels'
-    tiles by the token count: the mode names it instead of running it unchecked; so is a MoE
-    model under -tp (a token's experts would add across ranks)."""
+def _quantized_moe(tmp_path, kind: str) -> tuple[str, dict]:
+    """(a tiny checkpoint, its engine options) whose experts are FP8 (a Qwen2-MoE under
+    ``-q fp8``) or MXFP4 (a gpt-oss packed as published: biases, windows and sinks too)."""
+    from hf_models import make_checkpoint, pack_mxfp4
+
+    if kind == "fp8":
+        return str(make_checkpoint("qwen2_moe", tmp_path / "moe", head_dim=64)), \
+            {"quantization": "fp8"}
+    return str(pack_mxfp4(make_checkpoint("gpt_oss", tmp_path / "oss"), tmp_path)[0]), {}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
+def test_quantized_experts_in_the_mode_get_what_they_get_alone(tmp_path, kind):
+    """FP8 and MXFP4 experts: their weights converted to the activations' dtype (in the
+    grouped GEMM's one tile on a GPU, dequantized a token at a time on a CPU): bitwise as
+    alone in batches, chunks and after preemption in the mode, other bits without it."""
+    ckpt, options = _quantized_moe(tmp_path, kind)
+    args = (CPU, ckpt, "float32", "auto", 4, 0)
+    for invariant in (True, False):
+        got = [ic.check_batches(*args, 2, invariant, most=5, options=options),
+               ic.check_preemption(*args, invariant, options=options)]
+        assert all(r.passed == invariant for r in got), (invariant, got)
+
+
+def test_other_expert_formats_and_moe_under_tp_are_refused_in_one_line():
+    """An expert format the mode has not checked is named instead of run unchecked; so is a
+    MoE model under -tp (a token's experts would add across ranks)."""
     from types import SimpleNamespace
 
     from pagedgen.runtime.collectives.parallel import TensorParallel
     from pagedgen.runtime.layers.moe.layer import FusedMoE
+    from pagedgen.runtime.quantization.base import MoeMethod
     from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
     from pagedgen.runtime.quantization.unquantized import UnquantizedMoe
+
+    class OtherMoe(MoeMethod):  # a format the mode does not list
+        name = "other"
+        create_weights = UnquantizedMoe.create_weights
 
     def runner(method, tp: int = 1):
         model = torch.nn.Sequential(FusedMoE(4, 2, 64, 64, TensorParallel(), method=method))
         return SimpleNamespace(model=model, recurrent=None, attn_states=[],
                                tp=TensorParallel(size=tp))
-    with pytest.raises(PagedgenError, match="and FP8 linear layers only .*Mxfp4Moe"):
-        batch_invariant.apply(runner(Mxfp4Moe()))
+    with pytest.raises(PagedgenError, match="this checkpoint's are OtherMoe"):
+        batch_invariant.apply(runner(OtherMoe()))
     with pytest.raises(PagedgenError, match="MoE models on one GPU only"):
         batch_invariant.apply(runner(UnquantizedMoe(), tp=2))
-    dense = runner(UnquantizedMoe())
-    batch_invariant.apply(dense)
-    assert dense.model[0].batch_invariant
+    for method in (UnquantizedMoe(), Mxfp4Moe()):
+        ok = runner(method)
+        batch_invariant.apply(ok)
+        assert ok.model[0].batch_invariant
 
 
 @pytest.mark.kernels
@@ -312,15 +341,20 @@ def test_a_decode_steps_tiles_follow_the_chunk_rule_and_land_in_the_graphs_buffe
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options,model", [({}, "tiny"), ({"quantization": "fp8"}, "tiny"),
-                                           ({"kv_cache_dtype": "fp8"}, "tiny"), ({}, "hybrid")],
-                         ids=["bf16", "fp8-weights", "fp8-kv", "hybrid"])
+                                           ({"kv_cache_dtype": "fp8"}, "tiny"), ({}, "hybrid"),
+                                           ({}, "fp8"), ({}, "mxfp4")],
+                         ids=["bf16", "fp8-weights", "fp8-kv", "hybrid", "fp8-experts",
+                              "mxfp4-experts"])
 def test_the_mode_passes_its_checks_on_a_gpu(options, model, tmp_path):
     """The six checks in the mode on CUDA (bf16, the tiny preset, with FP8 weights, with an
-    FP8 KV cache, and a tiny Qwen3.5 whose linear-attention layers run triton's scan for every
-    token): all bitwise, decode steps in CUDA graphs and eagerly."""
+    FP8 KV cache, a tiny Qwen3.5 whose linear-attention layers run triton's scan for every
+    token, FP8 and MXFP4 experts in the grouped GEMM's one tile): all bitwise, decode steps in
+    CUDA graphs and eagerly."""
     if model == "hybrid":
         from hf_models import make_checkpoint
         model = str(make_checkpoint("qwen3_5_text", tmp_path / "hybrid"))
+    elif model in ("fp8", "mxfp4"):
+        model, options = _quantized_moe(tmp_path, model)
     args = (torch.device("cuda"), model, "bfloat16", "auto", 8, 0)
     q = {"options": options}
     got = [ic.check_batches(*args, 4, True, most=31, **q), ic.check_prefix_cache(*args, **q),

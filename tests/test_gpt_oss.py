@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from hf_models import make_checkpoint
+from hf_models import make_checkpoint, pack_mxfp4
 from test_hf_equivalence import check_greedy_with_preemption, check_logits
 
 from pagedgen.errors import PagedgenError
@@ -116,36 +116,9 @@ def test_mxfp4_dequantizes_as_transformers_does():
 
 @pytest.fixture(scope="module")
 def mxfp4_checkpoint(checkpoint, tmp_path_factory):
-    """(the tiny checkpoint with its experts packed to MXFP4 as the published checkpoints are
-    (``*_blocks``, ``*_scales``, ``quant_method: mxfp4``), the same values dequantized as a
-    bf16-layout checkpoint: transformers' reference)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from pagedgen.runtime.quantization.mxfp4 import codes as mxfp4
-    root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    path = root / "mxfp4"
-    shutil.copytree(checkpoint, path)
-    tensors = load_file(str(path / "model.safetensors"))
-    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        rows_last = tensors.pop(name)  # [E, in, out] → MXFP4 of [E, out, in]
-        blocks, scales = mxfp4.quantize(rows_last.transpose(1, 2))
-        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
-    save_file(tensors, str(path / "model.safetensors"))
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "mxfp4",
-                                  "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (path / "config.json").write_text(json.dumps(cfg))
-    ref = root / "ref"
-    shutil.copytree(checkpoint, ref)
-    dense = {n: (mxfp4.dequantize(t, tensors[n.replace("_blocks", "_scales")], torch.float32)
-                 .transpose(1, 2).contiguous() if n.endswith("_blocks") else t)
-             for n, t in tensors.items() if not n.endswith("_scales")}
-    save_file({n.removesuffix("_blocks"): t for n, t in dense.items()},
-              str(ref / "model.safetensors"))
-    return path, ref
+    """(the tiny checkpoint with its experts packed to MXFP4, the same values dequantized:
+    transformers' reference) (``hf_models.pack_mxfp4``)."""
+    return pack_mxfp4(checkpoint, tmp_path_factory.mktemp("gpt_oss_mxfp4"))
 
 
 def _mxfp4_logits(mxfp4_checkpoint, setup=None) -> None:

@@ -19,13 +19,15 @@ CPU the gated activations run a row at a time (torch's CPU exp and tanh round by
 place in the tensor: SIMD lane or scalar tail; found by ``verify --batch-invariance``).
 MoE experts run the grouped GEMM in one tile for every token count on a GPU (a token's row
 sums its K in the same order wherever it sits; the plan's per-count tiles would move it) and a
-token at a time on a CPU; a token's experts add in slot order. A log-probability's log-sum-exp
+token at a time on a CPU; a token's experts add in slot order. FP8 and MXFP4 experts convert
+their weights to the activations' dtype in that tile's registers (no activation quantization,
+whose scale would follow the batch's tokens; dequantized on a CPU). A log-probability's log-sum-exp
 is one program's per row on a GPU in every run, and torch's a row at a time on a CPU
 (``sampling/logprobs.py``). Linear-attention (Gated DeltaNet) layers run every token through
 the scan, prompts too (a chunked prefill's sums would follow its chunks), their state kept in
 float32 between steps (as a scan keeps it between a prompt's tokens); a token at a time on a
 CPU (``recurrent_slots.bind_recurrent``). What it does not cover yet is refused in one line:
-quantized experts (FP8 or MXFP4), more than two GPUs, MoE or FP8 weights under -tp. FP8
+another expert format, more than two GPUs, MoE or FP8 weights under -tp. FP8
 linear layers (``--quantization fp8`` or a checkpoint's) run bf16 activations times the e4m3
 weight in one tile on a GPU (``fp8/scheme.py``'s ``invariant_fp8``).
 -tp 2 gives -tp 1's bits: a row-parallel GEMM sums its K in halves on one GPU as two ranks
@@ -42,7 +44,9 @@ from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig
 from pagedgen.runtime.layers.linear import MergedProjections, RowParallelLinear
 from pagedgen.runtime.quantization.base import MoeMethod, QuantizationMethod
+from pagedgen.runtime.quantization.fp8.moe import Fp8Moe
 from pagedgen.runtime.quantization.fp8.scheme import Fp8
+from pagedgen.runtime.quantization.mxfp4.moe import Mxfp4Moe
 from pagedgen.runtime.quantization.unquantized import Unquantized, UnquantizedMoe
 
 WHAT = "--batch-invariant"
@@ -103,9 +107,10 @@ def apply(runner: Any) -> None:
                for m in (getattr(mod, "quant_method", None), getattr(mod, "method", None))
                if isinstance(m, QuantizationMethod | MoeMethod)]
     quantized = sorted({type(m).__name__ for m in methods
-                        if not isinstance(m, Unquantized | UnquantizedMoe | Fp8)})
-    if quantized:  # a format whose kernels pick tiles by the row count (MXFP4 or FP8 experts)
-        raise PagedgenError(f"{WHAT} runs unquantized weights and FP8 linear layers only (this "
+                        if not isinstance(m, Unquantized | UnquantizedMoe | Fp8 | Fp8Moe
+                                          | Mxfp4Moe)})
+    if quantized:  # a format whose kernels have not been checked in the mode's one tile
+        raise PagedgenError(f"{WHAT} runs unquantized, FP8 and MXFP4 weights only (this "
                             f"checkpoint's are {', '.join(quantized)})")
     if runner.tp.size > 1 and any(isinstance(m, Fp8) for m in methods):
         raise PagedgenError(f"{WHAT} runs FP8 weights on one GPU only")
