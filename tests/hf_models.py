@@ -80,8 +80,9 @@ def make_checkpoint(kind: str, path: Path, with_tokenizer: bool = False, **overr
         model = tf.Qwen3NextForCausalLM(cfg)
     elif kind == "gpt_oss":  # 4 experts, 2 per token, a short window on every other layer,
         # a SwiGLU clamp that bites
-        cfg = tf.GptOssConfig(**{**COMMON, "intermediate_size": 64, "num_hidden_layers": 3},
-                              head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+        cfg = tf.GptOssConfig(**{"head_dim": 32, **COMMON, "intermediate_size": 64,
+                                 "num_hidden_layers": 3},
+                              num_local_experts=4, num_experts_per_tok=2,
                               sliding_window=12, swiglu_limit=0.2)
         model = tf.GptOssForCausalLM(cfg)
     elif kind == "gemma4_text":  # local layers of heads of 64, global ones of 512 with a KV

@@ -55,8 +55,12 @@ class Tiles(NamedTuple):
 # 64 x 128 1,032, 64 x 64 1,312 (cuBLAS 701); at 512 1,446, 1,852, 2,654 (cuBLAS 1,159)
 PLAN: tuple[tuple[int, Tiles], ...] = ((64, Tiles(64, 64, 4, 4)),
                                        (1 << 62, Tiles(128, 128, 8, 4)))
-# the tiles a shape's plan chooses between (the first is the one every other must agree with)
-CANDIDATES = ("64x64x4x4", "64x128x4x4", "128x128x8x4", "128x256x8x3", "128x256x8x3xtma")
+# the tiles a shape's plan chooses between (the first is the one every other must agree with).
+# On an H100 (results/h100-invariant-gemm-candidates.json, Llama-3-8B's shapes, TFLOP/s):
+# 64 x 64 or 64 x 128 up to 256 rows; past 2,048 rows 128 x 128 loaded by TMA (627-677
+# against 556-577 by pointers) or 256 x 128 (564-626); every one gave the first's bits
+CANDIDATES = ("64x64x4x4", "64x128x4x4", "128x128x8x4", "128x256x8x3", "128x256x8x3xtma",
+              "256x128x8x3", "128x128x8x4xtma")
 # the row counts a shape's plan times (the last's choice serves every larger count), while a
 # timing's activations and output take at most TIMING_BYTES (a forward may be running)
 M_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)
