@@ -48,8 +48,9 @@ class Tiles(NamedTuple):
     tma: bool = False  # tiles loaded by TMA (Hopper on; the same products in the same order)
 
 
-# (the largest row count a tile serves, the tile), by row count; the last serves the rest.
-# Measured on an H100 over Llama-3-8B's five GEMMs (benchmarks/invariant_gemm.py,
+# (the largest row count a tile serves, the tile), by row count; the last serves the rest: a
+# shape's plan before it is timed (under CUDA-graph capture). Measured on an H100 over
+# Llama-3-8B's five GEMMs (benchmarks/invariant_gemm.py,
 # results/h100-invariant-gemm.json; their summed time): up to 64 rows 64 x 64 is level with
 # cuBLAS (636-654 us against 638-681) and with 64 x 128; at 256 rows 128 x 128 takes 907 us,
 # 64 x 128 1,032, 64 x 64 1,312 (cuBLAS 701); at 512 1,446, 1,852, 2,654 (cuBLAS 1,159)
@@ -66,7 +67,6 @@ CANDIDATES = ("64x64x4x4", "64x128x4x4", "128x128x8x4", "128x256x8x3", "128x256x
 M_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048)
 TIMING_BYTES = 1 << 27
 CACHE = "invariant-gemm-plans"
-
 
 
 def tile_name(t: Tiles) -> str:
