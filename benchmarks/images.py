@@ -12,7 +12,10 @@ prompt with one image placeholder, EOS ignored, greedy; each run starts cold (pr
 pagedgen's image-embedding cache forgotten).
 
     python -m benchmarks.images --preset qwen3.5-9b --workload i --num-prompts 500 \\
-        --json $OUT/images.json
+        --profiled --json $OUT/images.json
+
+``--profiled``: one more pagedgen run under torch.profiler, for the GPU's idle time between
+kernels and its share of the run (the issue's "GPU idle under 5%").
 """
 
 from __future__ import annotations
@@ -77,9 +80,12 @@ def write_checkpoint(folder: Path, preset: str, vision: dict[str, Any] | None = 
 
 
 def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
-                  engine_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                  engine_options: dict[str, Any] | None = None,
+                  profiled: bool = False) -> dict[str, Any]:
     """The workload through ``pagedgen.LLM`` on dummy weights, ``repeats`` times, each from
-    cold caches: each run's summary (images, the vision tower's share, throughput)."""
+    cold caches: each run's summary (images, the vision tower's share, throughput);
+    ``profiled``: then one more under torch.profiler, for where the GPU waited (its idle
+    time between kernels: ``run_kernels.idle_table``; empty on a CPU)."""
     from pagedgen.runtime.api import LLM
 
     t0 = time.perf_counter()
@@ -91,8 +97,8 @@ def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
     requests = [{"prompt_token_ids": p, "multi_modal_data": {"image": pixels[n]},
                  "max_tokens": k, "ignore_eos": True, "temperature": 0.0}
                 for p, k, n in zip(prompts, outs, numbers)]
-    runs = []
-    for _ in range(repeats):
+
+    def run() -> dict[str, Any]:
         engine.reset_prefix_cache()
         engine.reset_stats()
         start = time.perf_counter()
@@ -102,8 +108,32 @@ def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
         res["output_tokens"] = sum(len(r.outputs[0].token_ids) for r in got)
         res["images"] = len(requests)
         res["images_per_s"] = len(requests) / wall
-        runs.append(res)
-    return {"system": "pagedgen", "startup_s": startup, "runs": runs}
+        return res
+
+    out = {"system": "pagedgen", "startup_s": startup, "runs": [run() for _ in range(repeats)]}
+    if profiled:
+        out["idle"] = idle_of(run)
+    return out
+
+
+def idle_of(run) -> dict[str, Any]:
+    """``run()`` (a summary with its ``wall_time_s``) under torch.profiler: the GPU's idle time
+    between kernels, and its share of the run's wall time ({} without CUDA)."""
+    import torch
+
+    from benchmarks.run_kernels import idle_table
+    from pagedgen.runtime.kernel_stats import load_kernels
+
+    if not torch.cuda.is_available():
+        return {}
+    with tempfile.TemporaryDirectory() as d:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            res = run()
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        idle = idle_table(load_kernels(trace), res["wall_time_s"])
+    return {**idle, "wall_time_s": res["wall_time_s"],
+            "idle_share": idle.get("idle_s", 0.0) / res["wall_time_s"]}
 
 
 def vllm_runs(folder: Path, workload: str, num_prompts: int, repeats: int,
@@ -133,6 +163,8 @@ def main() -> None:
     ap.add_argument("--vllm-timeout", type=float, default=560.0)
     ap.add_argument("--folder", type=Path, default=None,
                     help="where the checkpoint folder goes (default: a temporary one)")
+    ap.add_argument("--profiled", action="store_true",
+                    help="pagedgen: one more run under torch.profiler, for the GPU's idle time")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     wl = image_workload(args.workload, args.num_prompts)
@@ -142,7 +174,8 @@ def main() -> None:
         write_checkpoint(folder, args.preset)
         for system in args.systems.split(","):
             if system == "pagedgen":
-                rows.append(pagedgen_runs(folder, wl, args.repeats, parse_overrides(args.set)))
+                rows.append(pagedgen_runs(folder, wl, args.repeats, parse_overrides(args.set),
+                                          args.profiled))
             elif system == "vllm":
                 rows.append({"system": "vllm", **vllm_runs(
                     folder, args.workload, wl.num_prompts, args.repeats, args.vllm_timeout)})
@@ -155,6 +188,11 @@ def main() -> None:
     for row in rows:
         print(f"{row['system']}: start-up {row.get('startup_s', 0):.1f} s"
               + (f"; {row['skipped']}" if "skipped" in row else ""), file=sys.stderr)
+        if row.get("idle"):
+            idle = row["idle"]
+            print(f"  GPU idle {idle['idle_s']:.3f} s of a profiled run's "
+                  f"{idle['wall_time_s']:.3f} s ({idle['idle_share']:.1%}; "
+                  f"{idle['gaps_over_1ms']} gaps over 1 ms)", file=sys.stderr)
         for run in row.get("runs", []):
             print("  " + ", ".join(f"{k} {run[k]:,.3f}" if isinstance(run[k], float)
                                    else f"{k} {run[k]}" for k in FIELDS if k in run),
