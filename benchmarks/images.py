@@ -121,17 +121,12 @@ def idle_of(run) -> dict[str, Any]:
     between kernels, and its share of the run's wall time ({} without CUDA)."""
     import torch
 
-    from benchmarks.run_kernels import idle_table
-    from pagedgen.runtime.kernel_stats import load_kernels
+    from benchmarks.run_kernels import idle_table, under_profiler
 
     if not torch.cuda.is_available():
         return {}
-    with tempfile.TemporaryDirectory() as d:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            res = run()
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        idle = idle_table(load_kernels(trace), res["wall_time_s"])
+    res, kernels = under_profiler(run)
+    idle = idle_table(kernels, res["wall_time_s"])
     return {**idle, "wall_time_s": res["wall_time_s"],
             "idle_share": idle.get("idle_s", 0.0) / res["wall_time_s"]}
 

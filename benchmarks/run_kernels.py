@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,26 @@ def idle_table(ks: list[Kernel], wall_s: float, largest: int = 8) -> dict[str, A
                              for us, ts, a, b in sorted(gaps, reverse=True)[:largest]]}
 
 
+def under_profiler(fn: Callable[[], Any]) -> tuple[Any, list[Kernel]]:
+    """``fn()`` under torch.profiler: its result, and its trace's kernels (``load_kernels``;
+    a CPU's operators where there is no GPU)."""
+    import torch
+
+    kind = torch.profiler.ProfilerActivity
+    on = kind.CUDA if torch.cuda.is_available() else kind.CPU  # a CPU run: no kernels
+    with tempfile.TemporaryDirectory() as d:
+        with torch.profiler.profile(activities=[on]) as prof:
+            got = fn()
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return got, load_kernels(trace)
+
+
 def pagedgen_run(workload: str, quantization: str | None, top: int = TOP,
                  overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """pagedgen's warm run and a profiled one of ``workload``, its profile's engine config
     changed by ``overrides`` (``--set``)."""
     from dataclasses import replace
-
-    import torch
 
     from benchmarks.common import build_engine, free_gpu, profile_configs, timed_runs
     from benchmarks.peers import same_kv_cache
@@ -81,16 +95,10 @@ def pagedgen_run(workload: str, quantization: str | None, top: int = TOP,
     prompts, outs = wl.requests(hf_config.vocab_size)
     params = wl.sampling_params(sampling, outs)
     warm = timed_runs(engine, prompts, params, repeats=1, load_s=load_s)[0]
-    with tempfile.TemporaryDirectory() as d:
-        kind = torch.profiler.ProfilerActivity
-        on = kind.CUDA if torch.cuda.is_available() else kind.CPU  # a CPU run: no kernels
-        with torch.profiler.profile(activities=[on]) as prof:
-            profiled = timed_runs(engine, prompts, params, repeats=1)[0]
-        trace = Path(d) / "trace.json"
-        prof.export_chrome_trace(str(trace))
-        kernels = load_kernels(trace)  # one parse of the trace for both tables
-        table = kernel_table(named(kernels), top)
-        idle = idle_table(kernels, profiled["wall_time_s"])
+    runs, kernels = under_profiler(partial(timed_runs, engine, prompts, params, repeats=1))
+    profiled = runs[0]
+    table = kernel_table(named(kernels), top)  # one parse of the trace for both tables
+    idle = idle_table(kernels, profiled["wall_time_s"])
     del engine
     free_gpu()
     label = "".join(f", {k}={v}" for k, v in (overrides or {}).items())
