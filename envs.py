@@ -54,7 +54,8 @@ INVARIANT_ATTENTION_ROWS = EnvVar(
     "more", "the rows of triton's attention tiles under --batch-invariant (a power of two; a "
     "decode fills its query heads' rows of one tile)")
 INVARIANT_GEMM_PLAN = EnvVar(
-    "PAGEDGEN_INVARIANT_GEMM_PLAN", "64 x 64 tiles up to 64 rows, 128 x 128 past them",
+    "PAGEDGEN_INVARIANT_GEMM_PLAN", "each weight shape's tiles timed per row count (once a "
+    "machine)",
     "the dense GEMM's tiles under --batch-invariant by row count: ROWS:MxNxWARPSxSTAGES,... "
     "with the last tile for the rest (64:64x64x4x4,128x256x8x3)")
 ALL_REDUCE = EnvVar("PAGEDGEN_ALL_REDUCE", "push: each rank stores its partial sums into its "

@@ -196,27 +196,41 @@ def usable_plan(plan: tuple[tuple[int, Tiles], ...], kept: tuple[Tiles, ...]
     return plan if all(t in kept for _, t in plan) else ((1 << 62, kept[0]),)
 
 
+# the plans ``shape_plan`` settled, by (weight shape, dtype, device, the configured plan): a
+# GEMM's call looks its plan up once resolved (it runs for every linear layer of every step)
+_SETTLED: dict[tuple, tuple[tuple[int, Tiles], ...]] = {}
+
+
 def shape_plan(w: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[int, Tiles], ...]:
     """The plan of weight ``w``'s shape for activations of ``dtype``: the configured one
     (``PAGEDGEN_INVARIANT_GEMM_PLAN``), else the shape's timed plan, else (under CUDA-graph
     capture, before it is timed) ``PLAN``; each only where its tiles are kept."""
+    key = (*w.shape, dtype, w.device, envs.INVARIANT_GEMM_PLAN.get())
+    plan = _SETTLED.get(key)
+    if plan is None:
+        plan, settled = _resolve(w, dtype)
+        if settled:
+            _SETTLED[key] = plan
+    return plan
+
+
+def _resolve(w: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[tuple[int, Tiles], ...], bool]:
+    """``shape_plan``'s plan, and whether it is settled (not the stand-in of a capture)."""
     from pagedgen.runtime import kernel_plans
 
     configured = configured_plan()
     if configured is not PLAN:
         return usable_plan(configured, kept_tiles(w.device, dtype,
-                                                  tuple(t for _, t in configured)))
+                                                  tuple(t for _, t in configured))), True
     kept = kept_tiles(w.device, dtype)
     if w.device.type != "cuda":  # Triton's interpreter (tests): nothing to time
-        return usable_plan(PLAN, kept)
+        return usable_plan(PLAN, kept), True
+    gpu, key = kernel_plans.gpu_name(w.device), _key(w, dtype)
     if torch.cuda.is_current_stream_capturing():
-        plan = kernel_plans.planned(CACHE, kernel_plans.gpu_name(w.device), _key(w, dtype))
-        return usable_plan(plan or PLAN, kept)
-    names = {tile_name(t): t for t in kept}
+        return usable_plan(kernel_plans.planned(CACHE, gpu, key) or PLAN, kept), False
     return kernel_plans.cached(
-        CACHE, kernel_plans.gpu_name(w.device), _key(w, dtype),
-        lambda saved: _read(saved, names), lambda: _measure(w, dtype, kept),
-        lambda plan: [[m, tile_name(t)] for m, t in plan])
+        CACHE, gpu, key, lambda saved: _read(saved, {tile_name(t): t for t in kept}),
+        lambda: _measure(w, dtype, kept), lambda plan: [[m, tile_name(t)] for m, t in plan]), True
 
 
 def _key(w: torch.Tensor, dtype: torch.dtype) -> str:
