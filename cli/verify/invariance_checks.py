@@ -43,7 +43,7 @@ def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, 
 
     options = {"quantization": quantization, "kv_cache_dtype": kv_cache_dtype}
     try:
-        prepared(_config(device, model, dtype, backend, seed, **options))
+        prepared(_config(device, model, dtype, backend, seed, options=options))
     except PagedgenError as e:
         return BackendReport(NAME, "skipped", str(e)), []
     args = (device, model, dtype, backend, steps, seed)
@@ -59,14 +59,16 @@ def plan_invariance(device: torch.device, model: str, dtype: str, backend: str, 
 
 
 def _config(device: torch.device, model: str, dtype: str, backend: str, seed: int,
-            invariant: bool = True, **kw: Any):
+            invariant: bool = True, options: dict[str, Any] | None = None, **kw: Any):
+    """The checks' engine config (``options``: the run's own, e.g. its quantization; ``kw``:
+    a check's)."""
     from pagedgen.runtime.config import EngineConfig
 
     base = dict(model=model, device=str(device), dtype=dtype, backend=backend, seed=seed,
                 load_format="auto", max_num_seqs=64, max_num_batched_tokens=2048,
                 max_model_len=512, num_blocks=1024, prefix_caching=False,
                 batch_invariant=invariant)
-    return EngineConfig(**{**base, **kw})
+    return EngineConfig(**{**base, **(options or {}), **kw})
 
 
 def _needle(seed: int, vocab: int) -> list[int]:
@@ -94,8 +96,7 @@ def _reference(args: tuple, invariant: bool, options: dict[str, Any] | None = No
     from pagedgen.runtime.engine.engine import Engine
 
     device, model, dtype, backend, steps, seed = args
-    eng = Engine(_config(device, model, dtype, backend, seed, invariant,
-                         **(options or {})))
+    eng = Engine(_config(device, model, dtype, backend, seed, invariant, options))
     vocab = eng.src.hf_config.vocab_size
     needle = _needle(seed, vocab)
     return (*_run(eng, [needle], 0, steps), needle, vocab)
@@ -135,7 +136,7 @@ def check_batches(device, model, dtype, backend, steps, seed, cases,
 
     args = (device, model, dtype, backend, steps, seed)
     toks, lps, needle, vocab = _reference(args, invariant, options)
-    eng = Engine(_config(*args[:4], seed, invariant, **(options or {})))
+    eng = Engine(_config(*args[:4], seed, invariant, options))
     rng = random.Random(seed + 1)
     runs, sizes = [], []
     for _ in range(cases):
@@ -154,7 +155,7 @@ def check_prefix_cache(device, model, dtype, backend, steps, seed,
 
     args = (device, model, dtype, backend, steps, seed)
     toks, lps, needle, vocab = _reference(args, invariant, options)
-    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
+    eng = Engine(_config(*args[:4], seed, invariant, options,
                          prefix_caching=True))
     rng = random.Random(seed + 2)
     _run(eng, [needle[:32] + [rng.randrange(vocab) for _ in range(20)]], 0, 1)
@@ -174,7 +175,7 @@ def check_chunks(device, model, dtype, backend, steps, seed,
     toks, lps, needle, vocab = _reference(args, invariant, options)
     rng = random.Random(seed + 3)
     others = [[rng.randrange(vocab) for _ in range(30)] for _ in range(2)]
-    runs = [_run(Engine(_config(*args[:4], seed, invariant, **(options or {}),
+    runs = [_run(Engine(_config(*args[:4], seed, invariant, options,
                                 max_num_batched_tokens=n, max_num_seqs=4)),
                  [others[0], needle, others[1]], 1, steps)
             for n in (8, 24)]
@@ -189,7 +190,7 @@ def check_seeded_sampling(device, model, dtype, backend, steps, seed,
     from pagedgen.runtime.engine.engine import Engine
 
     args = (device, model, dtype, backend, steps, seed)
-    eng = Engine(_config(*args[:4], seed, invariant, **(options or {})))
+    eng = Engine(_config(*args[:4], seed, invariant, options))
     vocab = eng.src.hf_config.vocab_size
     needle = _needle(seed, vocab)
     want = _run(eng, [needle], 0, steps, sampled=True)
@@ -212,7 +213,7 @@ def check_preemption(device, model, dtype, backend, steps, seed,
     rng = random.Random(seed + 4)
     others = [[rng.randrange(vocab) for _ in range(NEEDLE)] for _ in range(5)]
     bs, pages = 8, NEEDLE // 8
-    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
+    eng = Engine(_config(*args[:4], seed, invariant, options,
                          block_size=bs, num_blocks=4 * (pages + 1) + 1))
     got = _run(eng, others[:3] + [needle] + others[3:], 3, steps + 2 * bs)
     return _row("after preemptions", (toks, lps), [(got[0][:steps], got[1][:steps])],
@@ -228,7 +229,7 @@ def check_graphs(device, model, dtype, backend, steps, seed, cases,
 
     args = (device, model, dtype, backend, steps, seed)
     toks, lps, needle, vocab = _reference(args, invariant, options)
-    eng = Engine(_config(*args[:4], seed, invariant, **(options or {}),
+    eng = Engine(_config(*args[:4], seed, invariant, options,
                          enforce_eager=True))
     rng = random.Random(seed + 6)
     runs = [_run(eng, [needle], 0, steps)]
