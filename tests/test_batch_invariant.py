@@ -178,7 +178,7 @@ def _quantized_moe(tmp_path, kind: str) -> tuple[str, dict]:
 def test_quantized_experts_in_the_mode_get_what_they_get_alone(tmp_path, kind):
     """FP8 and MXFP4 experts: their weights converted to the activations' dtype (in the
     grouped GEMM's one tile on a GPU, dequantized a token at a time on a CPU): bitwise as
-    alone in batches, chunks and after preemption in the mode, other bits without it."""
+    alone in batches and after preemption in the mode, other bits without it."""
     ckpt, options = _quantized_moe(tmp_path, kind)
     args = (CPU, ckpt, "float32", "auto", 4, 0)
     on, off = ([ic.check_batches(*args, 2, invariant, most=5, options=options),
