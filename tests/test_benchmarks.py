@@ -212,6 +212,26 @@ def test_a_failed_vllm_run_reports_the_engine_cores_traceback_not_only_the_clien
     assert res["log"].rstrip().endswith("EngineCore encountered an issue.")
 
 
+def test_a_failed_vllm_run_names_the_fatal_traceback_not_a_warm_up_it_logged_as_a_warning():
+    from benchmarks import vllm_peer
+
+    def logged(level: str, *lines: str) -> str:  # as vLLM's logger writes them
+        return "".join(f"(EngineCore pid=7) {level} 12-07 17:33:55 [core.py:9] {x}\n"
+                       for x in lines)
+
+    warm_up = logged("WARNING", "Traceback (most recent call last):", "  File gdn.py",
+                     "NotImplementedError: SM90 GDN prefill DSL kernel is unavailable")
+    fatal = logged("ERROR", "EngineCore failed to start.", "Traceback (most recent call last):",
+                   "  File core.py", "RuntimeError: CUDA out of memory")
+    client = "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue.\n"
+    res = vllm_peer.failure(warm_up + fatal, client)
+    assert "RuntimeError: CUDA out of memory" in res["skipped"]
+    assert "NotImplementedError" not in res["skipped"]
+    assert res["log"].startswith("(EngineCore pid=7) ERROR") and "RuntimeError" in res["log"]
+    only_warned = vllm_peer.failure(warm_up, client)  # no fatal one: the warning's is all there is
+    assert "NotImplementedError" in only_warned["skipped"]
+
+
 def test_vllms_kernel_choices_are_kept_from_its_log_once_each():
     from benchmarks import vllm_peer
 

@@ -91,15 +91,23 @@ def peer_config(hf_config: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return cfg, more
 
 
+# what vLLM's logger puts before a line: the engine process, then level, time and source
+LOG_PREFIX = re.compile(r"^(\(EngineCore[^)]*\) )?(((?P<warning>WARNING)|DEBUG|INFO|ERROR"
+                        r"|CRITICAL) \d\d-\d\d \S+ \[[^\]]*\] )?")
+
+
 def failure(stdout: str, stderr: str) -> dict[str, str]:
     """A failed vLLM run's report: the first traceback's error (EngineCore's, logged to
     stdout, where the cause is: the client's own ``EngineDeadError`` in stderr only points to
-    it) and the last error line, and a log from the first traceback on, then the end."""
+    it) and the last error line, and a log from that traceback on, then the end. A traceback
+    vLLM logs as a warning (a kernel warm-up it survived) is passed over for a fatal one."""
     log = stdout + stderr
     lines = log.strip().splitlines()
     errors = [x for x in lines if "Error" in x or "Exception" in x] or lines[-1:]
-    first = max(0, log.find("Traceback"))
-    after = [re.sub(r"^\(EngineCore[^)]*\) ", "", x) for x in log[first:].splitlines()[1:]]
+    starts = [m.start() for m in re.finditer(r"(?m)^.*Traceback \(most recent call last\)", log)]
+    fatal = [i for i in starts if not LOG_PREFIX.match(log[i:]).group("warning")]
+    first = (fatal or starts or [0])[0]
+    after = [LOG_PREFIX.sub("", x) for x in log[first:].splitlines()[1:]]
     cause = next((x for x in after if x.strip() and not x.startswith((" ", "Traceback"))),
                  errors[-1])
     said = [cause] + [e for e in errors[-1:] if e != cause]
