@@ -24,6 +24,7 @@ from typing import ClassVar
 
 import torch
 
+from pagedgen.attention.image_blocks import reattend
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops import kv_cache as kv_ops
 from pagedgen.errors import PagedgenError
@@ -50,6 +51,8 @@ class LayerSpec:
     # a learned logit per query head that joins every softmax with a zero value (gpt-oss's
     # attention sinks): the impl reads it from ``AttentionImpl.sinks``
     sinks: bool = False
+    # a window layer whose image tokens see their whole block (attention/image_blocks.py)
+    image_blocks: bool = False
 
 
 # layer features a backend may not run: the backend's flag, and whether a layer uses it
@@ -75,7 +78,16 @@ class AttentionImpl(ABC):
         write inside a graph (its slots padded into the scratch block), the attention between
         graphs."""
         self.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        return self.attend(q, k, v, kv_cache, metadata)
+        return self.attend_step(q, k, v, kv_cache, metadata)
+
+    def attend_step(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """``attend``, then, on a layer whose image tokens see their whole block, those rows
+        again (``image_blocks.reattend``)."""
+        out = self.attend(q, k, v, kv_cache, metadata)
+        if self.spec.image_blocks and metadata.image_blocks:
+            reattend(self, out, q, kv_cache, metadata)
+        return out
 
     @abstractmethod
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

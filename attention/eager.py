@@ -23,6 +23,7 @@ from pagedgen.attention.backend import (
 )
 from pagedgen.attention.metadata import AttentionMetadata
 from pagedgen.attention.ops.kv_cache import gather_kv, write_kv
+from pagedgen.attention.ops.softmax import attention_probs, dequantize
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: LayerSpec) -> torch.Tensor:
@@ -33,13 +34,6 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, spec: LayerSpec) ->
     if spec.sliding_window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - spec.sliding_window
     return allowed
-
-
-def dequantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Cache entries → float32 (FP8 caches hold value / scale)."""
-    if x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return x.float() * scale
-    return x.float()
 
 
 class EagerState(AttentionState):
@@ -78,18 +72,7 @@ class EagerImpl(AttentionImpl):
         return out
 
     def _probs(self, scores: torch.Tensor, masked: torch.Tensor | None = None) -> torch.Tensor:
-        """Softmax over the keys (last dim) of ``scores`` (float32): soft-capped, ``masked``
-        pairs left out, each head's sink logit as one more column, of value zero."""
-        spec = self.spec
-        if spec.logits_soft_cap is not None:
-            scores = spec.logits_soft_cap * torch.tanh(scores / spec.logits_soft_cap)
-        if masked is not None:
-            scores.masked_fill_(masked, float("-inf"))
-        keys = scores.shape[-1]
-        if self.sinks is not None:
-            sink = self.sinks.float().view(-1, *[1] * (scores.dim() - 1))
-            scores = torch.cat([scores, sink.expand(*scores.shape[:-1], 1)], -1)
-        return torch.softmax(scores, dim=-1)[..., :keys]
+        return attention_probs(scores, self.spec.logits_soft_cap, self.sinks, masked)
 
     def _rows_alone(self, q_i: torch.Tensor, k_i: torch.Tensor, v_i: torch.Tensor,
                     allowed: torch.Tensor) -> torch.Tensor:

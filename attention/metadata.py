@@ -48,6 +48,8 @@ class AttentionMetadata:
     ``model_inputs``: what the model reads of a step beside token ids and positions, where
     there is more (a multimodal step's image embeddings and M-RoPE positions:
     runtime/models/multimodal.py's ``StepImages``); None otherwise.
+    ``image_blocks``: the step's image blocks whose tokens see each other on the layers that
+    say so (attention/image_blocks.py's ``ImageBlock``: prefill rows); None: none.
     """
 
     num_prefills: int
@@ -65,6 +67,7 @@ class AttentionMetadata:
     cascade_segments: int = 0
     state_slots: torch.Tensor | None = None
     model_inputs: Any = None
+    image_blocks: list | None = None
     kv_groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
     _prefill: AttentionMetadata | None = field(default=None, repr=False, compare=False)
     _decode: AttentionMetadata | None = field(default=None, repr=False, compare=False)
@@ -163,6 +166,7 @@ class AttentionMetadata:
             query_lens_cpu=self.query_lens_cpu[s0:s1],
             cascade=None if is_prefill else self.cascade,
             state_slots=None if self.state_slots is None else self.state_slots[s0:s1],
+            image_blocks=self.image_blocks if is_prefill else None,
             kv_groups=[], _prefill=None, _decode=None, _recurrent=None,
         )
 

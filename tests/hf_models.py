@@ -183,6 +183,56 @@ def make_vision_checkpoint(path: Path) -> Path:
     return path
 
 
+def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True) -> Path:
+    """A random Gemma 4 multimodal checkpoint (``gemma4``: a six-layer language model of
+    windows of 8 and per-layer inputs, a two-layer vision tower of patches of 8 pooled 2 x 2)
+    with a word-level tokenizer holding the image tokens, a chat template that writes one
+    ``<|image|>`` per image part, and Gemma 4's image processor (at most 70 soft tokens an
+    image). ``bidirectional``: the published configs' ``use_bidirectional_attention:
+    "vision"`` (an image's tokens see each other on the window layers)."""
+    import transformers as tf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<|image|>", "<|image>", "<image|>", "<|video|>"]
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz") + special
+    words += [f"w{i}" for i in range(320 - len(words))]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>", pad_token="<pad>",
+                                   additional_special_tokens=special)
+    fast.chat_template = (
+        "{% for m in messages %}{{ m['role'][0] }} {% if m['content'] is string %}"
+        "{{ m['content'] }} {% else %}{% for p in m['content'] %}"
+        "{% if p['type'] in ('image', 'image_url') %}<|image|> "
+        "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}a{% endif %}")
+    fast.save_pretrained(path)
+    tf.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70,
+                               pooling_kernel_size=2).save_pretrained(path)
+    ids = {t: words.index(t) for t in special}
+    text = dict(COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64, hidden_size=64,
+                intermediate_size=128, sliding_window=8, hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=320, final_logit_softcapping=5.0,
+                use_bidirectional_attention="vision" if bidirectional else None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+                  pooling_kernel_size=2, patch_size=8, position_embedding_size=64)
+    cfg = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                          image_token_id=ids["<|image|>"], boi_token_id=ids["<|image>"],
+                          eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
+                          tie_word_embeddings=True)
+    torch.manual_seed(16)
+    model = tf.Gemma4ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():  # make every weight matter (HF ones norms and scalars)
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if "norm" in name or name.endswith("layer_scalar"):
+                t.add_(torch.randn_like(t) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def pack_mxfp4(checkpoint: Path, root: Path) -> tuple[Path, Path]:
     """A tiny gpt-oss ``checkpoint`` with its experts packed to MXFP4 as the published ones are
     (``*_blocks``, ``*_scales``, ``quant_method: mxfp4``) at ``root/mxfp4``, and the same

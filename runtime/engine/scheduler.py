@@ -35,6 +35,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.block_manager import BlockManager
 from pagedgen.runtime.engine.sequence import Sequence, SequenceStatus
 
@@ -113,10 +114,22 @@ class Scheduler:
             batch.decodes.append(seq)
             scheduled.add(seq)
             budget -= 1
-        # 2. unfinished prefill chunks of running sequences
+        # 2. unfinished prefill chunks of running sequences; a chunk that must hold an image
+        #    whole (its tokens see each other) and waits on pages only later sequences hold,
+        #    in a step that runs nothing else, takes them (they are preempted)
         for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one's image
             if (seq.num_uncomputed > 1 or seq.forks) and budget > 0:
                 n = self._admit_chunk(seq, budget, batch)
+                while n == 0 and batch.is_empty and seq.mm is not None and seq.mm.whole_blocks:
+                    if len(self.running) == 1:
+                        raise PagedgenError(
+                            "an image's tokens see each other and are computed in one step, "
+                            "and this one needs more KV pages at once than the cache has: "
+                            "give more --kv-cache-memory or --num-blocks")
+                    self._preempt(self._victim({seq}), batch)
+                    n = self._admit_chunk(seq, budget, batch)
                 if n == 0:
                     break
                 budget -= n
@@ -173,6 +186,8 @@ class Scheduler:
                 mid = (fits + over) // 2
                 fits, over = (fits, mid) if short(mid) else (mid, over)
             n = fits
+        if seq.mm is not None:  # a chunk that would end inside an image whose tokens see
+            n = seq.mm.chunk_end(computed, computed + n) - computed  # each other ends before it
         if n <= 0:
             return 0
         if fresh:

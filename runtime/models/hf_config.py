@@ -86,7 +86,8 @@ def language_model_fields(fields: dict[str, Any], model_type: str, where: str
                           ) -> dict[str, Any]:
     """A multimodal checkpoint's language-model config: its ``text_config``, with the top
     level's ``tie_word_embeddings`` unless it has its own, and the vision tower's config and
-    image token (``vision_config``, ``image_token_id``) for the families that take images."""
+    image tokens (``vision_config``, ``image_token_id``, Gemma 4's ``boi_token_id`` and
+    ``eoi_token_id``) for the families that take images."""
     text = fields.get("text_config")
     if not isinstance(text, dict):
         raise PagedgenError(f"{where}: a {fields['model_type']} config needs a text_config "
@@ -96,7 +97,7 @@ def language_model_fields(fields: dict[str, Any], model_type: str, where: str
         out.setdefault("tie_word_embeddings", fields["tie_word_embeddings"])
     if "quantization_config" in fields:
         out.setdefault("quantization_config", fields["quantization_config"])
-    for key in ("vision_config", "image_token_id"):  # the vision tower's (images)
+    for key in ("vision_config", "image_token_id", "boi_token_id", "eoi_token_id"):  # images
         if key in fields:
             out.setdefault(key, fields[key])
     return out

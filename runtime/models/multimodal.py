@@ -68,6 +68,17 @@ class MultiModalPrompt:
     positions: torch.Tensor
     delta: int
     embeds: dict[bytes, torch.Tensor] = field(default_factory=dict)  # encoded, by key
+    whole_blocks: bool = False  # an image's tokens see each other: one chunk holds them all
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """Where a prefill chunk of tokens ``start`` .. ``end`` may end: ``end``, or where
+        ``whole_blocks`` holds, the start of an image it would cut (``start`` itself where
+        that image begins at or before it: the chunk waits for a budget that holds it)."""
+        if self.whole_blocks:
+            for im in self.images:
+                if im.start < end < im.start + im.num_tokens:
+                    return max(start, im.start)
+        return end
 
     def rope_positions(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of tokens ``start`` to ``end``."""
@@ -118,6 +129,8 @@ class ImagePrompter:
     """A multimodal checkpoint's image rules: its image processor, placeholder token and merge
     size (``config``: the checkpoint's outer config; ``path``: its directory)."""
 
+    largest_block = 0  # the most tokens of one image a step must hold together (none here)
+
     def __init__(self, path: str | Path, config: Any) -> None:
         from transformers import AutoImageProcessor
 
@@ -134,7 +147,8 @@ class ImagePrompter:
         if src.checkpoint is None or not registry.takes_images(src.hf_config):
             raise PagedgenError(f"{where + ': ' if where else ''}{src.name} takes no images "
                                 "(its language model runs text prompts only)")
-        return cls(src.checkpoint, src.hf_config)
+        own = registry.family(src.hf_config.model_type).image_prompter  # the family's rules
+        return (own or cls)(src.checkpoint, src.hf_config)
 
     def prompt(self, ids: list[int], images: list[Any], where: str = ""
                ) -> tuple[list[int], MultiModalPrompt]:

@@ -75,7 +75,9 @@ class ModelFamily:
     rotate only part of their features; ``multimodal``: the model_type of a multimodal
     checkpoint → that of its language model, whose config is the checkpoint's
     ``text_config``; ``images``: whether its model reads a multimodal checkpoint's images
-    (its vision tower from ``vision_config``), else it runs the language model on text."""
+    (its vision tower from ``vision_config``), else it runs the language model on text;
+    ``image_prompter``: its images' prompt rules where they are not Qwen's
+    (``multimodal.ImagePrompter``'s subclass)."""
 
     name: str
     model_types: dict[str, dict[str, Any]]
@@ -85,6 +87,7 @@ class ModelFamily:
     partial_rotary: bool = False  # runs a partial_rotary_factor below 1
     multimodal: dict[str, str] = field(default_factory=dict)
     images: bool = False
+    image_prompter: type | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}  # by model_type

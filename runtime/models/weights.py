@@ -49,9 +49,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, Any]], stacke
             units = owners[owner].load_checkpoint_tensor(name[len(owner) + 1:], tensor)
             return [(owner, u) for u in units]
         target, key = name, None
-        for ckpt, (fused, part) in stacked.items():
-            if f".{ckpt}." in name:
-                target, key = name.replace(f".{ckpt}.", f".{fused}."), part
+        for ckpt, (fused, part) in stacked.items():  # where the model fused that module
+            fused_name = name.replace(f".{ckpt}.", f".{fused}.")
+            if f".{ckpt}." in name and fused_name.rpartition(".")[0] in modules:
+                target, key = fused_name, part
                 break
         prefix, _, attr = target.rpartition(".")
         method = getattr(modules.get(prefix), "quant_method", None)

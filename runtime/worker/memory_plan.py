@@ -95,6 +95,8 @@ def profile_vision_tower(model: Any, tokens: int, most_patches: int = 16384) -> 
     """The vision tower over one image as large as a step's tokens allow (its patches, at
     most ``most_patches``: a 1,280 x 960 image has 4,800 at Qwen3.5's 16-pixel patches), so
     the memory profile's peak counts what encoding a step's images takes."""
+    if hasattr(model, "profile_vision"):  # a family's own (Gemma 4's)
+        return model.profile_vision(tokens)
     cfg = model.visual.config
     merge = cfg.spatial_merge_size
     side = max(1, int(math.sqrt(min(tokens * merge ** 2, most_patches)) // merge)) * merge

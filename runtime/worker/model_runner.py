@@ -111,7 +111,8 @@ class ModelRunner:
             s, self.attn_states[group_of[i]]) for i, s in enumerate(self.specs)])
         for layer, g in zip(self._attention_layers(), group_of):
             layer.kv_group = g
-        self.images = ImageEncoder(self.model, ImagePrompter.of(src), self.device) \
+        self.images = ImageEncoder(self.model, ImagePrompter.of(src), self.device,
+                                   config.max_num_batched_tokens) \
             if getattr(self.model, "takes_images", False) else None
         # linear-attention layers: a state slot a sequence, before the KV cache takes the rest
         self.max_num_seqs = config.max_num_seqs
@@ -335,8 +336,7 @@ class ModelRunner:
             decodes.append(ScheduledSeq(seq.block_table, seq.num_tokens - 1, 1, seq.state_slot))
         md = self.builder.build(prefills, decodes)
         if self.images is not None:  # image tokens' embeddings, M-RoPE positions
-            md.model_inputs = self.images.step_inputs(batch.prefills,
-                                                      pos[len(pos) - len(decodes):])
+            self.images.attach(md, batch.prefills, pos[len(pos) - len(decodes):])
         if len(self.layout.groups) > 1:  # each further group over its own page tables
             seqs = [s for s, _ in batch.prefills] + batch.decodes
             md.kv_groups = [self.builder.build_group(md, [s.group_tables[k] for s in seqs])

@@ -128,7 +128,7 @@ class PiecewiseGraphs:
         qb, kb, vb, out = self.buffers(layer)
         n = self._tokens
         with scope("attention"):
-            o = self.layers[layer].impl.attend(qb[:n], kb[:n], vb[:n], self.kv_caches[layer],
+            o = self.layers[layer].impl.attend_step(qb[:n], kb[:n], vb[:n], self.kv_caches[layer],
                                                self._md.group(self.groups[layer]))
         out[:n].copy_(o)
 

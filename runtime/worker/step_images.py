@@ -1,5 +1,6 @@
 """A step's images: the embeddings of the image tokens its prefill chunks carry and every
-row's M-RoPE positions (``StepImages``, the model's ``metadata.model_inputs``).
+row's M-RoPE positions (``StepImages``, the model's ``metadata.model_inputs``), and where an
+image's tokens see each other (Gemma 4), its blocks (``metadata.image_blocks``).
 
 A sequence's images are read and patched (``ImagePrompter.pixels``) in worker threads as soon
 as the engine makes the sequence (``prefetch``: a scheduler's lookahead ahead of admission),
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 
+from pagedgen.attention.image_blocks import ImageBlock
+from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.multimodal import ImagePrompter, StepImages
 
@@ -36,7 +39,14 @@ class ImageEncoder:
     (its checkpoint's) patches the images."""
 
     def __init__(self, model: Any, prompter: ImagePrompter, device: torch.device,
-                 capacity_bytes: int = CACHE_BYTES, threads: int = 4) -> None:
+                 max_num_batched_tokens: int | None = None, capacity_bytes: int = CACHE_BYTES,
+                 threads: int = 4) -> None:
+        largest = prompter.largest_block
+        if max_num_batched_tokens is not None and largest > max_num_batched_tokens:
+            raise PagedgenError(
+                f"an image's {largest} tokens see each other and are computed in one step: "
+                f"--max-num-batched-tokens {max_num_batched_tokens} is too small; give at "
+                f"least {largest}")
         self.model, self.prompter, self.device = model, prompter, device
         self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
@@ -63,19 +73,20 @@ class ImageEncoder:
                 im.pixel_values = self.pool.submit(self.prompter.pixels,
                                                    im.source)
 
-    def step_inputs(self, prefills: list[tuple[Sequence, int]], decode_positions: list[int]
-                    ) -> StepImages | None:
-        """The step's ``StepImages`` (prefill rows first, then one row per decode at
-        ``decode_positions``), or None when no chunk holds an image's tokens."""
+    def attach(self, md: Any, prefills: list[tuple[Sequence, int]],
+               decode_positions: list[int]) -> None:
+        """Set the step's ``model_inputs`` (``StepImages``: prefill rows first, then one row
+        per decode at ``decode_positions``) and, for images whose tokens see each other,
+        its ``image_blocks``; both stay None when no chunk holds an image's tokens."""
         spans = [(seq, seq.num_computed_tokens, seq.num_computed_tokens + n, im)
                  for seq, n in prefills if seq.mm is not None for im in seq.mm.images
                  if im.start < seq.num_computed_tokens + n
                  and im.start + im.num_tokens > seq.num_computed_tokens]
         if not spans:
-            return None
+            return
         self._encode([im for *_, im in spans])
-        rows, embeds, positions, row = [], [], [], 0
-        for seq, n in prefills:
+        rows, embeds, positions, blocks, row = [], [], [], [], 0
+        for i, (seq, n) in enumerate(prefills):
             start = seq.num_computed_tokens
             positions.append(seq.mm.rope_positions(start, start + n) if seq.mm is not None
                              else torch.arange(start, start + n).expand(3, -1))
@@ -84,10 +95,15 @@ class ImageEncoder:
                     a, b = max(lo, im.start), min(hi, im.start + im.num_tokens)
                     rows.append(torch.arange(row + a - lo, row + b - lo))
                     embeds.append(self.cache[im.key][a - im.start:b - im.start])
+                    if seq.mm.whole_blocks:  # the scheduler ends no chunk inside a block
+                        if b < im.start + im.num_tokens:
+                            raise RuntimeError("a prefill chunk ends inside an image block")
+                        blocks.append(ImageBlock(i, row + a - lo, b - a, b))
             row += n
         positions.append(torch.tensor(decode_positions, dtype=torch.long).expand(3, -1))
-        return StepImages(torch.cat(rows).to(self.device), torch.cat(embeds),
-                          torch.cat(positions, dim=1).to(self.device))
+        md.model_inputs = StepImages(torch.cat(rows).to(self.device), torch.cat(embeds),
+                                     torch.cat(positions, dim=1).to(self.device))
+        md.image_blocks = blocks or None
 
     def summary(self, wall: float) -> dict[str, float | int]:
         """The run summary's image figures: images through the tower (and per second of the

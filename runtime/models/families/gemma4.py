@@ -17,7 +17,8 @@ what Gemma 4 changes, as transformers' ``modeling_gemma4`` defines it:
 * the MoE block (``enable_moe_block``): routed GeGLU experts beside the dense MLP, fed the
   layer's residual stream (the router: an unweighted RMSNorm, a learned scale, softmax top-k
   renormalized, times a learned per-expert scale), the two outputs normed and summed;
-* the final logits soft-capped (Gemma 2's).
+* the final logits soft-capped (Gemma 2's);
+* images (a multimodal checkpoint's vision tower): ``gemma4_vision.py``.
 
 Layers of two KV shapes plan their KV groups as ``kv_groups.py`` says (a tensor per layer).
 """
@@ -44,14 +45,20 @@ from pagedgen.runtime.layers.moe.layer import FusedMoE
 from pagedgen.runtime.layers.norm import RMSNorm
 from pagedgen.runtime.layers.rotary import ApplyRotary, RotaryEmbedding
 from pagedgen.runtime.models.families import gemma2, gemma3, llama
+from pagedgen.runtime.models.families.gemma4_vision import (
+    Gemma4ImagePrompter,
+    Gemma4Vision,
+    sees_blocks,
+)
 from pagedgen.runtime.models.hf_config import check_int
+from pagedgen.runtime.models.multimodal import StepImages
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.models.weights import load_checkpoint
 from pagedgen.runtime.quantization.config import QuantConfig, linear_method
 from pagedgen.runtime.quantization.unquantized import Unquantized
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # multimodal, not read
+TOWERS = ("vision_tower", "audio_tower", "embed_vision", "embed_audio")  # multimodal
 
 
 def first_shared(config) -> int:
@@ -116,7 +123,7 @@ class Attention(nn.Module):
             q, _ = self.rotary(q, q[:, :1], cos_sin, (self.q_norm.weight, self.q_norm.weight,
                                                       self.eps))
             attn, k, v, cache = shared[self.kind]
-            o = attn.impl.attend(q, k, v, cache, metadata.group(attn.kv_group))
+            o = attn.impl.attend_step(q, k, v, cache, metadata.group(attn.kv_group))
         else:
             k = out[:, self.q_size:self.q_size + self.kv_size].reshape(-1, s.num_kv_heads,
                                                                         s.head_size)
@@ -235,6 +242,26 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         self.final_soft_cap = config.final_logit_softcapping
         self.rotaries: dict[str, RotaryEmbedding] = {}
         self.kv_shared_layers = config.num_kv_shared_layers
+        vision = getattr(config, "vision_config", None)
+        self.vision = Gemma4Vision(vision, config.hidden_size) \
+            if isinstance(vision, dict) else None
+
+    @property
+    def takes_images(self) -> bool:
+        return self.vision is not None
+
+    def setup_rotary(self, max_positions: int, device: torch.device) -> None:
+        super().setup_rotary(max_positions, device)
+        if self.vision is not None:
+            self.vision.setup_rotary(device)
+
+    def encode_images(self, pixels: list, grids: list) -> list[torch.Tensor]:
+        """Each image's embeddings [tokens, hidden] (``Gemma4Vision.encode``)."""
+        return self.vision.encode(pixels)
+
+    def profile_vision(self, tokens: int) -> None:
+        """The tower over one image of the processor's default size (280 soft tokens)."""
+        self.vision.profile(280 * self.vision.vision_tower.config.pooling_kernel_size ** 2)
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:
@@ -263,7 +290,8 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
             specs.append(LayerSpec(num_heads=config.num_attention_heads // tp_size,
                                    num_kv_heads=max(1, kv // tp_size), head_size=d, scale=1.0,
                                    sliding_window=config.sliding_window if kind == SLIDING
-                                   else None, attn_type=AttentionType.DECODER))
+                                   else None, attn_type=AttentionType.DECODER,
+                                   image_blocks=kind == SLIDING and sees_blocks(config)))
         return specs
 
     @classmethod
@@ -297,7 +325,14 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata) -> torch.Tensor:
+        images = getattr(metadata, "model_inputs", None)
+        if isinstance(images, StepImages):  # an image token reads as the pad token, then
+            # its embedding is the tower's (the per-layer inputs' token part stays the pad's)
+            input_ids = input_ids.clone()
+            input_ids[images.rows] = self.config.pad_token_id
         x = self.embed(input_ids)
+        if isinstance(images, StepImages):
+            x[images.rows] = images.embeds.to(x.dtype)
         per_layer = self.per_layer_inputs(input_ids, x) \
             if self.config.hidden_size_per_layer_input else None
         shared: dict = {}  # layer kind → (attention, k, v, cache) of its last K/V layer
@@ -311,7 +346,8 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """The checkpoint's tensors as they are (every norm weighs by ``w``): a multimodal
-        checkpoint's language model (``model.language_model.*``; its towers not read); the
+        checkpoint's language model (``model.language_model.*``) and vision tower (its audio
+        tower not read); the
         K/V projections some checkpoints keep for layers that read another's are skipped."""
         reads_shared = {f"model.layers.{i}.self_attn.{n}"
                         for i in range(first_shared(self.config), self.config.num_hidden_layers)
@@ -321,9 +357,11 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         def renamed():
             for name, tensor in weights:
                 name = name.replace("model.language_model.", "model.", 1)
-                if name.startswith("model.") and name.split(".")[1] in TOWERS:
-                    continue
-                yield name, tensor
+                tower = name.split(".")[1] if name.startswith("model.") else ""
+                if tower in ("vision_tower", "embed_vision") and self.vision is not None:
+                    yield "vision." + name.removeprefix("model."), tensor
+                elif tower not in TOWERS:
+                    yield name, tensor
 
         load_checkpoint(self, renamed(), self.STACKED, lambda name: "rotary_emb" in name
                         or (tied and name == "lm_head.weight")
@@ -406,4 +444,6 @@ register(ModelFamily(
     normalize=_rules,
     activations=(gemma2.GELU,),
     partial_rotary=True,
-    multimodal={"gemma4": "gemma4_text"}))
+    multimodal={"gemma4": "gemma4_text"},
+    images=True,
+    image_prompter=Gemma4ImagePrompter))

@@ -1,0 +1,130 @@
+"""Gemma 4's images (multimodal ``gemma4`` checkpoints): the vision tower, the prompt's image
+tokens, and an image's tokens seeing each other.
+
+* The tower is transformers' ``Gemma4VisionModel`` (patches embedded with learned 2D
+  positions, bidirectional blocks, pooled k x k into soft tokens) and its
+  ``Gemma4MultimodalEmbedder`` (an unweighted RMSNorm and a projection to the language model's
+  width), run as transformers defines them, on the checkpoint's ``model.vision_tower.*`` and
+  ``model.embed_vision.*``; only the language model runs on pagedgen's paged layers.
+* The image processor (transformers', loaded with ``AutoImageProcessor``: its PIL variant needs
+  no torchvision) resizes an image to at most ``max_soft_tokens`` soft tokens; the chat
+  template writes one image token per image, which becomes ``boi``, that many image tokens and
+  ``eoi`` (``Gemma4Processor``'s expansion, hand-written here as for Qwen: the processor itself
+  loads a video processor that needs torchvision). Positions stay plain (no M-RoPE).
+* The language model reads an image token as the pad token (its embedding, and its per-layer
+  inputs' token part) with the tower's embedding written over it.
+* With ``use_bidirectional_attention: "vision"`` (the published 26B and 31B configs) an image's
+  tokens see their whole block on the window layers: ``MultiModalPrompt.whole_blocks`` keeps a
+  block in one prefill chunk and those layers' ``LayerSpec.image_blocks`` attend its rows again
+  (``attention/image_blocks.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagedgen.errors import PagedgenError
+from pagedgen.profiling import scope
+from pagedgen.runtime.models.multimodal import (
+    ImageInput,
+    ImagePrompter,
+    MultiModalPrompt,
+    load_image,
+)
+
+
+def sees_blocks(config: Any) -> bool:
+    """Whether an image's tokens see their whole block (on the window layers)."""
+    return getattr(config, "use_bidirectional_attention", None) == "vision"
+
+
+class Gemma4Vision(nn.Module):
+    """The vision tower and its projection into the language model (``hidden`` wide)."""
+
+    def __init__(self, vision: dict[str, Any], hidden: int) -> None:
+        super().__init__()
+        from transformers.models.gemma4.configuration_gemma4 import Gemma4VisionConfig
+        from transformers.models.gemma4.modeling_gemma4 import (
+            Gemma4MultimodalEmbedder,
+            Gemma4VisionModel,
+        )
+
+        cfg = Gemma4VisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
+        cfg._attn_implementation = "sdpa"
+        self.vision_tower = Gemma4VisionModel(cfg)
+        self.embed_vision = Gemma4MultimodalEmbedder(cfg, SimpleNamespace(hidden_size=hidden))
+
+    def setup_rotary(self, device: torch.device) -> None:
+        """The tower's rotary frequencies, computed (a buffer no checkpoint holds)."""
+        encoder = self.vision_tower.encoder
+        with torch.device(device):
+            encoder.rotary_emb = type(encoder.rotary_emb)(encoder.rotary_emb.config)
+
+    def encode(self, pixels: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's soft tokens' embeddings [tokens, hidden], the images in one call
+        (``pixels``: each one's patches [1, patches, 3 p p] and patch positions [1, patches,
+        2], (-1, -1) for padding)."""
+        weight = self.embed_vision.embedding_projection.weight
+        values = torch.cat([p for p, _ in pixels]).to(weight.device, weight.dtype)
+        where = torch.cat([w for _, w in pixels]).to(weight.device)
+        with scope("vision_encoder"):
+            hidden = self.vision_tower(pixel_values=values, pixel_position_ids=where)
+            out = self.embed_vision(hidden.last_hidden_state)
+        k2 = self.vision_tower.config.pooling_kernel_size ** 2
+        return list(out.split(((where != -1).all(-1).sum(-1) // k2).tolist()))
+
+    def profile(self, patches: int) -> None:
+        """The tower over one image of ``patches`` patches (the memory profile's)."""
+        cfg = self.vision_tower.config
+        side = max(1, int(patches ** 0.5))
+        grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side),
+                                          indexing="xy"), -1).reshape(1, -1, 2)
+        self.encode([(torch.zeros(1, side * side, 3 * cfg.patch_size ** 2), grid)])
+
+
+class Gemma4ImagePrompter(ImagePrompter):
+    """Gemma 4's image rules: its image processor, the image, ``boi`` and ``eoi`` tokens
+    (``config``: the language model's, with the checkpoint's vision fields)."""
+
+    def __init__(self, path: Any, config: Any) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(path)
+        self.image_token_id = int(config.image_token_id)
+        self.boi, self.eoi = int(config.boi_token_id), int(config.eoi_token_id)
+        self.whole_blocks = sees_blocks(config)
+        # the most tokens one image takes: a step computes them together where they see
+        # each other
+        self.largest_block = int(self.processor.max_soft_tokens) if self.whole_blocks else 0
+
+    def prompt(self, ids: list[int], images: list[Any], where: str = ""
+               ) -> tuple[list[int], MultiModalPrompt]:
+        """``ids`` with each image token (one per image, as the chat template writes them)
+        made ``boi``, the image's soft tokens and ``eoi``, and the images' inputs."""
+        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
+        if len(pads) != len(images):
+            raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
+                                f"image placeholder(s) for {len(images)} image(s)")
+        out, inputs, last = [], [], 0
+        for pad, ref in zip(pads, images):
+            image, source = load_image(ref, where)
+            made = self.processor(images=[image], return_tensors="pt")
+            n = int(made["num_soft_tokens_per_image"][0])
+            out += ids[last:pad] + [self.boi]
+            key = hashlib.sha256(made["pixel_values"].numpy().tobytes()).digest()
+            inputs.append(ImageInput(None, (1, 1, n), key, len(out), n, source))
+            out += [self.image_token_id] * n + [self.eoi]
+            last = pad + 1
+        out += ids[last:]
+        positions = torch.arange(len(out)).expand(3, -1)
+        return out, MultiModalPrompt(inputs, positions, 0, whole_blocks=self.whole_blocks)
+
+    def pixels(self, source: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """An image's patches and their positions, made again from what it was read from."""
+        made = self.processor(images=[load_image(source)[0]], return_tensors="pt")
+        return made["pixel_values"], made["image_position_ids"]

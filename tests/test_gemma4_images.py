@@ -1,0 +1,163 @@
+"""Gemma 4's images (runtime/models/families/gemma4_vision.py, attention/image_blocks.py): a
+random tiny ``gemma4`` multimodal checkpoint (a two-layer vision tower, a language model of
+windows of 8 with per-layer inputs, Gemma 4's image processor) gives transformers' greedy
+tokens and log-probabilities for prompts with no image, one, two of other sizes and an image
+in a multi-turn chat; its images' tokens see their whole block on the window layers (the
+published configs' ``use_bidirectional_attention: "vision"``), also when prefill chunks are
+small; a step budget or a cache that cannot hold an image's block is a one-line error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hf_models import make_gemma4_vision_checkpoint
+
+from pagedgen.errors import PagedgenError
+from pagedgen.runtime.config import EngineConfig, SamplingParams
+from pagedgen.runtime.engine.engine import Engine
+from pagedgen.runtime.models.multimodal import ImageInput, MultiModalPrompt
+
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def image(h: int, w: int, seed: int):
+    from PIL import Image
+
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_gemma4_vision_checkpoint(tmp_path_factory.mktemp("gemma4_vl"))
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)
+
+
+def chat(tok, messages) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def msg(*parts, role="user") -> dict:
+    return {"role": role, "content": [{"type": "image"} if not isinstance(p, str)
+                                      else {"type": "text", "text": p} for p in parts]}
+
+
+def reference(hf, messages, images, blocks: bool = True) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens and their log-probabilities: each image token made
+    ``boi``, the image's soft tokens and ``eoi`` (``Gemma4Processor``'s expansion), with the
+    image processor's pixels; ``blocks``: the image tokens marked (``mm_token_type_ids``), so
+    that they see each other."""
+    model, tok, proc = hf
+    cfg = model.config
+    ids, kw = chat(tok, messages), {}
+    if images:
+        pix = proc(images=images, return_tensors="pt")
+        counts = iter(pix["num_soft_tokens_per_image"].tolist())
+        ids = [t for i in ids for t in ([cfg.boi_token_id] + [i] * next(counts)
+                                        + [cfg.eoi_token_id] if i == cfg.image_token_id
+                                        else [i])]
+        kw = dict(pixel_values=pix["pixel_values"], image_position_ids=pix["image_position_ids"])
+    x = torch.tensor([ids])
+    if blocks:
+        kw["mm_token_type_ids"] = (x == cfg.image_token_id).int()
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=PARAMS.max_tokens, pad_token_id=0,
+                             output_scores=True, return_dict_in_generate=True, **kw)
+    tokens = out.sequences[0, len(ids):].tolist()
+    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                for s, t in zip(out.scores, tokens)]
+    return tokens, logprobs
+
+
+def engine(ckpt, **kw) -> Engine:
+    args = dict(model=str(ckpt), device="cpu", dtype="float32", backend="eager", block_size=8,
+                num_blocks=128, max_num_seqs=4, max_num_batched_tokens=256)
+    return Engine(EngineConfig(**{**args, **kw}))
+
+
+CASES = {
+    "no image": ([msg("a b c")], []),
+    "one image": ([msg(0, "d e f")], [image(60, 90, 0)]),
+    "two images of other sizes": ([msg(0, "g h", 1, "i")], [image(60, 90, 1),
+                                                            image(100, 40, 2)]),
+    "an image in a multi-turn chat": ([msg(0, "j k"), {"role": "assistant", "content": "l m"},
+                                       msg("n o p")], [image(70, 70, 3)]),
+}
+
+
+def run(eng: Engine, hf, cases) -> list:
+    seqs = []
+    for messages, images in cases:
+        ids = chat(hf[1], messages)
+        ids, mm = eng.prompt_images(ids, images) if images else (ids, None)
+        seqs.append(eng.add_request(ids, PARAMS, images=mm))
+    eng.run()
+    return seqs
+
+
+def check(seq, want) -> None:
+    tokens, logprobs = want
+    assert seq.output_token_ids == tokens
+    assert [e[0] for e in seq.logprobs] == pytest.approx(logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tokens_and_logprobs_equal_transformers(ckpt, hf, case):
+    messages, images = CASES[case]
+    check(run(engine(ckpt), hf, [CASES[case]])[0], reference(hf, messages, images))
+
+
+def test_image_tokens_seeing_each_other_change_what_the_model_says(ckpt, hf):
+    """The check above can fail: transformers' own log-probabilities move when the image
+    tokens attend causally only (so a causal pagedgen would not match them)."""
+    messages, images = CASES["two images of other sizes"]
+    both = reference(hf, messages, images)[1]
+    causal = reference(hf, messages, images, blocks=False)[1]
+    assert max(abs(a - b) for a, b in zip(both, causal)) > 1e-3
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "eager"])
+def test_small_chunks_keep_each_image_whole(ckpt, hf, backend):
+    """Chunks of at most 80 tokens (an image's 60 to 70 tokens never cut: a chunk ends
+    before an image it cannot hold, and a chunk that starts at one holds it), three prompts
+    at once, on two backends."""
+    cases = [CASES["one image"], CASES["two images of other sizes"],
+             CASES["an image in a multi-turn chat"]]
+    eng = engine(ckpt, backend=backend, max_num_batched_tokens=80)
+    seqs = run(eng, hf, cases)
+    for seq, (messages, images) in zip(seqs, cases):
+        check(seq, reference(hf, messages, images))
+
+
+def test_a_cache_too_small_for_an_images_pages_at_once_is_a_one_line_error(ckpt, hf):
+    """13 pages of 8 cannot hold a 68-token chunk's pages in all four KV groups at once (a
+    window group holds a chunk's every token during its step): said, not stalled."""
+    cases = [CASES["one image"], CASES["two images of other sizes"]]
+    with pytest.raises(PagedgenError, match="more KV pages at once than the cache has"):
+        run(engine(ckpt, max_num_batched_tokens=80, num_blocks=13), hf, cases)
+
+
+def test_a_budget_smaller_than_an_image_is_a_one_line_error(ckpt):
+    with pytest.raises(PagedgenError, match="max-num-batched-tokens 64 is too small; give at "
+                                            "least 70"):
+        engine(ckpt, max_num_batched_tokens=64)
+
+
+def test_a_chunk_ends_before_an_image_it_would_cut():
+    im = ImageInput(None, (1, 1, 5), b"k", start=10, num_tokens=5)
+    mm = MultiModalPrompt([im], torch.zeros(3, 20, dtype=torch.long), 0, whole_blocks=True)
+    assert mm.chunk_end(0, 12) == 10  # cut back to the image's start
+    assert mm.chunk_end(10, 14) == 10  # from the image's start: nothing until it fits
+    assert mm.chunk_end(12, 14) == 12  # from inside (a cached prefix): likewise
+    assert mm.chunk_end(0, 15) == 15 and mm.chunk_end(0, 9) == 9
+    mm.whole_blocks = False  # Qwen's images split anywhere
+    assert mm.chunk_end(0, 12) == 12
