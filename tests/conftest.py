@@ -191,3 +191,13 @@ def one_layer(tmp_path) -> str:
     path = tmp_path / "tiny-1.yaml"
     path.write_text(yaml.safe_dump(profile))
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf(ckpt):
+    """transformers' model, tokenizer and image processor of the module's multimodal
+    checkpoint ``ckpt`` (float32, on the CPU)."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)

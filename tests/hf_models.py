@@ -130,16 +130,12 @@ def save_tokenizer(path: Path, vocab_size: int) -> None:
     fast.save_pretrained(path)
 
 
-def make_vision_checkpoint(path: Path) -> Path:
-    """A random Qwen3.5 multimodal checkpoint (``qwen3_5``: the hybrid language model and a
-    two-block vision tower) with a word-level tokenizer holding the image tokens, a chat
-    template that writes one ``<|image_pad|>`` per image part, and Qwen2-VL's image processor
-    (patches of 16, merged 2 x 2, images scaled to at most 128 x 128 pixels)."""
-    import transformers as tf
+def save_image_tokenizer(path: Path, special: list[str], image_part: str) -> dict[str, int]:
+    """A word-level tokenizer holding ``special`` tokens, with a chat template that writes
+    ``image_part`` for each image part; returns the special tokens' ids."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    special = ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"]
     words = ["<pad>", "<s>", "</s>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz") + special
     words += [f"w{i}" for i in range(320 - len(words))]
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -150,13 +146,25 @@ def make_vision_checkpoint(path: Path) -> Path:
     fast.chat_template = (
         "{% for m in messages %}{{ m['role'][0] }} {% if m['content'] is string %}"
         "{{ m['content'] }} {% else %}{% for p in m['content'] %}"
-        "{% if p['type'] in ('image', 'image_url') %}<|vision_start|><|image_pad|><|vision_end|> "
+        "{% if p['type'] in ('image', 'image_url') %}" + image_part + " "
         "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}a{% endif %}")
     fast.save_pretrained(path)
+    return {t: words.index(t) for t in special}
+
+
+def make_vision_checkpoint(path: Path) -> Path:
+    """A random Qwen3.5 multimodal checkpoint (``qwen3_5``: the hybrid language model and a
+    two-block vision tower) with a word-level tokenizer holding the image tokens, a chat
+    template that writes one ``<|image_pad|>`` per image part, and Qwen2-VL's image processor
+    (patches of 16, merged 2 x 2, images scaled to at most 128 x 128 pixels)."""
+    import transformers as tf
+
+    ids = save_image_tokenizer(path, ["<|image_pad|>", "<|vision_start|>", "<|vision_end|>",
+                                      "<|video_pad|>"],
+                               "<|vision_start|><|image_pad|><|vision_end|>")
     tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2,
                              min_pixels=32 * 32, max_pixels=128 * 128).save_pretrained(path)
-    ids = {t: words.index(t) for t in special}
     cfg = tf.Qwen3_5Config(
         text_config=dict(COMMON, num_hidden_layers=4, head_dim=64, hidden_size=64,
                          intermediate_size=128, linear_num_key_heads=2,
@@ -191,27 +199,11 @@ def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True) -> Pat
     image). ``bidirectional``: the published configs' ``use_bidirectional_attention:
     "vision"`` (an image's tokens see each other on the window layers)."""
     import transformers as tf
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
-    special = ["<|image|>", "<|image>", "<image|>", "<|video|>"]
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + list("abcdefghijklmnopqrstuvwxyz") + special
-    words += [f"w{i}" for i in range(320 - len(words))]
-    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tk.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
-                                   unk_token="<unk>", pad_token="<pad>",
-                                   additional_special_tokens=special)
-    fast.chat_template = (
-        "{% for m in messages %}{{ m['role'][0] }} {% if m['content'] is string %}"
-        "{{ m['content'] }} {% else %}{% for p in m['content'] %}"
-        "{% if p['type'] in ('image', 'image_url') %}<|image|> "
-        "{% else %}{{ p['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}a{% endif %}")
-    fast.save_pretrained(path)
+    ids = save_image_tokenizer(path, ["<|image|>", "<|image>", "<image|>", "<|video|>"],
+                               "<|image|>")
     tf.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70,
                                pooling_kernel_size=2).save_pretrained(path)
-    ids = {t: words.index(t) for t in special}
     text = dict(COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64, hidden_size=64,
                 intermediate_size=128, sliding_window=8, hidden_size_per_layer_input=8,
                 vocab_size_per_layer_input=320, final_logit_softcapping=5.0,

@@ -8,10 +8,10 @@ small; a step budget or a cache that cannot hold an image's block is a one-line 
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hf_models import make_gemma4_vision_checkpoint
+from test_images import CASES, chat
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
@@ -21,33 +21,9 @@ from pagedgen.runtime.models.multimodal import ImageInput, MultiModalPrompt
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def image(h: int, w: int, seed: int):
-    from PIL import Image
-
-    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return make_gemma4_vision_checkpoint(tmp_path_factory.mktemp("gemma4_vl"))
-
-
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)
-
-
-def chat(tok, messages) -> list[int]:
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-def msg(*parts, role="user") -> dict:
-    return {"role": role, "content": [{"type": "image"} if not isinstance(p, str)
-                                      else {"type": "text", "text": p} for p in parts]}
 
 
 def reference(hf, messages, images, blocks: bool = True) -> tuple[list[int], list[float]]:
@@ -84,14 +60,6 @@ def engine(ckpt, **kw) -> Engine:
     return Engine(EngineConfig(**{**args, **kw}))
 
 
-CASES = {
-    "no image": ([msg("a b c")], []),
-    "one image": ([msg(0, "d e f")], [image(60, 90, 0)]),
-    "two images of other sizes": ([msg(0, "g h", 1, "i")], [image(60, 90, 1),
-                                                            image(100, 40, 2)]),
-    "an image in a multi-turn chat": ([msg(0, "j k"), {"role": "assistant", "content": "l m"},
-                                       msg("n o p")], [image(70, 70, 3)]),
-}
 
 
 def run(eng: Engine, hf, cases) -> list:

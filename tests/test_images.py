@@ -34,14 +34,6 @@ def ckpt(tmp_path_factory):
     return make_vision_checkpoint(tmp_path_factory.mktemp("qwen3_5_vl"))
 
 
-@pytest.fixture(scope="module")
-def hf(ckpt):
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
-
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)
-
-
 def chat(tok, messages) -> list[int]:
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return tok(text, add_special_tokens=False)["input_ids"]

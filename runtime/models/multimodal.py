@@ -153,7 +153,8 @@ class ImagePrompter:
     def prompt(self, ids: list[int], images: list[Any], where: str = ""
                ) -> tuple[list[int], MultiModalPrompt]:
         """``ids`` (one placeholder per image, as the chat template writes them) with each
-        placeholder repeated as the image asks, and the images' inputs and positions."""
+        placeholder repeated as the image asks (between ``before`` and ``after``), and the
+        images' inputs and positions."""
         pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
         if len(pads) != len(images):
             raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
@@ -161,18 +162,28 @@ class ImagePrompter:
         out, inputs, last = [], [], 0
         for pad, ref in zip(pads, images):
             image, source = load_image(ref, where)
-            pixels = self.processor(images=[image], return_tensors="pt")
-            t, h, w = (int(x) for x in pixels["image_grid_thw"][0])
-            n = t * h * w // self.merge ** 2
-            out += ids[last:pad]
-            key = hashlib.sha256(pixels["pixel_values"].numpy().tobytes()).digest()
-            inputs.append(ImageInput(None, (t, h, w), key, len(out), n, source))
-            out += [self.image_token_id] * n
+            made = self.processor(images=[image], return_tensors="pt")
+            grid, n = self.size(made)
+            out += ids[last:pad] + self.before
+            key = hashlib.sha256(made["pixel_values"].numpy().tobytes()).digest()
+            inputs.append(ImageInput(None, grid, key, len(out), n, source))
+            out += [self.image_token_id] * n + self.after
             last = pad + 1
         out += ids[last:]
-        positions, delta = mrope_positions(len(out), inputs, self.merge)
-        return out, MultiModalPrompt(inputs, positions, delta)
+        return out, self.multimodal(len(out), inputs)
 
+    before: list[int] = []  # tokens around an image's own (Gemma 4's boi and eoi)
+    after: list[int] = []
+
+    def size(self, made: Any) -> tuple[tuple[int, int, int], int]:
+        """An image's patch grid (t, h, w) and its tokens, from the processor's output."""
+        t, h, w = (int(x) for x in made["image_grid_thw"][0])
+        return (t, h, w), t * h * w // self.merge ** 2
+
+    def multimodal(self, length: int, inputs: list[ImageInput]) -> MultiModalPrompt:
+        """The prompt's images and its M-RoPE positions."""
+        positions, delta = mrope_positions(length, inputs, self.merge)
+        return MultiModalPrompt(inputs, positions, delta)
 
     def pixels(self, source: Any) -> torch.Tensor:
         """An image's patches, made again from its bytes (or PIL image) read when checked."""

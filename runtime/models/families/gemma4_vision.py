@@ -21,14 +21,12 @@ tokens, and an image's tokens seeing each other.
 
 from __future__ import annotations
 
-import hashlib
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 
-from pagedgen.errors import PagedgenError
 from pagedgen.profiling import scope
 from pagedgen.runtime.models.multimodal import (
     ImageInput,
@@ -96,33 +94,20 @@ class Gemma4ImagePrompter(ImagePrompter):
 
         self.processor = AutoImageProcessor.from_pretrained(path)
         self.image_token_id = int(config.image_token_id)
-        self.boi, self.eoi = int(config.boi_token_id), int(config.eoi_token_id)
+        self.before, self.after = [int(config.boi_token_id)], [int(config.eoi_token_id)]
         self.whole_blocks = sees_blocks(config)
         # the most tokens one image takes: a step computes them together where they see
         # each other
         self.largest_block = int(self.processor.max_soft_tokens) if self.whole_blocks else 0
 
-    def prompt(self, ids: list[int], images: list[Any], where: str = ""
-               ) -> tuple[list[int], MultiModalPrompt]:
-        """``ids`` with each image token (one per image, as the chat template writes them)
-        made ``boi``, the image's soft tokens and ``eoi``, and the images' inputs."""
-        pads = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if len(pads) != len(images):
-            raise PagedgenError(f"{where + ': ' if where else ''}the prompt has {len(pads)} "
-                                f"image placeholder(s) for {len(images)} image(s)")
-        out, inputs, last = [], [], 0
-        for pad, ref in zip(pads, images):
-            image, source = load_image(ref, where)
-            made = self.processor(images=[image], return_tensors="pt")
-            n = int(made["num_soft_tokens_per_image"][0])
-            out += ids[last:pad] + [self.boi]
-            key = hashlib.sha256(made["pixel_values"].numpy().tobytes()).digest()
-            inputs.append(ImageInput(None, (1, 1, n), key, len(out), n, source))
-            out += [self.image_token_id] * n + [self.eoi]
-            last = pad + 1
-        out += ids[last:]
-        positions = torch.arange(len(out)).expand(3, -1)
-        return out, MultiModalPrompt(inputs, positions, 0, whole_blocks=self.whole_blocks)
+    def size(self, made: Any) -> tuple[tuple[int, int, int], int]:
+        n = int(made["num_soft_tokens_per_image"][0])
+        return (1, 1, n), n
+
+    def multimodal(self, length: int, inputs: list[ImageInput]) -> MultiModalPrompt:
+        """The images, plain positions, and whether a chunk must hold each whole."""
+        return MultiModalPrompt(inputs, torch.arange(length).expand(3, -1), 0,
+                                whole_blocks=self.whole_blocks)
 
     def pixels(self, source: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """An image's patches and their positions, made again from what it was read from."""
