@@ -191,23 +191,25 @@ def make_vision_checkpoint(path: Path) -> Path:
     return path
 
 
-def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True) -> Path:
+def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True, **text) -> Path:
     """A random Gemma 4 multimodal checkpoint (``gemma4``: a six-layer language model of
     windows of 8 and per-layer inputs, a two-layer vision tower of patches of 8 pooled 2 x 2)
     with a word-level tokenizer holding the image tokens, a chat template that writes one
     ``<|image|>`` per image part, and Gemma 4's image processor (at most 70 soft tokens an
     image). ``bidirectional``: the published configs' ``use_bidirectional_attention:
-    "vision"`` (an image's tokens see each other on the window layers)."""
+    "vision"`` (an image's tokens see each other on the window layers); ``text``: more
+    language-model fields (heads of 64 for GPU kernels)."""
     import transformers as tf
 
     ids = save_image_tokenizer(path, ["<|image|>", "<|image>", "<image|>", "<|video|>"],
                                "<|image|>")
     tf.Gemma4ImageProcessorPil(patch_size=8, max_soft_tokens=70,
                                pooling_kernel_size=2).save_pretrained(path)
-    text = dict(COMMON, num_hidden_layers=6, head_dim=32, global_head_dim=64, hidden_size=64,
-                intermediate_size=128, sliding_window=8, hidden_size_per_layer_input=8,
-                vocab_size_per_layer_input=320, final_logit_softcapping=5.0,
-                use_bidirectional_attention="vision" if bidirectional else None)
+    text = {**COMMON, "num_hidden_layers": 6, "head_dim": 32, "global_head_dim": 64,
+            "hidden_size": 64, "intermediate_size": 128, "sliding_window": 8,
+            "hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": 320,
+            "final_logit_softcapping": 5.0,
+            "use_bidirectional_attention": "vision" if bidirectional else None, **text}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16,
                   pooling_kernel_size=2, patch_size=8, position_embedding_size=64)

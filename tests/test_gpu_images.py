@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_images import CASES, LONG, chat, ckpt, hf, image, msg, reference  # noqa: F401
+from test_images import CASES, LONG, chat, ckpt, image, msg, reference  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
