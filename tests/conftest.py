@@ -196,8 +196,7 @@ def one_layer(tmp_path) -> str:
 @pytest.fixture(scope="module")
 def hf(ckpt):
     """transformers' model, tokenizer and image processor of the module's multimodal
-    checkpoint ``ckpt`` (float32, on the CPU)."""
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    checkpoint ``ckpt`` (``hf_models.hf_vision``)."""
+    from hf_models import hf_vision
 
-    model = AutoModelForImageTextToText.from_pretrained(ckpt, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(ckpt), AutoImageProcessor.from_pretrained(ckpt)
+    return hf_vision(ckpt)

@@ -153,6 +153,15 @@ def save_image_tokenizer(path: Path, special: list[str], image_part: str) -> dic
     return {t: words.index(t) for t in special}
 
 
+def hf_vision(path: Path) -> tuple:
+    """transformers' model (float32, on the CPU), tokenizer and image processor of the
+    multimodal checkpoint at ``path``."""
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path)
+
+
 def make_vision_checkpoint(path: Path) -> Path:
     """A random Qwen3.5 multimodal checkpoint (``qwen3_5``: the hybrid language model and a
     two-block vision tower) with a word-level tokenizer holding the image tokens, a chat
@@ -191,14 +200,16 @@ def make_vision_checkpoint(path: Path) -> Path:
     return path
 
 
-def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True, **text) -> Path:
+def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True,
+                                  vision: dict | None = None, **text) -> Path:
     """A random Gemma 4 multimodal checkpoint (``gemma4``: a six-layer language model of
     windows of 8 and per-layer inputs, a two-layer vision tower of patches of 8 pooled 2 x 2)
     with a word-level tokenizer holding the image tokens, a chat template that writes one
     ``<|image|>`` per image part, and Gemma 4's image processor (at most 70 soft tokens an
     image). ``bidirectional``: the published configs' ``use_bidirectional_attention:
-    "vision"`` (an image's tokens see each other on the window layers); ``text``: more
-    language-model fields (heads of 64 for GPU kernels)."""
+    "vision"`` (an image's tokens see each other on the window layers); ``vision``, ``text``:
+    more tower and language-model fields (heads of 64 for GPU kernels; a tower that
+    standardizes and clips, whose statistics and bounds are drawn)."""
     import transformers as tf
 
     ids = save_image_tokenizer(path, ["<|image|>", "<|image>", "<image|>", "<|video|>"],
@@ -212,7 +223,8 @@ def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True, **text
             "use_bidirectional_attention": "vision" if bidirectional else None, **text}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=2, head_dim=16,
-                  pooling_kernel_size=2, patch_size=8, position_embedding_size=64)
+                  pooling_kernel_size=2, patch_size=8, position_embedding_size=64,
+                  **(vision or {}))
     cfg = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                           image_token_id=ids["<|image|>"], boi_token_id=ids["<|image>"],
                           eoi_token_id=ids["<image|>"], video_token_id=ids["<|video|>"],
@@ -223,6 +235,10 @@ def make_gemma4_vision_checkpoint(path: Path, bidirectional: bool = True, **text
         for name, t in [*model.named_buffers(), *model.named_parameters()]:
             if "norm" in name or name.endswith("layer_scalar"):
                 t.add_(torch.randn_like(t) * 0.1)
+            elif name.endswith(("std_bias", "std_scale")):
+                t.copy_(torch.randn_like(t) * 0.1 + name.endswith("std_scale"))
+            elif name.endswith(("_min", "_max")):  # clipping bounds that bite
+                t.fill_(-0.5 if name.endswith("_min") else 0.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

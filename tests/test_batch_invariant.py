@@ -95,7 +95,8 @@ def _moe_rows(tmp_path, invariant: bool) -> dict[str, ic.Row]:
 
     ckpt = str(make_checkpoint("qwen2_moe", tmp_path / "moe", head_dim=64))
     args = (CPU, ckpt, "float32", "auto", 4, 0)
-    got = [ic.check_batches(*args, 2, invariant, most=5), ic.check_preemption(*args, invariant),
+    got = [ic.check_batches(*args, 3, invariant, most=32),
+           ic.check_preemption(*args, invariant),
            ic.check_seeded_sampling(*args, invariant, trials=1)]
     return {r.group: r for r in got}
 
@@ -108,8 +109,10 @@ def test_a_moe_model_in_the_mode_gets_what_it_gets_alone(tmp_path):
 
 
 def test_without_the_mode_a_moe_model_gets_other_bits(tmp_path):
+    """At least one check fails (which ones follow the CPU's BLAS: batches of up to 32 requests
+    part the bits on every machine tried)."""
     got = _moe_rows(tmp_path, False)
-    assert not got["after preemptions"].passed and not got["sampled with a seed"].passed, got
+    assert not all(r.passed for r in got.values()), got
 
 
 def _hybrid_rows(tmp_path, invariant: bool, dtype: str = "float32") -> dict[str, ic.Row]:
@@ -181,7 +184,7 @@ def test_quantized_experts_in_the_mode_get_what_they_get_alone(tmp_path, kind):
     alone in batches and after preemption in the mode, other bits without it."""
     ckpt, options = _quantized_moe(tmp_path, kind)
     args = (CPU, ckpt, "float32", "auto", 4, 0)
-    on, off = ([ic.check_batches(*args, 2, invariant, most=5, options=options),
+    on, off = ([ic.check_batches(*args, 3, invariant, most=32, options=options),
                 ic.check_preemption(*args, invariant, options=options)]
                for invariant in (True, False))
     assert all(r.passed for r in on) and not all(r.passed for r in off), (on, off)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import make_gemma4_vision_checkpoint
+from hf_models import hf_vision, make_gemma4_vision_checkpoint
 from test_images import CASES, chat
 
 from pagedgen.errors import PagedgenError
@@ -129,3 +129,13 @@ def test_a_chunk_ends_before_an_image_it_would_cut():
     assert mm.chunk_end(0, 15) == 15 and mm.chunk_end(0, 9) == 9
     mm.whole_blocks = False  # Qwen's images split anywhere
     assert mm.chunk_end(0, 12) == 12
+
+
+def test_a_tower_that_standardizes_and_clips_loads_its_statistics_and_bounds(tmp_path):
+    """A tower with ``standardize`` and ``use_clipped_linears`` (statistics and bounds the
+    checkpoint holds as buffers) gives transformers' tokens and log-probabilities."""
+    path = make_gemma4_vision_checkpoint(tmp_path, vision=dict(standardize=True,
+                                                               use_clipped_linears=True))
+    hf = hf_vision(path)
+    messages, images = CASES["one image"]
+    check(run(engine(path), hf, [CASES["one image"]])[0], reference(hf, messages, images))

@@ -82,7 +82,7 @@ def load_segment(param: torch.Tensor, shard: Shard | None, key: Any, tensor) -> 
     """Copy this rank's rows of checkpoint tensor ``tensor`` (a torch tensor, or a safetensors
     slice read lazily: only those rows leave the file) into ``param``'s segment ``key``."""
     if shard is None:
-        param.copy_(tensor[:])
+        param.copy_(tensor[...])  # whole (``...``: a 0-dim tensor takes no slice)
         return
     dim, segs = shard
     seg = next(s for s in segs if s.key == key)

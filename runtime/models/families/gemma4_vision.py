@@ -41,6 +41,16 @@ def sees_blocks(config: Any) -> bool:
     return getattr(config, "use_bidirectional_attention", None) == "vision"
 
 
+def buffers_as_parameters(module: nn.Module) -> None:
+    """The persistent buffers of ``module`` (a tower's standardization statistics and
+    clipping bounds, which its checkpoint holds) made parameters, which the loader fills."""
+    for mod in module.modules():
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                del mod._buffers[name]
+                mod.register_parameter(name, nn.Parameter(buf, requires_grad=False))
+
+
 class Gemma4Vision(nn.Module):
     """The vision tower and its projection into the language model (``hidden`` wide)."""
 
@@ -56,6 +66,7 @@ class Gemma4Vision(nn.Module):
         cfg._attn_implementation = "sdpa"
         self.vision_tower = Gemma4VisionModel(cfg)
         self.embed_vision = Gemma4MultimodalEmbedder(cfg, SimpleNamespace(hidden_size=hidden))
+        buffers_as_parameters(self.vision_tower)
 
     def setup_rotary(self, device: torch.device) -> None:
         """The tower's rotary frequencies, computed (a buffer no checkpoint holds)."""
