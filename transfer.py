@@ -23,3 +23,11 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a tensor on ``device``."""
     return upload(host_tensor(values, dtype, device), device)
+
+
+def upload_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor made elsewhere (an image's patches) on ``device``: pinned first on CUDA,
+    then ``upload``."""
+    if device.type == "cuda" and not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return upload(tensor, device)

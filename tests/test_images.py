@@ -399,3 +399,27 @@ def test_the_progress_bar_counts_the_images_of_finished_requests(monkeypatch):
     assert "3/7 images, 20 tokens out" in shown, shown
     stream.stream_output(Writer(), 3, batches, quiet=False)
     assert "images" not in term.file.getvalue().replace(shown, "")
+
+
+def test_the_tower_takes_its_index_tensors_from_the_host(ckpt, monkeypatch):
+    """The vision tower's interpolation indices, rotary positions and sequence bounds are
+    made on the host and given to it (on a GPU, made there, the tower would read them back
+    and wait for the queue): its own helpers find each one given, and compute none."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    computed = []
+    for name in ("get_vision_interpolation_indices_and_weights", "get_vision_position_ids",
+                 "get_vision_attention_seqlens"):
+        own = getattr(m, name)
+
+        def given(*a, _own=own, _name=name, kwargs=None, **kw):
+            keys = {"interp_indices", "position_ids", "cu_seqlens"} & set(kwargs or {})
+            if not keys:
+                computed.append(_name)
+            return _own(*a, kwargs=kwargs, **kw)
+
+        monkeypatch.setattr(m, name, given)
+    model = engine(ckpt).runner.model
+    grid = (1, 4, 6)
+    out = model.encode_images([torch.randn(24, 3 * 2 * 16 * 16)], [grid])
+    assert computed == [] and out[0].shape[0] == 6

@@ -29,6 +29,7 @@ from pagedgen.attention.image_blocks import ImageBlock
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.engine.sequence import Sequence
 from pagedgen.runtime.models.multimodal import ImagePrompter, StepImages
+from pagedgen.transfer import upload_host
 
 CACHE_BYTES = 512 << 20  # the embeddings cache's bound (a 1,280 x 960 image's 1,200 tokens
 # of a 4,096-wide model are 9.8 MB: about 50 of the largest, thousands of small ones)
@@ -101,8 +102,8 @@ class ImageEncoder:
                         blocks.append(ImageBlock(i, row + a - lo, b - a, b))
             row += n
         positions.append(torch.tensor(decode_positions, dtype=torch.long).expand(3, -1))
-        md.model_inputs = StepImages(torch.cat(rows).to(self.device), torch.cat(embeds),
-                                     torch.cat(positions, dim=1).to(self.device))
+        md.model_inputs = StepImages(upload_host(torch.cat(rows), self.device), torch.cat(embeds),
+                                     upload_host(torch.cat(positions, dim=1), self.device))
         md.image_blocks = blocks or None
 
     def summary(self, wall: float) -> dict[str, float | int]:

@@ -34,6 +34,7 @@ from pagedgen.runtime.models.multimodal import (
     MultiModalPrompt,
     load_image,
 )
+from pagedgen.transfer import upload_host
 
 
 def sees_blocks(config: Any) -> bool:
@@ -79,13 +80,15 @@ class Gemma4Vision(nn.Module):
         (``pixels``: each one's patches [1, patches, 3 p p] and patch positions [1, patches,
         2], (-1, -1) for padding)."""
         weight = self.embed_vision.embedding_projection.weight
-        values = torch.cat([p for p, _ in pixels]).to(weight.device, weight.dtype)
-        where = torch.cat([w for _, w in pixels]).to(weight.device)
-        with scope("vision_encoder"):
-            hidden = self.vision_tower(pixel_values=values, pixel_position_ids=where)
-            out = self.embed_vision(hidden.last_hidden_state)
+        values = upload_host(torch.cat([p for p, _ in pixels]), weight.device).to(weight.dtype)
+        where = torch.cat([w for _, w in pixels])
         k2 = self.vision_tower.config.pooling_kernel_size ** 2
-        return list(out.split(((where != -1).all(-1).sum(-1) // k2).tolist()))
+        sizes = ((where != -1).all(-1).sum(-1) // k2).tolist()  # on the host: no wait
+        with scope("vision_encoder"):
+            hidden = self.vision_tower(pixel_values=values,
+                                       pixel_position_ids=upload_host(where, weight.device))
+            out = self.embed_vision(hidden.last_hidden_state)
+        return list(out.split(sizes))
 
     def profile(self, patches: int) -> None:
         """The tower over one image of ``patches`` patches (the memory profile's)."""

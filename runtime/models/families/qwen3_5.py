@@ -37,6 +37,7 @@ from pagedgen.runtime.models.hf_config import check_int
 from pagedgen.runtime.models.multimodal import StepImages
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
+from pagedgen.transfer import upload_host
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
@@ -64,13 +65,18 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
 
     def encode_images(self, pixel_values: list[torch.Tensor],
                       grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Each image's embeddings [tokens, hidden], the images encoded in one call."""
+        """Each image's embeddings [tokens, hidden], the images encoded in one call. The
+        tower's index tensors are made on the host from the grids (``host_indices``) and
+        every input is uploaded without waiting for the GPU: made on the device, the tower
+        reads them back (``tolist``) and its copies from pageable memory wait for the queue."""
         weight = self.visual.patch_embed.proj.weight
         device, dtype = weight.device, weight.dtype
-        pixels = torch.cat(pixel_values).to(device, dtype)
-        grid = torch.tensor(grids, device=device)
+        pixels = upload_host(torch.cat(pixel_values), device).to(dtype)
+        grid = torch.tensor(grids)
+        indices = {k: v if k == "cu_seqlens" else upload_host(v, device)  # read on the host
+                   for k, v in host_indices(self.visual, grid).items()}
         with scope("vision_encoder"):  # profile's kernel group of its own
-            out = self.visual(pixels, grid_thw=grid).pooler_output
+            out = self.visual(pixels, grid_thw=grid, **indices).pooler_output
         merge = self.visual.spatial_merge_size ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
 
@@ -89,6 +95,21 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         if config.model_type == "qwen3_5_moe_text":
             return shared_expert_moe(config, tp, quant, prefix, renormalize=True)
         return llama.MLP(config, tp, quant, prefix)
+
+
+def host_indices(tower: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The index tensors transformers' vision tower computes from its images' grids
+    (``transformers.vision_utils``), made from a host ``grid``: passed to its forward, it
+    takes them instead of computing them."""
+    from transformers import vision_utils
+
+    merge = tower.config.spatial_merge_size
+    interp, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners, spatial_merge_size=merge)
+    return {"interp_indices": interp, "interp_weights": weights,
+            "position_ids": vision_utils.get_vision_position_ids(grid, merge),
+            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid)}
 
 
 def vision_tower(vision: dict[str, Any]) -> nn.Module:
