@@ -314,14 +314,12 @@ def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf)
 def test_the_memory_profile_runs_the_vision_tower_over_a_steps_largest_image(ckpt):
     """(On a GPU the profile's peak then counts the tower.) The image it encodes is square,
     a whole number of merged patches, as many as the step's tokens take (at most the cap)."""
-    from pagedgen.runtime.worker.memory_plan import profile_vision_tower
-
     model = engine(ckpt).runner.model
     seen = []
     real = model.encode_images
     model.encode_images = lambda pixels, grids: seen.append(grids) or real(pixels, grids)
-    profile_vision_tower(model, 9)  # 9 tokens: 36 patches, 6 x 6
-    profile_vision_tower(model, 10_000, most_patches=100)  # capped: 10 x 10
+    model.profile_vision(9)  # 9 tokens: 36 patches, 6 x 6
+    model.profile_vision(10_000, most_patches=100)  # capped: 10 x 10
     assert seen == [[(1, 6, 6)], [(1, 10, 10)]]
 
 

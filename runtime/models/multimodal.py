@@ -130,6 +130,8 @@ class ImagePrompter:
     size (``config``: the checkpoint's outer config; ``path``: its directory)."""
 
     largest_block = 0  # the most tokens of one image a step must hold together (none here)
+    before: list[int] = []  # tokens around an image's own (Gemma 4's boi and eoi)
+    after: list[int] = []
 
     def __init__(self, path: str | Path, config: Any) -> None:
         from transformers import AutoImageProcessor
@@ -171,9 +173,6 @@ class ImagePrompter:
             last = pad + 1
         out += ids[last:]
         return out, self.multimodal(len(out), inputs)
-
-    before: list[int] = []  # tokens around an image's own (Gemma 4's boi and eoi)
-    after: list[int] = []
 
     def size(self, made: Any) -> tuple[tuple[int, int, int], int]:
         """An image's patch grid (t, h, w) and its tokens, from the processor's output."""

@@ -78,8 +78,8 @@ def profile_free_memory(runner: Any) -> int:
     with torch.inference_mode():
         h = runner.model(ids, pos, caches, md)
         runner.model.compute_logits(h[:runner.max_num_seqs])
-        if getattr(runner.model, "takes_images", False):
-            profile_vision_tower(runner.model, tokens)
+        if getattr(runner.model, "takes_images", False):  # encoding a step's images
+            runner.model.profile_vision(tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - own_pages
     del caches, h, md
@@ -89,16 +89,3 @@ def profile_free_memory(runner: Any) -> int:
     used_elsewhere = total - torch.cuda.mem_get_info(device)[0] - torch.cuda.memory_reserved(device)
     cache = runner.images.capacity_bytes if runner.images is not None else 0  # embeddings
     return int(total * cfg.gpu_memory_utilization - peak - used_elsewhere - cache)
-
-
-def profile_vision_tower(model: Any, tokens: int, most_patches: int = 16384) -> None:
-    """The vision tower over one image as large as a step's tokens allow (its patches, at
-    most ``most_patches``: a 1,280 x 960 image has 4,800 at Qwen3.5's 16-pixel patches), so
-    the memory profile's peak counts what encoding a step's images takes."""
-    if hasattr(model, "profile_vision"):  # a family's own (Gemma 4's)
-        return model.profile_vision(tokens)
-    cfg = model.visual.config
-    merge = cfg.spatial_merge_size
-    side = max(1, int(math.sqrt(min(tokens * merge ** 2, most_patches)) // merge)) * merge
-    width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-    model.encode_images([torch.zeros(side * side, width)], [(1, side, side)])

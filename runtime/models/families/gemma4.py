@@ -260,7 +260,8 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         return self.vision.encode(pixels)
 
     def profile_vision(self, tokens: int) -> None:
-        """The tower over one image of the processor's default size (280 soft tokens)."""
+        """The tower over one image of the processor's default size (280 soft tokens), so
+        the memory profile's peak counts encoding (``tokens``: the step's, not needed)."""
         self.vision.profile(280 * self.vision.vision_tower.config.pooling_kernel_size ** 2)
 
     @classmethod

@@ -21,6 +21,7 @@ model runs on pagedgen's paged layers.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -79,6 +80,16 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
             out = self.visual(pixels, grid_thw=grid, **indices).pooler_output
         merge = self.visual.spatial_merge_size ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
+
+    def profile_vision(self, tokens: int, most_patches: int = 16384) -> None:
+        """The vision tower over one image as large as a step's ``tokens`` allow (its
+        patches, at most ``most_patches``: a 1,280 x 960 image has 4,800 at 16-pixel
+        patches), so the memory profile's peak counts what encoding a step's images takes."""
+        cfg = self.visual.config
+        merge = cfg.spatial_merge_size
+        side = max(1, int(math.sqrt(min(tokens * merge ** 2, most_patches)) // merge)) * merge
+        width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
+        self.encode_images([torch.zeros(side * side, width)], [(1, side, side)])
 
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                metadata) -> tuple[torch.Tensor, tuple]:
