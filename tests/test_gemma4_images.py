@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import hf_vision, make_gemma4_vision_checkpoint
-from test_images import CASES, chat
+from test_images import CASES, chat, generate
 
 from pagedgen.errors import PagedgenError
 from pagedgen.runtime.config import EngineConfig, SamplingParams
@@ -63,13 +63,7 @@ def engine(ckpt, **kw) -> Engine:
 
 
 def run(eng: Engine, hf, cases) -> list:
-    seqs = []
-    for messages, images in cases:
-        ids = chat(hf[1], messages)
-        ids, mm = eng.prompt_images(ids, images) if images else (ids, None)
-        seqs.append(eng.add_request(ids, PARAMS, images=mm))
-    eng.run()
-    return seqs
+    return generate(eng, hf, cases, PARAMS)
 
 
 def check(seq, want) -> None:

@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_images import CASES, LONG, chat, ckpt, engine, image, msg  # noqa: F401
+from test_images import CASES, ckpt, engine, generate, image, msg  # noqa: F401
 
 pytestmark = pytest.mark.gpu
-
-
-def generate(eng, hf, prompts) -> list:
-    seqs = []
-    for messages, images in prompts:
-        ids, mm = eng.prompt_images(chat(hf[1], messages), images)
-        seqs.append(eng.add_request(ids, LONG, images=mm))
-    eng.run()
-    return seqs
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

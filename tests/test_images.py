@@ -66,6 +66,18 @@ def engine(ckpt, **kw) -> Engine:
     return Engine(EngineConfig(**{**args, **kw}))
 
 
+def generate(eng: Engine, hf, cases, params: SamplingParams = LONG) -> list:
+    """Each case (messages, images) a request of ``params`` through ``eng``, run together:
+    their sequences."""
+    seqs = []
+    for messages, images in cases:
+        ids = chat(hf[1], messages)
+        ids, mm = eng.prompt_images(ids, images) if images else (ids, None)
+        seqs.append(eng.add_request(ids, params, images=mm))
+    eng.run()
+    return seqs
+
+
 def msg(*parts, role="user") -> dict:
     return {"role": role, "content": [{"type": "image"} if not isinstance(p, str)
                                       else {"type": "text", "text": p} for p in parts]}
@@ -85,12 +97,7 @@ CASES = {
 def test_greedy_tokens_equal_transformers(ckpt, hf, case):
     messages, images = CASES[case]
     want = reference(hf, messages, images, LONG.max_tokens)
-    eng = engine(ckpt)
-    ids = chat(hf[1], messages)
-    ids, mm = eng.prompt_images(ids, images) if images else (ids, None)
-    seq = eng.add_request(ids, LONG, images=mm)
-    eng.run()
-    assert seq.output_token_ids == want
+    assert generate(engine(ckpt), hf, [CASES[case]])[0].output_token_ids == want
 
 
 def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf):
