@@ -26,13 +26,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import print_table
 from benchmarks.image_workloads import ImageWorkload
-from pagedgen.runtime.models.families.qwen3_5 import host_indices, vision_tower
+from pagedgen.runtime.models.families.qwen3_5 import TOWER_SDPA, host_indices, vision_tower
 
 # in this order: the first warms nothing the second builds per length
-CHOICES: dict[str, list[SDPBackend] | None] = {
-    "no cuDNN": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-    "torch's order": None,
-}
+CHOICES: dict[str, list[SDPBackend] | None] = {"no cuDNN": TOWER_SDPA,  # pagedgen's
+                                               "torch's order": None}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 

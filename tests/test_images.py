@@ -428,3 +428,26 @@ def test_the_tower_takes_its_index_tensors_from_the_host(ckpt, monkeypatch):
     grid = (1, 4, 6)
     out = model.encode_images([torch.randn(24, 3 * 2 * 16 * 16)], [grid])
     assert computed == [] and out[0].shape[0] == 6
+
+
+def test_the_towers_attention_leaves_cudnn_out(ckpt, monkeypatch):
+    """The tower's SDPA calls run with cuDNN's attention switched off (on Hopper torch prefers
+    it, and it builds a plan for every new image size) and the other kernels on; the
+    language model's calls after it find cuDNN as torch left it."""
+    import torch.nn.functional as F
+
+    seen = []
+    own = F.scaled_dot_product_attention
+
+    def sdpa(*a, **kw):
+        seen.append((torch.backends.cuda.cudnn_sdp_enabled(),
+                     torch.backends.cuda.flash_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return own(*a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    model = engine(ckpt).runner.model
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    model.encode_images([torch.randn(24, 3 * 2 * 16 * 16)], [(1, 4, 6)])
+    assert seen and set(seen) == {(False, True, True)}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

@@ -16,7 +16,10 @@ elsewhere every stream has the same position, which is plain rotary.
 The vision tower is transformers' ``Qwen3_5VisionModel`` (patch embedding, learned positions
 resampled to the image's grid, 2D rotary, blocks attending within each image, patch merger):
 pagedgen runs it as transformers defines it, on its weights, once per image; only the language
-model runs on pagedgen's paged layers.
+model runs on pagedgen's paged layers. Its attention (one SDPA call per image) leaves cuDNN's
+kernel out (``TOWER_SDPA``): torch prefers cuDNN on Hopper, and cuDNN builds an execution
+plan for every sequence length it has not met, which is every new image size
+(``benchmarks/vision_tower.py`` measures both).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
@@ -39,6 +43,9 @@ from pagedgen.runtime.models.multimodal import StepImages
 from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 from pagedgen.transfer import upload_host
+
+# the vision tower's SDPA kernels: nothing that is built per sequence length
+TOWER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
@@ -76,7 +83,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         grid = torch.tensor(grids)
         indices = {k: v if k == "cu_seqlens" else upload_host(v, device)  # read on the host
                    for k, v in host_indices(self.visual, grid).items()}
-        with scope("vision_encoder"):  # profile's kernel group of its own
+        with scope("vision_encoder"), sdpa_kernel(TOWER_SDPA):  # a kernel group of its own
             out = self.visual(pixels, grid_thw=grid, **indices).pooler_output
         merge = self.visual.spatial_merge_size ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
