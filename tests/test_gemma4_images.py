@@ -8,6 +8,8 @@ small; a step budget or a cache that cannot hold an image's block is a one-line 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hf_models import hf_vision, make_gemma4_vision_checkpoint
@@ -133,3 +135,19 @@ def test_a_tower_that_standardizes_and_clips_loads_its_statistics_and_bounds(tmp
     hf = hf_vision(path)
     messages, images = CASES["one image"]
     check(run(engine(path), hf, [CASES["one image"]])[0], reference(hf, messages, images))
+
+
+def test_the_memory_profile_encodes_a_calls_worth_of_the_largest_images(ckpt):
+    """Gemma 4's processor pads every image to its largest size, so a tower call weighs that
+    much an image, and the profile encodes as many padded images as a call holds."""
+    enc = engine(ckpt, max_num_batched_tokens=300).runner.images
+    largest = enc.prompter.largest_image
+    seen = []
+    real = enc.model.vision.encode
+    enc.model.vision.encode = lambda pixels: seen.append([p.shape[1] for p, _ in pixels]) \
+        or real(pixels)
+    enc.profile()
+    k2 = enc.model.vision.vision_tower.config.pooling_kernel_size ** 2
+    assert enc.call_tokens == max(300, largest)
+    assert seen == [[largest * k2] * -(-enc.call_tokens // largest)]
+    assert enc.weigh(SimpleNamespace(num_tokens=3)) == largest

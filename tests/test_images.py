@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 
 import numpy as np
 import pytest
@@ -318,16 +319,44 @@ def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf)
         llm.generate({"prompt": "a b", "multi_modal_data": {"image": img}}, use_tqdm=False)
 
 
-def test_the_memory_profile_runs_the_vision_tower_over_a_steps_largest_image(ckpt):
-    """(On a GPU the profile's peak then counts the tower.) The image it encodes is square,
-    a whole number of merged patches, as many as the step's tokens take (at most the cap)."""
-    model = engine(ckpt).runner.model
-    seen = []
-    real = model.encode_images
-    model.encode_images = lambda pixels, grids: seen.append(grids) or real(pixels, grids)
-    model.profile_vision(9)  # 9 tokens: 36 patches, 6 x 6
-    model.profile_vision(10_000, most_patches=100)  # capped: 10 x 10
-    assert seen == [[(1, 6, 6)], [(1, 10, 10)]]
+def test_the_memory_profile_runs_the_towers_largest_call(ckpt):
+    """(On a GPU the profile's peak then counts the tower.) A call holds the step's budget
+    or the largest image the processor makes, whichever is more; the profile encodes one
+    square image of that many tokens, a whole number of merged patches a side."""
+    proc = engine(ckpt).runner.images.prompter.processor
+    largest = proc.size["longest_edge"] // (proc.patch_size * 2) ** 2
+    for budget in (largest - 7, largest + 7):  # the image above the budget, then below
+        enc = engine(ckpt, max_num_batched_tokens=budget).runner.images
+        seen = []
+        real = enc.model.encode_images
+        enc.model.encode_images = lambda pixels, grids: seen.append(grids) or real(pixels, grids)
+        enc.profile()
+        tokens = max(budget, largest)
+        side = math.isqrt(tokens - 1) + 1  # the least square of at least ``tokens``
+        assert enc.call_tokens == tokens and seen == [[(1, 2 * side, 2 * side)]]
+
+
+def test_a_steps_images_are_encoded_in_calls_of_at_most_the_towers_budget(ckpt, hf):
+    """Five images in one step with the tower's calls bounded: each call holds at most
+    ``call_tokens`` image tokens (one image above it alone), every image is encoded once,
+    and the tokens are transformers'."""
+    sizes = [(60, 90), (100, 40), (70, 70), (40, 40), (90, 60)]
+    cases = [([msg(0, "a", 1, "b")], [image(*sizes[0], 10), image(*sizes[1], 11)]),
+             ([msg(0, "c")], [image(*sizes[2], 12)]),
+             ([msg(0, "d", 1)], [image(*sizes[3], 13), image(*sizes[4], 14)])]
+    want = [reference(hf, m, im, GREEDY.max_tokens) for m, im in cases]
+    eng = engine(ckpt, max_num_batched_tokens=512, num_blocks=128)
+    enc = eng.runner.images
+    enc.call_tokens = 8
+    calls = []
+    real = enc.model.encode_images
+    enc.model.encode_images = lambda pixels, grids: calls.append(
+        [t * h * w // 4 for t, h, w in grids]) or real(pixels, grids)
+    seqs = generate(eng, hf, cases, GREEDY)
+    assert [s.output_token_ids for s in seqs] == want
+    assert sorted(n for c in calls for n in c) == sorted(im.num_tokens for s in seqs
+                                                         for im in s.mm.images)
+    assert len(calls) > 1 and all(sum(c) <= 8 or len(c) == 1 for c in calls)
 
 
 def test_samples_forked_from_an_image_prompt_share_its_prefill(ckpt, hf):

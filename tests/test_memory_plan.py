@@ -1,5 +1,6 @@
 """The KV cache's size from the memory profile, on a CPU with the GPU's counters faked: the
-profile's own K/V pages are not counted against the cache that replaces them."""
+profile's own K/V pages are not counted against the cache that replaces them; a vision
+tower's largest call is."""
 
 from __future__ import annotations
 
@@ -78,6 +79,9 @@ def test_the_profiles_own_pages_are_not_counted_against_the_kv_cache(monkeypatch
     # the budget less the weights, the forward's activations and memory outside torch: the
     # profile's 40 pages (4,000 bytes) go back to the cache
     assert free_bytes == int(TOTAL * 0.9) - 500_000 - activations - 20_000
-    # a model with a vision tower: its embeddings cache's bound kept off the KV cache too
-    runner.images = SimpleNamespace(capacity_bytes=7_000)
-    assert memory_plan.profile_free_memory(runner) == free_bytes - 7_000
+    # a model with a vision tower: its embeddings cache's bound kept off the KV cache too,
+    # and its largest call's activations where they are more than the forward's
+    tower = activations + 3_000
+    runner.images = SimpleNamespace(capacity_bytes=7_000,
+                                    profile=lambda: gpu.take(tower) or gpu.take(-tower))
+    assert memory_plan.profile_free_memory(runner) == free_bytes - 7_000 - 3_000

@@ -174,6 +174,17 @@ class ImagePrompter:
         out += ids[last:]
         return out, self.multimodal(len(out), inputs)
 
+    @property
+    def largest_image(self) -> int:
+        """The most tokens one image can take: the processor's pixel bound over the area a
+        merged token covers."""
+        side = int(self.processor.patch_size) * self.merge
+        return int(self.processor.size["longest_edge"]) // side ** 2
+
+    def tower_tokens(self, im: ImageInput) -> int:
+        """What ``im`` weighs in a call of the vision tower, in image tokens: its own."""
+        return im.num_tokens
+
     def size(self, made: Any) -> tuple[tuple[int, int, int], int]:
         """An image's patch grid (t, h, w) and its tokens, from the processor's output."""
         t, h, w = (int(x) for x in made["image_grid_thw"][0])

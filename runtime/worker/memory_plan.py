@@ -78,8 +78,8 @@ def profile_free_memory(runner: Any) -> int:
     with torch.inference_mode():
         h = runner.model(ids, pos, caches, md)
         runner.model.compute_logits(h[:runner.max_num_seqs])
-        if getattr(runner.model, "takes_images", False):  # encoding a step's images
-            runner.model.profile_vision(tokens)
+        if runner.images is not None:  # the tower's largest call
+            runner.images.profile()
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - own_pages
     del caches, h, md

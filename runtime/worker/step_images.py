@@ -6,14 +6,15 @@ A sequence's images are read and patched (``ImagePrompter.pixels``) in worker th
 as the engine makes the sequence (``prefetch``: a scheduler's lookahead ahead of admission),
 so the CPU work runs beside the GPU's and only the images of the sequences near admission
 hold their pixels in host memory. Each image runs through the vision tower once, when the
-first chunk holding its tokens is scheduled, with every other image that step needs (one
-batched call of the tower); its pixels are then let go and its embeddings stay in a cache
-keyed by its pixels' hash, so a chunked prompt's later chunks, a preempted sequence's
-recompute and another request with the same image take them from there (``encoded`` counts
-the tower's images, ``reused`` the cache's hits). The cache holds the embeddings last used,
-at most ``capacity_bytes`` of them (``CACHE_BYTES``: the memory plan keeps that much off the
-KV cache; a step's own images stay whatever their size); one evicted and needed again is
-patched and encoded again.
+first chunk holding its tokens is scheduled, with every other image that step needs: batched
+in calls of at most ``call_tokens`` image tokens (the step's budget, or the largest image the
+processor makes where that is more; the memory plan profiles one such call). Its pixels are
+then let go and its embeddings stay in a cache keyed by its pixels' hash, so a chunked
+prompt's later chunks, a preempted sequence's recompute and another request with the same
+image take them from there (``encoded`` counts the tower's images, ``reused`` the cache's
+hits). The cache holds the embeddings last used, at most ``capacity_bytes`` of them
+(``CACHE_BYTES``: the memory plan keeps that much off the KV cache; a step's own images stay
+whatever their size); one evicted and needed again is patched and encoded again.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ class ImageEncoder:
                 f"--max-num-batched-tokens {max_num_batched_tokens} is too small; give at "
                 f"least {largest}")
         self.model, self.prompter, self.device = model, prompter, device
+        self.call_tokens = max(max_num_batched_tokens or 0, prompter.largest_image)
+        self.weigh = prompter.tower_tokens
         self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.cache_bytes = 0
@@ -126,30 +129,45 @@ class ImageEncoder:
                 self.reused += 1
             else:
                 todo.setdefault(im.key, im)
-        if todo:
+        for call in self._calls(list(todo.values())):
             t0 = time.perf_counter()
-            pixels = [self._pixels(im) for im in todo.values()]
+            pixels = [self._pixels(im) for im in call]
             self.pixel_wait_s += time.perf_counter() - t0
             cuda = self.device.type == "cuda"
             start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
             if cuda:
                 start.record()
-            out = self.model.encode_images(pixels, [im.grid_thw for im in todo.values()])
+            out = self.model.encode_images(pixels, [im.grid_thw for im in call])
             if cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
                 self._timings.append((start, end))
             else:  # the CPU ran it in the call
                 self._timings.append(time.perf_counter() - start)
-            self.encoded += len(todo)
-            for key, embeds in zip(todo, out):
-                self.cache[key] = embeds
+            self.encoded += len(call)
+            for im, embeds in zip(call, out):
+                self.cache[im.key] = embeds
                 self.cache_bytes += embeds.nbytes
         for im in images:  # encoded (now or before): its pixels let go
             im.pixel_values = None
         own = len({im.key for im in images})  # this step's, last in the cache: kept
         while self.cache_bytes > self.capacity_bytes and len(self.cache) > own:
             self.cache_bytes -= self.cache.popitem(last=False)[1].nbytes
+
+    def _calls(self, todo: list) -> list[list]:
+        """``todo`` in order, cut into the tower's calls of at most ``call_tokens`` tokens."""
+        calls, tokens = [], 0
+        for im in todo:
+            if not calls or tokens + self.weigh(im) > self.call_tokens:
+                calls.append([])
+                tokens = 0
+            calls[-1].append(im)
+            tokens += self.weigh(im)
+        return calls
+
+    def profile(self) -> None:
+        """The tower's largest call, for the memory plan's profile."""
+        self.model.profile_vision(self.call_tokens, self.prompter.largest_image)
 
     def _pixels(self, im: Any) -> torch.Tensor:
         """``im``'s patches: prefetched, or made now (an image evicted and needed again)."""

@@ -259,10 +259,11 @@ class Gemma4ForCausalLM(gemma3.Gemma3ForCausalLM):
         """Each image's embeddings [tokens, hidden] (``Gemma4Vision.encode``)."""
         return self.vision.encode(pixels)
 
-    def profile_vision(self, tokens: int) -> None:
-        """The tower over one image of the processor's default size (280 soft tokens), so
-        the memory profile's peak counts encoding (``tokens``: the step's, not needed)."""
-        self.vision.profile(280 * self.vision.vision_tower.config.pooling_kernel_size ** 2)
+    def profile_vision(self, tokens: int, largest: int) -> None:
+        """The tower over ``tokens`` soft tokens in images of the ``largest`` size (each
+        attends within itself), so the memory profile's peak counts its largest call."""
+        k2 = self.vision.vision_tower.config.pooling_kernel_size ** 2
+        self.vision.profile(-(-tokens // largest), largest * k2)
 
     @classmethod
     def tensor_parallel_error(cls, config, tp_size: int) -> str | None:

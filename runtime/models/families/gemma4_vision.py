@@ -21,6 +21,7 @@ tokens, and an image's tokens seeing each other.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import Any
 
@@ -90,13 +91,16 @@ class Gemma4Vision(nn.Module):
             out = self.embed_vision(hidden.last_hidden_state)
         return list(out.split(sizes))
 
-    def profile(self, patches: int) -> None:
-        """The tower over one image of ``patches`` patches (the memory profile's)."""
+    def profile(self, images: int, patches: int) -> None:
+        """The tower over ``images`` images of ``patches`` patches each (the memory
+        profile's): a square grid of whole pooling windows, padded as the processor pads."""
         cfg = self.vision_tower.config
-        side = max(1, int(patches ** 0.5))
+        k = cfg.pooling_kernel_size
+        side = max(1, math.isqrt(patches // k ** 2)) * k
         grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side),
                                           indexing="xy"), -1).reshape(1, -1, 2)
-        self.encode([(torch.zeros(1, side * side, 3 * cfg.patch_size ** 2), grid)])
+        grid = torch.cat([grid, grid.new_full((1, patches - side * side, 2), -1)], 1)
+        self.encode([(torch.zeros(1, patches, 3 * cfg.patch_size ** 2), grid)] * images)
 
 
 class Gemma4ImagePrompter(ImagePrompter):
@@ -112,7 +116,15 @@ class Gemma4ImagePrompter(ImagePrompter):
         self.whole_blocks = sees_blocks(config)
         # the most tokens one image takes: a step computes them together where they see
         # each other
-        self.largest_block = int(self.processor.max_soft_tokens) if self.whole_blocks else 0
+        self.largest_block = self.largest_image if self.whole_blocks else 0
+
+    @property
+    def largest_image(self) -> int:
+        return int(self.processor.max_soft_tokens)
+
+    def tower_tokens(self, im: ImageInput) -> int:
+        """The largest image's: the processor pads every image's patches to its size."""
+        return self.largest_image
 
     def size(self, made: Any) -> tuple[tuple[int, int, int], int]:
         n = int(made["num_soft_tokens_per_image"][0])

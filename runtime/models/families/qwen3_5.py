@@ -88,13 +88,13 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         merge = self.visual.spatial_merge_size ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
 
-    def profile_vision(self, tokens: int, most_patches: int = 16384) -> None:
-        """The vision tower over one image as large as a step's ``tokens`` allow (its
-        patches, at most ``most_patches``: a 1,280 x 960 image has 4,800 at 16-pixel
-        patches), so the memory profile's peak counts what encoding a step's images takes."""
+    def profile_vision(self, tokens: int, largest: int) -> None:
+        """The vision tower over one square image of at least ``tokens`` merged tokens (its
+        largest call: activations grow with the patches, and one image is the most any
+        attention call takes), so the memory profile's peak counts it (``largest``: the
+        largest image's tokens, at most ``tokens``)."""
         cfg = self.visual.config
-        merge = cfg.spatial_merge_size
-        side = max(1, int(math.sqrt(min(tokens * merge ** 2, most_patches)) // merge)) * merge
+        side = math.ceil(math.sqrt(tokens)) * cfg.spatial_merge_size
         width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
         self.encode_images([torch.zeros(side * side, width)], [(1, side, side)])
 
