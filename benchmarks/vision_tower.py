@@ -9,7 +9,9 @@ execution plan for each sequence length it has not seen. This times the tower ov
 ``--images`` images of workload i (published tower, random weights, ``--per-call`` images a
 call as a step encodes them), twice each: first with cuDNN left out (FlashAttention, then
 memory-efficient, then math: nothing built per length), then in torch's own order, whose first
-pass meets every length anew where it takes cuDNN; and names the attention kernels a call ran.
+pass meets every length anew where it takes cuDNN; then with transformers' Conv3d patch
+embedding instead of pagedgen's matmul (``PatchProjection``); and names each row's attention
+kernels and its costliest kernels over one call.
 
     python -m benchmarks.vision_tower --images 300 --json $OUT/vision-tower.json
 """
@@ -28,9 +30,12 @@ from benchmarks.common import print_table
 from benchmarks.image_workloads import ImageWorkload
 from pagedgen.runtime.models.families.qwen3_5 import TOWER_SDPA, host_indices, vision_tower
 
-# in this order: the first warms nothing the second builds per length
-CHOICES: dict[str, list[SDPBackend] | None] = {"no cuDNN": TOWER_SDPA,  # pagedgen's
-                                               "torch's order": None}
+# (SDPA backends, transformers' Conv3d patch embedding), in this order: the first warms
+# nothing the second builds per length
+CHOICES: dict[str, tuple[list[SDPBackend] | None, bool]] = {
+    "no cuDNN": (TOWER_SDPA, False),  # pagedgen's
+    "torch's order": (None, False),
+    "no cuDNN, Conv3d": (TOWER_SDPA, True)}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 
@@ -65,37 +70,54 @@ def timed_pass(encode, gs: list, per_call: int) -> float:
     return time.perf_counter() - t
 
 
-def attention_kernels(encode, gs: list) -> list[str]:
-    """The names of the attention kernels one call over ``gs`` runs (CUDA only)."""
+def kernels(encode, gs: list) -> tuple[list[str], list[tuple[str, float]]]:
+    """The attention kernels one call over ``gs`` runs, and its six costliest kernels with
+    their milliseconds (CUDA only)."""
     if not torch.cuda.is_available():
-        return []
+        return [], []
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         encode(gs)
         torch.cuda.synchronize()
     keys = ("attn", "fmha", "sdpa", "attention", "flash")
-    return sorted({e.name[:80] for e in prof.events() if any(k in e.name.lower() for k in keys)})
+    ms: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            ms[e.name[:80]] = ms.get(e.name[:80], 0.0) + e.device_time_total / 1e3
+    attention = sorted(n for n in ms if any(k in n.lower() for k in keys))
+    return attention, sorted(ms.items(), key=lambda kv: -kv[1])[:6]
+
+
+def conv3d(tower: torch.nn.Module) -> torch.nn.Conv3d:
+    """transformers' Conv3d over the tower's patch projection's weight and bias."""
+    w = tower.patch_embed.proj.weight
+    conv = torch.nn.Conv3d(w.shape[1], w.shape[0], w.shape[2:], stride=w.shape[2:])
+    conv.weight, conv.bias = w, tower.patch_embed.proj.bias
+    return conv
 
 
 def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> list[dict]:
     encode = encoder(tower, device)
     gs = grids(images)
     encode([(1, 2, 2)])  # the tower's first call (allocations, module loads)
-    rows = []
-    for name, backends in CHOICES.items():
+    rows, projection = [], tower.patch_embed.proj
+    for name, (backends, conv) in CHOICES.items():
         ctx = sdpa_kernel(backends) if backends else nullcontext()
+        tower.patch_embed.proj = conv3d(tower) if conv else projection
         try:
             with ctx:
                 first, again = timed_pass(encode, gs, per_call), timed_pass(encode, gs, per_call)
-                kernels = attention_kernels(encode, gs[:per_call])
+                attention, costliest = kernels(encode, gs[:per_call])
         except RuntimeError as e:  # a backend this device or build does not have
             rows.append({"choice": name, "skipped": str(e).splitlines()[0][:160]})
             continue
         rows.append({"choice": name, "images": images, "sizes": len(set(gs)),
                      "first_s": first, "again_s": again,
                      "first_ms_per_image": 1e3 * first / images,
-                     "again_ms_per_image": 1e3 * again / images, "kernels": kernels})
+                     "again_ms_per_image": 1e3 * again / images, "kernels": attention,
+                     "costliest_ms": costliest})
+    tower.patch_embed.proj = projection
     return rows
 
 
@@ -126,6 +148,8 @@ def main() -> None:
                  "again_ms_per_image"])
     for r in rows:
         print(r["choice"] + ": " + (r.get("skipped") or ", ".join(r["kernels"]) or "-"))
+        for name, ms in r.get("costliest_ms", []):
+            print(f"  {ms:9.2f} ms  {name}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
