@@ -9,9 +9,8 @@ execution plan for each sequence length it has not seen. This times the tower ov
 ``--images`` images of workload i (published tower, random weights, ``--per-call`` images a
 call as a step encodes them), twice each: first with cuDNN left out (FlashAttention, then
 memory-efficient, then math: nothing built per length), then in torch's own order, whose first
-pass meets every length anew where it takes cuDNN; then with transformers' Conv3d patch
-embedding instead of pagedgen's matmul (``PatchProjection``); and names each row's attention
-kernels and its costliest kernels over one call.
+pass meets every length anew where it takes cuDNN; and names each row's attention kernels and
+its costliest kernels over one call.
 
     python -m benchmarks.vision_tower --images 300 --json $OUT/vision-tower.json
 """
@@ -30,12 +29,9 @@ from benchmarks.common import print_table
 from benchmarks.image_workloads import ImageWorkload
 from pagedgen.runtime.models.families.qwen3_5 import TOWER_SDPA, host_indices, vision_tower
 
-# (SDPA backends, transformers' Conv3d patch embedding), in this order: the first warms
-# nothing the second builds per length
-CHOICES: dict[str, tuple[list[SDPBackend] | None, bool]] = {
-    "no cuDNN": (TOWER_SDPA, False),  # pagedgen's
-    "torch's order": (None, False),
-    "no cuDNN, Conv3d": (TOWER_SDPA, True)}
+# in this order: the first warms nothing the second builds per length
+CHOICES: dict[str, list[SDPBackend] | None] = {"no cuDNN": TOWER_SDPA,  # pagedgen's
+                                               "torch's order": None}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 
@@ -89,22 +85,14 @@ def kernels(encode, gs: list) -> tuple[list[str], list[tuple[str, float]]]:
     return attention, sorted(ms.items(), key=lambda kv: -kv[1])[:6]
 
 
-def conv3d(tower: torch.nn.Module) -> torch.nn.Conv3d:
-    """transformers' Conv3d over the tower's patch projection's weight and bias."""
-    w = tower.patch_embed.proj.weight
-    conv = torch.nn.Conv3d(w.shape[1], w.shape[0], w.shape[2:], stride=w.shape[2:])
-    conv.weight, conv.bias = w, tower.patch_embed.proj.bias
-    return conv
-
 
 def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> list[dict]:
     encode = encoder(tower, device)
     gs = grids(images)
     encode([(1, 2, 2)])  # the tower's first call (allocations, module loads)
-    rows, projection = [], tower.patch_embed.proj
-    for name, (backends, conv) in CHOICES.items():
+    rows = []
+    for name, backends in CHOICES.items():
         ctx = sdpa_kernel(backends) if backends else nullcontext()
-        tower.patch_embed.proj = conv3d(tower) if conv else projection
         try:
             with ctx:
                 first, again = timed_pass(encode, gs, per_call), timed_pass(encode, gs, per_call)
@@ -117,7 +105,6 @@ def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> 
                      "first_ms_per_image": 1e3 * first / images,
                      "again_ms_per_image": 1e3 * again / images, "kernels": attention,
                      "costliest_ms": costliest})
-    tower.patch_embed.proj = projection
     return rows
 
 

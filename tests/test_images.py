@@ -480,16 +480,3 @@ def test_the_towers_attention_leaves_cudnn_out(ckpt, monkeypatch):
     model.encode_images([torch.randn(24, 3 * 2 * 16 * 16)], [(1, 4, 6)])
     assert seen and set(seen) == {(False, True, True)}
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
-
-
-def test_the_patch_projection_is_the_conv3d_it_replaces():
-    """The patch embedding as a matmul gives the Conv3d's output on the same weights and
-    patches; a kernel other than its stride is refused."""
-    from pagedgen.runtime.models.families.qwen3_5 import PatchProjection
-
-    torch.manual_seed(0)
-    conv = torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4))
-    x = torch.randn(5, 3, 2, 4, 4)
-    torch.testing.assert_close(PatchProjection(conv)(x), conv(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError):
-        PatchProjection(torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(1, 4, 4)))

@@ -19,9 +19,7 @@ pagedgen runs it as transformers defines it, on its weights, once per image; onl
 model runs on pagedgen's paged layers. Its attention (one SDPA call per image) leaves cuDNN's
 kernel out (``TOWER_SDPA``): torch prefers cuDNN on Hopper, and cuDNN builds an execution
 plan for every sequence length it has not met, which is every new image size
-(``benchmarks/vision_tower.py`` measures both). Its patch embedding, a Conv3d whose kernel is
-its stride (one patch), runs as the matmul it is (``PatchProjection``): in bf16 cuDNN runs that
-Conv3d as an implicit GEMM far below the tensor cores' rate.
+(``benchmarks/vision_tower.py`` measures both).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -133,33 +130,14 @@ def host_indices(tower: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor
             "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid)}
 
 
-class PatchProjection(nn.Module):
-    """A patch embedding's ``nn.Conv3d`` whose kernel is its stride, as a matmul over each
-    patch's flattened pixels: the same weight and bias (the checkpoint's shapes), the same
-    input [patches, C, T, P, P] and output [patches, E, 1, 1, 1]."""
-
-    def __init__(self, conv: nn.Conv3d) -> None:
-        super().__init__()
-        if conv.kernel_size != conv.stride or conv.padding != (0, 0, 0):
-            raise ValueError("a patch projection's kernel is its stride, with no padding")
-        self.weight, self.bias = conv.weight, conv.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x.flatten(1), self.weight.flatten(1), self.bias)
-        return out.view(*out.shape, 1, 1, 1)
-
-
 def vision_tower(vision: dict[str, Any]) -> nn.Module:
-    """transformers' Qwen3.5 vision tower for this ``vision_config`` (SDPA attention), its
-    patch embedding a ``PatchProjection``."""
+    """transformers' Qwen3.5 vision tower for this ``vision_config`` (SDPA attention)."""
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     cfg = Qwen3_5VisionConfig(**{k: v for k, v in vision.items() if k != "model_type"})
     cfg._attn_implementation = "sdpa"
-    tower = Qwen3_5VisionModel(cfg)
-    tower.patch_embed.proj = PatchProjection(tower.patch_embed.proj)
-    return tower
+    return Qwen3_5VisionModel(cfg)
 
 
 def _rules(f: dict[str, Any], model_type: str, where: str) -> None:
