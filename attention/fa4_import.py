@@ -58,3 +58,10 @@ def import_quack_lean() -> bool:
             del sys.modules[name]
         raise
     return True
+
+
+def import_fa4():
+    """``flash_attn.cute``, its compiled kernels kept on disk for the next run, quack lean."""
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    import_quack_lean()  # without torch._dynamo
+    return importlib.import_module("flash_attn.cute")

@@ -1,16 +1,15 @@
-"""Qwen3.5's vision tower by torch SDPA backend, over image sizes it meets for the first time
+"""Qwen3.5's vision tower by attention kernel, over image sizes it meets for the first time
 and again (issue 96).
 
 On an H100 a first run of image workload i spent 21.7 s in the tower and the second run, the
-same images, 5.9 s (`results/h100-images-i-pagedgen-host-indices.json`). The tower is
-transformers' (SDPA attention, one call per image); torch prefers cuDNN's attention on Hopper
-and Blackwell (`check_prefer_cudnn_attention` in its `sdp_utils.cpp`), and cuDNN builds an
-execution plan for each sequence length it has not seen. This times the tower over the first
-``--images`` images of workload i (published tower, random weights, ``--per-call`` images a
-call as a step encodes them), twice each: first with cuDNN left out (FlashAttention, then
-memory-efficient, then math: nothing built per length), then in torch's own order, whose first
-pass meets every length anew where it takes cuDNN; and names each row's attention kernels and
-its costliest kernels over one call.
+same images, 5.9 s (`results/h100-images-i-pagedgen-host-indices.json`): torch's SDPA took
+cuDNN's attention, which builds an execution plan for each sequence length it has not seen.
+This times the tower over the first ``--images`` images of workload i (published tower,
+random weights, ``--per-call`` images a call as a step encodes them), each pass twice: SDPA an
+image at a time with cuDNN left out (FlashAttention-2, then memory-efficient, then math), then
+in torch's own order (cuDNN first on Hopper: its first pass meets every length anew), then
+FlashAttention-4's one varlen call for all of a call's images (pagedgen's where FA4 runs);
+and names each row's attention kernels and its costliest kernels over one call.
 
     python -m benchmarks.vision_tower --images 300 --json $OUT/vision-tower.json
 """
@@ -20,18 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from contextlib import nullcontext
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.common import print_table
 from benchmarks.image_workloads import ImageWorkload
-from pagedgen.runtime.models.families.qwen3_5 import TOWER_SDPA, host_indices, vision_tower
+from pagedgen.runtime.models.families.qwen3_5 import (
+    host_indices,
+    packed_attention,
+    vision_tower,
+)
 
-# in this order: the first warms nothing the second builds per length
-CHOICES: dict[str, list[SDPBackend] | None] = {"no cuDNN": TOWER_SDPA,  # pagedgen's
-                                               "torch's order": None}
+# PackedAttention's choices, in this order: the first warms nothing the second builds per length
+CHOICES: dict[str, dict] = {"no cuDNN": {"kernel": "sdpa"},
+                            "torch's order": {"kernel": "sdpa", "sdpa_backends": None},
+                            "fa4": {}}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 
@@ -91,12 +93,14 @@ def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> 
     gs = grids(images)
     encode([(1, 2, 2)])  # the tower's first call (allocations, module loads)
     rows = []
-    for name, backends in CHOICES.items():
-        ctx = sdpa_kernel(backends) if backends else nullcontext()
+    for name, choice in CHOICES.items():
+        packed = packed_attention(tower, torch.device(device), **choice)
+        if name == "fa4" and packed.why:
+            rows.append({"choice": name, "skipped": packed.why})
+            continue
         try:
-            with ctx:
-                first, again = timed_pass(encode, gs, per_call), timed_pass(encode, gs, per_call)
-                attention, costliest = kernels(encode, gs[:per_call])
+            first, again = timed_pass(encode, gs, per_call), timed_pass(encode, gs, per_call)
+            attention, costliest = kernels(encode, gs[:per_call])
         except RuntimeError as e:  # a backend this device or build does not have
             rows.append({"choice": name, "skipped": str(e).splitlines()[0][:160]})
             continue
@@ -129,7 +133,7 @@ def main() -> None:
             "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
             "preset": a.preset, "per_call": a.per_call}
     print(json.dumps(meta))
-    print_table("Qwen3.5's vision tower by SDPA backend (seconds over the images)",
+    print_table("Qwen3.5's vision tower by attention kernel (seconds over the images)",
                 [r for r in rows if "skipped" not in r],
                 ["choice", "images", "sizes", "first_s", "again_s", "first_ms_per_image",
                  "again_ms_per_image"])

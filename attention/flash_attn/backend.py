@@ -9,7 +9,6 @@ page_size, kv_heads, head_dim]`` stacked as one tensor ``[2, num_pages, ...]`` p
 from __future__ import annotations
 
 import importlib
-import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -19,7 +18,7 @@ import torch
 from pagedgen.attention.backend import AttentionBackend, AttentionImpl, AttentionState
 from pagedgen.attention.cascade import CascadeBuffers, CascadeInputs
 from pagedgen.attention.cascade_layout import MIN_SEQS, CascadeLayout, Group
-from pagedgen.attention.fa4_import import import_quack_lean
+from pagedgen.attention.fa4_import import import_fa4
 from pagedgen.attention.flash_attn.fa2_fa3 import fa2_calls, fa3_calls
 from pagedgen.attention.flash_attn.fa4 import (
     cascade_suffix_kernel,
@@ -65,10 +64,8 @@ class FlashAttnState(AttentionState):
                  flavour: Flavour | None = None) -> None:
         super().__init__(backend, layer_specs, block_size, dtype, kv_cache_dtype, device)
         self.flavour = flavour or FlashAttnBackend.flavour(device)
-        if self.flavour.name == "fa4":  # keep compiled kernels for the next run
-            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-            import_quack_lean()  # without torch._dynamo (see fa4_import)
-        self.module = importlib.import_module(self.flavour.module)
+        self.module = import_fa4() if self.flavour.name == "fa4" \
+            else importlib.import_module(self.flavour.module)
         # FA4 splits the KV of long decodes on SM100 only ("SplitKV not supported on SM 9.0").
         split_kv = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
         calls, self.decode_tile, self.prefill_tiles = _CALLS[self.flavour.name], None, None

@@ -109,13 +109,17 @@ class ImageEncoder:
                                      upload_host(torch.cat(positions, dim=1), self.device))
         md.image_blocks = blocks or None
 
-    def summary(self, wall: float) -> dict[str, float | int]:
+    def summary(self, wall: float) -> dict[str, float | int | str]:
         """The run summary's image figures: images through the tower (and per second of the
         run), the steps' images taken from the cache, the tower's time (on a GPU its kernels'
-        time between two events, read once the run is over) and its share of the run, and
-        the time the steps waited for pixels."""
+        time between two events, read once the run is over) and its share of the run, the
+        time the steps waited for pixels, and the tower's attention kernel where the model
+        says (and why not FA4)."""
         tower = sum(t if isinstance(t, float) else _elapsed(*t) for t in self._timings)
-        return {"images_encoded": self.encoded, "images_encoded_per_s":
+        attention = getattr(self.model, "vision_attention", None)
+        kernel = {} if attention is None else {"vision_attention": attention.kernel + (
+            f" ({attention.why})" if attention.why else "")}
+        return {**kernel, "images_encoded": self.encoded, "images_encoded_per_s":
                 self.encoded / wall if wall else 0.0, "image_cache_hits": self.reused,
                 "vision_encoder_s": tower, "vision_encoder_share": tower / wall if wall else 0.0,
                 "image_pixel_wait_s": self.pixel_wait_s}

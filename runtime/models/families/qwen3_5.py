@@ -16,10 +16,10 @@ elsewhere every stream has the same position, which is plain rotary.
 The vision tower is transformers' ``Qwen3_5VisionModel`` (patch embedding, learned positions
 resampled to the image's grid, 2D rotary, blocks attending within each image, patch merger):
 pagedgen runs it as transformers defines it, on its weights, once per image; only the language
-model runs on pagedgen's paged layers. Its attention (one SDPA call per image) leaves cuDNN's
-kernel out (``TOWER_SDPA``): torch prefers cuDNN on Hopper, and cuDNN builds an execution
-plan for every sequence length it has not met, which is every new image size
-(``benchmarks/vision_tower.py`` measures both).
+model runs on pagedgen's paged layers. Its attention runs on ``PackedAttention``
+(``VisionAttention``): one FlashAttention-4 varlen call for all of a call's images where FA4
+runs, else SDPA an image at a time without cuDNN's kernel, which builds an execution plan for
+every new image size (``benchmarks/vision_tower.py`` measures the choices).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from pagedgen.attention.packed import PackedAttention
 from pagedgen.profiling import scope
 from pagedgen.runtime.collectives.parallel import TensorParallel
 from pagedgen.runtime.layers.rotary import mrope_sections
@@ -44,9 +44,6 @@ from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 from pagedgen.transfer import upload_host
 
-# the vision tower's SDPA kernels: nothing that is built per sequence length
-TOWER_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     def __init__(self, config, tp: TensorParallel | None = None,
@@ -55,6 +52,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         vision = getattr(config, "vision_config", None)
         self.visual = vision_tower(vision) if isinstance(vision, dict) else None
         self.sections: torch.Tensor | None = None  # each rotary column's position stream
+        self.vision_attention: PackedAttention | None = None
 
     @property
     def takes_images(self) -> bool:
@@ -66,6 +64,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
             with torch.device(device):
                 rotary = self.visual.rotary_pos_emb
                 self.visual.rotary_pos_emb = type(rotary)(rotary.config)
+            self.vision_attention = packed_attention(self.visual, device)
             rope = self.config.rope_parameters
             self.sections = mrope_sections(rope.get("mrope_section", [11, 11, 10]),
                                            self.rotary.cos.shape[1],
@@ -83,7 +82,7 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         grid = torch.tensor(grids)
         indices = {k: v if k == "cu_seqlens" else upload_host(v, device)  # read on the host
                    for k, v in host_indices(self.visual, grid).items()}
-        with scope("vision_encoder"), sdpa_kernel(TOWER_SDPA):  # a kernel group of its own
+        with scope("vision_encoder"):  # profile's kernel group of its own
             out = self.visual(pixels, grid_thw=grid, **indices).pooler_output
         merge = self.visual.spatial_merge_size ** 2
         return list(out.split([t * h * w // merge for t, h, w in grids]))
@@ -128,6 +127,37 @@ def host_indices(tower: nn.Module, grid: torch.Tensor) -> dict[str, torch.Tensor
     return {"interp_indices": interp, "interp_weights": weights,
             "position_ids": vision_utils.get_vision_position_ids(grid, merge),
             "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid)}
+
+
+class VisionAttention(nn.Module):
+    """transformers' Qwen3.5 vision attention (its ``qkv`` and ``proj``, 2D rotary from its
+    ``apply_rotary_pos_emb_vision``) over a ``PackedAttention`` shared by the tower's layers."""
+
+    def __init__(self, attn: nn.Module, packed: PackedAttention) -> None:
+        super().__init__()
+        self.qkv, self.proj = attn.qkv, attn.proj
+        self.num_heads, self.scaling = attn.num_heads, attn.scaling
+        self.packed = packed
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], **_) -> torch.Tensor:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+
+        n = hidden_states.shape[0]
+        q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).unbind(1)
+        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        return self.proj(self.packed(q, k, v, cu_seqlens.cpu(), self.scaling).reshape(n, -1))
+
+
+def packed_attention(tower: nn.Module, device: torch.device, **choice) -> PackedAttention:
+    """The tower's blocks' attention as ``VisionAttention`` over one ``PackedAttention``
+    (``choice``: its ``kernel`` and ``sdpa_backends``), returned."""
+    attn = tower.blocks[0].attn
+    packed = PackedAttention(device, attn.qkv.out_features // 3 // attn.num_heads,
+                             attn.qkv.weight.dtype, **choice)
+    for block in tower.blocks:
+        block.attn = VisionAttention(block.attn, packed)
+    return packed
 
 
 def vision_tower(vision: dict[str, Any]) -> nn.Module:

@@ -1,0 +1,86 @@
+"""Attention within each of a batch of sequences packed end to end, every token seeing every
+token of its own sequence and none of another's: a vision tower's images (``[tokens, heads,
+head_dim]``, bounds ``cu_seqlens`` on the host).
+
+``PackedAttention`` runs one FlashAttention-4 varlen call over the whole batch where FA4 runs
+on this GPU and takes the head size, else torch SDPA one sequence at a time without cuDNN's
+kernel. On an H100, Qwen3.5's tower (head size 72) spent a third of its time in torch's
+FlashAttention-2 kernel (its head size padded to 96, about 185 TFLOP/s), and cuDNN's, faster
+once warm, builds an execution plan for every sequence length it has not met, which is every
+new image size (``benchmarks/vision_tower.py``). FA4 compiles one kernel for all lengths, at
+construction (a two-sequence call): where that fails, SDPA runs instead and ``why`` says so.
+
+Hand-written: transformers' vision attention takes a varlen kernel only through its
+flash-attn package names; this is the few lines between FA4's call and torch's.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from pagedgen.attention.flash_attn.flavours import BY_NAME, flavour_reason
+
+# SDPA's kernels for packed sequences: none built per sequence length (cuDNN's is)
+SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def fa4_reason(device: torch.device, head_dim: int, dtype: torch.dtype) -> str | None:
+    """None where FA4 can run packed attention of this head size and type; otherwise why not."""
+    why = flavour_reason(BY_NAME["fa4"], device)
+    if why is None and dtype not in (torch.bfloat16, torch.float16):
+        why = f"FA4 takes bf16 or fp16, not {dtype}"
+    if why is None and (head_dim % 8 or not 8 <= head_dim <= 256):
+        why = f"FA4 takes head sizes of 8 to 256 in steps of 8, not {head_dim}"
+    if why is None and torch.cuda.get_device_capability(device)[0] != 9 and head_dim > 128:
+        why = f"FA4 takes head sizes up to 128 off Hopper, not {head_dim}"
+    return why
+
+
+class PackedAttention:
+    """Packed attention on ``device`` for heads of ``head_dim`` in ``dtype``: ``kernel`` is
+    "fa4" or "sdpa" (asked: "sdpa" leaves FA4 out), ``why`` says why not FA4 (None when it
+    is); ``sdpa_backends``: SDPA's kernels (None: torch's own order, cuDNN's first on Hopper)."""
+
+    def __init__(self, device: torch.device, head_dim: int, dtype: torch.dtype,
+                 kernel: str | None = None,
+                 sdpa_backends: list[SDPBackend] | None = SDPA_BACKENDS) -> None:
+        self.why = fa4_reason(device, head_dim, dtype) if kernel != "sdpa" else "asked for sdpa"
+        self.kernel = "fa4" if self.why is None else "sdpa"
+        self.sdpa_backends = sdpa_backends
+        self.fwd = None
+        if self.kernel == "fa4":
+            from pagedgen.attention.fa4_import import import_fa4
+
+            self.fwd = import_fa4().interface._flash_attn_fwd
+        self._bounds: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        if self.kernel == "fa4":
+            try:  # compiles FA4's kernel now, not in the run
+                x = torch.randn(10, 2, head_dim, device=device, dtype=dtype)
+                if not self(x, x, x, torch.tensor([0, 3, 10]), 1.0).isfinite().all():
+                    raise RuntimeError("non-finite output")
+            except Exception as e:  # a kernel FA4 cannot build or run here: SDPA's, and why
+                self.why = f"FA4 failed here: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                self.kernel, self.fwd = "sdpa", None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Each sequence's attention output [tokens, heads, head_dim]; ``cu_seqlens``: int
+        bounds on the host (a tower's layers pass the same tensor: uploaded once)."""
+        if self.kernel == "sdpa":
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+            with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
+                return torch.cat([
+                    F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in qkv),
+                                                   scale=scale).transpose(0, 1)
+                    for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+        if self._bounds is None or self._bounds[0] is not cu_seqlens:
+            self._bounds = (cu_seqlens, cu_seqlens.to(q.device, torch.int32, non_blocking=True),
+                            int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        _, cu, longest = self._bounds
+        return self.fwd(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q=cu,
+                        cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest,
+                        softmax_scale=scale, causal=False)[0]
