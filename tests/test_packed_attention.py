@@ -106,3 +106,36 @@ def test_an_fa4_kernel_that_fails_to_build_leaves_sdpa_and_says_why(monkeypatch)
     q, k, v, cu = packed_inputs(LENGTHS)
     torch.testing.assert_close(att(q, k, v, cu, 0.25), reference(q, k, v, LENGTHS, 0.25),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
+    """FA4's call (faked by the float64 reference) gets every sequence in one call: int32
+    bounds uploaded once for all the layers that pass the same host tensor, the longest
+    sequence, the scale, no causal mask."""
+    from types import SimpleNamespace
+
+    from pagedgen.attention import fa4_import
+
+    calls = []
+
+    def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale, causal):
+        calls.append(cu_seqlens_q)
+        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        assert cu_seqlens_q is cu_seqlens_k and cu_seqlens_q.dtype == torch.int32
+        assert max_seqlen_q == max_seqlen_k == max(lengths)
+        assert not causal and q.is_contiguous() and v.is_contiguous()
+        return reference(q, k, v, lengths, softmax_scale), None
+
+    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
+    monkeypatch.setattr(fa4_import, "import_fa4",
+                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
+    att = PackedAttention(torch.device("cpu"), 16, torch.float32)
+    assert att.kernel == "fa4" and att.why is None and len(calls) == 1  # built at construction
+    q, k, v, cu = packed_inputs(LENGTHS)
+    v = v.transpose(0, 1).contiguous().transpose(0, 1)  # a strided view, as qkv's split gives
+    want = reference(q, k, v, LENGTHS, 0.25)
+    for _ in range(3):  # three layers, one upload
+        torch.testing.assert_close(att(q, k, v, cu, 0.25), want)
+    assert len(calls) == 4 and calls[1] is calls[2] is calls[3]
+    assert calls[1].tolist() == cu.tolist()
