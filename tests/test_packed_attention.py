@@ -133,6 +133,7 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
     att = PackedAttention(torch.device("cpu"), 16, torch.float32)
     assert att.kernel == "fa4" and att.why is None and len(calls) == 1  # built at construction
     q, k, v, cu = packed_inputs(LENGTHS)
+    cu = cu.long()  # made anew as int32 (on a GPU: uploaded) unless kept
     v = v.transpose(0, 1).contiguous().transpose(0, 1)  # a strided view, as qkv's split gives
     want = reference(q, k, v, LENGTHS, 0.25)
     for _ in range(3):  # three layers, one upload
