@@ -75,6 +75,9 @@ GRAMMAR_WORKERS = EnvVar("PAGEDGEN_GRAMMAR_WORKERS", "one per two cores past two
                          "CUDA; 0 without", "grammar worker processes (0: in the engine's)")
 HOST_PROCESSES = EnvVar("PAGEDGEN_HOST_PROCESSES", "1 (set by pagedgen for its workers)",
                         "how many pagedgen processes share this host's cores")
+VISION_ATTENTION = EnvVar("PAGEDGEN_VISION_ATTENTION", "sdpa (FA4's packed call is not yet "
+                          "measured on a GPU)", "a vision tower's attention: sdpa (an image at a "
+                          "time, cuDNN left out) or fa4 (one varlen call, where FA4 runs)")
 VLLM_SITE = EnvVar("PAGEDGEN_VLLM_SITE", "/tmp/site-vllm, where vLLM does not import here",
                    "the site-packages folder holding vLLM for `bench throughput --peer vllm` "
                    "and the benchmarks' peer")
@@ -86,4 +89,4 @@ ALL: tuple[EnvVar, ...] = (FLASH_ATTN, FA4_DECODE_TILE, FA4_PREFILL_TILE, FA4_GR
                            INVARIANT_GEMM_PLAN,
                            SHIPPED_PLANS, ALL_REDUCE,
                            FUSED_ALL_REDUCE, GATED_DELTA, GRAMMAR_WORKERS, HOST_PROCESSES,
-                           VLLM_SITE)
+                           VISION_ATTENTION, VLLM_SITE)

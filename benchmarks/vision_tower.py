@@ -33,7 +33,7 @@ from pagedgen.runtime.models.families.qwen3_5 import (
 # PackedAttention's choices, in this order: the first warms nothing the second builds per length
 CHOICES: dict[str, dict] = {"no cuDNN": {"kernel": "sdpa"},
                             "torch's order": {"kernel": "sdpa", "sdpa_backends": None},
-                            "fa4": {}}
+                            "fa4": {"kernel": "fa4"}}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 

@@ -126,7 +126,7 @@ def test_chunks_that_split_an_image_and_preemption_give_the_same_tokens(ckpt, hf
     # the tower's time, counted once per run of it, and its share of the run's 100 s
     assert 0 < summary["vision_encoder_s"] < 100 and summary["image_pixel_wait_s"] >= 0
     assert summary["vision_encoder_share"] == summary["vision_encoder_s"] / 100
-    assert summary["vision_attention"].startswith("sdpa (")  # and why not FA4 on a CPU
+    assert summary["vision_attention"] == "sdpa"  # FA4 not asked
     eng.reset_stats()  # between benchmark runs: every image figure from zero
     after = eng.summary(100.0, 0.0)
     assert (after["images_encoded"], after["vision_encoder_s"], after["image_pixel_wait_s"]) \

@@ -9,6 +9,7 @@ import torch
 
 from pagedgen.attention import packed
 from pagedgen.attention.packed import PackedAttention, fa4_reason
+from pagedgen.errors import PagedgenError
 
 LENGTHS = [5, 1, 12, 7]
 
@@ -34,17 +35,19 @@ def packed_inputs(lengths, heads=3, dim=16, dtype=torch.float32, device="cpu", s
 
 def test_sdpa_attends_within_each_sequence_and_leaves_cudnn_out(monkeypatch):
     """Each sequence's output is its own softmax's (a sequence whose keys change leaves the
-    others' outputs as they were), with cuDNN's attention off during the calls."""
+    others' outputs as they were), with cuDNN's attention off during the calls and 4-D
+    inputs (on CUDA SDPA's fused kernels take only those)."""
     seen = []
     own = torch.nn.functional.scaled_dot_product_attention
 
     def sdpa(*a, **kw):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        assert all(t.dim() == 4 for t in a[:3])  # the fused kernels' shape (else math's)
         return own(*a, **kw)
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     att = PackedAttention(torch.device("cpu"), 16, torch.float32)
-    assert att.kernel == "sdpa" and att.why
+    assert att.kernel == "sdpa" and att.why is None  # the default; FA4 not asked
     q, k, v, cu = packed_inputs(LENGTHS)
     out = att(q, k, v, cu, 0.25)
     torch.testing.assert_close(out, reference(q, k, v, LENGTHS, 0.25), rtol=1e-5, atol=1e-5)
@@ -59,6 +62,7 @@ def test_sdpa_attends_within_each_sequence_and_leaves_cudnn_out(monkeypatch):
 def test_fa4_is_chosen_only_where_it_takes_the_type_and_head_size(monkeypatch):
     cpu = torch.device("cpu")
     assert fa4_reason(cpu, 72, torch.bfloat16)  # not here: FA4 absent or no GPU
+    assert PackedAttention(cpu, 72, torch.bfloat16, kernel="fa4").why  # asked: says why not
     monkeypatch.setattr(packed, "flavour_reason", lambda f, device: None)
     for major, dim, dtype, ok in [(9, 72, torch.bfloat16, True), (9, 256, torch.float16, True),
                                   (9, 72, torch.float32, False), (9, 70, torch.bfloat16, False),
@@ -66,7 +70,10 @@ def test_fa4_is_chosen_only_where_it_takes_the_type_and_head_size(monkeypatch):
                                   (10, 256, torch.bfloat16, False)]:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, m=major: (m, 0))
         assert (fa4_reason(cpu, dim, dtype) is None) == ok, (major, dim, dtype)
-    assert PackedAttention(cpu, 72, torch.bfloat16, kernel="sdpa").why == "asked for sdpa"
+    assert PackedAttention(cpu, 72, torch.bfloat16).kernel == "sdpa"  # FA4 not asked
+    monkeypatch.setenv("PAGEDGEN_VISION_ATTENTION", "fa3")
+    with pytest.raises(PagedgenError, match="expected sdpa or fa4"):
+        PackedAttention(cpu, 72, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -75,7 +82,7 @@ def test_fa4_packed_attention_matches_sdpa_on_the_gpu():
     """Qwen3.5's tower shape (16 heads of 72) over sequences of image sizes: FA4's one call
     against SDPA's, both in bf16, against the float64 reference."""
     device = torch.device("cuda")
-    fa4 = PackedAttention(device, 72, torch.bfloat16)
+    fa4 = PackedAttention(device, 72, torch.bfloat16, kernel="fa4")
     if fa4.kernel != "fa4":
         pytest.skip(f"FA4 does not run here: {fa4.why}")
     lengths = [784, 4800, 1200, 16, 2304]
@@ -100,7 +107,7 @@ def test_an_fa4_kernel_that_fails_to_build_leaves_sdpa_and_says_why(monkeypatch)
     monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
     monkeypatch.setattr(fa4_import, "import_fa4",
                         lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
-    att = PackedAttention(torch.device("cpu"), 16, torch.float32)
+    att = PackedAttention(torch.device("cpu"), 16, torch.float32, kernel="fa4")
     assert att.kernel == "sdpa"
     assert att.why == "FA4 failed here: RuntimeError: no kernel for this head size"
     q, k, v, cu = packed_inputs(LENGTHS)
@@ -130,8 +137,9 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
     monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
     monkeypatch.setattr(fa4_import, "import_fa4",
                         lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
+    monkeypatch.setenv("PAGEDGEN_VISION_ATTENTION", "fa4")  # asked by the environment
     att = PackedAttention(torch.device("cpu"), 16, torch.float32)
-    assert att.kernel == "fa4" and att.why is None and len(calls) == 1  # built at construction
+    assert att.kernel == "fa4" and att.why is None and len(calls) == 1  # checked when made
     q, k, v, cu = packed_inputs(LENGTHS)
     cu = cu.long()  # made anew as int32 (on a GPU: uploaded) unless kept
     v = v.transpose(0, 1).contiguous().transpose(0, 1)  # a strided view, as qkv's split gives
@@ -140,3 +148,21 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
         torch.testing.assert_close(att(q, k, v, cu, 0.25), want)
     assert len(calls) == 4 and calls[1] is calls[2] is calls[3]
     assert calls[1].tolist() == cu.tolist()
+
+
+def test_an_fa4_kernel_whose_output_differs_from_sdpas_is_not_used(monkeypatch):
+    """FA4 is held to SDPA's output when made: a kernel attending across sequences (faked)
+    leaves SDPA running, and says by how much it differed."""
+    from types import SimpleNamespace
+
+    from pagedgen.attention import fa4_import
+
+    def across(q, k, v, *, cu_seqlens_q, softmax_scale, **_):
+        return reference(q, k, v, [q.shape[0]], softmax_scale), None
+
+    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
+    monkeypatch.setattr(fa4_import, "import_fa4",
+                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=across)))
+    att = PackedAttention(torch.device("cpu"), 16, torch.float32, kernel="fa4")
+    assert att.kernel == "sdpa" and att.why.startswith(
+        "FA4 failed here: RuntimeError: its output differs from SDPA's by up to")
