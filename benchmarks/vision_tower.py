@@ -8,7 +8,7 @@ This times the tower over the first ``--images`` images of workload i (published
 random weights, ``--per-call`` images a call as a step encodes them), each pass twice: SDPA an
 image at a time with cuDNN left out (FlashAttention-2, then memory-efficient, then math), then
 in torch's own order (cuDNN first on Hopper: its first pass meets every length anew), then
-FlashAttention-4's one varlen call for all of a call's images (pagedgen's where FA4 runs);
+FlashAttention-4's one varlen call for all of a call's images (``PAGEDGEN_VISION_ATTENTION=fa4``);
 and names each row's attention kernels and its costliest kernels over one call.
 
     python -m benchmarks.vision_tower --images 300 --json $OUT/vision-tower.json
