@@ -14,8 +14,9 @@ pagedgen's image-embedding cache forgotten).
     python -m benchmarks.images --preset qwen3.5-9b --workload i --num-prompts 500 \\
         --profiled --json $OUT/images.json
 
-``--profiled``: one more pagedgen run under torch.profiler, for the GPU's idle time between
-kernels and its share of the run (the issue's "GPU idle under 5%").
+``--profiled``: one more run of each system under torch.profiler: pagedgen's GPU idle time
+between kernels and its share of the run (the issue's "GPU idle under 5%"), and both systems'
+GPU seconds by kernel group side by side (``run_kernels.side_by_side``).
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
     """The workload through ``pagedgen.LLM`` on dummy weights, ``repeats`` times, each from
     cold caches: each run's summary (images, the vision tower's share, throughput);
     ``profiled``: then one more under torch.profiler, for where the GPU waited (its idle
-    time between kernels: ``run_kernels.idle_table``; empty on a CPU)."""
+    time between kernels: ``run_kernels.idle_table``) and its kernel groups (both empty on a
+    CPU)."""
     from pagedgen.runtime.api import LLM
 
     t0 = time.perf_counter()
@@ -111,33 +113,45 @@ def pagedgen_runs(folder: Path, wl: ImageWorkload, repeats: int,
         return res
 
     out = {"system": "pagedgen", "startup_s": startup, "runs": [run() for _ in range(repeats)]}
-    if profiled:
-        out["idle"] = idle_of(run)
-    return out
+    return {**out, **(profiled_run(run) if profiled else {})}
 
 
-def idle_of(run) -> dict[str, Any]:
+def profiled_run(run) -> dict[str, Any]:
     """``run()`` (a summary with its ``wall_time_s``) under torch.profiler: the GPU's idle time
-    between kernels, and its share of the run's wall time ({} without CUDA)."""
+    between kernels and its share of the run's wall time (``idle``), and its kernels' table
+    (``run_kernels``'s: seconds by group, the heaviest); {} without CUDA."""
     import torch
 
     from benchmarks.run_kernels import idle_table, under_profiler
+    from pagedgen.runtime.kernel_stats import kernel_table, named
 
     if not torch.cuda.is_available():
         return {}
     res, kernels = under_profiler(run)
     idle = idle_table(kernels, res["wall_time_s"])
-    return {**idle, "wall_time_s": res["wall_time_s"],
-            "idle_share": idle.get("idle_s", 0.0) / res["wall_time_s"]}
+    return {"idle": {**idle, "wall_time_s": res["wall_time_s"],
+                     "idle_share": idle.get("idle_s", 0.0) / res["wall_time_s"]},
+            **kernel_table(named(kernels))}
 
 
 def vllm_runs(folder: Path, workload: str, num_prompts: int, repeats: int,
-              timeout: float) -> dict[str, Any]:
-    """The same requests through vLLM in its own process (``vllm_peer``'s image jobs)."""
+              timeout: float, profiled: bool = False) -> dict[str, Any]:
+    """The same requests through vLLM in its own process (``vllm_peer``'s image jobs);
+    ``profiled``: one more run under its torch profiler, its kernels' table."""
+    from benchmarks.run_kernels import trace_kernels
     from benchmarks.vllm_peer import run_vllm
+    from pagedgen.runtime.kernel_stats import kernel_table
 
-    return run_vllm(workload, num_prompts, None, {}, repeats=repeats, timeout=timeout,
-                    weights=("normal",), checkpoint=folder)
+    with tempfile.TemporaryDirectory() as d:
+        res = run_vllm(workload, num_prompts, None, {}, repeats=repeats + profiled,
+                       timeout=timeout, weights=("normal",), checkpoint=folder,
+                       profile_dir=Path(d) if profiled else None)
+        traces = sorted(Path(d).rglob("*.pt.trace.json*"))
+        if profiled and len(res.get("runs", [])) > repeats and traces:
+            res = {**res, "runs": res["runs"][:repeats],
+                   "profiled_wall_s": res["runs"][-1]["wall_time_s"],
+                   **kernel_table(trace_kernels(traces))}
+    return res
 
 
 FIELDS = ("output_tokens_per_s", "images_per_s", "wall_time_s", "prefill_tokens_per_s",
@@ -159,7 +173,8 @@ def main() -> None:
     ap.add_argument("--folder", type=Path, default=None,
                     help="where the checkpoint folder goes (default: a temporary one)")
     ap.add_argument("--profiled", action="store_true",
-                    help="pagedgen: one more run under torch.profiler, for the GPU's idle time")
+                    help="one more run of each under torch.profiler: pagedgen's GPU idle time, "
+                         "both systems' kernel groups")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     wl = image_workload(args.workload, args.num_prompts)
@@ -173,13 +188,18 @@ def main() -> None:
                                           args.profiled))
             elif system == "vllm":
                 rows.append({"system": "vllm", **vllm_runs(
-                    folder, args.workload, wl.num_prompts, args.repeats, args.vllm_timeout)})
+                    folder, args.workload, wl.num_prompts, args.repeats, args.vllm_timeout,
+                    args.profiled)})
             if args.json:  # after each system: a time limit keeps what was measured
                 args.json.write_text(json.dumps({"preset": args.preset,
                                                  "workload": args.workload,
                                                  "num_prompts": wl.num_prompts,
                                                  "rows": rows}, indent=2, default=str))
             free_gpu()
+    if any("groups_s" in r for r in rows):
+        from benchmarks.run_kernels import side_by_side
+
+        print("\n".join(side_by_side([r for r in rows if "groups_s" in r])), file=sys.stderr)
     for row in rows:
         print(f"{row['system']}: start-up {row.get('startup_s', 0):.1f} s"
               + (f"; {row['skipped']}" if "skipped" in row else ""), file=sys.stderr)

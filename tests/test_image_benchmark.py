@@ -70,7 +70,7 @@ def test_the_checkpoint_folder_is_a_qwen3_5_processor_s_and_config(folder):
 
 def test_pagedgen_runs_the_requests_each_run_from_cold_caches(folder):
     got = pagedgen_runs(folder, SMALL, 2, {"device": "cpu", "dtype": "float32"}, profiled=True)
-    assert got["idle"] == {}  # no GPU: no kernels to find gaps between
+    assert "idle" not in got and "groups_s" not in got  # no GPU: no kernels to read
     runs = got["runs"]
     _, outs, numbers = SMALL.requests(248320)
     for run in runs:
@@ -81,9 +81,18 @@ def test_pagedgen_runs_the_requests_each_run_from_cold_caches(folder):
 
 FAKE_LLM = '''
 class LLM:
-    def __init__(self, model, load_format, skip_tokenizer_init, **kw):
+    def __init__(self, model, load_format, skip_tokenizer_init, profiler_config=None, **kw):
         self.saw = {"load_format": load_format, "tokenizer": not skip_tokenizer_init,
                     "files": sorted(os.listdir(model)), "runs": [], "mm_resets": 0}
+        self.profile_dir = (profiler_config or {}).get("torch_profiler_dir")
+    def start_profile(self):
+        self.saw["profiled_run"] = len(self.saw["runs"])
+    def stop_profile(self):  # a worker's trace, as vLLM's profiler writes it
+        import gzip
+        kernel = {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_128x256", "ts": 0,
+                  "dur": 2500000, "tid": 1, "pid": 0, "args": {"correlation": 1}}
+        with gzip.open(os.path.join(self.profile_dir, "w0.pt.trace.json.gz"), "wt") as f:
+            json.dump({"traceEvents": [kernel]}, f)
     def apply_model(self, fn):
         return 0
     def reset_prefix_cache(self):
@@ -142,3 +151,24 @@ def test_the_tower_benchmark_times_the_workloads_images_with_and_without_cudnn()
     assert [r["choice"] for r in rows] == ["no cuDNN", "torch's order", "fa4"]
     assert all(r["images"] == 3 and r["first_s"] > 0 and r["again_s"] > 0 for r in rows[:2])
     assert rows[2]["skipped"]  # FA4 says why it cannot run here (not installed, no GPU)
+
+
+@pytest.mark.process
+def test_a_profiled_vllm_run_is_one_more_and_gives_its_kernel_groups(folder, tmp_path,
+                                                                      monkeypatch):
+    """``--profiled`` on vLLM (a stand-in): the timed runs as asked, then one more under its
+    profiler, whose trace's kernels are grouped as pagedgen's are."""
+    from benchmarks.images import vllm_runs
+
+    site = fake_vllm_site(
+        tmp_path / "site", FAKE_LLM,
+        "def TokensPrompt(prompt_token_ids, multi_modal_data=None):\n"
+        "    return {'prompt_token_ids': prompt_token_ids, 'multi_modal_data': multi_modal_data}\n")
+    monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
+    monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
+    got = vllm_runs(folder, "i", 3, 2, 120.0, profiled=True)
+    assert len(got["runs"]) == 2 and got["profiled_wall_s"] > 0, got
+    saw = json.loads((tmp_path / "saw.json").read_text())
+    assert saw["profiled_run"] == 2 and len(saw["runs"]) == 3  # the third, profiled
+    assert got["launches"] == 1 and got["gpu_s"] == pytest.approx(2.5)
+    assert got["top_s"][0][1] == pytest.approx(2.5)
