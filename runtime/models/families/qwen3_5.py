@@ -17,9 +17,9 @@ The vision tower is transformers' ``Qwen3_5VisionModel`` (patch embedding, learn
 resampled to the image's grid, 2D rotary, blocks attending within each image, patch merger):
 pagedgen runs it as transformers defines it, on its weights, once per image; only the language
 model runs on pagedgen's paged layers. Its attention runs on ``PackedAttention``
-(``VisionAttention``): one FlashAttention-4 varlen call for all of a call's images where FA4
-runs, else SDPA an image at a time without cuDNN's kernel, which builds an execution plan for
-every new image size (``benchmarks/vision_tower.py`` measures the choices).
+(``VisionAttention``): SDPA an image at a time without cuDNN's kernel, which builds an
+execution plan for every new image size, or, asked, one FlashAttention-4 varlen call for all
+of a call's images (``benchmarks/vision_tower.py`` measures the choices).
 """
 
 from __future__ import annotations
@@ -88,10 +88,10 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         return list(out.split([t * h * w // merge for t, h, w in grids]))
 
     def profile_vision(self, tokens: int, largest: int) -> None:
-        """The vision tower over one square image of at least ``tokens`` merged tokens (its
-        largest call: activations grow with the patches, and one image is the most any
-        attention call takes), so the memory profile's peak counts it (``largest``: the
-        largest image's tokens, at most ``tokens``)."""
+        """The vision tower over one square image of at least ``tokens`` merged tokens, its
+        largest call (activations grow with the patches, and no attention call takes more
+        than one image), so the memory profile's peak counts it; ``largest``, the largest
+        image's tokens, is within ``tokens``."""
         cfg = self.visual.config
         side = math.ceil(math.sqrt(tokens)) * cfg.spatial_merge_size
         width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
