@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import math
 
 import numpy as np
 import pytest
@@ -320,21 +319,24 @@ def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf)
         llm.generate({"prompt": "a b", "multi_modal_data": {"image": img}}, use_tqdm=False)
 
 
-def test_the_memory_profile_runs_the_towers_largest_call(ckpt):
+def test_the_memory_profile_runs_the_towers_largest_call(ckpt, monkeypatch):
     """(On a GPU the profile's peak then counts the tower.) A call holds the step's budget
-    or the largest image the processor makes, whichever is more; the profile encodes one
-    square image of that many tokens, a whole number of merged patches a side."""
+    or the largest image the processor makes, whichever is more; the profile encodes that
+    many tokens at least, in square images of whole merged patches, none over the bound."""
+    from pagedgen.runtime.models.families import qwen3_5
+
     proc = engine(ckpt).runner.images.prompter.processor
     largest = proc.size["longest_edge"] // (proc.patch_size * 2) ** 2
-    for budget in (largest - 7, largest + 7):  # the image above the budget, then below
+    monkeypatch.setattr(qwen3_5, "PROFILE_IMAGE_TOKENS", 9)
+    for budget, side, images in ((largest - 7, 3, 2), (largest + 7, 3, 3)):
         enc = engine(ckpt, max_num_batched_tokens=budget).runner.images
         seen = []
         real = enc.model.encode_images
         enc.model.encode_images = lambda pixels, grids: seen.append(grids) or real(pixels, grids)
         enc.profile()
-        tokens = max(budget, largest)
-        side = math.isqrt(tokens - 1) + 1  # the least square of at least ``tokens``
-        assert enc.call_tokens == tokens and seen == [[(1, 2 * side, 2 * side)]]
+        assert enc.call_tokens == max(budget, largest)
+        assert seen == [[(1, 2 * side, 2 * side)] * images]  # 9 tokens an image
+        assert images * side ** 2 >= enc.call_tokens
 
 
 def test_a_steps_images_are_encoded_in_calls_of_at_most_the_towers_budget(ckpt, hf):

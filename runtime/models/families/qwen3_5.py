@@ -44,6 +44,8 @@ from pagedgen.runtime.models.registry import ModelFamily, register
 from pagedgen.runtime.quantization.config import QuantConfig
 from pagedgen.transfer import upload_host
 
+PROFILE_IMAGE_TOKENS = 4096  # the memory profile's images: 16,384 patches, a 2,048² image
+
 
 class Qwen3_5ForCausalLM(HybridForCausalLM):
     def __init__(self, config, tp: TensorParallel | None = None,
@@ -88,14 +90,17 @@ class Qwen3_5ForCausalLM(HybridForCausalLM):
         return list(out.split([t * h * w // merge for t, h, w in grids]))
 
     def profile_vision(self, tokens: int, largest: int) -> None:
-        """The vision tower over one square image of at least ``tokens`` merged tokens, its
-        largest call (activations grow with the patches, and no attention call takes more
-        than one image), so the memory profile's peak counts it; ``largest``, the largest
-        image's tokens, is within ``tokens``."""
+        """The vision tower's largest call, at least ``tokens`` merged tokens, so the memory
+        profile's peak counts it: square images of at most ``PROFILE_IMAGE_TOKENS`` each (its
+        activations grow with the call's patches whatever the images; its attention's memory
+        with an image's, which SDPA's and FA4's kernels keep linear, and its time with their
+        square: one image of 16,384 tokens would add seconds to the start-up); ``largest``,
+        the largest image's tokens, is within ``tokens``."""
         cfg = self.visual.config
-        side = math.ceil(math.sqrt(tokens)) * cfg.spatial_merge_size
+        side = math.ceil(math.sqrt(min(tokens, PROFILE_IMAGE_TOKENS))) * cfg.spatial_merge_size
         width = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2
-        self.encode_images([torch.zeros(side * side, width)], [(1, side, side)])
+        n = -(-tokens * cfg.spatial_merge_size ** 2 // side ** 2)
+        self.encode_images([torch.zeros(side * side, width)] * n, [(1, side, side)] * n)
 
     def inputs(self, input_ids: torch.Tensor, positions: torch.Tensor,
                metadata) -> tuple[torch.Tensor, tuple]:
