@@ -107,20 +107,25 @@ class LLM:
 '''
 
 
-@pytest.mark.process
-def test_vllm_gets_the_same_ids_and_images_in_its_own_process(folder, tmp_path, monkeypatch):
-    """The peer's image jobs (a stand-in vLLM here): the checkpoint folder whole, its
-    tokenizer loaded, each request its ids and its image as ``multi_modal_data``, processed
-    images forgotten before each run; images per second in each run's figures."""
-    from benchmarks.image_workloads import image_workload
-    from benchmarks.images import vllm_runs
-
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """The stand-in vLLM on ``$PAGEDGEN_VLLM_SITE``, writing what it saw to ``saw.json``."""
     site = fake_vllm_site(
         tmp_path / "site", FAKE_LLM,
         "def TokensPrompt(prompt_token_ids, multi_modal_data=None):\n"
         "    return {'prompt_token_ids': prompt_token_ids, 'multi_modal_data': multi_modal_data}\n")
     monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
     monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
+
+
+@pytest.mark.process
+def test_vllm_gets_the_same_ids_and_images_in_its_own_process(folder, tmp_path, fake_vllm):
+    """The peer's image jobs (a stand-in vLLM here): the checkpoint folder whole, its
+    tokenizer loaded, each request its ids and its image as ``multi_modal_data``, processed
+    images forgotten before each run; images per second in each run's figures."""
+    from benchmarks.image_workloads import image_workload
+    from benchmarks.images import vllm_runs
+
     got = vllm_runs(folder, "i", 3, 2, 120.0)
     assert len(got["runs"]) == 2, got
     assert all(r["images"] == 3 and r["images_per_s"] > 0 for r in got["runs"])
@@ -155,17 +160,11 @@ def test_the_tower_benchmark_times_the_workloads_images_with_and_without_cudnn()
 
 @pytest.mark.process
 def test_a_profiled_vllm_run_is_one_more_and_gives_its_kernel_groups(folder, tmp_path,
-                                                                      monkeypatch):
+                                                                      fake_vllm):
     """``--profiled`` on vLLM (a stand-in): the timed runs as asked, then one more under its
     profiler, whose trace's kernels are grouped as pagedgen's are."""
     from benchmarks.images import vllm_runs
 
-    site = fake_vllm_site(
-        tmp_path / "site", FAKE_LLM,
-        "def TokensPrompt(prompt_token_ids, multi_modal_data=None):\n"
-        "    return {'prompt_token_ids': prompt_token_ids, 'multi_modal_data': multi_modal_data}\n")
-    monkeypatch.setenv("PAGEDGEN_VLLM_SITE", str(site))
-    monkeypatch.setenv("FAKE_VLLM_SAW", str(tmp_path / "saw.json"))
     got = vllm_runs(folder, "i", 3, 2, 120.0, profiled=True)
     assert len(got["runs"]) == 2 and got["profiled_wall_s"] > 0, got
     saw = json.loads((tmp_path / "saw.json").read_text())
