@@ -77,27 +77,28 @@ class PackedAttention:
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(533, 2, head_dim, generator=g).to(device, dtype)
                    for _ in range(3))
-        cu = torch.tensor([0, 200, 533])
-        got = self(q, k, v, cu, head_dim ** -0.5).float()
-        self.kernel, fa4 = "sdpa", self.kernel
-        want = self(q, k, v, cu, head_dim ** -0.5).float()
-        self.kernel = fa4
-        err = (got - want).abs().max().item()
+        cu, scale = torch.tensor([0, 200, 533]), head_dim ** -0.5
+        err = (self._fa4(q, k, v, cu, scale).float()
+               - self._sdpa(q, k, v, cu, scale).float()).abs().max().item()
         if not err <= CHECK_ERROR:
             raise RuntimeError(f"its output differs from SDPA's by up to {err:.3g}")
-        self._bounds = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
         """Each sequence's attention output [tokens, heads, head_dim]; ``cu_seqlens``: int
         bounds on the host (a tower's layers pass the same tensor: uploaded once)."""
-        if self.kernel == "sdpa":
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-            with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
-                return torch.cat([  # 4-D: SDPA's fused kernels take no other
-                    F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv),
-                                                   scale=scale)[0].transpose(0, 1)
-                    for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+        run = self._fa4 if self.kernel == "fa4" else self._sdpa
+        return run(q, k, v, cu_seqlens, scale)
+
+    def _sdpa(self, q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        with sdpa_kernel(self.sdpa_backends) if self.sdpa_backends else nullcontext():
+            return torch.cat([  # 4-D: SDPA's fused kernels take no other
+                F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv),
+                                               scale=scale)[0].transpose(0, 1)
+                for qkv in zip(q.split(lengths), k.split(lengths), v.split(lengths))])
+
+    def _fa4(self, q, k, v, cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
         if self._bounds is None or self._bounds[0] is not cu_seqlens:
             self._bounds = (cu_seqlens, cu_seqlens.to(q.device, torch.int32, non_blocking=True),
                             int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))

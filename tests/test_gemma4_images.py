@@ -150,4 +150,4 @@ def test_the_memory_profile_encodes_a_calls_worth_of_the_largest_images(ckpt):
     k2 = enc.model.vision.vision_tower.config.pooling_kernel_size ** 2
     assert enc.call_tokens == max(300, largest)
     assert seen == [[largest * k2] * -(-enc.call_tokens // largest)]
-    assert enc.weigh(SimpleNamespace(num_tokens=3)) == largest
+    assert enc.prompter.tower_tokens(SimpleNamespace(num_tokens=3)) == largest

@@ -33,6 +33,17 @@ def packed_inputs(lengths, heads=3, dim=16, dtype=torch.float32, device="cpu", s
     return q, k, v, cu
 
 
+def fake_fa4(monkeypatch, fwd) -> None:
+    """FA4 taken to run here, its forward ``fwd`` (a stand-in on the CPU)."""
+    from types import SimpleNamespace
+
+    from pagedgen.attention import fa4_import
+
+    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
+    monkeypatch.setattr(fa4_import, "import_fa4",
+                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
+
+
 def test_sdpa_attends_within_each_sequence_and_leaves_cudnn_out(monkeypatch):
     """Each sequence's output is its own softmax's (a sequence whose keys change leaves the
     others' outputs as they were), with cuDNN's attention off during the calls and 4-D
@@ -97,16 +108,10 @@ def test_fa4_packed_attention_matches_sdpa_on_the_gpu():
 
 
 def test_an_fa4_kernel_that_fails_to_build_leaves_sdpa_and_says_why(monkeypatch):
-    from types import SimpleNamespace
-
-    from pagedgen.attention import fa4_import
-
     def fwd(*a, **kw):
         raise RuntimeError("no kernel for this head size\nmore")
 
-    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
-    monkeypatch.setattr(fa4_import, "import_fa4",
-                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
+    fake_fa4(monkeypatch, fwd)
     att = PackedAttention(torch.device("cpu"), 16, torch.float32, kernel="fa4")
     assert att.kernel == "sdpa"
     assert att.why == "FA4 failed here: RuntimeError: no kernel for this head size"
@@ -119,10 +124,6 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
     """FA4's call (faked by the float64 reference) gets every sequence in one call: int32
     bounds uploaded once for all the layers that pass the same host tensor, the longest
     sequence, the scale, no causal mask."""
-    from types import SimpleNamespace
-
-    from pagedgen.attention import fa4_import
-
     calls = []
 
     def fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -134,9 +135,7 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
         assert not causal and q.is_contiguous() and v.is_contiguous()
         return reference(q, k, v, lengths, softmax_scale), None
 
-    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
-    monkeypatch.setattr(fa4_import, "import_fa4",
-                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=fwd)))
+    fake_fa4(monkeypatch, fwd)
     monkeypatch.setenv("PAGEDGEN_VISION_ATTENTION", "fa4")  # asked by the environment
     att = PackedAttention(torch.device("cpu"), 16, torch.float32)
     assert att.kernel == "fa4" and att.why is None and len(calls) == 1  # checked when made
@@ -153,16 +152,10 @@ def test_the_fa4_path_gives_fa4_the_bounds_once_and_its_output(monkeypatch):
 def test_an_fa4_kernel_whose_output_differs_from_sdpas_is_not_used(monkeypatch):
     """FA4 is held to SDPA's output when made: a kernel attending across sequences (faked)
     leaves SDPA running, and says by how much it differed."""
-    from types import SimpleNamespace
-
-    from pagedgen.attention import fa4_import
-
     def across(q, k, v, *, cu_seqlens_q, softmax_scale, **_):
         return reference(q, k, v, [q.shape[0]], softmax_scale), None
 
-    monkeypatch.setattr(packed, "fa4_reason", lambda *a: None)
-    monkeypatch.setattr(fa4_import, "import_fa4",
-                        lambda: SimpleNamespace(interface=SimpleNamespace(_flash_attn_fwd=across)))
+    fake_fa4(monkeypatch, across)
     att = PackedAttention(torch.device("cpu"), 16, torch.float32, kernel="fa4")
     assert att.kernel == "sdpa" and att.why.startswith(
         "FA4 failed here: RuntimeError: its output differs from SDPA's by up to")

@@ -51,7 +51,6 @@ class ImageEncoder:
                 f"least {largest}")
         self.model, self.prompter, self.device = model, prompter, device
         self.call_tokens = max(max_num_batched_tokens or 0, prompter.largest_image)
-        self.weigh = prompter.tower_tokens
         self.capacity_bytes = capacity_bytes
         self.cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.cache_bytes = 0
@@ -162,11 +161,12 @@ class ImageEncoder:
         """``todo`` in order, cut into the tower's calls of at most ``call_tokens`` tokens."""
         calls, tokens = [], 0
         for im in todo:
-            if not calls or tokens + self.weigh(im) > self.call_tokens:
+            weight = self.prompter.tower_tokens(im)
+            if not calls or tokens + weight > self.call_tokens:
                 calls.append([])
                 tokens = 0
             calls[-1].append(im)
-            tokens += self.weigh(im)
+            tokens += weight
         return calls
 
     def profile(self) -> None:
