@@ -8,8 +8,9 @@ This times the tower over the first ``--images`` images of workload i (published
 random weights, ``--per-call`` images a call as a step encodes them), each pass twice: SDPA an
 image at a time with cuDNN left out (FlashAttention-2, then memory-efficient, then math), then
 in torch's own order (cuDNN first on Hopper: its first pass meets every length anew), then
-FlashAttention-4's one varlen call for all of a call's images (``PAGEDGEN_VISION_ATTENTION=fa4``);
-and names each row's attention kernels and its costliest kernels over one call.
+FlashAttention-4's one varlen call for all of a call's images (``PAGEDGEN_VISION_ATTENTION=fa4``),
+then SDPA and FA4 with the rotary in one Triton kernel (a GPU run's default, not transformers'
+float32 passes); and names each row's attention kernels and its costliest kernels over one call.
 
     python -m benchmarks.vision_tower --images 300 --json $OUT/vision-tower.json
 """
@@ -24,16 +25,21 @@ import torch
 
 from benchmarks.common import print_table
 from benchmarks.image_workloads import ImageWorkload
+from pagedgen.runtime.layers import fused_ops
 from pagedgen.runtime.models.families.qwen3_5 import (
+    VisionAttention,
     host_indices,
     packed_attention,
     vision_tower,
 )
 
 # PackedAttention's choices, in this order: the first warms nothing the second builds per length
+# ("fused": the rotary in one Triton kernel, as a run on a GPU has it, not transformers')
 CHOICES: dict[str, dict] = {"no cuDNN": {"kernel": "sdpa"},
                             "torch's order": {"kernel": "sdpa", "sdpa_backends": None},
-                            "fa4": {"kernel": "fa4"}}
+                            "fa4": {"kernel": "fa4"},
+                            "no cuDNN, fused rotary": {"kernel": "sdpa", "fused": True},
+                            "fa4, fused rotary": {"kernel": "fa4", "fused": True}}
 PATCH = 16  # Qwen3.5's patches; the workload's sides are multiples of 32 (two merged)
 
 
@@ -94,8 +100,17 @@ def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> 
     encode([(1, 2, 2)])  # the tower's first call (allocations, module loads)
     rows = []
     for name, choice in CHOICES.items():
+        choice = dict(choice)
+        fused = choice.pop("fused", False)
+        if fused and fused_ops.unavailable_reason(torch.device(device)):
+            rows.append({"choice": name,
+                         "skipped": fused_ops.unavailable_reason(torch.device(device))})
+            continue
         packed = packed_attention(tower, torch.device(device), **choice)
-        if name == "fa4" and packed.why:
+        for m in tower.modules():
+            if isinstance(m, VisionAttention):
+                m.fused = fused
+        if choice["kernel"] == "fa4" and packed.why:
             rows.append({"choice": name, "skipped": packed.why})
             continue
         try:

@@ -142,7 +142,7 @@ def test_vllm_gets_the_same_ids_and_images_in_its_own_process(folder, tmp_path, 
 def test_the_tower_benchmark_times_the_workloads_images_with_and_without_cudnn():
     """``benchmarks/vision_tower.py`` on a CPU: a tiny tower over workload i's first images
     (their sizes in patches), SDPA with cuDNN left out, then in torch's own order, each pass
-    timed; FA4's row says why a CPU cannot run it."""
+    timed; FA4's rows and the fused rotary's say why a CPU cannot run them."""
     import transformers as tf
 
     from benchmarks.vision_tower import grids, measure
@@ -153,9 +153,11 @@ def test_the_tower_benchmark_times_the_workloads_images_with_and_without_cudnn()
     cfg = tf.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=32, num_heads=2,
                                  out_hidden_size=16, num_position_embeddings=64).to_dict()
     rows = measure(vision_tower(cfg).eval(), "cpu", 3, 2)
-    assert [r["choice"] for r in rows] == ["no cuDNN", "torch's order", "fa4"]
+    assert [r["choice"] for r in rows] == ["no cuDNN", "torch's order", "fa4",
+                                           "no cuDNN, fused rotary", "fa4, fused rotary"]
     assert all(r["images"] == 3 and r["first_s"] > 0 and r["again_s"] > 0 for r in rows[:2])
-    assert rows[2]["skipped"]  # FA4 says why it cannot run here (not installed, no GPU)
+    # FA4 and the fused rotary say why they cannot run here (not installed, no GPU)
+    assert all(r["skipped"] for r in rows[2:])
 
 
 @pytest.mark.process

@@ -483,3 +483,36 @@ def test_the_towers_attention_leaves_cudnn_out(ckpt, monkeypatch):
     model.encode_images([torch.randn(24, 3 * 2 * 16 * 16)], [(1, 4, 6)])
     assert seen and set(seen) == {(False, True, True)}
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.kernels
+def test_the_towers_fused_rotary_turns_q_and_k_as_transformers_does(ckpt, monkeypatch):
+    """With the fused kernels on (a GPU; here Triton's interpreter), the tower's attention
+    turns q and k in one kernel, and every layer hands its attention transformers' turned q
+    and k (the tiny tower's attention is near uniform, so its output alone would not tell)."""
+    from pagedgen.runtime.layers import fused_ops
+    from pagedgen.runtime.models.families.qwen3_5 import VisionAttention
+
+    if not fused_ops.HAVE_TRITON:
+        pytest.skip("triton is not installed")
+    model = engine(ckpt).runner.model
+    packed = next(m for m in model.visual.modules() if isinstance(m, VisionAttention)).packed
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    monkeypatch.setattr(type(packed), "__call__",
+                        lambda self, q, k, v, *a: seen.append((q, k)) or v)
+    pixels = [torch.randn(24, 3 * 2 * 16 * 16), torch.randn(16, 3 * 2 * 16 * 16)]
+    grids = [(1, 4, 6), (1, 4, 4)]
+    model.encode_images(pixels, grids)
+    want, seen[:] = list(seen), []
+    calls = []
+    own = fused_ops.rotary_fused
+    monkeypatch.setattr(fused_ops, "rotary_fused", lambda *a: calls.append(1) or own(*a))
+    model.use_fused_kernels(True)
+    try:
+        model.encode_images(pixels, grids)
+    finally:
+        model.use_fused_kernels(False)
+    assert len(calls) == len(want) == len(seen) == len(model.visual.blocks)
+    for (q, k), (wq, wk) in zip(seen, want):
+        torch.testing.assert_close(q, wq, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k, wk, atol=1e-5, rtol=1e-5)
