@@ -169,8 +169,9 @@ def test_mrope_positions_are_transformers(ckpt, hf):
 
 def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path, monkeypatch):
     """A path, a ``file://`` URL and a ``data:`` URL give the same prompt; a missing file, a
-    file that is not an image, bad base64, a folder, a decompression bomb and a model without
-    a vision tower are one-line errors."""
+    file that is not an image, bad base64, a folder, a decompression bomb, an image the
+    processor refuses (sides past 200:1) and a model without a vision tower are one-line
+    errors."""
     eng = engine(ckpt)
     img = image(60, 90, 5)
     img.save(tmp_path / "x.png")
@@ -193,6 +194,13 @@ def test_images_by_path_url_and_data_url_and_the_errors(ckpt, hf, tmp_path, monk
     with pytest.raises(PagedgenError, match="cannot read the image .*DecompressionBombError"):
         eng.prompt_images(ids, [str(tmp_path / "x.png")], "line 3")
     monkeypatch.undo()
+    from PIL import Image as PILImage
+    wide = PILImage.new("RGB", (4000, 4))  # past Qwen's processor's 200:1 sides
+    wide.save(tmp_path / "wide.png")
+    for ref, named in ((wide, "of 4000 x 4 pixels"), (str(tmp_path / "wide.png"), "'/.*'")):
+        with pytest.raises(PagedgenError, match=f"^line 3: the image processor refuses the "
+                                                f"image {named}: ValueError: .*aspect ratio"):
+            eng.prompt_images(ids, [ref], "line 3")
     with pytest.raises(PagedgenError, match="line 3: the prompt has 1 image placeholder"):
         eng.prompt_images(ids, [img, img], "line 3")
     plain = Engine(EngineConfig(model=str(make_checkpoint("qwen3_5_text", tmp_path / "text")),

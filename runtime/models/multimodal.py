@@ -164,7 +164,13 @@ class ImagePrompter:
         out, inputs, last = [], [], 0
         for pad, ref in zip(pads, images):
             image, source = load_image(ref, where)
-            made = self.processor(images=[image], return_tensors="pt")
+            try:  # its own rules (Qwen's: sides within 200:1)
+                made = self.processor(images=[image], return_tensors="pt")
+            except Exception as e:  # noqa: BLE001 - whatever it refuses is this image's error
+                raise PagedgenError(
+                    f"{where + ': ' if where else ''}the image processor refuses the image "
+                    f"{_shown(ref, image)}: {type(e).__name__}: {str(e).splitlines()[0]}"
+                ) from None
             grid, n = self.size(made)
             out += ids[last:pad] + self.before
             key = hashlib.sha256(made["pixel_values"].numpy().tobytes()).digest()
@@ -199,6 +205,13 @@ class ImagePrompter:
         """An image's patches, made again from its bytes (or PIL image) read when checked."""
         return self.processor(images=[load_image(source)[0]],
                               return_tensors="pt")["pixel_values"]
+
+
+def _shown(ref: Any, image: Any) -> str:
+    """An image as an error names it: its path or URL (cut), else its size."""
+    if isinstance(ref, (str, Path)):
+        return repr(str(ref)[:60])
+    return f"of {image.width} x {image.height} pixels"
 
 
 def mrope_positions(length: int, images: list[ImageInput], merge: int
