@@ -147,6 +147,10 @@ def test_an_api_keyword_is_named_as_a_keyword_not_an_option():
            "tool_calls": [{"id": "t", "type": "function"}]}]}],
      r"p\.jsonl:1: 'messages'\[1\] is a tool call or a tool's result: pagedgen runs no "
      r"tools"),
+    # Ollama's "images" beside a prompt (was metadata: the prompt ran without its image)
+    ([], [{"prompt": "describe it", "images": ["cat.png"]}],
+     r"p\.jsonl:1: field 'images' is not read as images: give them as a chat message's "
+     r"content parts .* or as 'multi_modal_data'"),
     # a KV cache the user sized too small (was "give --kv-cache-memory")
     (["--kv-cache-memory", "100"], [{"prompt": "a"}],
      r"--kv-cache-memory 100 holds 0 KV-cache block\(s\) of 16 tokens .* needs at least 2"),

@@ -31,6 +31,10 @@ from pagedgen.runtime.inputs.request import (
 from pagedgen.runtime.models.tokenizer import has_text
 
 TOKENIZE_BATCH = 1024  # prompts per call into the tokenizer
+# fields other tools read images from (Ollama's and llama.cpp's "images", SGLang's
+# "image_data"): on a pagedgen line they would be metadata, and the prompt would run without
+# its images
+IMAGE_LOOKALIKES = ("images", "image", "image_url", "image_urls", "image_data")
 
 
 @dataclass
@@ -149,6 +153,13 @@ def parse_line(obj: Any, index: int, lineno: int, where: str, opts: InputOptions
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise PagedgenError(f"{where}: 'id' must be a string or an integer")
     req = Request(index=index, line=lineno, id=rid)
+    for name in IMAGE_LOOKALIKES:
+        if name in obj:
+            raise PagedgenError(
+                f"{where}: field '{name}' is not read as images: give them as a chat "
+                "message's content parts ({\"type\": \"image_url\", \"image_url\": {\"url\": "
+                "...}}) or as 'multi_modal_data' ({\"image\": ...}); a field of your own can "
+                "go under \"metadata\"")
     req.metadata = user_fields(obj, known, where, opts)
     set_prompt(req, kinds[given[0]], obj[given[0]], where, f"'{given[0]}'")
     set_template_kwargs(req, obj.get("chat_template_kwargs"), where, "'chat_template_kwargs'")
