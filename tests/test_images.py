@@ -325,6 +325,9 @@ def test_the_python_api_takes_pil_images_in_chats_and_multi_modal_data(ckpt, hf)
     assert out[0].outputs[0].token_ids == want
     with pytest.raises(PagedgenError, match="prompt 0: the prompt has 0 image placeholder"):
         llm.generate({"prompt": "a b", "multi_modal_data": {"image": img}}, use_tqdm=False)
+    with pytest.raises(PagedgenError, match=r"^prompt 0: 'multi_modal_data' must be "
+                                            r"\{\"image\": an image or a list of them\} \(URLs"):
+        llm.generate({"prompt": text, "multi_modal_data": {"video": [img]}}, use_tqdm=False)
 
 
 def test_the_memory_profile_runs_the_towers_largest_call(ckpt, monkeypatch):

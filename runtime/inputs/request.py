@@ -230,7 +230,7 @@ def set_images(req: Request, value: Any, where: str, label: str) -> None:
     if not images or not all(isinstance(i, str) and i or hasattr(i, "convert")
                              for i in images):
         raise PagedgenError(f"{where}: {label} must be {{\"image\": an image or a list of "
-                            "them}} (URLs, paths, PIL images)")
+                            "them} (URLs, paths, PIL images)")
     if req.images:
         raise PagedgenError(f"{where}: give images as content parts or as {label}, not both")
     req.images = images
