@@ -19,7 +19,8 @@ pagedgen runs it as transformers defines it, on its weights, once per image; onl
 model runs on pagedgen's paged layers. Its attention runs on ``PackedAttention``
 (``VisionAttention``): SDPA an image at a time without cuDNN's kernel, which builds an
 execution plan for every new image size, or, asked, one FlashAttention-4 varlen call for all
-of a call's images (``benchmarks/vision_tower.py`` measures the choices).
+of a call's images (``benchmarks/vision_tower.py`` measures the choices); its rotary turns q
+and k in the language model's fused kernel where the fused kernels run.
 """
 
 from __future__ import annotations
