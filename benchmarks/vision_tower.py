@@ -93,7 +93,6 @@ def kernels(encode, gs: list) -> tuple[list[str], list[tuple[str, float]]]:
     return attention, sorted(ms.items(), key=lambda kv: -kv[1])[:6]
 
 
-
 def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> list[dict]:
     encode = encoder(tower, device)
     gs = grids(images)
@@ -102,9 +101,9 @@ def measure(tower: torch.nn.Module, device: str, images: int, per_call: int) -> 
     for name, choice in CHOICES.items():
         choice = dict(choice)
         fused = choice.pop("fused", False)
-        if fused and fused_ops.unavailable_reason(torch.device(device)):
-            rows.append({"choice": name,
-                         "skipped": fused_ops.unavailable_reason(torch.device(device))})
+        why = fused and fused_ops.unavailable_reason(torch.device(device))
+        if why:
+            rows.append({"choice": name, "skipped": why})
             continue
         packed = packed_attention(tower, torch.device(device), **choice)
         for m in tower.modules():

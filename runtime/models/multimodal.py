@@ -106,7 +106,7 @@ def load_image(ref: Any, where: str = "") -> tuple[Any, Any]:
     if not isinstance(ref, (str, Path)):
         raise PagedgenError(f"{prefix}an image must be a URL or a path, not "
                             f"{type(ref).__name__}")
-    text, shown = str(ref), str(ref)[:60]
+    text, shown = str(ref), _shown(ref)
     try:
         if text.startswith("data:"):
             head, _, payload = text.partition(",")
@@ -121,7 +121,7 @@ def load_image(ref: Any, where: str = "") -> tuple[Any, Any]:
             raw = Path(path).read_bytes()
         return Image.open(io.BytesIO(raw)).convert("RGB"), raw
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # a bomb: too many pixels
-        raise PagedgenError(f"{prefix}cannot read the image {shown!r}: "
+        raise PagedgenError(f"{prefix}cannot read the image {shown}: "
                             f"{type(e).__name__}: {e}") from None
 
 
@@ -207,8 +207,8 @@ class ImagePrompter:
                               return_tensors="pt")["pixel_values"]
 
 
-def _shown(ref: Any, image: Any) -> str:
-    """An image as an error names it: its path or URL (cut), else its size."""
+def _shown(ref: Any, image: Any = None) -> str:
+    """An image as an error names it: its path or URL (cut), else the read ``image``'s size."""
     if isinstance(ref, (str, Path)):
         return repr(str(ref)[:60])
     return f"of {image.width} x {image.height} pixels"

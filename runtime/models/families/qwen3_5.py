@@ -151,13 +151,15 @@ class VisionAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], **_) -> torch.Tensor:
-        from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
-
         n = hidden_states.shape[0]
         q, k, v = self.qkv(hidden_states).reshape(n, 3, self.num_heads, -1).unbind(1)
         if self.fused:  # cos, sin [n, head_dim] float32: both halves alike (neox)
             q, k = fused_ops.rotary_fused(q, k, *position_embeddings)
         else:
+            from transformers.models.qwen3_5.modeling_qwen3_5 import (
+                apply_rotary_pos_emb_vision,
+            )
+
             q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
         return self.proj(self.packed(q, k, v, cu_seqlens.cpu(), self.scaling).reshape(n, -1))
 
